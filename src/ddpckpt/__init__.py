@@ -1,0 +1,39 @@
+"""ddpckpt: correct, safe and fast checkpoints for PyTorch DistributedDataParallel training.
+
+The whole training state (model, optimizer, scheduler, GradScaler, RNG, any object with
+``state_dict()``) goes into a directory of safetensors files and a JSON manifest:
+no pickle, every byte checksummed, committed atomically. ``save`` and ``load`` are
+collective under ``torch.distributed`` and work the same in a single process.
+"""
+
+from ._version import __version__
+from .checkpoint import CheckpointInfo, load, load_state_dict, save, verify
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointWriteError,
+    CollectiveTimeoutError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CheckpointWriteError",
+    "CollectiveTimeoutError",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "StateMismatchError",
+    "UnsupportedValueError",
+    "__version__",
+    "load",
+    "load_state_dict",
+    "save",
+    "verify",
+]

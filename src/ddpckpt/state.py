@@ -1,0 +1,528 @@
+"""What a checkpoint holds, taken from live training objects and put back into them.
+
+Capture is local to a process; :mod:`ddpckpt.checkpoint` decides which rank writes what.
+
+* **Model**: unwrapped from ``DistributedDataParallel``, ``DataParallel`` and
+  ``torch.compile`` at any depth; keys are canonical (no ``module.`` or ``_orig_mod.``).
+  Tied weights are stored once and recorded as aliases. Loading goes through the
+  module's own ``load_state_dict`` (so its hooks run) after a strict key/shape check
+  that reports every difference at once.
+* **Optimizer**: state and param groups keyed by *parameter name*, with shapes, so
+  reordered module definitions restore the right moments or fail with a clear error.
+* **Scheduler, GradScaler, extras**: their ``state_dict()``, encoded without pickle.
+* **Per rank**: RNG states (see :mod:`ddpckpt.rng`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ._log import get_logger
+from .errors import StateMismatchError
+from .rng import capture_rng
+from .tree import JSON, decode, encode
+
+__all__ = [
+    "ModelView",
+    "Snapshot",
+    "TensorSource",
+    "canonical_state_dict",
+    "capture",
+    "is_stateful",
+    "model_view",
+    "unwrap_model",
+]
+
+_log = get_logger(__name__)
+_LIST_LIMIT = 12
+
+
+class TensorSource(Protocol):
+    """Supplies verified tensors by name while restoring."""
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The stored dtype and shape of ``name``, without reading it."""
+        ...
+
+    def get(self, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor called ``name``, on the CPU (or already in ``like``).
+
+        The result may share memory with the checkpoint file: callers copy from it and
+        never keep it or write to it. ``like`` is a tensor the caller will copy into; a
+        source may fill it directly and return it.
+        """
+        ...
+
+
+@dataclass
+class Snapshot:
+    """One rank's captured training state.
+
+    ``state`` and ``tensors`` are replicated across ranks (model, optimizer, scheduler,
+    scaler, extras): stored once. ``rank_state`` and ``rank_tensors`` are this rank's own
+    (RNG): stored per rank. Tensors are referenced from the trees by name.
+    """
+
+    state: dict[str, JSON] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    rank_state: dict[str, JSON] = field(default_factory=dict)
+    rank_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def is_stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
+# --------------------------------------------------------------------------- model
+
+
+def _inner_attr(module: nn.Module) -> str | None:
+    """The attribute holding the wrapped module, if ``module`` is a wrapper."""
+    if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        return "module"
+    compiled = _optimized_module_type()
+    if compiled is not None and isinstance(module, compiled):
+        return "_orig_mod"
+    return None
+
+
+def _optimized_module_type() -> type | None:
+    dynamo = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(dynamo, "OptimizedModule", None)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside any nesting of DDP, DataParallel and torch.compile."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__qualname__}")
+    while (attr := _inner_attr(model)) is not None:
+        model = getattr(model, attr)
+    return model
+
+
+def _canonical_key(root: nn.Module, key: str, *, is_module_path: bool = False) -> str:
+    """``key`` without the path segments that only step through wrapper modules."""
+    parts = key.split(".") if key else []
+    module_parts = parts if is_module_path else parts[:-1]
+    kept: list[str] = []
+    module: nn.Module | None = root
+    for part in module_parts:
+        if module is not None and _inner_attr(module) == part:
+            module = getattr(module, part)
+            continue
+        kept.append(part)
+        module = module._modules.get(part) if module is not None else None
+    if not is_module_path:
+        kept.append(parts[-1])
+    return ".".join(kept)
+
+
+@dataclass
+class ModelView:
+    """A model's state dict under canonical keys, with the way back to live keys."""
+
+    root: nn.Module
+    entries: dict[str, Any]  # canonical key -> live tensor (or extra-state object)
+    live_key: dict[str, str]  # canonical key -> key in root.state_dict()
+    versions: dict[str, int]  # canonical module path -> module version
+
+
+def model_view(model: nn.Module) -> ModelView:
+    root = unwrap_model(model)
+    live = root.state_dict(keep_vars=True)
+    entries: dict[str, Any] = {}
+    live_key: dict[str, str] = {}
+    for key, value in live.items():
+        name = _canonical_key(root, key)
+        entries[name] = value
+        live_key[name] = key
+    versions: dict[str, int] = {}
+    for prefix, meta in getattr(live, "_metadata", {}).items():
+        if isinstance(meta, dict) and isinstance(meta.get("version"), int):
+            versions[_canonical_key(root, prefix, is_module_path=True)] = meta["version"]
+    return ModelView(root, entries, live_key, versions)
+
+
+def canonical_state_dict(model: nn.Module) -> dict[str, Any]:
+    """The model's state dict with canonical keys (no wrapper prefixes), live tensors."""
+    return model_view(model).entries
+
+
+def _tensor_identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    if tensor.numel() == 0:
+        return None
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride(),
+    )
+
+
+def _capture_model(model: nn.Module, snapshot: Snapshot) -> nn.Module:
+    view = model_view(model)
+    keys: list[str] = []
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    extra_state: dict[str, Any] = {}
+    for key, value in view.entries.items():
+        if not isinstance(value, torch.Tensor):
+            extra_state[key] = value
+            continue
+        identity = _tensor_identity(value)
+        if identity is not None and identity in seen:
+            aliases[key] = seen[identity]
+            continue
+        if identity is not None:
+            seen[identity] = key
+        keys.append(key)
+        snapshot.tensors[f"model/{key}"] = value.detach()
+    section: dict[str, JSON] = {
+        "type": type(view.root).__qualname__,
+        "keys": keys,
+        "aliases": aliases,
+        "versions": view.versions,
+        "extra_keys": list(extra_state),
+    }
+    if extra_state:
+        section["extra_state"] = encode(extra_state, "model_extra_state", snapshot.tensors)
+    snapshot.state["model"] = section
+    return view.root
+
+
+def _limited(items: list[str]) -> str:
+    shown = ", ".join(items[:_LIST_LIMIT])
+    more = len(items) - _LIST_LIMIT
+    return shown + (f", ... and {more} more" if more > 0 else "")
+
+
+def _mismatch_report(missing: list[str], unexpected: list[str], shapes: list[str]) -> str:
+    lines = []
+    if missing:
+        lines.append(f"  missing from the checkpoint ({len(missing)}): {_limited(missing)}")
+    if unexpected:
+        lines.append(f"  unexpected in the checkpoint ({len(unexpected)}): {_limited(unexpected)}")
+    if shapes:
+        lines.append(f"  shape mismatch ({len(shapes)}): {_limited(shapes)}")
+    return "\n".join(lines)
+
+
+def check_model(
+    model: nn.Module, section: Mapping[str, Any], source: TensorSource, where: str, strict: bool
+) -> None:
+    """Compare the checkpoint's model keys and shapes with the live model's (reads nothing).
+
+    With ``strict`` any difference raises :class:`StateMismatchError` listing all of
+    them; otherwise the differences are logged as a warning and skipped on load.
+    """
+    live = model_view(model).entries
+    shapes = {key: source.meta(f"model/{key}")[1] for key in section["keys"]}
+    stored = [*section["keys"], *section["aliases"], *section["extra_keys"]]
+    missing = [k for k in live if k not in set(stored)]
+    unexpected = [k for k in stored if k not in live]
+    wrong = [
+        f"{key}: checkpoint {list(shapes[key])}, model {list(live[key].shape)}"
+        for key in section["keys"]
+        if isinstance(live.get(key), torch.Tensor) and tuple(live[key].shape) != shapes[key]
+    ]
+    if not (missing or unexpected or wrong):
+        return
+    report = _mismatch_report(missing, unexpected, wrong)
+    if strict:
+        raise StateMismatchError(
+            f"{where}: checkpoint does not match the model "
+            f"({type(unwrap_model(model)).__qualname__}):\n{report}\n"
+            "Keys are compared without 'module.'/'_orig_mod.' wrapper prefixes. "
+            "Pass strict=False to load only the matching keys."
+        )
+    _log.warning("%s: loading with strict=False; skipping what does not match:\n%s", where, report)
+
+
+def restore_model(
+    model: nn.Module, section: Mapping[str, Any], source: TensorSource, where: str, strict: bool
+) -> None:
+    """Load the weights into ``model`` through its own ``load_state_dict`` (hooks run).
+
+    Call :func:`check_model` first; with ``strict=False`` mismatched keys are skipped.
+    """
+    view = model_view(model)
+    state: dict[str, Any] = {}
+    for key in section["keys"]:
+        target = view.entries.get(key)
+        name = f"model/{key}"
+        if isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
+            state[view.live_key[key]] = source.get(name, like=target.detach())
+    for alias, key in section["aliases"].items():
+        if alias in view.live_key and key in view.live_key and view.live_key[key] in state:
+            state[view.live_key[alias]] = state[view.live_key[key]]
+    if "extra_state" in section:
+        extra = decode(section["extra_state"], lambda n: source.get(n).clone(), where=where)
+        state.update({view.live_key[k]: v for k, v in extra.items() if k in view.live_key})
+    root = view.root
+    root.load_state_dict(_with_versions(state, root, section["versions"]), strict=strict)
+
+
+def _with_versions(state: dict[str, Any], root: nn.Module, versions: Mapping[str, int]) -> Any:
+    """Attach the stored module versions, so version-dependent load hooks behave as saved."""
+    ordered: Any = OrderedDict(state)
+    ordered._metadata = OrderedDict(
+        (prefix, {"version": versions[canonical]})
+        for prefix, _ in root.named_modules(remove_duplicate=False)
+        if (canonical := _canonical_key(root, prefix, is_module_path=True)) in versions
+    )
+    return ordered
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def _param_names(root: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Each param group's parameter names; parameters outside the model are named by position."""
+    names: dict[int, str] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    return [
+        [names.get(id(p), f"@group{g}.{i}") for i, p in enumerate(group["params"])]
+        for g, group in enumerate(optimizer.param_groups)
+    ]
+
+
+def _live_names(
+    section: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> list[list[str]]:
+    """Names to match stored state against: parameter names, or positions for imports."""
+    if section.get("by_position"):
+        return [
+            [f"@group{g}.{i}" for i in range(len(group["params"]))]
+            for g, group in enumerate(optimizer.param_groups)
+        ]
+    return _param_names(unwrap_model(model), optimizer)
+
+
+def _capture_optimizer(
+    optimizer: torch.optim.Optimizer, root: nn.Module, snapshot: Snapshot
+) -> None:
+    names = _param_names(root, optimizer)
+    saved = optimizer.state_dict()
+    groups, state, shapes = [], {}, {}
+    for g, (saved_group, group_names, live_group) in enumerate(
+        zip(saved["param_groups"], names, optimizer.param_groups, strict=True)
+    ):
+        for index, name, param in zip(
+            saved_group["params"], group_names, live_group["params"], strict=True
+        ):
+            shapes[name] = list(param.shape)
+            if index in saved["state"]:
+                state[name] = saved["state"][index]
+        hyper = {k: v for k, v in saved_group.items() if k != "params"}
+        groups.append({"params": group_names, "hyper": hyper})
+        if len(set(group_names)) != len(group_names):
+            raise StateMismatchError(f"optimizer param group {g} lists a parameter twice")
+    section = {
+        "type": type(optimizer).__qualname__,
+        "groups": groups,
+        "state": state,
+        "shapes": shapes,
+    }
+    snapshot.state["optimizer"] = encode(section, "optimizer", snapshot.tensors)
+
+
+def check_optimizer(
+    optimizer: torch.optim.Optimizer, model: nn.Module, encoded: JSON, where: str
+) -> None:
+    """Raise :class:`StateMismatchError` unless the stored state fits ``optimizer`` by name."""
+    section = decode(encoded, _LazyTensor, where=where)
+    shapes = section["shapes"]
+    live_names = _live_names(section, model, optimizer)
+    stored_groups = section["groups"]
+    if len(stored_groups) != len(live_names):
+        raise StateMismatchError(
+            f"{where}: the checkpoint's optimizer has {len(stored_groups)} param group(s), "
+            f"the live {type(optimizer).__qualname__} has {len(live_names)}"
+        )
+    problems = []
+    for g, (stored, names, group) in enumerate(
+        zip(stored_groups, live_names, optimizer.param_groups, strict=True)
+    ):
+        live_shapes = {n: list(p.shape) for n, p in zip(names, group["params"], strict=True)}
+        missing = [n for n in names if n not in stored["params"]]
+        unexpected = [n for n in stored["params"] if n not in live_shapes]
+        wrong = [
+            f"{n}: checkpoint {shapes[n]}, model {live_shapes[n]}"
+            for n in stored["params"]
+            if n in live_shapes and shapes[n] is not None and list(shapes[n]) != live_shapes[n]
+        ]
+        if missing or unexpected or wrong:
+            problems.append(f" param group {g}:\n{_mismatch_report(missing, unexpected, wrong)}")
+    if problems:
+        outside = [n for names in live_names for n in names if n.startswith("@")]
+        if outside and not section.get("by_position"):
+            problems.append(
+                f" {len(outside)} of the optimizer's parameters are not parameters of the model "
+                "passed; pass the model the optimizer was built over"
+            )
+        raise StateMismatchError(
+            f"{where}: the checkpoint's optimizer state does not match the live "
+            f"{type(optimizer).__qualname__}'s parameters (matched by name):\n"
+            + "\n".join(problems)
+        )
+
+
+def restore_optimizer(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    encoded: JSON,
+    source: TensorSource,
+    where: str,
+) -> None:
+    """Load optimizer state matched by parameter name (call :func:`check_optimizer` first)."""
+    section = decode(encoded, _LazyTensor, where=where)
+    live_names = _live_names(section, model, optimizer)
+    if section.get("by_position"):
+        _log.warning(
+            "%s: optimizer state was imported from a torch.save file, which keys it by "
+            "position: it is matched to the live parameters in order (shapes checked)",
+            where,
+        )
+    param_groups, state, index = [], {}, 0
+    for stored, names, group in zip(
+        section["groups"], live_names, optimizer.param_groups, strict=True
+    ):
+        indices = []
+        fused = bool(stored["hyper"].get("fused")) or bool(stored["hyper"].get("capturable"))
+        for name, param in zip(names, group["params"], strict=True):
+            if name in section["state"]:
+                state[index] = {
+                    key: _materialize(value, key, param, fused, source)
+                    for key, value in section["state"][name].items()
+                }
+            indices.append(index)
+            index += 1
+        param_groups.append({**_cloned(stored["hyper"], source), "params": indices})
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+class _LazyTensor(str):
+    """A tensor reference decoded but not yet read (read once its destination is known)."""
+
+
+def _materialize(
+    value: Any, key: str, param: torch.Tensor, fused: bool, source: TensorSource
+) -> Any:
+    """Read a stored optimizer value straight onto the device and dtype torch would use.
+
+    Mirrors ``Optimizer._process_value_according_to_param_policy`` so that
+    ``load_state_dict`` has nothing left to copy, and the state never shares memory
+    with the checkpoint file.
+    """
+    if isinstance(value, _LazyTensor):
+        stored_dtype, shape = source.meta(str(value))
+        if key == "step" and not fused:
+            device, dtype = torch.device("cpu"), stored_dtype
+        elif key == "step":
+            device, dtype = param.device, torch.float32
+        else:
+            device = param.device
+            dtype = param.dtype if param.is_floating_point() else stored_dtype
+        target = torch.empty(shape, dtype=dtype, device=device)
+        got = source.get(str(value), like=target)
+        if got is not target:
+            target.copy_(got)
+        return target
+    if isinstance(value, dict):
+        return {k: _materialize(v, k, param, fused, source) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialize(v, key, param, fused, source) for v in value)
+    return value
+
+
+def _cloned(value: Any, source: TensorSource) -> Any:
+    """``value`` with every unread tensor reference replaced by a private CPU copy."""
+    if isinstance(value, _LazyTensor):
+        return source.get(str(value)).clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v, source) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v, source) for v in value)
+    return value
+
+
+# --------------------------------------------------------------------------- generic objects
+
+
+def _capture_stateful(kind: str, obj: Any, snapshot: Snapshot) -> None:
+    snapshot.state[kind] = {
+        "type": type(obj).__qualname__,
+        "state": encode(obj.state_dict(), kind, snapshot.tensors),
+    }
+
+
+def restore_stateful(
+    obj: Any, section: Mapping[str, Any], source: TensorSource, where: str
+) -> None:
+    """``obj.load_state_dict`` with the stored state; modules get zero-copy views."""
+    # Module.load_state_dict copies into its own tensors; other objects may keep what they get.
+    copies_in = isinstance(obj, nn.Module)
+    obj.load_state_dict(
+        decode(
+            section["state"],
+            lambda n: source.get(n) if copies_in else source.get(n).clone(),
+            where=where,
+        )
+    )
+
+
+def _capture_extra(extra: Mapping[str, Any], snapshot: Snapshot) -> None:
+    section: dict[str, JSON] = {}
+    for name, obj in extra.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"extra keys must be non-empty strings, got {name!r}")
+        prefix = f"extra/{name}"
+        if is_stateful(obj):
+            section[name] = {
+                "kind": "stateful",
+                "type": type(obj).__qualname__,
+                "state": encode(obj.state_dict(), prefix, snapshot.tensors),
+            }
+        else:
+            section[name] = {"kind": "value", "state": encode(obj, prefix, snapshot.tensors)}
+    snapshot.state["extra"] = section
+
+
+def capture(
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    extra: Mapping[str, Any] | None = None,
+    rng: bool = True,
+) -> Snapshot:
+    """Capture the training state of this process (no I/O, no communication).
+
+    Tensors in the snapshot are the live tensors themselves (detached), not copies.
+    """
+    snapshot = Snapshot()
+    root = _capture_model(model, snapshot)
+    if optimizer is not None:
+        _capture_optimizer(optimizer, root, snapshot)
+    if scheduler is not None:
+        _capture_stateful("scheduler", scheduler, snapshot)
+    if scaler is not None:
+        _capture_stateful("scaler", scaler, snapshot)
+    if extra:
+        _capture_extra(extra, snapshot)
+    if rng:
+        snapshot.rank_state["rng"] = encode(capture_rng(), "rng", snapshot.rank_tensors)
+    return snapshot

@@ -1,0 +1,348 @@
+"""Tensor data files: the safetensors format, written as a stream and hashed while written.
+
+The files are plain safetensors (an 8-byte little-endian header length, a JSON header with
+each tensor's dtype, shape and byte range, then the raw bytes), so any safetensors reader
+opens them. They are written here rather than with ``safetensors.torch.save_file``
+because that function first builds the whole file in memory, and a checkpoint writer must
+not hold a second copy of the training state: :func:`write_file` streams tensor by tensor,
+copying at most one tensor at a time off the device, and computes an xxh3-64 digest of the
+whole file and of each tensor on the bytes as they are written.
+
+Tensors are laid out widest element first, so every tensor starts at an offset aligned to
+its element size (the header is padded to 8 bytes) and memory-mapped views are aligned.
+
+:class:`TensorFile` memory-maps a file and hands out zero-copy CPU views, each verified
+against its digest before it is returned.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import mmap
+import os
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from .errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedValueError
+
+__all__ = [
+    "FileEntry",
+    "TensorEntry",
+    "TensorFile",
+    "dtype_from_name",
+    "dtype_name",
+    "hash_file",
+    "serialize",
+    "tensor_nbytes",
+    "write_file",
+]
+
+_CHUNK = 8 << 20
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+}
+for _attr, _name in (
+    ("uint64", "U64"),
+    ("uint32", "U32"),
+    ("uint16", "U16"),
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e4m3fnuz", "F8_E4M3FNUZ"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("float8_e5m2fnuz", "F8_E5M2FNUZ"),
+):
+    if isinstance(getattr(torch, _attr, None), torch.dtype):
+        _DTYPE_NAMES[getattr(torch, _attr)] = _name
+_DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+
+
+def dtype_name(dtype: torch.dtype, key: str) -> str:
+    """The safetensors name of ``dtype``; ``key`` names the tensor in the error if unsupported."""
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        supported = ", ".join(sorted(str(d).removeprefix("torch.") for d in _DTYPE_NAMES))
+        raise UnsupportedValueError(
+            f"{key}: dtype {dtype} cannot be stored in a safetensors file "
+            f"(supported: {supported}); convert the tensor before saving"
+        ) from None
+
+
+def dtype_from_name(name: str, where: str) -> torch.dtype:
+    try:
+        return _DTYPES_BY_NAME[name]
+    except KeyError:
+        raise CorruptCheckpointError(f"{where}: unknown tensor dtype {name!r}") from None
+
+
+def tensor_nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: ``file``, its key there, and its absolute byte range."""
+
+    file: str
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    digest: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """A whole data file: its size, xxh3-64 digest, and the rank that wrote it."""
+
+    name: str
+    size: int
+    digest: str
+    writer: int
+
+
+def check_storable(key: str, tensor: torch.Tensor) -> None:
+    """Raise :class:`UnsupportedValueError` naming ``key`` if ``tensor`` cannot be written."""
+    if type(tensor) is not torch.Tensor and not isinstance(tensor, torch.nn.Parameter):
+        raise UnsupportedValueError(
+            f"{key}: tensor subclass {type(tensor).__qualname__} cannot be stored; "
+            "convert it to a plain tensor (e.g. DTensor.full_tensor()) before saving"
+        )
+    if tensor.layout != torch.strided:
+        raise UnsupportedValueError(
+            f"{key}: {tensor.layout} tensors cannot be stored; call .to_dense() before saving"
+        )
+    if tensor.is_quantized or tensor.device.type == "meta":
+        what = "quantized" if tensor.is_quantized else "meta"
+        raise UnsupportedValueError(f"{key}: {what} tensors hold no storable data")
+    dtype_name(tensor.dtype, key)
+
+
+def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    return tensor.contiguous()
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy view of a contiguous CPU tensor's bytes (valid while ``tensor`` lives)."""
+    nbytes = tensor_nbytes(tensor)
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
+def _header(items: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str]) -> bytes:
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for key, tensor in items:
+        nbytes = tensor_nbytes(tensor)
+        header[key] = {
+            "dtype": dtype_name(tensor.dtype, key),
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def layout(items: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The order tensors are written in: widest element first, otherwise as given."""
+    return sorted(items, key=lambda item: -item[1].element_size())
+
+
+def write_file(
+    path: str, items: Sequence[tuple[str, torch.Tensor]], *, writer: int, metadata: dict[str, str]
+) -> tuple[FileEntry, list[TensorEntry]]:
+    """Write ``items`` to a new safetensors file at ``path`` and fsync it.
+
+    The file must not exist (``O_EXCL``): a file is only ever written by one process.
+    Returns the file's entry and each tensor's entry with absolute offsets and digests.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+
+        def sink(chunk: memoryview) -> None:
+            while chunk:
+                chunk = chunk[os.write(fd, chunk) :]
+
+        result = _emit(os.path.basename(path), items, writer, metadata, sink)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return result
+
+
+def serialize(
+    name: str, items: Sequence[tuple[str, torch.Tensor]], *, writer: int, metadata: dict[str, str]
+) -> tuple[bytes, FileEntry, list[TensorEntry]]:
+    """The bytes :func:`write_file` would write to a file called ``name`` (for small files)."""
+    buffer = bytearray()
+    entry, entries = _emit(name, items, writer, metadata, buffer.extend)
+    return bytes(buffer), entry, entries
+
+
+def _emit(
+    name: str,
+    items: Sequence[tuple[str, torch.Tensor]],
+    writer: int,
+    metadata: dict[str, str],
+    sink: Callable[[memoryview], object],
+) -> tuple[FileEntry, list[TensorEntry]]:
+    items = layout(items)
+    for key, tensor in items:
+        check_storable(key, tensor)
+    file_hash = xxhash.xxh3_64()
+    header = memoryview(_header(items, metadata))
+    file_hash.update(header)
+    sink(header)
+    offset = len(header)
+    entries: list[TensorEntry] = []
+    for key, tensor in items:
+        host = _host_contiguous(tensor)
+        data = _byte_view(host)
+        tensor_hash = xxhash.xxh3_64()
+        for start in range(0, len(data), _CHUNK):
+            chunk = data[start : start + _CHUNK]
+            file_hash.update(chunk)
+            tensor_hash.update(chunk)
+            sink(chunk)
+        entries.append(
+            TensorEntry(
+                file=name,
+                key=key,
+                dtype=dtype_name(tensor.dtype, key),
+                shape=tuple(tensor.shape),
+                begin=offset,
+                end=offset + len(data),
+                digest=tensor_hash.hexdigest(),
+            )
+        )
+        offset += len(data)
+    return FileEntry(name=name, size=offset, digest=file_hash.hexdigest(), writer=writer), entries
+
+
+def hash_file(path: str) -> tuple[int, str]:
+    """Read the whole file once: its size and xxh3-64 digest."""
+    hasher = xxhash.xxh3_64()
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            hasher.update(view[:n])
+            size += n
+    return size, hasher.hexdigest()
+
+
+def read_header(path: str) -> dict[str, object]:
+    """The parsed JSON header of a safetensors file (raises CorruptCheckpointError)."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise IncompleteCheckpointError(f"{path}: truncated before the safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
+        raw = f.read(length)
+    if len(raw) != length:
+        raise IncompleteCheckpointError(f"{path}: truncated inside the safetensors header")
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{path}: unreadable safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object")
+    return header
+
+
+class TensorFile:
+    """A memory-mapped data file of a checkpoint.
+
+    ``size`` is the size the manifest records; a file of another size is reported as
+    truncated or corrupt before any tensor is read.
+    """
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path = path
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(
+                f"{path}: data file listed in the manifest is missing"
+            ) from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                kind = IncompleteCheckpointError if actual < size else CorruptCheckpointError
+                raise kind(f"{path}: file is {actual} bytes, the manifest records {size}")
+            self._map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
+        finally:
+            os.close(fd)
+
+    def view(self, entry: TensorEntry, *, verify: bool = True) -> torch.Tensor:
+        """A CPU tensor viewing ``entry``'s bytes in the mapping (no copy).
+
+        With ``verify`` the bytes are hashed first and a mismatch raises
+        :class:`CorruptCheckpointError` naming the file and key.
+        """
+        dtype = dtype_from_name(entry.dtype, self.path)
+        if entry.nbytes == 0:
+            return torch.empty(entry.shape, dtype=dtype)
+        if self._map is None or entry.end > len(self._map):
+            raise IncompleteCheckpointError(f"{self.path}: {entry.key} lies past the end of file")
+        if verify:
+            digest = xxhash.xxh3_64(memoryview(self._map)[entry.begin : entry.end]).hexdigest()
+            if digest != entry.digest:
+                raise CorruptCheckpointError(
+                    f"{self.path}: checksum mismatch in tensor {entry.key!r} (bytes "
+                    f"{entry.begin}-{entry.end}): the file is corrupt; restore it or load an "
+                    "earlier checkpoint"
+                )
+        flat = torch.frombuffer(
+            self._map, dtype=torch.uint8, count=entry.nbytes, offset=entry.begin
+        )
+        return flat.view(dtype).reshape(entry.shape)
+
+    def digest(self) -> str:
+        """The xxh3-64 digest of the whole file."""
+        hasher = xxhash.xxh3_64()
+        if self._map is not None:
+            view = memoryview(self._map)
+            for start in range(0, len(view), _CHUNK):
+                hasher.update(view[start : start + _CHUNK])
+        return hasher.hexdigest()
+
+
+def iter_entries(entries: Sequence[TensorEntry]) -> Iterator[tuple[str, list[TensorEntry]]]:
+    """Group entries by file, each group in file order (one sequential pass per file)."""
+    by_file: dict[str, list[TensorEntry]] = {}
+    for entry in entries:
+        by_file.setdefault(entry.file, []).append(entry)
+    for name in sorted(by_file):
+        yield name, sorted(by_file[name], key=lambda e: e.begin)

@@ -1,0 +1,91 @@
+"""Capturing state from live objects: canonical keys through any wrapper, tied weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from conftest import TiedLM, make_mlp
+from ddpckpt.errors import UnsupportedValueError
+from ddpckpt.state import canonical_state_dict, capture, unwrap_model
+
+PLAIN_KEYS = ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
+              "1.num_batches_tracked", "3.weight", "3.bias"]  # fmt: skip
+
+
+def wrappings():
+    return {
+        "plain": lambda m: m,
+        "DataParallel": nn.DataParallel,
+        "DDP": DDP,
+        "compile": lambda m: torch.compile(m, backend="eager"),
+        "DDP(compile)": lambda m: DDP(torch.compile(m, backend="eager")),
+        "compile(DDP)": lambda m: torch.compile(DDP(m), backend="eager"),
+        "DataParallel(DDP(compile))": lambda m: nn.DataParallel(
+            DDP(torch.compile(m, backend="eager"))
+        ),
+    }
+
+
+@pytest.mark.parametrize("wrap", list(wrappings()))
+def test_keys_are_canonical_whatever_the_wrapping(process_group, wrap) -> None:
+    model = make_mlp()
+    wrapped = wrappings()[wrap](model)
+    assert unwrap_model(wrapped) is model
+    assert list(canonical_state_dict(wrapped)) == PLAIN_KEYS
+
+
+def test_compiled_submodule_keys_are_canonical() -> None:
+    model = nn.Sequential(make_mlp())
+    model[0][3] = torch.compile(model[0][3], backend="eager")
+    assert "0.3._orig_mod.weight" in model.state_dict()
+    assert "0.3.weight" in canonical_state_dict(model)
+
+
+def test_user_modules_named_module_keep_their_name() -> None:
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+    assert list(canonical_state_dict(Holder())) == ["module.weight", "module.bias"]
+
+
+def test_tied_weights_are_stored_once_and_recorded_as_alias() -> None:
+    snapshot = capture(model=TiedLM())
+    section = snapshot.state["model"]
+    assert section["aliases"] == {"head.weight": "embed.weight"}
+    assert "model/head.weight" not in snapshot.tensors
+
+
+def test_snapshot_shares_memory_with_live_tensors() -> None:
+    model = make_mlp()
+    snapshot = capture(model=model, rng=False)
+    assert snapshot.tensors["model/0.weight"].data_ptr() == model[0].weight.data_ptr()
+    assert snapshot.rank_state == {}
+
+
+def test_optimizer_params_outside_the_model_are_named_by_position() -> None:
+    model = make_mlp()
+    extra_param = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([{"params": model.parameters()}, {"params": [extra_param]}], lr=0.1)
+    snapshot = capture(model=model, optimizer=opt, rng=False)
+    groups = snapshot.state["optimizer"]["groups"]
+    assert groups[1]["params"] == ["@group1.0"]
+
+
+def test_unstorable_scheduler_state_names_the_key() -> None:
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    class Odd:
+        def state_dict(self):
+            return {"fn": print}
+
+        def load_state_dict(self, state):  # pragma: no cover - never reached
+            pass
+
+    with pytest.raises(UnsupportedValueError, match="extra/odd/fn"):
+        capture(model=model, optimizer=opt, extra={"odd": Odd()})
