@@ -64,12 +64,14 @@ from .state import (
     is_stateful,
     restore_model,
     restore_optimizer,
+    restore_rank_buffers,
     restore_stateful,
 )
 from .storage import commit_dir, remove_tree, temp_dir_for, write_bytes_new
 from .tensorfile import (
     TensorEntry,
     TensorFile,
+    deserialize,
     dtype_from_name,
     serialize,
     tensor_nbytes,
@@ -208,7 +210,8 @@ def persist(
     domains = storage_domains(comm, os.path.dirname(os.path.abspath(path)) or ".", storage)
     domain = next(d for d in domains if comm.rank in d)
     leader = domain[0]
-    owners = assign({n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}, domain)
+    balanced = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items() if n in snapshot.balanced}
+    owners = {**dict.fromkeys(snapshot.tensors, leader), **assign(balanced, domain)}
     names = file_names(comm.rank)
     tmp = temp_dir_for(path, comm.token)
 
@@ -217,13 +220,19 @@ def persist(
         names["rank"], rank_items, writer=comm.rank, metadata=_FILE_METADATA
     )
     shared_state = snapshot.state
+    values = snapshot.tensors
     foreign: dict[int, bytes] = {}
-    if len(domains) > 1:  # every domain gets a full copy, per-rank files included
+    if len(domains) > 1:  # every domain gets a full copy of rank 0's state and all rank files
         blobs = comm.all_gather("rank-files", rank_blob)
         if comm.rank == leader:
             foreign = {r: b for r, b in enumerate(blobs) if r not in domain}
         state_json = json.dumps(snapshot.state).encode() if comm.rank == 0 else None
         shared_state = json.loads(comm.broadcast("state", state_json))
+        pinned = [(n, t) for n, t in snapshot.tensors.items() if n not in snapshot.balanced]
+        blob = serialize("rank0", pinned, writer=0, metadata={})[0] if comm.rank == 0 else None
+        rank0 = comm.broadcast("rank0-tensors", blob)
+        if comm.rank == leader:
+            values = {**snapshot.tensors, **deserialize(rank0, path)}
 
     def prepare() -> None:
         if comm.rank != leader:
@@ -239,7 +248,7 @@ def persist(
     def write() -> dict[str, Any]:
         files: list[dict[str, Any]] = []
         tensors: dict[str, dict[str, Any]] = {}
-        mine = [(n, t) for n, t in snapshot.tensors.items() if owners[n] == comm.rank]
+        mine = [(n, t) for n, t in values.items() if owners[n] == comm.rank]
         with _storage_errors(path):
             for kind, items in (
                 (
@@ -429,7 +438,13 @@ def load(
 
 
 def locate(comm: Comm, path: str) -> Manifest:
-    """Read the manifest at ``path``; every rank must see the same committed checkpoint."""
+    """Read the manifest at ``path`` on every rank; collective.
+
+    The decision is the same on every rank: if no rank has a committed checkpoint there,
+    :class:`CheckpointNotFoundError` (or the error of an incomplete or corrupt one); if
+    some storage domains lack it (node-local disks, a replaced node), they receive a copy
+    first (:mod:`ddpckpt.replicate`). Returns this rank's manifest.
+    """
     found: dict[str, Manifest] = {}
 
     def read() -> dict[str, Any]:
@@ -443,18 +458,24 @@ def locate(comm: Comm, path: str) -> Manifest:
 
     statuses = comm.run_all("locate", read)
     ids = [s.get("id") for s in statuses]
-    if all(i is not None and i == ids[0] for i in ids):
-        return found["manifest"]
-    errors = [s for s in statuses if "error" in s]
-    if errors:
-        raise error_class(errors[0]["error"])(errors[0]["message"])
-    absent = [r for r, s in enumerate(statuses) if s.get("missing")]
-    if len(absent) == comm.world_size:
+    present = [i for i in ids if i is not None]
+    if not present:
+        errors = [s for s in statuses if "error" in s]
+        if errors:
+            raise error_class(errors[0]["error"])(errors[0]["message"])
         raise CheckpointNotFoundError(f"{path}: no checkpoint at this path")
-    raise CheckpointNotFoundError(
-        f"{path}: ranks {absent} cannot see this checkpoint (or see a different one); "
-        "it must be on storage every rank can read"
-    )
+    if len(set(present)) > 1:
+        listing = ", ".join(f"rank {r}: {i}" for r, i in enumerate(ids) if i is not None)
+        raise CorruptCheckpointError(
+            f"{path}: ranks see different checkpoints under this name ({listing}); node-local "
+            "copies from different runs? Remove the stale ones"
+        )
+    if all(i is not None for i in ids):
+        return found["manifest"]
+    from .replicate import repair_copies
+
+    repair_copies(comm, path, [i is not None for i in ids])
+    return comm.run("reread", lambda: read_manifest(path))
 
 
 @dataclass
@@ -507,6 +528,18 @@ def _restore(
 ) -> CheckpointInfo:
     state = manifest.state
     restore_model(objects.model, state["model"], source, path, strict)
+    if any("model_buffers" in r for r in manifest.ranks):
+        if rank < manifest.world_size and "model_buffers" in manifest.ranks[rank]:
+            encoded = manifest.ranks[rank]["model_buffers"]
+            restore_rank_buffers(objects.model, encoded, source.for_rank(rank), path)
+        else:
+            _log.warning(
+                "%s: saved with %d ranks and per-rank buffers (broadcast_buffers=False); rank %d "
+                "has none stored and starts from rank 0's buffers",
+                path,
+                manifest.world_size,
+                rank,
+            )
     if objects.optimizer is not None:
         restore_optimizer(objects.optimizer, objects.model, state["optimizer"], source, path)
     for name in ("scheduler", "scaler"):

@@ -37,6 +37,7 @@ __all__ = [
     "capture",
     "is_stateful",
     "model_view",
+    "restore_rank_buffers",
     "unwrap_model",
 ]
 
@@ -65,13 +66,19 @@ class TensorSource(Protocol):
 class Snapshot:
     """One rank's captured training state.
 
-    ``state`` and ``tensors`` are replicated across ranks (model, optimizer, scheduler,
-    scaler, extras): stored once. ``rank_state`` and ``rank_tensors`` are this rank's own
-    (RNG): stored per rank. Tensors are referenced from the trees by name.
+    ``state`` and ``tensors`` are the shared training state (model, optimizer, scheduler,
+    scaler, extras): stored once. Only the tensors named in ``balanced`` are identical on
+    every rank under DDP (parameters and optimizer state), so only they may be written by
+    any rank; every other shared tensor (buffers such as BatchNorm statistics, which each
+    rank updates with its own batch until DDP broadcasts rank 0's at the next forward) is
+    stored as rank 0 holds it. ``rank_state`` and ``rank_tensors`` are this rank's own
+    (RNG, and buffers under ``broadcast_buffers=False``): stored per rank. Tensors are
+    referenced from the trees by name.
     """
 
     state: dict[str, JSON] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    balanced: set[str] = field(default_factory=set)
     rank_state: dict[str, JSON] = field(default_factory=dict)
     rank_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -170,8 +177,18 @@ def _tensor_identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     )
 
 
+def _keeps_rank_buffers(model: nn.Module) -> bool:
+    """True if a DDP wrapper leaves each rank its own buffers (``broadcast_buffers=False``)."""
+    while (attr := _inner_attr(model)) is not None:
+        if isinstance(model, nn.parallel.DistributedDataParallel) and not model.broadcast_buffers:
+            return True
+        model = getattr(model, attr)
+    return False
+
+
 def _capture_model(model: nn.Module, snapshot: Snapshot) -> nn.Module:
     view = model_view(model)
+    parameters = {id(p) for p in view.root.parameters()}
     keys: list[str] = []
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
@@ -188,6 +205,17 @@ def _capture_model(model: nn.Module, snapshot: Snapshot) -> nn.Module:
             seen[identity] = key
         keys.append(key)
         snapshot.tensors[f"model/{key}"] = value.detach()
+        if id(value) in parameters:
+            snapshot.balanced.add(f"model/{key}")
+    if _keeps_rank_buffers(model):
+        buffers = {
+            key: snapshot.tensors[f"model/{key}"]
+            for key in keys
+            if f"model/{key}" not in snapshot.balanced
+        }
+        snapshot.rank_state["model_buffers"] = encode(
+            buffers, "model_buffers", snapshot.rank_tensors
+        )
     section: dict[str, JSON] = {
         "type": type(view.root).__qualname__,
         "keys": keys,
@@ -273,6 +301,16 @@ def restore_model(
     root.load_state_dict(_with_versions(state, root, section["versions"]), strict=strict)
 
 
+def restore_rank_buffers(model: nn.Module, encoded: JSON, source: TensorSource, where: str) -> None:
+    """Copy this rank's own buffers (saved under ``broadcast_buffers=False``) into ``model``."""
+    view = model_view(model)
+    with torch.no_grad():
+        for key, value in decode(encoded, source.get, where=where).items():
+            target = view.entries.get(key)
+            if isinstance(target, torch.Tensor) and target.shape == value.shape:
+                target.copy_(value)
+
+
 def _with_versions(state: dict[str, Any], root: nn.Module, versions: Mapping[str, int]) -> Any:
     """Attach the stored module versions, so version-dependent load hooks behave as saved."""
     ordered: Any = OrderedDict(state)
@@ -335,7 +373,9 @@ def _capture_optimizer(
         "state": state,
         "shapes": shapes,
     }
+    before = set(snapshot.tensors)
     snapshot.state["optimizer"] = encode(section, "optimizer", snapshot.tensors)
+    snapshot.balanced.update(set(snapshot.tensors) - before)
 
 
 def check_optimizer(
@@ -495,6 +535,9 @@ def _capture_extra(extra: Mapping[str, Any], snapshot: Snapshot) -> None:
                 "type": type(obj).__qualname__,
                 "state": encode(obj.state_dict(), prefix, snapshot.tensors),
             }
+            if isinstance(obj, nn.Module):  # e.g. an EMA copy: its parameters are replicated
+                names = (f"{prefix}/{k}" for k, _ in obj.named_parameters(remove_duplicate=False))
+                snapshot.balanced.update(n for n in names if n in snapshot.tensors)
         else:
             section[name] = {"kind": "value", "state": encode(obj, prefix, snapshot.tensors)}
     snapshot.state["extra"] = section

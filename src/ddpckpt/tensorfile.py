@@ -34,6 +34,8 @@ __all__ = [
     "FileEntry",
     "TensorEntry",
     "TensorFile",
+    "byte_view",
+    "deserialize",
     "dtype_from_name",
     "dtype_name",
     "hash_file",
@@ -149,7 +151,7 @@ def _host_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous()
 
 
-def _byte_view(tensor: torch.Tensor) -> memoryview:
+def byte_view(tensor: torch.Tensor) -> memoryview:
     """A zero-copy view of a contiguous CPU tensor's bytes (valid while ``tensor`` lives)."""
     nbytes = tensor_nbytes(tensor)
     if nbytes == 0:
@@ -209,6 +211,25 @@ def serialize(
     return bytes(buffer), entry, entries
 
 
+def deserialize(blob: bytes, where: str) -> dict[str, torch.Tensor]:
+    """The tensors of a file :func:`serialize` produced, as private CPU tensors."""
+    (length,) = struct.unpack_from("<Q", blob)
+    header = json.loads(blob[8 : 8 + length])
+    start = 8 + length
+    tensors = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        dtype = dtype_from_name(info["dtype"], where)
+        raw = bytearray(blob[start + begin : start + end])
+        flat = (
+            torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        )
+        tensors[key] = flat.view(dtype).reshape(info["shape"])
+    return tensors
+
+
 def _emit(
     name: str,
     items: Sequence[tuple[str, torch.Tensor]],
@@ -227,7 +248,7 @@ def _emit(
     entries: list[TensorEntry] = []
     for key, tensor in items:
         host = _host_contiguous(tensor)
-        data = _byte_view(host)
+        data = byte_view(host)
         tensor_hash = xxhash.xxh3_64()
         for start in range(0, len(data), _CHUNK):
             chunk = data[start : start + _CHUNK]

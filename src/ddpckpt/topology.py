@@ -53,13 +53,12 @@ def storage_domains(comm: Comm, directory: str, mode: str | None = None) -> list
     sorted.
     """
     mode = resolve_storage_mode(mode)
-    if comm.world_size == 1 or mode == "shared":
-        comm.run("mkdir", lambda: os.makedirs(directory, exist_ok=True))
-        return [list(range(comm.world_size))]
     nodes = _by_node(comm)
-    if mode == "local":
+    if len(nodes) == 1:
+        mode = "shared"  # ranks on one machine see the same file system
+    if comm.world_size == 1 or mode in ("local", "shared"):
         comm.run("mkdir", lambda: os.makedirs(directory, exist_ok=True))
-        return nodes
+        return nodes if mode == "local" else [list(range(comm.world_size))]
     probers = [ranks[0] for ranks in nodes]
     mine = _probe_name(directory, comm.token, comm.rank)
 

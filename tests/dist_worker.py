@@ -1,0 +1,368 @@
+"""Scenarios that run in every rank of a multi-process test (see launch.py).
+
+    python dist_worker.py SCENARIO --out DIR [--ckpt PATH] [...]
+
+Each scenario returns a JSON-able dict, written to ``DIR/rank-<global rank>.json``.
+Errors the scenario expects are caught and reported in that dict; anything else fails
+the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpckpt
+import ddpckpt.checkpoint as checkpoint_module
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+def build(seed: int, width: int = 32):
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(16, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, 4)
+    )
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, betas=(0.8, 0.9))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
+    return model, ddp, opt, sched, scaler, Counter()
+
+
+def train(ddp, opt, sched, scaler, counter, steps: int) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        x = torch.randn(8, 16)
+        scaler.scale(ddp(x).pow(2).mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        sched.step()
+        counter.n += 1
+
+
+def digest(model: nn.Module, opt: torch.optim.Optimizer, buffers: bool = True) -> str:
+    """A hash of the model (with or without buffers) and the optimizer state."""
+    hasher = xxhash.xxh3_64()
+    params = {n for n, _ in model.named_parameters()}
+    for name, value in sorted(model.state_dict().items()):
+        if not buffers and name not in params:
+            continue
+        hasher.update(name.encode())
+        hasher.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in opt.param_groups:
+        hasher.update(repr({k: v for k, v in group.items() if k != "params"}).encode())
+        for p in group["params"]:
+            for key, value in sorted(opt.state[p].items()):
+                hasher.update(f"{names[id(p)]}/{key}".encode())
+                hasher.update(value.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def draws() -> list[float]:
+    return [random.random(), *torch.rand(2).tolist()]
+
+
+def error_report(exc: BaseException, started: float) -> dict[str, Any]:
+    return {
+        "error": type(exc).__name__,
+        "message": str(exc),
+        "failures": {str(k): v for k, v in getattr(exc, "failures", {}).items()},
+        "elapsed": time.monotonic() - started,
+        "is_timeout": isinstance(exc, TimeoutError),
+        "is_oserror": isinstance(exc, OSError),
+        "errno": getattr(exc, "errno", None),
+    }
+
+
+class Warnings(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+        logging.getLogger("ddpckpt").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+class AnonPeak:
+    """Samples this process's anonymous (non-file) resident memory."""
+
+    def __init__(self) -> None:
+        self.base = self.peak = self._read()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _read() -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._read())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self._read()) - self.base
+
+
+def listing(path: str) -> list[str]:
+    return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+# --------------------------------------------------------------------------- scenarios
+
+
+def scenario_train_save(args, rank: int) -> dict[str, Any]:
+    model, ddp, opt, sched, scaler, counter = build(seed=args.seed, width=args.width)
+    torch.manual_seed(100 + rank)
+    random.seed(100 + rank)
+    train(ddp, opt, sched, scaler, counter, args.steps)
+    path = ddpckpt.save(args.ckpt, model=ddp, optimizer=opt, scheduler=sched, scaler=scaler,
+                        extra={"counter": counter}, step=args.steps, storage=args.storage)  # fmt: skip
+    with open(os.path.join(args.ckpt, "manifest.json")) as f:
+        manifest = json.load(f)
+    return {
+        "path": path,
+        "digest": digest(model, opt),
+        "replicated": digest(model, opt, buffers=False),
+        "draws": draws(),
+        "files": {name: f["writer"] for name, f in manifest["files"].items()},
+        "bytes": {name: f["size"] for name, f in manifest["files"].items()},
+        "copy": manifest["copy"],
+    }
+
+
+def scenario_load(args, rank: int) -> dict[str, Any]:
+    model, ddp, opt, sched, scaler, counter = build(seed=args.seed + 1, width=args.width)
+    warnings = Warnings()
+    info = ddpckpt.load(args.ckpt, model=ddp, optimizer=opt, scheduler=sched, scaler=scaler,
+                        extra={"counter": counter})  # fmt: skip
+    return {
+        "digest": digest(model, opt),
+        "replicated": digest(model, opt, buffers=False),
+        "draws": draws(),
+        "step": info.step,
+        "counter": counter.n,
+        "scale": scaler.get_scale(),
+        "warnings": warnings.messages,
+        "listing": listing(args.ckpt),
+    }
+
+
+def scenario_load_memory(args, rank: int) -> dict[str, Any]:
+    model, ddp, *_ = build(seed=args.seed + 1, width=args.width)
+    size = sum(os.path.getsize(os.path.join(args.ckpt, f)) for f in os.listdir(args.ckpt))
+    meter = AnonPeak()
+    ddpckpt.load(args.ckpt, model=ddp, rng=False)
+    return {
+        "extra_anon": meter.stop(),
+        "checkpoint_bytes": size,
+        "digest": digest(model, torch.optim.SGD(model.parameters(), lr=1)),
+    }
+
+
+def scenario_rank0_only(args, rank: int) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    if rank == 0:
+        model = nn.Linear(2, 2)  # not DDP: wrapping is itself a collective
+        started = time.monotonic()
+        try:
+            ddpckpt.save(args.ckpt, model=model, timeout=args.timeout)
+        except Exception as exc:
+            result = error_report(exc, started)
+    dist.barrier()  # the other ranks never called save; they meet rank 0 here
+    result["listing"] = listing(os.path.dirname(args.ckpt))
+    return result
+
+
+def scenario_slow_writer(args, rank: int) -> dict[str, Any]:
+    _model, ddp, opt, sched, scaler, counter = build(seed=0)
+    train(ddp, opt, sched, scaler, counter, 1)
+    if rank == 1:
+        real = checkpoint_module.write_file
+
+        def slow(*a, **k):
+            time.sleep(args.sleep)
+            return real(*a, **k)
+
+        checkpoint_module.write_file = slow
+    started = time.monotonic()
+    ddpckpt.save(args.ckpt, model=ddp, optimizer=opt, step=1)
+    elapsed = time.monotonic() - started
+    value = torch.ones(1)
+    dist.all_reduce(value)  # the training group is still healthy
+    train(ddp, opt, sched, scaler, counter, 1)
+    return {
+        "elapsed": elapsed,
+        "all_reduce": value.item(),
+        "verified": ddpckpt.verify(args.ckpt).step,
+    }
+
+
+def scenario_disk_full(args, rank: int) -> dict[str, Any]:
+    _model, ddp, opt, sched, scaler, counter = build(seed=0)
+    train(ddp, opt, sched, scaler, counter, 2)
+    first = ddpckpt.save(os.path.join(args.ckpt, "step-1"), model=ddp, optimizer=opt, step=1)
+    if rank == 1:
+
+        def full(path, *a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+
+        checkpoint_module.write_file = full
+    started = time.monotonic()
+    try:
+        ddpckpt.save(os.path.join(args.ckpt, "step-2"), model=ddp, optimizer=opt, step=2)
+        result: dict[str, Any] = {"error": None}
+    except Exception as exc:
+        result = error_report(exc, started)
+    dist.barrier()
+    result["listing"] = listing(args.ckpt)
+    result["first_ok"] = ddpckpt.verify(first).step
+    return result
+
+
+def scenario_killed(args, rank: int) -> dict[str, Any]:
+    _model, ddp, opt, sched, scaler, counter = build(seed=0)
+    train(ddp, opt, sched, scaler, counter, 1)
+    if rank == args.victim:
+        real = checkpoint_module.write_file
+        calls = []
+
+        def die(*a, **k):
+            calls.append(1)
+            if len(calls) == 2:  # after its first file: a torn write in progress
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **k)
+
+        checkpoint_module.write_file = die
+    started = time.monotonic()
+    try:
+        ddpckpt.save(args.ckpt, model=ddp, optimizer=opt, step=1, timeout=args.timeout)
+        result: dict[str, Any] = {"error": None}
+    except Exception as exc:
+        result = error_report(exc, started)
+    time.sleep(0.5)
+    result["listing"] = listing(os.path.dirname(args.ckpt))
+    return result
+
+
+def scenario_audit_writers(args, rank: int) -> dict[str, Any]:
+    real_open = os.open
+    created: list[str] = []
+
+    def recording_open(path, flags, *a, **k):
+        parent = os.path.dirname(os.path.abspath(args.ckpt))
+        if flags & os.O_CREAT and os.path.abspath(path).startswith(parent):
+            created.append(os.path.basename(path))
+        return real_open(path, flags, *a, **k)
+
+    os.open = recording_open
+    try:
+        result = scenario_train_save(args, rank)
+    finally:
+        os.open = real_open
+    result["created"] = created
+    return result
+
+
+def scenario_mismatch(args, rank: int) -> dict[str, Any]:
+    _model, ddp, _opt, *_ = build(seed=0)
+    started = time.monotonic()
+    try:
+        if rank == 0:
+            ddpckpt.save(args.ckpt, model=ddp, timeout=args.timeout)
+        else:
+            ddpckpt.load(args.ckpt, model=ddp, timeout=args.timeout)
+        return {"error": None}
+    except Exception as exc:
+        return error_report(exc, started)
+
+
+def scenario_roundtrip(args, rank: int) -> dict[str, Any]:
+    saved = scenario_train_save(args, rank)
+    loaded = scenario_load(args, rank)
+    return {"saved": saved, "loaded": loaded}
+
+
+SCENARIOS = {
+    name.removeprefix("scenario_"): fn
+    for name, fn in globals().items()
+    if name.startswith("scenario_")
+}
+
+
+def run(args: argparse.Namespace) -> None:
+    rank = dist.get_rank()
+    result = SCENARIOS[args.scenario](args, rank)
+    with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+def spawned(local_rank: int, args: argparse.Namespace) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+        rank=local_rank, world_size=args.spawn,
+    )  # fmt: skip
+    run(args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ckpt", default="ckpt")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--width", type=int, default=32)
+    parser.add_argument("--storage", default=None)
+    parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--pg-timeout", type=float, default=60)
+    parser.add_argument("--sleep", type=float, default=0)
+    parser.add_argument("--victim", type=int, default=1)
+    parser.add_argument("--spawn", type=int, default=0)
+    parser.add_argument(
+        "--local-rank", "--local_rank", type=int, default=None
+    )  # torch.distributed.launch
+    args = parser.parse_args()
+    if args.spawn:
+        torch.multiprocessing.spawn(spawned, args=(args,), nprocs=args.spawn, join=True)
+        return
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""Collective save/load with real processes: torchrun, spawn, plain env, simulated nodes.
+
+Every launch has a hard timeout (launch.py), so a hang fails the test instead of stalling.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import ddpckpt
+from launch import processes, spawn, torchrun, torchrun_nodes
+
+pytestmark = pytest.mark.distributed
+
+
+def manifest_of(path: Path) -> dict:
+    return json.loads((path / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def four_rank_checkpoint(tmp_path_factory):
+    """A checkpoint saved by 4 torchrun ranks, with every file creation recorded."""
+    root = tmp_path_factory.mktemp("four")
+    launch = torchrun(
+        "audit_writers", root / "out", nproc=4, args=["--ckpt", str(root / "ckpt")]
+    ).ok()
+    return root / "ckpt", launch.results
+
+
+def test_four_ranks_write_each_file_once_and_balance_the_bytes(four_rank_checkpoint) -> None:
+    ckpt, results = four_rank_checkpoint
+    manifest = manifest_of(ckpt)
+    created = {rank: result["created"] for rank, result in results.items()}
+    data_files = [
+        name for names in created.values() for name in names if name.endswith(".safetensors")
+    ]
+    assert sorted(data_files) == sorted(manifest["files"])  # each file created exactly once
+    for rank, names in created.items():
+        for name in names:
+            if name in manifest["files"]:
+                assert manifest["files"][name]["writer"] == rank
+    shares = {rank: 0 for rank in results}
+    for name, info in manifest["files"].items():
+        if name.startswith("state-"):
+            shares[info["writer"]] += info["size"]
+    assert all(share > 0 for share in shares.values()), shares  # the optimizer state is spread
+    assert len({r["replicated"] for r in results.values()}) == 1  # parameters + optimizer agree
+
+
+def test_world_size_changes_restore_the_same_model_and_optimizer(
+    four_rank_checkpoint, tmp_path
+) -> None:
+    ckpt, saved = four_rank_checkpoint
+    for world in (2, 3):
+        loaded = (
+            torchrun("load", tmp_path / f"load{world}", nproc=world, args=["--ckpt", str(ckpt)])
+            .ok()
+            .results
+        )
+        for rank, result in loaded.items():
+            assert result["digest"] == saved[0]["digest"]  # rank 0's buffers, shared weights
+            assert result["draws"] == saved[rank]["draws"]  # each rank's own RNG stream
+            assert (
+                result["step"] == 3
+                and result["counter"] == 3
+                and result["scale"] == saved[0].get("scale", 128.0)
+            )
+
+
+def test_growing_and_shrinking_the_world(tmp_path) -> None:
+    one = (
+        torchrun("train_save", tmp_path / "s1", nproc=1, args=["--ckpt", str(tmp_path / "c1")])
+        .ok()
+        .results
+    )
+    grown = (
+        torchrun("load", tmp_path / "l4", nproc=4, args=["--ckpt", str(tmp_path / "c1")])
+        .ok()
+        .results
+    )
+    assert {r["digest"] for r in grown.values()} == {one[0]["digest"]}
+    assert grown[0]["draws"] == one[0]["draws"] and grown[0]["warnings"] == []
+    for rank in (1, 2, 3):
+        assert any(f"rank {rank} has no stored RNG state" in w for w in grown[rank]["warnings"])
+    assert len({tuple(r["draws"]) for r in grown.values()}) == 4  # derived streams differ per rank
+    again = (
+        torchrun("load", tmp_path / "l4b", nproc=4, args=["--ckpt", str(tmp_path / "c1")])
+        .ok()
+        .results
+    )
+    assert [again[r]["draws"] for r in range(4)] == [
+        grown[r]["draws"] for r in range(4)
+    ]  # deterministic
+
+    two = (
+        torchrun("train_save", tmp_path / "s2", nproc=2, args=["--ckpt", str(tmp_path / "c2")])
+        .ok()
+        .results
+    )
+    shrunk = (
+        torchrun("load", tmp_path / "l1", nproc=1, args=["--ckpt", str(tmp_path / "c2")])
+        .ok()
+        .results
+    )
+    assert shrunk[0]["digest"] == two[0]["digest"] and shrunk[0]["draws"] == two[0]["draws"]
+
+
+@pytest.mark.parametrize("how", ["spawn", "env", "distributed.launch"])
+def test_any_launcher_works(tmp_path, how) -> None:
+    args = ["--ckpt", str(tmp_path / "ckpt")]
+    if how == "spawn":
+        launch = spawn("roundtrip", tmp_path / "out", world=2, args=args)
+    else:
+        launch = processes("roundtrip", tmp_path / "out", world=2, args=args, launcher=how)
+    results = launch.ok().results
+    assert sorted(results) == [0, 1]
+    for result in results.values():
+        assert result["loaded"]["digest"] == results[0]["saved"]["digest"]
+        assert result["loaded"]["draws"] == result["saved"]["draws"]
+
+
+def test_save_called_on_rank_zero_only_fails_fast_naming_the_others(tmp_path) -> None:
+    launch = torchrun(
+        "rank0_only",
+        tmp_path / "out",
+        nproc=3,
+        args=["--ckpt", str(tmp_path / "ck" / "a"), "--timeout", "3"],
+    )
+    report = launch.ok().result(0)
+    assert report["error"] == "CollectiveTimeoutError" and report["is_timeout"]
+    assert "ranks 1, 2 did not call ddpckpt.save" in report["message"]
+    assert "not inside `if rank == 0`" in report["message"]
+    assert 3 <= report["elapsed"] < 8
+    assert report["listing"] == []  # nothing written, no temporary left
+
+
+def test_mismatched_calls_fail_at_once_on_every_rank(tmp_path) -> None:
+    launch = torchrun(
+        "mismatch",
+        tmp_path / "out",
+        nproc=2,
+        args=["--ckpt", str(tmp_path / "ck"), "--timeout", "30"],
+    )
+    for rank in (0, 1):
+        report = launch.ok().result(rank)
+        assert report["error"] == "CollectiveMismatchError"
+        assert "rank 0: ddpckpt.save, rank 1: ddpckpt.load" in report["message"]
+        assert report["elapsed"] < 10
+
+
+def test_slow_writer_does_not_trip_a_short_training_group_timeout(tmp_path) -> None:
+    launch = torchrun(
+        "slow_writer", tmp_path / "out", nproc=2,
+        args=["--ckpt", str(tmp_path / "ck"), "--pg-timeout", "3", "--sleep", "4"],
+        env={"DDPCKPT_TIMEOUT": "3"},  # liveness, not duration: the sleeping writer heartbeats
+    )  # fmt: skip
+    for rank in (0, 1):
+        result = launch.ok().result(rank)
+        assert result["elapsed"] >= 4 and result["all_reduce"] == 2.0 and result["verified"] == 1
+
+
+def test_disk_full_on_one_rank_is_reported_on_every_rank(tmp_path) -> None:
+    launch = torchrun("disk_full", tmp_path / "out", nproc=3, args=["--ckpt", str(tmp_path / "ck")])
+    for rank in (0, 1, 2):
+        report = launch.ok().result(rank)
+        assert report["error"] == "CheckpointWriteError" and report["is_oserror"]
+        assert report["errno"] == errno.ENOSPC
+        assert list(report["failures"]) == ["1"] and "No space left" in report["message"]
+        assert "(on rank 1)" in report["message"]
+        assert report["listing"] == ["step-1"] and report["first_ok"] == 1
+
+
+def test_rank_killed_during_save_is_named_and_nothing_is_committed(tmp_path) -> None:
+    launch = processes(
+        "killed",
+        tmp_path / "out",
+        world=3,
+        args=["--ckpt", str(tmp_path / "ck" / "a"), "--timeout", "3"],
+    )
+    assert sorted(launch.results) == [0, 2]  # rank 1 died by SIGKILL
+    for rank in (0, 2):
+        report = launch.result(rank)
+        assert report["error"] == "CollectiveTimeoutError"
+        assert "rank 1 stopped responding during ddpckpt.save" in report["message"]
+        assert report["elapsed"] < 12
+        assert report["listing"] == []  # no checkpoint, and rank 0 removed the temporary
+
+
+def test_two_nodes_sharing_storage_write_one_copy(tmp_path) -> None:
+    ckpt = tmp_path / "shared" / "ckpt"
+    saved = torchrun_nodes("train_save", tmp_path / "save", args=["--ckpt", str(ckpt)]).ok().results
+    manifest = manifest_of(ckpt)
+    assert manifest["copy"] == {"index": 0, "count": 1, "ranks": [0, 1, 2, 3]}
+    writers = {
+        info["writer"] for name, info in manifest["files"].items() if not name.startswith("rank-")
+    }
+    assert writers & {0, 1} and writers & {2, 3}  # both nodes wrote part of it
+    loaded = torchrun_nodes("load", tmp_path / "load", args=["--ckpt", str(ckpt)]).ok().results
+    assert {r["digest"] for r in loaded.values()} == {saved[0]["digest"]}
+
+
+def test_node_local_storage_keeps_a_copy_per_node_and_repairs_a_lost_one(tmp_path) -> None:
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    saved = (
+        torchrun_nodes("train_save", tmp_path / "save", args=["--ckpt", "ckpt"], cwds=nodes)
+        .ok()
+        .results
+    )
+    for index, node in enumerate(nodes):
+        manifest = manifest_of(node / "ckpt")
+        assert manifest["copy"]["count"] == 2 and manifest["copy"]["ranks"] == [
+            2 * index,
+            2 * index + 1,
+        ]
+        for name, info in manifest["files"].items():
+            assert info["writer"] in manifest["copy"]["ranks"], name
+        assert ddpckpt.verify(node / "ckpt").step == 3
+
+    shutil.rmtree(nodes[1] / "ckpt")  # node 1 was replaced: its disk is empty
+    loaded = (
+        torchrun_nodes("load", tmp_path / "load", args=["--ckpt", "ckpt"], cwds=nodes).ok().results
+    )
+    for rank, result in loaded.items():
+        assert result["digest"] == saved[0]["digest"] and result["draws"] == saved[rank]["draws"]
+    assert any("this node had no copy" in w for w in loaded[2]["warnings"])
+    assert ddpckpt.verify(nodes[1] / "ckpt").step == 3  # and it keeps the copy it received
+
+
+@pytest.mark.slow
+def test_loading_adds_little_memory_per_rank(tmp_path) -> None:
+    args = ["--ckpt", str(tmp_path / "ckpt"), "--width", "600000", "--steps", "1"]
+    torchrun("train_save", tmp_path / "save", nproc=2, args=args, timeout=300).ok()
+    results = (
+        torchrun("load_memory", tmp_path / "load", nproc=2, args=args, timeout=300).ok().results
+    )
+    for result in results.values():
+        assert result["checkpoint_bytes"] > 100 << 20
+        assert result["extra_anon"] < 0.1 * result["checkpoint_bytes"], result
