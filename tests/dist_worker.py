@@ -316,6 +316,39 @@ def scenario_roundtrip(args, rank: int) -> dict[str, Any]:
     return {"saved": saved, "loaded": loaded}
 
 
+def scenario_checkpointer_run(args, rank: int) -> dict[str, Any]:
+    """Train with a Checkpointer (time- and step-based saves), then resume in a new one."""
+    model, ddp, opt, sched, scaler, counter = build(seed=args.seed)
+    saved = []
+    with ddpckpt.Checkpointer(
+        args.ckpt, model=ddp, optimizer=opt, scheduler=sched, scaler=scaler,
+        extra={"counter": counter}, keep_last=2, keep_best=1, monitor="loss",
+        every_steps=4, every_seconds=0.3, timeout=30,
+    ) as ckpt:  # fmt: skip
+        info = ckpt.resume()
+        start = info.step + 1 if info else 1
+        for step in range(start, start + args.steps):
+            train(ddp, opt, sched, scaler, counter, 1)
+            time.sleep(0.01 * (rank + 1) * (step % 7))  # ranks' clocks drift apart
+            if ckpt.should_save(step):
+                ckpt.save(step, metrics={"loss": float(step) if saved else 0.0})  # first is best
+                saved.append(step)
+    fresh_model, fresh, fresh_opt, fresh_sched, fresh_scaler, fresh_counter = build(
+        seed=args.seed + 1
+    )
+    with ddpckpt.Checkpointer(args.ckpt, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched,
+                              scaler=fresh_scaler, extra={"counter": fresh_counter}) as again:  # fmt: skip
+        resumed = again.resume()
+    return {
+        "started": start,
+        "saved": saved,
+        "resumed": resumed.step,
+        "digest": digest(model, opt),
+        "resumed_digest": digest(fresh_model, fresh_opt),
+        "listing": listing(args.ckpt),
+    }
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()

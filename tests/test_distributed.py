@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -243,3 +244,36 @@ def test_loading_adds_little_memory_per_rank(tmp_path) -> None:
     for result in results.values():
         assert result["checkpoint_bytes"] > 100 << 20
         assert result["extra_anon"] < 0.1 * result["checkpoint_bytes"], result
+
+
+def test_checkpointer_under_torchrun_agrees_on_every_rank(tmp_path) -> None:
+    args = ["--ckpt", str(tmp_path / "run"), "--steps", "12"]
+    results = torchrun("checkpointer_run", tmp_path / "out", nproc=2, args=args).ok().results
+    assert results[0]["saved"] == results[1]["saved"]  # the clock-based decisions agreed
+    assert len(results[0]["saved"]) >= 3
+    newest = results[0]["saved"][-1]
+    for result in results.values():
+        assert result["resumed"] == newest and result["resumed_digest"] == results[0]["digest"]
+    kept = [n for n in results[0]["listing"] if n.startswith("step-")]
+    assert f"step-{results[0]['saved'][0]:08d}" in kept  # the best by loss
+    assert f"step-{newest:08d}" in kept
+    assert len(kept) <= 3
+
+
+def test_checkpointer_on_node_local_storage_survives_losing_a_node(tmp_path) -> None:
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    args = ["--ckpt", "run", "--steps", "9"]
+    first = torchrun_nodes("checkpointer_run", tmp_path / "a", args=args, cwds=nodes).ok().results
+    assert [n for n in os.listdir(nodes[0] / "run") if n.startswith("step-")] == [
+        n for n in os.listdir(nodes[1] / "run") if n.startswith("step-")
+    ]
+    shutil.rmtree(nodes[1] / "run")  # node 1 replaced: its whole run directory is gone
+    second = torchrun_nodes("checkpointer_run", tmp_path / "b", args=args, cwds=nodes).ok().results
+    newest = first[0]["saved"][-1]
+    assert {r["started"] for r in second.values()} == {newest + 1}  # node 1 resumed too
+    steps = [sorted(n for n in os.listdir(node / "run") if n.startswith("step-")) for node in nodes]
+    assert steps[0] == steps[1] and len(steps[0]) >= 2
+    for name in steps[1]:
+        ddpckpt.verify(nodes[1] / "run" / name)

@@ -8,10 +8,13 @@ collective under ``torch.distributed`` and work the same in a single process.
 
 from ._version import __version__
 from .checkpoint import CheckpointInfo, load, load_state_dict, save, verify
+from .checkpointer import Checkpointer
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
+    CheckpointLockedError,
     CheckpointNotFoundError,
+    CheckpointStepError,
     CheckpointWriteError,
     CollectiveTimeoutError,
     CorruptCheckpointError,
@@ -24,8 +27,11 @@ __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
     "CheckpointInfo",
+    "CheckpointLockedError",
     "CheckpointNotFoundError",
+    "CheckpointStepError",
     "CheckpointWriteError",
+    "Checkpointer",
     "CollectiveTimeoutError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",

@@ -22,6 +22,7 @@ directories are removed, and nothing committed earlier is touched.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
@@ -41,6 +42,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     CorruptCheckpointError,
+    InsufficientSpaceError,
     StateMismatchError,
     UnsupportedValueError,
     error_class,
@@ -67,7 +69,7 @@ from .state import (
     restore_rank_buffers,
     restore_stateful,
 )
-from .storage import commit_dir, remove_tree, temp_dir_for, write_bytes_new
+from .storage import commit_dir, free_bytes, remove_tree, temp_dir_for, write_bytes_new
 from .tensorfile import (
     TensorEntry,
     TensorFile,
@@ -198,16 +200,19 @@ def persist(
     *,
     overwrite: bool = False,
     storage: str | None = None,
+    domains: list[list[int]] | None = None,
 ) -> str:
     """Write ``snapshot`` as the checkpoint at ``comm.path`` and commit it; collective.
 
-    ``header`` holds ``step``, ``epoch`` and (encoded) ``metrics``.
+    ``header`` holds ``step``, ``epoch`` and (encoded) ``metrics``. ``domains`` are the
+    storage domains of the parent directory if already known (else they are probed).
     """
     if comm.path is None:
         raise ValueError("persist needs a Comm opened with a path")
     path = comm.path
     _check_replicated(comm, snapshot)
-    domains = storage_domains(comm, os.path.dirname(os.path.abspath(path)) or ".", storage)
+    if domains is None:
+        domains = storage_domains(comm, os.path.dirname(os.path.abspath(path)) or ".", storage)
     domain = next(d for d in domains if comm.rank in d)
     leader = domain[0]
     balanced = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items() if n in snapshot.balanced}
@@ -242,6 +247,16 @@ def persist(
                 raise CheckpointExistsError(
                     f"{path}: a checkpoint already exists here; pass overwrite=True to "
                     "replace it, or save under a new name"
+                )
+            needed = sum(tensor_nbytes(t) for t in snapshot.tensors.values())
+            needed += comm.world_size * (len(rank_blob) + 4096) + (1 << 20)
+            free = free_bytes(os.path.dirname(os.path.abspath(path)))
+            if free < needed:
+                raise InsufficientSpaceError(
+                    errno.ENOSPC,
+                    f"{path}: the checkpoint needs about {needed / 2**30:.2f} GiB but only "
+                    f"{free / 2**30:.2f} GiB are free there; free space (e.g. keep fewer "
+                    "checkpoints) or save elsewhere. Nothing was written",
                 )
             os.mkdir(tmp)
 
@@ -367,11 +382,17 @@ class FileSource:
         self.manifest = manifest
         self.prefix = prefix
         self._files: dict[str, TensorFile] = {}
+        self._entries_by_file: dict[str, list[TensorEntry]] | None = None
 
     def for_rank(self, rank: int) -> FileSource:
         source = FileSource(self.path, self.manifest, f"rank{rank}/")
         source._files = self._files
         return source
+
+    def _by_file(self) -> dict[str, list[TensorEntry]]:
+        if self._entries_by_file is None:
+            self._entries_by_file = _entries_by_file(self.manifest)
+        return self._entries_by_file
 
     def entry(self, name: str) -> TensorEntry:
         try:
@@ -390,7 +411,9 @@ class FileSource:
         entry = self.entry(name)
         if entry.file not in self._files:
             size = self.manifest.files[entry.file].size
-            self._files[entry.file] = TensorFile(os.path.join(self.path, entry.file), size)
+            mapped = TensorFile(os.path.join(self.path, entry.file), size)
+            mapped.check_header(self._by_file()[entry.file])
+            self._files[entry.file] = mapped
         return self._files[entry.file].view(entry)
 
 
@@ -624,12 +647,11 @@ def find_problems(path: str | os.PathLike[str]) -> list[str]:
 
 def _file_problems(path: str, manifest: Manifest) -> list[str]:
     problems: list[str] = []
-    by_file: dict[str, list[TensorEntry]] = {}
-    for entry in manifest.tensors.values():
-        by_file.setdefault(entry.file, []).append(entry)
+    by_file = _entries_by_file(manifest)
     for name, file in sorted(manifest.files.items()):
         try:
             mapped = TensorFile(os.path.join(path, name), file.size)
+            mapped.check_header(by_file.get(name, []))
             if mapped.digest() != file.digest:
                 problems.append(f"{os.path.join(path, name)}: file checksum mismatch (corrupt)")
             for entry in by_file.get(name, []):
@@ -637,6 +659,13 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
         except CheckpointError as exc:
             problems.append(str(exc))
     return problems
+
+
+def _entries_by_file(manifest: Manifest) -> dict[str, list[TensorEntry]]:
+    by_file: dict[str, list[TensorEntry]] = {name: [] for name in manifest.files}
+    for entry in manifest.tensors.values():
+        by_file.setdefault(entry.file, []).append(entry)
+    return by_file
 
 
 def verify(path: str | os.PathLike[str]) -> CheckpointInfo:

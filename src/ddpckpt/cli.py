@@ -1,6 +1,6 @@
 """The ``ddpckpt`` command line: inspect, verify, export, import, diff checkpoints.
 
-Exit status: 0 on success; ``verify`` exits 1 when any file is bad; ``diff`` exits 1
+Exit status: 0 on success; ``verify`` and ``ls`` exit 1 when anything is bad; ``diff`` exits 1
 when the checkpoints differ; any command exits 2 when it cannot do its job (a missing
 checkpoint, an unreadable file, a refused pickle).
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -149,6 +150,71 @@ def _diff(args: argparse.Namespace) -> int:
     return 0 if report.same else 1
 
 
+def _ls(args: argparse.Namespace) -> int:
+    from .checkpoint import find_problems
+    from .policies import KeepBest, Record, Union, retention_from
+    from .rundir import read_latest, read_run_file, scan
+
+    if not os.path.isdir(args.directory):
+        raise FileNotFoundError(f"{args.directory}: no such directory")
+    entries = scan(args.directory)
+    latest = read_latest(args.directory)
+    policy = retention_from(read_run_file(args.directory).get("retention", {}))
+    keepers = [policy] if isinstance(policy, KeepBest) else []
+    if isinstance(policy, Union):
+        keepers = [p for p in policy.policies if isinstance(p, KeepBest)]
+    committed = [e for e in entries if e.status == "committed"]
+    ranked = {}
+    for keeper in keepers:
+        best = keeper.best([Record(e.step, e.metrics) for e in committed])
+        ranked.update({step: f"best #{i + 1} by {keeper.monitor}" for i, step in enumerate(best)})
+    rows = []
+    for entry in entries:
+        manifest = entry.manifest
+        status = entry.status
+        if status == "committed" and not args.quick:
+            problems = find_problems(entry.path)
+            status = "verified" if not problems else f"CORRUPT: {problems[0]}"
+        notes = [
+            n
+            for n in (
+                "latest" if os.path.basename(entry.path) == latest else "",
+                ranked.get(entry.step, ""),
+            )
+            if n
+        ]
+        metrics = (
+            ", ".join(
+                f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+                for k, v in entry.metrics.items()
+            )
+            if manifest
+            else ""
+        )
+        rows.append(
+            (
+                entry.step,
+                _when(manifest.created) if manifest else "-",
+                _size(manifest.nbytes) if manifest else "-",
+                status if status != "committed" else "committed (not verified)",
+                metrics or "-",
+                ", ".join(notes),
+            )
+        )
+    if args.json:
+        keys = ("step", "created", "size", "status", "metrics", "notes")
+        print(json.dumps([dict(zip(keys, row, strict=True)) for row in rows], indent=1))
+    elif rows:
+        print(_table(("step", "created", "size", "status", "metrics", "notes"), rows))
+    else:
+        print(f"no checkpoints in {args.directory}")
+    aside = sorted(n for n in os.listdir(args.directory) if ".corrupt-" in n)
+    if aside and not args.json:
+        print(f"moved aside as corrupt: {', '.join(aside)}")
+    bad = any(not str(row[3]).startswith(("verified", "committed")) for row in rows)
+    return 1 if bad else 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpckpt", description="Inspect, verify, export, import and compare checkpoints."
@@ -161,6 +227,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-tensors", action="store_true", help="omit the tensor table")
     p.set_defaults(run=_inspect)
+
+    p = commands.add_parser("ls", help="list a run directory's checkpoints (exit 1 if any is bad)")
+    p.add_argument("directory")
+    p.add_argument("--quick", action="store_true", help="check manifests only, not every checksum")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(run=_ls)
 
     p = commands.add_parser("verify", help="check every file against its checksums (exit 1 if bad)")
     p.add_argument("checkpoints", nargs="+")

@@ -19,6 +19,7 @@ __all__ = [
     "CheckpointExistsError",
     "CheckpointLockedError",
     "CheckpointNotFoundError",
+    "CheckpointStepError",
     "CheckpointWriteError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
@@ -56,6 +57,10 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 class IncompleteCheckpointError(CorruptCheckpointError):
     """A checkpoint directory lacks its manifest or one of the files the manifest lists."""
+
+
+class CheckpointStepError(CheckpointError, ValueError):
+    """A save's step is older than the newest checkpoint of the run."""
 
 
 class StateMismatchError(CheckpointError, RuntimeError):
@@ -107,6 +112,7 @@ _BY_NAME: dict[str, type[CheckpointError]] = {
         CheckpointExistsError,
         CheckpointLockedError,
         CheckpointNotFoundError,
+        CheckpointStepError,
         CheckpointWriteError,
         CollectiveMismatchError,
         CollectiveTimeoutError,

@@ -40,12 +40,26 @@ __all__ = ["import_checkpoint"]
 
 _log = get_logger(__name__)
 
-_MODEL_KEYS = ("state_dict", "model", "model_state_dict", "model_state", "net", "network",
-               "module", "weights")  # fmt: skip
+_MODEL_KEYS = (
+    "state_dict",
+    "model",
+    "model_state_dict",
+    "model_state",
+    "net",
+    "network",
+    "module",
+    "weights",
+)
 _OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optimizer_state", "optim", "opt")
 _SCHEDULER_KEYS = ("scheduler", "lr_scheduler", "scheduler_state_dict", "sched")
-_SCALER_KEYS = ("scaler", "grad_scaler", "scaler_state_dict", "amp_scaler", "MixedPrecision",
-                "native_amp_scaling_state")  # fmt: skip
+_SCALER_KEYS = (
+    "scaler",
+    "grad_scaler",
+    "scaler_state_dict",
+    "amp_scaler",
+    "MixedPrecision",
+    "native_amp_scaling_state",
+)
 _STEP_KEYS = ("global_step", "step", "iteration", "iter", "steps")
 _EPOCH_KEYS = ("epoch",)
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -143,8 +157,13 @@ def _model_section(weights: Mapping[str, Any], snapshot: Snapshot) -> None:
         seen[identity] = key
         keys.append(key)
         snapshot.tensors[f"model/{key}"] = value
-    section: dict[str, Any] = {"type": "imported", "keys": keys, "aliases": aliases,
-                               "versions": {}, "extra_keys": list(extra_state)}  # fmt: skip
+    section: dict[str, Any] = {
+        "type": "imported",
+        "keys": keys,
+        "aliases": aliases,
+        "versions": {},
+        "extra_keys": list(extra_state),
+    }
     if extra_state:
         section["extra_state"] = encode(extra_state, "model_extra_state", snapshot.tensors)
     snapshot.state["model"] = section
@@ -167,8 +186,13 @@ def _optimizer_section(optimizer: Mapping[str, Any], snapshot: Snapshot, where: 
             shaped = [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
             shapes[name] = list(shaped[0].shape) if shaped else None
         groups.append({"params": names, "hyper": {k: v for k, v in group.items() if k != "params"}})
-    section = {"type": "imported", "groups": groups, "state": state, "shapes": shapes,
-               "by_position": True}  # fmt: skip
+    section = {
+        "type": "imported",
+        "groups": groups,
+        "state": state,
+        "shapes": shapes,
+        "by_position": True,
+    }
     snapshot.state["optimizer"] = encode(section, "optimizer", snapshot.tensors)
 
 

@@ -22,7 +22,7 @@ import json
 import mmap
 import os
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +38,6 @@ __all__ = [
     "deserialize",
     "dtype_from_name",
     "dtype_name",
-    "hash_file",
     "serialize",
     "tensor_nbytes",
     "write_file",
@@ -270,38 +269,6 @@ def _emit(
     return FileEntry(name=name, size=offset, digest=file_hash.hexdigest(), writer=writer), entries
 
 
-def hash_file(path: str) -> tuple[int, str]:
-    """Read the whole file once: its size and xxh3-64 digest."""
-    hasher = xxhash.xxh3_64()
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            hasher.update(view[:n])
-            size += n
-    return size, hasher.hexdigest()
-
-
-def read_header(path: str) -> dict[str, object]:
-    """The parsed JSON header of a safetensors file (raises CorruptCheckpointError)."""
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            raise IncompleteCheckpointError(f"{path}: truncated before the safetensors header")
-        (length,) = struct.unpack("<Q", prefix)
-        raw = f.read(length)
-    if len(raw) != length:
-        raise IncompleteCheckpointError(f"{path}: truncated inside the safetensors header")
-    try:
-        header = json.loads(raw)
-    except ValueError as exc:
-        raise CorruptCheckpointError(f"{path}: unreadable safetensors header ({exc})") from exc
-    if not isinstance(header, dict):
-        raise CorruptCheckpointError(f"{path}: safetensors header is not a JSON object")
-    return header
-
-
 class TensorFile:
     """A memory-mapped data file of a checkpoint.
 
@@ -325,6 +292,33 @@ class TensorFile:
             self._map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
         finally:
             os.close(fd)
+
+    def check_header(self, entries: Sequence[TensorEntry]) -> None:
+        """Raise :class:`CorruptCheckpointError` unless the file's own header (every byte
+        before the tensor data) describes exactly ``entries``, as the manifest does."""
+        view = memoryview(self._map) if self._map is not None else memoryview(b"")
+        try:
+            (length,) = struct.unpack_from("<Q", view)
+            header = json.loads(bytes(view[8 : 8 + length]))
+        except (struct.error, ValueError) as exc:
+            raise CorruptCheckpointError(
+                f"{self.path}: damaged safetensors header ({exc})"
+            ) from exc
+        start = 8 + length
+        header.pop("__metadata__", None)
+        expected = {
+            e.key: {
+                "dtype": e.dtype,
+                "shape": list(e.shape),
+                "data_offsets": [e.begin - start, e.end - start],
+            }
+            for e in entries
+        }
+        if header != expected:
+            raise CorruptCheckpointError(
+                f"{self.path}: the file's safetensors header does not match the manifest; the "
+                "file is damaged"
+            )
 
     def view(self, entry: TensorEntry, *, verify: bool = True) -> torch.Tensor:
         """A CPU tensor viewing ``entry``'s bytes in the mapping (no copy).
@@ -358,12 +352,3 @@ class TensorFile:
             for start in range(0, len(view), _CHUNK):
                 hasher.update(view[start : start + _CHUNK])
         return hasher.hexdigest()
-
-
-def iter_entries(entries: Sequence[TensorEntry]) -> Iterator[tuple[str, list[TensorEntry]]]:
-    """Group entries by file, each group in file order (one sequential pass per file)."""
-    by_file: dict[str, list[TensorEntry]] = {}
-    for entry in entries:
-        by_file.setdefault(entry.file, []).append(entry)
-    for name in sorted(by_file):
-        yield name, sorted(by_file[name], key=lambda e: e.begin)

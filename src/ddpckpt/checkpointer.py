@@ -1,0 +1,411 @@
+"""A run's checkpoints: save on a schedule, keep the right ones, resume after any crash.
+
+::
+
+    ckpt = ddpckpt.Checkpointer("runs/exp1", model=model, optimizer=opt, scheduler=sched,
+                                keep_last=3, every_steps=500)
+    info = ckpt.resume()                       # None on a fresh run
+    start = info.step + 1 if info else 0
+    for step in range(start, total):
+        train_step()
+        if ckpt.should_save(step):
+            ckpt.save(step, metrics={"loss": loss})
+    ckpt.close()
+
+Every method except :meth:`wait` and :meth:`close` is collective: call it on every rank.
+See :mod:`ddpckpt.rundir` for the directory layout.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._log import get_logger
+from .checkpoint import CheckpointInfo, _header_fields, load, persist
+from .comm import Comm
+from .errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointStepError,
+    CheckpointWriteError,
+    CorruptCheckpointError,
+    InsufficientSpaceError,
+)
+from .policies import (
+    AnyOf,
+    EverySeconds,
+    EverySteps,
+    KeepAll,
+    KeepBest,
+    KeepLast,
+    Record,
+    Retention,
+    SavePolicy,
+    Union,
+)
+from .rundir import (
+    clean_temporaries,
+    read_latest,
+    remove_checkpoint,
+    scan,
+    step_dirname,
+    write_latest,
+    write_run_file,
+)
+from .runlock import RunLock
+from .state import capture
+from .storage import new_token
+from .topology import storage_domains
+
+__all__ = ["Checkpointer"]
+
+_log = get_logger(__name__)
+# Storage errors worth retrying: a network file system's hiccups, not a full or read-only disk.
+_TRANSIENT = {
+    errno.EIO,
+    errno.EAGAIN,
+    errno.EINTR,
+    errno.EBUSY,
+    errno.ETIMEDOUT,
+    errno.ESTALE,
+    errno.ECONNRESET,
+    errno.ENETDOWN,
+    errno.ENETUNREACH,
+    errno.EHOSTUNREACH,
+}
+
+
+class Checkpointer:
+    """Saves a run's checkpoints under ``directory`` and resumes from the newest good one.
+
+    Objects: ``model`` (required; plain, DDP or compiled), ``optimizer``, ``scheduler``,
+    ``scaler``, ``extra`` (as for :func:`ddpckpt.save`).
+
+    When to save: ``every_steps`` and/or ``every_seconds`` (rank 0's clock decides), or a
+    :class:`~ddpckpt.policies.SavePolicy` as ``save_policy``.
+
+    What to keep: the ``keep_last`` newest (``None`` keeps all) and, with ``keep_best`` and
+    ``monitor``, the ``keep_best`` best by that metric (``mode`` ``"min"`` or ``"max"``), or
+    a :class:`~ddpckpt.policies.Retention` as ``retention``. The newest committed
+    checkpoint is always kept; others are deleted only after a newer one is committed.
+
+    Failures: a save that fails in storage (disk full, I/O error) is retried ``retries``
+    times with exponential backoff when the error is transient, then, with
+    ``on_error="warn"`` (the default), logged on every rank while training goes on; with
+    ``"raise"`` it raises on every rank. Programming errors (a value that cannot be
+    stored, ranks holding different state) always raise.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        extra: MutableMapping[str, Any] | None = None,
+        keep_last: int | None = 3,
+        keep_best: int | None = None,
+        monitor: str | None = None,
+        mode: str = "min",
+        every_steps: int | None = None,
+        every_seconds: float | None = None,
+        save_policy: SavePolicy | None = None,
+        retention: Retention | None = None,
+        on_error: str = "warn",
+        retries: int = 2,
+        retry_backoff: float = 1.0,
+        rng: bool = True,
+        storage: str | None = None,
+        timeout: float | None = None,
+        lock_stale_after: float = 600.0,
+    ) -> None:
+        if on_error not in ("warn", "raise"):
+            raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
+        if type(retries) is not int or retries < 0:
+            raise ValueError(f"retries must be a non-negative int, got {retries!r}")
+        if monitor is not None and keep_best is None and retention is None:
+            raise ValueError("monitor= only matters with keep_best=; pass keep_best=K as well")
+        self.directory = os.fspath(directory)
+        self.model, self.optimizer, self.scheduler, self.scaler = (
+            model,
+            optimizer,
+            scheduler,
+            scaler,
+        )
+        self.extra = extra
+        self.save_policy = save_policy or _save_policy(every_steps, every_seconds)
+        self.retention = retention or _retention(keep_last, keep_best, monitor, mode)
+        self.on_error, self.retries, self.retry_backoff = on_error, retries, retry_backoff
+        self.rng, self.storage, self.timeout = rng, storage, timeout
+        self._lock = RunLock(self.directory, lock_stale_after)
+        self._domains: list[list[int]] | None = None
+        self._leader = False
+        self._latest: int | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ public
+
+    def resume(self, step: int | None = None) -> CheckpointInfo | None:
+        """Restore the newest committed checkpoint that loads and verifies; collective.
+
+        A newer checkpoint that is corrupt or incomplete is reported (naming the file),
+        moved aside as ``step-N.corrupt-*`` and skipped. Returns ``None`` when the
+        directory holds no checkpoint; raises if checkpoints exist but none can be
+        loaded. With ``step``, restores exactly that checkpoint.
+        """
+        self._check_open()
+        with self._comm("Checkpointer.resume") as comm:
+            self._prepare(comm)
+            views = comm.run_all(
+                "list", lambda: {str(e.step): e.status for e in scan(self.directory)}
+            )
+        committed = sorted(
+            {int(s) for v in views for s, status in v.items() if status == "committed"},
+            reverse=True,
+        )
+        broken = sorted({int(s) for v in views for s, status in v.items() if status != "committed"})
+        if step is not None:
+            if step not in committed:
+                raise CheckpointNotFoundError(
+                    f"{self._path(step)}: no committed checkpoint for step {step}"
+                )
+            committed = [step]
+        if not committed and not broken:
+            _log.info("%s: no checkpoint to resume from; starting fresh", self.directory)
+            return None
+        failures = []
+        for candidate in committed:
+            try:
+                info = load(
+                    self._path(candidate),
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    scheduler=self.scheduler,
+                    scaler=self.scaler,
+                    extra=self.extra,
+                    rng=self.rng,
+                    timeout=self.timeout,
+                )
+            except CorruptCheckpointError as exc:
+                _log.warning(
+                    "cannot resume from %s: %s; trying an older checkpoint",
+                    self._path(candidate),
+                    exc,
+                )
+                failures.append(f"{self._path(candidate)}: {exc}")
+                broken.append(candidate)
+                continue
+            self._after_resume(candidate, [b for b in broken if b > candidate])
+            return info
+        raise CorruptCheckpointError(
+            f"{self.directory}: holds checkpoints but none can be loaded:\n  "
+            + "\n  ".join(failures)
+            if failures
+            else f"{self.directory}: holds only incomplete checkpoints ({broken}); nothing to resume"
+        )
+
+    def should_save(self, step: int) -> bool:
+        """Whether the policy asks for a save at ``step``; identical on every rank.
+
+        Collective only when the policy reads the clock (``every_seconds``).
+        """
+        if self._latest is not None and step <= self._latest:
+            return False
+        decision = self.save_policy.should_save(step, time.monotonic())
+        if self.save_policy.needs_agreement:
+            with self._comm("Checkpointer.should_save") as comm:
+                decision = comm.broadcast("decision", b"1" if decision else b"0") == b"1"
+        return decision
+
+    def save(
+        self, step: int, epoch: int | None = None, metrics: Mapping[str, Any] | None = None
+    ) -> str | None:
+        """Save the objects as checkpoint ``step``; collective. Returns its path once durable.
+
+        Raises :class:`CheckpointExistsError` if ``step`` is already saved and
+        :class:`CheckpointStepError` if it is older than the newest checkpoint. Returns
+        ``None`` if storage failed and ``on_error="warn"``.
+        """
+        self._check_open()
+        header = _header_fields(step, epoch, metrics)
+        if self._domains is None:
+            with self._comm("Checkpointer.prepare") as comm:
+                self._prepare(comm)
+        if self._latest is not None and step <= self._latest:
+            if step == self._latest:
+                raise CheckpointExistsError(f"{self._path(step)}: step {step} is already saved")
+            raise CheckpointStepError(
+                f"{self.directory}: cannot save step {step}: the newest checkpoint is step "
+                f"{self._latest}. Steps must grow; after going back to an older checkpoint, "
+                "delete the newer ones or use a new directory"
+            )
+        path = self._path(step)
+        for attempt in range(self.retries + 1):
+            try:
+                self._save_once(path, header)
+                break
+            except CheckpointWriteError as exc:
+                transient = exc.errno in _TRANSIENT and not isinstance(exc, InsufficientSpaceError)
+                if transient and attempt < self.retries:
+                    delay = self.retry_backoff * 2**attempt
+                    _log.warning("saving %s failed (%s); retrying in %.1f s", path, exc, delay)
+                    time.sleep(delay)
+                    continue
+                if self.on_error == "raise":
+                    raise
+                _log.warning(
+                    "saving step %d failed and training goes on (on_error='warn'); the newest "
+                    "checkpoint is still %s. Cause: %s",
+                    step,
+                    self._path(self._latest) if self._latest is not None else "none",
+                    exc,
+                )
+                return None
+        self._latest = step
+        self.save_policy.saved(step, time.monotonic())
+        return path
+
+    def wait(self) -> None:
+        """Block until every save started so far is durable (saves are synchronous here)."""
+
+    def close(self) -> None:
+        """Wait for saves in flight and release the directory's lock. Idempotent; local."""
+        if self._closed:
+            return
+        self.wait()
+        self._lock.release()
+        self._closed = True
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _comm(self, call: str, path: str | None = None) -> Comm:
+        return Comm.open(call, path=path or self.directory, timeout=self.timeout)
+
+    def _path(self, step: int) -> str:
+        return os.path.join(self.directory, step_dirname(step))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"Checkpointer({self.directory!r}) is closed")
+
+    def _prepare(self, comm: Comm) -> None:
+        """Find the storage domains, take the lock, clear leftovers, learn the newest step."""
+        self._domains = storage_domains(comm, self.directory, self.storage)
+        self._leader = any(d[0] == comm.rank for d in self._domains)
+
+        def setup() -> list[int]:
+            if self._leader:
+                self._lock.acquire()
+                for name in clean_temporaries(self.directory):
+                    _log.info(
+                        "%s: removed %s, left by an interrupted save or deletion",
+                        self.directory,
+                        name,
+                    )
+                write_run_file(self.directory, {"retention": self.retention.describe()})
+            return [e.step for e in scan(self.directory) if e.status == "committed"]
+
+        steps = [s for listing in comm.run_all("setup", setup) for s in listing]
+        self._latest = max(steps, default=None)
+
+    def _save_once(self, path: str, header: Mapping[str, Any]) -> None:
+        with self._comm("Checkpointer.save", path) as comm:
+            path = comm.path or path
+            snapshot = comm.run(
+                "capture",
+                lambda: capture(
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    scheduler=self.scheduler,
+                    scaler=self.scaler,
+                    extra=self.extra,
+                    rng=self.rng,
+                ),
+            )
+            persist(comm, snapshot, header, storage=self.storage, domains=self._domains)
+            try:
+                comm.run("retain", lambda: self._after_commit(path))
+            except CheckpointError as exc:  # committed all the same
+                _log.warning(
+                    "%s is saved, but updating 'latest' or deleting old checkpoints failed: %s",
+                    path,
+                    exc,
+                )
+
+    def _after_commit(self, path: str) -> None:
+        if not self._leader:
+            return
+        write_latest(self.directory, os.path.basename(path))
+        committed = [e for e in scan(self.directory) if e.status == "committed"]
+        records = [Record(e.step, e.metrics) for e in committed]
+        keep = self.retention.keep(records) | {max(r.step for r in records)}
+        for entry in committed:
+            if entry.step not in keep:
+                remove_checkpoint(entry.path)
+                _log.info("deleted %s (retention)", entry.path)
+        self._lock.refresh()
+
+    def _after_resume(self, step: int, newer_broken: list[int]) -> None:
+        """Move aside the broken checkpoints newer than ``step``; point ``latest`` at it."""
+        with self._comm("Checkpointer.resumed") as comm:
+
+            def tidy() -> None:
+                if not self._leader:
+                    return
+                for broken in newer_broken:
+                    source = self._path(broken)
+                    if os.path.exists(source):
+                        target = f"{source}.corrupt-{new_token()}"
+                        os.rename(source, target)
+                        _log.warning("moved %s aside to %s; it is never loaded", source, target)
+                if read_latest(self.directory) != step_dirname(step):
+                    write_latest(self.directory, step_dirname(step))
+
+            comm.run("tidy", tidy)
+        self._latest = step
+        self.save_policy.saved(step, time.monotonic())
+
+
+def _save_policy(every_steps: int | None, every_seconds: float | None) -> SavePolicy:
+    policies: list[SavePolicy] = []
+    if every_steps is not None:
+        policies.append(EverySteps(every_steps))
+    if every_seconds is not None:
+        policies.append(EverySeconds(every_seconds))
+    if not policies:
+        return _Never()
+    return policies[0] if len(policies) == 1 else AnyOf(*policies)
+
+
+def _retention(
+    keep_last: int | None, keep_best: int | None, monitor: str | None, mode: str
+) -> Retention:
+    parts: list[Retention] = [KeepLast(keep_last) if keep_last is not None else KeepAll()]
+    if keep_best is not None:
+        if monitor is None:
+            raise ValueError("keep_best needs monitor=, the name of a metric passed to save()")
+        parts.append(KeepBest(keep_best, monitor, mode))
+    return parts[0] if len(parts) == 1 else Union(*parts)
+
+
+class _Never(SavePolicy):
+    """No schedule given: ``should_save`` is always False; call :meth:`Checkpointer.save` yourself."""
+
+    def should_save(self, step: int, now: float) -> bool:
+        return False

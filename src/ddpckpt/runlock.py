@@ -1,0 +1,128 @@
+"""One job at a time per run directory: a lock file naming its holder.
+
+``run/.lock`` holds JSON: host, pid, job id (``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID``)
+and when it was taken. It is created with ``O_EXCL``. A lock is *stale*, and is taken
+over with a warning, when its holder is this host's process that no longer exists, when
+it belongs to the same job (an elastic restart), or when it has not been refreshed for
+``stale_after`` seconds (a holder on another host that died). The holder refreshes it at
+every save.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from typing import Any
+
+from ._log import get_logger
+from .errors import CheckpointLockedError
+from .storage import write_bytes_atomic
+
+__all__ = ["LOCK_NAME", "RunLock"]
+
+_log = get_logger(__name__)
+LOCK_NAME = ".lock"
+
+
+def _job_id() -> str | None:
+    return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """The lock of one run directory, as held by this process."""
+
+    def __init__(self, directory: str, stale_after: float = 600.0) -> None:
+        self.path = os.path.join(directory, LOCK_NAME)
+        self.stale_after = stale_after
+        self.held = False
+        self._mine = {"host": platform.node(), "pid": os.getpid(), "job": _job_id()}
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            with open(self.path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {}  # a torn lock file: whoever wrote it died while writing
+
+    def _why_stale(self, holder: dict[str, Any]) -> str | None:
+        if not holder:
+            return "unreadable"
+        if holder.get("host") == self._mine["host"] and holder.get("pid") == self._mine["pid"]:
+            return "ours"
+        if holder.get("job") and holder.get("job") == self._mine["job"]:
+            return f"held by an earlier attempt of this job (pid {holder.get('pid')})"
+        if holder.get("host") == self._mine["host"] and not _alive(int(holder.get("pid", -1))):
+            return f"its holder, pid {holder.get('pid')} on this host, is gone"
+        try:
+            age = time.time() - os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return "gone"
+        if age > self.stale_after:
+            return f"not refreshed for {age:.0f} s"
+        return None
+
+    def acquire(self) -> None:
+        """Take the lock or raise :class:`CheckpointLockedError` naming its live holder."""
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        document = json.dumps({**self._mine, "since": time.time()}).encode()
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                holder = self._read()
+                if holder is None:
+                    continue
+                reason = self._why_stale(holder)
+                if reason is None:
+                    raise CheckpointLockedError(
+                        f"{os.path.dirname(self.path)} is in use by another job: pid "
+                        f"{holder.get('pid')} on {holder.get('host')} (job {holder.get('job')}). "
+                        "Use another directory, stop that job, or delete the .lock file if "
+                        "you are sure it is dead"
+                    ) from None
+                if reason != "ours":
+                    _log.warning("%s: taking over a stale lock (%s)", self.path, reason)
+                write_bytes_atomic(self.path, document)
+                self.held = True
+                return
+            try:
+                os.write(fd, document)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self.held = True
+            return
+        raise CheckpointLockedError(f"{self.path}: could not take the lock (it keeps changing)")
+
+    def refresh(self) -> None:
+        if self.held:
+            os.utime(self.path)
+
+    def release(self) -> None:
+        """Delete the lock file if it is still ours. If storage refuses (read-only), the
+        lock stays and the next job takes it over as stale; that is logged, not raised."""
+        if not self.held:
+            return
+        self.held = False
+        holder = self._read()
+        if holder and self._why_stale(holder) == "ours":
+            try:
+                os.unlink(self.path)
+            except OSError as exc:
+                _log.warning(
+                    "%s: could not remove the lock (%s); the next job takes it over", self.path, exc
+                )

@@ -1,0 +1,303 @@
+"""Checkpointer in one process: schedule, retention, resume with fallback, lock, failures."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import math
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ddpckpt
+from conftest import make_mlp, train_steps
+from ddpckpt import Checkpointer, CheckpointExistsError, CheckpointLockedError, CheckpointStepError
+from ddpckpt.cli import main
+from ddpckpt.errors import CorruptCheckpointError, InsufficientSpaceError, StateMismatchError
+
+
+def objects(seed: int = 0):
+    model = make_mlp(seed)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def steps_on_disk(run) -> list[str]:
+    return sorted(n for n in os.listdir(run) if n.startswith("step-"))
+
+
+def flip_last_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0x01]))
+
+
+def test_five_line_loop_saves_on_schedule_and_resumes_newest(tmp_path) -> None:
+    run = tmp_path / "run"
+    model, opt = objects()
+    with Checkpointer(run, model=model, optimizer=opt, every_steps=3, keep_last=2) as ckpt:
+        assert ckpt.resume() is None
+        for step in range(1, 11):
+            train_steps(model, opt, steps=1)
+            if ckpt.should_save(step):
+                assert ckpt.save(step, metrics={"step": step}) == os.path.join(
+                    run, f"step-{step:08d}"
+                )
+    assert steps_on_disk(run) == ["step-00000006", "step-00000009"]
+    assert (run / "latest").read_text() == "step-00000009\n"
+    assert not (run / ".lock").exists()
+
+    fresh, fresh_opt = objects(seed=5)
+    with Checkpointer(run, model=fresh, optimizer=fresh_opt, every_steps=3) as ckpt:
+        info = ckpt.resume()
+        assert info.step == 9 and info.metrics == {"step": 9}
+        assert not ckpt.should_save(9) and ckpt.should_save(12)
+
+
+def test_keep_best_ignores_nan_and_inf_and_never_drops_the_newest(tmp_path) -> None:
+    run = tmp_path / "run"
+    model, opt = objects()
+    losses = {1: 0.5, 2: float("nan"), 3: 0.2, 4: float("-inf"), 5: 0.9, 6: 0.8, 7: float("nan")}
+    ckpt = Checkpointer(run, model=model, optimizer=opt, keep_last=1, keep_best=2, monitor="loss")
+    for step, loss in losses.items():
+        ckpt.save(step, metrics={"loss": loss})
+    ckpt.close()
+    assert steps_on_disk(run) == ["step-00000001", "step-00000003", "step-00000007"]
+    ckpt = Checkpointer(run, model=model, keep_last=None, keep_best=1, monitor="acc", mode="max")
+    ckpt.resume()
+    for step, acc in ((8, 0.7), (9, 0.95), (10, math.inf), (11, 0.1)):
+        ckpt.save(step, metrics={"acc": acc})
+    assert steps_on_disk(run)[-4:] == [
+        "step-00000008",
+        "step-00000009",
+        "step-00000010",
+        "step-00000011",
+    ]
+
+
+def test_retention_and_best_marks_show_in_ls(tmp_path, capsys) -> None:
+    run = tmp_path / "run"
+    model, _ = objects()
+    with Checkpointer(run, model=model, keep_last=1, keep_best=1, monitor="loss") as ckpt:
+        for step, loss in ((10, 0.3), (20, 0.1), (30, 0.4)):
+            ckpt.save(step, metrics={"loss": loss})
+    assert main(["ls", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "20    " in out and "best #1 by loss" in out
+    assert "latest" in out and "verified" in out and "10  " not in out
+    flip_last_byte(str(run / "step-00000030" / "model-00000.safetensors"))
+    assert main(["ls", str(run)]) == 1
+    assert "CORRUPT" in capsys.readouterr().out
+
+
+def test_same_step_twice_and_going_backwards_are_refused(tmp_path) -> None:
+    model, _ = objects()
+    ckpt = Checkpointer(tmp_path / "run", model=model)
+    ckpt.save(5)
+    with pytest.raises(CheckpointExistsError, match="step 5 is already saved"):
+        ckpt.save(5)
+    with pytest.raises(CheckpointStepError, match="newest checkpoint is step 5"):
+        ckpt.save(4)
+    ckpt.close()
+    with pytest.raises(CheckpointStepError):  # also after a restart, before resume()
+        Checkpointer(tmp_path / "run", model=model).save(3)
+
+
+def test_resume_falls_back_past_corrupt_and_incomplete_checkpoints(tmp_path, caplog) -> None:
+    run = tmp_path / "run"
+    model, opt = objects()
+    with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as ckpt:
+        for step in (1, 2, 3):
+            train_steps(model, opt, steps=1)
+            ckpt.save(step)
+    flip_last_byte(str(run / "step-00000003" / "state-00000.safetensors"))
+    os.unlink(run / "step-00000002" / "manifest.json")
+    fresh, fresh_opt = objects(seed=9)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        ckpt = Checkpointer(run, model=fresh, optimizer=fresh_opt, keep_last=None)
+        assert ckpt.resume().step == 1
+    assert "step-00000003/state-00000.safetensors: checksum mismatch" in caplog.text
+    assert "moved" in caplog.text
+    on_disk = sorted(os.listdir(run))
+    assert "step-00000001" in on_disk and any(
+        n.startswith("step-00000003.corrupt-") for n in on_disk
+    )
+    ckpt.save(2)  # the run goes on from step 1
+    ckpt.save(3)
+    assert (run / "latest").read_text() == "step-00000003\n"
+
+
+def test_nothing_loadable_is_an_error_not_a_fresh_start(tmp_path) -> None:
+    run = tmp_path / "run"
+    model, _ = objects()
+    with Checkpointer(run, model=model) as ckpt:
+        ckpt.save(1)
+    flip_last_byte(str(run / "step-00000001" / "model-00000.safetensors"))
+    with pytest.raises(CorruptCheckpointError, match="none can be loaded"):
+        Checkpointer(run, model=model).resume()
+
+
+def test_resume_a_given_step_and_model_only_for_evaluation(tmp_path) -> None:
+    run = tmp_path / "run"
+    model, opt = objects()
+    with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as ckpt:
+        for step in (1, 2):
+            train_steps(model, opt, steps=1)
+            ckpt.save(step)
+    evaluation = make_mlp(seed=3)
+    with Checkpointer(run, model=evaluation) as ckpt:
+        assert ckpt.resume(step=2).step == 2
+    assert torch.equal(evaluation[0].weight, model[0].weight)
+    with (
+        Checkpointer(run, model=evaluation, extra={"sampler": {}}) as ckpt,
+        pytest.raises(StateMismatchError, match="sampler"),
+    ):
+        ckpt.resume()
+
+
+def test_stale_temporaries_are_cleaned_and_never_loaded(tmp_path) -> None:
+    run = tmp_path / "run"
+    model, _ = objects()
+    with Checkpointer(run, model=model) as ckpt:
+        ckpt.save(1)
+    leftover = run / ".step-00000002.tmp-deadbeef"
+    leftover.mkdir()
+    (leftover / "model-00000.safetensors").write_bytes(b"partial")
+    with Checkpointer(run, model=model) as ckpt:
+        assert ckpt.resume().step == 1
+    assert not leftover.exists()
+
+
+def write_lock(run, pid: int, host: str | None = None, job: str | None = None) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / ".lock").write_text(
+        json.dumps({"host": host or platform.node(), "pid": pid, "job": job, "since": 0})
+    )
+
+
+def test_a_live_lock_holder_is_named_and_a_dead_one_is_taken_over(tmp_path, caplog) -> None:
+    run = tmp_path / "run"
+    model, _ = objects()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_lock(run, holder.pid)
+        with pytest.raises(CheckpointLockedError, match=f"pid {holder.pid} on {platform.node()}"):
+            Checkpointer(run, model=model).resume()
+    finally:
+        holder.kill()
+        holder.wait()
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        ckpt = Checkpointer(run, model=model)
+        assert ckpt.resume() is None
+    assert "taking over a stale lock" in caplog.text and "is gone" in caplog.text
+    assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
+    ckpt.close()
+    write_lock(run, 1, host="another-node", job="job-42")
+    with pytest.raises(CheckpointLockedError, match="another-node"):
+        Checkpointer(run, model=model).resume()
+
+
+def test_an_elastic_restart_of_the_same_job_takes_the_lock_over(tmp_path, monkeypatch) -> None:
+    run = tmp_path / "run"
+    write_lock(run, 1, host="node-that-died", job="job-7")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
+    Checkpointer(run, model=make_mlp()).resume()
+
+
+def failing_writes(monkeypatch, errors: list[int]) -> list[int]:
+    """Make the next writes fail with the given errnos, then work again."""
+    import ddpckpt.checkpoint as checkpoint
+
+    real = checkpoint.write_file
+    seen: list[int] = []
+
+    def write_file(path, *args, **kwargs):
+        if errors:
+            seen.append(errors[0])
+            raise OSError(errors.pop(0), os.strerror(seen[-1]), path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write_file", write_file)
+    return seen
+
+
+def test_disk_full_warns_and_training_goes_on(tmp_path, monkeypatch, caplog) -> None:
+    run = tmp_path / "run"
+    model, opt = objects()
+    ckpt = Checkpointer(run, model=model, optimizer=opt, retries=2, retry_backoff=0.01)
+    ckpt.save(1)
+    seen = failing_writes(monkeypatch, [errno.ENOSPC])
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert ckpt.save(2) is None
+    assert seen == [errno.ENOSPC]  # not retried: a full disk stays full
+    assert "training goes on" in caplog.text and "No space left" in caplog.text
+    assert (
+        steps_on_disk(run) == ["step-00000001"]
+        and [n for n in os.listdir(run) if ".tmp-" in n] == []
+    )
+    assert ckpt.save(3) is not None
+
+
+def test_transient_errors_are_retried_and_raise_mode_raises(tmp_path, monkeypatch) -> None:
+    model, opt = objects()
+    ckpt = Checkpointer(
+        tmp_path / "run",
+        model=model,
+        optimizer=opt,
+        retries=2,
+        retry_backoff=0.01,
+        on_error="raise",
+    )
+    seen = failing_writes(monkeypatch, [errno.EIO, errno.ESTALE])
+    assert ckpt.save(1) is not None and seen == [errno.EIO, errno.ESTALE]
+    failing_writes(monkeypatch, [errno.EIO] * 3)
+    with pytest.raises(ddpckpt.CheckpointWriteError) as caught:
+        ckpt.save(2)
+    assert caught.value.errno == errno.EIO
+
+
+def test_a_save_that_cannot_fit_fails_before_writing(tmp_path, monkeypatch) -> None:
+    import ddpckpt.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1000)
+    model, _ = objects()
+    ckpt = Checkpointer(tmp_path / "run", model=model, on_error="raise")
+    with pytest.raises(InsufficientSpaceError, match="GiB are free"):
+        ckpt.save(1)
+    assert steps_on_disk(tmp_path / "run") == []
+
+
+def test_every_seconds_policy(tmp_path) -> None:
+    from ddpckpt.policies import AnyOf, EverySeconds, EverySteps
+
+    policy = AnyOf(EverySteps(100), EverySeconds(10))
+    assert policy.needs_agreement
+    assert not policy.should_save(1, now=0.0)
+    assert policy.should_save(2, now=10.5)
+    policy.saved(2, now=10.5)
+    assert not policy.should_save(3, now=15.0) and policy.should_save(100, now=15.0)
+    model, _ = objects()
+    ckpt = Checkpointer(tmp_path / "run", model=model, every_seconds=3600)
+    assert not ckpt.should_save(1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"keep_best": 2}, "monitor"),
+        ({"monitor": "loss"}, "keep_best"),
+        ({"keep_last": 0}, "keep_last"),
+        ({"every_steps": 0}, "every_steps"),
+        ({"on_error": "ignore"}, "on_error"),
+        ({"keep_best": 1, "monitor": "loss", "mode": "up"}, "mode"),
+    ],
+)
+def test_configuration_is_validated_up_front(tmp_path, kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        Checkpointer(tmp_path / "run", model=make_mlp(), **kwargs)

@@ -1,0 +1,199 @@
+"""Crash consistency: kill the trainer anywhere in a save, damage files, fill or freeze
+the disk; resume() must find the newest checkpoint committed before the fault, and no
+checkpoint retention should keep may be lost.
+
+Kill points are spread over every phase of a save (tensor data, manifest, the commit
+rename, the `latest` pointer, deleting old checkpoints, directory syncs). The summary is
+printed into the test output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from crash_worker import corrupt
+from launch import WORKER, _env, _finish, _start, free_port
+
+CRASH_WORKER = WORKER.with_name("crash_worker.py")
+KEEP = 2
+SEED = int(os.environ.get("DDPCKPT_CRASH_SEED", "20261120"))
+PHASES = ("data", "manifest", "commit", "latest", "delete", "fsync", "other")
+
+
+def server(*args: str, timeout: float = 600) -> None:
+    done = subprocess.run(
+        [sys.executable, str(CRASH_WORKER), *args], check=False, timeout=timeout,
+        env=_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-6000:]
+
+
+def judge(result: dict) -> str:
+    """'ok', or why the trial failed."""
+    if "skipped" in result:
+        return "skipped"
+    found, oracle = result["found"], result["oracle"]
+    if not isinstance(found, dict) or "error" in found or "crash" in found:
+        return f"resume failed: {found}"
+    committed = sorted(oracle["committed"])
+    must_survive = set(committed[-KEEP:])  # what retention kept when the fault struck
+    if result["action"] in ("truncate", "flip"):
+        must_survive.discard(committed[-1])  # the newest was damaged on purpose
+        committed = committed[:-1]
+    expected = committed[-1] if committed else None
+    if found["step"] != expected:
+        return f"resumed step {found['step']}, expected {expected}"
+    if expected is not None and found["digest"] != oracle["digests"][str(expected)]:
+        return f"state of step {expected} differs from what was saved"
+    lost = sorted(s for s in must_survive if not found["verified"].get(str(s)))
+    if lost:
+        return f"lost or damaged checkpoints {lost}"
+    if found["leftovers"]:
+        return f"temporaries left after resume: {found['leftovers']}"
+    return "ok"
+
+
+def report(title: str, results: list[dict], capsys) -> list[str]:
+    outcomes = Counter((r["action"], r.get("phase", "-"), judge(r)) for r in results)
+    lines = [f"{title}: {len(results)} trials (seed {SEED})"]
+    lines += [
+        f"  {action:9} {phase:9} {verdict}: {n}"
+        for (action, phase, verdict), n in sorted(outcomes.items())
+    ]
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+    return [
+        f"{r['action']}@{r.get('phase')}#{r.get('at')}: {judge(r)}"
+        for r in results
+        if judge(r) not in ("ok", "skipped")
+    ]
+
+
+def plan_trials(events: list, rng: random.Random) -> list[dict]:
+    by_phase: dict[str, list[int]] = {}
+    for index, (phase, _) in enumerate(events):
+        by_phase.setdefault(phase, []).append(index)
+    specs = []
+    for phase in PHASES:  # at least 7 kills in each phase that has events, 56+ in all
+        indices = by_phase.get(phase, [])
+        for at in rng.sample(indices, min(len(indices), 8)):
+            specs.append({"action": "kill", "phase": phase, "at": at})
+    writes = [i for i, (phase, what) in enumerate(events) if what.startswith(("create", "write"))]
+    specs += [{"action": "enospc", "phase": events[i][0], "at": i} for i in rng.sample(writes, 4)]
+    changes = [
+        i for i, (_, what) in enumerate(events) if what.startswith(("create", "mkdir", "rename"))
+    ]
+    specs += [{"action": "erofs", "phase": events[i][0], "at": i} for i in rng.sample(changes, 3)]
+    specs += [
+        {"action": kind, "seed": rng.randrange(1 << 30)} for kind in ["truncate"] * 4 + ["flip"] * 5
+    ]
+    specs.append({"action": "readonly"})
+    return specs
+
+
+@pytest.mark.slow
+def test_crash_consistency_single_process(tmp_path, capsys) -> None:
+    server("calibrate", str(tmp_path / "calibration"), str(tmp_path / "events.json"))
+    events = json.loads((tmp_path / "events.json").read_text())
+    assert {phase for phase, _ in events} >= {
+        "data",
+        "manifest",
+        "commit",
+        "latest",
+        "delete",
+        "fsync",
+    }
+    specs = plan_trials(events, random.Random(SEED))
+    kills = sum(s["action"] == "kill" for s in specs)
+    assert kills >= 50
+    (tmp_path / "spec.json").write_text(json.dumps(specs))
+    server(
+        "trials",
+        str(tmp_path / "trials"),
+        str(tmp_path / "spec.json"),
+        str(tmp_path / "results.json"),
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert len(results) == len(specs)
+    failures = report("crash suite, one process", results, capsys)
+    assert not failures, "\n".join(failures)
+
+
+def torchrun_crash(mode: str, *args: str, timeout: float = 120) -> tuple[int, str]:
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "--max-restarts=0", str(CRASH_WORKER), mode, *args]  # fmt: skip
+    ((code, out),) = _finish([_start(cmd, _env({"OMP_NUM_THREADS": "1"}), None)], timeout)
+    return code, out
+
+
+def read_oracle(path: Path) -> dict:
+    committed, digests = [], {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            kind, value, *rest = line.split()
+            if kind == "committed":
+                committed.append(int(value[5:]))
+            else:
+                digests[value] = rest[0]
+    return {"committed": committed, "digests": digests}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
+    code, out = torchrun_crash("train", str(tmp_path / "calibration"), str(tmp_path / "cal-oracle"))
+    assert code == 0, out[-4000:]
+    events = {r: json.loads((tmp_path / f"cal-oracle.events.rank{r}").read_text()) for r in (0, 1)}
+    rng = random.Random(SEED)
+    specs = []
+    for rank, phases in (
+        (0, ("data", "manifest", "commit", "latest", "delete", "fsync")),
+        (1, ("data", "fsync")),
+    ):
+        for phase in phases:
+            indices = [i for i, (p, _) in enumerate(events[rank]) if p == phase]
+            if indices:
+                specs.append(
+                    {
+                        "action": "kill",
+                        "phase": f"{phase}@rank{rank}",
+                        "at": rng.choice(indices),
+                        "rank": rank,
+                    }
+                )
+    writes = [
+        i for i, (p, what) in enumerate(events[1]) if p == "data" and what.startswith("write")
+    ]
+    specs.append({"action": "enospc", "phase": "data@rank1", "at": rng.choice(writes), "rank": 1})
+    specs.append({"action": "flip", "seed": rng.randrange(1 << 30)})
+    results = []
+    for i, spec in enumerate(specs):
+        run, oracle = tmp_path / f"t{i}" / "run", tmp_path / f"t{i}" / "oracle"
+        run.parent.mkdir()
+        if spec["action"] == "flip":
+            torchrun_crash("train", str(run), str(oracle))
+            spec["note"] = corrupt(str(run), "flip", random.Random(spec["seed"]))
+        else:
+            torchrun_crash(
+                "train", str(run), str(oracle), str(spec["at"]), str(spec["rank"]), spec["action"]
+            )
+        code, out = torchrun_crash("resume", str(run), str(tmp_path / f"t{i}" / "found"))
+        found = (
+            [json.loads((tmp_path / f"t{i}" / f"found.rank{r}").read_text()) for r in (0, 1)]
+            if code == 0
+            else [{"error": out[-2000:]}]
+        )
+        if len(found) == 2 and found[0] != found[1]:
+            found = [{"error": f"ranks resumed differently: {found}"}]
+        results.append({**spec, "oracle": read_oracle(Path(f"{oracle}.rank0")), "found": found[0]})
+    failures = report("crash suite, torchrun 2 ranks", results, capsys)
+    assert len(results) >= 9
+    assert not failures, "\n".join(failures)
