@@ -7,8 +7,10 @@ collective under ``torch.distributed`` and work the same in a single process.
 """
 
 from ._version import __version__
+from .accumulation import GradientAccumulation
 from .checkpoint import CheckpointInfo, load, load_state_dict, save, verify
 from .checkpointer import Checkpointer
+from .data import ResumableDistributedSampler, SampleIndex, SeededDataset, resumable_loader
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -22,6 +24,7 @@ from .errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
+from .state import PerRank
 
 __all__ = [
     "CheckpointError",
@@ -34,12 +37,18 @@ __all__ = [
     "Checkpointer",
     "CollectiveTimeoutError",
     "CorruptCheckpointError",
+    "GradientAccumulation",
     "IncompleteCheckpointError",
+    "PerRank",
+    "ResumableDistributedSampler",
+    "SampleIndex",
+    "SeededDataset",
     "StateMismatchError",
     "UnsupportedValueError",
     "__version__",
     "load",
     "load_state_dict",
+    "resumable_loader",
     "save",
     "verify",
 ]

@@ -63,7 +63,7 @@ from .state import (
     capture,
     check_model,
     check_optimizer,
-    is_stateful,
+    extra_kind,
     restore_model,
     restore_optimizer,
     restore_rank_buffers,
@@ -531,13 +531,19 @@ def _check(
                 f"{path}: extra[{name!r}] is not in the checkpoint (it has: "
                 f"{', '.join(sorted(stored_extra)) or 'no extra state'})"
             )
-        stored_stateful = stored_extra[name]["kind"] == "stateful"
-        if stored_stateful != is_stateful(obj):
-            saved_as = "an object with state_dict()" if stored_stateful else "a plain value"
+        stored, now = stored_extra[name]["kind"], extra_kind(obj)
+        if stored != now:
             raise StateMismatchError(
-                f"{path}: extra[{name!r}] was saved as {saved_as}, but the object passed "
-                f"now is a {type(obj).__qualname__}"
+                f"{path}: extra[{name!r}] was saved as {_KINDS[stored]}, but the object passed "
+                f"now ({type(obj).__qualname__}) is {_KINDS[now]}"
             )
+
+
+_KINDS = {
+    "value": "a plain value",
+    "stateful": "an object with state_dict() shared by all ranks",
+    "per_rank": "per-rank state (PerRank, a StatefulDataLoader ...)",
+}
 
 
 def _restore(
@@ -576,12 +582,34 @@ def _restore(
         entry = state["extra"][name]
         if entry["kind"] == "stateful":
             restore_stateful(obj, entry, source, path)
+        elif entry["kind"] == "per_rank":
+            owner = _per_rank_owner(manifest, name, rank, path)
+            own = {"state": manifest.ranks[owner]["extra"][name]}
+            restore_stateful(obj, own, source.for_rank(owner), path)
         else:
             objects.extra[name] = values[name]  # type: ignore[index]
     if rng:
         _restore_rng(manifest, source, path, rank)
     _log.info("loaded checkpoint %s (step %s)", path, manifest.step)
     return CheckpointInfo.from_manifest(path, manifest, values)
+
+
+def _per_rank_owner(manifest: Manifest, name: str, rank: int, path: str) -> int:
+    """Whose saved per-rank state ``rank`` loads: its own, or rank 0's if it has none."""
+    if rank < manifest.world_size:
+        if name not in manifest.ranks[rank].get("extra", {}):
+            raise CorruptCheckpointError(
+                f"{path}: no per-rank state of extra[{name!r}] for rank {rank}"
+            )
+        return rank
+    _log.warning(
+        "%s: saved with %d ranks, so rank %d has no extra[%r] state of its own; it starts from rank 0's",
+        path,
+        manifest.world_size,
+        rank,
+        name,
+    )
+    return 0
 
 
 def _restore_rng(manifest: Manifest, source: FileSource, path: str, rank: int) -> None:

@@ -31,6 +31,7 @@ from .tree import JSON, decode, encode
 
 __all__ = [
     "ModelView",
+    "PerRank",
     "Snapshot",
     "TensorSource",
     "canonical_state_dict",
@@ -523,13 +524,50 @@ def restore_stateful(
     )
 
 
+class PerRank:
+    """Marks an ``extra`` object whose state differs between ranks, so it is saved per rank.
+
+    ``extra={"loader": ddpckpt.PerRank(my_loader)}``. torchdata's ``StatefulDataLoader``
+    and :class:`~ddpckpt.GradientAccumulation` are recognised without it. A rank that did
+    not exist when the checkpoint was saved gets rank 0's state, with a warning.
+    """
+
+    def __init__(self, obj: Any) -> None:
+        if not is_stateful(obj):
+            raise TypeError(
+                f"PerRank needs an object with state_dict()/load_state_dict(), got {type(obj).__qualname__}"
+            )
+        self.obj = obj
+
+    def state_dict(self) -> Any:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.obj.load_state_dict(state)
+
+
+def extra_kind(obj: Any) -> str:
+    """How an ``extra`` entry is stored: ``per_rank``, ``stateful`` (shared) or ``value``."""
+    if not is_stateful(obj):
+        return "value"
+    per_rank = isinstance(obj, PerRank) or getattr(type(obj), "ddpckpt_per_rank", False)
+    if per_rank or type(obj).__module__.startswith("torchdata.stateful_dataloader"):
+        return "per_rank"
+    return "stateful"
+
+
 def _capture_extra(extra: Mapping[str, Any], snapshot: Snapshot) -> None:
     section: dict[str, JSON] = {}
     for name, obj in extra.items():
         if not isinstance(name, str) or not name:
             raise TypeError(f"extra keys must be non-empty strings, got {name!r}")
         prefix = f"extra/{name}"
-        if is_stateful(obj):
+        kind = extra_kind(obj)
+        if kind == "per_rank":
+            section[name] = {"kind": kind, "type": type(obj).__qualname__}
+            own = snapshot.rank_state.setdefault("extra", {})
+            own[name] = encode(obj.state_dict(), prefix, snapshot.rank_tensors)
+        elif kind == "stateful":
             section[name] = {
                 "kind": "stateful",
                 "type": type(obj).__qualname__,

@@ -1,0 +1,155 @@
+"""A complete training loop for the exact-resume acceptance tests (run under torchrun).
+
+    exact_worker.py train RUN OUT --steps T --every K [--kill-at S]
+    exact_worker.py coverage RUN OUT --batches B
+
+Dropout, BatchNorm, AdamW, a warm-up schedule, GradScaler, an EMA, gradient accumulation 2,
+a shuffling ResumableDistributedSampler and a 2-worker loader with random augmentation.
+Each rank appends one JSON line per optimizer step to OUT/losses-rank<r>.jsonl and, at the
+end, writes OUT/final-rank<r>.json with digests of everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpckpt
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Fixed data, randomly augmented on every access."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x.sum(dim=1, keepdim=True)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i], torch.tensor(int(i))
+
+
+def digest(*tensors: torch.Tensor) -> str:
+    hasher = xxhash.xxh3_64()
+    for t in tensors:
+        hasher.update(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def train(args: argparse.Namespace, rank: int) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1)
+    )
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=3)
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+    )
+    accumulation = ddpckpt.GradientAccumulation(ddp, steps=2)
+    data = Noisy(64)
+    sampler = ddpckpt.ResumableDistributedSampler(data, shuffle=True, seed=1)
+    loader = ddpckpt.resumable_loader(data, sampler=sampler, batch_size=4, num_workers=2)
+    torch.manual_seed(1234 + rank)  # dropout differs per rank
+    extra = {"ema": ema, "sampler": sampler, "loader": loader, "accumulation": accumulation}
+    ckpt = ddpckpt.Checkpointer(args.run, model=ddp, optimizer=opt, scheduler=sched, scaler=scaler,
+                                extra=extra, every_steps=args.every, keep_last=2, timeout=60)  # fmt: skip
+    info = ckpt.resume()
+    step, start_epoch = (info.step, info.epoch) if info else (0, 0)
+    log = open(os.path.join(args.out, f"losses-rank{rank}.jsonl"), "a")  # noqa: SIM115
+    window = 0.0
+    for epoch in range(start_epoch, 100):
+        sampler.set_epoch(epoch)
+        for x, y, _ in loader:
+            with accumulation.context():
+                loss = (ddp(x) - y).pow(2).mean() / accumulation.steps
+                scaler.scale(loss).backward()
+            window += loss.item()
+            if not accumulation.step():
+                continue
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            sched.step()
+            ema.update_parameters(model)
+            step += 1
+            log.write(
+                json.dumps({"step": step, "loss": window, "lr": sched.get_last_lr()[0]}) + "\n"
+            )
+            log.flush()
+            window = 0.0
+            if step == args.kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if ckpt.should_save(step):
+                ckpt.save(step, epoch=epoch)
+            if step == args.steps:
+                break
+        if step == args.steps:
+            break
+    ckpt.close()
+    state = opt.state_dict()["state"]
+    final = {
+        "step": step,
+        "model": digest(*model.state_dict().values()),
+        "optimizer": digest(*(v for s in state.values() for v in s.values())),
+        "ema": digest(*ema.state_dict().values()),
+        "scaler": scaler.state_dict(),
+        "lr": sched.get_last_lr(),
+    }
+    with open(os.path.join(args.out, f"final-rank{rank}.json"), "w") as f:
+        json.dump(final, f)
+
+
+def coverage(args: argparse.Namespace, rank: int) -> None:
+    """Consume ``--batches`` batches of epoch 0, saving after them; log every index seen."""
+    model = nn.Linear(8, 1)
+    data = Noisy(48)
+    sampler = ddpckpt.ResumableDistributedSampler(data, shuffle=True, seed=7)
+    loader = ddpckpt.resumable_loader(data, sampler=sampler, batch_size=2, num_workers=2)
+    ckpt = ddpckpt.Checkpointer(
+        args.run, model=model, extra={"sampler": sampler, "loader": loader}, timeout=60
+    )
+    info = ckpt.resume()
+    seen = []
+    sampler.set_epoch(0)
+    for batch, (_, _, index) in enumerate(loader, start=1):
+        seen += index.tolist()
+        if info is None and batch == args.batches:
+            ckpt.save(1, epoch=0)
+            break
+    ckpt.close()
+    with open(os.path.join(args.out, f"seen-{dist.get_world_size()}-rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["train", "coverage"])
+    parser.add_argument("run")
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--every", type=int, default=6)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--batches", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    (train if args.mode == "train" else coverage)(args, dist.get_rank())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
