@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port 29731 examples/train_ddp.py --out demo-output
+	$(BIN)/ddpckpt demo --out demo-output
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples

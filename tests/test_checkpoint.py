@@ -540,3 +540,44 @@ def test_saving_streams_with_bounded_extra_memory(ckpt_dir) -> None:
     )
     extra, state = map(int, result.stdout.split())
     assert extra < state * 0.15, f"peak RSS grew by {extra} bytes saving {state} bytes"
+
+
+def test_progress_counts_every_byte_saved_and_loaded(ckpt_dir, monkeypatch) -> None:
+    import ddpckpt.checkpoint as checkpoint
+
+    seen: dict[str, list[int]] = {}
+
+    class Recorder:
+        def __init__(self, description: str, total: int) -> None:
+            self.key = description.split()[0]
+            seen[self.key] = [total, 0]
+
+        def update(self, n: int) -> None:
+            seen[self.key][1] += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+    monkeypatch.setattr(checkpoint, "Progress", Recorder)
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    assert seen["saving"][0] == seen["saving"][1] > 0
+    ddpckpt.load(ckpt_dir, model=model, optimizer=opt)
+    assert 0 < seen["loading"][1] <= seen["loading"][0]
+
+
+def test_progress_bar_only_on_a_terminal_and_not_when_disabled(monkeypatch) -> None:
+    from ddpckpt import progress
+
+    monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: True, raising=False)
+    assert progress._wanted()
+    monkeypatch.setenv("DDPCKPT_PROGRESS", "0")
+    assert not progress._wanted()
+    monkeypatch.setenv("DDPCKPT_PROGRESS", "1")
+    monkeypatch.setenv("RANK", "3")
+    assert not progress._wanted()

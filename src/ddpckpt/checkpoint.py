@@ -57,6 +57,7 @@ from .manifest import (
     tensor_to_json,
 )
 from .plan import assign, file_names
+from .progress import Progress
 from .rng import derive_rng, restore_rng
 from .state import (
     Snapshot,
@@ -264,7 +265,8 @@ def persist(
         files: list[dict[str, Any]] = []
         tensors: dict[str, dict[str, Any]] = {}
         mine = [(n, t) for n, t in values.items() if owners[n] == comm.rank]
-        with _storage_errors(path):
+        share = sum(tensor_nbytes(t) for _, t in mine)
+        with _storage_errors(path), Progress(f"saving {os.path.basename(path)}", share) as bar:
             for kind, items in (
                 (
                     "model",
@@ -275,7 +277,11 @@ def persist(
                 if not items:
                     continue
                 entry, entries = write_file(
-                    os.path.join(tmp, names[kind]), items, writer=comm.rank, metadata=_FILE_METADATA
+                    os.path.join(tmp, names[kind]),
+                    items,
+                    writer=comm.rank,
+                    metadata=_FILE_METADATA,
+                    progress=bar.update,
                 )
                 files.append({"name": entry.name, **file_to_json(entry)})
                 prefix = "model/" if kind == "model" else ""
@@ -377,15 +383,18 @@ def _storage_errors(path: str) -> Iterator[None]:
 class FileSource:
     """Tensors of a checkpoint on this rank's storage: memory-mapped, verified on read."""
 
-    def __init__(self, path: str, manifest: Manifest, prefix: str = "") -> None:
+    def __init__(
+        self, path: str, manifest: Manifest, prefix: str = "", progress: Progress | None = None
+    ) -> None:
         self.path = path
         self.manifest = manifest
         self.prefix = prefix
+        self.progress = progress
         self._files: dict[str, TensorFile] = {}
         self._entries_by_file: dict[str, list[TensorEntry]] | None = None
 
     def for_rank(self, rank: int) -> FileSource:
-        source = FileSource(self.path, self.manifest, f"rank{rank}/")
+        source = FileSource(self.path, self.manifest, f"rank{rank}/", self.progress)
         source._files = self._files
         return source
 
@@ -414,7 +423,10 @@ class FileSource:
             mapped = TensorFile(os.path.join(self.path, entry.file), size)
             mapped.check_header(self._by_file()[entry.file])
             self._files[entry.file] = mapped
-        return self._files[entry.file].view(entry)
+        tensor = self._files[entry.file].view(entry)
+        if self.progress is not None:
+            self.progress.update(entry.nbytes)
+        return tensor
 
 
 def load(
@@ -452,12 +464,13 @@ def load(
     with Comm.open("ddpckpt.load", path=path, timeout=timeout) as comm:
         path = comm.path or path
         manifest = locate(comm, path)
-        source = FileSource(path, manifest)
         objects = _Objects(model, optimizer, scheduler, scaler, extra)
-        comm.run("check", lambda: _check(manifest, source, objects, strict, path))
-        return comm.run(
-            "restore", lambda: _restore(manifest, source, objects, strict, rng, path, comm.rank)
-        )
+        with Progress(f"loading {os.path.basename(path)}", manifest.nbytes) as bar:
+            source = FileSource(path, manifest, progress=bar)
+            comm.run("check", lambda: _check(manifest, source, objects, strict, path))
+            return comm.run(
+                "restore", lambda: _restore(manifest, source, objects, strict, rng, path, comm.rank)
+            )
 
 
 def locate(comm: Comm, path: str) -> Manifest:

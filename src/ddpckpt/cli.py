@@ -1,4 +1,4 @@
-"""The ``ddpckpt`` command line: inspect, verify, export, import, diff checkpoints.
+"""The ``ddpckpt`` command line: demo, ls, inspect, verify, export, import, diff.
 
 Exit status: 0 on success; ``verify`` and ``ls`` exit 1 when anything is bad; ``diff`` exits 1
 when the checkpoints differ; any command exits 2 when it cannot do its job (a missing
@@ -215,6 +215,20 @@ def _ls(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import format_report, run_demo
+
+    print(
+        f"running the demo in {args.out} (two DDP trainings under torchrun; about a minute) ...",
+        flush=True,
+    )
+    report = run_demo(
+        args.out, nproc=args.nproc, steps=args.steps, every=args.every, kill_at=args.kill_at
+    )
+    print(format_report(report))
+    return 0 if report.identical else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpckpt", description="Inspect, verify, export, import and compare checkpoints."
@@ -227,6 +241,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-tensors", action="store_true", help="omit the tensor table")
     p.set_defaults(run=_inspect)
+
+    p = commands.add_parser(
+        "demo", help="crash a DDP run, resume it, prove the resume bit-identical"
+    )
+    p.add_argument("--out", default="demo-output", help="output directory (default demo-output)")
+    p.add_argument(
+        "--nproc", type=int, default=2, help="ranks (default 2; gloo on CPU, NCCL with GPUs)"
+    )
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    p.add_argument("--every", type=int, default=20, help="checkpoint every N steps (default 20)")
+    p.add_argument("--kill-at", type=int, default=None, help="SIGKILL rank 1 after this step")
+    p.set_defaults(run=_demo)
 
     p = commands.add_parser("ls", help="list a run directory's checkpoints (exit 1 if any is bad)")
     p.add_argument("directory")
@@ -279,6 +305,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args))
-    except (CheckpointError, OSError, ValueError) as exc:
+    except (CheckpointError, OSError, ValueError, RuntimeError, ImportError) as exc:
         print(f"ddpckpt {args.command}: error: {exc}", file=sys.stderr)
         return 2

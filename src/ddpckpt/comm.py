@@ -280,10 +280,10 @@ class Comm:
     # ------------------------------------------------------------------ internals
 
     def _key(self, tag: str, who: int | str) -> str:
-        return f"{_PREFIX}/{self._op}/{tag}/{who}"
+        return f"{_namespace()}/{self._op}/{tag}/{who}"
 
     def _beat_key(self, rank: int) -> str:
-        return f"{_PREFIX}/heartbeat/{rank}"
+        return f"{_namespace()}/heartbeat/{rank}"
 
     def _beat(self, rank: int) -> int:
         return int(self._store.add(self._beat_key(rank), 0))
@@ -367,6 +367,17 @@ class Comm:
         )
         error.failures = {r: f"CollectiveTimeoutError: no response in step '{tag}'" for r in ranks}
         return error
+
+
+def _namespace() -> str:
+    """Store keys of this incarnation of the job.
+
+    A store can outlive a torchrun restart, and the restarted processes count their calls
+    from zero again: keys left by the previous attempt must never be read as new ones.
+    """
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    return f"{_PREFIX}/{run}/{attempt}" if run or attempt else _PREFIX
 
 
 def _flush_leftovers(store: Any) -> None:

@@ -180,12 +180,18 @@ def layout(items: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.T
 
 
 def write_file(
-    path: str, items: Sequence[tuple[str, torch.Tensor]], *, writer: int, metadata: dict[str, str]
+    path: str,
+    items: Sequence[tuple[str, torch.Tensor]],
+    *,
+    writer: int,
+    metadata: dict[str, str],
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[FileEntry, list[TensorEntry]]:
     """Write ``items`` to a new safetensors file at ``path`` and fsync it.
 
     The file must not exist (``O_EXCL``): a file is only ever written by one process.
     Returns the file's entry and each tensor's entry with absolute offsets and digests.
+    ``progress`` is called with the size of every chunk of tensor data written.
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -194,7 +200,7 @@ def write_file(
             while chunk:
                 chunk = chunk[os.write(fd, chunk) :]
 
-        result = _emit(os.path.basename(path), items, writer, metadata, sink)
+        result = _emit(os.path.basename(path), items, writer, metadata, sink, progress)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -235,6 +241,7 @@ def _emit(
     writer: int,
     metadata: dict[str, str],
     sink: Callable[[memoryview], object],
+    progress: Callable[[int], None] | None = None,
 ) -> tuple[FileEntry, list[TensorEntry]]:
     items = layout(items)
     for key, tensor in items:
@@ -254,6 +261,8 @@ def _emit(
             file_hash.update(chunk)
             tensor_hash.update(chunk)
             sink(chunk)
+            if progress is not None:
+                progress(len(chunk))
         entries.append(
             TensorEntry(
                 file=name,
