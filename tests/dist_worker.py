@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
-import ddpckpt.checkpoint as checkpoint_module
+import ddpckpt.writing as checkpoint_module
 
 
 class Counter:
@@ -349,6 +349,54 @@ def scenario_checkpointer_run(args, rank: int) -> dict[str, Any]:
     }
 
 
+def scenario_async_props(args, rank: int) -> dict[str, Any]:
+    """Asynchronous Checkpointer saves across ranks: snapshot, durability, errors."""
+    model, ddp, opt, sched, scaler, counter = build(seed=0)
+    train(ddp, opt, sched, scaler, counter, 2)
+    ckpt = ddpckpt.Checkpointer(args.ckpt, model=ddp, optimizer=opt, keep_last=None, on_error="raise",
+                                retries=0, async_save=args.mode if args.mode != "True" else True)  # fmt: skip
+    result: dict[str, Any] = {"saved_digest": digest(model, opt)}
+    started = time.monotonic()
+    ckpt.save(1)
+    result["stall"] = time.monotonic() - started
+    train(ddp, opt, sched, scaler, counter, 2)  # parameters change while step 1 is written
+    ckpt.wait()
+    real = checkpoint_module.write_file
+    if rank == 1:
+
+        def slow(*a, **k):
+            time.sleep(1.5)
+            return real(*a, **k)
+
+        checkpoint_module.write_file = slow
+    ckpt.save(2)
+    result["latest_right_after"] = open(os.path.join(args.ckpt, "latest")).read().strip()  # noqa: SIM115
+    ckpt.wait()
+    result["latest_after_wait"] = open(os.path.join(args.ckpt, "latest")).read().strip()  # noqa: SIM115
+    checkpoint_module.write_file = real
+    if rank == 1:
+
+        def full(path, *a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+
+        checkpoint_module.write_file = full
+    ckpt.save(3)  # returns; the failure is reported at the next call, on every rank
+    started = time.monotonic()
+    try:
+        ckpt.wait()
+        result["error"] = None
+    except Exception as exc:
+        result.update(error_report(exc, started))
+    checkpoint_module.write_file = real
+    ckpt.close()
+    fresh_model, fresh, fresh_opt, *_ = build(seed=5)
+    ddpckpt.load(os.path.join(args.ckpt, "step-00000001"), model=fresh, optimizer=fresh_opt)
+    result["loaded_digest"] = digest(fresh_model, fresh_opt)
+    dist.barrier()
+    result["listing"] = listing(args.ckpt)
+    return result
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()
@@ -386,6 +434,7 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=0)
     parser.add_argument("--victim", type=int, default=1)
     parser.add_argument("--spawn", type=int, default=0)
+    parser.add_argument("--mode", default="True")
     parser.add_argument(
         "--local-rank", "--local_rank", type=int, default=None
     )  # torch.distributed.launch

@@ -421,7 +421,7 @@ def test_unstorable_value_fails_the_save_naming_key_and_leaves_nothing(ckpt_dir)
 
 
 def test_failed_write_leaves_no_checkpoint_and_no_temporary(ckpt_dir, monkeypatch) -> None:
-    import ddpckpt.checkpoint as checkpoint
+    import ddpckpt.writing as checkpoint
 
     real = checkpoint.write_file
     calls = []
@@ -561,7 +561,10 @@ def test_progress_counts_every_byte_saved_and_loaded(ckpt_dir, monkeypatch) -> N
         def __exit__(self, *exc) -> None:
             pass
 
+    import ddpckpt.writing as writing
+
     monkeypatch.setattr(checkpoint, "Progress", Recorder)
+    monkeypatch.setattr(writing, "Progress", Recorder)
     model = make_mlp()
     opt = torch.optim.Adam(model.parameters())
     train_steps(model, opt)

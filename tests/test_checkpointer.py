@@ -212,7 +212,7 @@ def test_an_elastic_restart_of_the_same_job_takes_the_lock_over(tmp_path, monkey
 
 def failing_writes(monkeypatch, errors: list[int]) -> list[int]:
     """Make the next writes fail with the given errnos, then work again."""
-    import ddpckpt.checkpoint as checkpoint
+    import ddpckpt.writing as checkpoint
 
     real = checkpoint.write_file
     seen: list[int] = []
@@ -263,7 +263,7 @@ def test_transient_errors_are_retried_and_raise_mode_raises(tmp_path, monkeypatc
 
 
 def test_a_save_that_cannot_fit_fails_before_writing(tmp_path, monkeypatch) -> None:
-    import ddpckpt.checkpoint as checkpoint
+    import ddpckpt.writing as checkpoint
 
     monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1000)
     model, _ = objects()

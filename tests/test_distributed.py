@@ -277,3 +277,24 @@ def test_checkpointer_on_node_local_storage_survives_losing_a_node(tmp_path) -> 
     assert steps[0] == steps[1] and len(steps[0]) >= 2
     for name in steps[1]:
         ddpckpt.verify(nodes[1] / "run" / name)
+
+
+@pytest.mark.parametrize("mode", ["True", "overlap"])
+def test_async_saves_across_ranks(tmp_path, mode) -> None:
+    args = ["--ckpt", str(tmp_path / "run"), "--mode", mode]
+    results = torchrun("async_props", tmp_path / "out", nproc=2, args=args).ok().results
+    for rank, result in results.items():
+        assert result["loaded_digest"] == results[0]["saved_digest"], rank  # the state as of save()
+        assert result["latest_right_after"] == "step-00000001"  # step 2 was still being written
+        assert result["latest_after_wait"] == "step-00000002"
+        assert result["error"] == "CheckpointWriteError" and list(result["failures"]) == ["1"], (
+            result
+        )
+        assert "No space left" in result["message"]
+        on_disk = [n for n in result["listing"] if n != ".lock"]  # the lock may still be released
+        assert on_disk == [
+            "latest",
+            "run.json",
+            "step-00000001",
+            "step-00000002",
+        ]  # no step 3, no temporaries

@@ -1,64 +1,45 @@
-"""The collective entry points: :func:`save` and :func:`load`; and the local readers.
+"""The collective entry points :func:`save` and :func:`load`, and the local readers.
 
 ``save`` and ``load`` are collective under ``torch.distributed``: every rank calls them,
 in the same order, with the same arguments (rank 0's path is used everywhere). They
 work unchanged in a single process. ``load_state_dict`` and ``verify`` are local: any
 process may call them alone.
 
-Save, on every rank, in order:
+Saving captures the training state (:mod:`ddpckpt.state`), plans and writes it
+collectively (:mod:`ddpckpt.writing`), optionally from host copies in the background
+(:mod:`ddpckpt.staging`, :mod:`ddpckpt.background`). Loading finds the checkpoint on
+every rank (repairing node-local copies, :mod:`ddpckpt.replicate`), checks every object
+against it, then copies memory-mapped, checksum-verified tensors into the live objects.
 
-1. *capture* the training state (no copies; :mod:`ddpckpt.state`);
-2. check that every rank holds the same replicated tensors (names, shapes, dtypes);
-3. find the storage domains of the target directory (:mod:`ddpckpt.topology`);
-4. plan which rank writes which tensor, balanced by bytes (:mod:`ddpckpt.plan`);
-5. the first rank of each domain creates a temporary directory; every rank writes its
-   files into it (each file by exactly one process) and fsyncs them;
-6. the first rank of each domain writes the manifest and commits the directory with an
-   atomic rename (:mod:`ddpckpt.storage`).
-
-A failure on any rank at any step raises the same error on every rank; temporary
-directories are removed, and nothing committed earlier is touched.
+A failure on any rank at any step raises the same error on every rank; nothing committed
+earlier is touched.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import os
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from contextlib import contextmanager
+import weakref
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 from torch import nn
 
 from ._log import get_logger
+from .background import PendingSave, Persister
 from .comm import Comm
 from .errors import (
     CheckpointError,
-    CheckpointExistsError,
     CheckpointNotFoundError,
-    CheckpointWriteError,
     CorruptCheckpointError,
-    InsufficientSpaceError,
     StateMismatchError,
-    UnsupportedValueError,
     error_class,
 )
-from .manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    file_from_json,
-    file_to_json,
-    read_manifest,
-    tensor_from_json,
-    tensor_to_json,
-)
-from .plan import assign, file_names
+from .manifest import Manifest, read_manifest
 from .progress import Progress
 from .rng import derive_rng, restore_rng
+from .staging import Fence, StagingPool
 from .state import (
     Snapshot,
     capture,
@@ -70,23 +51,13 @@ from .state import (
     restore_rank_buffers,
     restore_stateful,
 )
-from .storage import commit_dir, free_bytes, remove_tree, temp_dir_for, write_bytes_new
-from .tensorfile import (
-    TensorEntry,
-    TensorFile,
-    deserialize,
-    dtype_from_name,
-    serialize,
-    tensor_nbytes,
-    write_file,
-)
-from .topology import storage_domains
-from .tree import decode, encode
+from .tensorfile import TensorEntry, TensorFile, dtype_from_name
+from .tree import decode
+from .writing import WritePlan, header_fields, plan_write, write_and_commit
 
-__all__ = ["CheckpointInfo", "load", "load_state_dict", "save", "verify"]
+__all__ = ["CheckpointInfo", "PendingSave", "load", "load_state_dict", "save", "verify"]
 
 _log = get_logger(__name__)
-_FILE_METADATA = {"format": "pt", "writer": "ddpckpt"}
 
 
 @dataclass(frozen=True)
@@ -141,9 +112,10 @@ def save(
     metrics: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     rng: bool = True,
+    async_save: bool | str = False,
     storage: str | None = None,
     timeout: float | None = None,
-) -> str:
+) -> str | PendingSave:
     """Write the whole training state to the checkpoint directory ``path``; collective.
 
     Every rank calls it. ``model`` may be wrapped in DDP, DataParallel or torch.compile;
@@ -153,14 +125,25 @@ def save(
     ``storage`` is ``"auto"`` (detect), ``"shared"`` or ``"local"``; see
     :mod:`ddpckpt.topology`. ``timeout`` bounds how long a rank waits for a silent one.
 
+    ``async_save=True`` returns as soon as this rank's share of the state is copied to host
+    memory (:mod:`ddpckpt.staging`); writing and committing go on in the background and the
+    returned :class:`PendingSave` waits for them. ``async_save="overlap"`` returns sooner:
+    parameters and optimizer state are copied while the next forward and backward run,
+    and ``optimizer.step()`` waits for that copy (it needs ``optimizer``). Either way the
+    checkpoint holds the state as of this call. The next save or load waits for the
+    previous asynchronous save and raises its error, if it failed.
+
     Raises :class:`CheckpointExistsError` if ``path`` is already a checkpoint (pass
     ``overwrite=True`` to replace it atomically), :class:`UnsupportedValueError` naming the
     key of anything that cannot be stored without pickle, :class:`CheckpointWriteError`
     when storage fails. Returns the checkpoint's path (rank 0's).
     """
-    path = os.fspath(path)
-    header = _header_fields(step, epoch, metrics)
-    with Comm.open("ddpckpt.save", path=path, timeout=timeout) as comm:
+    overlap = async_mode(async_save, optimizer)
+    _PERSISTER.wait()
+    header = header_fields(step, epoch, metrics)
+    comm = Comm.open("ddpckpt.save", path=os.fspath(path), timeout=timeout)
+    handed_off = False
+    try:
         snapshot = comm.run(
             "capture",
             lambda: capture(
@@ -172,209 +155,81 @@ def save(
                 rng=rng,
             ),
         )
-        return persist(comm, snapshot, header, overwrite=overwrite, storage=storage)
+        plan = plan_write(comm, snapshot, header, overwrite=overwrite, storage=storage)
+        if not async_save:
+            return write_and_commit(plan)
+        start_background(
+            plan, snapshot, pool=_POOL, persister=_PERSISTER, overlap=overlap, optimizer=optimizer
+        )
+        handed_off = True
+        return PendingSave(plan.path, _PERSISTER)
+    finally:
+        if not handed_off:
+            comm.close()
 
 
-def _header_fields(
-    step: int | None, epoch: int | None, metrics: Mapping[str, Any] | None
-) -> dict[str, Any]:
-    for name, value in (("step", step), ("epoch", epoch)):
-        if value is not None and (type(value) is not int or value < 0):
-            raise TypeError(f"{name} must be a non-negative int or None, got {value!r}")
-    plain: dict[str, Any] = {}
-    for key, value in (metrics or {}).items():
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            value = value.item()
-        if not isinstance(key, str) or type(value) not in (int, float, bool, str, type(None)):
-            raise UnsupportedValueError(
-                f"metrics[{key!r}]: metrics must map strings to numbers, strings, bools or "
-                f"None (or one-element tensors), got {type(value).__qualname__}"
-            )
-        plain[key] = value
-    return {"step": step, "epoch": epoch, "metrics": encode(plain, "metrics", {})}
+_POOL = StagingPool()
+_PERSISTER = Persister()
 
 
-def persist(
-    comm: Comm,
+def async_mode(async_save: bool | str, optimizer: torch.optim.Optimizer | None) -> bool:
+    """Validate ``async_save``; True for the overlap mode."""
+    if async_save not in (False, True, "overlap"):
+        raise ValueError(f"async_save must be False, True or 'overlap', got {async_save!r}")
+    if async_save == "overlap" and optimizer is None:
+        raise ValueError(
+            "async_save='overlap' needs optimizer=, whose step() waits for the snapshot"
+        )
+    return async_save == "overlap"
+
+
+def start_background(
+    plan: WritePlan,
     snapshot: Snapshot,
-    header: Mapping[str, Any],
     *,
-    overwrite: bool = False,
-    storage: str | None = None,
-    domains: list[list[int]] | None = None,
-) -> str:
-    """Write ``snapshot`` as the checkpoint at ``comm.path`` and commit it; collective.
+    pool: StagingPool,
+    persister: Persister,
+    overlap: bool,
+    optimizer: torch.optim.Optimizer | None,
+    persist: Callable[[WritePlan], object] = write_and_commit,
+) -> None:
+    """Stage ``plan``'s tensors and persist them in the background; closes ``plan.comm``.
 
-    ``header`` holds ``step``, ``epoch`` and (encoded) ``metrics``. ``domains`` are the
-    storage domains of the parent directory if already known (else they are probed).
+    Call ``persister.wait()`` before: the pool's previous copies must be written. With
+    ``overlap`` the replicated tensors (parameters, optimizer state) are copied in the
+    background too, and ``optimizer.step()`` waits for those copies.
     """
-    if comm.path is None:
-        raise ValueError("persist needs a Comm opened with a path")
-    path = comm.path
-    _check_replicated(comm, snapshot)
-    if domains is None:
-        domains = storage_domains(comm, os.path.dirname(os.path.abspath(path)) or ".", storage)
-    domain = next(d for d in domains if comm.rank in d)
-    leader = domain[0]
-    balanced = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items() if n in snapshot.balanced}
-    owners = {**dict.fromkeys(snapshot.tensors, leader), **assign(balanced, domain)}
-    names = file_names(comm.rank)
-    tmp = temp_dir_for(path, comm.token)
-
-    rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
-    rank_blob, rank_file, rank_entries = serialize(
-        names["rank"], rank_items, writer=comm.rank, metadata=_FILE_METADATA
+    plan.items, fence = pool.stage(
+        plan.items, defer=snapshot.balanced.__contains__ if overlap else None
     )
-    shared_state = snapshot.state
-    values = snapshot.tensors
-    foreign: dict[int, bytes] = {}
-    if len(domains) > 1:  # every domain gets a full copy of rank 0's state and all rank files
-        blobs = comm.all_gather("rank-files", rank_blob)
-        if comm.rank == leader:
-            foreign = {r: b for r, b in enumerate(blobs) if r not in domain}
-        state_json = json.dumps(snapshot.state).encode() if comm.rank == 0 else None
-        shared_state = json.loads(comm.broadcast("state", state_json))
-        pinned = [(n, t) for n, t in snapshot.tensors.items() if n not in snapshot.balanced]
-        blob = serialize("rank0", pinned, writer=0, metadata={})[0] if comm.rank == 0 else None
-        rank0 = comm.broadcast("rank0-tensors", blob)
-        if comm.rank == leader:
-            values = {**snapshot.tensors, **deserialize(rank0, path)}
+    if overlap and optimizer is not None:
+        fence_before_step(optimizer, fence)
 
-    def prepare() -> None:
-        if comm.rank != leader:
-            return
-        with _storage_errors(path):
-            if os.path.lexists(path) and not overwrite:
-                raise CheckpointExistsError(
-                    f"{path}: a checkpoint already exists here; pass overwrite=True to "
-                    "replace it, or save under a new name"
-                )
-            needed = sum(tensor_nbytes(t) for t in snapshot.tensors.values())
-            needed += comm.world_size * (len(rank_blob) + 4096) + (1 << 20)
-            free = free_bytes(os.path.dirname(os.path.abspath(path)))
-            if free < needed:
-                raise InsufficientSpaceError(
-                    errno.ENOSPC,
-                    f"{path}: the checkpoint needs about {needed / 2**30:.2f} GiB but only "
-                    f"{free / 2**30:.2f} GiB are free there; free space (e.g. keep fewer "
-                    "checkpoints) or save elsewhere. Nothing was written",
-                )
-            os.mkdir(tmp)
+    def job() -> None:
+        try:
+            fence.wait()
+            persist(plan)
+        finally:
+            plan.comm.close()
 
-    def write() -> dict[str, Any]:
-        files: list[dict[str, Any]] = []
-        tensors: dict[str, dict[str, Any]] = {}
-        mine = [(n, t) for n, t in values.items() if owners[n] == comm.rank]
-        share = sum(tensor_nbytes(t) for _, t in mine)
-        with _storage_errors(path), Progress(f"saving {os.path.basename(path)}", share) as bar:
-            for kind, items in (
-                (
-                    "model",
-                    [(n.removeprefix("model/"), t) for n, t in mine if n.startswith("model/")],
-                ),
-                ("state", [(n, t) for n, t in mine if not n.startswith("model/")]),
-            ):
-                if not items:
-                    continue
-                entry, entries = write_file(
-                    os.path.join(tmp, names[kind]),
-                    items,
-                    writer=comm.rank,
-                    metadata=_FILE_METADATA,
-                    progress=bar.update,
-                )
-                files.append({"name": entry.name, **file_to_json(entry)})
-                prefix = "model/" if kind == "model" else ""
-                tensors.update({prefix + e.key: tensor_to_json(e) for e in entries})
-            write_bytes_new(os.path.join(tmp, names["rank"]), rank_blob)
-            for other, blob in foreign.items():
-                write_bytes_new(os.path.join(tmp, file_names(other)["rank"]), blob)
-        return {
-            "files": files,
-            "tensors": tensors,
-            "rank_state": snapshot.rank_state,
-            "rank_file": {"name": rank_file.name, **file_to_json(rank_file)},
-            "rank_tensors": {e.key: tensor_to_json(e) for e in rank_entries},
-        }
-
-    def commit(results: list[dict[str, Any]]) -> None:
-        if comm.rank != leader:
-            return
-        manifest = Manifest(
-            id=comm.token,
-            step=header["step"],
-            epoch=header["epoch"],
-            metrics=header["metrics"],
-            world_size=comm.world_size,
-            state=shared_state,
-            ranks=[r["rank_state"] for r in results],
-            copy={"index": domains.index(domain), "count": len(domains), "ranks": domain},
-        )
-        order = {name: i for i, name in enumerate(snapshot.tensors)}
-        for rank, result in enumerate(results):
-            in_domain = rank in domain
-            listed = result["files"] if in_domain else []
-            for doc in [*listed, result["rank_file"]]:
-                writer = doc["writer"] if in_domain else leader
-                manifest.files[doc["name"]] = file_from_json(doc["name"], {**doc, "writer": writer})
-            for name, doc in {
-                **(result["tensors"] if in_domain else {}),
-                **result["rank_tensors"],
-            }.items():
-                manifest.tensors[name] = tensor_from_json(doc)
-        manifest.tensors = dict(
-            sorted(manifest.tensors.items(), key=lambda kv: order.get(kv[0], len(order)))
-        )
-        with _storage_errors(path):
-            write_bytes_new(os.path.join(tmp, MANIFEST_NAME), manifest.to_json().encode())
-            try:
-                commit_dir(tmp, path, overwrite=overwrite)
-            except FileExistsError:
-                raise CheckpointExistsError(f"{path}: another save committed here first") from None
-        _log.info("saved checkpoint %s (step %s, %d bytes)", path, header["step"], manifest.nbytes)
-
-    try:
-        comm.run("prepare", prepare)
-        results = comm.run_all("write", write)
-        comm.run("commit", lambda: commit(results))
-    except BaseException:
-        if comm.rank == leader:
-            remove_tree(tmp)
-        raise
-    return path
+    persister.submit(job, os.path.basename(plan.path))
 
 
-def _check_replicated(comm: Comm, snapshot: Snapshot) -> None:
-    """Every rank must hold the same replicated tensors: each is written by one of them."""
-    if comm.world_size == 1:
-        return
-    layout = sorted((n, str(t.dtype), list(t.shape)) for n, t in snapshot.tensors.items())
-    digest = xxhash.xxh3_64(json.dumps(layout).encode()).hexdigest()
-    digests = comm.run_all("layout", lambda: digest)
-    differing = [r for r, d in enumerate(digests) if d != digests[0]]
-    if differing:
-        raise StateMismatchError(
-            f"ranks {differing} hold training state whose tensors differ (names, shapes or "
-            "dtypes) from rank 0's. ddpckpt.save stores DDP-replicated state once, so the "
-            "model, optimizer, scheduler, scaler and extra objects must be the same on every "
-            "rank; sharded state (FSDP, ZeRO) is not supported"
-        )
+_fences: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Fence]] = weakref.WeakKeyDictionary()
 
 
-@contextmanager
-def _storage_errors(path: str) -> Iterator[None]:
-    """Report file-system failures as :class:`CheckpointWriteError` naming the checkpoint."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except OSError as exc:
-        where = exc.filename or path
-        raise CheckpointWriteError(
-            exc.errno,
-            f"{path}: writing the checkpoint failed at {where}: {exc.strerror or exc}. Nothing "
-            "was committed; earlier checkpoints are untouched",
-        ) from exc
+def fence_before_step(optimizer: torch.optim.Optimizer, fence: Fence) -> None:
+    """Make ``optimizer.step()`` wait for ``fence`` (a hook registered once per optimizer)."""
+    if optimizer not in _fences:
+        pending: list[Fence] = []
+        _fences[optimizer] = pending
+
+        def wait_for_snapshot(*_: object) -> None:
+            while pending:
+                pending.pop().wait()
+
+        optimizer.register_step_pre_hook(wait_for_snapshot)
+    _fences[optimizer].append(fence)
 
 
 # =========================================================================== load
@@ -461,6 +316,7 @@ def load(
     while copying may leave the objects partly updated: load another checkpoint.
     """
     path = os.fspath(path)
+    _PERSISTER.wait()
     with Comm.open("ddpckpt.load", path=path, timeout=timeout) as comm:
         path = comm.path or path
         manifest = locate(comm, path)

@@ -28,7 +28,8 @@ import torch
 from torch import nn
 
 from ._log import get_logger
-from .checkpoint import CheckpointInfo, _header_fields, load, persist
+from .background import Persister
+from .checkpoint import CheckpointInfo, async_mode, load, start_background
 from .comm import Comm
 from .errors import (
     CheckpointError,
@@ -61,9 +62,11 @@ from .rundir import (
     write_run_file,
 )
 from .runlock import RunLock
+from .staging import StagingPool
 from .state import capture
 from .storage import new_token
 from .topology import storage_domains
+from .writing import WritePlan, header_fields, plan_write, write_and_commit
 
 __all__ = ["Checkpointer"]
 
@@ -97,6 +100,12 @@ class Checkpointer:
     a :class:`~ddpckpt.policies.Retention` as ``retention``. The newest committed
     checkpoint is always kept; others are deleted only after a newer one is committed.
 
+    Asynchronous saves: with ``async_save=True``, :meth:`save` returns once this rank's
+    share of the state is copied to reusable host buffers; writing, commit, ``latest`` and
+    retention follow in the background (one save in flight; the next call waits for it).
+    ``async_save="overlap"`` also copies parameters and optimizer state during the next
+    forward/backward, and ``optimizer.step()`` waits for that copy.
+
     Failures: a save that fails in storage (disk full, I/O error) is retried ``retries``
     times with exponential backoff when the error is transient, then, with
     ``on_error="warn"`` (the default), logged on every rank while training goes on; with
@@ -125,6 +134,7 @@ class Checkpointer:
         retries: int = 2,
         retry_backoff: float = 1.0,
         rng: bool = True,
+        async_save: bool | str = False,
         storage: str | None = None,
         timeout: float | None = None,
         lock_stale_after: float = 600.0,
@@ -147,6 +157,11 @@ class Checkpointer:
         self.retention = retention or _retention(keep_last, keep_best, monitor, mode)
         self.on_error, self.retries, self.retry_backoff = on_error, retries, retry_backoff
         self.rng, self.storage, self.timeout = rng, storage, timeout
+        self.overlap = async_mode(async_save, optimizer)
+        self.async_save = bool(async_save)
+        self._pool = StagingPool()
+        self._persister = Persister()
+        self._committed: int | None = None  # newest step known to be committed
         self._lock = RunLock(self.directory, lock_stale_after)
         self._domains: list[list[int]] | None = None
         self._leader = False
@@ -164,6 +179,7 @@ class Checkpointer:
         loaded. With ``step``, restores exactly that checkpoint.
         """
         self._check_open()
+        self._settle()
         with self._comm("Checkpointer.resume") as comm:
             self._prepare(comm)
             views = comm.run_all(
@@ -230,14 +246,17 @@ class Checkpointer:
     def save(
         self, step: int, epoch: int | None = None, metrics: Mapping[str, Any] | None = None
     ) -> str | None:
-        """Save the objects as checkpoint ``step``; collective. Returns its path once durable.
+        """Save the objects as checkpoint ``step``; collective. Returns its path.
 
-        Raises :class:`CheckpointExistsError` if ``step`` is already saved and
+        Synchronous saves return once the checkpoint is durable; asynchronous ones once the
+        state is copied (:meth:`wait` blocks until durable). Raises
+        :class:`CheckpointExistsError` if ``step`` is already saved and
         :class:`CheckpointStepError` if it is older than the newest checkpoint. Returns
         ``None`` if storage failed and ``on_error="warn"``.
         """
         self._check_open()
-        header = _header_fields(step, epoch, metrics)
+        self._settle()
+        header = header_fields(step, epoch, metrics)
         if self._domains is None:
             with self._comm("Checkpointer.prepare") as comm:
                 self._prepare(comm)
@@ -249,34 +268,51 @@ class Checkpointer:
                 f"{self._latest}. Steps must grow; after going back to an older checkpoint, "
                 "delete the newer ones or use a new directory"
             )
-        path = self._path(step)
-        for attempt in range(self.retries + 1):
-            try:
-                self._save_once(path, header)
-                break
-            except CheckpointWriteError as exc:
-                transient = exc.errno in _TRANSIENT and not isinstance(exc, InsufficientSpaceError)
-                if transient and attempt < self.retries:
-                    delay = self.retry_backoff * 2**attempt
-                    _log.warning("saving %s failed (%s); retrying in %.1f s", path, exc, delay)
-                    time.sleep(delay)
-                    continue
-                if self.on_error == "raise":
-                    raise
-                _log.warning(
-                    "saving step %d failed and training goes on (on_error='warn'); the newest "
-                    "checkpoint is still %s. Cause: %s",
-                    step,
-                    self._path(self._latest) if self._latest is not None else "none",
-                    exc,
+        comm = self._comm("Checkpointer.save", self._path(step))
+        handed_off = False
+        try:
+            snapshot = comm.run(
+                "capture",
+                lambda: capture(
+                    model=self.model,
+                    optimizer=self.optimizer,
+                    scheduler=self.scheduler,
+                    scaler=self.scaler,
+                    extra=self.extra,
+                    rng=self.rng,
+                ),
+            )
+            plan = plan_write(comm, snapshot, header, storage=self.storage, domains=self._domains)
+            if self.async_save:
+                start_background(
+                    plan,
+                    snapshot,
+                    pool=self._pool,
+                    persister=self._persister,
+                    overlap=self.overlap,
+                    optimizer=self.optimizer,
+                    persist=self._persist,
                 )
-                return None
+                handed_off = True
+            else:
+                self._persist(plan)
+        except CheckpointWriteError as exc:
+            self._failed(step, exc)
+            return None
+        finally:
+            if not handed_off:
+                comm.close()
         self._latest = step
         self.save_policy.saved(step, time.monotonic())
-        return path
+        return plan.path
 
     def wait(self) -> None:
-        """Block until every save started so far is durable (saves are synchronous here)."""
+        """Block until every save started so far is durable; local.
+
+        A background save that failed is then reported like a synchronous one: raised
+        with ``on_error="raise"``, logged with ``"warn"``.
+        """
+        self._settle()
 
     def close(self) -> None:
         """Wait for saves in flight and release the directory's lock. Idempotent; local."""
@@ -322,31 +358,52 @@ class Checkpointer:
             return [e.step for e in scan(self.directory) if e.status == "committed"]
 
         steps = [s for listing in comm.run_all("setup", setup) for s in listing]
-        self._latest = max(steps, default=None)
+        self._latest = self._committed = max(steps, default=None)
 
-    def _save_once(self, path: str, header: Mapping[str, Any]) -> None:
-        with self._comm("Checkpointer.save", path) as comm:
-            path = comm.path or path
-            snapshot = comm.run(
-                "capture",
-                lambda: capture(
-                    model=self.model,
-                    optimizer=self.optimizer,
-                    scheduler=self.scheduler,
-                    scaler=self.scaler,
-                    extra=self.extra,
-                    rng=self.rng,
-                ),
-            )
-            persist(comm, snapshot, header, storage=self.storage, domains=self._domains)
+    def _persist(self, plan: WritePlan) -> None:
+        """Write and commit ``plan`` (retrying transient storage errors), then retention.
+
+        Runs on the training thread, or on the background thread for async saves.
+        """
+        for attempt in range(self.retries + 1):
             try:
-                comm.run("retain", lambda: self._after_commit(path))
-            except CheckpointError as exc:  # committed all the same
-                _log.warning(
-                    "%s is saved, but updating 'latest' or deleting old checkpoints failed: %s",
-                    path,
-                    exc,
-                )
+                write_and_commit(plan, attempt)
+                break
+            except CheckpointWriteError as exc:
+                transient = exc.errno in _TRANSIENT and not isinstance(exc, InsufficientSpaceError)
+                if not transient or attempt == self.retries:
+                    raise
+                delay = self.retry_backoff * 2**attempt
+                _log.warning("saving %s failed (%s); retrying in %.1f s", plan.path, exc, delay)
+                time.sleep(delay)
+        self._committed = plan.header["step"]
+        try:
+            plan.comm.run("retain", lambda: self._after_commit(plan.path))
+        except CheckpointError as exc:  # committed all the same
+            _log.warning(
+                "%s is saved, but updating 'latest' or deleting old checkpoints failed: %s",
+                plan.path,
+                exc,
+            )
+
+    def _settle(self) -> None:
+        """Wait for the background save, and handle its failure as a synchronous one."""
+        try:
+            self._persister.wait()
+        except CheckpointWriteError as exc:
+            self._failed(self._latest, exc)
+
+    def _failed(self, step: int | None, exc: CheckpointWriteError) -> None:
+        self._latest = self._committed
+        if self.on_error == "raise":
+            raise exc
+        _log.warning(
+            "saving step %s failed and training goes on (on_error='warn'); the newest "
+            "checkpoint is still %s. Cause: %s",
+            step,
+            self._path(self._committed) if self._committed is not None else "none",
+            exc,
+        )
 
     def _after_commit(self, path: str) -> None:
         if not self._leader:
@@ -378,7 +435,7 @@ class Checkpointer:
                     write_latest(self.directory, step_dirname(step))
 
             comm.run("tidy", tidy)
-        self._latest = step
+        self._latest = self._committed = step
         self.save_policy.saved(step, time.monotonic())
 
 

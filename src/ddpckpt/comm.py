@@ -19,8 +19,11 @@ tensors, when they must move between ranks, use :meth:`Comm.tensor_group` (a glo
 made once, or the default group for CUDA tensors under NCCL).
 
 Calls are matched across ranks by order: the n-th ddpckpt collective on one rank meets
-the n-th on every other. The first exchange of each call compares the call names, so
-``save`` on one rank and ``load`` on another fails at once instead of mixing messages.
+the n-th on every other, so calls must be opened from the training thread (a background
+save keeps using the call its ``save`` opened). The first exchange of each call compares
+the call names, so ``save`` on one rank and ``load`` on another fails at once instead of
+mixing messages. Every key a call writes to the store is deleted when the call is over:
+per-rank keys by rank 0 once read, shared keys by the last rank to close the call.
 """
 
 from __future__ import annotations
@@ -60,7 +63,6 @@ DEFAULT_TIMEOUT = 600.0
 _PREFIX = "ddpckpt"
 _SCAN_PERIOD = 0.25  # seconds between liveness checks while waiting
 _op_counter = itertools.count()
-_leftover_keys: list[str] = []  # rank 0 deletes these once every rank entered the next call
 _tensor_groups: dict[int, Any] = {}
 
 
@@ -115,6 +117,7 @@ class Comm:
         self._op = -1
         self._stop = threading.Event()
         self._waiting = threading.Event()
+        self._shared_keys: list[str] | None = []
         self._beater: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -157,10 +160,17 @@ class Comm:
         self.close()
 
     def close(self) -> None:
+        """Leave the call. The last rank to leave deletes the call's keys from the store."""
         self._stop.set()
         if self._beater is not None:
             self._beater.join()
             self._beater = None
+        if self._store is not None and self._shared_keys is not None:
+            keys, self._shared_keys = self._shared_keys, None
+            closed = self._key("closed", "count")
+            if self._store.add(closed, 1) == self.world_size:  # nobody reads them any more
+                for key in [*keys, closed]:
+                    self._store.delete_key(key)
 
     def _enter(self, path: str | None) -> None:
         mine = {"call": self.call, "path": path, "node": node_id(), "token": self.token}
@@ -192,6 +202,7 @@ class Comm:
             return [payload]
         self._store.set(self._key(tag, self.rank), payload)
         result_key = self._key(tag, "all")
+        self._share(result_key)
         if self.rank == 0:
             try:
                 self._wait({r: self._key(tag, r) for r in range(self.world_size)}, tag)
@@ -201,10 +212,8 @@ class Comm:
             keys = [self._key(tag, r) for r in range(self.world_size)]
             payloads = _multi_get(self._store, keys)
             self._store.set(result_key, b"K" + _pack(payloads))
-            for key in keys:
+            for key in keys:  # only rank 0 reads the per-rank keys
                 self._store.delete_key(key)
-            _flush_leftovers(self._store)
-            _leftover_keys.append(result_key)
             return payloads
         # Rank 0 publishes an error here if it times out, so wait a little longer for it.
         self._wait({0: result_key}, tag, grace=2 * _SCAN_PERIOD + 1.0)
@@ -217,11 +226,11 @@ class Comm:
                 raise ValueError("the broadcasting rank must pass a payload")
             return payload
         key = self._key(tag, src)
+        self._share(key)
         if self.rank == src:
             if payload is None:
                 raise ValueError("the broadcasting rank must pass a payload")
             self._store.set(key, payload)
-            _leftover_keys.append(key)
             return payload
         self._wait({src: key}, tag)
         return self._store.get(key)
@@ -278,6 +287,11 @@ class Comm:
         return _tensor_groups[key]
 
     # ------------------------------------------------------------------ internals
+
+    def _share(self, key: str) -> None:
+        """Record a key every rank reads (the same list on every rank), for :meth:`close`."""
+        if self._shared_keys is not None:
+            self._shared_keys.append(key)
 
     def _key(self, tag: str, who: int | str) -> str:
         return f"{_namespace()}/{self._op}/{tag}/{who}"
@@ -378,11 +392,6 @@ def _namespace() -> str:
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
     return f"{_PREFIX}/{run}/{attempt}" if run or attempt else _PREFIX
-
-
-def _flush_leftovers(store: Any) -> None:
-    while _leftover_keys:
-        store.delete_key(_leftover_keys.pop())
 
 
 def _multi_get(store: Any, keys: list[str]) -> list[bytes]:

@@ -30,11 +30,11 @@ from typing import Any
 import torch
 
 from ._log import get_logger
-from .checkpoint import _header_fields, persist
 from .comm import Comm
 from .errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 from .state import Snapshot
 from .tree import encode
+from .writing import header_fields, plan_write, write_and_commit
 
 __all__ = ["import_checkpoint"]
 
@@ -282,6 +282,7 @@ def import_checkpoint(
     snapshot, header, dropped = _classify(obj, source, model_key)
     for item in dropped:
         _log.warning("%s: left out of the import: %s", source, item)
-    fields = _header_fields(header["step"], header["epoch"], None)
+    fields = header_fields(header["step"], header["epoch"], None)
     comm = Comm.local("ddpckpt.import", destination)
-    return persist(comm, snapshot, fields, overwrite=overwrite, storage="shared"), dropped
+    plan = plan_write(comm, snapshot, fields, overwrite=overwrite, storage="shared")
+    return write_and_commit(plan), dropped

@@ -1,0 +1,198 @@
+"""Asynchronous saves: consistent snapshots, durable before `latest`, errors that surface."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import ddpckpt
+import ddpckpt.writing as writing
+from conftest import make_mlp, train_steps
+from ddpckpt import Checkpointer
+from ddpckpt.staging import StagingPool
+
+
+def objects():
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    train_steps(model, opt)
+    return model, opt
+
+
+def slow_writes(monkeypatch, seconds: float, started: threading.Event | None = None) -> None:
+    real = writing.write_file
+
+    def slow(*args, **kwargs):
+        if started is not None:
+            started.set()
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writing, "write_file", slow)
+
+
+@pytest.mark.parametrize("mode", [True, "overlap"])
+def test_the_checkpoint_holds_the_state_as_of_save(ckpt_dir, mode) -> None:
+    model, opt = objects()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_moments = opt.state[model[0].weight]["exp_avg"].clone()
+    pending = ddpckpt.save(ckpt_dir, model=model, optimizer=opt, async_save=mode)
+    train_steps(model, opt)  # the parameters and moments change right after save() returns
+    assert pending.wait() == ckpt_dir
+    fresh, fresh_opt = make_mlp(seed=3), None
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    ddpckpt.load(ckpt_dir, model=fresh, optimizer=fresh_opt)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    assert torch.equal(fresh_opt.state[fresh[0].weight]["exp_avg"], expected_moments)
+
+
+def test_overlap_makes_optimizer_step_wait_for_the_snapshot(ckpt_dir, monkeypatch) -> None:
+    model, opt = objects()
+    before = model[0].weight.detach().clone()
+    copying = threading.Event()
+    import ddpckpt.staging as staging
+
+    real_copy = staging._copy
+
+    def slow_copy(pairs):
+        if pairs and threading.current_thread().name == "ddpckpt-snapshot":
+            copying.set()
+            time.sleep(0.5)
+        real_copy(pairs)
+
+    monkeypatch.setattr(staging, "_copy", slow_copy)
+    pending = ddpckpt.save(ckpt_dir, model=model, optimizer=opt, async_save="overlap")
+    assert copying.wait(5)
+    started = time.perf_counter()
+    train_steps(model, opt, steps=1)  # forward/backward run; step() waits for the copy
+    assert time.perf_counter() - started > 0.3
+    pending.wait()
+    assert torch.equal(ddpckpt.load_state_dict(ckpt_dir)["0.weight"], before)
+
+
+def test_overlap_needs_the_optimizer(ckpt_dir) -> None:
+    with pytest.raises(ValueError, match="optimizer"):
+        ddpckpt.save(ckpt_dir, model=make_mlp(), async_save="overlap")
+    with pytest.raises(ValueError, match="async_save"):
+        ddpckpt.save(ckpt_dir, model=make_mlp(), async_save="later")
+
+
+def test_latest_moves_only_once_the_checkpoint_is_durable(tmp_path, monkeypatch) -> None:
+    run = tmp_path / "run"
+    model, opt = objects()
+    ckpt = Checkpointer(run, model=model, optimizer=opt, async_save=True)
+    ckpt.save(1)
+    ckpt.wait()
+    writing_started = threading.Event()
+    slow_writes(monkeypatch, 0.5, writing_started)
+    started = time.perf_counter()
+    ckpt.save(2)
+    assert time.perf_counter() - started < 0.4  # returned before the write finished
+    assert writing_started.wait(5)
+    assert (run / "latest").read_text() == "step-00000001\n"
+    assert not (run / "step-00000002").exists()
+    ckpt.wait()
+    assert (run / "latest").read_text() == "step-00000002\n"
+    assert ddpckpt.verify(run / "step-00000002").step == 2
+    ckpt.close()
+
+
+def test_one_save_in_flight_the_next_waits(tmp_path, monkeypatch) -> None:
+    model, opt = objects()
+    ckpt = Checkpointer(
+        tmp_path / "run", model=model, optimizer=opt, async_save=True, keep_last=None
+    )
+    slow_writes(monkeypatch, 0.3)
+    ckpt.save(1)
+    started = time.perf_counter()
+    ckpt.save(2)  # waits for step 1 to be durable before reusing the host buffers
+    assert time.perf_counter() - started > 0.3
+    ckpt.close()
+    assert ddpckpt.verify(tmp_path / "run" / "step-00000001").step == 1
+    assert ddpckpt.verify(tmp_path / "run" / "step-00000002").step == 2
+
+
+def fail_writes(monkeypatch, code: int) -> threading.Event:
+    failed = threading.Event()
+
+    def fail(path, *args, **kwargs):
+        failed.set()
+        raise OSError(code, os.strerror(code), path)
+
+    monkeypatch.setattr(writing, "write_file", fail)
+    return failed
+
+
+def test_a_background_failure_surfaces_at_the_next_call(tmp_path, monkeypatch) -> None:
+    run = tmp_path / "run"
+    model, opt = objects()
+    ckpt = Checkpointer(
+        run, model=model, optimizer=opt, async_save=True, on_error="raise", retries=0
+    )
+    ckpt.save(1)
+    ckpt.wait()
+    failed = fail_writes(monkeypatch, errno.ENOSPC)
+    assert ckpt.save(2) == os.fspath(run / "step-00000002")  # returns: the failure comes later
+    assert failed.wait(5)
+    monkeypatch.undo()
+    with pytest.raises(ddpckpt.CheckpointWriteError) as caught:
+        ckpt.save(3)
+    assert caught.value.errno == errno.ENOSPC
+    assert sorted(n for n in os.listdir(run) if n != ".lock") == [
+        "latest",
+        "run.json",
+        "step-00000001",
+    ]
+    assert ckpt.save(2) is not None  # nothing half-committed: step 2 can be saved again
+    ckpt.close()
+
+
+def test_a_background_failure_only_warns_by_default(tmp_path, monkeypatch, caplog) -> None:
+    model, opt = objects()
+    ckpt = Checkpointer(tmp_path / "run", model=model, optimizer=opt, async_save=True, retries=0)
+    failed = fail_writes(monkeypatch, errno.EIO)
+    ckpt.save(1)
+    assert failed.wait(5)
+    monkeypatch.undo()
+    ckpt.wait()
+    assert "training goes on" in caplog.text
+    assert ckpt.save(1) is not None  # the failed step was never committed
+    ckpt.close()
+
+
+def test_transient_background_errors_are_retried(tmp_path, monkeypatch) -> None:
+    model, opt = objects()
+    real = writing.write_file
+    failures = [errno.EIO]
+
+    def flaky(path, *args, **kwargs):
+        if failures:
+            raise OSError(failures.pop(), "I/O error", path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(writing, "write_file", flaky)
+    ckpt = Checkpointer(
+        tmp_path / "run", model=model, optimizer=opt, async_save=True, retry_backoff=0.01
+    )
+    ckpt.save(1)
+    ckpt.close()
+    assert ddpckpt.verify(tmp_path / "run" / "step-00000001").step == 1
+
+
+def test_host_buffers_are_reused_not_reallocated() -> None:
+    pool = StagingPool()
+    tensors = [("a", torch.randn(100)), ("b", torch.randn(7, 3)), ("c", torch.tensor(2.0))]
+    first, fence = pool.stage(tensors)
+    fence.wait()
+    pointer = first[0][1].data_ptr()
+    second, _ = pool.stage(tensors)
+    assert second[0][1].data_ptr() == pointer and pool.nbytes >= sum(
+        t.numel() * 4 for _, t in tensors
+    )
+    assert all(torch.equal(host, t) for (_, host), (_, t) in zip(second, tensors, strict=True))
