@@ -397,6 +397,28 @@ def scenario_async_props(args, rank: int) -> dict[str, Any]:
     return result
 
 
+def scenario_wait_cycle(args, rank: int) -> dict[str, Any]:
+    """Ranks waiting for each other (rank 0 in one exchange, rank 1 in another) must time out."""
+    from ddpckpt.comm import Comm
+
+    outcomes = []
+    for delay in (0.0, 1.55):  # 1.55 s used to keep both ranks alive forever
+        started = time.monotonic()
+        comm = Comm.open("test.cycle", timeout=3.0)
+        try:
+            if rank == 0:
+                comm.barrier(f"a{delay}")
+            else:
+                time.sleep(delay)  # still working when rank 0 starts waiting
+                comm.barrier(f"b{delay}")
+            outcomes.append({"delay": delay, "error": None})
+        except Exception as exc:
+            outcomes.append({"delay": delay, **error_report(exc, started)})
+        finally:
+            comm.close()
+    return {"outcomes": outcomes}
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -24,16 +24,19 @@ def objects():
     return model, opt
 
 
-def slow_writes(monkeypatch, seconds: float, started: threading.Event | None = None) -> None:
-    real = writing.write_file
+class Gate:
+    """Makes the background writer block until the test opens the gate."""
 
-    def slow(*args, **kwargs):
-        if started is not None:
-            started.set()
-        time.sleep(seconds)
-        return real(*args, **kwargs)
+    def __init__(self, monkeypatch) -> None:
+        self.entered, self.opened = threading.Event(), threading.Event()
+        real = writing.write_file
 
-    monkeypatch.setattr(writing, "write_file", slow)
+        def gated(*args, **kwargs):
+            self.entered.set()
+            assert self.opened.wait(30), "the gate was never opened"
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(writing, "write_file", gated)
 
 
 @pytest.mark.parametrize("mode", [True, "overlap"])
@@ -55,23 +58,28 @@ def test_the_checkpoint_holds_the_state_as_of_save(ckpt_dir, mode) -> None:
 def test_overlap_makes_optimizer_step_wait_for_the_snapshot(ckpt_dir, monkeypatch) -> None:
     model, opt = objects()
     before = model[0].weight.detach().clone()
-    copying = threading.Event()
+    release, copied = threading.Event(), threading.Event()
     import ddpckpt.staging as staging
 
     real_copy = staging._copy
 
-    def slow_copy(pairs):
+    def held_copy(pairs):
         if pairs and threading.current_thread().name == "ddpckpt-snapshot":
-            copying.set()
-            time.sleep(0.5)
+            assert release.wait(30)
+            real_copy(pairs)
+            copied.set()
+            return
         real_copy(pairs)
 
-    monkeypatch.setattr(staging, "_copy", slow_copy)
+    monkeypatch.setattr(staging, "_copy", held_copy)
     pending = ddpckpt.save(ckpt_dir, model=model, optimizer=opt, async_save="overlap")
-    assert copying.wait(5)
-    started = time.perf_counter()
-    train_steps(model, opt, steps=1)  # forward/backward run; step() waits for the copy
-    assert time.perf_counter() - started > 0.3
+    stepper = threading.Thread(target=train_steps, args=(model, opt, 1))
+    stepper.start()  # forward and backward run; step() must wait for the copy
+    stepper.join(0.5)
+    assert stepper.is_alive() and not copied.is_set()
+    release.set()
+    stepper.join(30)
+    assert copied.is_set() and not stepper.is_alive()
     pending.wait()
     assert torch.equal(ddpckpt.load_state_dict(ckpt_dir)["0.weight"], before)
 
@@ -89,14 +97,12 @@ def test_latest_moves_only_once_the_checkpoint_is_durable(tmp_path, monkeypatch)
     ckpt = Checkpointer(run, model=model, optimizer=opt, async_save=True)
     ckpt.save(1)
     ckpt.wait()
-    writing_started = threading.Event()
-    slow_writes(monkeypatch, 0.5, writing_started)
-    started = time.perf_counter()
-    ckpt.save(2)
-    assert time.perf_counter() - started < 0.4  # returned before the write finished
-    assert writing_started.wait(5)
+    gate = Gate(monkeypatch)
+    ckpt.save(2)  # returns while its writer is held at the gate
+    assert gate.entered.wait(30)
     assert (run / "latest").read_text() == "step-00000001\n"
     assert not (run / "step-00000002").exists()
+    gate.opened.set()
     ckpt.wait()
     assert (run / "latest").read_text() == "step-00000002\n"
     assert ddpckpt.verify(run / "step-00000002").step == 2
@@ -105,14 +111,16 @@ def test_latest_moves_only_once_the_checkpoint_is_durable(tmp_path, monkeypatch)
 
 def test_one_save_in_flight_the_next_waits(tmp_path, monkeypatch) -> None:
     model, opt = objects()
-    ckpt = Checkpointer(
-        tmp_path / "run", model=model, optimizer=opt, async_save=True, keep_last=None
-    )
-    slow_writes(monkeypatch, 0.3)
+    ckpt = Checkpointer(tmp_path / "run", model=model, optimizer=opt, async_save=True, keep_last=None)
+    gate = Gate(monkeypatch)
     ckpt.save(1)
-    started = time.perf_counter()
-    ckpt.save(2)  # waits for step 1 to be durable before reusing the host buffers
-    assert time.perf_counter() - started > 0.3
+    assert gate.entered.wait(30)
+    second = threading.Thread(target=ckpt.save, args=(2,))
+    second.start()  # must wait for step 1 before reusing the host buffers
+    second.join(0.5)
+    assert second.is_alive()
+    gate.opened.set()
+    second.join(30)
     ckpt.close()
     assert ddpckpt.verify(tmp_path / "run" / "step-00000001").step == 1
     assert ddpckpt.verify(tmp_path / "run" / "step-00000002").step == 2
@@ -196,3 +204,19 @@ def test_host_buffers_are_reused_not_reallocated() -> None:
         t.numel() * 4 for _, t in tensors
     )
     assert all(torch.equal(host, t) for (_, host), (_, t) in zip(second, tensors, strict=True))
+
+
+def test_a_failed_background_save_is_logged_even_if_nobody_waits(caplog) -> None:
+    from ddpckpt.background import Persister
+
+    persister = Persister()
+
+    def fail() -> None:
+        raise ddpckpt.CheckpointWriteError(errno.ENOSPC, "disk full")
+
+    with caplog.at_level(logging.ERROR, logger="ddpckpt"):
+        persister.submit(fail, "step-7")
+        persister._thread.join()
+    assert "background save step-7 failed" in caplog.text
+    with pytest.raises(ddpckpt.CheckpointWriteError):
+        persister.wait()

@@ -301,3 +301,85 @@ def test_every_seconds_policy(tmp_path) -> None:
 def test_configuration_is_validated_up_front(tmp_path, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         Checkpointer(tmp_path / "run", model=make_mlp(), **kwargs)
+
+
+def test_torchruns_default_run_id_does_not_identify_a_job(tmp_path, monkeypatch) -> None:
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_lock(run, holder.pid, host="another-node", job="none")
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # what torchrun sets without --rdzv-id
+        with pytest.raises(CheckpointLockedError):
+            Checkpointer(run, model=make_mlp()).resume()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_job_whose_lock_was_taken_over_stops_writing(tmp_path) -> None:
+    run = tmp_path / "run"
+    ckpt = Checkpointer(run, model=make_mlp())
+    ckpt.save(1)
+    write_lock(run, 1, host="another-node", job="job-9")  # another job took the directory
+    with pytest.raises(CheckpointLockedError, match="took this directory's lock over"):
+        ckpt.save(2)
+    assert json.loads((run / ".lock").read_text())["host"] == "another-node"  # left alone
+
+
+def test_the_lock_stays_fresh_while_held(tmp_path) -> None:
+    import time as clock
+
+    run = tmp_path / "run"
+    ckpt = Checkpointer(run, model=make_mlp(), lock_stale_after=1.2)
+    ckpt.resume()
+    os.utime(run / ".lock", (0, 0))  # as if not refreshed for ages
+    clock.sleep(0.6)  # the holder's thread refreshes every 0.3 s
+    assert clock.time() - os.stat(run / ".lock").st_mtime < 1.0
+    ckpt.close()
+
+
+def test_after_resuming_an_older_step_saves_must_still_be_newer(tmp_path) -> None:
+    run = tmp_path / "run"
+    with Checkpointer(run, model=make_mlp(), keep_last=None) as ckpt:
+        for step in (100, 200, 300):
+            ckpt.save(step)
+    ckpt = Checkpointer(run, model=make_mlp(), keep_last=None)
+    assert ckpt.resume(step=100).step == 100
+    with pytest.raises(CheckpointStepError, match="newest checkpoint is step 300"):
+        ckpt.save(150)
+    ckpt.close()
+
+
+def test_a_retry_after_a_failure_following_the_commit_finds_it_committed(tmp_path, monkeypatch) -> None:
+    import ddpckpt.writing as writing
+
+    real = writing.commit_dir
+    failures = [errno.EIO]
+
+    def commit_then_fail(*args, **kwargs):
+        real(*args, **kwargs)
+        if failures:
+            raise OSError(failures.pop(), "Input/output error")
+
+    monkeypatch.setattr(writing, "commit_dir", commit_then_fail)
+    ckpt = Checkpointer(tmp_path / "run", model=make_mlp(), retries=1, retry_backoff=0.01, on_error="raise")
+    assert ckpt.save(1) is not None
+    assert ddpckpt.verify(tmp_path / "run" / "step-00000001").step == 1
+    assert ckpt.save(2) is not None  # and the run knows step 1 is its newest
+    ckpt.close()
+
+
+def test_a_retention_failure_in_one_process_only_warns(tmp_path, monkeypatch, caplog) -> None:
+    import ddpckpt.checkpointer as checkpointer
+
+    def refuse(path):
+        raise IsADirectoryError(21, "Is a directory", path)
+
+    monkeypatch.setattr(checkpointer, "remove_checkpoint", refuse)
+    ckpt = Checkpointer(tmp_path / "run", model=make_mlp(), keep_last=1)
+    ckpt.save(1)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert ckpt.save(2) is not None
+    assert "deleting old checkpoints failed" in caplog.text
+    ckpt.save(3)  # the run knows step 2 was committed
+    ckpt.close()

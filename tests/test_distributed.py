@@ -298,3 +298,11 @@ def test_async_saves_across_ranks(tmp_path, mode) -> None:
             "step-00000001",
             "step-00000002",
         ]  # no step 3, no temporaries
+
+
+def test_ranks_waiting_for_each_other_time_out_instead_of_hanging(tmp_path) -> None:
+    results = torchrun("wait_cycle", tmp_path / "out", nproc=2, timeout=150).ok().results
+    for rank in (0, 1):
+        for outcome in results[rank]["outcomes"]:
+            assert outcome["error"] == "CollectiveTimeoutError", (rank, outcome)
+            assert outcome["elapsed"] < outcome["delay"] + 10, (rank, outcome)

@@ -8,7 +8,7 @@ collective under ``torch.distributed`` and work the same in a single process.
 
 from ._version import __version__
 from .accumulation import GradientAccumulation
-from .checkpoint import CheckpointInfo, load, load_state_dict, save, verify
+from .checkpoint import CheckpointInfo, PendingSave, load, load_state_dict, save, verify
 from .checkpointer import Checkpointer
 from .data import ResumableDistributedSampler, SampleIndex, SeededDataset, resumable_loader
 from .errors import (
@@ -39,6 +39,7 @@ __all__ = [
     "CorruptCheckpointError",
     "GradientAccumulation",
     "IncompleteCheckpointError",
+    "PendingSave",
     "PerRank",
     "ResumableDistributedSampler",
     "SampleIndex",

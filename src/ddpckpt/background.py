@@ -44,7 +44,9 @@ class Persister:
                 job()
             except BaseException as exc:  # kept for the training thread (see wait)
                 self._error = exc
-                _log.debug("background save %s failed: %s", name, exc)
+                _log.error(
+                    "background save %s failed (raised at the next ddpckpt call): %s", name, exc
+                )
 
         self._thread = threading.Thread(target=run, name=f"ddpckpt-persist {name}")
         self._thread.start()

@@ -196,11 +196,12 @@ def start_background(
     """Stage ``plan``'s tensors and persist them in the background; closes ``plan.comm``.
 
     Call ``persister.wait()`` before: the pool's previous copies must be written. With
-    ``overlap`` the replicated tensors (parameters, optimizer state) are copied in the
-    background too, and ``optimizer.step()`` waits for those copies.
+    ``overlap`` the model parameters and optimizer state are copied in the background
+    too, and ``optimizer.step()`` waits for those copies (everything else, buffers and EMA
+    copies included, is copied before returning).
     """
     plan.items, fence = pool.stage(
-        plan.items, defer=snapshot.balanced.__contains__ if overlap else None
+        plan.items, defer=_changes_only_in_step(snapshot) if overlap else None
     )
     if overlap and optimizer is not None:
         fence_before_step(optimizer, fence)
@@ -213,6 +214,11 @@ def start_background(
             plan.comm.close()
 
     persister.submit(job, os.path.basename(plan.path))
+
+
+def _changes_only_in_step(snapshot: Snapshot) -> Callable[[str], bool]:
+    """Model parameters and optimizer state: nothing but ``optimizer.step()`` writes them."""
+    return lambda name: name in snapshot.balanced and name.startswith(("model/", "optimizer/"))
 
 
 _fences: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Fence]] = weakref.WeakKeyDictionary()

@@ -21,8 +21,8 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Mapping, MutableMapping
-from typing import Any
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -63,13 +63,14 @@ from .rundir import (
 )
 from .runlock import RunLock
 from .staging import StagingPool
-from .state import capture
+from .state import Snapshot, capture
 from .storage import new_token
 from .topology import storage_domains
-from .writing import WritePlan, header_fields, plan_write, write_and_commit
+from .writing import WritePlan, header_fields, plan_write, storage_errors, write_and_commit
 
 __all__ = ["Checkpointer"]
 
+T = TypeVar("T")
 _log = get_logger(__name__)
 # Storage errors worth retrying: a network file system's hiccups, not a full or read-only disk.
 _TRANSIENT = {
@@ -189,6 +190,7 @@ class Checkpointer:
             {int(s) for v in views for s, status in v.items() if status == "committed"},
             reverse=True,
         )
+        every = list(committed)
         broken = sorted({int(s) for v in views for s, status in v.items() if status != "committed"})
         if step is not None:
             if step not in committed:
@@ -221,7 +223,8 @@ class Checkpointer:
                 failures.append(f"{self._path(candidate)}: {exc}")
                 broken.append(candidate)
                 continue
-            self._after_resume(candidate, [b for b in broken if b > candidate])
+            moved = [b for b in broken if b > candidate]
+            self._after_resume(candidate, moved, max(c for c in every if c not in moved))
             return info
         raise CorruptCheckpointError(
             f"{self.directory}: holds checkpoints but none can be loaded:\n  "
@@ -258,8 +261,12 @@ class Checkpointer:
         self._settle()
         header = header_fields(step, epoch, metrics)
         if self._domains is None:
-            with self._comm("Checkpointer.prepare") as comm:
-                self._prepare(comm)
+            try:
+                with self._comm("Checkpointer.prepare") as comm:
+                    self._prepare(comm)
+            except CheckpointWriteError as exc:
+                self._failed(step, exc)
+                return None
         if self._latest is not None and step <= self._latest:
             if step == self._latest:
                 raise CheckpointExistsError(f"{self._path(step)}: step {step} is already saved")
@@ -271,17 +278,7 @@ class Checkpointer:
         comm = self._comm("Checkpointer.save", self._path(step))
         handed_off = False
         try:
-            snapshot = comm.run(
-                "capture",
-                lambda: capture(
-                    model=self.model,
-                    optimizer=self.optimizer,
-                    scheduler=self.scheduler,
-                    scaler=self.scaler,
-                    extra=self.extra,
-                    rng=self.rng,
-                ),
-            )
+            snapshot = comm.run("capture", self._capture)
             plan = plan_write(comm, snapshot, header, storage=self.storage, domains=self._domains)
             if self.async_save:
                 start_background(
@@ -318,9 +315,11 @@ class Checkpointer:
         """Wait for saves in flight and release the directory's lock. Idempotent; local."""
         if self._closed:
             return
-        self.wait()
-        self._lock.release()
         self._closed = True
+        try:
+            self._settle()
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -357,8 +356,21 @@ class Checkpointer:
                 write_run_file(self.directory, {"retention": self.retention.describe()})
             return [e.step for e in scan(self.directory) if e.status == "committed"]
 
-        steps = [s for listing in comm.run_all("setup", setup) for s in listing]
+        steps = [
+            s for listing in comm.run_all("setup", lambda: self._storage(setup)) for s in listing
+        ]
         self._latest = self._committed = max(steps, default=None)
+
+    def _capture(self) -> Snapshot:
+        self._lock.check()  # never write into a directory another job has taken over
+        return capture(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            scaler=self.scaler,
+            extra=self.extra,
+            rng=self.rng,
+        )
 
     def _persist(self, plan: WritePlan) -> None:
         """Write and commit ``plan`` (retrying transient storage errors), then retention.
@@ -378,13 +390,18 @@ class Checkpointer:
                 time.sleep(delay)
         self._committed = plan.header["step"]
         try:
-            plan.comm.run("retain", lambda: self._after_commit(plan.path))
+            plan.comm.run("retain", lambda: self._storage(lambda: self._after_commit(plan.path)))
         except CheckpointError as exc:  # committed all the same
             _log.warning(
                 "%s is saved, but updating 'latest' or deleting old checkpoints failed: %s",
                 plan.path,
                 exc,
             )
+
+    def _storage(self, step: Callable[[], T]) -> T:
+        """Run ``step`` reporting file-system failures as :class:`CheckpointWriteError`."""
+        with storage_errors(self.directory):
+            return step()
 
     def _settle(self) -> None:
         """Wait for the background save, and handle its failure as a synchronous one."""
@@ -418,8 +435,12 @@ class Checkpointer:
                 _log.info("deleted %s (retention)", entry.path)
         self._lock.refresh()
 
-    def _after_resume(self, step: int, newer_broken: list[int]) -> None:
-        """Move aside the broken checkpoints newer than ``step``; point ``latest`` at it."""
+    def _after_resume(self, step: int, newer_broken: list[int], newest: int) -> None:
+        """Move aside the broken checkpoints newer than ``step``; point ``latest`` at it.
+
+        ``newest`` is the newest committed checkpoint left: later saves must be newer
+        (after ``resume(step=N)`` too, so no branch can mix with the abandoned one).
+        """
         with self._comm("Checkpointer.resumed") as comm:
 
             def tidy() -> None:
@@ -431,11 +452,11 @@ class Checkpointer:
                         target = f"{source}.corrupt-{new_token()}"
                         os.rename(source, target)
                         _log.warning("moved %s aside to %s; it is never loaded", source, target)
-                if read_latest(self.directory) != step_dirname(step):
-                    write_latest(self.directory, step_dirname(step))
+                if read_latest(self.directory) != step_dirname(newest):
+                    write_latest(self.directory, step_dirname(newest))
 
-            comm.run("tidy", tidy)
-        self._latest = self._committed = step
+            comm.run("tidy", lambda: self._storage(tidy))
+        self._latest = self._committed = newest
         self.save_policy.saved(step, time.monotonic())
 
 

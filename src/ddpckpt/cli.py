@@ -1,4 +1,4 @@
-"""The ``ddpckpt`` command line: demo, ls, inspect, verify, export, import, diff.
+"""The ``ddpckpt`` command line: demo, bench, ls, inspect, verify, export, import, diff.
 
 Exit status: 0 on success; ``verify`` and ``ls`` exit 1 when anything is bad; ``diff`` exits 1
 when the checkpoints differ; any command exits 2 when it cannot do its job (a missing
@@ -229,6 +229,21 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if report.identical else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .bench import format_markdown, run_bench
+
+    nprocs = tuple(int(n) for n in args.nproc.split(","))
+    print(
+        f"benchmarking in {args.out} ({args.params / 1e6:.0f}M parameters, ranks {args.nproc}); this takes minutes ...",
+        flush=True,
+    )
+    report = run_bench(args.out, directory=args.dir, nprocs=nprocs, params=args.params, every=args.every,
+                       steps=args.steps, compute=args.compute)  # fmt: skip
+    print(format_markdown(report))
+    print(f"results: {os.path.join(os.path.abspath(args.out), 'results.md')} (.json, .png)")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpckpt", description="Inspect, verify, export, import and compare checkpoints."
@@ -253,6 +268,37 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--every", type=int, default=20, help="checkpoint every N steps (default 20)")
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL rank 1 after this step")
     p.set_defaults(run=_demo)
+
+    p = commands.add_parser(
+        "bench", help="measure checkpointing against torch.save, DCP and the hardware"
+    )
+    p.add_argument("--out", default="bench-output", help="output directory (default bench-output)")
+    p.add_argument(
+        "--dir", default=None, help="where checkpoints are written (default OUT/checkpoints)"
+    )
+    p.add_argument(
+        "--nproc", default="1,2", help="world sizes to run, comma-separated (default 1,2)"
+    )
+    p.add_argument(
+        "--params",
+        type=int,
+        default=100_000_000,
+        help="fp32 parameters (default 100M: 1.2 GB with AdamW)",
+    )
+    p.add_argument(
+        "--every",
+        type=int,
+        default=20,
+        help="checkpoint interval of the training loop (default 20)",
+    )
+    p.add_argument("--steps", type=int, default=40, help="steps of the training loop (default 40)")
+    p.add_argument(
+        "--compute",
+        type=float,
+        default=0.2,
+        help="seconds of compute per training step (default 0.2)",
+    )
+    p.set_defaults(run=_bench)
 
     p = commands.add_parser("ls", help="list a run directory's checkpoints (exit 1 if any is bad)")
     p.add_argument("directory")

@@ -139,6 +139,9 @@ class Comm:
         comm._store = distributed_c10d._get_default_store()
         comm._op = next(_op_counter)
         comm._start_heartbeat()
+        for rank in range(comm.world_size):  # each rank's liveness keys: deleted at close
+            for kind in ("waiting", "alive", "work"):
+                comm._share(comm._key(kind, rank))
         try:
             comm._enter(path)
         except BaseException:
@@ -263,11 +266,11 @@ class Comm:
         result: Any = None
         try:
             result = step()
-            outcome = {"ok": result if share else None}
+            payload = json.dumps({"ok": result if share else None}).encode()
         except Exception as exc:
             local = exc
-            outcome = {"error": _describe(exc)}
-        outcomes = [json.loads(b) for b in self.all_gather(tag, json.dumps(outcome).encode())]
+            payload = json.dumps({"error": _describe(exc)}).encode()
+        outcomes = [json.loads(b) for b in self.all_gather(tag, payload)]
         failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
         if failures:
             raise _combine(self.call, failures) from local
@@ -296,72 +299,63 @@ class Comm:
     def _key(self, tag: str, who: int | str) -> str:
         return f"{_namespace()}/{self._op}/{tag}/{who}"
 
-    def _beat_key(self, rank: int) -> str:
-        return f"{_namespace()}/heartbeat/{rank}"
+    def _beat_key(self, rank: int, kind: str) -> str:
+        return self._key(kind, rank)  # per call: work for another call is no progress in this one
 
-    def _beat(self, rank: int) -> int:
-        return int(self._store.add(self._beat_key(rank), 0))
+    def _beat(self, rank: int, kind: str) -> int:
+        return int(self._store.add(self._beat_key(rank, kind), 0))
 
     def _start_heartbeat(self) -> None:
-        """Beat while this rank works; a rank blocked in :meth:`_wait` does not beat."""
+        """Beat "alive" all along this call, and "work" whenever it is not blocked waiting."""
         interval = min(1.0, self.timeout / 4)
-        store, key, stop, waiting = (
-            self._store,
-            self._beat_key(self.rank),
-            self._stop,
-            self._waiting,
-        )
+        store, stop, waiting = self._store, self._stop, self._waiting
+        alive, work = self._beat_key(self.rank, "alive"), self._beat_key(self.rank, "work")
 
         def beat() -> None:
             while not stop.wait(interval):
-                if waiting.is_set():
-                    continue
                 try:
-                    store.add(key, 1)
-                except RuntimeError as exc:  # the store went away: others will time out on us
-                    _log.debug("heartbeat stopped: %s", exc)
+                    store.add(alive, 1)
+                    if not waiting.is_set():
+                        store.add(work, 1)
+                except RuntimeError as exc:  # the store went away: the next wait reports it
+                    _log.warning("ddpckpt heartbeat of rank %d stopped: %s", self.rank, exc)
                     return
 
-        store.add(key, 1)
+        store.add(alive, 1)
+        store.add(work, 1)
         self._beater = threading.Thread(target=beat, name="ddpckpt-heartbeat", daemon=True)
         self._beater.start()
 
     def _wait(self, keys: dict[int, str], tag: str, grace: float = 0.0) -> None:
         """Wait until every key in ``keys`` (rank -> key that rank sets) exists.
 
-        A rank is alive while its heartbeat advances. Ranks beat while they work, and a
-        waiting rank beats whenever a rank it waits for did, so liveness flows along a
-        chain of waiting ranks to whoever is working (a slow writer keeps everyone
-        patient), while ranks waiting for each other in a cycle (mismatched calls) show
-        none. A pending rank silent for ``timeout + grace`` seconds raises
-        :class:`CollectiveTimeoutError` naming it.
+        While waiting, this rank publishes which ranks it waits for. A pending rank makes
+        progress if it is alive (its heartbeat runs) and is either working or waiting,
+        directly or through others, for a rank that is: a slow writer keeps everyone
+        waiting on it patient, while ranks waiting for each other in a cycle (mismatched
+        calls) or a dead rank show none. A pending rank without progress for ``timeout +
+        grace`` seconds raises :class:`CollectiveTimeoutError` naming it.
         """
+        waiting_key = self._key("waiting", self.rank)
+        self._store.set(waiting_key, json.dumps(sorted(keys)).encode())
         self._waiting.set()
         try:
             pending = dict(keys)
-            now = time.monotonic()
-            seen = {r: (self._beat(r), now) for r in pending}
-            delay, next_scan = 0.0005, now + _SCAN_PERIOD
+            liveness = _Liveness(self, self.timeout + grace)
+            delay, next_scan = 0.0005, time.monotonic() + _SCAN_PERIOD
             while not self._store.check(list(pending.values())):
                 time.sleep(delay)
                 delay = min(delay * 1.5, 0.02)
-                now = time.monotonic()
-                if now < next_scan:
+                if time.monotonic() < next_scan:
                     continue
-                next_scan = now + _SCAN_PERIOD
+                next_scan = time.monotonic() + _SCAN_PERIOD
                 pending = {r: k for r, k in pending.items() if not self._store.check([k])}
-                progressed = False
-                for r in pending:
-                    beat = self._beat(r)
-                    if beat != seen[r][0]:
-                        seen[r], progressed = (beat, now), True
-                if progressed:
-                    self._store.add(self._beat_key(self.rank), 1)
-                silent = sorted(r for r in pending if now - seen[r][1] > self.timeout + grace)
+                silent = sorted(r for r in pending if not liveness.progressing(r))
                 if silent:
                     raise self._timeout_error(silent, tag)
         finally:
             self._waiting.clear()
+            self._store.set(waiting_key, b"[]")  # never deleted mid-call: readers must not block
 
     def _timeout_error(self, ranks: Sequence[int], tag: str) -> CollectiveTimeoutError:
         names = ", ".join(str(r) for r in ranks)
@@ -381,6 +375,38 @@ class Comm:
         )
         error.failures = {r: f"CollectiveTimeoutError: no response in step '{tag}'" for r in ranks}
         return error
+
+
+class _Liveness:
+    """Which ranks make progress, judged from their heartbeats (see :meth:`Comm._wait`)."""
+
+    def __init__(self, comm: Comm, timeout: float) -> None:
+        self.comm = comm
+        self.timeout = timeout
+        self.seen: dict[tuple[int, str], tuple[int, float]] = {}
+
+    def _recent(self, rank: int, kind: str) -> bool:
+        """Whether ``rank``'s ``kind`` beat changed within the timeout (or was first seen then)."""
+        now = time.monotonic()
+        value = self.comm._beat(rank, kind)
+        last = self.seen.get((rank, kind))
+        if last is None or last[0] != value:
+            self.seen[(rank, kind)] = last = (value, now)
+        return now - last[1] <= self.timeout
+
+    def _waits_for(self, rank: int) -> list[int]:
+        key = self.comm._key("waiting", rank)
+        if not self.comm._store.check([key]):
+            return []
+        return [int(r) for r in json.loads(self.comm._store.get(key))]
+
+    def progressing(self, rank: int, visiting: frozenset[int] = frozenset()) -> bool:
+        if rank in visiting or not self._recent(rank, "alive"):
+            return False
+        if self._recent(rank, "work"):
+            return True
+        inner = visiting | {rank}
+        return any(self.progressing(other, inner) for other in self._waits_for(rank))
 
 
 def _namespace() -> str:
@@ -430,9 +456,12 @@ def _encode_error(exc: CheckpointError) -> bytes:
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
+    message = str(exc) or repr(exc)
+    if isinstance(exc, OSError) and exc.strerror is not None:  # without the "[Errno N]" prefix
+        message = exc.strerror + (f": {exc.filename}" if exc.filename else "")
     return {
         "type": type(exc).__name__,
-        "message": str(exc) or repr(exc),
+        "message": message,
         "errno": getattr(exc, "errno", None),
         "host": platform.node(),
     }
@@ -452,6 +481,9 @@ def _combine(call: str, failures: dict[int, dict[str, Any]]) -> CheckpointError:
             for r in ranks
         ]
         text = f"{call} failed on {len(ranks)} rank(s):\n" + "\n".join(lines)
+    if len(kinds) > 1:  # e.g. incomplete on one rank, corrupt on another: both are corrupt
+        common = _common_error(kinds)
+        kinds = {common.__name__} if common is not None else kinds
     if len(kinds) == 1:
         kind = kinds.pop()
         cls = error_class(kind)
@@ -466,6 +498,19 @@ def _combine(call: str, failures: dict[int, dict[str, Any]]) -> CheckpointError:
         error = RankFailureError(text)
     error.failures = {r: f"{f['type']}: {f['message']}" for r, f in failures.items()}
     return error
+
+
+def _common_error(kinds: set[str]) -> type[CheckpointError] | None:
+    """The most specific ddpckpt error class all ``kinds`` share, if more specific than the base."""
+    classes = [error_class(k) for k in kinds]
+    if any(c is RankFailureError for c in classes):
+        return None
+    for candidate in classes[0].__mro__:
+        if candidate is CheckpointError:
+            return None
+        if isinstance(candidate, type) and all(issubclass(c, candidate) for c in classes):
+            return candidate  # type: ignore[return-value]
+    return None
 
 
 def _is_os_error(name: str) -> bool:

@@ -197,7 +197,7 @@ class ResumableDistributedSampler(DistributedSampler):
         self._start = self._consumed = int(state["consumed"])
         self._order_replicas = int(state["order_replicas"])
         total = _epoch_total(self._length(), self._order_replicas, self.drop_last)
-        if self._start in (0, total) or self._order_replicas == self.num_replicas:
+        if self._start == 0 or self._start >= total or self._order_replicas == self.num_replicas:
             if self._start == 0:
                 self._order_replicas = self.num_replicas
             return

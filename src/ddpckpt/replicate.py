@@ -63,7 +63,7 @@ def repair_copies(comm: Comm, path: str, have: list[bool]) -> None:
             sender = owners[name]
             for receiver in receivers:
                 if comm.rank == sender:
-                    _send(os.path.join(path, name), receiver, group)
+                    _send(os.path.join(path, name), manifest.files[name].size, receiver, group)
                 elif comm.rank == receiver:
                     _receive(os.path.join(tmp, name), manifest, name, sender, group)
         if comm.rank in receivers:
@@ -91,11 +91,23 @@ def _read_text(path: str) -> bytes:
         return f.read()
 
 
-def _send(path: str, receiver: int, group: object) -> None:
-    buffer = bytearray(_CHUNK)
+def _send(path: str, size: int, receiver: int, group: object) -> None:
+    """Send the file in chunks of exactly the sizes :func:`_receive` expects."""
+    if os.path.getsize(path) != size:
+        raise CorruptCheckpointError(f"{path}: size differs from the manifest's {size} bytes")
+    chunk = torch.empty(_CHUNK, dtype=torch.uint8)
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            dist.send(torch.frombuffer(buffer, dtype=torch.uint8)[:n], dst=receiver, group=group)
+        remaining = size
+        while remaining:
+            n = min(remaining, _CHUNK)
+            view, filled = byte_view(chunk)[:n], 0
+            while filled < n:  # short reads happen on network file systems
+                got = f.readinto(view[filled:])
+                if not got:
+                    raise CorruptCheckpointError(f"{path}: ended early while being sent")
+                filled += got
+            dist.send(chunk[:n], dst=receiver, group=group)
+            remaining -= n
 
 
 def _receive(path: str, manifest: Manifest, name: str, sender: int, group: object) -> None:

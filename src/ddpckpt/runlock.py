@@ -4,15 +4,17 @@
 and when it was taken. It is created with ``O_EXCL``. A lock is *stale*, and is taken
 over with a warning, when its holder is this host's process that no longer exists, when
 it belongs to the same job (an elastic restart), or when it has not been refreshed for
-``stale_after`` seconds (a holder on another host that died). The holder refreshes it at
-every save.
+``stale_after`` seconds (a holder on another host that died). The holder refreshes it from
+a thread while it holds it, and checks before every save that it still does.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import threading
 import time
 from typing import Any
 
@@ -24,10 +26,16 @@ __all__ = ["LOCK_NAME", "RunLock"]
 
 _log = get_logger(__name__)
 LOCK_NAME = ".lock"
+_CREATING = 30.0  # seconds an empty lock file may be in the middle of being written
 
 
 def _job_id() -> str | None:
-    return os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID")
+    """This job's id across restarts; torchrun's default id ``none`` identifies nothing."""
+    for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = os.environ.get(name, "")
+        if value and value != "none":
+            return value
+    return None
 
 
 def _alive(pid: int) -> bool:
@@ -47,6 +55,7 @@ class RunLock:
         self.path = os.path.join(directory, LOCK_NAME)
         self.stale_after = stale_after
         self.held = False
+        self._stop = threading.Event()
         self._mine = {"host": platform.node(), "pid": os.getpid(), "job": _job_id()}
 
     def _read(self) -> dict[str, Any] | None:
@@ -58,19 +67,22 @@ class RunLock:
         except ValueError:
             return {}  # a torn lock file: whoever wrote it died while writing
 
+    def _age(self) -> float:
+        try:
+            return time.time() - os.stat(self.path).st_mtime
+        except FileNotFoundError:
+            return math.inf
+
     def _why_stale(self, holder: dict[str, Any]) -> str | None:
-        if not holder:
-            return "unreadable"
+        if not holder:  # a holder that died while writing it, or one writing it right now
+            return "unreadable" if self._age() > _CREATING else None
         if holder.get("host") == self._mine["host"] and holder.get("pid") == self._mine["pid"]:
             return "ours"
         if holder.get("job") and holder.get("job") == self._mine["job"]:
             return f"held by an earlier attempt of this job (pid {holder.get('pid')})"
         if holder.get("host") == self._mine["host"] and not _alive(int(holder.get("pid", -1))):
             return f"its holder, pid {holder.get('pid')} on this host, is gone"
-        try:
-            age = time.time() - os.stat(self.path).st_mtime
-        except FileNotFoundError:
-            return "gone"
+        age = self._age()
         if age > self.stale_after:
             return f"not refreshed for {age:.0f} s"
         return None
@@ -87,6 +99,9 @@ class RunLock:
                 if holder is None:
                     continue
                 reason = self._why_stale(holder)
+                if reason is None and not holder:  # being written this very moment
+                    time.sleep(0.1)
+                    continue
                 if reason is None:
                     raise CheckpointLockedError(
                         f"{os.path.dirname(self.path)} is in use by another job: pid "
@@ -97,20 +112,52 @@ class RunLock:
                 if reason != "ours":
                     _log.warning("%s: taking over a stale lock (%s)", self.path, reason)
                 write_bytes_atomic(self.path, document)
-                self.held = True
+                self._hold()
                 return
             try:
                 os.write(fd, document)
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            self.held = True
+            self._hold()
             return
         raise CheckpointLockedError(f"{self.path}: could not take the lock (it keeps changing)")
 
+    def _hold(self) -> None:
+        """Keep the lock fresh from a thread, so a job that saves rarely never looks dead."""
+        self.held = True
+        self._stop = threading.Event()
+        interval = min(60.0, self.stale_after / 4)
+
+        def refresh() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.refresh()
+                except OSError as exc:
+                    _log.warning("%s: could not refresh the lock: %s", self.path, exc)
+
+        threading.Thread(target=refresh, name="ddpckpt-lock", daemon=True).start()
+
+    def check(self) -> None:
+        """Raise :class:`CheckpointLockedError` if another job has taken the lock over."""
+        if not self.held:
+            return
+        holder = self._read()
+        if holder and self._why_stale(holder) == "ours":
+            return
+        self.held = False
+        raise CheckpointLockedError(
+            f"{os.path.dirname(self.path)}: another job took this directory's lock over "
+            f"(now pid {(holder or {}).get('pid')} on {(holder or {}).get('host')}); this job "
+            "stops writing here"
+        )
+
     def refresh(self) -> None:
+        """Touch the lock, if it is still ours (never another job's)."""
         if self.held:
-            os.utime(self.path)
+            holder = self._read()
+            if holder and self._why_stale(holder) == "ours":
+                os.utime(self.path)
 
     def release(self) -> None:
         """Delete the lock file if it is still ours. If storage refuses (read-only), the
@@ -118,6 +165,7 @@ class RunLock:
         if not self.held:
             return
         self.held = False
+        self._stop.set()
         holder = self._read()
         if holder and self._why_stale(holder) == "ours":
             try:

@@ -193,6 +193,8 @@ def write_file(
     Returns the file's entry and each tensor's entry with absolute offsets and digests.
     ``progress`` is called with the size of every chunk of tensor data written.
     """
+    for key, tensor in items:  # before creating the file: a refused save leaves nothing
+        check_storable(key, tensor)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
 

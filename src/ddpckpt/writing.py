@@ -42,6 +42,7 @@ from .manifest import (
     Manifest,
     file_from_json,
     file_to_json,
+    read_manifest,
     tensor_from_json,
     tensor_to_json,
 )
@@ -175,7 +176,9 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
     comm, path = plan.comm, plan.path
     tmp = temp_dir_for(path, f"{comm.token}-{attempt}")
     try:
-        comm.run(f"prepare.{attempt}", lambda: _prepare(plan, tmp))
+        done = comm.run_all(f"prepare.{attempt}", lambda: _prepare(plan, tmp))
+        if all(done[d[0]] for d in plan.domains):  # a previous attempt committed, then failed
+            return path
         results = comm.run_all(f"write.{attempt}", lambda: _write(plan, tmp))
         comm.run(f"commit.{attempt}", lambda: _commit(plan, tmp, results))
     except BaseException:
@@ -185,10 +188,21 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
     return path
 
 
-def _prepare(plan: WritePlan, tmp: str) -> None:
+def _committed_by(plan: WritePlan) -> bool:
+    """Whether ``plan.path`` holds the checkpoint this very save committed."""
+    try:
+        return read_manifest(plan.path).id == plan.comm.token
+    except CheckpointError:
+        return False
+
+
+def _prepare(plan: WritePlan, tmp: str) -> bool:
+    """Check the target and make the temporary directory; True if already committed."""
     if not plan.leader:
-        return
+        return False
     path = plan.path
+    if _committed_by(plan):
+        return True
     with storage_errors(path):
         if os.path.lexists(path) and not plan.overwrite:
             raise CheckpointExistsError(
@@ -205,6 +219,7 @@ def _prepare(plan: WritePlan, tmp: str) -> None:
                 "checkpoints) or save elsewhere. Nothing was written",
             )
         os.mkdir(tmp)
+    return False
 
 
 def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
@@ -270,10 +285,19 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]]) -> None:
     )
     with storage_errors(plan.path):
         write_bytes_new(os.path.join(tmp, MANIFEST_NAME), manifest.to_json().encode())
-        try:
-            commit_dir(tmp, plan.path, overwrite=plan.overwrite)
-        except FileExistsError:
-            raise CheckpointExistsError(f"{plan.path}: another save committed here first") from None
+    try:
+        commit_dir(tmp, plan.path, overwrite=plan.overwrite)
+    except OSError as exc:
+        if _committed_by(plan):  # renamed into place; what failed came after
+            raise CheckpointWriteError(
+                exc.errno,
+                f"{plan.path}: the checkpoint is committed, but syncing the directory afterwards "
+                f"failed ({exc.strerror or exc}); it may not survive a power loss",
+            ) from exc
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise CheckpointExistsError(f"{plan.path}: another save committed here first") from exc
+        with storage_errors(plan.path):
+            raise
     _log.info("saved checkpoint %s (step %s, %d bytes)", plan.path, header["step"], manifest.nbytes)
 
 

@@ -1,0 +1,477 @@
+"""The measuring job of ``ddpckpt bench`` (started by torchrun; see :mod:`ddpckpt.bench`).
+
+Every rank builds the same training state (a model of ``--params`` fp32 parameters and
+fused AdamW moments: 12 bytes per parameter), then, in one run and on the same state:
+
+* references: sequential write bandwidth with fsync on the target directory (the write
+  ceiling), single-thread memcpy bandwidth (the snapshot floor), cold read bandwidth;
+* per method: the training stall, the time until durable, the peak extra resident memory
+  while saving, and a cold load that touches every byte;
+* per method: the wall time of a training loop that checkpoints every ``--every`` steps,
+  against the same loop without checkpoints;
+* with one rank: the slowdown of training while a background thread, or a background
+  process, writes a checkpoint-sized buffer (the GIL question).
+
+Rank 0 writes the results as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import ddpckpt
+from ddpckpt.tensorfile import write_file
+
+_CHUNK = 8 << 20
+
+
+# --------------------------------------------------------------------------- the state
+
+
+class Model(nn.Module):
+    def __init__(self, params: int, pieces: int = 50) -> None:
+        super().__init__()
+        size = params // pieces
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(size)) for _ in range(pieces))
+
+
+def build(params: int) -> tuple[Model, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Model(params)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    optimizer.step()
+    return model, optimizer
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for state in optimizer.state.values():
+        total += sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+    return total
+
+
+class Trainer:
+    """A synthetic training step: fixed compute, then the optimizer step (which mutates all state)."""
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, compute_seconds: float
+    ) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.a = torch.randn(512, 512)
+        start = time.perf_counter()
+        for _ in range(20):
+            self.a @ self.a
+        per = (time.perf_counter() - start) / 20
+        self.repeats = max(1, round(compute_seconds / per))
+
+    def step(self) -> None:
+        for _ in range(self.repeats):
+            self.a @ self.a
+        self.optimizer.step()
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+class PeakRSS:
+    """Samples this process's resident memory every 2 ms."""
+
+    def __init__(self) -> None:
+        self.base = self.peak = self.read()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def read() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self.read())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, self.read()) - self.base
+
+
+def evict(path: str) -> None:
+    """Drop ``path`` (a file or every file below a directory) from the page cache."""
+    files = (
+        [path]
+        if os.path.isfile(path)
+        else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    )
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+    files = (
+        [path]
+        if os.path.isfile(path)
+        else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    )
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+
+
+def references(
+    directory: str, nbytes: int, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, float]:
+    """Write ceiling, read ceiling and memcpy floor, measured now on this machine (rank 0)."""
+    path = os.path.join(directory, "ceiling.bin")
+    block = torch.randint(0, 255, (_CHUNK,), dtype=torch.uint8).numpy().tobytes()
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    written = 0
+    while written < nbytes:
+        written += os.write(fd, block)
+    os.fsync(fd)
+    os.close(fd)
+    write = written / (time.perf_counter() - start)
+    evict(path)
+    buffer = bytearray(_CHUNK)
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buffer):
+            pass
+    read = written / (time.perf_counter() - start)
+    os.unlink(path)
+    tensors = [p.detach() for p in model.parameters()]
+    tensors += [
+        v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+    ]
+    copies = [torch.empty_like(t) for t in tensors]
+    for c, t in zip(copies, tensors, strict=True):  # touch the destination pages first
+        c.copy_(t)
+    start = time.perf_counter()
+    for c, t in zip(copies, tensors, strict=True):
+        c.copy_(t)
+    memcpy = sum(t.numel() * t.element_size() for t in tensors) / (time.perf_counter() - start)
+    del copies
+    return {"write_ceiling": write, "read_ceiling": read, "memcpy": memcpy}
+
+
+# --------------------------------------------------------------------------- methods
+
+
+class Method:
+    """One way to checkpoint: start a save (returns something to wait on), and load."""
+
+    name = ""
+    rank0_only = False
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def start(self, path: str) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def load(self, path: str) -> None:
+        raise NotImplementedError
+
+
+class TorchSaveRank0(Method):
+    """The seeds' recipe: torch.save on rank 0, then dist.barrier(); no fsync."""
+
+    name = "torch.save rank 0 + barrier"
+
+    def start(self, path: str) -> Callable[[], None]:
+        if dist.get_rank() == 0:
+            torch.save(
+                {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, path
+            )
+        dist.barrier()
+
+        def durable() -> None:
+            if dist.get_rank() == 0:
+                fsync_tree(path)
+            dist.barrier()
+
+        return durable
+
+    def load(self, path: str) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+class SafetensorsRank0(Method):
+    """safetensors.torch.save_file of model and optimizer tensors on rank 0, then a barrier."""
+
+    name = "safetensors save_file rank 0"
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"model.{k}": v for k, v in self.model.state_dict().items()}
+        for i, state in enumerate(self.optimizer.state.values()):
+            out.update({f"optim.{i}.{k}": v for k, v in state.items()})
+        return out
+
+    def start(self, path: str) -> Callable[[], None]:
+        from safetensors.torch import save_file
+
+        if dist.get_rank() == 0:
+            save_file(self.tensors(), path)
+        dist.barrier()
+
+        def durable() -> None:
+            if dist.get_rank() == 0:
+                fsync_tree(path)
+            dist.barrier()
+
+        return durable
+
+    def load(self, path: str) -> None:
+        from safetensors.torch import load_file
+
+        loaded = load_file(path)
+        with torch.no_grad():
+            for name, target in self.tensors().items():
+                target.copy_(loaded[name])
+
+
+class DCP(Method):
+    name = "DCP save"
+
+    def state(self) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def start(self, path: str) -> Callable[[], None]:
+        dcp.save(self.state(), checkpoint_id=path)
+        return lambda: None
+
+    def load(self, path: str) -> None:
+        state = self.state()
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+
+
+class DCPAsync(DCP):
+    name = "DCP async_save"
+
+    def start(self, path: str) -> Callable[[], None]:
+        future = dcp.async_save(self.state(), checkpoint_id=path)
+        return lambda: future.result()
+
+
+class Ddpckpt(Method):
+    name = "ddpckpt"
+    mode: bool | str = False
+
+    def start(self, path: str) -> Callable[[], None]:
+        result = ddpckpt.save(
+            path, model=self.model, optimizer=self.optimizer, async_save=self.mode
+        )
+        return result.wait if isinstance(result, ddpckpt.PendingSave) else (lambda: None)
+
+    def load(self, path: str) -> None:
+        ddpckpt.load(path, model=self.model, optimizer=self.optimizer)
+
+
+class DdpckptAsync(Ddpckpt):
+    name = "ddpckpt async"
+    mode = True
+
+
+class DdpckptOverlap(Ddpckpt):
+    name = "ddpckpt async overlap"
+    mode = "overlap"
+
+
+METHODS = [TorchSaveRank0, SafetensorsRank0, DCP, DCPAsync, Ddpckpt, DdpckptAsync, DdpckptOverlap]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+def all_max(value: float) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor)
+
+
+def measure_method(
+    method: Method, trainer: Trainer, directory: str, step_seconds: float
+) -> dict[str, float]:
+    path = os.path.join(directory, method.name.replace(" ", "_"))
+    if isinstance(method, (DCPAsync, DdpckptAsync)):  # steady state: staging memory set up once
+        method.start(path + "-warmup")()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path + "-warmup")
+    dist.barrier()
+    gc.collect()
+    rss = PeakRSS()
+    started = time.perf_counter()
+    durable = method.start(path)
+    stall = time.perf_counter() - started
+    if isinstance(method, DdpckptOverlap):  # the copy finishes under the next step; count the wait
+        stall += max(0.0, timed(trainer.step)[0] - step_seconds)
+    durable()
+    until_durable = time.perf_counter() - started
+    extra = rss.stop()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        evict(path)
+    dist.barrier()
+    load_seconds = all_max(timed(lambda: method.load(path))[0])
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (shutil.rmtree if os.path.isdir(path) else os.unlink)(path)
+    return {
+        "stall": all_max(stall),
+        "durable": all_max(until_durable),
+        "peak_extra_rss": all_max(float(extra)),
+        "load": load_seconds,
+    }
+
+
+def loop_seconds(
+    trainer: Trainer, method: Method | None, directory: str, steps: int, every: int
+) -> float:
+    """Wall time of ``steps`` training steps, checkpointing every ``every`` with ``method``."""
+    dist.barrier()
+    pending: Callable[[], None] | None = None
+    paths: list[str] = []
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        trainer.step()
+        if method is not None and step % every == 0:
+            if pending is not None:
+                pending()
+            path = os.path.join(directory, f"loop-{step}")
+            paths.append(path)
+            pending = method.start(path)
+    if pending is not None:
+        pending()
+    elapsed = all_max(time.perf_counter() - start)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        for path in paths:
+            (shutil.rmtree if os.path.isdir(path) else os.unlink)(path)
+    return elapsed
+
+
+# --------------------------------------------------------------------------- the GIL question
+
+
+def _write_loop(tensor: torch.Tensor, path: str, seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    count = 0
+    while time.perf_counter() < end:
+        target = f"{path}.{count}"
+        write_file(target, [("x", tensor)], writer=0, metadata={})
+        os.unlink(target)
+        count += 1
+
+
+def gil_effect(trainer: Trainer, directory: str, nbytes: int, steps: int) -> dict[str, float]:
+    """Step time alone, with a writer thread, and with a writer process (same work)."""
+    buffer = torch.empty(nbytes // 4, dtype=torch.float32).share_memory_()
+    buffer.normal_()
+    path = os.path.join(directory, "gil.bin")
+
+    def steps_time() -> float:
+        return timed(lambda: [trainer.step() for _ in range(steps)])[0] / steps
+
+    alone = steps_time()
+    seconds = alone * steps + 5
+    thread = threading.Thread(target=_write_loop, args=(buffer, path + "t", seconds))
+    thread.start()
+    with_thread = steps_time()
+    thread.join()
+    context = torch.multiprocessing.get_context("spawn")
+    process = context.Process(target=_write_loop, args=(buffer, path + "p", seconds + 5))
+    process.start()
+    time.sleep(5)  # let the process finish importing before measuring
+    with_process = steps_time()
+    process.join()
+    return {"alone": alone, "thread": with_thread, "process": with_process}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--params", type=int, default=100_000_000)
+    parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--compute", type=float, default=0.2, help="seconds of compute per step")
+    parser.add_argument("--gil", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    os.makedirs(args.dir, exist_ok=True)
+    model, optimizer = build(args.params)
+    trainer = Trainer(model, optimizer, args.compute)
+    nbytes = state_bytes(model, optimizer)
+    result: dict[str, Any] = {
+        "world_size": dist.get_world_size(),
+        "state_bytes": nbytes,
+        "params": args.params,
+    }
+    if rank == 0:
+        result["references"] = references(args.dir, nbytes, model, optimizer)
+    dist.barrier()
+    step_seconds = all_max(timed(lambda: [trainer.step() for _ in range(3)])[0] / 3)
+    result["step_seconds"] = step_seconds
+    result["methods"] = {}
+    for kind in METHODS:
+        method = kind(model, optimizer)
+        result["methods"][method.name] = measure_method(method, trainer, args.dir, step_seconds)
+    baseline = loop_seconds(trainer, None, args.dir, args.steps, args.every)
+    result["loop"] = {"every": args.every, "steps": args.steps, "baseline": baseline}
+    for kind in METHODS:
+        method = kind(model, optimizer)
+        result["loop"][method.name] = loop_seconds(
+            trainer, method, args.dir, args.steps, args.every
+        )
+    if args.gil and dist.get_world_size() == 1:
+        result["gil"] = gil_effect(trainer, args.dir, nbytes, steps=10)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
