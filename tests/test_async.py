@@ -111,7 +111,9 @@ def test_latest_moves_only_once_the_checkpoint_is_durable(tmp_path, monkeypatch)
 
 def test_one_save_in_flight_the_next_waits(tmp_path, monkeypatch) -> None:
     model, opt = objects()
-    ckpt = Checkpointer(tmp_path / "run", model=model, optimizer=opt, async_save=True, keep_last=None)
+    ckpt = Checkpointer(
+        tmp_path / "run", model=model, optimizer=opt, async_save=True, keep_last=None
+    )
     gate = Gate(monkeypatch)
     ckpt.save(1)
     assert gate.entered.wait(30)

@@ -350,7 +350,9 @@ def test_after_resuming_an_older_step_saves_must_still_be_newer(tmp_path) -> Non
     ckpt.close()
 
 
-def test_a_retry_after_a_failure_following_the_commit_finds_it_committed(tmp_path, monkeypatch) -> None:
+def test_a_retry_after_a_failure_following_the_commit_finds_it_committed(
+    tmp_path, monkeypatch
+) -> None:
     import ddpckpt.writing as writing
 
     real = writing.commit_dir
@@ -362,7 +364,9 @@ def test_a_retry_after_a_failure_following_the_commit_finds_it_committed(tmp_pat
             raise OSError(failures.pop(), "Input/output error")
 
     monkeypatch.setattr(writing, "commit_dir", commit_then_fail)
-    ckpt = Checkpointer(tmp_path / "run", model=make_mlp(), retries=1, retry_backoff=0.01, on_error="raise")
+    ckpt = Checkpointer(
+        tmp_path / "run", model=make_mlp(), retries=1, retry_backoff=0.01, on_error="raise"
+    )
     assert ckpt.save(1) is not None
     assert ddpckpt.verify(tmp_path / "run" / "step-00000001").step == 1
     assert ckpt.save(2) is not None  # and the run knows step 1 is its newest
