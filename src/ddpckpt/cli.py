@@ -237,8 +237,10 @@ def _bench(args: argparse.Namespace) -> int:
         f"benchmarking in {args.out} ({args.params / 1e6:.0f}M parameters, ranks {args.nproc}); this takes minutes ...",
         flush=True,
     )
-    report = run_bench(args.out, directory=args.dir, nprocs=nprocs, params=args.params, every=args.every,
-                       steps=args.steps, compute=args.compute)  # fmt: skip
+    report = run_bench(
+        args.out, directory=args.dir, nprocs=nprocs, params=args.params, every=args.every,
+        steps=args.steps, compute=args.compute, repeat=args.repeat,
+    )  # fmt: skip
     print(format_markdown(report))
     print(f"results: {os.path.join(os.path.abspath(args.out), 'results.md')} (.json, .png)")
     return 0
@@ -291,7 +293,10 @@ def _parser() -> argparse.ArgumentParser:
         default=20,
         help="checkpoint interval of the training loop (default 20)",
     )
-    p.add_argument("--steps", type=int, default=40, help="steps of the training loop (default 40)")
+    p.add_argument("--steps", type=int, default=60, help="steps of the training loop (default 60)")
+    p.add_argument(
+        "--repeat", type=int, default=3, help="saves and loads per method; medians reported"
+    )
     p.add_argument(
         "--compute",
         type=float,

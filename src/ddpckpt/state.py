@@ -444,8 +444,9 @@ def restore_optimizer(
         fused = bool(stored["hyper"].get("fused")) or bool(stored["hyper"].get("capturable"))
         for name, param in zip(names, group["params"], strict=True):
             if name in section["state"]:
+                live = optimizer.state.get(param, {})
                 state[index] = {
-                    key: _materialize(value, key, param, fused, source)
+                    key: _materialize(value, key, param, fused, source, live.get(key))
                     for key, value in section["state"][name].items()
                 }
             indices.append(index)
@@ -459,13 +460,14 @@ class _LazyTensor(str):
 
 
 def _materialize(
-    value: Any, key: str, param: torch.Tensor, fused: bool, source: TensorSource
+    value: Any, key: str, param: torch.Tensor, fused: bool, source: TensorSource, live: Any = None
 ) -> Any:
     """Read a stored optimizer value straight onto the device and dtype torch would use.
 
     Mirrors ``Optimizer._process_value_according_to_param_policy`` so that
     ``load_state_dict`` has nothing left to copy, and the state never shares memory
-    with the checkpoint file.
+    with the checkpoint file. Where the optimizer already holds a tensor of that shape,
+    dtype and device (``live``), the value is copied into it instead of allocated anew.
     """
     if isinstance(value, _LazyTensor):
         stored_dtype, shape = source.meta(str(value))
@@ -476,7 +478,12 @@ def _materialize(
         else:
             device = param.device
             dtype = param.dtype if param.is_floating_point() else stored_dtype
-        target = torch.empty(shape, dtype=dtype, device=device)
+        reusable = (
+            isinstance(live, torch.Tensor)
+            and (live.dtype, tuple(live.shape), live.device) == (dtype, shape, device)
+            and live.is_contiguous()
+        )
+        target = live if reusable else torch.empty(shape, dtype=dtype, device=device)
         got = source.get(str(value), like=target)
         if got is not target:
             target.copy_(got)

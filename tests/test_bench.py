@@ -1,0 +1,54 @@
+"""``ddpckpt bench`` end to end on a tiny state: every method runs, every figure is a ratio.
+
+Speed itself is never asserted here (the numbers of a 2-core CI box say nothing); this
+only guards that the benchmark a user runs completes and reports what it promises.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from ddpckpt.bench import format_markdown, run_bench
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+_METHODS = {
+    "torch.save rank 0 + barrier",
+    "safetensors save_file rank 0",
+    "DCP save",
+    "DCP async_save",
+    "ddpckpt",
+    "ddpckpt async",
+    "ddpckpt async overlap",
+}
+
+
+def test_bench_reports_every_method_against_same_run_references(tmp_path):
+    out = tmp_path / "bench"
+    report = run_bench(
+        str(out), nprocs=(1, 2), params=200_000, every=2, steps=6, compute=0.01, repeat=1,
+        timeout=120,
+    )  # fmt: skip
+
+    saved = json.loads((out / "results.json").read_text())
+    assert [run["world_size"] for run in saved["runs"]] == [1, 2]
+    for run in saved["runs"]:
+        assert set(run["methods"]) == _METHODS
+        for reference in ("write_ceiling", "read_ceiling", "memcpy"):
+            assert run["references"][reference] > 0
+        for name, figures in run["ratios"]["methods"].items():
+            for key, value in figures.items():
+                assert math.isfinite(value), (name, key, value)
+            assert figures["durable_s"] >= figures["stall_s"] > 0, name
+        assert run["ratios"]["targets"], "no targets evaluated"
+    assert "gil" in saved["runs"][0]
+
+    markdown = (out / "results.md").read_text()
+    assert markdown == format_markdown(report)
+    for name in _METHODS:
+        assert f"| {name} |" in markdown
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (out / "checkpoints" / "ranks-1").exists(), "benchmark checkpoints left behind"
