@@ -8,7 +8,15 @@ collective under ``torch.distributed`` and work the same in a single process.
 
 from ._version import __version__
 from .accumulation import GradientAccumulation
-from .checkpoint import CheckpointInfo, PendingSave, load, load_state_dict, save, verify
+from .checkpoint import (
+    CheckpointInfo,
+    PendingSave,
+    load,
+    load_state_dict,
+    release_async_buffers,
+    save,
+    verify,
+)
 from .checkpointer import Checkpointer
 from .data import ResumableDistributedSampler, SampleIndex, SeededDataset, resumable_loader
 from .errors import (
@@ -49,6 +57,7 @@ __all__ = [
     "__version__",
     "load",
     "load_state_dict",
+    "release_async_buffers",
     "resumable_loader",
     "save",
     "verify",

@@ -18,6 +18,9 @@ Rank 0 writes the results as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
+import functools
 import gc
 import json
 import os
@@ -145,15 +148,21 @@ def fsync_tree(path: str) -> None:
 def references(
     directory: str, nbytes: int, model: nn.Module, optimizer: torch.optim.Optimizer, repeat: int
 ) -> dict[str, float]:
-    """Write ceiling, read ceiling and memcpy floor (the best of ``repeat`` tries), rank 0."""
-    tries = [_references_once(directory, nbytes, model, optimizer) for _ in range(repeat)]
+    """Write ceiling, read ceiling and memcpy floor (the best of ``repeat`` tries), rank 0.
+
+    Each try writes a new file and all are deleted at the end, as the measured methods do:
+    on thin-provisioned virtual disks, rewriting just-freed blocks is much faster.
+    """
+    paths = [os.path.join(directory, f"ceiling-{i}.bin") for i in range(repeat)]
+    tries = [_references_once(path, nbytes, model, optimizer) for path in paths]
+    for path in paths:
+        os.unlink(path)
     return {key: max(t[key] for t in tries) for key in tries[0]}
 
 
 def _references_once(
-    directory: str, nbytes: int, model: nn.Module, optimizer: torch.optim.Optimizer
+    path: str, nbytes: int, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, float]:
-    path = os.path.join(directory, "ceiling.bin")
     block = torch.randint(0, 255, (_CHUNK,), dtype=torch.uint8).numpy().tobytes()
     start = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -170,7 +179,6 @@ def _references_once(
         while f.readinto(buffer):
             pass
     read = written / (time.perf_counter() - start)
-    os.unlink(path)
     tensors = [p.detach() for p in model.parameters()]
     tensors += [
         v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
@@ -338,50 +346,66 @@ def all_max(value: float) -> float:
     return float(tensor)
 
 
+def release_memory() -> None:
+    """Return freed heap memory to the system, so one method's garbage (glibc keeps freed
+    chunks) is not counted, or reused, by the next method's peak-RSS measurement."""
+    ddpckpt.release_async_buffers()
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: garbage may then count
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def measure_method(
     method: Method, trainer: Trainer, directory: str, step_seconds: float, repeat: int
 ) -> dict[str, Any]:
-    """Median stall, time until durable and cold load over ``repeat`` saves; peak extra
-    memory over all of them (for asynchronous methods including host buffers they keep)."""
-    path = os.path.join(directory, method.name.replace(" ", "_"))
+    """Stall and time until durable (medians of ``repeat`` saves), peak extra memory while
+    saving (asynchronous methods: including the host buffers they keep between saves),
+    then the cold load of each of those checkpoints (best of ``repeat``, as the read
+    ceiling is)."""
+    base = os.path.join(directory, method.name.replace(" ", "_"))
+    paths = [f"{base}-{i}" for i in range(repeat)]
     dist.barrier()
-    gc.collect()
+    release_memory()
     rss = PeakRSS()
     if isinstance(method, (DCPAsync, DdpckptAsync)):  # steady state: staging memory set up once
-        method.start(path + "-warmup")()
+        method.start(base + "-warmup")()
         dist.barrier()
         if dist.get_rank() == 0:
-            shutil.rmtree(path + "-warmup")
+            shutil.rmtree(base + "-warmup")
     stalls, durables, loads = [], [], []
-    for _ in range(repeat):
+    for path in paths:  # distinct paths: like a training run, each save writes new files
         dist.barrier()
         started = time.perf_counter()
         durable = method.start(path)
         stall = time.perf_counter() - started
-        if isinstance(
-            method, DdpckptOverlap
-        ):  # the copy finishes under the next step; count the wait
+        if isinstance(method, DdpckptOverlap):  # the copy finishes under the next step
             stall += max(0.0, timed(trainer.step)[0] - step_seconds)
         durable()
         stalls.append(all_max(stall))
         durables.append(all_max(time.perf_counter() - started))
+    peak_extra = all_max(float(rss.stop()))
+    for path in paths:
         dist.barrier()
         if dist.get_rank() == 0:
             evict(path)
         dist.barrier()
-        loads.append(all_max(timed(lambda: method.load(path))[0]))
+        loads.append(all_max(timed(functools.partial(method.load, path))[0]))
         dist.barrier()
         if dist.get_rank() == 0:
-            (shutil.rmtree if os.path.isdir(path) else os.unlink)(path)
+            remove(path)
     return {
         "stall": statistics.median(stalls),
         "durable": statistics.median(durables),
-        "load": statistics.median(loads),
-        "peak_extra_rss": all_max(float(rss.stop())),
+        "load": min(loads),
+        "peak_extra_rss": peak_extra,
         "stalls": stalls,
         "durables": durables,
         "loads": loads,
     }
+
+
+def remove(path: str) -> None:
+    (shutil.rmtree if os.path.isdir(path) else os.unlink)(path)
 
 
 def loop_seconds(
@@ -411,7 +435,7 @@ def loop_seconds(
     dist.barrier()
     if dist.get_rank() == 0:
         for path in paths:
-            (shutil.rmtree if os.path.isdir(path) else os.unlink)(path)
+            remove(path)
     return elapsed
 
 

@@ -163,10 +163,12 @@ def format_markdown(report: dict[str, Any]) -> str:
         f"Machine: {machine.get('cpu')} with {machine.get('cores')} cores, {machine.get('memory_gib')} GiB, "
         f"GPU: {machine.get('gpu') or 'none'}; Python {machine.get('python')}, torch {machine.get('torch')}.",
         f"Checkpoints written to `{report['directory']}`. Whole run: {report['seconds'] / 60:.1f} min.",
-        "Stall, durable and load are medians of repeated saves (the asynchronous methods after one "
-        "warm-up save); ceilings are the best of repeated measurements; peak extra RSS includes "
-        "host buffers a method keeps between saves. Loop overhead: wall time of a training loop "
-        "saving every N steps against the same loop without saves (averaged before and after).",
+        "Stall and durable are medians of repeated saves, each to a new path (the asynchronous "
+        "methods after one warm-up save); load is the best cold load of those checkpoints, as the "
+        "ceilings are the best of repeated measurements. Peak extra RSS is measured while saving "
+        "and includes host buffers a method keeps between saves. Loop overhead: wall time of a "
+        "training loop saving every N steps against the same loop without saves (averaged "
+        "before and after).",
         "",
     ]
     for run in report["runs"]:

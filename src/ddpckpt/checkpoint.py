@@ -172,6 +172,16 @@ _POOL = StagingPool()
 _PERSISTER = Persister()
 
 
+def release_async_buffers() -> None:
+    """Wait for the asynchronous save in flight (raising its error, if it failed), then free
+    the host buffer that asynchronous saves reuse; the next one allocates it again.
+
+    Local: any rank may call it at any time. :meth:`Checkpointer.close` calls it.
+    """
+    _PERSISTER.wait()
+    _POOL.release()
+
+
 def async_mode(async_save: bool | str, optimizer: torch.optim.Optimizer | None) -> bool:
     """Validate ``async_save``; True for the overlap mode."""
     if async_save not in (False, True, "overlap"):

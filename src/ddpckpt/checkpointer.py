@@ -312,13 +312,15 @@ class Checkpointer:
         self._settle()
 
     def close(self) -> None:
-        """Wait for saves in flight and release the directory's lock. Idempotent; local."""
+        """Wait for saves in flight, free the asynchronous saves' host buffer and release
+        the directory's lock. Idempotent; local."""
         if self._closed:
             return
         self._closed = True
         try:
             self._settle()
         finally:
+            self._pool.release()
             self._lock.release()
 
     def __enter__(self) -> Checkpointer:

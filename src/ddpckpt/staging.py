@@ -63,6 +63,10 @@ class StagingPool:
     def nbytes(self) -> int:
         return 0 if self._buffer is None else self._buffer.numel()
 
+    def release(self) -> None:
+        """Free the buffer; the next :meth:`stage` allocates it again."""
+        self._buffer = None
+
     def _reserve(self, total: int, pinned: bool) -> torch.Tensor:
         buffer = self._buffer
         if buffer is None or buffer.numel() < total or buffer.is_pinned() != pinned:
