@@ -23,7 +23,9 @@ import mmap
 import os
 import struct
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import xxhash
@@ -45,6 +47,7 @@ __all__ = [
 
 _CHUNK = 8 << 20
 _WRITEBACK_BYTES = 32 << 20  # start the disk writing after this many new bytes
+_HASH_AHEAD_BYTES = 1 << 20  # chunks from this size are hashed on a helper thread
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -270,30 +273,42 @@ def _emit(
     sink(header)
     offset = len(header)
     entries: list[TensorEntry] = []
-    for key, tensor in items:
-        host = _host_contiguous(tensor)
-        data = byte_view(host)
-        tensor_hash = xxhash.xxh3_64()
-        for start in range(0, len(data), _CHUNK):
-            chunk = data[start : start + _CHUNK]
-            file_hash.update(chunk)
-            tensor_hash.update(chunk)
-            sink(chunk)
-            if progress is not None:
-                progress(len(chunk))
-        entries.append(
-            TensorEntry(
-                file=name,
-                key=key,
-                dtype=dtype_name(tensor.dtype, key),
-                shape=tuple(tensor.shape),
-                begin=offset,
-                end=offset + len(data),
-                digest=tensor_hash.hexdigest(),
+    # xxhash and write() both release the GIL: each chunk is hashed on a helper thread
+    # while it is being written, which takes hashing off the save's critical path.
+    with ThreadPoolExecutor(1, thread_name_prefix="ddpckpt-hash") as hasher:
+        for key, tensor in items:
+            host = _host_contiguous(tensor)
+            data = byte_view(host)
+            tensor_hash = xxhash.xxh3_64()
+            for start in range(0, len(data), _CHUNK):
+                chunk = data[start : start + _CHUNK]
+                if len(chunk) >= _HASH_AHEAD_BYTES:
+                    hashed = hasher.submit(_update, (file_hash, tensor_hash), chunk)
+                    sink(chunk)
+                    hashed.result()
+                else:  # handing a small chunk over would cost more than hashing it here
+                    _update((file_hash, tensor_hash), chunk)
+                    sink(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+            entries.append(
+                TensorEntry(
+                    file=name,
+                    key=key,
+                    dtype=dtype_name(tensor.dtype, key),
+                    shape=tuple(tensor.shape),
+                    begin=offset,
+                    end=offset + len(data),
+                    digest=tensor_hash.hexdigest(),
+                )
             )
-        )
-        offset += len(data)
+            offset += len(data)
     return FileEntry(name=name, size=offset, digest=file_hash.hexdigest(), writer=writer), entries
+
+
+def _update(hashes: Sequence[Any], chunk: memoryview) -> None:
+    for digest in hashes:
+        digest.update(chunk)
 
 
 class TensorFile:
