@@ -214,6 +214,7 @@ def _plot(report: dict[str, Any], path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     runs = report["runs"]
     figure, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4.8), dpi=110, squeeze=False)
@@ -243,11 +244,13 @@ def _plot(report: dict[str, Any], path: str) -> None:
         axis.set_yticks(list(positions), names, fontsize=8)
         axis.invert_yaxis()
         axis.set_xscale("log")
+        axis.xaxis.set_minor_formatter(NullFormatter())
         axis.set_xlabel("seconds (log)")
         axis.set_title(
             f"{run['world_size']} rank(s), {run['state_bytes'] / 2**30:.2f} GiB state", fontsize=10
         )
-        axis.legend(fontsize=7, loc="lower right")
-    figure.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
     figure.savefig(path)
     plt.close(figure)
