@@ -9,7 +9,7 @@ import safetensors.torch
 import torch
 
 from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError, UnsupportedValueError
-from ddpckpt.tensorfile import TensorFile, serialize, write_file
+from ddpckpt.tensorfile import TensorFile, can_read_into, serialize, write_file
 
 STORABLE = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -96,7 +96,24 @@ def test_flipped_bit_is_found_and_named(tmp_path) -> None:
     assert torch.equal(mapped.view(entries["other"]), mapped.view(entries["other"]))
     with pytest.raises(CorruptCheckpointError, match=r"t\.safetensors.*'weight'"):
         mapped.view(entries["weight"])
+    with pytest.raises(CorruptCheckpointError, match=r"t\.safetensors.*'weight'"):
+        mapped.read_into(entries["weight"], torch.empty(64))
     assert mapped.digest() != entry.digest
+
+
+def test_read_into_fills_the_destination_itself(tmp_path) -> None:
+    big = torch.randn(3 << 20, dtype=torch.bfloat16)  # several read chunks
+    small = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    path, entry, entries = write(tmp_path, [("big", big), ("small", small)])
+    mapped = TensorFile(path, entry.size)
+    for key, original in (("big", big), ("small", small)):
+        destination = torch.empty_like(original)
+        assert can_read_into(destination, entries[key])
+        assert mapped.read_into(entries[key], destination) is destination
+        assert torch.equal(destination, original)
+    assert not can_read_into(torch.empty(4, 3, dtype=torch.int32).t(), entries["small"])
+    assert not can_read_into(torch.empty(3, 4, dtype=torch.int64), entries["small"])
+    assert not can_read_into(torch.empty(12, dtype=torch.int32), entries["small"])
 
 
 def test_truncated_file_is_reported_before_reading(tmp_path) -> None:

@@ -51,7 +51,7 @@ from .state import (
     restore_rank_buffers,
     restore_stateful,
 )
-from .tensorfile import TensorEntry, TensorFile, dtype_from_name
+from .tensorfile import TensorEntry, TensorFile, can_read_into, dtype_from_name
 from .tree import decode
 from .writing import WritePlan, header_fields, plan_write, write_and_commit
 
@@ -294,7 +294,11 @@ class FileSource:
             mapped = TensorFile(os.path.join(self.path, entry.file), size)
             mapped.check_header(self._by_file()[entry.file])
             self._files[entry.file] = mapped
-        tensor = self._files[entry.file].view(entry)
+        file = self._files[entry.file]
+        if like is not None and can_read_into(like, entry):
+            tensor = file.read_into(entry, like)
+        else:
+            tensor = file.view(entry)
         if self.progress is not None:
             self.progress.update(entry.nbytes)
         return tensor

@@ -291,7 +291,9 @@ def restore_model(
         target = view.entries.get(key)
         name = f"model/{key}"
         if isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
-            state[view.live_key[key]] = source.get(name, like=target.detach())
+            # Not read straight into the parameter: the module's load hooks must see the
+            # incoming value apart from the current one.
+            state[view.live_key[key]] = source.get(name)
     for alias, key in section["aliases"].items():
         if alias in view.live_key and key in view.live_key and view.live_key[key] in state:
             state[view.live_key[alias]] = state[view.live_key[key]]

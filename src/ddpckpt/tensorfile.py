@@ -37,6 +37,7 @@ __all__ = [
     "TensorEntry",
     "TensorFile",
     "byte_view",
+    "can_read_into",
     "deserialize",
     "dtype_from_name",
     "dtype_name",
@@ -311,6 +312,17 @@ def _update(hashes: Sequence[Any], chunk: memoryview) -> None:
         digest.update(chunk)
 
 
+def can_read_into(target: torch.Tensor, entry: TensorEntry) -> bool:
+    """Whether :meth:`TensorFile.read_into` can fill ``target`` with ``entry``."""
+    return (
+        entry.nbytes > 0
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and _DTYPES_BY_NAME.get(entry.dtype) == target.dtype
+        and tuple(target.shape) == tuple(entry.shape)
+    )
+
+
 class TensorFile:
     """A memory-mapped data file of a checkpoint.
 
@@ -375,17 +387,45 @@ class TensorFile:
         if self._map is None or entry.end > len(self._map):
             raise IncompleteCheckpointError(f"{self.path}: {entry.key} lies past the end of file")
         if verify:
-            digest = xxhash.xxh3_64(memoryview(self._map)[entry.begin : entry.end]).hexdigest()
-            if digest != entry.digest:
-                raise CorruptCheckpointError(
-                    f"{self.path}: checksum mismatch in tensor {entry.key!r} (bytes "
-                    f"{entry.begin}-{entry.end}): the file is corrupt; restore it or load an "
-                    "earlier checkpoint"
-                )
+            self._check_digest(
+                entry, xxhash.xxh3_64(memoryview(self._map)[entry.begin : entry.end])
+            )
         flat = torch.frombuffer(
             self._map, dtype=torch.uint8, count=entry.nbytes, offset=entry.begin
         )
         return flat.view(dtype).reshape(entry.shape)
+
+    def read_into(self, entry: TensorEntry, target: torch.Tensor) -> torch.Tensor:
+        """Read ``entry``'s bytes straight into ``target`` and verify them there; returns it.
+
+        ``target`` must be a contiguous CPU tensor of the entry's dtype and shape (see
+        :func:`can_read_into`). One copy instead of mapping then copying; a checksum
+        mismatch raises :class:`CorruptCheckpointError` after ``target`` was written.
+        """
+        destination = byte_view(target)
+        hasher = xxhash.xxh3_64()
+        with open(self.path, "rb", buffering=0) as file:
+            for start in range(0, len(destination), _CHUNK):
+                chunk = destination[start : start + _CHUNK]
+                done = 0
+                while done < len(chunk):
+                    count = os.preadv(file.fileno(), [chunk[done:]], entry.begin + start + done)
+                    if count == 0:
+                        raise IncompleteCheckpointError(
+                            f"{self.path}: {entry.key} lies past the end of file"
+                        )
+                    done += count
+                hasher.update(chunk)  # while the chunk is still in the CPU's cache
+        self._check_digest(entry, hasher)
+        return target
+
+    def _check_digest(self, entry: TensorEntry, hasher: Any) -> None:
+        if hasher.hexdigest() != entry.digest:
+            raise CorruptCheckpointError(
+                f"{self.path}: checksum mismatch in tensor {entry.key!r} (bytes "
+                f"{entry.begin}-{entry.end}): the file is corrupt; restore it or load an "
+                "earlier checkpoint"
+            )
 
     def digest(self) -> str:
         """The xxh3-64 digest of the whole file."""
