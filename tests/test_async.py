@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -225,6 +227,19 @@ def test_host_buffers_are_freed_on_request_and_by_close(tmp_path) -> None:
     assert ckpt._pool.nbytes > 0
     ckpt.close()
     assert ckpt._pool.nbytes == 0 and ddpckpt.verify(tmp_path / "run" / "step-00000001")
+
+
+def test_a_save_in_flight_when_the_program_ends_is_completed(tmp_path) -> None:
+    script = (
+        "import torch, ddpckpt\n"
+        "model = torch.nn.Linear(1024, 1024)\n"  # 4 MiB: hashed on the helper thread
+        f"ddpckpt.save({str(tmp_path / 'ckpt')!r}, model=model, async_save=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert ddpckpt.verify(tmp_path / "ckpt").path
 
 
 def test_a_failed_background_save_is_logged_even_if_nobody_waits(caplog) -> None:

@@ -361,6 +361,24 @@ def flip_byte(path: str, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0x01]))
 
 
+def test_a_failed_load_leaves_the_optimizer_as_it_was(ckpt_dir) -> None:
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    train_steps(model, opt)  # the live state now differs from the checkpoint
+    kept = opt.state_dict()  # holds the live state tensors themselves
+    before = {(i, k): v.clone() for i, s in kept["state"].items() for k, v in s.items()}
+    state_file = os.path.join(ckpt_dir, "state-00000.safetensors")
+    flip_byte(state_file, os.path.getsize(state_file) - 3)  # the last tensor read
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        ddpckpt.load(ckpt_dir, model=model, optimizer=opt)
+    after = opt.state_dict()["state"]
+    for (i, k), value in before.items():
+        assert torch.equal(after[i][k], value), (i, k)
+        assert torch.equal(kept["state"][i][k], value), (i, k)
+
+
 def test_bit_flip_is_caught_by_load_and_verify(ckpt_dir) -> None:
     model = make_mlp()
     opt = torch.optim.Adam(model.parameters())

@@ -114,6 +114,9 @@ def test_read_into_fills_the_destination_itself(tmp_path) -> None:
     assert not can_read_into(torch.empty(4, 3, dtype=torch.int32).t(), entries["small"])
     assert not can_read_into(torch.empty(3, 4, dtype=torch.int64), entries["small"])
     assert not can_read_into(torch.empty(12, dtype=torch.int32), entries["small"])
+    os.unlink(path)  # (retention, or an overwrite) the file that was checked is still read
+    destination = torch.empty_like(big)
+    assert torch.equal(mapped.read_into(entries["big"], destination), big)
 
 
 def test_truncated_file_is_reported_before_reading(tmp_path) -> None:

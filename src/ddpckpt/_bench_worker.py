@@ -397,8 +397,9 @@ def measure_method(
         if isinstance(method, DdpckptOverlap):  # the copy finishes under the next step
             stall += max(0.0, timed(trainer.step)[0] - step_seconds)
         durable()
+        finished = time.perf_counter() - started  # before the collective below waits
         stalls.append(all_max(stall))
-        durables.append(all_max(time.perf_counter() - started))
+        durables.append(all_max(finished))
     peak_extra = all_max(float(rss.stop()))
     for path in paths:
         dist.barrier()

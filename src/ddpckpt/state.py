@@ -446,9 +446,8 @@ def restore_optimizer(
         fused = bool(stored["hyper"].get("fused")) or bool(stored["hyper"].get("capturable"))
         for name, param in zip(names, group["params"], strict=True):
             if name in section["state"]:
-                live = optimizer.state.get(param, {})
                 state[index] = {
-                    key: _materialize(value, key, param, fused, source, live.get(key))
+                    key: _materialize(value, key, param, fused, source)
                     for key, value in section["state"][name].items()
                 }
             indices.append(index)
@@ -462,14 +461,15 @@ class _LazyTensor(str):
 
 
 def _materialize(
-    value: Any, key: str, param: torch.Tensor, fused: bool, source: TensorSource, live: Any = None
+    value: Any, key: str, param: torch.Tensor, fused: bool, source: TensorSource
 ) -> Any:
     """Read a stored optimizer value straight onto the device and dtype torch would use.
 
     Mirrors ``Optimizer._process_value_according_to_param_policy`` so that
     ``load_state_dict`` has nothing left to copy, and the state never shares memory
-    with the checkpoint file. Where the optimizer already holds a tensor of that shape,
-    dtype and device (``live``), the value is copied into it instead of allocated anew.
+    with the checkpoint file. New tensors, never the optimizer's current ones: a load that
+    fails a checksum halfway leaves the optimizer as it was, and tensors that others still
+    hold (a ``state_dict()`` kept aside, a snapshot being copied) are not overwritten.
     """
     if isinstance(value, _LazyTensor):
         stored_dtype, shape = source.meta(str(value))
@@ -480,12 +480,7 @@ def _materialize(
         else:
             device = param.device
             dtype = param.dtype if param.is_floating_point() else stored_dtype
-        reusable = (
-            isinstance(live, torch.Tensor)
-            and (live.dtype, tuple(live.shape), live.device) == (dtype, shape, device)
-            and live.is_contiguous()
-        )
-        target = live if reusable else torch.empty(shape, dtype=dtype, device=device)
+        target = torch.empty(shape, dtype=dtype, device=device)
         got = source.get(str(value), like=target)
         if got is not target:
             target.copy_(got)

@@ -17,13 +17,16 @@ against its digest before it is returned.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import mmap
 import os
+import queue
 import struct
+import threading
+import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,7 +229,8 @@ def _start_writeback(fd: int, offset: int, length: int) -> None:
     # here). DONTNEED drops only pages already clean: a checkpoint does not crowd the
     # training's page cache.
     if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+        with contextlib.suppress(OSError):  # only a hint: fsync still makes the file durable
+            os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
 
 
 def serialize(
@@ -276,7 +280,7 @@ def _emit(
     entries: list[TensorEntry] = []
     # xxhash and write() both release the GIL: each chunk is hashed on a helper thread
     # while it is being written, which takes hashing off the save's critical path.
-    with ThreadPoolExecutor(1, thread_name_prefix="ddpckpt-hash") as hasher:
+    with _Hasher() as hasher:
         for key, tensor in items:
             host = _host_contiguous(tensor)
             data = byte_view(host)
@@ -284,9 +288,9 @@ def _emit(
             for start in range(0, len(data), _CHUNK):
                 chunk = data[start : start + _CHUNK]
                 if len(chunk) >= _HASH_AHEAD_BYTES:
-                    hashed = hasher.submit(_update, (file_hash, tensor_hash), chunk)
+                    hasher.start((file_hash, tensor_hash), chunk)
                     sink(chunk)
-                    hashed.result()
+                    hasher.wait()
                 else:  # handing a small chunk over would cost more than hashing it here
                     _update((file_hash, tensor_hash), chunk)
                     sink(chunk)
@@ -310,6 +314,46 @@ def _emit(
 def _update(hashes: Sequence[Any], chunk: memoryview) -> None:
     for digest in hashes:
         digest.update(chunk)
+
+
+class _Hasher:
+    """A thread that hashes one chunk at a time while the caller writes it.
+
+    A plain thread, not ``concurrent.futures``: executors refuse work once the interpreter
+    starts exiting, and an asynchronous save must still finish then.
+    """
+
+    def __init__(self) -> None:
+        self._tasks: queue.SimpleQueue[tuple[Sequence[Any], memoryview] | None] = (
+            queue.SimpleQueue()
+        )
+        self._done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="ddpckpt-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            try:
+                _update(*task)
+            except BaseException as exc:  # handed to the writing thread by wait()
+                self._done.put(exc)
+            else:
+                self._done.put(None)
+
+    def start(self, hashes: Sequence[Any], chunk: memoryview) -> None:
+        self._tasks.put((hashes, chunk))
+
+    def wait(self) -> None:
+        error = self._done.get()
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> _Hasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._tasks.put(None)  # after any chunk in hand: the writer's memory outlives it
+        self._thread.join()
 
 
 def can_read_into(target: torch.Tensor, entry: TensorEntry) -> bool:
@@ -345,8 +389,13 @@ class TensorFile:
                 raise kind(f"{path}: file is {actual} bytes, the manifest records {size}")
             # Plain faults with kernel readahead: measured 2.3x faster here than MAP_POPULATE.
             self._map = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else None
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        # Kept open, so read_into reads the very file that was checked even if the path is
+        # replaced meanwhile; closed with this object.
+        self._fd = fd
+        weakref.finalize(self, os.close, fd)
 
     def check_header(self, entries: Sequence[TensorEntry]) -> None:
         """Raise :class:`CorruptCheckpointError` unless the file's own header (every byte
@@ -404,18 +453,17 @@ class TensorFile:
         """
         destination = byte_view(target)
         hasher = xxhash.xxh3_64()
-        with open(self.path, "rb", buffering=0) as file:
-            for start in range(0, len(destination), _CHUNK):
-                chunk = destination[start : start + _CHUNK]
-                done = 0
-                while done < len(chunk):
-                    count = os.preadv(file.fileno(), [chunk[done:]], entry.begin + start + done)
-                    if count == 0:
-                        raise IncompleteCheckpointError(
-                            f"{self.path}: {entry.key} lies past the end of file"
-                        )
-                    done += count
-                hasher.update(chunk)  # while the chunk is still in the CPU's cache
+        for start in range(0, len(destination), _CHUNK):
+            chunk = destination[start : start + _CHUNK]
+            done = 0
+            while done < len(chunk):
+                count = os.preadv(self._fd, [chunk[done:]], entry.begin + start + done)
+                if count == 0:
+                    raise IncompleteCheckpointError(
+                        f"{self.path}: {entry.key} lies past the end of file"
+                    )
+                done += count
+            hasher.update(chunk)  # while the chunk is still in the CPU's cache
         self._check_digest(entry, hasher)
         return target
 
