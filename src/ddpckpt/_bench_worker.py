@@ -117,14 +117,16 @@ class PeakRSS:
         return max(self.peak, self.read()) - self.base
 
 
+def _files(path: str) -> list[str]:
+    """``path`` if it is a file, else every file below it."""
+    if os.path.isfile(path):
+        return [path]
+    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+
+
 def evict(path: str) -> None:
     """Drop ``path`` (a file or every file below a directory) from the page cache."""
-    files = (
-        [path]
-        if os.path.isfile(path)
-        else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-    )
-    for name in files:
+    for name in _files(path):
         fd = os.open(name, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -134,15 +136,12 @@ def evict(path: str) -> None:
 
 
 def fsync_tree(path: str) -> None:
-    files = (
-        [path]
-        if os.path.isfile(path)
-        else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-    )
-    for name in files:
+    for name in _files(path):
         fd = os.open(name, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def references(
@@ -229,24 +228,32 @@ class Method:
         raise NotImplementedError
 
 
+def on_rank0(write: Callable[[], None], path: str) -> Callable[[], None]:
+    """The seeds' pattern: ``write`` on rank 0, then a barrier; the returned wait fsyncs
+    ``path`` on rank 0 (the recipe itself never does) and barriers again."""
+    if dist.get_rank() == 0:
+        write()
+    dist.barrier()
+
+    def durable() -> None:
+        if dist.get_rank() == 0:
+            fsync_tree(path)
+        dist.barrier()
+
+    return durable
+
+
 class TorchSaveRank0(Method):
     """The seeds' recipe: torch.save on rank 0, then dist.barrier(); no fsync."""
 
     name = "torch.save rank 0 + barrier"
 
     def start(self, path: str) -> Callable[[], None]:
-        if dist.get_rank() == 0:
-            torch.save(
-                {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, path
-            )
-        dist.barrier()
+        def write() -> None:
+            state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+            torch.save(state, path)
 
-        def durable() -> None:
-            if dist.get_rank() == 0:
-                fsync_tree(path)
-            dist.barrier()
-
-        return durable
+        return on_rank0(write, path)
 
     def load(self, path: str) -> None:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -268,16 +275,7 @@ class SafetensorsRank0(Method):
     def start(self, path: str) -> Callable[[], None]:
         from safetensors.torch import save_file
 
-        if dist.get_rank() == 0:
-            save_file(self.tensors(), path)
-        dist.barrier()
-
-        def durable() -> None:
-            if dist.get_rank() == 0:
-                fsync_tree(path)
-            dist.barrier()
-
-        return durable
+        return on_rank0(lambda: save_file(self.tensors(), path), path)
 
     def load(self, path: str) -> None:
         from safetensors.torch import load_file

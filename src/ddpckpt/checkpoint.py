@@ -176,7 +176,8 @@ def release_async_buffers() -> None:
     """Wait for the asynchronous save in flight (raising its error, if it failed), then free
     the host buffer that asynchronous saves reuse; the next one allocates it again.
 
-    Local: any rank may call it at any time. :meth:`Checkpointer.close` calls it.
+    Local: any rank may call it at any time. A :class:`Checkpointer` has a buffer of its
+    own, which :meth:`Checkpointer.close` frees.
     """
     _PERSISTER.wait()
     _POOL.release()

@@ -194,25 +194,16 @@ def _plot(report: DemoReport, reference: str, crash: str) -> str:
 
     path = os.path.join(report.out, "loss.png")
     ref = _records(os.path.join(reference, "losses-rank0.jsonl"))
-    before = [r for r in _records(os.path.join(crash, "losses-rank0.jsonl")) if not r["restart"]]
-    after = [r for r in _records(os.path.join(crash, "losses-rank0.jsonl")) if r["restart"]]
+    crashed = _records(os.path.join(crash, "losses-rank0.jsonl"))
+    curves = [
+        (ref, {"color": "0.6", "lw": 4, "label": "uninterrupted run"}),
+        ([r for r in crashed if not r["restart"]], {"color": "tab:blue", "lw": 1.3, "label": "crashed run"}),
+        ([r for r in crashed if r["restart"]], {"color": "tab:orange", "lw": 1.3, "ls": "--",
+                                                "label": "after automatic resume"}),
+    ]  # fmt: skip
     figure, axis = plt.subplots(figsize=(8, 4.5), dpi=110)
-    axis.plot(
-        [r["step"] for r in ref],
-        [r["loss"] for r in ref],
-        color="0.6",
-        lw=4,
-        label="uninterrupted run",
-    )
-    axis.plot(
-        [r["step"] for r in before],
-        [r["loss"] for r in before],
-        color="tab:blue",
-        lw=1.3,
-        label="crashed run",
-    )
-    axis.plot([r["step"] for r in after], [r["loss"] for r in after], color="tab:orange", lw=1.3, ls="--",
-              label="after automatic resume")  # fmt: skip
+    for records, style in curves:
+        axis.plot([r["step"] for r in records], [r["loss"] for r in records], **style)
     axis.axvline(report.killed_at, color="tab:red", lw=1)
     axis.axvline(report.resumed_from, color="tab:green", lw=1)
     at_top = axis.get_xaxis_transform()  # x in data, y in axes coordinates
