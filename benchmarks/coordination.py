@@ -1,0 +1,417 @@
+"""Coordination cost at scale: N simulated ranks against one real TCPStore.
+
+Each rank is a thread with its own TCPStore client (plus the second connection a call's
+heartbeat uses), all talking to one TCPStore server on 127.0.0.1, running ddpckpt's
+collectives through :class:`ddpckpt.comm.StoreGroup` (no ``torch.distributed`` set up).
+Every store operation is counted per rank, with the bytes it moves through the server.
+
+For each N it reports, per collective: store operations per rank (mean, and the busiest
+rank: rank 0), bytes through the server per rank, and wall time; then the time until a
+silent rank is named, against the configured timeout. ``--before`` runs the same on the
+``comm.py`` of a git revision (default ``main``), loaded next to the current one.
+
+    PYTHONPATH=src python benchmarks/coordination.py --ranks 16 64 256 1024 --before main
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch.distributed as dist
+
+_STORE_TIMEOUT = timedelta(seconds=300)
+
+
+@dataclass
+class StoreStats:
+    """Store operations one rank made and the bytes they moved (both directions)."""
+
+    ops: int = 0
+    bytes: int = 0
+    by_op: dict[str, int] = field(default_factory=dict)
+    heartbeat: StoreStats | None = None  # what a second connection (clone) did
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, name: str, nbytes: int) -> None:
+        with self.lock:
+            self.ops += 1
+            self.bytes += nbytes
+            self.by_op[name] = self.by_op.get(name, 0) + 1
+
+    def snapshot(self) -> tuple[int, int]:
+        with self.lock:
+            return self.ops, self.bytes
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return sum(_size(v) for v in value)
+    return 8
+
+
+class CountingStore:
+    """A store client that counts each operation (and its bytes) into ``stats``.
+
+    ``clone()`` opens a second connection, counted into ``stats.heartbeat``.
+    """
+
+    def __init__(self, store: Any, stats: StoreStats, second: Any = None) -> None:
+        self._store = store
+        self.stats = stats
+        self._second = second
+
+    def _call(self, name: str, sent: int, *args: Any) -> Any:
+        result = getattr(self._store, name)(*args)
+        self.stats.count(name, sent + _size(result))
+        return result
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call("set", _size(key) + _size(value), key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", _size(key), key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", _size(key) + 8, key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", _size(keys), keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        args = (keys,) if timeout is None else (keys, timeout)
+        self._call("wait", _size(keys), *args)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call("multi_get", _size(keys), keys)
+
+    def multi_set(self, keys: list[str], values: list[bytes]) -> None:
+        self._call("multi_set", _size(keys) + _size(values), keys, values)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self._call("compare_set", _size(key) + len(expected) + len(desired), key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call("delete_key", _size(key), key)
+
+    def clone(self) -> CountingStore:
+        if self.stats.heartbeat is None:
+            self.stats.heartbeat = StoreStats()
+        # A client connected in advance rather than TCPStore.clone(): connections made at once
+        # by many threads of one process stall for seconds (a real rank makes one, once).
+        client, self._second = self._second or self._store.clone(), None
+        return CountingStore(client, self.stats.heartbeat)
+
+
+class Server:
+    """A TCPStore server on 127.0.0.1 and its clients, one per simulated rank."""
+
+    def __init__(self) -> None:
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT
+        )
+
+    def client(self) -> Any:
+        return dist.TCPStore(
+            "127.0.0.1", self.store.port, is_master=False, timeout=_STORE_TIMEOUT
+        )
+
+
+def run_ranks(
+    n: int, body: Callable[[int, Any], Any], server: Server | None = None
+) -> tuple[list[Any], list[StoreStats]]:
+    """Run ``body(rank, store)`` on ``n`` threads, each with its own counting store client.
+
+    Returns each rank's result (or the exception it raised) and its store statistics.
+    """
+    server = server or Server()
+    stats = [StoreStats() for _ in range(n)]
+    stores = [CountingStore(server.client(), s, server.client()) for s in stats]
+    results: list[Any] = [None] * n
+    start = threading.Barrier(n)
+
+    def run(rank: int) -> None:
+        start.wait()
+        try:
+            results[rank] = body(rank, stores[rank])
+        except BaseException as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, stats
+
+
+# --------------------------------------------------------------------- the two versions
+
+
+class _ThreadRanks:
+    """Gives a ``comm.py`` without a store seam (the old one) each thread's rank and store.
+
+    Only for measuring the old code: its module reads ``torch.distributed`` for the rank,
+    the world size and the default store, and counts calls in a module-wide counter.
+    """
+
+    def __init__(self, module: ModuleType) -> None:
+        self.local = threading.local()
+        real = module.dist
+        shim = self
+
+        class _Dist:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(real, name)
+
+            def is_available(self) -> bool:
+                return True
+
+            def is_initialized(self) -> bool:
+                return True
+
+            def get_rank(self) -> int:
+                return shim.local.rank
+
+            def get_world_size(self) -> int:
+                return shim.local.world
+
+        class _Counter:
+            def __next__(self) -> int:
+                shim.local.op += 1
+                return shim.local.op
+
+        module.dist = _Dist()
+        module._op_counter = _Counter()
+        from torch.distributed import distributed_c10d
+
+        original = distributed_c10d._get_default_store
+
+        def default_store() -> Any:
+            store = getattr(shim.local, "store", None)
+            return store if store is not None else original()
+
+        distributed_c10d._get_default_store = default_store
+
+    def enter(self, rank: int, world: int, store: Any) -> None:
+        self.local.rank, self.local.world, self.local.store, self.local.op = rank, world, store, -1
+
+
+class Version:
+    """One ``comm.py``: opens a call for a simulated rank."""
+
+    def __init__(self, name: str, module: ModuleType) -> None:
+        self.name = name
+        self.module = module
+        self.seam = hasattr(module, "StoreGroup")
+        self.ranks = None if self.seam else _ThreadRanks(module)
+
+    def bind(self, rank: int, world: int, store: Any) -> Any:
+        """Per thread: what :meth:`open` needs (the old code reads it from thread state)."""
+        if self.seam:
+            return self.module.StoreGroup(store, rank, world)
+        self.ranks.enter(rank, world, store)
+        return None
+
+    def open(self, bound: Any, call: str, timeout: float) -> Any:
+        if self.seam:
+            return self.module.Comm.open(call, timeout=timeout, group=bound)
+        return self.module.Comm.open(call, timeout=timeout)
+
+    def decide(self, bound: Any, timeout: float) -> bytes:
+        """The ``every_seconds`` decision: one key (new) or a whole call (old)."""
+        if self.seam:
+            return self.module.Comm.from_leader("bench.decide", lambda: b"0", group=bound)
+        with self.open(bound, "bench.decide", timeout) as comm:
+            return comm.broadcast("decision", b"0" if comm.rank == 0 else None)
+
+
+def load_version(revision: str | None) -> Version:
+    """The current ``ddpckpt.comm``, or ``comm.py`` as of git ``revision`` (as a sibling module)."""
+    import ddpckpt.comm
+
+    if revision is None:
+        return Version("current", ddpckpt.comm)
+    root = Path(__file__).resolve().parents[1]
+    text = subprocess.run(
+        ["git", "show", f"{revision}:src/ddpckpt/comm.py"],
+        cwd=root, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    name = f"ddpckpt._comm_{revision.replace('/', '_').replace('~', '_')}"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    module.__package__ = "ddpckpt"
+    sys.modules[name] = module
+    exec(compile(text, f"{revision}:comm.py", "exec"), module.__dict__)
+    return Version(revision, module)
+
+
+# --------------------------------------------------------------------- scenarios
+
+COLLECTIVES = ("open+close", "run", "run_all", "broadcast", "barrier", "should_save")
+
+
+def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, dict[str, float]]:
+    """Per collective: store ops and bytes per rank (mean, rank 0's), wall time."""
+    marks: list[dict[str, tuple[int, int, float]]] = [{} for _ in range(n)]
+    walls: dict[str, list[float]] = {c: [0.0, 0.0] for c in COLLECTIVES}
+    lock = threading.Lock()
+
+    def body(rank: int, store: Any) -> None:
+        bound = version.bind(rank, n, store)
+        record = marks[rank]
+
+        def timed(name: str, action: Callable[[], Any]) -> Any:
+            ops, nbytes = store.stats.snapshot()
+            started = time.monotonic()
+            out = action()
+            ended = time.monotonic()
+            after = store.stats.snapshot()
+            record[name] = (after[0] - ops, after[1] - nbytes, ended - started)
+            with lock:
+                span = walls[name]
+                span[0] = started if span[0] == 0 else min(span[0], started)
+                span[1] = max(span[1], ended)
+            return out
+
+        comm = timed("open+close", lambda: version.open(bound, "bench.call", timeout))
+        timed("run", lambda: comm.run("run", lambda: rank))
+        timed("run_all", lambda: comm.run_all("run_all", lambda: {"rank": rank, "ok": True}))
+        timed("broadcast", lambda: comm.broadcast("bcast", b"x" * 64 if rank == 0 else None))
+        timed("barrier", lambda: comm.barrier("barrier"))
+        ops, nbytes = store.stats.snapshot()
+        comm.close()
+        after = store.stats.snapshot()
+        opened = record["open+close"]
+        record["open+close"] = (opened[0] + after[0] - ops, opened[1] + after[1] - nbytes, opened[2])
+        timed("should_save", lambda: version.decide(bound, timeout))
+
+    results, _ = run_ranks(n, body)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]
+    report = {}
+    for name in COLLECTIVES:
+        per_rank = [m[name] for m in marks]
+        report[name] = {
+            "ops_mean": sum(p[0] for p in per_rank) / n,
+            "ops_rank0": per_rank[0][0],
+            "ops_max_other": max(p[0] for p in per_rank[1:]),
+            "bytes_mean": sum(p[1] for p in per_rank) / n,
+            "bytes_rank0": per_rank[0][1],
+            "bytes_total": sum(p[1] for p in per_rank),
+            "wall_s": walls[name][1] - walls[name][0],
+        }
+    return report
+
+
+def measure_detection(version: Version, n: int, timeout: float) -> dict[str, float]:
+    """A rank that never calls: seconds until rank 0 and the last other rank raise."""
+    silent = n - 1
+    raised: dict[int, float] = {}
+    starts: list[float] = []
+
+    def body(rank: int, store: Any) -> str:
+        bound = version.bind(rank, n, store)
+        if rank == silent:
+            return "silent"
+        started = time.monotonic()
+        starts.append(started)
+        try:
+            with version.open(bound, "bench.detect", timeout) as comm:
+                comm.run("work", lambda: None)
+        except TimeoutError as exc:
+            raised[rank] = time.monotonic()
+            return type(exc).__name__
+        return "no error"
+
+    results, stats = run_ranks(n, body)
+    unexpected = [r for r in results[:silent] if r != "TimeoutError" and r != "CollectiveTimeoutError"]
+    if unexpected:
+        raise RuntimeError(f"{version.name}: a silent rank was not reported: {unexpected[:3]}")
+    begin = min(starts)
+    others = [raised[r] for r in range(1, silent)] or [raised[0]]
+    return {
+        "timeout_s": timeout,
+        "rank0_s": raised[0] - begin,
+        "last_s": max(others) - begin,
+        "ratio": (max(max(others), raised[0]) - begin) / timeout,
+        "ops_rank0": stats[0].ops,
+        "ops_mean": sum(s.ops for s in stats[:silent]) / silent,
+    }
+
+
+# --------------------------------------------------------------------- report
+
+
+def _table(rows: Sequence[dict[str, Any]]) -> str:
+    header = (
+        "| comm.py | N | collective | ops/rank (mean) | ops rank 0 | ops other (max) | "
+        "bytes/rank (mean) | bytes rank 0 | server bytes | wall s |"
+    )
+    lines = [header, "|" + "---|" * 10]
+    for row in rows:
+        lines.append(
+            f"| {row['version']} | {row['n']} | {row['collective']} | {row['ops_mean']:.1f} | "
+            f"{row['ops_rank0']} | {row['ops_max_other']} | {row['bytes_mean']:,.0f} | "
+            f"{row['bytes_rank0']:,} | {row['bytes_total']:,} | {row['wall_s']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256, 1024])
+    parser.add_argument("--before", default=None, help="git revision of the old comm.py")
+    parser.add_argument("--before-max", type=int, default=256, help="largest N for the old one")
+    parser.add_argument("--timeout", type=float, default=600.0, help="for the collectives")
+    parser.add_argument("--detect-timeout", type=float, default=3.0)
+    parser.add_argument("--no-detect", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    versions = [load_version(None)]
+    if args.before:
+        versions.insert(0, load_version(args.before))
+    rows, detections = [], []
+    for n in args.ranks:
+        for version in versions:
+            if version is not versions[-1] and n > args.before_max:
+                continue
+            report = measure_collectives(version, n, args.timeout)
+            for name, values in report.items():
+                rows.append({"version": version.name, "n": n, "collective": name, **values})
+            print(_table([r for r in rows if r["n"] == n and r["version"] == version.name]))
+            if not args.no_detect:
+                found = measure_detection(version, n, args.detect_timeout)
+                detections.append({"version": version.name, "n": n, **found})
+                print(json.dumps(detections[-1]))
+            sys.stdout.flush()
+    print()
+    print(_table(rows))
+    print()
+    print("| comm.py | N | timeout s | rank 0 raised s | last rank raised s | worst / timeout | ops rank 0 | ops/rank |")
+    print("|---|---|---|---|---|---|---|---|")
+    for d in detections:
+        print(
+            f"| {d['version']} | {d['n']} | {d['timeout_s']:g} | {d['rank0_s']:.2f} | "
+            f"{d['last_s']:.2f} | {d['ratio']:.2f}x | {d['ops_rank0']} | {d['ops_mean']:.0f} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"collectives": rows, "detection": detections}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
