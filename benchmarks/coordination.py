@@ -102,7 +102,9 @@ class CountingStore:
         self._call("multi_set", _size(keys) + _size(values), keys, values)
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        return self._call("compare_set", _size(key) + len(expected) + len(desired), key, expected, desired)
+        return self._call(
+            "compare_set", _size(key) + len(expected) + len(desired), key, expected, desired
+        )
 
     def delete_key(self, key: str) -> bool:
         return self._call("delete_key", _size(key), key)
@@ -125,9 +127,7 @@ class Server:
         )
 
     def client(self) -> Any:
-        return dist.TCPStore(
-            "127.0.0.1", self.store.port, is_master=False, timeout=_STORE_TIMEOUT
-        )
+        return dist.TCPStore("127.0.0.1", self.store.port, is_master=False, timeout=_STORE_TIMEOUT)
 
 
 def run_ranks(
@@ -296,7 +296,11 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
         comm.close()
         after = store.stats.snapshot()
         opened = record["open+close"]
-        record["open+close"] = (opened[0] + after[0] - ops, opened[1] + after[1] - nbytes, opened[2])
+        record["open+close"] = (
+            opened[0] + after[0] - ops,
+            opened[1] + after[1] - nbytes,
+            opened[2],
+        )
         timed("should_save", lambda: version.decide(bound, timeout))
 
     results, _ = run_ranks(n, body)
@@ -339,7 +343,9 @@ def measure_detection(version: Version, n: int, timeout: float) -> dict[str, flo
         return "no error"
 
     results, stats = run_ranks(n, body)
-    unexpected = [r for r in results[:silent] if r != "TimeoutError" and r != "CollectiveTimeoutError"]
+    unexpected = [
+        r for r in results[:silent] if r != "TimeoutError" and r != "CollectiveTimeoutError"
+    ]
     if unexpected:
         raise RuntimeError(f"{version.name}: a silent rank was not reported: {unexpected[:3]}")
     begin = min(starts)
@@ -355,6 +361,11 @@ def measure_detection(version: Version, n: int, timeout: float) -> dict[str, flo
 
 
 # --------------------------------------------------------------------- report
+
+
+def _say(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def _table(rows: Sequence[dict[str, Any]]) -> str:
@@ -393,19 +404,20 @@ def main(argv: Sequence[str] | None = None) -> None:
             report = measure_collectives(version, n, args.timeout)
             for name, values in report.items():
                 rows.append({"version": version.name, "n": n, "collective": name, **values})
-            print(_table([r for r in rows if r["n"] == n and r["version"] == version.name]))
+            _say(_table([r for r in rows if r["n"] == n and r["version"] == version.name]))
             if not args.no_detect:
                 found = measure_detection(version, n, args.detect_timeout)
                 detections.append({"version": version.name, "n": n, **found})
-                print(json.dumps(detections[-1]))
-            sys.stdout.flush()
-    print()
-    print(_table(rows))
-    print()
-    print("| comm.py | N | timeout s | rank 0 raised s | last rank raised s | worst / timeout | ops rank 0 | ops/rank |")
-    print("|---|---|---|---|---|---|---|---|")
+                _say(json.dumps(detections[-1]))
+    _say("")
+    _say(_table(rows))
+    _say("")
+    _say(
+        "| comm.py | N | timeout s | rank 0 raised s | last rank raised s | worst / timeout | ops rank 0 | ops/rank |"
+    )
+    _say("|---|---|---|---|---|---|---|---|")
     for d in detections:
-        print(
+        _say(
             f"| {d['version']} | {d['n']} | {d['timeout_s']:g} | {d['rank0_s']:.2f} | "
             f"{d['last_s']:.2f} | {d['ratio']:.2f}x | {d['ops_rank0']} | {d['ops_mean']:.0f} |"
         )

@@ -236,15 +236,19 @@ class Checkpointer:
     def should_save(self, step: int) -> bool:
         """Whether the policy asks for a save at ``step``; identical on every rank.
 
-        Collective only when the policy reads the clock (``every_seconds``).
+        When the policy reads the clock (``every_seconds``) rank 0's answer is used on
+        every rank: rank 0 publishes it in one store key that the other ranks wait for, so
+        every rank must call this at the same steps.
         """
         if self._latest is not None and step <= self._latest:
             return False
-        decision = self.save_policy.should_save(step, time.monotonic())
-        if self.save_policy.needs_agreement:
-            with self._comm("Checkpointer.should_save") as comm:
-                decision = comm.broadcast("decision", b"1" if decision else b"0") == b"1"
-        return decision
+        if not self.save_policy.needs_agreement:
+            return self.save_policy.should_save(step, time.monotonic())
+
+        def decide() -> bytes:  # on rank 0 only
+            return b"1" if self.save_policy.should_save(step, time.monotonic()) else b"0"
+
+        return Comm.from_leader("Checkpointer.should_save", decide, timeout=self.timeout) == b"1"
 
     def save(
         self, step: int, epoch: int | None = None, metrics: Mapping[str, Any] | None = None

@@ -50,6 +50,7 @@ import struct
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -193,7 +194,7 @@ def _default_store() -> Any:
 
 @dataclass
 class _Beat:
-    """One call's heartbeat on one rank, as the store holds it (``"op alive work posted failed"``).
+    """One call's heartbeat on one rank, as the store holds it (``"op alive work posted failed tag"``).
 
     A rank's record holds an entry per call open on it (an asynchronous save's call stays
     open while the training thread makes others); readers look at the entry of their call.
@@ -204,6 +205,7 @@ class _Beat:
     work: int
     posted: int  # exchanges of call ``op`` this rank has posted its part of
     failed: int  # 1 if the rank raised an error for every rank in call ``op``
+    posted_tag: int = 0  # _tag_code of the last exchange posted: tells mismatched ones apart
 
     @classmethod
     def find(cls, record: bytes, op: int) -> _Beat | None:
@@ -214,7 +216,8 @@ class _Beat:
         return None
 
     def encode(self) -> bytes:
-        return f"{self.op} {self.alive} {self.work} {self.posted} {self.failed}".encode()
+        fields = (self.op, self.alive, self.work, self.posted, self.failed, self.posted_tag)
+        return " ".join(str(f) for f in fields).encode()
 
 
 @dataclass
@@ -546,7 +549,7 @@ class Comm:
         self._exchanges += 1
         if self.rank != _LEADER:
             self._store.set(self._key(tag, self.rank), b"K" + payload)
-            self._beat.posted = self._exchanges
+            self._beat.posted, self._beat.posted_tag = self._exchanges, _tag_code(tag)
             return None
         keys = {r: self._key(tag, r) for r in range(1, self.world_size)}
         self._await(_Watch(tag, keys, self._exchanges, gather=True))
@@ -645,7 +648,12 @@ class Comm:
         now = time.monotonic()
         if watch.gather:
             beats = self._beats(client, list(watch.keys))
-            pending = [r for r in watch.keys if r not in beats or beats[r].posted < watch.exchange]
+            mine = (watch.exchange, _tag_code(watch.tag))
+            pending = [
+                r
+                for r in watch.keys
+                if r not in beats or (beats[r].posted, beats[r].posted_tag) != mine
+            ]
             silent = [
                 r
                 for r in pending
@@ -703,6 +711,10 @@ class Comm:
         return error
 
 
+def _tag_code(tag: str) -> int:
+    return zlib.crc32(tag.encode()) & 0xFFFF
+
+
 def _namespace() -> str:
     """Store keys of this incarnation of the job.
 
@@ -739,14 +751,20 @@ def _unwrap(blob: bytes) -> bytes:
     """The data of a reply (``b"K"`` and data), or raise the error it carries (``b"E"``)."""
     if blob[:1] == b"E":
         doc = json.loads(blob[1:])
-        error = error_class(doc["type"])(doc["message"])
+        cls = error_class(doc["type"])
+        errno = doc.get("errno")
+        error = cls(errno, doc["message"]) if errno is not None else cls(doc["message"])
         error.failures = {int(r): f for r, f in doc["failures"].items()}
         raise error
     return blob[1:]
 
 
 def _encode_error(exc: CheckpointError) -> bytes:
-    doc = {"type": type(exc).__name__, "message": str(exc), "failures": exc.failures}
+    doc: dict[str, Any] = {"type": type(exc).__name__, "failures": exc.failures}
+    if isinstance(exc, OSError) and exc.errno is not None:  # rebuilt as cls(errno, strerror)
+        doc.update(errno=exc.errno, message=exc.strerror)
+    else:
+        doc["message"] = str(exc)
     return b"E" + json.dumps(doc).encode()
 
 
