@@ -41,10 +41,13 @@ class StoreStats:
     ops: int = 0
     bytes: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
-    heartbeat: StoreStats | None = None  # what a second connection (clone) did
+    heartbeat: StoreStats | None = None  # what heartbeat threads did (per period, not per call)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def count(self, name: str, nbytes: int) -> None:
+        if self.heartbeat is not None and threading.current_thread().name == "ddpckpt-heartbeat":
+            self.heartbeat.count(name, nbytes)
+            return
         with self.lock:
             self.ops += 1
             self.bytes += nbytes
@@ -66,13 +69,14 @@ def _size(value: Any) -> int:
 class CountingStore:
     """A store client that counts each operation (and its bytes) into ``stats``.
 
-    ``clone()`` opens a second connection, counted into ``stats.heartbeat``.
+    ``clone()`` hands out one of ``spares`` (connected in advance: connections made at once
+    by many threads of one process stall for seconds here; a real rank makes two or three, once).
     """
 
-    def __init__(self, store: Any, stats: StoreStats, second: Any = None) -> None:
+    def __init__(self, store: Any, stats: StoreStats, spares: Sequence[Any] = ()) -> None:
         self._store = store
         self.stats = stats
-        self._second = second
+        self._spares = list(spares)
 
     def _call(self, name: str, sent: int, *args: Any) -> Any:
         result = getattr(self._store, name)(*args)
@@ -110,12 +114,8 @@ class CountingStore:
         return self._call("delete_key", _size(key), key)
 
     def clone(self) -> CountingStore:
-        if self.stats.heartbeat is None:
-            self.stats.heartbeat = StoreStats()
-        # A client connected in advance rather than TCPStore.clone(): connections made at once
-        # by many threads of one process stall for seconds (a real rank makes one, once).
-        client, self._second = self._second or self._store.clone(), None
-        return CountingStore(client, self.stats.heartbeat)
+        client = self._spares.pop() if self._spares else self._store.clone()
+        return CountingStore(client, self.stats)
 
 
 class Server:
@@ -138,8 +138,8 @@ def run_ranks(
     Returns each rank's result (or the exception it raised) and its store statistics.
     """
     server = server or Server()
-    stats = [StoreStats() for _ in range(n)]
-    stores = [CountingStore(server.client(), s, server.client()) for s in stats]
+    stats = [StoreStats(heartbeat=StoreStats()) for _ in range(n)]
+    stores = [CountingStore(server.client(), s, [server.client() for _ in range(3)]) for s in stats]
     results: list[Any] = [None] * n
     start = threading.Barrier(n)
 

@@ -274,3 +274,28 @@ def test_a_process_group_without_a_store_gets_a_clear_error(monkeypatch) -> None
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(CheckpointError, match="MASTER_ADDR and MASTER_PORT"):
         _default_store()
+
+
+def test_a_background_call_waiting_does_not_block_the_training_threads_decision() -> None:
+    """An asynchronous save's call waits in its thread while training asks should_save."""
+
+    def body(group: StoreGroup) -> list:
+        comm = Comm.open("Checkpointer.save", timeout=30, group=group)
+        waiting = threading.Event()
+        outcome = []
+
+        def background() -> None:  # rank 0 waits in the gather while rank 1 still works
+            waiting.set()
+            outcome.append(comm.run("write", lambda: time.sleep(0.5 if group.rank else 0)))
+
+        thread = threading.Thread(target=background)
+        thread.start()
+        waiting.wait()
+        time.sleep(0.1)
+        decision = Comm.from_leader("Checkpointer.should_save", lambda: b"1", group=group)
+        thread.join()
+        comm.close()
+        return [decision, *outcome]
+
+    results, _ = ranks(2, body)
+    assert results == [[b"1", None], [b"1", None]]

@@ -128,6 +128,8 @@ class StoreGroup:
     _calls: Iterator[int] = field(default_factory=itertools.count, repr=False)
     _decisions: Iterator[int] = field(default_factory=itertools.count, repr=False)
     _watch_client: Any = field(default=None, repr=False)
+    _spare: list[Any] = field(default_factory=list, repr=False)  # connections for waits
+    _clonable: bool = field(default=True, repr=False)
     _all_beating: bool = field(default=False, repr=False)
     _open: dict[int, _Beat] = field(default_factory=dict, repr=False)  # calls open here
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -137,17 +139,44 @@ class StoreGroup:
         with self._lock:
             return b";".join(beat.encode() for beat in self._open.values())
 
-    def watch_client(self) -> Any:
-        """A second connection for the heartbeat thread, so a blocked wait cannot stall it.
-
-        ``None`` when the store cannot be cloned: waits then poll in short slices.
-        """
-        if self._watch_client is None:
+    def _connect(self) -> Any | None:
+        """A new connection to the store, or ``None`` if the store cannot be cloned."""
+        if self._clonable:
             try:
-                self._watch_client = self.store.clone()
-            except (AttributeError, NotImplementedError, RuntimeError):
-                self._watch_client = False
+                return self.store.clone()
+            except (AttributeError, NotImplementedError, RuntimeError) as exc:
+                self._clonable = False
+                _log.warning(
+                    "the store %s cannot open more connections (%s): ddpckpt waits for "
+                    "other ranks by polling it",
+                    type(self.store).__name__,
+                    exc,
+                )
+        return None
+
+    def watch_client(self) -> Any | None:
+        """The heartbeat threads' connection (short operations only), made once."""
+        if self._watch_client is None:
+            self._watch_client = self._connect() or False
         return self._watch_client or None
+
+    def borrow(self) -> tuple[Any, bool]:
+        """A connection for one call's blocking waits, and whether it is the call's own.
+
+        A client serves one request at a time, so a wait blocked on a shared client would
+        stall every other thread using it (a background save's call, the training
+        thread's ``should_save``, torch itself on the process group's client).
+        """
+        with self._lock:
+            if self._spare:
+                return self._spare.pop(), True
+        client = self._connect()
+        return (client, True) if client is not None else (self.store, False)
+
+    def give_back(self, client: Any, own: bool) -> None:
+        if own:
+            with self._lock:
+                self._spare.append(client)
 
 
 def _default_group() -> StoreGroup | None:
@@ -268,6 +297,7 @@ class Comm:
         self._nodes: list[str] | None = [node_id()]
         self._store: Any = None
         self._watcher: Any = None
+        self._own_connection = False
         self._op = -1
         self._exchanges = 0
         self._beat = _Beat(-1, 0, 0, 0, 0)
@@ -300,7 +330,7 @@ class Comm:
         comm.path = path
         if comm._group is None:
             return comm
-        comm._store = comm._group.store
+        comm._store, comm._own_connection = comm._group.borrow()
         comm._watcher = comm._group.watch_client()
         comm._op = next(comm._group._calls)
         comm._beat = _Beat(comm._op, 0, 0, 0, 0)
@@ -343,23 +373,25 @@ class Comm:
         if group is None or group.world_size < 2:
             return decide()
         key = f"{_namespace()}/decide/{next(group._decisions)}"
-        store = group.store
         if group.rank == _LEADER:
             value = decide()
-            store.set(key, value)
+            group.store.set(key, value)
             return value
+        store, own = group.borrow()
         try:
             store.wait([key], timedelta(seconds=limit))
+            value = store.get(key)
+            if store.add(f"{key}/read", 1) == group.world_size - 1:  # the last reader tidies
+                store.delete_key(key)
+                store.delete_key(f"{key}/read")
         except _StoreTimeout:
             raise CollectiveTimeoutError(
                 f"rank 0 did not call {call} within {limit:g} s. {call} is collective: call "
                 "it on every rank. Raise the limit with timeout= or DDPCKPT_TIMEOUT if it is "
                 "only slow."
             ) from None
-        value = store.get(key)
-        if store.add(f"{key}/read", 1) == group.world_size - 1:  # the last reader tidies
-            store.delete_key(key)
-            store.delete_key(f"{key}/read")
+        finally:
+            group.give_back(store, own)
         return value
 
     def __enter__(self) -> Comm:
@@ -383,6 +415,7 @@ class Comm:
             if self._store.add(closed, 1) == self.world_size:  # nobody reads them any more
                 for key in [*keys, closed]:
                     self._store.delete_key(key)
+            self._group.give_back(self._store, self._own_connection)  # type: ignore[union-attr]
 
     @property
     def nodes(self) -> list[str]:
@@ -626,7 +659,8 @@ class Comm:
 
     def _await(self, watch: _Watch) -> None:
         """Block until every key of ``watch`` exists (the heartbeat thread sets markers)."""
-        slice_ = timedelta(seconds=max(4 * self.timeout, 300.0) if self._watcher else self._period)
+        blocking = self._watcher is not None and self._own_connection
+        slice_ = timedelta(seconds=max(4 * self.timeout, 300.0) if blocking else self._period)
         self._watch = watch
         self._waiting.set()
         try:
@@ -637,7 +671,7 @@ class Comm:
                 except _StoreTimeout:
                     if self._beater is None or not self._beater.is_alive():
                         raise
-                    if not self._watcher:  # no second connection: judge here between slices
+                    if not blocking:  # nobody can wake this wait: judge here between slices
                         self._judge(self._store, watch)
         finally:
             self._watch = None
