@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -54,8 +55,10 @@ class StoreStats:
             self.by_op[name] = self.by_op.get(name, 0) + 1
 
     def snapshot(self) -> tuple[int, int]:
+        """Operations and bytes so far, the heartbeat threads' included."""
+        beat = self.heartbeat.snapshot() if self.heartbeat is not None else (0, 0)
         with self.lock:
-            return self.ops, self.bytes
+            return self.ops + beat[0], self.bytes + beat[1]
 
 
 def _size(value: Any) -> int:
@@ -139,7 +142,12 @@ def run_ranks(
     """
     server = server or Server()
     stats = [StoreStats(heartbeat=StoreStats()) for _ in range(n)]
-    stores = [CountingStore(server.client(), s, [server.client() for _ in range(3)]) for s in stats]
+    with ThreadPoolExecutor(64) as pool:  # some connects stall for 5 s here: overlap them
+        clients = list(pool.map(lambda _: server.client(), range(4 * n)))
+    stores = [
+        CountingStore(clients[4 * r], s, clients[4 * r + 1 : 4 * r + 4])
+        for r, s in enumerate(stats)
+    ]
     results: list[Any] = [None] * n
     start = threading.Barrier(n)
 
@@ -261,11 +269,15 @@ def load_version(revision: str | None) -> Version:
 
 # --------------------------------------------------------------------- scenarios
 
-COLLECTIVES = ("open+close", "run", "run_all", "broadcast", "barrier", "should_save")
+LATE = "run, 1 rank 1 s late"
+COLLECTIVES = ("open+close", "run", "run_all", "broadcast", "barrier", LATE, "should_save")
 
 
 def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, dict[str, float]]:
-    """Per collective: store ops and bytes per rank (mean, rank 0's), wall time."""
+    """Per collective: store ops and bytes per rank (mean, rank 0's), wall time.
+
+    Heartbeat threads' operations count too (liveness checks run there in the new code).
+    """
     marks: list[dict[str, tuple[int, int, float]]] = [{} for _ in range(n)]
     walls: dict[str, list[float]] = {c: [0.0, 0.0] for c in COLLECTIVES}
     lock = threading.Lock()
@@ -292,6 +304,7 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
         timed("run_all", lambda: comm.run_all("run_all", lambda: {"rank": rank, "ok": True}))
         timed("broadcast", lambda: comm.broadcast("bcast", b"x" * 64 if rank == 0 else None))
         timed("barrier", lambda: comm.barrier("barrier"))
+        timed(LATE, lambda: comm.run("late", lambda: time.sleep(1.0 if rank == n - 1 else 0)))
         ops, nbytes = store.stats.snapshot()
         comm.close()
         after = store.stats.snapshot()
@@ -355,8 +368,8 @@ def measure_detection(version: Version, n: int, timeout: float) -> dict[str, flo
         "rank0_s": raised[0] - begin,
         "last_s": max(others) - begin,
         "ratio": (max(max(others), raised[0]) - begin) / timeout,
-        "ops_rank0": stats[0].ops,
-        "ops_mean": sum(s.ops for s in stats[:silent]) / silent,
+        "ops_rank0": stats[0].snapshot()[0],
+        "ops_mean": sum(s.snapshot()[0] for s in stats[:silent]) / silent,
     }
 
 
