@@ -130,7 +130,7 @@ class StoreGroup:
     _watch_client: Any = field(default=None, repr=False)
     _spare: list[Any] = field(default_factory=list, repr=False)  # connections for waits
     _clonable: bool = field(default=True, repr=False)
-    _all_beating: bool = field(default=False, repr=False)
+    _beating: set[int] = field(default_factory=set, repr=False)  # ranks with a record
     _open: dict[int, _Beat] = field(default_factory=dict, repr=False)  # calls open here
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -265,6 +265,7 @@ class _Watch:
     gather: bool
     started: float = field(default_factory=time.monotonic)
     seen: dict[int, tuple[Any, float]] = field(default_factory=dict)
+    posted: set[int] = field(default_factory=set)  # ranks seen to have posted: not read again
 
     def silent(self, rank: int, marker: Any, now: float, timeout: float) -> bool:
         last = self.seen.get(rank)
@@ -681,13 +682,11 @@ class Comm:
         """Wake the main thread with a marker or an error if what it waits for is silent."""
         now = time.monotonic()
         if watch.gather:
-            beats = self._beats(client, list(watch.keys))
+            unknown = [r for r in watch.keys if r not in watch.posted]
+            beats = self._beats(client, unknown)
             mine = (watch.exchange, _tag_code(watch.tag))
-            pending = [
-                r
-                for r in watch.keys
-                if r not in beats or (beats[r].posted, beats[r].posted_tag) != mine
-            ]
+            watch.posted.update(r for r, b in beats.items() if (b.posted, b.posted_tag) == mine)
+            pending = [r for r in unknown if r not in watch.posted]
             silent = [
                 r
                 for r in pending
@@ -710,14 +709,15 @@ class Comm:
 
     def _beats(self, client: Any, ranks: list[int]) -> dict[int, _Beat]:
         """The heartbeats in this call of those of ``ranks`` that have one, in one read."""
+        beating = self._group._beating  # type: ignore[union-attr]
+        unknown = [r for r in ranks if r not in beating]
+        if unknown:  # records are never deleted: each rank's is looked for until it exists
+            if client.check([self._beat_key(r) for r in unknown]):
+                beating.update(unknown)
+            else:  # a rank that never made a ddpckpt call (multi_get would block on it)
+                beating.update(r for r in unknown if client.check([self._beat_key(r)]))
+        ranks = [r for r in ranks if r in beating]
         keys = [self._beat_key(r) for r in ranks]
-        group = self._group
-        if group is not None and not group._all_beating:
-            if client.check([self._beat_key(r) for r in range(self.world_size)]):
-                group._all_beating = True
-            else:  # some rank never made a ddpckpt call yet: only until every rank has
-                present = [(r, k) for r, k in zip(ranks, keys, strict=True) if client.check([k])]
-                ranks, keys = [r for r, _ in present], [k for _, k in present]
         if not keys:
             return {}
         found = {
