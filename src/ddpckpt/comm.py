@@ -683,7 +683,7 @@ class Comm:
         now = time.monotonic()
         if watch.gather:
             unknown = [r for r in watch.keys if r not in watch.posted]
-            beats = self._beats(client, unknown)
+            beats = self._beats(client, unknown, lambda r: watch.silent(r, None, now, self.timeout))
             mine = (watch.exchange, _tag_code(watch.tag))
             watch.posted.update(r for r, b in beats.items() if (b.posted, b.posted_tag) == mine)
             pending = [r for r in unknown if r not in watch.posted]
@@ -707,15 +707,22 @@ class Comm:
             error = self._timeout_error([source], watch.tag)
             client.compare_set(key, b"", _encode_error(error))
 
-    def _beats(self, client: Any, ranks: list[int]) -> dict[int, _Beat]:
-        """The heartbeats in this call of those of ``ranks`` that have one, in one read."""
+    def _beats(
+        self, client: Any, ranks: list[int], overdue: Callable[[int], bool] = lambda r: True
+    ) -> dict[int, _Beat]:
+        """The heartbeats in this call of those of ``ranks`` that have one, in one read.
+
+        A rank whose record was never seen is looked for with the others in one ``check``;
+        if some are missing, one by one only once ``overdue`` (about to be named silent).
+        """
         beating = self._group._beating  # type: ignore[union-attr]
         unknown = [r for r in ranks if r not in beating]
         if unknown:  # records are never deleted: each rank's is looked for until it exists
             if client.check([self._beat_key(r) for r in unknown]):
                 beating.update(unknown)
-            else:  # a rank that never made a ddpckpt call (multi_get would block on it)
-                beating.update(r for r in unknown if client.check([self._beat_key(r)]))
+            else:  # some rank never made a ddpckpt call (multi_get would block on it)
+                due = [r for r in unknown if overdue(r)]
+                beating.update(r for r in due if client.check([self._beat_key(r)]))
         ranks = [r for r in ranks if r in beating]
         keys = [self._beat_key(r) for r in ranks]
         if not keys:
