@@ -336,17 +336,20 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
 
 
 def measure_detection(version: Version, n: int, timeout: float) -> dict[str, float]:
-    """A rank that never calls: seconds until rank 0 and the last other rank raise."""
+    """A rank that never calls: seconds until rank 0 and the last other rank raise.
+
+    Times count from the first rank's call; ``rank0_own_s`` from rank 0's own call (the
+    threads of the simulation start their calls up to ``start_spread_s`` apart).
+    """
     silent = n - 1
     raised: dict[int, float] = {}
-    starts: list[float] = []
+    starts: dict[int, float] = {}
 
     def body(rank: int, store: Any) -> str:
         bound = version.bind(rank, n, store)
         if rank == silent:
             return "silent"
-        started = time.monotonic()
-        starts.append(started)
+        starts[rank] = time.monotonic()
         try:
             with version.open(bound, "bench.detect", timeout) as comm:
                 comm.run("work", lambda: None)
@@ -361,10 +364,12 @@ def measure_detection(version: Version, n: int, timeout: float) -> dict[str, flo
     ]
     if unexpected:
         raise RuntimeError(f"{version.name}: a silent rank was not reported: {unexpected[:3]}")
-    begin = min(starts)
+    begin = min(starts.values())
     others = [raised[r] for r in range(1, silent)] or [raised[0]]
     return {
         "timeout_s": timeout,
+        "start_spread_s": max(starts.values()) - begin,
+        "rank0_own_s": raised[0] - starts[0],
         "rank0_s": raised[0] - begin,
         "last_s": max(others) - begin,
         "ratio": (max(max(others), raised[0]) - begin) / timeout,
@@ -404,6 +409,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="for the collectives")
     parser.add_argument("--detect-timeout", type=float, default=3.0)
     parser.add_argument("--no-detect", action="store_true")
+    parser.add_argument("--only-detect", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     versions = [load_version(None)]
@@ -414,10 +420,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         for version in versions:
             if version is not versions[-1] and n > args.before_max:
                 continue
-            report = measure_collectives(version, n, args.timeout)
-            for name, values in report.items():
-                rows.append({"version": version.name, "n": n, "collective": name, **values})
-            _say(_table([r for r in rows if r["n"] == n and r["version"] == version.name]))
+            if not args.only_detect:
+                report = measure_collectives(version, n, args.timeout)
+                for name, values in report.items():
+                    rows.append({"version": version.name, "n": n, "collective": name, **values})
+                _say(_table([r for r in rows if r["n"] == n and r["version"] == version.name]))
             if not args.no_detect:
                 found = measure_detection(version, n, args.detect_timeout)
                 detections.append({"version": version.name, "n": n, **found})
@@ -426,13 +433,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     _say(_table(rows))
     _say("")
     _say(
-        "| comm.py | N | timeout s | rank 0 raised s | last rank raised s | worst / timeout | ops rank 0 | ops/rank |"
+        "| comm.py | N | timeout s | calls start spread s | rank 0 raised s (own call) | "
+        "last rank raised s | rank 0 own / timeout | worst / timeout | ops rank 0 | ops/rank |"
     )
-    _say("|---|---|---|---|---|---|---|---|")
+    _say("|---|---|---|---|---|---|---|---|---|---|")
     for d in detections:
         _say(
-            f"| {d['version']} | {d['n']} | {d['timeout_s']:g} | {d['rank0_s']:.2f} | "
-            f"{d['last_s']:.2f} | {d['ratio']:.2f}x | {d['ops_rank0']} | {d['ops_mean']:.0f} |"
+            f"| {d['version']} | {d['n']} | {d['timeout_s']:g} | {d['start_spread_s']:.2f} | "
+            f"{d['rank0_s']:.2f} ({d['rank0_own_s']:.2f}) | {d['last_s']:.2f} | "
+            f"{d['rank0_own_s'] / d['timeout_s']:.2f}x | {d['ratio']:.2f}x | {d['ops_rank0']} | "
+            f"{d['ops_mean']:.0f} |"
         )
     if args.json:
         args.json.write_text(json.dumps({"collectives": rows, "detection": detections}, indent=1))

@@ -683,7 +683,7 @@ class Comm:
         now = time.monotonic()
         if watch.gather:
             unknown = [r for r in watch.keys if r not in watch.posted]
-            beats = self._beats(client, unknown, lambda r: watch.silent(r, None, now, self.timeout))
+            beats = self._beats(client, unknown)
             mine = (watch.exchange, _tag_code(watch.tag))
             watch.posted.update(r for r, b in beats.items() if (b.posted, b.posted_tag) == mine)
             pending = [r for r in unknown if r not in watch.posted]
@@ -707,22 +707,17 @@ class Comm:
             error = self._timeout_error([source], watch.tag)
             client.compare_set(key, b"", _encode_error(error))
 
-    def _beats(
-        self, client: Any, ranks: list[int], overdue: Callable[[int], bool] = lambda r: True
-    ) -> dict[int, _Beat]:
+    def _beats(self, client: Any, ranks: list[int]) -> dict[int, _Beat]:
         """The heartbeats in this call of those of ``ranks`` that have one, in one read.
 
-        A rank whose record was never seen is looked for with the others in one ``check``;
-        if some are missing, one by one only once ``overdue`` (about to be named silent).
+        Ranks whose record was never seen are looked for together (``multi_get`` would
+        block on a missing one): one ``check``, or about 2 log2(n) per rank that never
+        made a ddpckpt call.
         """
         beating = self._group._beating  # type: ignore[union-attr]
         unknown = [r for r in ranks if r not in beating]
         if unknown:  # records are never deleted: each rank's is looked for until it exists
-            if client.check([self._beat_key(r) for r in unknown]):
-                beating.update(unknown)
-            else:  # some rank never made a ddpckpt call (multi_get would block on it)
-                due = [r for r in unknown if overdue(r)]
-                beating.update(r for r in due if client.check([self._beat_key(r)]))
+            beating.update(self._present(client, unknown))
         ranks = [r for r in ranks if r in beating]
         keys = [self._beat_key(r) for r in ranks]
         if not keys:
@@ -731,6 +726,15 @@ class Comm:
             r: _Beat.find(b, self._op) for r, b in zip(ranks, _multi_get(client, keys), strict=True)
         }
         return {r: beat for r, beat in found.items() if beat is not None}
+
+    def _present(self, client: Any, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` that have a heartbeat record, found by halving."""
+        if client.check([self._beat_key(r) for r in ranks]):
+            return ranks
+        if len(ranks) == 1:
+            return []
+        half = len(ranks) // 2
+        return self._present(client, ranks[:half]) + self._present(client, ranks[half:])
 
     def _timeout_error(self, ranks: Sequence[int], tag: str) -> CollectiveTimeoutError:
         names = ", ".join(str(r) for r in ranks)
