@@ -242,13 +242,15 @@ class Checkpointer:
         """
         if self._latest is not None and step <= self._latest:
             return False
-        if not self.save_policy.needs_agreement:
-            return self.save_policy.should_save(step, time.monotonic())
 
-        def decide() -> bytes:  # on rank 0 only
+        def decide() -> bytes:  # on rank 0 only when the ranks must agree
             return b"1" if self.save_policy.should_save(step, time.monotonic()) else b"0"
 
-        return Comm.from_leader("Checkpointer.should_save", decide, timeout=self.timeout) == b"1"
+        if self.save_policy.needs_agreement:
+            decision = Comm.from_leader("Checkpointer.should_save", decide, timeout=self.timeout)
+        else:
+            decision = decide()
+        return decision == b"1"
 
     def save(
         self, step: int, epoch: int | None = None, metrics: Mapping[str, Any] | None = None
