@@ -328,15 +328,38 @@ def _with_versions(state: dict[str, Any], root: nn.Module, versions: Mapping[str
 # --------------------------------------------------------------------------- optimizer
 
 
-def _param_names(root: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Each param group's parameter names; parameters outside the model are named by position."""
-    names: dict[int, str] = {}
+def _all_param_names(root: nn.Module) -> dict[int, list[str]]:
+    """Every canonical name of each parameter, by ``id``: tied weights have several."""
+    names: dict[int, list[str]] = {}
     for name, param in root.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    return [
-        [names.get(id(p), f"@group{g}.{i}") for i, p in enumerate(group["params"])]
-        for g, group in enumerate(optimizer.param_groups)
-    ]
+        names.setdefault(id(param), []).append(_canonical_key(root, name))
+    return names
+
+
+def _param_names(
+    root: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stored: list[set[str]] | None = None,
+) -> list[list[str]]:
+    """Each param group's parameter names; parameters outside the model are named by position.
+
+    A tied parameter has several names: it takes whichever of them ``stored`` lists for
+    its group (so state saved as ``emb.weight`` reaches a model that now defines ``head``
+    first), else its first name in the module's definition order.
+    """
+    names = _all_param_names(root)
+    result = []
+    for g, group in enumerate(optimizer.param_groups):
+        known = stored[g] if stored is not None and g < len(stored) else set()
+        result.append(
+            [
+                next((n for n in names[id(p)] if n in known), names[id(p)][0])
+                if id(p) in names
+                else f"@group{g}.{i}"
+                for i, p in enumerate(group["params"])
+            ]
+        )
+    return result
 
 
 def _live_names(
@@ -348,7 +371,8 @@ def _live_names(
             [f"@group{g}.{i}" for i in range(len(group["params"]))]
             for g, group in enumerate(optimizer.param_groups)
         ]
-    return _param_names(unwrap_model(model), optimizer)
+    stored = [set(group["params"]) for group in section["groups"]]
+    return _param_names(unwrap_model(model), optimizer, stored)
 
 
 def _capture_optimizer(
