@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,19 +24,38 @@ class Training:
     step: Callable[[int], None]
 
 
-def observed(run: Training) -> tuple[list[Any], list[torch.Tensor]]:
-    """What must match bit for bit: every group's learning rate and every parameter."""
+def observed(run: Training) -> tuple[list[Any], list[torch.Tensor], Any]:
+    """What must match bit for bit: learning rates, parameters, the optimizer's state."""
     lrs = [group["lr"] for group in run.optimizer.param_groups]
     if run.scheduler is not None:
         lrs.append(run.scheduler.get_last_lr())
-    return lrs, [p.detach().clone() for p in run.model.parameters()]
+    params = [p.detach().clone() for p in run.model.parameters()]
+    return lrs, params, copy.deepcopy(run.optimizer.state_dict())
 
 
 def assert_same_observation(expected, got, where: str) -> None:
-    (lrs, params), (lrs_got, params_got) = expected, got
+    (lrs, params, state), (lrs_got, params_got, state_got) = expected, got
     assert lrs_got == lrs, f"{where}: learning rates {lrs_got} != uninterrupted run's {lrs}"
     for i, (a, b) in enumerate(zip(params, params_got, strict=True)):
         assert torch.equal(a, b), f"{where}: parameter {i} differs from the uninterrupted run"
+    _assert_same(state, state_got, f"{where}: optimizer.state_dict()")
+
+
+def _assert_same(a: Any, b: Any, where: str) -> None:
+    assert type(a) is type(b), f"{where}: {type(b).__name__} instead of {type(a).__name__}"
+    if isinstance(a, torch.Tensor):
+        same = a.dtype == b.dtype and a.device == b.device and a.shape == b.shape
+        assert same and torch.equal(a, b), f"{where}: {b!r} != uninterrupted run's {a!r}"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{where}: keys {list(b)} != {list(a)}"
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: length {len(b)} != {len(a)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), f"{where}: {b!r} != uninterrupted run's {a!r}"
 
 
 def assert_resume_is_exact(
