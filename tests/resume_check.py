@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import pytest
 import torch
 from torch import nn
 
 import ddpckpt
+
+T = TypeVar("T")
+
+
+def table_entry(table: Mapping[str, T], cls: type, table_name: str, test_file: str) -> T:
+    """How a test builds ``cls``; a class torch added since the table was written fails."""
+    if cls.__name__ not in table:
+        pytest.fail(
+            f"torch.optim has a class the test does not know: {cls.__module__}."
+            f"{cls.__qualname__}. Add it to {table_name} in {os.path.basename(test_file)} "
+            "and make sure its state resumes exactly."
+        )
+    return table[cls.__name__]
 
 
 @dataclass

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from resume_check import Training, assert_resume_is_exact
+from resume_check import Training, assert_resume_is_exact, table_entry
 
 BEFORE, AFTER = 4, 5  # steps before the save, steps after the load
 
@@ -115,13 +114,7 @@ def build(cls: type, case: Case) -> Callable[[int], Training]:
 
 @pytest.mark.parametrize("cls", discovered_optimizers(), ids=lambda cls: cls.__name__)
 def test_every_optimizer_resumes_exactly(cls, tmp_path) -> None:
-    if cls.__name__ not in OPTIMIZERS:
-        pytest.fail(
-            f"torch.optim has an optimizer this test does not know: {cls.__module__}."
-            f"{cls.__qualname__}. Add its arguments to OPTIMIZERS in "
-            f"{os.path.basename(__file__)} and make sure its state resumes exactly."
-        )
-    training = build(cls, OPTIMIZERS[cls.__name__])
+    training = build(cls, table_entry(OPTIMIZERS, cls, "OPTIMIZERS", __file__))
     reference = training(0)
     reference.step(0)
     assert reference.optimizer.state, f"{cls.__name__} kept no state: the test would prove little"

@@ -14,7 +14,7 @@ from torch.optim import lr_scheduler as sched
 from torch.optim import swa_utils
 
 import ddpckpt
-from resume_check import Training, assert_resume_is_exact
+from resume_check import Training, assert_resume_is_exact, table_entry
 
 BEFORE, AFTER = 4, 5  # steps before the save, steps after the load
 
@@ -109,13 +109,7 @@ def build(make_scheduler: Callable[[torch.optim.Optimizer], Any]) -> Callable[[i
 @pytest.mark.filterwarnings("ignore::UserWarning")  # SWALR/SequentialLR's step-order notes
 @pytest.mark.parametrize("cls", discovered_schedulers(), ids=lambda cls: cls.__name__)
 def test_every_scheduler_resumes_exactly(cls, tmp_path) -> None:
-    if cls.__name__ not in SCHEDULERS:
-        pytest.fail(
-            f"torch.optim has a scheduler this test does not know: {cls.__module__}."
-            f"{cls.__qualname__}. Add a constructor to SCHEDULERS in {os.path.basename(__file__)} "
-            "and make sure its state resumes exactly."
-        )
-    training = build(SCHEDULERS[cls.__name__])
+    training = build(table_entry(SCHEDULERS, cls, "SCHEDULERS", __file__))
     assert type(training(0).scheduler) is cls
     assert_resume_is_exact(training, tmp_path / "ckpt", BEFORE, AFTER)
 
