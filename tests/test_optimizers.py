@@ -77,27 +77,31 @@ def discovered_optimizers() -> list[type]:
     ]
 
 
-def build(cls: type, case: Case) -> Callable[[int], Training]:
+def build(
+    cls: type, case: Case, device: str = "cpu", flags: dict[str, bool] | None = None
+) -> Callable[[int], Training]:
     def training(seed: int) -> Training:
         torch.manual_seed(seed)
         if case.sparse:
             model: nn.Module = nn.Embedding(10, 4, sparse=True)
         else:
             model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+        model.to(device)
         groups = case.groups(model)
         for group in groups:
             scale = group.pop("lr_scale", 1.0)
             if scale != 1.0:
                 group["lr"] = case.kwargs["lr"] * scale
-        opt = cls(groups, **case.kwargs)
+        opt = cls(groups, **case.kwargs, **(flags or {}))
 
         def step(i: int) -> None:
             data = torch.Generator().manual_seed(i)
             if case.sparse:
-                inputs = torch.randint(0, 10, (6,), generator=data)
+                inputs = torch.randint(0, 10, (6,), generator=data).to(device)
             else:
-                inputs = torch.randn(5, 4, generator=data)
-            target = torch.randn(6 if case.sparse else 5, 4 if case.sparse else 3, generator=data)
+                inputs = torch.randn(5, 4, generator=data).to(device)
+            rows, columns = (6, 4) if case.sparse else (5, 3)
+            target = torch.randn(rows, columns, generator=data).to(device)
 
             def closure() -> torch.Tensor:
                 opt.zero_grad()
@@ -118,6 +122,19 @@ def test_every_optimizer_resumes_exactly(cls, tmp_path) -> None:
     reference = training(0)
     reference.step(0)
     assert reference.optimizer.state, f"{cls.__name__} kept no state: the test would prove little"
+    assert_resume_is_exact(training, tmp_path / "ckpt", BEFORE, AFTER)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("flag", ["none", "fused", "capturable"])
+@pytest.mark.parametrize("cls", discovered_optimizers(), ids=lambda cls: cls.__name__)
+def test_every_optimizer_resumes_exactly_on_cuda(cls, flag, tmp_path) -> None:
+    """On the GPU, with the fused and capturable implementations where a class has them."""
+    case = table_entry(OPTIMIZERS, cls, "OPTIMIZERS", __file__)
+    flags = {} if flag == "none" else {flag: True}
+    if flags and flag not in inspect.signature(cls.__init__).parameters:
+        pytest.skip(f"{cls.__name__} has no {flag} implementation")
+    training = build(cls, case, "cuda", flags)
     assert_resume_is_exact(training, tmp_path / "ckpt", BEFORE, AFTER)
 
 
