@@ -116,25 +116,46 @@ def build(
     return training
 
 
+# Implementations a class has but not on that device (fused Adagrad is CPU only).
+UNSUPPORTED = {("Adagrad", "cuda", "fused")}
+VARIANTS = [("cpu", "plain"), ("cpu", "fused"), ("cuda", "plain"), ("cuda", "fused"),
+            ("cuda", "capturable")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("device", "flag"), VARIANTS, ids=["-".join(v) for v in VARIANTS])
 @pytest.mark.parametrize("cls", discovered_optimizers(), ids=lambda cls: cls.__name__)
-def test_every_optimizer_resumes_exactly(cls, tmp_path) -> None:
-    training = build(cls, table_entry(OPTIMIZERS, cls, "OPTIMIZERS", __file__))
+def test_every_optimizer_resumes_exactly(cls, device, flag, tmp_path) -> None:
+    case = table_entry(OPTIMIZERS, cls, "OPTIMIZERS", __file__)
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    flags = {} if flag == "plain" else {flag: True}
+    if flags and flag not in inspect.signature(cls.__init__).parameters:
+        pytest.skip(f"{cls.__name__} has no {flag} implementation")
+    if (cls.__name__, device, flag) in UNSUPPORTED:
+        pytest.skip(f"{cls.__name__} has no {flag} implementation on {device}")
+    training = build(cls, case, device, flags)
     reference = training(0)
     reference.step(0)
     assert reference.optimizer.state, f"{cls.__name__} kept no state: the test would prove little"
     assert_resume_is_exact(training, tmp_path / "ckpt", BEFORE, AFTER)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("flag", ["none", "fused", "capturable"])
-@pytest.mark.parametrize("cls", discovered_optimizers(), ids=lambda cls: cls.__name__)
-def test_every_optimizer_resumes_exactly_on_cuda(cls, flag, tmp_path) -> None:
-    """On the GPU, with the fused and capturable implementations where a class has them."""
-    case = table_entry(OPTIMIZERS, cls, "OPTIMIZERS", __file__)
-    flags = {} if flag == "none" else {flag: True}
-    if flags and flag not in inspect.signature(cls.__init__).parameters:
-        pytest.skip(f"{cls.__name__} has no {flag} implementation")
-    training = build(cls, case, "cuda", flags)
+@pytest.mark.parametrize("cls", [torch.optim.NAdam, torch.optim.ASGD], ids=lambda c: c.__name__)
+def test_float32_scalars_beside_bfloat16_parameters_stay_float32(cls, tmp_path) -> None:
+    """NAdam's mu_product and ASGD's eta/mu are float32 whatever the parameters' dtype."""
+    case = OPTIMIZERS[cls.__name__]
+
+    def training(seed: int) -> Training:
+        run = build(cls, case)(seed)
+        run.model.to(torch.bfloat16)  # before any step: the state is created in bfloat16 mode
+        inner = run.step
+
+        def step(i: int) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                inner(i)
+
+        return Training(run.model, run.optimizer, None, step)
+
     assert_resume_is_exact(training, tmp_path / "ckpt", BEFORE, AFTER)
 
 
