@@ -328,15 +328,38 @@ def _with_versions(state: dict[str, Any], root: nn.Module, versions: Mapping[str
 # --------------------------------------------------------------------------- optimizer
 
 
-def _param_names(root: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Each param group's parameter names; parameters outside the model are named by position."""
-    names: dict[int, str] = {}
+def _all_param_names(root: nn.Module) -> dict[int, list[str]]:
+    """Every canonical name of each parameter, by ``id``: tied weights have several."""
+    names: dict[int, list[str]] = {}
     for name, param in root.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    return [
-        [names.get(id(p), f"@group{g}.{i}") for i, p in enumerate(group["params"])]
-        for g, group in enumerate(optimizer.param_groups)
-    ]
+        names.setdefault(id(param), []).append(_canonical_key(root, name))
+    return names
+
+
+def _param_names(
+    root: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stored: list[set[str]] | None = None,
+) -> list[list[str]]:
+    """Each param group's parameter names; parameters outside the model are named by position.
+
+    A tied parameter has several names: it takes whichever of them ``stored`` lists for
+    its group (so state saved as ``emb.weight`` reaches a model that now defines ``head``
+    first), else its first name in the module's definition order.
+    """
+    names = _all_param_names(root)
+    result = []
+    for g, group in enumerate(optimizer.param_groups):
+        known = stored[g] if stored is not None and g < len(stored) else set()
+        result.append(
+            [
+                next((n for n in names[id(p)] if n in known), names[id(p)][0])
+                if id(p) in names
+                else f"@group{g}.{i}"
+                for i, p in enumerate(group["params"])
+            ]
+        )
+    return result
 
 
 def _live_names(
@@ -348,7 +371,8 @@ def _live_names(
             [f"@group{g}.{i}" for i in range(len(group["params"]))]
             for g, group in enumerate(optimizer.param_groups)
         ]
-    return _param_names(unwrap_model(model), optimizer)
+    stored = [set(group["params"]) for group in section["groups"]]
+    return _param_names(unwrap_model(model), optimizer, stored)
 
 
 def _capture_optimizer(
@@ -357,6 +381,8 @@ def _capture_optimizer(
     names = _param_names(root, optimizer)
     saved = optimizer.state_dict()
     groups, state, shapes = [], {}, {}
+    placement: dict[str, str] = {}
+    own_dtype: set[str] = set()
     for g, (saved_group, group_names, live_group) in enumerate(
         zip(saved["param_groups"], names, optimizer.param_groups, strict=True)
     ):
@@ -366,6 +392,7 @@ def _capture_optimizer(
             shapes[name] = list(param.shape)
             if index in saved["state"]:
                 state[name] = saved["state"][index]
+                _note_placement(state[name], param, placement, own_dtype)
         hyper = {k: v for k, v in saved_group.items() if k != "params"}
         groups.append({"params": group_names, "hyper": hyper})
         if len(set(group_names)) != len(group_names):
@@ -375,10 +402,31 @@ def _capture_optimizer(
         "groups": groups,
         "state": state,
         "shapes": shapes,
+        "placement": placement,
+        "own_dtype": sorted(own_dtype),
     }
     before = set(snapshot.tensors)
     snapshot.state["optimizer"] = encode(section, "optimizer", snapshot.tensors)
     snapshot.balanced.update(set(snapshot.tensors) - before)
+
+
+def _note_placement(
+    state: Mapping[str, Any], param: torch.Tensor, placement: dict[str, str], own_dtype: set[str]
+) -> None:
+    """Record where the optimizer keeps each state tensor, relative to its parameter.
+
+    Optimizers keep some scalars apart from the parameter (NAdam's ``mu_product`` on the
+    host, ASGD's ``step`` on the device, float32 steps beside bfloat16 weights), which
+    torch's own ``load_state_dict`` policy does not know: restoring them where they were
+    keeps a resumed step identical. Only a parameter off the CPU tells host from device.
+    """
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if param.device.type != "cpu":
+            placement.setdefault(key, "param" if value.device == param.device else "host")
+        if param.is_floating_point() and value.dtype != param.dtype:
+            own_dtype.add(key)
 
 
 def check_optimizer(
@@ -444,51 +492,73 @@ def restore_optimizer(
     ):
         indices = []
         fused = bool(stored["hyper"].get("fused")) or bool(stored["hyper"].get("capturable"))
+        kept = _Kept(fused, section.get("placement", {}), set(section.get("own_dtype", ())))
         for name, param in zip(names, group["params"], strict=True):
             if name in section["state"]:
                 state[index] = {
-                    key: _materialize(value, key, param, fused, source)
+                    key: _materialize(value, key, param, kept, source)
                     for key, value in section["state"][name].items()
                 }
             indices.append(index)
             index += 1
         param_groups.append({**_cloned(stored["hyper"], source), "params": indices})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    # load_state_dict moves every value beside its parameter; put back those kept elsewhere.
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    for index, values in state.items():
+        optimizer.state[params[index]].update(values)
 
 
 class _LazyTensor(str):
     """A tensor reference decoded but not yet read (read once its destination is known)."""
 
 
-def _materialize(
-    value: Any, key: str, param: torch.Tensor, fused: bool, source: TensorSource
-) -> Any:
-    """Read a stored optimizer value straight onto the device and dtype torch would use.
+@dataclass
+class _Kept:
+    """Where a param group's optimizer state goes: its flags and what the save recorded."""
 
-    Mirrors ``Optimizer._process_value_according_to_param_policy`` so that
-    ``load_state_dict`` has nothing left to copy, and the state never shares memory
-    with the checkpoint file. New tensors, never the optimizer's current ones: a load that
-    fails a checksum halfway leaves the optimizer as it was, and tensors that others still
-    hold (a ``state_dict()`` kept aside, a snapshot being copied) are not overwritten.
+    fused: bool  # fused or capturable: torch wants ``step`` as float32 beside the parameter
+    placement: Mapping[str, str]  # key -> "param" or "host", from a save off the CPU
+    own_dtype: set[str]  # keys whose dtype differed from their parameter's
+
+    def target(self, key: str, param: torch.Tensor, stored: torch.dtype) -> tuple[Any, Any]:
+        """Device and dtype of the state tensor ``key`` of ``param``."""
+        where = self.placement.get(key)
+        if key == "step":
+            if self.fused:
+                return param.device, torch.float32
+            return (param.device if where == "param" else torch.device("cpu")), stored
+        if where == "host":
+            return torch.device("cpu"), stored
+        keep = key in self.own_dtype or not param.is_floating_point()
+        return param.device, (stored if keep else param.dtype)
+
+
+def _materialize(
+    value: Any, key: str, param: torch.Tensor, kept: _Kept, source: TensorSource
+) -> Any:
+    """Read a stored optimizer value straight onto the device and dtype it had when saved.
+
+    Follows ``Optimizer._process_value_according_to_param_policy`` (state beside its
+    parameter, in its dtype; ``step`` on the host unless fused or capturable), corrected by
+    what the save recorded (see :func:`_note_placement`), so that ``load_state_dict`` has
+    nothing left to copy and the state never shares memory with the checkpoint file. New
+    tensors, never the optimizer's current ones: a load that fails a checksum halfway leaves
+    the optimizer as it was, and tensors that others still hold (a ``state_dict()`` kept
+    aside, a snapshot being copied) are not overwritten.
     """
     if isinstance(value, _LazyTensor):
         stored_dtype, shape = source.meta(str(value))
-        if key == "step" and not fused:
-            device, dtype = torch.device("cpu"), stored_dtype
-        elif key == "step":
-            device, dtype = param.device, torch.float32
-        else:
-            device = param.device
-            dtype = param.dtype if param.is_floating_point() else stored_dtype
+        device, dtype = kept.target(key, param, stored_dtype)
         target = torch.empty(shape, dtype=dtype, device=device)
         got = source.get(str(value), like=target)
         if got is not target:
             target.copy_(got)
         return target
     if isinstance(value, dict):
-        return {k: _materialize(v, k, param, fused, source) for k, v in value.items()}
+        return {k: _materialize(v, k, param, kept, source) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_materialize(v, key, param, fused, source) for v in value)
+        return type(value)(_materialize(v, key, param, kept, source) for v in value)
     return value
 
 
