@@ -666,10 +666,10 @@ def capture(
     if scaler is not None:
         _capture_stateful("scaler", scaler, snapshot)
     if extra:
-        before = set(snapshot.tensors)
         _capture_extra(extra, snapshot)
-        claimed = snapshot.balanced & (set(snapshot.tensors) - before)  # e.g. an EMA copy
-        snapshot.balanced -= claimed
+        modules = tuple(f"extra/{n}/" for n, obj in extra.items() if isinstance(obj, nn.Module))
+        claimed = {n for n in snapshot.tensors if n.startswith(modules)} if modules else set()
+        snapshot.balanced -= claimed  # e.g. an EMA copy: nothing keeps it identical on all ranks
         snapshot.unverified |= claimed
     if rng:
         snapshot.rank_state["rng"] = encode(capture_rng(), "rng", snapshot.rank_tensors)
