@@ -459,6 +459,12 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
     same = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
     saved["same"] = digest(same, torch.optim.SGD(same.parameters(), lr=1))
     ddpckpt.save(os.path.join(args.ckpt, "same"), model=same)
+    astray, astray_ddp, astray_opt, _ = objects(3)
+    with torch.no_grad():
+        for param in astray.parameters():
+            param.add_(0.5 * rank)  # this rank's replica went astray: DDP no longer agrees
+    saved["diverged"] = digest(astray, astray_opt)
+    ddpckpt.save(os.path.join(args.ckpt, "diverged"), model=astray_ddp, optimizer=astray_opt)
     saved_warnings = list(warnings.messages)
 
     model, ddp, opt, ema = objects(5)
@@ -468,6 +474,8 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
     ddpckpt.load(os.path.join(args.ckpt, "plain"), model=plain, optimizer=plain_opt)
     same_again = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
     ddpckpt.load(os.path.join(args.ckpt, "same"), model=same_again)
+    astray, astray_ddp, astray_opt, _ = objects(6)
+    ddpckpt.load(os.path.join(args.ckpt, "diverged"), model=astray_ddp, optimizer=astray_opt)
     with open(os.path.join(args.ckpt, "same", "manifest.json")) as f:
         writers = sorted({f["writer"] for n, f in json.load(f)["files"].items() if "model" in n})
     return {
@@ -477,6 +485,7 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
             "ema": ema_digest(ema),
             "plain": digest(plain, plain_opt),
             "same": digest(same_again, torch.optim.SGD(same_again.parameters(), lr=1)),
+            "diverged": digest(astray, astray_opt),
         },
         "same_writers": writers,
         "warnings": saved_warnings,

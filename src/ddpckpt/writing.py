@@ -25,16 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 
 from ._log import get_logger
 from .comm import Comm
+from .consistency import check_replicated
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointWriteError,
     InsufficientSpaceError,
-    StateMismatchError,
     UnsupportedValueError,
 )
 from .manifest import (
@@ -50,16 +49,7 @@ from .plan import assign, file_names
 from .progress import Progress
 from .state import Snapshot
 from .storage import commit_dir, free_bytes, remove_tree, temp_dir_for, write_bytes_new
-from .tensorfile import (
-    FileEntry,
-    TensorEntry,
-    _host_contiguous,
-    byte_view,
-    deserialize,
-    serialize,
-    tensor_nbytes,
-    write_file,
-)
+from .tensorfile import FileEntry, TensorEntry, deserialize, serialize, tensor_nbytes, write_file
 from .topology import storage_domains
 from .tree import encode
 
@@ -134,7 +124,7 @@ def plan_write(
     if comm.path is None:
         raise ValueError("plan_write needs a Comm opened with a path")
     path = comm.path
-    _check_replicated(comm, snapshot)
+    check_replicated(comm, snapshot)
     if domains is None:
         domains = storage_domains(comm, os.path.dirname(os.path.abspath(path)) or ".", storage)
     domain = next(d for d in domains if comm.rank in d)
@@ -308,78 +298,6 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]]) -> None:
         with storage_errors(plan.path):
             raise
     _log.info("saved checkpoint %s (step %s, %d bytes)", plan.path, header["step"], manifest.nbytes)
-
-
-def _check_replicated(comm: Comm, snapshot: Snapshot) -> None:
-    """Make sure each shared tensor a single rank writes is the same on every rank.
-
-    Every rank must hold the same shared tensors (names, shapes, dtypes). Tensors whose
-    replication nothing guarantees (``snapshot.unverified``: a model without DDP, an EMA
-    copy, optimizer state of parameters outside DDP) are compared by xxh3 digest, one
-    small list per rank through the store; those that differ between ranks are stored per
-    rank, with a warning, instead of mixing ranks' values into a checkpoint no rank ever
-    had. Stored once, the rest stay balanced over the ranks. Tensors that differ by
-    design (``snapshot.per_rank``: what DDP ignores) are stored per rank without a check.
-
-    Storing differing state per rank, rather than refusing to save, keeps every rank's
-    resume exact whatever the reason (ranks training their own models, an EMA updated on
-    rank 0 only); a rank added at load time starts from rank 0's values, with a warning.
-    """
-    if comm.world_size == 1:
-        snapshot.balanced |= snapshot.unverified | snapshot.per_rank
-        snapshot.unverified.clear()
-        snapshot.per_rank.clear()
-        return
-    layout = sorted((n, str(t.dtype), list(t.shape)) for n, t in snapshot.tensors.items())
-    checked = sorted(snapshot.unverified)
-    mine = {
-        "layout": xxhash.xxh3_64(json.dumps(layout).encode()).hexdigest(),
-        "checked": checked,
-        "digests": [tensor_digest(snapshot.tensors[n]) for n in checked],
-    }
-    gathered = comm.run_all("replicas", lambda: mine)
-    differing = [r for r, g in enumerate(gathered) if g["layout"] != mine["layout"]]
-    differing += [r for r, g in enumerate(gathered) if g["checked"] != checked]
-    if differing:
-        raise StateMismatchError(
-            f"ranks {sorted(set(differing))} hold training state whose tensors differ (names, "
-            "shapes, dtypes or how DDP wraps the model) from rank 0's. ddpckpt.save stores "
-            "replicated state once, so the model, optimizer, scheduler, scaler and extra "
-            "objects must be the same on every rank; sharded state (FSDP, ZeRO) is not supported"
-        )
-    apart = {name for i, name in enumerate(checked) if len({g["digests"][i] for g in gathered}) > 1}
-    if apart:
-        _warn_per_rank(comm, sorted(apart), [r for r, g in enumerate(gathered) if g != gathered[0]])
-    snapshot.balanced |= snapshot.unverified - apart
-    snapshot.unverified.clear()
-    snapshot.keep_per_rank(sorted(apart | snapshot.per_rank))
-    snapshot.per_rank.clear()
-
-
-def tensor_digest(tensor: torch.Tensor) -> str:
-    """The xxh3-64 digest of a tensor's bytes (copied off its device first)."""
-    return xxhash.xxh3_64(byte_view(_host_contiguous(tensor))).hexdigest()
-
-
-_warned: set[tuple[str, ...]] = set()
-
-
-def _warn_per_rank(comm: Comm, names: list[str], ranks: list[int]) -> None:
-    """Warn, on rank 0 and once per set of tensors, that state assumed replicated is not."""
-    if comm.rank != 0 or tuple(names) in _warned:
-        return
-    _warned.add(tuple(names))
-    shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
-    _log.warning(
-        "%s: %d tensor(s) that should be identical on every rank differ (ranks %s differ "
-        "from rank 0): %s. They are stored per rank and each rank loads its own. If the "
-        "model should be replicated, wrap it in DistributedDataParallel (an EMA copy: "
-        "update it on every rank)",
-        comm.path,
-        len(names),
-        ", ".join(map(str, ranks)),
-        shown,
-    )
 
 
 @contextmanager
