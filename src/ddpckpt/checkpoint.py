@@ -129,7 +129,8 @@ def save(
     memory (:mod:`ddpckpt.staging`); writing and committing go on in the background and the
     returned :class:`PendingSave` waits for them. ``async_save="overlap"`` returns sooner:
     parameters and optimizer state are copied while the next forward and backward run,
-    and ``optimizer.step()`` waits for that copy (it needs ``optimizer``). Either way the
+    and the ``step()`` of ``optimizer`` (required) and of every optimizer in ``extra``
+    waits for that copy. Either way the
     checkpoint holds the state as of this call. The next save or load waits for the
     previous asynchronous save and raises its error, if it failed.
 
@@ -211,7 +212,8 @@ def start_background(
     moments of ``optimizer`` and of every optimizer passed in ``extra``) are copied in the
     background too, and each of those optimizers' next ``step()`` waits for the copies;
     everything else (buffers, an EMA copy, parameters no known optimizer steps) is copied
-    before returning.
+    before returning. The optimizers come from ``snapshot.stepped_by``; ``optimizer`` is
+    the ``optimizer=`` of the save, which the overlap mode requires.
     """
     deferred = _changes_only_in_step(snapshot) if overlap else None
     steppers = {
