@@ -130,9 +130,9 @@ def save(
     returned :class:`PendingSave` waits for them. ``async_save="overlap"`` returns sooner:
     parameters and optimizer state are copied while the next forward and backward run,
     and the ``step()`` of ``optimizer`` (required) and of every optimizer in ``extra``
-    waits for that copy. Either way the
-    checkpoint holds the state as of this call. The next save or load waits for the
-    previous asynchronous save and raises its error, if it failed.
+    waits for that copy. Either way the checkpoint holds the state as of this call. The
+    next save or load waits for the previous asynchronous save and raises its error, if it
+    failed.
 
     Raises :class:`CheckpointExistsError` if ``path`` is already a checkpoint (pass
     ``overwrite=True`` to replace it atomically), :class:`UnsupportedValueError` naming the

@@ -72,7 +72,7 @@ class Snapshot:
     every rank, so only they may be written by any rank: parameters DDP synchronizes and
     their optimizer state. Tensors in ``unverified`` are assumed identical on every rank
     but nothing guarantees it (a model without DDP, module-valued extras such as an EMA
-    copy, optimizer state of parameters outside DDP): :func:`ddpckpt.writing.plan_write`
+    copy, optimizer state of parameters outside DDP): :mod:`ddpckpt.consistency`
     compares their digests across ranks, treats the identical ones as ``balanced`` and
     stores the others per rank. Tensors in ``per_rank`` differ between ranks by design
     (parameters and buffers DDP ignores, and their optimizer state): stored per rank
@@ -266,10 +266,9 @@ def _capture_model(model: nn.Module, snapshot: Snapshot) -> tuple[nn.Module, _Re
         elif id(value) in parameters or not replication.wrapped:
             snapshot.unverified.add(name)  # no DDP keeps it identical: compared before writing
     if replication.rank_buffers:
+        elsewhere = snapshot.balanced | snapshot.per_rank | snapshot.unverified
         buffers = {
-            key: snapshot.tensors[f"model/{key}"]
-            for key in keys
-            if f"model/{key}" not in snapshot.balanced | snapshot.per_rank | snapshot.unverified
+            key: snapshot.tensors[f"model/{key}"] for key in keys if f"model/{key}" not in elsewhere
         }
         snapshot.rank_state["model_buffers"] = encode(
             buffers, "model_buffers", snapshot.rank_tensors
