@@ -419,6 +419,79 @@ def scenario_wait_cycle(args, rank: int) -> dict[str, Any]:
     return {"outcomes": outcomes}
 
 
+def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
+    """State that is not replicated: DDP-ignored weights, a rank-0-only EMA, plain models."""
+    warnings = Warnings()
+
+    def objects(seed: int):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["2.bias"])
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=0.1)
+        return model, ddp, opt, torch.optim.swa_utils.AveragedModel(model)
+
+    def ema_digest(ema: nn.Module) -> str:
+        return digest(ema, torch.optim.SGD(ema.parameters(), lr=1))
+
+    model, ddp, opt, ema = objects(0)
+    with torch.no_grad():
+        model[2].bias.fill_(float(rank))  # DDP ignores it: each rank has its own
+    torch.manual_seed(10 + rank)
+    for _ in range(2):
+        opt.zero_grad()
+        ddp(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+        if rank == 0:
+            ema.update_parameters(model)  # a common mistake: the EMA differs between ranks
+    saved = {"ddp": digest(model, opt), "ema": ema_digest(ema)}
+    ddpckpt.save(os.path.join(args.ckpt, "ddp"), model=ddp, optimizer=opt, extra={"ema": ema})
+
+    torch.manual_seed(rank)  # each rank trains its own plain model
+    plain = nn.Linear(4, 2)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    plain(torch.randn(3, 4)).sum().backward()
+    plain_opt.step()
+    saved["plain"] = digest(plain, plain_opt)
+    ddpckpt.save(os.path.join(args.ckpt, "plain"), model=plain, optimizer=plain_opt)
+
+    torch.manual_seed(7)  # the same on every rank: verified, then stored once
+    same = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    saved["same"] = digest(same, torch.optim.SGD(same.parameters(), lr=1))
+    ddpckpt.save(os.path.join(args.ckpt, "same"), model=same)
+    astray, astray_ddp, astray_opt, _ = objects(3)
+    with torch.no_grad():
+        for param in astray.parameters():
+            param.add_(0.5 * rank)  # this rank's replica went astray: DDP no longer agrees
+    saved["diverged"] = digest(astray, astray_opt)
+    ddpckpt.save(os.path.join(args.ckpt, "diverged"), model=astray_ddp, optimizer=astray_opt)
+    saved_warnings = list(warnings.messages)
+
+    model, ddp, opt, ema = objects(5)
+    ddpckpt.load(os.path.join(args.ckpt, "ddp"), model=ddp, optimizer=opt, extra={"ema": ema})
+    plain = nn.Linear(4, 2)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    ddpckpt.load(os.path.join(args.ckpt, "plain"), model=plain, optimizer=plain_opt)
+    same_again = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    ddpckpt.load(os.path.join(args.ckpt, "same"), model=same_again)
+    astray, astray_ddp, astray_opt, _ = objects(6)
+    ddpckpt.load(os.path.join(args.ckpt, "diverged"), model=astray_ddp, optimizer=astray_opt)
+    with open(os.path.join(args.ckpt, "same", "manifest.json")) as f:
+        writers = sorted({f["writer"] for n, f in json.load(f)["files"].items() if "model" in n})
+    return {
+        "saved": saved,
+        "loaded": {
+            "ddp": digest(model, opt),
+            "ema": ema_digest(ema),
+            "plain": digest(plain, plain_opt),
+            "same": digest(same_again, torch.optim.SGD(same_again.parameters(), lr=1)),
+            "diverged": digest(astray, astray_opt),
+        },
+        "same_writers": writers,
+        "warnings": saved_warnings,
+    }
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
-from conftest import TiedLM, make_mlp
+from conftest import TiedLM, make_mlp, train_steps
 from ddpckpt.errors import UnsupportedValueError
 from ddpckpt.state import canonical_state_dict, capture, unwrap_model
 
@@ -177,3 +177,53 @@ def test_optimizer_names_of_a_compiled_submodule_are_canonical() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     groups = capture(model=model, optimizer=opt, rng=False).state["optimizer"]["groups"]
     assert "0.3.weight" in groups[0]["params"]
+
+
+def test_parameters_ddp_ignores_and_their_moments_are_kept_per_rank(process_group) -> None:
+    model = make_mlp()
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ["3.weight", "1.running_mean"])
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters())
+    train_steps(ddp, opt, steps=1)
+    snapshot = capture(model=ddp, optimizer=opt, rng=False)
+    ignored_state = opt.state[model[3].weight].values()
+    moments = {n for n, t in snapshot.tensors.items() if any(t is v for v in ignored_state)}
+    assert len(moments) == 3  # exp_avg, exp_avg_sq, step
+    assert snapshot.per_rank == {"model/3.weight", "model/1.running_mean", *moments}
+    assert "model/0.weight" in snapshot.balanced and "model/3.weight" not in snapshot.balanced
+    assert not snapshot.unverified
+
+
+def test_a_model_without_ddp_is_verified_not_assumed_replicated() -> None:
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train_steps(model, opt, steps=1)
+    snapshot = capture(model=model, optimizer=opt, rng=False)
+    assert not snapshot.balanced and not snapshot.per_rank
+    assert snapshot.unverified == set(snapshot.tensors)  # buffers too: nothing broadcasts them
+
+
+def test_a_module_valued_extra_is_verified_not_assumed_replicated(process_group) -> None:
+    model = make_mlp()
+    ddp = DDP(model)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    snapshot = capture(model=ddp, extra={"ema": ema}, rng=False)
+    ema_names = {n for n in snapshot.tensors if n.startswith("extra/ema/")}
+    assert "extra/ema/module.0.weight" in snapshot.unverified
+    assert "extra/ema/n_averaged" in snapshot.unverified  # buffers too: no DDP broadcasts them
+    assert not ema_names & snapshot.balanced
+
+
+def test_each_tensor_knows_which_optimizers_step_it() -> None:
+    gan = nn.ModuleDict({"G": nn.Linear(3, 3), "D": nn.Linear(3, 1)})
+    opt_g = torch.optim.Adam(gan["G"].parameters())
+    opt_d = torch.optim.Adam(gan["D"].parameters())
+    gan["D"](gan["G"](torch.randn(2, 3))).sum().backward()
+    opt_g.step()
+    opt_d.step()
+    snapshot = capture(model=gan, optimizer=opt_g, extra={"opt_d": opt_d}, rng=False)
+    assert snapshot.stepped_by["model/G.weight"] == [opt_g]
+    assert snapshot.stepped_by["model/D.weight"] == [opt_d]
+    assert snapshot.stepped_by["optimizer/state/G.weight/exp_avg"] == [opt_g]
+    d_moments = [n for n, w in snapshot.stepped_by.items() if n.startswith("extra/") and w]
+    assert d_moments and all(snapshot.stepped_by[n] == [opt_d] for n in d_moments)

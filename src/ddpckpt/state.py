@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,19 +69,46 @@ class Snapshot:
 
     ``state`` and ``tensors`` are the shared training state (model, optimizer, scheduler,
     scaler, extras): stored once. Only the tensors named in ``balanced`` are identical on
-    every rank under DDP (parameters and optimizer state), so only they may be written by
-    any rank; every other shared tensor (buffers such as BatchNorm statistics, which each
-    rank updates with its own batch until DDP broadcasts rank 0's at the next forward) is
-    stored as rank 0 holds it. ``rank_state`` and ``rank_tensors`` are this rank's own
-    (RNG, and buffers under ``broadcast_buffers=False``): stored per rank. Tensors are
-    referenced from the trees by name.
+    every rank, so only they may be written by any rank: parameters DDP synchronizes and
+    their optimizer state. Tensors in ``unverified`` are assumed identical on every rank
+    but nothing guarantees it (a model without DDP, module-valued extras such as an EMA
+    copy, optimizer state of parameters outside DDP): :mod:`ddpckpt.consistency`
+    compares their digests across ranks, treats the identical ones as ``balanced`` and
+    stores the others per rank. Tensors in ``per_rank`` differ between ranks by design
+    (parameters and buffers DDP ignores, and their optimizer state): stored per rank
+    whenever there are several ranks. Every other shared tensor (buffers such as BatchNorm
+    statistics, which each rank updates with its own batch until DDP broadcasts rank 0's
+    at the next forward) is stored as rank 0 holds it.
+
+    ``rank_state`` and ``rank_tensors`` are this rank's own (RNG, buffers under
+    ``broadcast_buffers=False``, and, under ``rank_state["own"]``, this rank's values of
+    shared tensors that differ between ranks; see :meth:`keep_per_rank`): stored per rank.
+    ``stepped_by`` maps a shared tensor to the optimizers whose ``step()`` writes it (for
+    the overlap mode, which may copy such tensors until the first of those steps).
+    Tensors are referenced from the trees by name.
     """
 
     state: dict[str, JSON] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     balanced: set[str] = field(default_factory=set)
+    unverified: set[str] = field(default_factory=set)
+    per_rank: set[str] = field(default_factory=set)
     rank_state: dict[str, JSON] = field(default_factory=dict)
     rank_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    stepped_by: dict[str, list[torch.optim.Optimizer]] = field(default_factory=dict)
+
+    def keep_per_rank(self, names: Iterable[str]) -> None:
+        """Store this rank's values of the shared tensors ``names`` in its own file too.
+
+        The shared copy keeps rank 0's values (what a rank that did not exist at save time
+        loads); :func:`ddpckpt.checkpoint.load` gives every other rank its own.
+        """
+        own = self.rank_state.setdefault("own", {})
+        for name in names:
+            self.balanced.discard(name)
+            self.unverified.discard(name)
+            self.rank_tensors[f"own/{name}"] = self.tensors[name]
+            own[name] = f"own/{name}"  # type: ignore[index]
 
 
 def is_stateful(obj: object) -> bool:
@@ -178,17 +205,42 @@ def _tensor_identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     )
 
 
-def _keeps_rank_buffers(model: nn.Module) -> bool:
-    """True if a DDP wrapper leaves each rank its own buffers (``broadcast_buffers=False``)."""
+@dataclass
+class _Replication:
+    """What the DDP wrappers around a model keep identical on every rank (by tensor id)."""
+
+    wrapped: bool = False
+    synced: set[int] = field(default_factory=set)  # parameters DDP broadcasts and all-reduces
+    ignored: set[int] = field(default_factory=set)  # parameters and buffers DDP leaves alone
+    rank_buffers: bool = False  # broadcast_buffers=False: each rank keeps its own buffers
+
+
+def _replication(model: nn.Module) -> _Replication:
+    """Which of ``model``'s tensors DDP keeps replicated, from every DDP wrapper around it.
+
+    DDP synchronizes a parameter unless its name is in ``parameters_to_ignore`` (set by
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``); parameters
+    it all-reduces late (``delay_all_reduce_named_params``) are listed there too, but are
+    synchronized.
+    """
+    found = _Replication()
     while (attr := _inner_attr(model)) is not None:
-        if isinstance(model, nn.parallel.DistributedDataParallel) and not model.broadcast_buffers:
-            return True
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            found.wrapped = True
+            found.rank_buffers |= not model.broadcast_buffers
+            ignore = set(getattr(model, "parameters_to_ignore", ()))
+            delayed = {id(p) for p in getattr(model, "_delay_all_reduce_params", ())}
+            for name, param in model.module.named_parameters():
+                synced = name not in ignore or id(param) in delayed
+                (found.synced if synced else found.ignored).add(id(param))
+            found.ignored.update(id(b) for n, b in model.module.named_buffers() if n in ignore)
         model = getattr(model, attr)
-    return False
+    return found
 
 
-def _capture_model(model: nn.Module, snapshot: Snapshot) -> nn.Module:
+def _capture_model(model: nn.Module, snapshot: Snapshot) -> tuple[nn.Module, _Replication]:
     view = model_view(model)
+    replication = _replication(model)
     parameters = {id(p) for p in view.root.parameters()}
     keys: list[str] = []
     aliases: dict[str, str] = {}
@@ -205,14 +257,18 @@ def _capture_model(model: nn.Module, snapshot: Snapshot) -> nn.Module:
         if identity is not None:
             seen[identity] = key
         keys.append(key)
-        snapshot.tensors[f"model/{key}"] = value.detach()
-        if id(value) in parameters:
-            snapshot.balanced.add(f"model/{key}")
-    if _keeps_rank_buffers(model):
+        name = f"model/{key}"
+        snapshot.tensors[name] = value.detach()
+        if id(value) in replication.ignored:
+            snapshot.per_rank.add(name)
+        elif id(value) in replication.synced:
+            snapshot.balanced.add(name)
+        elif id(value) in parameters or not replication.wrapped:
+            snapshot.unverified.add(name)  # no DDP keeps it identical: compared before writing
+    if replication.rank_buffers:
+        elsewhere = snapshot.balanced | snapshot.per_rank | snapshot.unverified
         buffers = {
-            key: snapshot.tensors[f"model/{key}"]
-            for key in keys
-            if f"model/{key}" not in snapshot.balanced
+            key: snapshot.tensors[f"model/{key}"] for key in keys if f"model/{key}" not in elsewhere
         }
         snapshot.rank_state["model_buffers"] = encode(
             buffers, "model_buffers", snapshot.rank_tensors
@@ -227,7 +283,7 @@ def _capture_model(model: nn.Module, snapshot: Snapshot) -> nn.Module:
     if extra_state:
         section["extra_state"] = encode(extra_state, "model_extra_state", snapshot.tensors)
     snapshot.state["model"] = section
-    return view.root
+    return view.root, replication
 
 
 def _limited(items: list[str]) -> str:
@@ -669,15 +725,73 @@ def capture(
     Tensors in the snapshot are the live tensors themselves (detached), not copies.
     """
     snapshot = Snapshot()
-    root = _capture_model(model, snapshot)
+    root, replication = _capture_model(model, snapshot)
     if optimizer is not None:
+        before = set(snapshot.tensors)
         _capture_optimizer(optimizer, root, snapshot)
+        _sort_optimizer_state(optimizer, set(snapshot.tensors) - before, replication, snapshot)
     if scheduler is not None:
         _capture_stateful("scheduler", scheduler, snapshot)
     if scaler is not None:
         _capture_stateful("scaler", scaler, snapshot)
     if extra:
         _capture_extra(extra, snapshot)
+        modules = tuple(f"extra/{n}/" for n, obj in extra.items() if isinstance(obj, nn.Module))
+        claimed = {n for n in snapshot.tensors if n.startswith(modules)} if modules else set()
+        snapshot.balanced -= claimed  # e.g. an EMA copy: nothing keeps it identical on all ranks
+        snapshot.unverified |= claimed
     if rng:
         snapshot.rank_state["rng"] = encode(capture_rng(), "rng", snapshot.rank_tensors)
+    optimizers = [o for o in [optimizer, *(extra or {}).values()] if _is_optimizer(o)]
+    _record_steppers(optimizers, snapshot)
     return snapshot
+
+
+def _is_optimizer(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.Optimizer)
+
+
+def _sort_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    names: set[str],
+    replication: _Replication,
+    snapshot: Snapshot,
+) -> None:
+    """Replicated, per rank or to be verified: each state tensor follows its parameter.
+
+    Only the state of parameters DDP synchronizes stays ``balanced``; state that cannot be
+    traced to a parameter is verified too (never assumed).
+    """
+    by_id = {id(snapshot.tensors[n]): n for n in names}
+    synced: set[str] = set()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for value in optimizer.state.get(param, {}).values():
+                name = by_id.get(id(value))
+                if name is None:
+                    continue
+                if id(param) in replication.synced:
+                    synced.add(name)
+                elif id(param) in replication.ignored:
+                    snapshot.per_rank.add(name)
+    snapshot.balanced -= names - synced
+    snapshot.unverified |= names - synced - snapshot.per_rank
+
+
+def _record_steppers(optimizers: list[torch.optim.Optimizer], snapshot: Snapshot) -> None:
+    """Note which optimizers' ``step()`` writes which captured tensor: their parameters
+    and their per-parameter state (moments, step counts)."""
+    by_identity: dict[tuple[Any, ...], list[torch.optim.Optimizer]] = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param, {}).values()
+                for tensor in [param, *(v for v in state if isinstance(v, torch.Tensor))]:
+                    writers = by_identity.setdefault(_tensor_identity(tensor) or (), [])
+                    if optimizer not in writers:
+                        writers.append(optimizer)
+    by_identity.pop((), None)
+    for name, tensor in snapshot.tensors.items():
+        writers = by_identity.get(_tensor_identity(tensor) or ())
+        if writers:
+            snapshot.stepped_by[name] = writers
