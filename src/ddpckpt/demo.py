@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DemoReport", "run_demo"]
+__all__ = ["DemoReport", "check_options", "default_every", "run_demo"]
 
 
 @dataclass
@@ -63,6 +63,10 @@ def _torchrun(
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # torch warns at import when numpy is absent; the demo never needs numpy
+        "PYTHONWARNINGS": ",".join(
+            filter(None, (os.environ.get("PYTHONWARNINGS"), "ignore:Failed to initialize NumPy"))
+        ),
     }
     return subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -102,16 +106,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def default_every(steps: int) -> int:
+    """The checkpoint interval when none is given: 20, or a quarter of a shorter run."""
+    return min(20, max(1, steps // 4))
+
+
+def _kill_step(steps: int, every: int) -> int:
+    return (steps * 11) // 20 + every // 3
+
+
+def check_options(*, nproc: int, steps: int, every: int, kill_at: int | None) -> None:
+    """Raise :class:`ValueError` saying which option is wrong, before anything starts."""
+    if nproc < 1:
+        raise ValueError(f"--nproc {nproc}: the demo needs at least 1 rank (default 2)")
+    if every < 1 or steps <= every:
+        raise ValueError(
+            f"--steps {steps} --every {every}: need 0 < every < steps, so that a checkpoint "
+            "exists before the crash"
+        )
+    kill_at = kill_at if kill_at is not None else _kill_step(steps, every)
+    if not every < kill_at < steps:
+        raise ValueError(
+            f"--kill-at {kill_at}: the crash must come after the first checkpoint (step "
+            f"{every}) and before the last step ({steps})"
+        )
+
+
 def run_demo(
     out: str = "demo-output", *, nproc: int = 2, steps: int = 200, every: int = 20,
     kill_at: int | None = None, timeout: float = 600.0,
 ) -> DemoReport:  # fmt: skip
     """Run the demo; returns the report (see the module docstring)."""
-    if not 0 < every < steps:
-        raise ValueError("need 0 < every < steps")
-    kill_at = kill_at if kill_at is not None else (steps * 11) // 20 + every // 3
-    if not every < kill_at < steps:
-        raise ValueError("the kill step must come after the first checkpoint and before the end")
+    check_options(nproc=nproc, steps=steps, every=every, kill_at=kill_at)
+    kill_at = kill_at if kill_at is not None else _kill_step(steps, every)
     out = os.path.abspath(out)
     reference, crash = os.path.join(out, "reference"), os.path.join(out, "crash")
     for run in (reference, crash):
@@ -187,7 +214,11 @@ def _compare(report: DemoReport, reference: str, crash: str) -> None:
 
 
 def _plot(report: DemoReport, reference: str, crash: str) -> str:
-    import matplotlib
+    """Draw ``loss.png``; without matplotlib (an optional extra) return a one-line note."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "not drawn: matplotlib is not installed (pip install 'ddpckpt[demo]')"
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
