@@ -225,16 +225,23 @@ def test_ls_shows_leftovers_with_their_size_and_clean_removes_them(tmp_path, cap
     assert ddpckpt.verify(os.path.join(run, "step-00000020")).step == 20
 
 
-def test_clean_refuses_while_a_live_job_holds_the_lock(tmp_path, capsys) -> None:
+@pytest.mark.parametrize("same_job", [False, True], ids=["other job", "shell in the same job"])
+def test_clean_refuses_while_a_live_job_holds_the_lock(
+    tmp_path, capsys, monkeypatch, same_job
+) -> None:
     run = run_dir_with_checkpoints(tmp_path)
     temporary = os.path.join(run, ".step-00000030.tmp-0a1b2c3d4e5f")
     os.makedirs(temporary)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the trainer's job
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from ddpckpt.runlock import RunLock; "
          f"lock = RunLock({run!r}); lock.acquire(); print('held', flush=True); "
          "sys.stdin.read(); lock.release()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
+    if not same_job:
+        monkeypatch.setenv("SLURM_JOB_ID", "777")
     try:
         assert holder.stdout.readline().strip() == "held"
         assert main(["clean", run]) == 2

@@ -270,6 +270,11 @@ def _ls(args: argparse.Namespace) -> int:
         raise _CannotRun(wrong)
     rows = _ls_rows(args)
     leftovers = find_leftovers(args.directory)
+    if not rows and not leftovers and _looks_unrelated(args.directory):
+        raise _CannotRun(
+            f"{args.directory}: not a run directory: it has no step-N checkpoints, no `latest` "
+            "and no run.json (a Checkpointer's directory has them)"
+        )
     bad = any(row["status"] in ("corrupt", "incomplete") for row in rows)
     if args.json:
         doc = {
@@ -280,11 +285,6 @@ def _ls(args: argparse.Namespace) -> int:
         }
         print(json.dumps(doc, indent=1))
         return 1 if bad else 0
-    if not rows and not leftovers and _looks_unrelated(args.directory):
-        raise _CannotRun(
-            f"{args.directory}: not a run directory: it has no step-N checkpoints, no `latest` "
-            "and no run.json (a Checkpointer's directory has them)"
-        )
     table = []
     for row in rows:
         status = row["status"]
@@ -395,14 +395,14 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if report.identical else 1
 
 
-_BENCH_NEEDS = {"safetensors": "compares against safetensors", "matplotlib": "draws results.png"}
+_BENCH_NEEDS = {"safetensors": "to compare against it", "matplotlib": "for results.png"}
 
 
 def _bench(args: argparse.Namespace) -> int:
     missing = [name for name in _BENCH_NEEDS if importlib.util.find_spec(name) is None]
     if missing:
-        why = "; ".join(f"{_BENCH_NEEDS[name]} ({name})" for name in missing)
-        raise _CannotRun(f"the benchmark {why}: pip install 'ddpckpt[bench]'")
+        needs = " and ".join(f"{name} ({_BENCH_NEEDS[name]})" for name in missing)
+        raise _CannotRun(f"the benchmark needs {needs}: pip install 'ddpckpt[bench]'")
     try:
         nprocs = tuple(int(n) for n in args.nproc.split(","))
     except ValueError:

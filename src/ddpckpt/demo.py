@@ -59,18 +59,24 @@ def _torchrun(
     # torchrun shares its rendezvous store with init_process_group by default, and restarted
     # workers then read the dead workers' addresses (pytorch/pytorch#135712, #167288).
     env = {
-        **os.environ,
+        **_child_env(),
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-        # torch warns at import when numpy is absent; the demo never needs numpy
-        "PYTHONWARNINGS": ",".join(
-            filter(None, (os.environ.get("PYTHONWARNINGS"), "ignore:Failed to initialize NumPy"))
-        ),
     }
     return subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, minus torch's warning at import that numpy is absent (a plain
+    install has no numpy, and the demo never needs it)."""
+    quiet = "ignore:Failed to initialize NumPy"
+    return {
+        **os.environ,
+        "PYTHONWARNINGS": ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), quiet))),
+    }
 
 
 def _wait(process: subprocess.Popen[bytes], run: str, timeout: float) -> None:
@@ -260,6 +266,7 @@ def _listing(directory: str) -> str:
         capture_output=True,
         text=True,
         check=False,
+        env=_child_env(),
     )
     return (result.stdout + result.stderr).rstrip()
 

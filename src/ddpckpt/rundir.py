@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CheckpointError, IncompleteCheckpointError
+from .errors import CheckpointError, CheckpointLockedError, IncompleteCheckpointError
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .runlock import LOCK_NAME, RunLock
 from .storage import (
@@ -236,6 +236,7 @@ def clean_leftovers(directory: str, *, corrupt: bool = False) -> list[Leftover]:
     """
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"{directory}: no such directory")
+    _refuse_own_jobs_lock(directory)
     lock = RunLock(directory)
     lock.acquire()
     try:
@@ -252,6 +253,27 @@ def clean_leftovers(directory: str, *, corrupt: bool = False) -> list[Leftover]:
         return doomed
     finally:
         lock.release()
+
+
+def _refuse_own_jobs_lock(directory: str) -> None:
+    """Raise :class:`CheckpointLockedError` if the lock names this process's own job.
+
+    :class:`RunLock` takes such a lock over (it is an elastic restart's); a cleaner started
+    inside the trainer's job (a shell in the same SLURM allocation) must not.
+    """
+    ours = [os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")]
+    try:
+        with open(os.path.join(directory, LOCK_NAME)) as f:
+            holder = json.load(f)
+    except (FileNotFoundError, ValueError):
+        return
+    job = holder.get("job") if isinstance(holder, dict) else None
+    if job and job != "none" and job in ours:
+        raise CheckpointLockedError(
+            f"{directory} is in use by another job: pid {holder.get('pid')} on "
+            f"{holder.get('host')} holds its lock, and it belongs to this same job ({job}), so "
+            "it may be writing here now. If that job is over, delete the .lock file"
+        )
 
 
 def describe_path(path: str) -> str | None:
