@@ -34,8 +34,8 @@ def test_plain_install_runs_the_demo_and_names_the_extra_bench_needs(tmp_path) -
     torch_pin = f"torch=={torch.__version__.split('+')[0]}"  # never an unpinned torch
     for step in (
         [sys.executable, "-m", "venv", str(venv)],
-        [str(python), "-m", "pip", "install", "--quiet", torch_pin],
-        [str(python), "-m", "pip", "install", "--quiet", str(ROOT)],
+        [str(python), "-m", "pip", "install", "--quiet", "--no-compile", torch_pin],
+        [str(python), "-m", "pip", "install", "--quiet", "--no-compile", str(ROOT)],
     ):
         done = run(step, timeout=600)
         assert done.returncode == 0, (

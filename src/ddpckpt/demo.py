@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["DemoReport", "check_options", "default_every", "run_demo"]
+
+_RANK_ERROR = re.compile(r"^\[rank(\d+)\]: (\w*(?:Error|Exception)\b.*)$", re.MULTILINE)
 
 
 @dataclass
@@ -87,9 +90,21 @@ def _wait(process: subprocess.Popen[bytes], run: str, timeout: float) -> None:
         process.wait()
         raise TimeoutError(f"the training in {run} did not finish within {timeout:.0f} s") from None
     if process.returncode != 0:
-        with open(os.path.join(run, "torchrun.log"), errors="replace") as f:
-            tail = f.read()[-3000:]
-        raise RuntimeError(f"the training in {run} failed (exit {process.returncode}):\n{tail}")
+        log = os.path.join(run, "torchrun.log")
+        with open(log, errors="replace") as f:
+            text = f.read()
+        errors = _RANK_ERROR.findall(text)
+        if errors:  # one line: what the first failing rank raised; the log has the traceback
+            rank, error = errors[0]
+            kind = (
+                ImportError
+                if error.startswith(("ImportError", "ModuleNotFoundError"))
+                else RuntimeError
+            )
+            raise kind(f"the training in {run} failed: rank {rank}: {error} (log: {log})")
+        raise RuntimeError(
+            f"the training in {run} failed (exit {process.returncode}):\n{text[-3000:]}"
+        )
 
 
 def _records(path: str) -> list[dict[str, Any]]:
