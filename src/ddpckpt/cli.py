@@ -31,7 +31,8 @@ _EXIT_STATUS = """exit status:
   1  done, and found problems or differences (verify, ls: a bad checkpoint; diff: they
      differ; demo: the resume was not exact)
   2  cannot do its job (wrong or missing input, corrupt input to inspect/export/diff,
-     missing optional dependency, run locked by a live job)"""
+     missing optional dependency, run locked by a live job)
+  141  the output pipe was closed early (`| head`); nothing is printed about it"""
 _BROKEN_PIPE = 141  # 128 + SIGPIPE, what a tool killed by the signal reports
 
 
