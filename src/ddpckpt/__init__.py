@@ -18,7 +18,7 @@ from .checkpoint import (
     verify,
 )
 from .checkpointer import Checkpointer
-from .data import ResumableDistributedSampler, SampleIndex, SeededDataset, resumable_loader
+from .data import ResumableDistributedSampler, SampleIndex, SeededDataset
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -29,9 +29,11 @@ from .errors import (
     CollectiveTimeoutError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    InexactResumeError,
     StateMismatchError,
     UnsupportedValueError,
 )
+from .loader import resumable_loader, track_loader
 from .state import PerRank
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "CorruptCheckpointError",
     "GradientAccumulation",
     "IncompleteCheckpointError",
+    "InexactResumeError",
     "PendingSave",
     "PerRank",
     "ResumableDistributedSampler",
@@ -60,5 +63,6 @@ __all__ = [
     "release_async_buffers",
     "resumable_loader",
     "save",
+    "track_loader",
     "verify",
 ]
