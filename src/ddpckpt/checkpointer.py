@@ -31,7 +31,6 @@ from ._log import get_logger
 from .background import Persister
 from .checkpoint import CheckpointInfo, async_mode, load, start_background
 from .comm import Comm
-from .loader import adopt_loaders
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -41,6 +40,7 @@ from .errors import (
     CorruptCheckpointError,
     InsufficientSpaceError,
 )
+from .loader import adopt_loaders
 from .policies import (
     AnyOf,
     EverySeconds,

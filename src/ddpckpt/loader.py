@@ -88,7 +88,9 @@ class _IndexStream:
         for item in indices:
             self.sizes.append(len(item) if batched else 1)
             if tag and batched:
-                item = [i if isinstance(i, SampleIndex) else SampleIndex(int(i), epoch) for i in item]
+                item = [
+                    i if isinstance(i, SampleIndex) else SampleIndex(int(i), epoch) for i in item
+                ]
             elif tag and not isinstance(item, SampleIndex):
                 item = SampleIndex(int(item), epoch)
             yield item
@@ -261,15 +263,15 @@ class _Tracking:
 
 
 def _refuse_untrackable(loader: Any) -> None:
-    if isinstance(loader.dataset, IterableDataset):
-        if not _stateful(loader.dataset) or loader.num_workers > 0:
-            raise InexactResumeError(
-                f"a DataLoader over the IterableDataset {type(loader.dataset).__qualname__} "
-                "cannot resume exactly: its position lives in the dataset's iterator"
-                + (" in each worker" if loader.num_workers else "")
-                + ". Give the dataset state_dict()/load_state_dict() and use num_workers=0, "
-                "or use torchdata's StatefulDataLoader (which snapshots each worker)"
-            )
+    iterable = isinstance(loader.dataset, IterableDataset)
+    if iterable and (not _stateful(loader.dataset) or loader.num_workers > 0):
+        raise InexactResumeError(
+            f"a DataLoader over the IterableDataset {type(loader.dataset).__qualname__} "
+            "cannot resume exactly: its position lives in the dataset's iterator"
+            + (" in each worker" if loader.num_workers else "")
+            + ". Give the dataset state_dict()/load_state_dict() and use num_workers=0, "
+            "or use torchdata's StatefulDataLoader (which snapshots each worker)"
+        )
     if not getattr(loader, "in_order", True):
         raise InexactResumeError(
             "a DataLoader with in_order=False yields batches out of order, so the batches "
