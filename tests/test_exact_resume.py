@@ -4,7 +4,12 @@ stopped, and a resume on fewer ranks sees every sample of the epoch exactly once
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,7 @@ EXACT = WORKER.with_name("exact_worker.py")
 
 
 def launch(nproc: int, *args: str, expect_ok: bool = True) -> None:
-    cmd = [str(Path(__import__("sys").executable).parent / "torchrun"), f"--nproc-per-node={nproc}",
+    cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
            str(EXACT), *args]  # fmt: skip
     ((code, out),) = _finish([_start(cmd, _env({"OMP_NUM_THREADS": "1"}), None)], 240)
@@ -92,3 +97,43 @@ def test_resuming_four_ranks_on_two_or_three_sees_each_sample_once(tmp_path) -> 
         ]
         counts = Counter(first + rest)
         assert sorted(counts) == list(range(48)) and set(counts.values()) == {1}, world
+
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "train_ddp.py"
+
+
+def run_example(out: Path, kill_when: Callable[[Path], bool] | None = None) -> int:
+    """Run the example on 2 ranks; SIGKILL the whole job once ``kill_when(checkpoints)``."""
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+           str(EXAMPLE), f"--out={out}", "--epochs=3"]  # fmt: skip
+    proc = _start(cmd, _env({"OMP_NUM_THREADS": "1"}), None)
+    deadline = time.monotonic() + 240
+    while kill_when is not None and proc.poll() is None and time.monotonic() < deadline:
+        if (out / "checkpoints").is_dir() and kill_when(out / "checkpoints"):
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    ((code, output),) = _finish([proc], 240)
+    assert kill_when is not None or code == 0, output[-5000:]
+    return code
+
+
+def committed(checkpoints: Path) -> bool:
+    return any(p.name.startswith("step-") for p in checkpoints.iterdir())
+
+
+def saving(checkpoints: Path) -> bool:
+    return any(".tmp" in p.name for p in checkpoints.iterdir())
+
+
+def test_the_example_survives_sigkill_and_ends_as_an_uninterrupted_run(tmp_path) -> None:
+    run_example(tmp_path / "straight")
+    resumed = tmp_path / "killed"
+    assert run_example(resumed, kill_when=committed) != 0  # killed after its first checkpoint
+    run_example(resumed, kill_when=saving)  # killed while a save is being written, if caught
+    # What a kill during a save leaves behind, in case the kill above came at another moment.
+    (resumed / "checkpoints" / ".step-00000041.tmp-1a2b3c").mkdir()
+    run_example(resumed)
+    straight = json.loads((tmp_path / "straight" / "final-weights.json").read_text())
+    assert json.loads((resumed / "final-weights.json").read_text()) == straight
