@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import random
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -338,3 +340,43 @@ def test_a_stateful_iterable_dataset_resumes_with_num_workers_0() -> None:
     resumed = ddpckpt.track_loader(DataLoader(Stream(), batch_size=2))
     resumed.load_state_dict(loader.state_dict())
     assert [b.tolist() for b in resumed] == [[4, 5], [6, 7], [8, 9]]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_saved_after_an_epoch_starts_the_next_one_fresh(tmp_path, workers):
+    """torchdata's own snapshot of a finished pass would override set_epoch at the next iter()."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make():
+        sampler = ResumableDistributedSampler(Numbers(24), 2, 0, seed=1)
+        loader = stateful.StatefulDataLoader(Numbers(24), sampler=sampler, batch_size=3,
+                                             num_workers=workers)  # fmt: skip
+        return sampler, loader
+
+    model = torch.nn.Linear(1, 1)
+    sampler, loader = make()
+    sampler.set_epoch(0)
+    list(loader)
+    ddpckpt.save(tmp_path / "end", model=model, extra={"loader": loader})
+    sampler.set_epoch(1)
+    epoch1 = [b.tolist() for b in loader]
+    for restart in (0, 1):
+        sampler, loader = make()
+        ddpckpt.load(tmp_path / "end", model=model, extra={"loader": loader})
+        seen = []
+        for epoch in range(restart, 2):
+            sampler.set_epoch(epoch)
+            seen += [b.tolist() for b in loader]
+        assert seen == epoch1, restart
+
+
+def test_resumable_loader_needs_no_torchdata() -> None:
+    code = (
+        "import sys; sys.modules['torchdata'] = None\n"
+        "import torch, ddpckpt\n"
+        "data = torch.utils.data.TensorDataset(torch.arange(8.0))\n"
+        "sampler = ddpckpt.ResumableDistributedSampler(data, 1, 0)\n"
+        "loader = ddpckpt.resumable_loader(data, sampler=sampler, batch_size=2, num_workers=1)\n"
+        "assert len(list(loader)) == 4\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

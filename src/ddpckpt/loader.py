@@ -262,6 +262,39 @@ class _Tracking:
         self._ddpckpt_stream.skip = 0
 
 
+class _FinishedPass:
+    """Mixed into a torchdata ``StatefulDataLoader``: a finished pass is saved as finished.
+
+    Its own snapshot of a finished pass is re-applied at the next ``iter()``, after the
+    loop's ``set_epoch``: the next epoch would yield nothing or replay the finished one.
+    Saved here instead: "finished" and the sampler's state, so the next epoch starts fresh
+    and a restart at the finished epoch yields nothing (the sampler is at its end).
+    """
+
+    def state_dict(self: Any) -> dict[str, Any]:
+        iterator = self._iterator
+        if iterator is None or not iterator._finished:
+            return super(type(self), self).state_dict()
+        state: dict[str, Any] = {"ddpckpt_finished_pass": True}
+        sampler = _user_sampler(self)
+        if _stateful(sampler):
+            state["sampler"] = sampler.state_dict()
+        if self.generator is not None:
+            state["generator"] = self.generator.get_state()
+        return state
+
+    def load_state_dict(self: Any, state: Mapping[str, Any]) -> None:
+        if not state.get("ddpckpt_finished_pass"):
+            super(type(self), self).load_state_dict(state)
+            return
+        super(type(self), self).load_state_dict({})
+        sampler = _user_sampler(self)
+        if "sampler" in state and _stateful(sampler):
+            sampler.load_state_dict(state["sampler"])
+        if self.generator is not None and state.get("generator") is not None:
+            self.generator.set_state(state["generator"])
+
+
 def _refuse_untrackable(loader: Any) -> None:
     iterable = isinstance(loader.dataset, IterableDataset)
     if iterable and (not _stateful(loader.dataset) or loader.num_workers > 0):
@@ -286,8 +319,21 @@ def is_tracked(obj: Any) -> bool:
     return type(obj) in _SUBCLASSES.values()
 
 
+def _is_torchdata_loader(obj: Any) -> bool:
+    return isinstance(obj, DataLoader) and type(obj).__module__.startswith("torchdata")
+
+
 def _is_plain_loader(obj: Any) -> bool:
-    return isinstance(obj, DataLoader) and not type(obj).__module__.startswith("torchdata")
+    return isinstance(obj, DataLoader) and not _is_torchdata_loader(obj)
+
+
+def _swap_class(obj: Any, mixin: type) -> None:
+    """Make ``obj`` an instance of a direct subclass of its class with ``mixin``'s methods."""
+    cls = type(obj)
+    if cls not in _SUBCLASSES:  # a direct subclass, so that the object's layout is the same
+        methods = {k: v for k, v in vars(mixin).items() if k not in ("__dict__", "__weakref__")}
+        _SUBCLASSES[cls] = type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__})
+    obj.__class__ = _SUBCLASSES[cls]
 
 
 def track_loader(loader: DataLoader) -> DataLoader:
@@ -301,11 +347,7 @@ def track_loader(loader: DataLoader) -> DataLoader:
     if not _is_plain_loader(loader):
         raise TypeError(f"track_loader needs a torch DataLoader, got {type(loader).__qualname__}")
     _refuse_untrackable(loader)
-    cls = type(loader)
-    if cls not in _SUBCLASSES:  # a direct subclass, so that the object's layout is the same
-        methods = {k: v for k, v in vars(_Tracking).items() if k not in ("__dict__", "__weakref__")}
-        _SUBCLASSES[cls] = type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__})
-    loader.__class__ = _SUBCLASSES[cls]
+    _swap_class(loader, _Tracking)
     loader._ddpckpt_init()
     return loader
 
@@ -315,6 +357,8 @@ def adopt_loaders(extra: Mapping[str, Any] | None) -> None:
     for obj in (extra or {}).values():
         if _is_plain_loader(obj):
             track_loader(obj)
+        elif _is_torchdata_loader(obj) and not is_tracked(obj):
+            _swap_class(obj, _FinishedPass)
 
 
 def _iterating(loader: DataLoader) -> bool:
@@ -340,6 +384,8 @@ def check_data_extra(extra: Mapping[str, Any]) -> None:
                     "ddpckpt.track_loader(loader) (or pass it to the Checkpointer) before the loop"
                 )
             track_loader(obj)
+        elif _is_torchdata_loader(obj) and not is_tracked(obj):
+            _swap_class(obj, _FinishedPass)
     loaders = [o for o in extra.values() if isinstance(o, DataLoader)]
     for name, obj in extra.items():
         if not isinstance(obj, ResumableDistributedSampler) or obj._feeder is None:
