@@ -380,3 +380,14 @@ def test_resumable_loader_needs_no_torchdata() -> None:
         "assert len(list(loader)) == 4\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_position_without_a_resumable_sampler_is_refused_on_another_world_size() -> None:
+    loader = ddpckpt.track_loader(plain(DistributedSampler(Augmented(40), 2, 0), workers=0))
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    resumed = ddpckpt.track_loader(plain(DistributedSampler(Augmented(40), 3, 0), workers=0))
+    resumed.load_state_dict(state)
+    with pytest.raises(ddpckpt.InexactResumeError, match="ResumableDistributedSampler"):
+        iter(resumed)

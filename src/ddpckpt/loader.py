@@ -183,8 +183,11 @@ class _Tracking:
         self._ddpckpt_stream.skip = self._planned_skip() if resuming else 0
         self._ddpckpt_resume = None
         self._ddpckpt_pass += 1
+        if record is not None:
+            _check_same_pass(self, record)
         now = {
             "epoch": getattr(_user_sampler(self), "epoch", None),
+            "batches": _pass_length(self),
             "position": 0,
             "finished": False,
             "rng": torch.get_rng_state(),
@@ -233,7 +236,7 @@ class _Tracking:
         record = self._ddpckpt_resume or self._ddpckpt_now
         state: dict[str, Any] = {"started": record is not None}
         if record is not None:
-            keys = ("epoch", "position", "finished", "rng", "generator_rng")
+            keys = ("epoch", "batches", "position", "finished", "rng", "generator_rng")
             state.update({k: record[k] for k in keys})
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
@@ -260,6 +263,24 @@ class _Tracking:
             self.dataset.load_state_dict(state["dataset"])
         self._ddpckpt_resume = dict(state) if state["started"] else None
         self._ddpckpt_stream.skip = 0
+
+
+def _pass_length(loader: Any) -> int | None:
+    """Batches in a whole pass, where the loader (not the sampler) keeps the position."""
+    if _sampler_keeps_position(loader) or isinstance(loader.dataset, IterableDataset):
+        return None
+    return len(loader._ddpckpt_stream.inner)
+
+
+def _check_same_pass(loader: Any, record: Mapping[str, Any]) -> None:
+    saved, now = record.get("batches"), _pass_length(loader)
+    if saved is not None and now is not None and saved != now:
+        raise InexactResumeError(
+            f"the DataLoader's epoch had {saved} batches on this rank when the checkpoint was "
+            f"saved and has {now} now (another dataset, batch size or world size), so its saved "
+            f"position ({record['position']} batches) means nothing here. To resume on another "
+            "world size, order the data with ddpckpt.ResumableDistributedSampler"
+        )
 
 
 class _FinishedPass:
