@@ -89,7 +89,9 @@ class ResumableDistributedSampler(DistributedSampler):
     """``DistributedSampler`` whose position in the epoch is saved and restored.
 
     Use it exactly like ``DistributedSampler`` (``sampler.set_epoch(epoch)`` before each
-    epoch) and put it in the checkpoint's ``extra``. After a resume, calling ``set_epoch``
+    epoch) and save the DataLoader that it feeds in the checkpoint's ``extra`` (the loader
+    saves the sampler's state, counted from the batches it yielded to training; the sampler
+    alone suffices only with ``num_workers=0``). After a resume, calling ``set_epoch``
     with the restored epoch keeps the restored position; another epoch starts from its
     beginning. A resume at an epoch's end yields nothing for that epoch, so no epoch is
     repeated or skipped whichever epoch the loop restarts from.
