@@ -18,7 +18,7 @@ from .checkpoint import (
     verify,
 )
 from .checkpointer import Checkpointer
-from .data import ResumableDistributedSampler, SampleIndex, SeededDataset, resumable_loader
+from .data import ResumableDistributedSampler, SampleIndex, SeededDataset
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -30,12 +30,14 @@ from .errors import (
     CollectiveTimeoutError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    InexactResumeError,
     InsufficientSpaceError,
     RankFailureError,
     StateMismatchError,
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
+from .loader import resumable_loader, track_loader
 from .state import PerRank
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "CorruptCheckpointError",
     "GradientAccumulation",
     "IncompleteCheckpointError",
+    "InexactResumeError",
     "InsufficientSpaceError",
     "PendingSave",
     "PerRank",
@@ -68,5 +71,6 @@ __all__ = [
     "release_async_buffers",
     "resumable_loader",
     "save",
+    "track_loader",
     "verify",
 ]

@@ -4,7 +4,8 @@
 
 A small network with dropout and BatchNorm learns a synthetic regression with AdamW, a
 warm-up + cosine schedule, a GradScaler, an EMA and gradient accumulation 2, reading
-shuffled, randomly augmented data through two loader workers. It checkpoints with a
+shuffled, randomly augmented data through two loader workers (``resumable_loader``: a plain
+torch DataLoader whose position ddpckpt tracks; no torchdata needed). It checkpoints with a
 Checkpointer and resumes from the newest checkpoint whenever it (re)starts. Each rank
 appends ``{"step", "loss", "lr", "restart"}`` per optimizer step to
 ``DIR/losses-rank<r>.jsonl``, the durations of its saves to ``DIR/saves-rank<r>.jsonl``,
@@ -116,7 +117,7 @@ def main() -> None:
 
     ckpt = ddpckpt.Checkpointer(
         os.path.join(args.run, "checkpoints"), model=ddp, optimizer=optimizer, scheduler=scheduler,
-        scaler=scaler, extra={"ema": ema, "sampler": sampler, "loader": loader, "accumulation": accumulation},
+        scaler=scaler, extra={"ema": ema, "loader": loader, "accumulation": accumulation},
         every_steps=args.every, keep_last=3, keep_best=1, monitor="loss",
     )  # fmt: skip
     info = ckpt.resume()

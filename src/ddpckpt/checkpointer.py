@@ -40,6 +40,7 @@ from .errors import (
     CorruptCheckpointError,
     InsufficientSpaceError,
 )
+from .loader import adopt_loaders
 from .policies import (
     AnyOf,
     EverySeconds,
@@ -154,6 +155,7 @@ class Checkpointer:
             scaler,
         )
         self.extra = extra
+        adopt_loaders(extra)  # a DataLoader must be tracked before it iterates
         self.save_policy = save_policy or _save_policy(every_steps, every_seconds)
         self.retention = retention or _retention(keep_last, keep_best, monitor, mode)
         self.on_error, self.retries, self.retry_backoff = on_error, retries, retry_backoff

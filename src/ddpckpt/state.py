@@ -657,7 +657,7 @@ def restore_stateful(
 class PerRank:
     """Marks an ``extra`` object whose state differs between ranks, so it is saved per rank.
 
-    ``extra={"loader": ddpckpt.PerRank(my_loader)}``. torchdata's ``StatefulDataLoader``
+    ``extra={"state": ddpckpt.PerRank(obj)}``. DataLoaders, torchdata's ``StatefulDataLoader``
     and :class:`~ddpckpt.GradientAccumulation` are recognised without it. A rank that did
     not exist when the checkpoint was saved gets rank 0's state, with a warning.
     """
@@ -677,7 +677,14 @@ class PerRank:
 
 
 def extra_kind(obj: Any) -> str:
-    """How an ``extra`` entry is stored: ``per_rank``, ``stateful`` (shared) or ``value``."""
+    """How an ``extra`` entry is stored: ``per_rank``, ``stateful`` (shared) or ``value``.
+
+    A plain ``DataLoader`` becomes tracked here (see :mod:`ddpckpt.loader`), so passing it
+    to a load tracks it before the loop.
+    """
+    from .loader import adopt_loaders
+
+    adopt_loaders({"": obj})
     if not is_stateful(obj):
         return "value"
     per_rank = isinstance(obj, PerRank) or getattr(type(obj), "ddpckpt_per_rank", False)
@@ -687,6 +694,9 @@ def extra_kind(obj: Any) -> str:
 
 
 def _capture_extra(extra: Mapping[str, Any], snapshot: Snapshot) -> None:
+    from .loader import check_data_extra
+
+    check_data_extra(extra)
     section: dict[str, JSON] = {}
     for name, obj in extra.items():
         if not isinstance(name, str) or not name:
