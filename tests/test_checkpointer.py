@@ -502,6 +502,17 @@ def test_a_reader_that_loses_a_race_with_retention_loads_the_next(tmp_path, monk
         assert reader.resume().step == 1
     assert "may have deleted or replaced it" in caplog.text
 
+    def all_deleted_first(path, **kwargs):  # the writer saved twice meanwhile (keep_last=1)
+        if not (run / "step-00000004").exists():
+            ddpckpt.save(run / "step-00000003", model=model, step=3)
+            remove_checkpoint(str(run / "step-00000001"))
+            ddpckpt.save(run / "step-00000004", model=model, step=4)
+            remove_checkpoint(str(run / "step-00000003"))
+        return real_load(path, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "load", all_deleted_first)
+    assert reader.resume().step == 4  # listed again
+
 
 def test_opening_a_run_to_resume_leaves_run_json_alone(tmp_path) -> None:
     run = tmp_path / "run"

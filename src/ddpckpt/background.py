@@ -75,10 +75,6 @@ class Persister:
         self._thread: threading.Thread | None = None
         self.latest: Completion | None = None  # the most recently submitted job's
 
-    @property
-    def busy(self) -> bool:
-        return self.latest is not None and not self.latest.done()
-
     def submit(self, job: Callable[[], object], name: str) -> Completion:
         """Start ``job`` once the previous one is done (raising its unseen error, if any)."""
         self.wait()

@@ -79,6 +79,7 @@ __all__ = ["Checkpointer"]
 
 T = TypeVar("T")
 _log = get_logger(__name__)
+_READER_LISTINGS = 3  # times a read-only resume lists the directory before giving up
 # Storage errors worth retrying: a network file system's hiccups, not a full or read-only disk.
 _TRANSIENT = {
     errno.EIO,
@@ -214,57 +215,72 @@ class Checkpointer:
         if step is not None and best is not None:
             raise ValueError("pass step= or best=, not both")
         self._settle()
-        with self._comm("Checkpointer.resume") as comm:
-            if not self.read_only:
-                self._prepare(comm)
-            views = comm.run_all("list", lambda: _listing(self.directory))
-        committed = {
-            int(s): m for v in views for s, (status, m) in v.items() if status == "committed"
-        }
-        broken = sorted({int(s) for v in views for s, (status, _) in v.items()} - set(committed))
-        candidates = self._candidates(committed, step, best, mode)
-        if not candidates and not broken:
-            _log.info("%s: no checkpoint to resume from; starting fresh", self.directory)
-            return None
         failed: list[int] = []
-        failures = []
-        for candidate in candidates:
-            try:
-                info = load(
-                    self._path(candidate),
-                    model=self.model,
-                    optimizer=self.optimizer,
-                    scheduler=self.scheduler,
-                    scaler=self.scaler,
-                    extra=self.extra,
-                    rng=self.rng,
-                    timeout=self.timeout,
-                )
-            except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-                if isinstance(exc, CheckpointNotFoundError) and not self.read_only:
-                    raise  # listed a moment ago under this job's lock: not a race
-                _log.warning(
-                    "cannot resume from %s: %s; trying %s",
-                    self._path(candidate),
-                    exc,
-                    "the next candidate (the job writing there may have deleted or replaced it)"
-                    if self.read_only
-                    else "an older checkpoint",
-                    extra=same_on_every_rank(exc),
-                )
-                failures.append(f"{self._path(candidate)}: {exc}")
-                failed.append(candidate)
-                continue
-            if not self.read_only:
-                moved = sorted({b for b in broken if b > candidate} | set(failed))
-                self._after_resume(candidate, moved, max(c for c in committed if c not in moved))
-            return info
+        failures: list[str] = []
+        # A reader whose candidates were all deleted meanwhile lists the directory again.
+        for listing in range(_READER_LISTINGS if self.read_only else 1):
+            with self._comm("Checkpointer.resume") as comm:
+                if not self.read_only and listing == 0:
+                    self._prepare(comm)
+                views = comm.run_all("list", lambda: _listing(self.directory))
+            committed = {
+                int(s): m for v in views for s, (status, m) in v.items() if status == "committed"
+            }
+            broken = sorted({int(s) for v in views for s in v} - set(committed))
+            candidates = [
+                c for c in self._candidates(committed, step, best, mode) if c not in failed
+            ]
+            if not candidates and not broken and not failed:
+                _log.info("%s: no checkpoint to resume from; starting fresh", self.directory)
+                return None
+            for candidate in candidates:
+                info = self._try_load(candidate, failures)
+                if info is None:
+                    failed.append(candidate)
+                    continue
+                if not self.read_only:
+                    moved = sorted({b for b in broken if b > candidate} | set(failed))
+                    newest = max(c for c in committed if c not in moved)
+                    self._after_resume(candidate, moved, newest)
+                return info
+            if not candidates:
+                break
         raise CorruptCheckpointError(
             f"{self.directory}: holds checkpoints but none can be loaded:\n  "
             + "\n  ".join(failures)
             if failures
             else f"{self.directory}: holds only incomplete checkpoints ({broken}); nothing to resume"
         )
+
+    def _try_load(self, step: int, failures: list[str]) -> CheckpointInfo | None:
+        """Load checkpoint ``step``; ``None`` (reported, added to ``failures``) if it is
+        damaged or, for a reader, gone."""
+        path = self._path(step)
+        try:
+            return load(
+                path,
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                scaler=self.scaler,
+                extra=self.extra,
+                rng=self.rng,
+                timeout=self.timeout,
+            )
+        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            if isinstance(exc, CheckpointNotFoundError) and not self.read_only:
+                raise  # listed a moment ago under this job's lock: not a race
+            _log.warning(
+                "cannot resume from %s: %s; trying %s",
+                path,
+                exc,
+                "the next candidate (the job writing there may have deleted or replaced it)"
+                if self.read_only
+                else "an older checkpoint",
+                extra=same_on_every_rank(exc),
+            )
+            failures.append(f"{path}: {exc}")
+            return None
 
     def _candidates(
         self,
