@@ -14,7 +14,7 @@ from .errors import CheckpointError
 from .manifest import Manifest, read_manifest
 from .storage import is_temp_name
 
-__all__ = ["SET_ASIDE_MARK", "latest"]
+__all__ = ["latest"]
 
 SET_ASIDE_MARK = ".corrupt-"  # step-N.corrupt-<token>: moved aside by Checkpointer.resume
 
