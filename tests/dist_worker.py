@@ -492,6 +492,106 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
     }
 
 
+def scenario_failing_saves(args, rank: int) -> dict[str, Any]:
+    """A Checkpointer whose saves fail on every rank, then on rank 1 only (no logging set up)."""
+    _model, ddp, opt, *_ = build(seed=0)
+    ckpt = ddpckpt.Checkpointer(args.ckpt, model=ddp, optimizer=opt, retries=0, timeout=60)
+    ckpt.save(1)
+    real = checkpoint_module.write_file
+
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    checkpoint_module.write_file = full
+    first = ckpt.save(2)  # every rank's disk is full
+    if rank == 0:
+        checkpoint_module.write_file = real
+    second = ckpt.save(3)  # only rank 1's
+    checkpoint_module.write_file = real
+    ckpt.close()
+    return {"results": [first, second], "failed_saves": ckpt.failed_saves}
+
+
+def model_digest(model: nn.Module) -> str:
+    hasher = xxhash.xxh3_64()
+    for name, value in sorted(model.state_dict().items()):
+        hasher.update(name.encode())
+        hasher.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def _publish(path: str, text: str) -> None:
+    with open(path + ".new", "w") as f:
+        f.write(text)
+    os.replace(path + ".new", path)
+
+
+def scenario_trainer(args, rank: int) -> dict[str, Any]:
+    """Save every step (keep_last=2) until an evaluator has loaded a few checkpoints."""
+    model, ddp, opt, sched, scaler, counter = build(seed=0)
+    ckpt = ddpckpt.Checkpointer(args.ckpt, model=ddp, optimizer=opt, keep_last=2, every_steps=1,
+                                on_error="raise", timeout=60)  # fmt: skip
+    loads = os.path.join(args.shared, "loads")
+    step, stop = 0, [False]
+    while not stop[0]:
+        step += 1
+        train(ddp, opt, sched, scaler, counter, 1)
+        if rank == 0:
+            _publish(os.path.join(args.shared, f"digest-{step}"), model_digest(model))
+        assert ckpt.should_save(step)
+        ckpt.save(step)
+        if rank == 0:
+            seen = int(open(loads).read()) if os.path.exists(loads) else 0  # noqa: SIM115
+            stop = [(step >= args.steps and seen >= 3) or step >= 400]
+        dist.broadcast_object_list(stop)
+    ckpt.close()
+    if rank == 0:
+        _publish(os.path.join(args.shared, "done"), str(step))
+    return {"steps": step, "failed_saves": ckpt.failed_saves, "last_error": repr(ckpt.last_error)}
+
+
+def scenario_evaluator(args, rank: int) -> dict[str, Any]:
+    """Resume read-only, again and again, from the run the trainer is writing."""
+    import shutil
+
+    run = os.path.abspath(args.ckpt)
+    changes: list[str] = []
+
+    def audited(name: str, module: Any = os) -> None:
+        real = getattr(module, name)
+
+        def call(*a, **k):
+            flags = a[1] if name == "open" and len(a) > 1 else 0
+            writes = name != "open" or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+            if writes and os.path.abspath(str(a[0])).startswith(run):
+                changes.append(f"{name} {a[0]}")
+            return real(*a, **k)
+
+        setattr(module, name, call)
+
+    for name in ("open", "rename", "replace", "unlink", "rmdir", "mkdir", "utime"):
+        audited(name)
+    audited("rmtree", shutil)
+    model, ddp, *_ = build(seed=1)
+    done = os.path.join(args.shared, "done")
+    loaded: list[int] = []
+    mismatched: list[int] = []
+    while not os.path.exists(done):  # the trainer stops once this has loaded a few
+        reader = ddpckpt.Checkpointer(args.ckpt, model=ddp, read_only=True, timeout=60)
+        info = reader.resume()
+        reader.close()
+        if info is None:  # the trainer has not saved yet
+            time.sleep(0.05)
+            continue
+        with open(os.path.join(args.shared, f"digest-{info.step}")) as f:
+            if f.read() != model_digest(model):
+                mismatched.append(info.step)
+        loaded.append(info.step)
+        if rank == 0:
+            _publish(os.path.join(args.shared, "loads"), str(len(loaded)))
+    return {"loaded": loaded, "mismatched": mismatched, "changes": changes}
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()
@@ -530,6 +630,7 @@ def main() -> None:
     parser.add_argument("--victim", type=int, default=1)
     parser.add_argument("--spawn", type=int, default=0)
     parser.add_argument("--mode", default="True")
+    parser.add_argument("--shared", default=".")  # a directory concurrent launches both use
     parser.add_argument(
         "--local-rank", "--local_rank", type=int, default=None
     )  # torch.distributed.launch

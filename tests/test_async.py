@@ -300,3 +300,44 @@ def test_overlap_fences_a_second_optimizer_passed_in_extra(ckpt_dir, monkeypatch
     fresh_d = torch.optim.Adam(gan["D"].parameters())
     ddpckpt.load(ckpt_dir, model=gan, extra={"opt_d": fresh_d})
     assert torch.equal(fresh_d.state[gan["D"].weight]["exp_avg"], moments)
+
+
+def test_each_pending_save_reports_its_own_outcome(tmp_path, monkeypatch) -> None:
+    model, opt = objects()
+    real = writing.write_file
+    first_fails = [errno.ENOSPC]
+
+    def write_file(path, *args, **kwargs):
+        if first_fails and "first" in path:
+            raise OSError(first_fails.pop(), os.strerror(errno.ENOSPC), path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(writing, "write_file", write_file)
+    p1 = ddpckpt.save(tmp_path / "first", model=model, optimizer=opt, async_save=True)
+    # the second save waits for the first and raises its unseen failure: the first one's
+    with pytest.raises(ddpckpt.CheckpointWriteError) as raised:
+        ddpckpt.save(tmp_path / "second", model=model, optimizer=opt, async_save=True)
+    assert raised.value.errno == errno.ENOSPC
+    p2 = ddpckpt.save(tmp_path / "second", model=model, optimizer=opt, async_save=True)
+    assert p2.wait() == os.fspath(tmp_path / "second") and p2.exception() is None
+    assert p1.done() and p2.done()
+    for _ in range(2):  # its own error, every time it is asked
+        with pytest.raises(ddpckpt.CheckpointWriteError):
+            p1.wait()
+    assert isinstance(p1.exception(), ddpckpt.CheckpointWriteError)
+    assert p2.wait() == os.fspath(tmp_path / "second")  # not the first one's error
+    assert ddpckpt.verify(tmp_path / "second").path and not (tmp_path / "first").exists()
+
+
+def test_a_failure_seen_through_its_handle_is_not_raised_again(tmp_path, monkeypatch) -> None:
+    model, _ = objects()
+    failed = fail_writes(monkeypatch, errno.EIO)
+    p1 = ddpckpt.save(tmp_path / "a", model=model, async_save=True)
+    assert failed.wait(5)
+    monkeypatch.undo()
+    with pytest.raises(ddpckpt.CheckpointWriteError):
+        p1.wait()
+    p2 = ddpckpt.save(tmp_path / "b", model=model, async_save=True)  # does not raise p1's error
+    assert p2.wait() == os.fspath(tmp_path / "b")
+    assert isinstance(p1.exception(), ddpckpt.CheckpointWriteError)
+    ddpckpt.release_async_buffers()

@@ -8,6 +8,7 @@ collective under ``torch.distributed`` and work the same in a single process.
 
 from ._version import __version__
 from .accumulation import GradientAccumulation
+from .catalog import latest
 from .checkpoint import (
     CheckpointInfo,
     PendingSave,
@@ -66,6 +67,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedValueError",
     "__version__",
+    "latest",
     "load",
     "load_state_dict",
     "release_async_buffers",

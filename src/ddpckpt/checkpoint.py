@@ -131,8 +131,9 @@ def save(
     parameters and optimizer state are copied while the next forward and backward run,
     and the ``step()`` of ``optimizer`` (required) and of every optimizer in ``extra``
     waits for that copy. Either way the checkpoint holds the state as of this call. The
-    next save or load waits for the previous asynchronous save and raises its error, if it
-    failed.
+    returned handle reports this save's own outcome (``done()``, ``wait()``,
+    ``exception()``). The next save or load waits for the previous asynchronous save and
+    raises its error if it failed and nobody had asked its handle.
 
     Raises :class:`CheckpointExistsError` if ``path`` is already a checkpoint (pass
     ``overwrite=True`` to replace it atomically), :class:`UnsupportedValueError` naming the
@@ -163,7 +164,7 @@ def save(
             plan, snapshot, pool=_POOL, persister=_PERSISTER, overlap=overlap, optimizer=optimizer
         )
         handed_off = True
-        return PendingSave(plan.path, _PERSISTER)
+        return PendingSave(plan.path, _PERSISTER.latest)  # type: ignore[arg-type]  # just submitted
     finally:
         if not handed_off:
             comm.close()
@@ -174,8 +175,9 @@ _PERSISTER = Persister()
 
 
 def release_async_buffers() -> None:
-    """Wait for the asynchronous save in flight (raising its error, if it failed), then free
-    the host buffer that asynchronous saves reuse; the next one allocates it again.
+    """Wait for the asynchronous save in flight (raising its error if it failed and its
+    handle was not asked), then free the host buffer that asynchronous saves reuse; the
+    next one allocates it again.
 
     Local: any rank may call it at any time. A :class:`Checkpointer` has a buffer of its
     own, which :meth:`Checkpointer.close` frees.
