@@ -9,7 +9,10 @@ import threading
 import pytest
 import torch
 
+import ddpckpt
 import ddpckpt.staging as staging
+from conftest import make_mlp, train_steps
+from ddpckpt import Checkpointer
 from ddpckpt.staging import Fence, StagingPool, by_device, staged_nbytes
 
 
@@ -280,3 +283,30 @@ def test_cuda_copies_see_queued_work_and_precede_later_work(side_stream, defer) 
         assert host.is_pinned() and torch.equal(host, torch.full_like(host, 7))
         torch.cuda.synchronize()
         assert float(x[0]) == 9
+
+
+def test_checkpointer_sizes_its_buffer_before_the_first_save(tmp_path) -> None:
+    model = make_mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(
+        tmp_path / "run", model=model, optimizer=optimizer, async_save=True, every_steps=3
+    )
+    assert ckpt.resume() is None
+    assert ckpt._pool.nbytes == 0
+    for step in range(1, 4):
+        train_steps(model, optimizer, 1)  # the optimizer state exists after the first step
+        if ckpt.should_save(step):
+            break
+        if step == 1:  # a step without a save: allocated now, on a helper thread
+            reserved = ckpt._pool.nbytes
+            pointer = ckpt._pool._buffer.data_ptr()
+    assert reserved > 0
+    ckpt.save(step)  # the first save stages into that buffer: no allocation
+    assert (ckpt._pool.nbytes, ckpt._pool._buffer.data_ptr()) == (reserved, pointer)
+    ckpt.close()
+    fresh = make_mlp(seed=1)
+    fresh.load_state_dict(ddpckpt.load_state_dict(tmp_path / "run" / "step-00000003"))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
+    )
