@@ -251,3 +251,38 @@ def test_gpu_tensors_are_written_through_pinned_buffers(tmp_path, monkeypatch) -
     mapped = TensorFile(path, entry.size)
     for key, tensor in on_gpu:
         assert torch.equal(mapped.view(entries[key]), tensor.cpu()), key
+
+
+def test_read_into_through_the_ring_verifies_on_the_way(tmp_path, ring_on_cpu) -> None:
+    items = ring_items()
+    tensorfile._RING_FOR_CPU = False
+    path, entry, entries = write(tmp_path, items)
+    tensorfile._RING_FOR_CPU = True
+    mapped = TensorFile(path, entry.size)
+    big = torch.empty(5000)
+    assert mapped.read_into(entries["big"], big) is big and torch.equal(big, items[0][1])
+    with open(path, "r+b") as f:  # flip one bit in the big tensor's fourth piece
+        f.seek(entries["big"].begin + 3 * 4096 + 17)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 1]))
+    with pytest.raises(CorruptCheckpointError, match="big"):
+        TensorFile(path, entry.size).read_into(entries["big"], torch.empty(5000))
+    (ring,) = tensorfile._rings
+    os.truncate(path, entries["big"].begin + 6000)  # the file ends inside the tensor
+    with pytest.raises(IncompleteCheckpointError, match="big"):
+        mapped.read_into(entries["big"], torch.empty(5000))
+    assert tensorfile._rings == [ring]  # handed back after each failure
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_read_into_a_gpu_tensor(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(tensorfile, "_PIECE", 1 << 20)
+    monkeypatch.setattr(tensorfile, "_rings", [])
+    tensor = torch.randn(3_000_000)
+    path, entry, entries = write(tmp_path, [("x", tensor)])
+    target = torch.empty(3_000_000, device="cuda")
+    assert can_read_into(target, entries["x"])
+    got = TensorFile(path, entry.size).read_into(entries["x"], target)
+    assert got is target and torch.equal(target.sum(), tensor.cuda().sum())
+    assert torch.equal(target.cpu(), tensor)

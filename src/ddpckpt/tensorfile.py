@@ -21,6 +21,7 @@ against its digest before it is returned.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import json
@@ -414,21 +415,51 @@ class _Ring:
         index, source = piece
         length = source.numel()
         target = self.buffers[slot][:length]
-        event = None
+        stream = None
         if source.is_cuda:
-            device = source.device
-            with torch.cuda.device(device):
-                if device not in streams:
-                    streams[device] = torch.cuda.Stream(device)
-                    streams[device].wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(streams[device]):
-                    target.copy_(source, non_blocking=True)
-                    source.record_stream(streams[device])
-                    event = torch.cuda.Event()
-                    event.record(streams[device])
-        else:
-            target.copy_(source)
+            if source.device not in streams:
+                streams[source.device] = _copy_stream(source.device)
+            stream = streams[source.device]
+        event = _copy_on(stream, target, source)
         in_flight.append((index, slot, length, event))
+
+
+def _copy_stream(device: torch.device) -> Any:
+    """A side stream of CUDA ``device`` that starts after its current stream (else None)."""
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
+
+
+def _copy_on(stream: Any, target: torch.Tensor, source: torch.Tensor) -> Any:
+    """Copy ``source`` into ``target`` on ``stream`` (at once without one); its event."""
+    if stream is None:
+        target.copy_(source)
+        return None
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        target.copy_(source, non_blocking=True)
+        if source.is_cuda:  # a temporary: the allocator must not reuse it meanwhile
+            source.record_stream(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
+_READ_THREADS = 4  # parallel reads of one piece when loading onto a GPU
+_read_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_read_pool_lock = threading.Lock()
+
+
+def _readers() -> concurrent.futures.ThreadPoolExecutor:
+    global _read_pool
+    with _read_pool_lock:
+        if _read_pool is None:
+            _read_pool = concurrent.futures.ThreadPoolExecutor(
+                _READ_THREADS, thread_name_prefix="ddpckpt-read"
+            )
+        return _read_pool
 
 
 _rings: list[_Ring] = []
@@ -505,7 +536,7 @@ def can_read_into(target: torch.Tensor, entry: TensorEntry) -> bool:
     """Whether :meth:`TensorFile.read_into` can fill ``target`` with ``entry``."""
     return (
         entry.nbytes > 0
-        and target.device.type == "cpu"
+        and (target.device.type == "cpu" or target.is_cuda)
         and target.is_contiguous()
         and _DTYPES_BY_NAME.get(entry.dtype) == target.dtype
         and tuple(target.shape) == tuple(entry.shape)
@@ -590,27 +621,82 @@ class TensorFile:
         return flat.view(dtype).reshape(entry.shape)
 
     def read_into(self, entry: TensorEntry, target: torch.Tensor) -> torch.Tensor:
-        """Read ``entry``'s bytes straight into ``target`` and verify them there; returns it.
+        """Read ``entry``'s bytes straight into ``target`` and verify them; returns it.
 
-        ``target`` must be a contiguous CPU tensor of the entry's dtype and shape (see
-        :func:`can_read_into`). One copy instead of mapping then copying; a checksum
-        mismatch raises :class:`CorruptCheckpointError` after ``target`` was written.
+        ``target`` must be a contiguous CPU or CUDA tensor of the entry's dtype and shape
+        (see :func:`can_read_into`). One copy instead of mapping then copying; a checksum
+        mismatch raises :class:`CorruptCheckpointError` after ``target`` was written. A
+        CUDA target is filled through two pinned buffers: each piece is read with parallel
+        reads and hashed while the previous one is copied to the device; work queued on
+        the device's current stream afterwards sees the data.
         """
+        if target.is_cuda or _RING_FOR_CPU:
+            with _ring_for([target]) as ring:
+                if ring is not None:  # always, for a CUDA tensor
+                    self._check_digest(entry, self._read_through(ring, entry, target))
+                    return target
         destination = byte_view(target)
         hasher = xxhash.xxh3_64()
         for start in range(0, len(destination), _CHUNK):
             chunk = destination[start : start + _CHUNK]
-            done = 0
-            while done < len(chunk):
-                count = os.preadv(self._fd, [chunk[done:]], entry.begin + start + done)
-                if count == 0:
-                    raise IncompleteCheckpointError(
-                        f"{self.path}: {entry.key} lies past the end of file"
-                    )
-                done += count
+            self._pread(entry, chunk, entry.begin + start)
             hasher.update(chunk)  # while the chunk is still in the CPU's cache
         self._check_digest(entry, hasher)
         return target
+
+    def _pread(self, entry: TensorEntry, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            count = os.preadv(self._fd, [view[done:]], offset + done)
+            if count == 0:
+                raise IncompleteCheckpointError(
+                    f"{self.path}: {entry.key} lies past the end of file"
+                )
+            done += count
+
+    def _read_through(self, ring: _Ring, entry: TensorEntry, target: torch.Tensor) -> Any:
+        """Fill the CUDA tensor ``target`` with ``entry`` through ``ring``; the hash."""
+        destination = _device_bytes(target)  # a view: target is contiguous
+        hasher = xxhash.xxh3_64()
+        pieces = [
+            (s, min(ring.piece, entry.nbytes - s)) for s in range(0, entry.nbytes, ring.piece)
+        ]
+        landed: list[Any] = [None] * len(ring.buffers)
+        reads: list[list[Any]] = [[] for _ in ring.buffers]
+        stream = _copy_stream(target.device)
+
+        def start_read(index: int) -> None:
+            start, length = pieces[index]
+            slot = index % len(ring.buffers)
+            if landed[slot] is not None:  # its previous piece must be on the device
+                landed[slot].synchronize()
+            view = byte_view(ring.buffers[slot])[:length]
+            reads[slot] = [
+                _readers().submit(self._pread, entry, view[a : a + _CHUNK], entry.begin + start + a)
+                for a in range(0, length, _CHUNK)
+            ]
+
+        try:
+            start_read(0)
+            for index, (start, length) in enumerate(pieces):
+                if index + 1 < len(pieces):
+                    start_read(index + 1)
+                slot = index % len(ring.buffers)
+                for read in reads[slot]:
+                    read.result()
+                host = ring.buffers[slot][:length]
+                hasher.update(byte_view(host))
+                landed[slot] = _copy_on(stream, destination[start : start + length], host)
+        finally:  # nothing may still write into the buffers once they are handed back
+            for pending in reads:
+                for read in pending:
+                    read.exception()
+            for event in landed:
+                if event is not None:
+                    event.synchronize()
+            if stream is not None:  # later work on the current stream sees the data
+                torch.cuda.current_stream(target.device).wait_stream(stream)
+        return hasher
 
     def _check_digest(self, entry: TensorEntry, hasher: Any) -> None:
         if hasher.hexdigest() != entry.digest:
