@@ -277,12 +277,17 @@ def test_cuda_copies_see_queued_work_and_precede_later_work(side_stream, defer) 
         x.fill_(7)
         pool = StagingPool()
         staged, fence = pool.stage([("x", x)], defer=(lambda name: True) if defer else None)
+        if defer:  # deferred copies: the optimizer step waits for the fence first
+            fence.wait()
         x.fill_(9)  # the next step's update, queued at once
         fence.wait()
         host = staged[0][1]
         assert host.is_pinned() and torch.equal(host, torch.full_like(host, 7))
         torch.cuda.synchronize()
         assert float(x[0]) == 9
+        assert pool.nbytes == 64 << 20  # exactly the share: no power-of-two rounding
+        pool.release()
+        assert pool.nbytes == 0
 
 
 def test_checkpointer_sizes_its_buffer_before_the_first_save(tmp_path) -> None:
