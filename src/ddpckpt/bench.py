@@ -208,6 +208,8 @@ def _gpu_ratios(run: dict[str, Any], floor: float) -> dict[str, Any]:
             "extra_rss_vs_state": m["peak_extra_rss"] / size,
             "loop_overhead": loop[name] / loop["baseline"] - 1,
         }
+    if "ddpckpt" not in table or "ddpckpt async" not in table:  # the alternatives only
+        return {"snapshot_floor_s": floor, "methods": table, "targets": {}}
     sync, async_ = table["ddpckpt"], table["ddpckpt async"]
     if "torch.save rank 0 + barrier" not in methods:  # a run of ddpckpt's methods only
         methods = {**methods, "torch.save rank 0 + barrier": {"durable": float("nan")}}
