@@ -133,10 +133,14 @@ def pinned_peak_reset() -> None:
 
 
 def pinned_peak() -> float:
-    """Peak bytes of pinned memory torch's host allocator held since the last reset."""
+    """Peak bytes of pinned memory torch's host allocator held since the last reset, plus
+    the buffer ddpckpt's asynchronous saves page-locked themselves (held until released)."""
+    from ddpckpt.checkpoint import _POOL
+
+    pool = getattr(_POOL, "_unpin", None) is not None and _POOL.nbytes  # old versions: no
     try:
         stats = torch.cuda.memory.host_memory_stats()
-        return float(stats.get("allocated_bytes.peak", 0))
+        return float(stats.get("allocated_bytes.peak", 0)) + float(pool or 0)
     except Exception:  # no such statistics in this torch
         return float("nan")
 
