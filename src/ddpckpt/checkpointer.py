@@ -262,14 +262,18 @@ class Checkpointer:
         if not self.async_save or self._reserved or self._domains is None:
             return
         self._reserved = True
-        snapshot = capture(
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            extra=self.extra,
-            rng=False,
-        )
+        try:
+            snapshot = capture(
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                scaler=self.scaler,
+                extra=self.extra,
+                rng=False,
+            )
+        except CheckpointError as exc:  # the save itself reports it; nothing to size then
+            _log.debug("%s: not sizing the staging buffer ahead: %s", self.directory, exc)
+            return
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank = torch.distributed.get_rank() if distributed else 0
         self._pool.reserve(staging_share(snapshot, self._domains, rank))
