@@ -74,7 +74,14 @@ from .staging import StagingPool
 from .state import Snapshot, capture
 from .storage import new_token
 from .topology import storage_domains
-from .writing import WritePlan, header_fields, plan_write, storage_errors, write_and_commit
+from .writing import (
+    WritePlan,
+    header_fields,
+    plan_write,
+    staging_share,
+    storage_errors,
+    write_and_commit,
+)
 
 __all__ = ["Checkpointer"]
 
@@ -183,6 +190,7 @@ class Checkpointer:
         self.overlap = async_mode(async_save, optimizer)
         self.async_save = bool(async_save)
         self._pool = StagingPool()
+        self._reserved = False  # whether the pool was sized ahead of the first save
         self._persister = Persister()
         self._committed: int | None = None  # newest step known to be committed
         self._lock = RunLock(self.directory, lock_stale_after)
@@ -319,7 +327,31 @@ class Checkpointer:
         if self.save_policy.needs_agreement:
             with self._comm("Checkpointer.should_save") as comm:
                 decision = comm.broadcast("decision", b"1" if decision else b"0") == b"1"
+        if not decision:
+            self._reserve_staging()
         return decision
+
+    def _reserve_staging(self) -> None:
+        """Once the layout is known, allocate the async saves' host buffer on a helper
+        thread, so the first save does not stall on it (pinning is about 0.5 s per GB)."""
+        if not self.async_save or self._reserved or self._domains is None:
+            return
+        self._reserved = True
+        try:
+            snapshot = capture(
+                model=self.model,
+                optimizer=self.optimizer,
+                scheduler=self.scheduler,
+                scaler=self.scaler,
+                extra=self.extra,
+                rng=False,
+            )
+        except CheckpointError as exc:  # the save itself reports it; nothing to size then
+            _log.debug("%s: not sizing the staging buffer ahead: %s", self.directory, exc)
+            return
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        rank = torch.distributed.get_rank() if distributed else 0
+        self._pool.reserve(staging_share(snapshot, self._domains, rank))
 
     def save(
         self, step: int, epoch: int | None = None, metrics: Mapping[str, Any] | None = None

@@ -348,8 +348,10 @@ def restore_model(
         name = f"model/{key}"
         if isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
             # Not read straight into the parameter: the module's load hooks must see the
-            # incoming value apart from the current one.
-            state[view.live_key[key]] = source.get(name)
+            # incoming value apart from the current one. A GPU copy is read onto the GPU
+            # (pinned, pipelined) rather than mapped then copied from pageable memory.
+            like = torch.empty_like(target) if target.is_cuda else None
+            state[view.live_key[key]] = source.get(name, like=like)
     for alias, key in section["aliases"].items():
         if alias in view.live_key and key in view.live_key and view.live_key[key] in state:
             state[view.live_key[alias]] = state[view.live_key[key]]

@@ -53,7 +53,7 @@ from .tensorfile import FileEntry, TensorEntry, deserialize, serialize, tensor_n
 from .topology import storage_domains
 from .tree import encode
 
-__all__ = ["WritePlan", "header_fields", "plan_write", "write_and_commit"]
+__all__ = ["WritePlan", "header_fields", "plan_write", "staging_share", "write_and_commit"]
 
 _log = get_logger(__name__)
 _FILE_METADATA = {"format": "pt", "writer": "ddpckpt"}
@@ -163,6 +163,15 @@ def plan_write(
         rank_entries=rank_entries,
         foreign=foreign,
     )
+
+
+def staging_share(snapshot: Snapshot, domains: list[list[int]], rank: int) -> list[torch.Tensor]:
+    """The shared tensors ``rank`` would write for ``snapshot`` (as :func:`plan_write`
+    assigns them), for sizing its staging buffer before the first save; local."""
+    domain = next(d for d in domains if rank in d)
+    balanced = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items() if n in snapshot.balanced}
+    owners = {**dict.fromkeys(snapshot.tensors, domain[0]), **assign(balanced, domain)}
+    return [t for n, t in snapshot.tensors.items() if owners[n] == rank]
 
 
 def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
