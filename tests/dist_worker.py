@@ -419,6 +419,179 @@ def scenario_wait_cycle(args, rank: int) -> dict[str, Any]:
     return {"outcomes": outcomes}
 
 
+def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
+    """State that is not replicated: DDP-ignored weights, a rank-0-only EMA, plain models."""
+    warnings = Warnings()
+
+    def objects(seed: int):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ["2.bias"])
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=0.1)
+        return model, ddp, opt, torch.optim.swa_utils.AveragedModel(model)
+
+    def ema_digest(ema: nn.Module) -> str:
+        return digest(ema, torch.optim.SGD(ema.parameters(), lr=1))
+
+    model, ddp, opt, ema = objects(0)
+    with torch.no_grad():
+        model[2].bias.fill_(float(rank))  # DDP ignores it: each rank has its own
+    torch.manual_seed(10 + rank)
+    for _ in range(2):
+        opt.zero_grad()
+        ddp(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+        if rank == 0:
+            ema.update_parameters(model)  # a common mistake: the EMA differs between ranks
+    saved = {"ddp": digest(model, opt), "ema": ema_digest(ema)}
+    ddpckpt.save(os.path.join(args.ckpt, "ddp"), model=ddp, optimizer=opt, extra={"ema": ema})
+
+    torch.manual_seed(rank)  # each rank trains its own plain model
+    plain = nn.Linear(4, 2)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    plain(torch.randn(3, 4)).sum().backward()
+    plain_opt.step()
+    saved["plain"] = digest(plain, plain_opt)
+    ddpckpt.save(os.path.join(args.ckpt, "plain"), model=plain, optimizer=plain_opt)
+
+    torch.manual_seed(7)  # the same on every rank: verified, then stored once
+    same = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    saved["same"] = digest(same, torch.optim.SGD(same.parameters(), lr=1))
+    ddpckpt.save(os.path.join(args.ckpt, "same"), model=same)
+    astray, astray_ddp, astray_opt, _ = objects(3)
+    with torch.no_grad():
+        for param in astray.parameters():
+            param.add_(0.5 * rank)  # this rank's replica went astray: DDP no longer agrees
+    saved["diverged"] = digest(astray, astray_opt)
+    ddpckpt.save(os.path.join(args.ckpt, "diverged"), model=astray_ddp, optimizer=astray_opt)
+    saved_warnings = list(warnings.messages)
+
+    model, ddp, opt, ema = objects(5)
+    ddpckpt.load(os.path.join(args.ckpt, "ddp"), model=ddp, optimizer=opt, extra={"ema": ema})
+    plain = nn.Linear(4, 2)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    ddpckpt.load(os.path.join(args.ckpt, "plain"), model=plain, optimizer=plain_opt)
+    same_again = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+    ddpckpt.load(os.path.join(args.ckpt, "same"), model=same_again)
+    astray, astray_ddp, astray_opt, _ = objects(6)
+    ddpckpt.load(os.path.join(args.ckpt, "diverged"), model=astray_ddp, optimizer=astray_opt)
+    with open(os.path.join(args.ckpt, "same", "manifest.json")) as f:
+        writers = sorted({f["writer"] for n, f in json.load(f)["files"].items() if "model" in n})
+    return {
+        "saved": saved,
+        "loaded": {
+            "ddp": digest(model, opt),
+            "ema": ema_digest(ema),
+            "plain": digest(plain, plain_opt),
+            "same": digest(same_again, torch.optim.SGD(same_again.parameters(), lr=1)),
+            "diverged": digest(astray, astray_opt),
+        },
+        "same_writers": writers,
+        "warnings": saved_warnings,
+    }
+
+
+def scenario_failing_saves(args, rank: int) -> dict[str, Any]:
+    """A Checkpointer whose saves fail on every rank, then on rank 1 only (no logging set up)."""
+    _model, ddp, opt, *_ = build(seed=0)
+    ckpt = ddpckpt.Checkpointer(args.ckpt, model=ddp, optimizer=opt, retries=0, timeout=60)
+    ckpt.save(1)
+    real = checkpoint_module.write_file
+
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    checkpoint_module.write_file = full
+    first = ckpt.save(2)  # every rank's disk is full
+    if rank == 0:
+        checkpoint_module.write_file = real
+    second = ckpt.save(3)  # only rank 1's
+    checkpoint_module.write_file = real
+    ckpt.close()
+    return {"results": [first, second], "failed_saves": ckpt.failed_saves}
+
+
+def model_digest(model: nn.Module) -> str:
+    hasher = xxhash.xxh3_64()
+    for name, value in sorted(model.state_dict().items()):
+        hasher.update(name.encode())
+        hasher.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def _publish(path: str, text: str) -> None:
+    with open(path + ".new", "w") as f:
+        f.write(text)
+    os.replace(path + ".new", path)
+
+
+def scenario_trainer(args, rank: int) -> dict[str, Any]:
+    """Save every step (keep_last=2) until an evaluator has loaded a few checkpoints."""
+    model, ddp, opt, sched, scaler, counter = build(seed=0)
+    ckpt = ddpckpt.Checkpointer(args.ckpt, model=ddp, optimizer=opt, keep_last=2, every_steps=1,
+                                on_error="raise", timeout=60)  # fmt: skip
+    loads = os.path.join(args.shared, "loads")
+    step, stop = 0, [False]
+    while not stop[0]:
+        step += 1
+        train(ddp, opt, sched, scaler, counter, 1)
+        if rank == 0:
+            _publish(os.path.join(args.shared, f"digest-{step}"), model_digest(model))
+        assert ckpt.should_save(step)
+        ckpt.save(step)
+        if rank == 0:
+            seen = int(open(loads).read()) if os.path.exists(loads) else 0  # noqa: SIM115
+            stop = [(step >= args.steps and seen >= 3) or step >= 400]
+        dist.broadcast_object_list(stop)
+    ckpt.close()
+    if rank == 0:
+        _publish(os.path.join(args.shared, "done"), str(step))
+    return {"steps": step, "failed_saves": ckpt.failed_saves, "last_error": repr(ckpt.last_error)}
+
+
+def scenario_evaluator(args, rank: int) -> dict[str, Any]:
+    """Resume read-only, again and again, from the run the trainer is writing."""
+    import shutil
+
+    run = os.path.abspath(args.ckpt)
+    changes: list[str] = []
+
+    def audited(name: str, module: Any = os) -> None:
+        real = getattr(module, name)
+
+        def call(*a, **k):
+            flags = a[1] if name == "open" and len(a) > 1 else 0
+            writes = name != "open" or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+            if writes and os.path.abspath(str(a[0])).startswith(run):
+                changes.append(f"{name} {a[0]}")
+            return real(*a, **k)
+
+        setattr(module, name, call)
+
+    for name in ("open", "rename", "replace", "unlink", "rmdir", "mkdir", "utime"):
+        audited(name)
+    audited("rmtree", shutil)
+    model, ddp, *_ = build(seed=1)
+    done = os.path.join(args.shared, "done")
+    loaded: list[int] = []
+    mismatched: list[int] = []
+    while not os.path.exists(done):  # the trainer stops once this has loaded a few
+        reader = ddpckpt.Checkpointer(args.ckpt, model=ddp, read_only=True, timeout=60)
+        info = reader.resume()
+        reader.close()
+        if info is None:  # the trainer has not saved yet
+            time.sleep(0.05)
+            continue
+        with open(os.path.join(args.shared, f"digest-{info.step}")) as f:
+            if f.read() != model_digest(model):
+                mismatched.append(info.step)
+        loaded.append(info.step)
+        if rank == 0:
+            _publish(os.path.join(args.shared, "loads"), str(len(loaded)))
+    return {"loaded": loaded, "mismatched": mismatched, "changes": changes}
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()
@@ -457,6 +630,7 @@ def main() -> None:
     parser.add_argument("--victim", type=int, default=1)
     parser.add_argument("--spawn", type=int, default=0)
     parser.add_argument("--mode", default="True")
+    parser.add_argument("--shared", default=".")  # a directory concurrent launches both use
     parser.add_argument(
         "--local-rank", "--local_rank", type=int, default=None
     )  # torch.distributed.launch

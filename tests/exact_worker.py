@@ -1,10 +1,13 @@
 """A complete training loop for the exact-resume acceptance tests (run under torchrun).
 
-    exact_worker.py train RUN OUT --steps T --every K [--kill-at S]
+    exact_worker.py train RUN OUT --steps T --every K [--kill-at S] [--kill-after-epoch E]
+        [--loader plain|resumable] [--schedule warmup|multistep] [--restart next|same]
     exact_worker.py coverage RUN OUT --batches B
 
 Dropout, BatchNorm, AdamW, a warm-up schedule, GradScaler, an EMA, gradient accumulation 2,
-a shuffling ResumableDistributedSampler and a 2-worker loader with random augmentation.
+a shuffling ResumableDistributedSampler and a 2-worker loader with random augmentation
+(a plain DataLoader over a SeededDataset, or ddpckpt.resumable_loader), saved as the loader;
+a checkpoint every K steps and one after each epoch's loop.
 Each rank appends one JSON line per optimizer step to OUT/losses-rank<r>.jsonl and, at the
 end, writes OUT/final-rank<r>.json with digests of everything.
 """
@@ -15,6 +18,7 @@ import argparse
 import json
 import os
 import signal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,6 +51,16 @@ def digest(*tensors: torch.Tensor) -> str:
     return hasher.hexdigest()
 
 
+def make_loader(kind: str, data: Noisy) -> tuple[Any, Any]:
+    """The two recipes: a plain DataLoader saved as the loader, or ddpckpt.resumable_loader."""
+    sampler = ddpckpt.ResumableDistributedSampler(data, shuffle=True, seed=1)
+    if kind == "resumable":
+        return sampler, ddpckpt.resumable_loader(data, sampler=sampler, batch_size=4, num_workers=2)
+    loader = torch.utils.data.DataLoader(ddpckpt.SeededDataset(data, seed=1), sampler=sampler,
+                                         batch_size=4, num_workers=2)  # fmt: skip
+    return sampler, loader
+
+
 def train(args: argparse.Namespace, rank: int) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -54,21 +68,23 @@ def train(args: argparse.Namespace, rank: int) -> None:
     )
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    if args.schedule == "multistep":
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[4, 8], gamma=0.5)
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=3)
     ema = torch.optim.swa_utils.AveragedModel(
         model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
     )
     accumulation = ddpckpt.GradientAccumulation(ddp, steps=2)
-    data = Noisy(64)
-    sampler = ddpckpt.ResumableDistributedSampler(data, shuffle=True, seed=1)
-    loader = ddpckpt.resumable_loader(data, sampler=sampler, batch_size=4, num_workers=2)
+    sampler, loader = make_loader(args.loader, Noisy(48))
     torch.manual_seed(1234 + rank)  # dropout differs per rank
-    extra = {"ema": ema, "sampler": sampler, "loader": loader, "accumulation": accumulation}
+    extra = {"ema": ema, "loader": loader, "accumulation": accumulation}
     ckpt = ddpckpt.Checkpointer(args.run, model=ddp, optimizer=opt, scheduler=sched, scaler=scaler,
                                 extra=extra, every_steps=args.every, keep_last=2, timeout=60)  # fmt: skip
     info = ckpt.resume()
     step, start_epoch = (info.step, info.epoch) if info else (0, 0)
+    saved = step  # the same step is not saved twice (a resumed finished epoch trains nothing)
     log = open(os.path.join(args.out, f"losses-rank{rank}.jsonl"), "a")  # noqa: SIM115
     window = 0.0
     for epoch in range(start_epoch, 100):
@@ -95,10 +111,19 @@ def train(args: argparse.Namespace, rank: int) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             if ckpt.should_save(step):
                 ckpt.save(step, epoch=epoch)
+                saved = step
             if step == args.steps:
                 break
         if step == args.steps:
             break
+        if step == saved:
+            continue
+        # The imagenet pattern: a checkpoint once the epoch's loop is done. "next" stores the
+        # epoch to start from (epoch + 1), "same" the finished one (its loop yields nothing).
+        ckpt.save(step, epoch=epoch + 1 if args.restart == "next" else epoch)
+        saved = step
+        if epoch == args.kill_after_epoch:
+            os.kill(os.getpid(), signal.SIGKILL)
     ckpt.close()
     state = opt.state_dict()["state"]
     final = {
@@ -144,6 +169,10 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=6)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--batches", type=int, default=3)
+    parser.add_argument("--loader", choices=["plain", "resumable"], default="plain")
+    parser.add_argument("--schedule", choices=["warmup", "multistep"], default="warmup")
+    parser.add_argument("--restart", choices=["next", "same"], default="next")
+    parser.add_argument("--kill-after-epoch", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -256,3 +256,88 @@ def test_a_failed_background_save_is_logged_even_if_nobody_waits(caplog) -> None
     assert "background save step-7 failed" in caplog.text
     with pytest.raises(ddpckpt.CheckpointWriteError):
         persister.wait()
+
+
+def test_overlap_fences_a_second_optimizer_passed_in_extra(ckpt_dir, monkeypatch) -> None:
+    """GAN-style: the discriminator's optimizer steps first; it must not beat the copy."""
+    torch.manual_seed(0)
+    gan = torch.nn.ModuleDict({"G": torch.nn.Linear(4, 4), "D": torch.nn.Linear(4, 1)})
+    opt_g = torch.optim.Adam(gan["G"].parameters(), lr=0.1)
+    opt_d = torch.optim.Adam(gan["D"].parameters(), lr=0.1)
+
+    def discriminator_step() -> None:
+        opt_d.zero_grad()
+        real, fake = torch.randn(8, 4), gan["G"](torch.randn(8, 4)).detach()
+        (gan["D"](fake).mean() - gan["D"](real).mean()).backward()
+        opt_d.step()
+
+    discriminator_step()
+    before = {k: v.clone() for k, v in gan.state_dict().items()}
+    moments = opt_d.state[gan["D"].weight]["exp_avg"].clone()
+    release = threading.Event()
+    import ddpckpt.staging as staging
+
+    real_copy = staging._copy
+
+    def held_copy(pairs):
+        if pairs and threading.current_thread().name == "ddpckpt-snapshot":
+            assert release.wait(30)
+        real_copy(pairs)
+
+    monkeypatch.setattr(staging, "_copy", held_copy)
+    pending = ddpckpt.save(
+        ckpt_dir, model=gan, optimizer=opt_g, extra={"opt_d": opt_d}, async_save="overlap"
+    )
+    stepper = threading.Thread(target=discriminator_step)
+    stepper.start()
+    stepper.join(2)  # bounded wait only: with the fence the step is still blocked here
+    release.set()
+    stepper.join(30)
+    pending.wait()
+    saved = ddpckpt.load_state_dict(ckpt_dir)
+    for key, value in before.items():
+        assert torch.equal(saved[key], value), key  # not the values after opt_d.step()
+    fresh_d = torch.optim.Adam(gan["D"].parameters())
+    ddpckpt.load(ckpt_dir, model=gan, extra={"opt_d": fresh_d})
+    assert torch.equal(fresh_d.state[gan["D"].weight]["exp_avg"], moments)
+
+
+def test_each_pending_save_reports_its_own_outcome(tmp_path, monkeypatch) -> None:
+    model, opt = objects()
+    real = writing.write_file
+    first_fails = [errno.ENOSPC]
+
+    def write_file(path, *args, **kwargs):
+        if first_fails and "first" in path:
+            raise OSError(first_fails.pop(), os.strerror(errno.ENOSPC), path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(writing, "write_file", write_file)
+    p1 = ddpckpt.save(tmp_path / "first", model=model, optimizer=opt, async_save=True)
+    # the second save waits for the first and raises its unseen failure: the first one's
+    with pytest.raises(ddpckpt.CheckpointWriteError) as raised:
+        ddpckpt.save(tmp_path / "second", model=model, optimizer=opt, async_save=True)
+    assert raised.value.errno == errno.ENOSPC
+    p2 = ddpckpt.save(tmp_path / "second", model=model, optimizer=opt, async_save=True)
+    assert p2.wait() == os.fspath(tmp_path / "second") and p2.exception() is None
+    assert p1.done() and p2.done()
+    for _ in range(2):  # its own error, every time it is asked
+        with pytest.raises(ddpckpt.CheckpointWriteError):
+            p1.wait()
+    assert isinstance(p1.exception(), ddpckpt.CheckpointWriteError)
+    assert p2.wait() == os.fspath(tmp_path / "second")  # not the first one's error
+    assert ddpckpt.verify(tmp_path / "second").path and not (tmp_path / "first").exists()
+
+
+def test_a_failure_seen_through_its_handle_is_not_raised_again(tmp_path, monkeypatch) -> None:
+    model, _ = objects()
+    failed = fail_writes(monkeypatch, errno.EIO)
+    p1 = ddpckpt.save(tmp_path / "a", model=model, async_save=True)
+    assert failed.wait(5)
+    monkeypatch.undo()
+    with pytest.raises(ddpckpt.CheckpointWriteError):
+        p1.wait()
+    p2 = ddpckpt.save(tmp_path / "b", model=model, async_save=True)  # does not raise p1's error
+    assert p2.wait() == os.fspath(tmp_path / "b")
+    assert isinstance(p1.exception(), ddpckpt.CheckpointWriteError)
+    ddpckpt.release_async_buffers()

@@ -16,7 +16,7 @@ import torch
 
 import ddpckpt
 from conftest import make_mlp, train_steps
-from ddpckpt import Checkpointer, CheckpointExistsError, CheckpointLockedError, CheckpointStepError
+from ddpckpt import Checkpointer, CheckpointLockedError, CheckpointStepError
 from ddpckpt.cli import main
 from ddpckpt.errors import CorruptCheckpointError, InsufficientSpaceError, StateMismatchError
 
@@ -96,17 +96,32 @@ def test_retention_and_best_marks_show_in_ls(tmp_path, capsys) -> None:
     assert "CORRUPT" in capsys.readouterr().out
 
 
-def test_same_step_twice_and_going_backwards_are_refused(tmp_path) -> None:
-    model, _ = objects()
-    ckpt = Checkpointer(tmp_path / "run", model=model)
-    ckpt.save(5)
-    with pytest.raises(CheckpointExistsError, match="step 5 is already saved"):
-        ckpt.save(5)
+@pytest.mark.parametrize("async_save", [False, True])
+def test_saving_the_newest_step_again_replaces_it_and_older_steps_are_refused(
+    tmp_path, caplog, async_save
+) -> None:
+    run = tmp_path / "run"
+    model, opt = objects()
+    ckpt = Checkpointer(run, model=model, optimizer=opt, keep_last=None, async_save=async_save)
+    ckpt.save(4)
+    assert ckpt.save(5, epoch=0) is not None  # the every-N-steps save ...
+    train_steps(model, opt, steps=1)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    with caplog.at_level(logging.INFO, logger="ddpckpt"):
+        assert ckpt.save(5, epoch=1) == os.path.join(run, "step-00000005")  # ... and epoch end
+        ckpt.wait()
+    assert "step 5 saved again" in caplog.text
+    assert ddpckpt.verify(run / "step-00000005").epoch == 1  # the later state wins
+    for key, value in ddpckpt.load_state_dict(run / "step-00000005").items():
+        assert torch.equal(value, expected[key]), key
+    assert steps_on_disk(run) == ["step-00000004", "step-00000005"]
+    assert [n for n in os.listdir(run) if ".tmp-" in n] == []
+    assert ckpt.last_error is None
     with pytest.raises(CheckpointStepError, match="newest checkpoint is step 5"):
         ckpt.save(4)
     ckpt.close()
     with pytest.raises(CheckpointStepError):  # also after a restart, before resume()
-        Checkpointer(tmp_path / "run", model=model).save(3)
+        Checkpointer(run, model=model).save(3)
 
 
 def test_resume_falls_back_past_corrupt_and_incomplete_checkpoints(tmp_path, caplog) -> None:
@@ -241,7 +256,34 @@ def test_disk_full_warns_and_training_goes_on(tmp_path, monkeypatch, caplog) -> 
         steps_on_disk(run) == ["step-00000001"]
         and [n for n in os.listdir(run) if ".tmp-" in n] == []
     )
+    assert ckpt.last_error.errno == errno.ENOSPC and ckpt.failed_saves == 1
     assert ckpt.save(3) is not None
+    assert ckpt.last_error is None and ckpt.failed_saves == 0
+
+
+def test_every_failed_save_is_an_error_counting_the_failures(tmp_path, monkeypatch, caplog) -> None:
+    run = tmp_path / "run"
+    model, _ = objects()
+    ckpt = Checkpointer(run, model=model, retries=0)
+    ckpt.save(10)
+    failing_writes(monkeypatch, [errno.ENOSPC] * 3)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert [ckpt.save(step) for step in (20, 30, 40)] == [None, None, None]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 3  # loud and repeated, not once
+    assert "(3 consecutive failed saves)" in errors[-1] and "saving step 40" in errors[-1]
+    assert all(os.path.join(run, "step-00000010") in e for e in errors)  # the newest good one
+    assert ckpt.failed_saves == 3 and isinstance(ckpt.last_error, ddpckpt.CheckpointWriteError)
+    ckpt.close()
+
+
+def test_a_run_that_never_saved_says_it_has_no_checkpoint(tmp_path, monkeypatch, caplog) -> None:
+    ckpt = Checkpointer(tmp_path / "run", model=make_mlp(), retries=0)
+    failing_writes(monkeypatch, [errno.EIO])
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert ckpt.save(1) is None
+    assert "no checkpoint to resume from" in caplog.text
+    ckpt.close()
 
 
 def test_transient_errors_are_retried_and_raise_mode_raises(tmp_path, monkeypatch) -> None:
@@ -387,3 +429,142 @@ def test_a_retention_failure_in_one_process_only_warns(tmp_path, monkeypatch, ca
     assert "deleting old checkpoints failed" in caplog.text
     ckpt.save(3)  # the run knows step 2 was committed
     ckpt.close()
+
+
+def directory_state(run) -> dict[str, tuple[int, float] | str]:
+    """Every entry of a run directory with its size and mtime, and the small files' text."""
+    state: dict[str, tuple[int, float] | str] = {}
+    for root, _, files in os.walk(run):
+        for name in files:
+            path = os.path.join(root, name)
+            stat = os.stat(path)
+            state[os.path.relpath(path, run)] = (stat.st_size, stat.st_mtime)
+    for name in ("latest", "run.json", ".lock"):
+        if (run / name).exists():
+            state[name] = (run / name).read_text()
+    return state
+
+
+def test_a_read_only_reader_loads_while_changing_nothing(tmp_path, caplog) -> None:
+    run = tmp_path / "run"
+    model, opt = objects()
+    writer = Checkpointer(run, model=model, optimizer=opt, keep_last=2, keep_best=1, monitor="loss")
+    for step, loss in ((1, 0.1), (2, 0.4), (3, 0.5)):
+        train_steps(model, opt, steps=1)
+        writer.save(step, epoch=0, metrics={"loss": loss})
+    in_flight = run / ".step-00000004.tmp-0a1b2c"  # the writer's next save, being written
+    in_flight.mkdir()
+    (in_flight / "model-00000.safetensors").write_bytes(b"half")
+    flip_last_byte(str(run / "step-00000003" / "model-00000.safetensors"))
+    before = directory_state(run)
+
+    fresh, fresh_opt = objects(seed=4)
+    reader = Checkpointer(run, model=fresh, optimizer=fresh_opt, read_only=True)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert reader.resume().step == 2  # step 3 is damaged: the next one, nothing moved
+    assert "cannot resume from" in caplog.text and "step-00000003" in caplog.text
+    assert reader.resume(step=1).step == 1
+    assert reader.resume(best="loss").step == 1
+    assert reader.resume(best="loss", mode="max").step == 2  # 3 is the max, but damaged
+    assert reader.steps() == [1, 2, 3] and reader.latest_step() == 3
+    assert reader.best("loss") == 1 and reader.best("loss", mode="max") == 3
+    assert reader.best("accuracy") is None
+    assert reader.info(2).metrics == {"loss": 0.4} and reader.info(2).epoch == 0
+    with pytest.raises(ddpckpt.CheckpointNotFoundError):
+        reader.info(7)
+    with pytest.raises(RuntimeError, match=r"read_only=True\) cannot save"):
+        reader.save(4)
+    reader.close()
+    assert directory_state(run) == before  # no lock taken, nothing cleaned, moved or written
+    writer.save(4, metrics={"loss": 0.3})  # and the writer goes on undisturbed
+    writer.close()
+
+
+def test_a_reader_that_loses_a_race_with_retention_loads_the_next(tmp_path, monkeypatch, caplog):
+    import ddpckpt.checkpointer as checkpointer
+    from ddpckpt.rundir import remove_checkpoint
+
+    run = tmp_path / "run"
+    model, opt = objects()
+    with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as writer:
+        for step in (1, 2):
+            writer.save(step)
+    real_load = checkpointer.load
+
+    def deleted_first(path, **kwargs):  # the writer's retention wins the race
+        if path.endswith("step-00000002"):
+            remove_checkpoint(path)
+        return real_load(path, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "load", deleted_first)
+    reader = Checkpointer(run, model=make_mlp(seed=6), read_only=True)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert reader.resume().step == 1
+    assert "may have deleted or replaced it" in caplog.text
+
+    def all_deleted_first(path, **kwargs):  # the writer saved twice meanwhile (keep_last=1)
+        if not (run / "step-00000004").exists():
+            ddpckpt.save(run / "step-00000003", model=model, step=3)
+            remove_checkpoint(str(run / "step-00000001"))
+            ddpckpt.save(run / "step-00000004", model=model, step=4)
+            remove_checkpoint(str(run / "step-00000003"))
+        return real_load(path, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "load", all_deleted_first)
+    assert reader.resume().step == 4  # listed again
+
+
+def test_opening_a_run_to_resume_leaves_run_json_alone(tmp_path) -> None:
+    run = tmp_path / "run"
+    model, _ = objects()
+    with Checkpointer(run, model=model, keep_last=1, keep_best=1, monitor="loss") as writer:
+        writer.save(1, metrics={"loss": 0.5})
+    written = (run / "run.json").read_text()
+    assert "KeepBest" in written
+    with Checkpointer(run, model=make_mlp(seed=2)) as evaluation:  # default retention
+        assert evaluation.resume().step == 1
+    assert (run / "run.json").read_text() == written
+
+
+def test_a_live_process_of_the_same_job_on_this_host_keeps_its_lock(tmp_path, monkeypatch) -> None:
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        write_lock(run, holder.pid, job="4242")  # a trainer of this SLURM allocation
+        monkeypatch.setenv("SLURM_JOB_ID", "4242")
+        with pytest.raises(CheckpointLockedError, match="read_only=True"):
+            Checkpointer(run, model=make_mlp()).resume()
+        assert json.loads((run / ".lock").read_text())["pid"] == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(tmp_path) -> None:
+    import threading
+
+    from launch import torchrun
+
+    run, shared = tmp_path / "run", tmp_path / "shared"
+    shared.mkdir()
+    env = {"SLURM_JOB_ID": "4242"}  # both in the same allocation
+    common = ["--ckpt", str(run), "--shared", str(shared)]
+    trainer: dict = {}
+
+    def train() -> None:
+        args = [*common, "--steps", "8"]
+        trainer["launch"] = torchrun("trainer", tmp_path / "t", args=args, env=env, timeout=400)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    evaluator = torchrun("evaluator", tmp_path / "e", nproc=1, args=common, env=env, timeout=400)
+    thread.join()
+    trained = trainer["launch"].ok().results
+    result = evaluator.ok().result(0)
+    assert {r["failed_saves"] for r in trained.values()} == {0}  # every save succeeded
+    assert {r["last_error"] for r in trained.values()} == {"None"}
+    steps = trained[0]["steps"]
+    assert len(result["loaded"]) >= 3 and set(result["loaded"]) <= set(range(1, steps + 1))
+    assert result["mismatched"] == []  # each load is exactly the state the trainer saved
+    assert result["changes"] == []  # no lock, nothing deleted, moved or written
+    assert steps_on_disk(run) == [f"step-{steps - 1:08d}", f"step-{steps:08d}"]

@@ -1,10 +1,15 @@
-"""Issue 5's acceptance: a SIGKILLed and resumed DDP run is bit-identical to one that never
+"""A SIGKILLed and resumed DDP run is bit-identical to one that never
 stopped, and a resume on fewer ranks sees every sample of the epoch exactly once."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,7 @@ EXACT = WORKER.with_name("exact_worker.py")
 
 
 def launch(nproc: int, *args: str, expect_ok: bool = True) -> None:
-    cmd = [str(Path(__import__("sys").executable).parent / "torchrun"), f"--nproc-per-node={nproc}",
+    cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc-per-node={nproc}",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
            str(EXACT), *args]  # fmt: skip
     ((code, out),) = _finish([_start(cmd, _env({"OMP_NUM_THREADS": "1"}), None)], 240)
@@ -34,23 +39,43 @@ def losses(out: Path, rank: int) -> dict[int, dict]:
     return {step: records[0] for step, records in by_step.items()}
 
 
-@pytest.mark.parametrize(("every", "where"), [(6, "mid-epoch"), (8, "epoch boundary")])
-def test_killed_and_resumed_run_is_bit_identical(tmp_path, every, where) -> None:
-    steps = 2 * every  # 4 optimizer steps (8 micro-batches per rank) make an epoch
+STEPS, EVERY = 12, 5  # 3 optimizer steps (6 micro-batches per rank) make an epoch
+# Killed inside the batch loop at step 6 (newest checkpoint: step 5, mid-epoch 1); then right
+# after epoch 1's end-of-loop save (restart at the next epoch); then right after epoch 2's
+# save that stores the finished epoch (restart at that epoch, whose loop yields nothing).
+KILLS = [["--kill-at=6"], ["--kill-after-epoch=1"], ["--kill-after-epoch=2", "--restart=same"], []]
+
+
+def compare(straight: Path, resumed: Path) -> None:
+    for rank in (0, 1):
+        a, b = losses(straight, rank), losses(resumed, rank)
+        assert sorted(a) == list(range(1, STEPS + 1)) and a == b, rank
+        final_a = json.loads((straight / f"final-rank{rank}.json").read_text())
+        final_b = json.loads((resumed / f"final-rank{rank}.json").read_text())
+        assert final_a == final_b, rank
+
+
+def killed_and_resumed(tmp_path: Path, *options: str) -> None:
     straight, resumed = tmp_path / "A", tmp_path / "B"
     straight.mkdir()
     resumed.mkdir()
-    launch(2, "train", str(straight / "run"), str(straight), f"--steps={steps}", f"--every={every}")
-    launch(2, "train", str(resumed / "run"), str(resumed), f"--steps={steps}", f"--every={every}",
-           f"--kill-at={every + 2}", expect_ok=False)  # fmt: skip
-    assert not (resumed / "final-rank0.json").exists()  # it really died
-    launch(2, "train", str(resumed / "run"), str(resumed), f"--steps={steps}", f"--every={every}")
-    for rank in (0, 1):
-        a, b = losses(straight, rank), losses(resumed, rank)
-        assert sorted(a) == list(range(1, steps + 1)) and a == b, where
-        final_a = json.loads((straight / f"final-rank{rank}.json").read_text())
-        final_b = json.loads((resumed / f"final-rank{rank}.json").read_text())
-        assert final_a == final_b, where
+    common = [f"--steps={STEPS}", f"--every={EVERY}", *options]
+    launch(2, "train", str(straight / "run"), str(straight), *common)
+    for kill in KILLS:
+        launch(2, "train", str(resumed / "run"), str(resumed), *common, *kill,
+               expect_ok=not kill)  # fmt: skip
+        assert bool(kill) != (resumed / "final-rank0.json").exists()  # it really died
+    compare(straight, resumed)
+
+
+@pytest.mark.parametrize("loader", ["plain", "resumable"])
+def test_killed_mid_epoch_and_after_epoch_end_saves_resumes_bit_identical(tmp_path, loader) -> None:
+    """A plain DataLoader (2 workers) saved as the loader, and resumable_loader."""
+    killed_and_resumed(tmp_path, f"--loader={loader}")
+
+
+def test_multistep_schedule_across_its_milestone_resumes_bit_identical(tmp_path) -> None:
+    killed_and_resumed(tmp_path, "--loader=plain", "--schedule=multistep")
 
 
 def test_resuming_four_ranks_on_two_or_three_sees_each_sample_once(tmp_path) -> None:
@@ -68,3 +93,43 @@ def test_resuming_four_ranks_on_two_or_three_sees_each_sample_once(tmp_path) -> 
         ]
         counts = Counter(first + rest)
         assert sorted(counts) == list(range(48)) and set(counts.values()) == {1}, world
+
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "train_ddp.py"
+
+
+def run_example(out: Path, kill_when: Callable[[Path], bool] | None = None) -> int:
+    """Run the example on 2 ranks; SIGKILL the whole job once ``kill_when(checkpoints)``."""
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+           str(EXAMPLE), f"--out={out}", "--epochs=3"]  # fmt: skip
+    proc = _start(cmd, _env({"OMP_NUM_THREADS": "1"}), None)
+    deadline = time.monotonic() + 240
+    while kill_when is not None and proc.poll() is None and time.monotonic() < deadline:
+        if (out / "checkpoints").is_dir() and kill_when(out / "checkpoints"):
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    ((code, output),) = _finish([proc], 240)
+    assert kill_when is not None or code == 0, output[-5000:]
+    return code
+
+
+def committed(checkpoints: Path) -> bool:
+    return any(p.name.startswith("step-") for p in checkpoints.iterdir())
+
+
+def saving(checkpoints: Path) -> bool:
+    return any(".tmp" in p.name for p in checkpoints.iterdir())
+
+
+def test_the_example_survives_sigkill_and_ends_as_an_uninterrupted_run(tmp_path) -> None:
+    run_example(tmp_path / "straight")
+    resumed = tmp_path / "killed"
+    assert run_example(resumed, kill_when=committed) != 0  # killed after its first checkpoint
+    run_example(resumed, kill_when=saving)  # killed while a save is being written, if caught
+    # What a kill during a save leaves behind, in case the kill above came at another moment.
+    (resumed / "checkpoints" / ".step-00000041.tmp-1a2b3c").mkdir()
+    run_example(resumed)
+    straight = json.loads((tmp_path / "straight" / "final-weights.json").read_text())
+    assert json.loads((resumed / "final-weights.json").read_text()) == straight

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import safetensors.torch
@@ -10,6 +11,7 @@ import torch
 
 import ddpckpt
 from conftest import TiedLM, make_mlp, train_steps
+from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ddpckpt.tools import diff, export, summary
 
 
@@ -72,3 +74,46 @@ def test_export_plain_weights_for_inference(ckpt_dir, tmp_path, suffix) -> None:
         export(ckpt_dir, out)
     with pytest.raises(ValueError, match="safetensors or"):
         export(ckpt_dir, os.fspath(tmp_path / "weights.bin"))
+
+
+def test_diff_verifies_both_sides_before_trusting_checksums(tmp_path) -> None:
+    a, b = os.fspath(tmp_path / "a"), os.fspath(tmp_path / "b")
+    ddpckpt.save(a, model=make_mlp(), step=1)
+    shutil.copytree(a, b)
+    target = os.path.join(b, "model-00000.safetensors")
+    with open(target, "r+b") as f:  # one bit of one weight, as a failing disk would
+        f.seek(os.path.getsize(target) - 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(CorruptCheckpointError, match=f"{b} is corrupt"):
+        diff(a, b)
+    trusted = diff(a, b, verify=False)  # documented: the recorded checksums are believed
+    assert trusted.same and not trusted.verified
+
+
+def test_diff_ignores_named_sections_but_counts_them(tmp_path) -> None:
+    model = make_mlp()
+    a, b = os.fspath(tmp_path / "a"), os.fspath(tmp_path / "b")
+    ddpckpt.save(a, model=model, step=1, extra={"tag": "x", "seen": torch.zeros(3)}, rng=False)
+    ddpckpt.save(b, model=model, step=2, extra={"tag": "y", "seen": torch.ones(3)}, rng=False)
+    report = diff(a, b)
+    assert report.by_section() == {"step": 1, "extra/tag": 1, "extra/seen": 1}
+    partial = diff(a, b, ignore=["extra/seen", "step"])
+    assert partial.by_section() == {"extra/tag": 1}
+    assert partial.ignored == {"extra/seen": 1, "step": 1}
+    assert diff(a, b, ignore=["extra", "step"]).same
+    with pytest.raises(ValueError, match="nothing called optimizer to ignore"):
+        diff(a, b, ignore=["optimizer"])
+
+
+def test_tools_name_a_run_directory_given_for_a_checkpoint(tmp_path) -> None:
+    run = tmp_path / "run"
+    with ddpckpt.Checkpointer(run, model=make_mlp()) as ckpt:
+        ckpt.save(7)
+    expected = "a run directory, not a checkpoint"
+    with pytest.raises(CheckpointNotFoundError, match=expected):
+        summary(run)
+    with pytest.raises(CheckpointNotFoundError, match=expected):
+        export(run, os.fspath(tmp_path / "w.pt"))
+    assert summary(run / "step-00000007")["step"] == 7

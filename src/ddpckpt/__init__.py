@@ -8,6 +8,7 @@ collective under ``torch.distributed`` and work the same in a single process.
 
 from ._version import __version__
 from .accumulation import GradientAccumulation
+from .catalog import latest
 from .checkpoint import (
     CheckpointInfo,
     PendingSave,
@@ -18,7 +19,7 @@ from .checkpoint import (
     verify,
 )
 from .checkpointer import Checkpointer
-from .data import ResumableDistributedSampler, SampleIndex, SeededDataset, resumable_loader
+from .data import ResumableDistributedSampler, SampleIndex, SeededDataset
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -26,12 +27,18 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointStepError,
     CheckpointWriteError,
+    CollectiveMismatchError,
     CollectiveTimeoutError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    InexactResumeError,
+    InsufficientSpaceError,
+    RankFailureError,
     StateMismatchError,
+    UnsafeCheckpointError,
     UnsupportedValueError,
 )
+from .loader import resumable_loader, track_loader
 from .state import PerRank
 
 __all__ = [
@@ -43,22 +50,29 @@ __all__ = [
     "CheckpointStepError",
     "CheckpointWriteError",
     "Checkpointer",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CorruptCheckpointError",
     "GradientAccumulation",
     "IncompleteCheckpointError",
+    "InexactResumeError",
+    "InsufficientSpaceError",
     "PendingSave",
     "PerRank",
+    "RankFailureError",
     "ResumableDistributedSampler",
     "SampleIndex",
     "SeededDataset",
     "StateMismatchError",
+    "UnsafeCheckpointError",
     "UnsupportedValueError",
     "__version__",
+    "latest",
     "load",
     "load_state_dict",
     "release_async_buffers",
     "resumable_loader",
     "save",
+    "track_loader",
     "verify",
 ]

@@ -1,10 +1,16 @@
 """The measuring job of ``ddpckpt bench`` (started by torchrun; see :mod:`ddpckpt.bench`).
 
 Every rank builds the same training state (a model of ``--params`` fp32 parameters and
-fused AdamW moments: 12 bytes per parameter), then, in one run and on the same state:
+fused AdamW moments: 12 bytes per parameter) on ``--device`` (``cuda``: one GPU per rank,
+NCCL for the training group; the harness's own collectives use gloo), then, in one run
+and on the same state:
 
 * references: sequential write bandwidth with fsync on the target directory (the write
-  ceiling), single-thread memcpy bandwidth (the snapshot floor), cold read bandwidth;
+  ceiling), the copy floor (CPU: single-thread memcpy; GPU: device-to-host copy into
+  pinned memory), cold read bandwidth;
+* per asynchronous method: the stall of the first save of a fresh instance (pinned memory
+  not yet allocated; for ddpckpt a ``Checkpointer`` used as documented: ``resume()``,
+  then ``should_save`` every step);
 * per method: the training stall, the time until durable, the peak extra resident memory
   while saving, and a cold load that touches every byte;
 * per method: the wall time of a training loop that checkpoints every ``--every`` steps,
@@ -26,6 +32,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -47,15 +54,17 @@ _CHUNK = 8 << 20
 
 
 class Model(nn.Module):
-    def __init__(self, params: int, pieces: int = 50) -> None:
+    def __init__(self, params: int, pieces: int = 50, device: str = "cpu") -> None:
         super().__init__()
         size = params // pieces
-        self.weights = nn.ParameterList(nn.Parameter(torch.randn(size)) for _ in range(pieces))
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.randn(size, device=device)) for _ in range(pieces)
+        )
 
 
-def build(params: int) -> tuple[Model, torch.optim.Optimizer]:
+def build(params: int, device: str = "cpu") -> tuple[Model, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = Model(params)
+    model = Model(params, pieces=20 if device == "cuda" else 50, device=device)
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -77,17 +86,63 @@ class Trainer:
         self, model: nn.Module, optimizer: torch.optim.Optimizer, compute_seconds: float
     ) -> None:
         self.model, self.optimizer = model, optimizer
-        self.a = torch.randn(512, 512)
+        self.cuda = next(model.parameters()).is_cuda
+        side = 4096 if self.cuda else 512
+        self.a = torch.randn(side, side, device="cuda" if self.cuda else "cpu")
+        self.before_step: Callable[[], None] = lambda: None
+        self.step_seconds = 0.0  # measured by main
+        self.a @ self.a
+        sync()
         start = time.perf_counter()
         for _ in range(20):
             self.a @ self.a
+        sync()
         per = (time.perf_counter() - start) / 20
         self.repeats = max(1, round(compute_seconds / per))
 
     def step(self) -> None:
+        """Queue one step; on a GPU it returns before the GPU has run it, as training does."""
         for _ in range(self.repeats):
             self.a @ self.a
+        self.before_step()
         self.optimizer.step()
+
+    def timed_step(self) -> float:
+        start = time.perf_counter()
+        self.step()
+        sync()
+        return time.perf_counter() - start
+
+
+def sync() -> None:
+    """Wait for the GPU, if training runs on one (before reading a clock)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def empty_pinned_cache() -> None:
+    """Return cached pinned blocks, so the next method's first save allocates its own."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if torch.cuda.is_available() and empty is not None:
+        empty()
+
+
+def pinned_peak_reset() -> None:
+    with contextlib.suppress(Exception):  # statistics of this torch's pinned allocator
+        torch.cuda.memory.reset_peak_host_memory_stats()
+
+
+def pinned_peak() -> float:
+    """Peak bytes of pinned memory torch's host allocator held since the last reset, plus
+    the buffer ddpckpt's asynchronous saves page-locked themselves (held until released)."""
+    from ddpckpt.checkpoint import _POOL
+
+    pool = getattr(_POOL, "_unpin", None) is not None and _POOL.nbytes  # old versions: no
+    try:
+        stats = torch.cuda.memory.host_memory_stats()
+        return float(stats.get("allocated_bytes.peak", 0)) + float(pool or 0)
+    except Exception:  # no such statistics in this torch
+        return float("nan")
 
 
 # --------------------------------------------------------------------------- measuring
@@ -192,14 +247,18 @@ def _references_once(
     tensors += [
         v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
     ]
-    copies = [torch.empty_like(t) for t in tensors]
+    pinned = tensors[0].is_cuda  # GPU: the pinned device-to-host copy is the floor
+    copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) for t in tensors]
     for c, t in zip(copies, tensors, strict=True):  # touch the destination pages first
-        c.copy_(t)
+        c.copy_(t, non_blocking=pinned)
+    sync()
     start = time.perf_counter()
     for c, t in zip(copies, tensors, strict=True):
-        c.copy_(t)
+        c.copy_(t, non_blocking=pinned)
+    sync()
     memcpy = sum(t.numel() * t.element_size() for t in tensors) / (time.perf_counter() - start)
     del copies
+    empty_pinned_cache()
     return {
         "write_ceiling": max(plain, early),
         "write_plain": plain,
@@ -226,6 +285,9 @@ class Method:
 
     def load(self, path: str) -> None:
         raise NotImplementedError
+
+    def before_step(self) -> None:
+        """What the training step must wait for after a save (nothing, for most)."""
 
 
 def on_rank0(write: Callable[[], None], path: str) -> Callable[[], None]:
@@ -321,6 +383,44 @@ class DCPAsync(DCP):
         return lambda: future.result()
 
 
+class DCPStager(DCP):
+    """DCP async_save with a DefaultStager (pinned memory, staging on a side stream).
+
+    A new stager per save: reusing one raised ``KeyError(<class 'type'>)`` at the second
+    save on torch 2.11, so DCP users create one per save. The training step after a save
+    waits for its staging to finish (DCP's rule: the state may not change before).
+    """
+
+    name = "DCP async_save + DefaultStager"
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        super().__init__(model, optimizer)
+        self.staging: Any = None
+
+    def start(self, path: str) -> Callable[[], None]:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if DCPAsync._group is None:
+            DCPAsync._group = dist.new_group(backend="gloo")
+        stager = DefaultStager(StagingOptions(True, False, True, True))
+        response = dcp.async_save(
+            self.state(), checkpoint_id=path, process_group=DCPAsync._group, async_stager=stager
+        )
+        self.staging = response.staging_completion
+
+        def durable() -> None:
+            response.staging_completion.result()
+            response.upload_completion.result()
+            stager.close()
+
+        return durable
+
+    def before_step(self) -> None:
+        if self.staging is not None:
+            self.staging.result()
+            self.staging = None
+
+
 class Ddpckpt(Method):
     name = "ddpckpt"
     mode: bool | str = False
@@ -346,6 +446,8 @@ class DdpckptOverlap(Ddpckpt):
 
 
 METHODS = [TorchSaveRank0, SafetensorsRank0, DCP, DCPAsync, Ddpckpt, DdpckptAsync, DdpckptOverlap]
+GPU_METHODS = [TorchSaveRank0, DCP, DCPAsync, DCPStager, Ddpckpt, DdpckptAsync, DdpckptOverlap]
+ASYNC_METHODS = (DCPAsync, DCPStager, DdpckptAsync)  # DdpckptOverlap is a DdpckptAsync
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -354,9 +456,12 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, value
 
 
+_HARNESS: Any = None  # a gloo group for the harness's own CPU collectives
+
+
 def all_max(value: float) -> float:
     tensor = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_HARNESS)
     return float(tensor)
 
 
@@ -365,6 +470,7 @@ def release_memory() -> None:
     chunks) is not counted, or reused, by the next method's peak-RSS measurement."""
     ddpckpt.release_async_buffers()
     gc.collect()
+    empty_pinned_cache()
     with contextlib.suppress(OSError, AttributeError):  # not glibc: garbage may then count
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
@@ -381,7 +487,8 @@ def measure_method(
     dist.barrier()
     release_memory()
     rss = PeakRSS()
-    if isinstance(method, (DCPAsync, DdpckptAsync)):  # steady state: staging memory set up once
+    pinned_peak_reset()
+    if isinstance(method, ASYNC_METHODS):  # steady state: staging memory set up once
         method.start(base + "-warmup")()
         dist.barrier()
         if dist.get_rank() == 0:
@@ -389,22 +496,24 @@ def measure_method(
     stalls, durables, loads = [], [], []
     for path in paths:  # distinct paths: like a training run, each save writes new files
         dist.barrier()
+        sync()  # the save's own time, not the GPU's queue (the loop below counts that)
         started = time.perf_counter()
         durable = method.start(path)
         stall = time.perf_counter() - started
         if isinstance(method, DdpckptOverlap):  # the copy finishes under the next step
-            stall += max(0.0, timed(trainer.step)[0] - step_seconds)
+            stall += max(0.0, trainer.timed_step() - step_seconds)
         durable()
         finished = time.perf_counter() - started  # before the collective below waits
         stalls.append(all_max(stall))
         durables.append(all_max(finished))
     peak_extra = all_max(float(rss.stop()))
+    peak_pinned = all_max(pinned_peak())
     for path in paths:
         dist.barrier()
         if dist.get_rank() == 0:
             evict(path)
         dist.barrier()
-        loads.append(all_max(timed(functools.partial(method.load, path))[0]))
+        loads.append(all_max(timed(functools.partial(load_synced, method, path))[0]))
         dist.barrier()
         if dist.get_rank() == 0:
             remove(path)
@@ -413,10 +522,57 @@ def measure_method(
         "durable": statistics.median(durables),
         "load": min(loads),
         "peak_extra_rss": peak_extra,
+        "peak_pinned": peak_pinned,
         "stalls": stalls,
         "durables": durables,
         "loads": loads,
     }
+
+
+def first_save_stall(kind: type[Method], trainer: Trainer, directory: str, every: int) -> float:
+    """The stall of the first save of a fresh instance of ``kind``, no pinned memory cached.
+
+    ddpckpt is used through a ``Checkpointer`` as documented (``resume()``, then
+    ``should_save`` after every step) whose first save comes ``every`` steps in.
+    """
+    model, optimizer = trainer.model, trainer.optimizer
+    dist.barrier()
+    release_memory()
+    path = os.path.join(directory, "first-" + kind.name.replace(" ", "_").replace("+", ""))
+    method = kind(model, optimizer)
+    ckpt = None
+    if issubclass(kind, DdpckptAsync):
+        ckpt = ddpckpt.Checkpointer(
+            path, model=model, optimizer=optimizer, async_save=kind.mode, every_steps=every
+        )
+        ckpt.resume()
+        for step in range(1, every):
+            trainer.step()
+            ckpt.should_save(step)
+    trainer.step()
+    dist.barrier()
+    sync()
+    started = time.perf_counter()
+    if ckpt is not None:
+        ckpt.save(every)
+        durable: Callable[[], None] = ckpt.close
+    else:
+        durable = method.start(path)
+    stall = time.perf_counter() - started
+    if kind is DdpckptOverlap:
+        stall += max(0.0, trainer.timed_step() - trainer.step_seconds)
+    durable()
+    method.before_step()
+    stall = all_max(stall)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        remove(path)
+    return stall
+
+
+def load_synced(method: Method, path: str) -> None:
+    method.load(path)
+    sync()  # a load is done once the GPU has the data
 
 
 def remove(path: str) -> None:
@@ -433,8 +589,10 @@ def loop_seconds(
     save that finds the previous one still in flight waits inside the timing.
     """
     dist.barrier()
+    sync()
     pending: Callable[[], None] | None = None
     paths: list[str] = []
+    trainer.before_step = method.before_step if method is not None else (lambda: None)
     start = time.perf_counter()
     for step in range(1, steps + 1):
         trainer.step()
@@ -444,7 +602,9 @@ def loop_seconds(
             path = os.path.join(directory, f"loop-{step}")
             paths.append(path)
             pending = method.start(path)
+    sync()
     elapsed = all_max(time.perf_counter() - start)
+    trainer.before_step = lambda: None
     if pending is not None:
         pending()
     dist.barrier()
@@ -507,30 +667,59 @@ def main() -> None:
     parser.add_argument("--compute", type=float, default=0.2, help="seconds of compute per step")
     parser.add_argument("--gil", action="store_true")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--first-every", type=int, default=50)
+    parser.add_argument("--only", default=None, help="only the methods whose name starts so")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    global _HARNESS
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+        _HARNESS = dist.new_group(backend="gloo")
+    else:
+        dist.init_process_group("gloo")
+    methods = GPU_METHODS if args.device == "cuda" else METHODS
+    if args.only:
+        methods = [k for k in methods if k.name.startswith(tuple(args.only.split(",")))]
     rank = dist.get_rank()
     os.makedirs(args.dir, exist_ok=True)
-    model, optimizer = build(args.params)
+    model, optimizer = build(args.params, args.device)
     trainer = Trainer(model, optimizer, args.compute)
     nbytes = state_bytes(model, optimizer)
     result: dict[str, Any] = {
         "world_size": dist.get_world_size(),
         "state_bytes": nbytes,
         "params": args.params,
+        "device": args.device,
     }
+    if args.device == "cuda":
+        result["gpu"] = {
+            "name": torch.cuda.get_device_name(),
+            "torch_cuda": torch.version.cuda,
+            "driver": _driver_version(),
+        }
+        trainer.step_seconds = all_max(statistics.median(trainer.timed_step() for _ in range(5)))
+        result["first_stall"] = {
+            kind.name: first_save_stall(kind, trainer, args.dir, args.first_every)
+            for kind in methods
+            if issubclass(kind, ASYNC_METHODS)
+        }
+        result["first_every"] = args.first_every
     if rank == 0:
         result["references"] = references(args.dir, nbytes, model, optimizer, args.repeat)
     dist.barrier()
-    step_seconds = all_max(timed(lambda: [trainer.step() for _ in range(3)])[0] / 3)
+    step_seconds = all_max(statistics.median(trainer.timed_step() for _ in range(3)))
     result["step_seconds"] = step_seconds
     result["methods"] = {}
-    for kind in METHODS:
+    for kind in methods:
         method = kind(model, optimizer)
         result["methods"][method.name] = measure_method(
             method, trainer, args.dir, step_seconds, args.repeat
         )
+        if rank == 0:  # what is measured so far, should the run be cut short
+            with open(args.out + ".partial", "w") as f:
+                json.dump(result, f, indent=1)
     if rank == 0:  # the disk drifts too: the ceilings are the best of both ends
         first, last = (
             result["references"],
@@ -541,7 +730,7 @@ def main() -> None:
     dist.barrier()
     before = loop_seconds(trainer, None, args.dir, args.steps, args.every)
     result["loop"] = {"every": args.every, "steps": args.steps}
-    for kind in METHODS:
+    for kind in methods:
         method = kind(model, optimizer)
         result["loop"][method.name] = loop_seconds(
             trainer, method, args.dir, args.steps, args.every
@@ -549,12 +738,23 @@ def main() -> None:
     after = loop_seconds(trainer, None, args.dir, args.steps, args.every)
     result["loop"]["baseline"] = (before + after) / 2  # the machine drifts: average both ends
     result["loop"]["baselines"] = [before, after]
-    if args.gil and dist.get_world_size() == 1:
+    if args.gil and dist.get_world_size() == 1 and args.device == "cpu":
         result["gil"] = gil_effect(trainer, args.dir, nbytes, steps=10)
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     dist.destroy_process_group()
+
+
+def _driver_version() -> str | None:
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        return done.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
 
 
 if __name__ == "__main__":

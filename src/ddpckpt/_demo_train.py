@@ -4,7 +4,8 @@
 
 A small network with dropout and BatchNorm learns a synthetic regression with AdamW, a
 warm-up + cosine schedule, a GradScaler, an EMA and gradient accumulation 2, reading
-shuffled, randomly augmented data through two loader workers. It checkpoints with a
+shuffled, randomly augmented data through two loader workers (``resumable_loader``: a plain
+torch DataLoader whose position ddpckpt tracks; no torchdata needed). It checkpoints with a
 Checkpointer and resumes from the newest checkpoint whenever it (re)starts. Each rank
 appends ``{"step", "loss", "lr", "restart"}`` per optimizer step to
 ``DIR/losses-rank<r>.jsonl``, the durations of its saves to ``DIR/saves-rank<r>.jsonl``,
@@ -27,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
+from ddpckpt.tensorfile import byte_view
 
 
 class Synthetic(torch.utils.data.Dataset):
@@ -48,9 +50,8 @@ class Synthetic(torch.utils.data.Dataset):
 def _digest(tensors: list[torch.Tensor]) -> str:
     hasher = xxhash.xxh3_64()
     for tensor in tensors:
-        hasher.update(
-            tensor.detach().cpu().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
-        )
+        flat = tensor.detach().cpu().contiguous()  # kept alive while its bytes are viewed
+        hasher.update(byte_view(flat))  # needs no numpy
     return hasher.hexdigest()
 
 
@@ -116,7 +117,7 @@ def main() -> None:
 
     ckpt = ddpckpt.Checkpointer(
         os.path.join(args.run, "checkpoints"), model=ddp, optimizer=optimizer, scheduler=scheduler,
-        scaler=scaler, extra={"ema": ema, "sampler": sampler, "loader": loader, "accumulation": accumulation},
+        scaler=scaler, extra={"ema": ema, "loader": loader, "accumulation": accumulation},
         every_steps=args.every, keep_last=3, keep_best=1, monitor="loss",
     )  # fmt: skip
     info = ckpt.resume()

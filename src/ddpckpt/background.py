@@ -6,10 +6,13 @@ that work spends its time in system calls and in xxhash and tensor copies, all o
 release the GIL, and ``ddpckpt bench`` measures the training slowdown it causes next to a
 writer process doing the same work (see BENCHMARKS.md).
 
-The worker is not a daemon: an interpreter that exits with a save in flight finishes it
-first. An error in the background is kept and raised by the next call to :meth:`wait`,
-which every later save and load make first, so it surfaces on every rank (the error is
-the same on every rank, since the work is collective).
+Each save has its own :class:`Completion`: its handle (:class:`PendingSave`) reports that
+save's outcome and nothing else. Saves stay ordered: the next one starts only after the
+previous one is done. The worker is not a daemon: an interpreter that exits with a save
+in flight finishes it first. A failure is logged when it happens; if nobody asked the
+failed save's handle for its outcome, the next :meth:`Persister.wait` (which every later
+save and load make first) raises it, once, on every rank (the error is the same on every
+rank, since the work is collective).
 """
 
 from __future__ import annotations
@@ -17,11 +20,52 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from ._log import get_logger
+from ._log import get_logger, same_on_every_rank
 
-__all__ = ["PendingSave", "Persister"]
+__all__ = ["Completion", "PendingSave", "Persister"]
 
 _log = get_logger(__name__)
+
+
+class Completion:
+    """The outcome of one background save: running, done, or failed with an error."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._seen = False  # the error was handed to someone (a waiter or the next call)
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed or failed); never blocks."""
+        return self._finished.is_set()
+
+    def wait(self) -> None:
+        """Block until the save has finished; raise its error if it failed (every call)."""
+        error = self.exception()
+        if error is not None:
+            raise error
+
+    def exception(self) -> BaseException | None:
+        """Block until the save has finished; its error, or ``None`` if it committed."""
+        self._finished.wait()
+        with self._lock:
+            self._seen = True
+            return self._error
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._finished.set()
+
+    def _unseen_error(self) -> BaseException | None:
+        """The error, if nobody has been given it yet (and now they have)."""
+        self._finished.wait()
+        with self._lock:
+            if self._seen:
+                return None
+            self._seen = True
+            return self._error
 
 
 class Persister:
@@ -29,52 +73,63 @@ class Persister:
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self.latest: Completion | None = None  # the most recently submitted job's
 
-    @property
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def submit(self, job: Callable[[], object], name: str) -> None:
-        """Start ``job`` once the previous one is done (raising its error, if any)."""
+    def submit(self, job: Callable[[], object], name: str) -> Completion:
+        """Start ``job`` once the previous one is done (raising its unseen error, if any)."""
         self.wait()
+        completion = Completion(name)
 
         def run() -> None:
             try:
                 job()
-            except BaseException as exc:  # kept for the training thread (see wait)
-                self._error = exc
+            except BaseException as exc:  # kept for the handle and the next call (see wait)
                 _log.error(
-                    "background save %s failed (raised at the next ddpckpt call): %s", name, exc
+                    "background save %s failed: %s", name, exc, extra=same_on_every_rank(exc)
                 )
+                completion._finish(exc)
+            else:
+                completion._finish(None)
 
+        self.latest = completion
         self._thread = threading.Thread(target=run, name=f"ddpckpt-persist {name}")
         self._thread.start()
+        return completion
 
     def wait(self) -> None:
-        """Block until the job in flight is done; raise the error it ended with, once."""
+        """Block until the job in flight is done; raise its error if nobody has seen it yet."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        if self.latest is not None:
+            error = self.latest._unseen_error()
+            if error is not None:
+                raise error
 
 
 class PendingSave:
-    """What an asynchronous :func:`ddpckpt.save` returns: the path, and a way to wait."""
+    """What an asynchronous :func:`ddpckpt.save` returns: the path, and that save's outcome.
 
-    def __init__(self, path: str, persister: Persister) -> None:
+    Local: ask it from the thread that saved, or from any other.
+    """
+
+    def __init__(self, path: str, completion: Completion) -> None:
         self.path = path
-        self._persister = persister
+        self._completion = completion
 
     def done(self) -> bool:
-        return not self._persister.busy
+        """Whether this save has finished, committed or failed; never blocks."""
+        return self._completion.done()
 
     def wait(self) -> str:
-        """Block until the checkpoint is committed and durable; raises if the save failed."""
-        self._persister.wait()
+        """Block until this checkpoint is committed and durable and return its path; raises
+        this save's error (every time) if it failed."""
+        self._completion.wait()
         return self.path
+
+    def exception(self) -> BaseException | None:
+        """Block until this save has finished; its error, or ``None`` if it committed."""
+        return self._completion.exception()
 
     def __fspath__(self) -> str:
         return self.path

@@ -129,9 +129,11 @@ def save(
     memory (:mod:`ddpckpt.staging`); writing and committing go on in the background and the
     returned :class:`PendingSave` waits for them. ``async_save="overlap"`` returns sooner:
     parameters and optimizer state are copied while the next forward and backward run,
-    and ``optimizer.step()`` waits for that copy (it needs ``optimizer``). Either way the
-    checkpoint holds the state as of this call. The next save or load waits for the
-    previous asynchronous save and raises its error, if it failed.
+    and the ``step()`` of ``optimizer`` (required) and of every optimizer in ``extra``
+    waits for that copy. Either way the checkpoint holds the state as of this call. The
+    returned handle reports this save's own outcome (``done()``, ``wait()``,
+    ``exception()``). The next save or load waits for the previous asynchronous save and
+    raises its error if it failed and nobody had asked its handle.
 
     Raises :class:`CheckpointExistsError` if ``path`` is already a checkpoint (pass
     ``overwrite=True`` to replace it atomically), :class:`UnsupportedValueError` naming the
@@ -162,7 +164,7 @@ def save(
             plan, snapshot, pool=_POOL, persister=_PERSISTER, overlap=overlap, optimizer=optimizer
         )
         handed_off = True
-        return PendingSave(plan.path, _PERSISTER)
+        return PendingSave(plan.path, _PERSISTER.latest)  # type: ignore[arg-type]  # just submitted
     finally:
         if not handed_off:
             comm.close()
@@ -173,8 +175,9 @@ _PERSISTER = Persister()
 
 
 def release_async_buffers() -> None:
-    """Wait for the asynchronous save in flight (raising its error, if it failed), then free
-    the host buffer that asynchronous saves reuse; the next one allocates it again.
+    """Wait for the asynchronous save in flight (raising its error if it failed and its
+    handle was not asked), then free the host buffer that asynchronous saves reuse; the
+    next one allocates it again.
 
     Local: any rank may call it at any time. A :class:`Checkpointer` has a buffer of its
     own, which :meth:`Checkpointer.close` frees.
@@ -207,15 +210,20 @@ def start_background(
     """Stage ``plan``'s tensors and persist them in the background; closes ``plan.comm``.
 
     Call ``persister.wait()`` before: the pool's previous copies must be written. With
-    ``overlap`` the model parameters and optimizer state are copied in the background
-    too, and ``optimizer.step()`` waits for those copies (everything else, buffers and EMA
-    copies included, is copied before returning).
+    ``overlap`` the tensors that only known optimizers' ``step()`` writes (parameters and
+    moments of ``optimizer`` and of every optimizer passed in ``extra``) are copied in the
+    background too, and each of those optimizers' next ``step()`` waits for the copies;
+    everything else (buffers, an EMA copy, parameters no known optimizer steps) is copied
+    before returning. The optimizers come from ``snapshot.stepped_by``; ``optimizer`` is
+    the ``optimizer=`` of the save, which the overlap mode requires.
     """
-    plan.items, fence = pool.stage(
-        plan.items, defer=_changes_only_in_step(snapshot) if overlap else None
-    )
-    if overlap and optimizer is not None:
-        fence_before_step(optimizer, fence)
+    deferred = _changes_only_in_step(snapshot) if overlap else None
+    steppers = {
+        id(o): o for n, _ in plan.items if deferred and deferred(n) for o in snapshot.stepped_by[n]
+    }
+    plan.items, fence = pool.stage(plan.items, defer=deferred)
+    for stepper in steppers.values():
+        fence_before_step(stepper, fence)
 
     def job() -> None:
         try:
@@ -228,8 +236,8 @@ def start_background(
 
 
 def _changes_only_in_step(snapshot: Snapshot) -> Callable[[str], bool]:
-    """Model parameters and optimizer state: nothing but ``optimizer.step()`` writes them."""
-    return lambda name: name in snapshot.balanced and name.startswith(("model/", "optimizer/"))
+    """Tensors that nothing but the ``step()`` of optimizers we can fence writes."""
+    return lambda name: bool(snapshot.stepped_by.get(name))
 
 
 _fences: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Fence]] = weakref.WeakKeyDictionary()
@@ -264,6 +272,7 @@ class FileSource:
         self.progress = progress
         self._files: dict[str, TensorFile] = {}
         self._entries_by_file: dict[str, list[TensorEntry]] | None = None
+        self.own: dict[str, str] = {}  # shared name -> this rank's own copy (see own_tensors)
 
     def for_rank(self, rank: int) -> FileSource:
         source = FileSource(self.path, self.manifest, f"rank{rank}/", self.progress)
@@ -276,12 +285,12 @@ class FileSource:
         return self._entries_by_file
 
     def entry(self, name: str) -> TensorEntry:
+        key = self.own.get(name, self.prefix + name)
         try:
-            return self.manifest.tensors[self.prefix + name]
+            return self.manifest.tensors[key]
         except KeyError:
             raise CorruptCheckpointError(
-                f"{self.path}: the manifest refers to tensor {self.prefix + name!r} but does "
-                "not list it"
+                f"{self.path}: the manifest refers to tensor {key!r} but does not list it"
             ) from None
 
     def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
@@ -344,6 +353,7 @@ def load(
         objects = _Objects(model, optimizer, scheduler, scaler, extra)
         with Progress(f"loading {os.path.basename(path)}", manifest.nbytes) as bar:
             source = FileSource(path, manifest, progress=bar)
+            source.own = own_tensors(manifest, comm.rank, path)
             comm.run("check", lambda: _check(manifest, source, objects, strict, path))
             return comm.run(
                 "restore", lambda: _restore(manifest, source, objects, strict, rng, path, comm.rank)
@@ -389,6 +399,26 @@ def locate(comm: Comm, path: str) -> Manifest:
 
     repair_copies(comm, path, [i is not None for i in ids])
     return comm.run("reread", lambda: read_manifest(path))
+
+
+def own_tensors(manifest: Manifest, rank: int, path: str) -> dict[str, str]:
+    """Where ``rank``'s own values are of the shared tensors that differed between ranks at
+    save time (parameters DDP ignores, a model without DDP ...): shared name -> stored name.
+
+    A rank that did not exist at save time gets none: it loads rank 0's, with a warning.
+    """
+    if rank < manifest.world_size:
+        own = manifest.ranks[rank].get("own", {})
+        return {name: f"rank{rank}/{stored}" for name, stored in own.items()}
+    if any("own" in r for r in manifest.ranks):
+        _log.warning(
+            "%s: saved with %d ranks, some state per rank (it differed between ranks); rank %d "
+            "has none stored and starts from rank 0's",
+            path,
+            manifest.world_size,
+            rank,
+        )
+    return {}
 
 
 @dataclass

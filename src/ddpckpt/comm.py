@@ -100,13 +100,32 @@ def resolve_timeout(timeout: float | None) -> float:
 
 
 def node_id() -> str:
-    """Names the machine this process runs on.
+    """Names the machine this process runs on: ``host/machine[/group]``.
 
-    The host name, qualified by torchrun's node rank (``GROUP_RANK``) when set, so that
-    several simulated nodes on one host are told apart.
+    The host name alone can collide (cloned images, containers all called ``localhost``),
+    so it is qualified by the kernel's boot id (random for each boot of each machine; else
+    ``/etc/machine-id``), and by torchrun's node rank (``GROUP_RANK``) when set, so that
+    several simulated nodes on one host are told apart too.
     """
+    name = f"{platform.node()}/{_machine_token()}"
     group = os.environ.get("GROUP_RANK")
-    return f"{platform.node()}/{group}" if group is not None else platform.node()
+    return f"{name}/{group}" if group is not None else name
+
+
+_MACHINE_FILES = ("/proc/sys/kernel/random/boot_id", "/etc/machine-id", "/var/lib/dbus/machine-id")
+
+
+def _machine_token() -> str:
+    """A short identifier of this machine's running system, or ``"?"`` where none exists."""
+    for path in _MACHINE_FILES:
+        try:
+            with open(path) as f:
+                token = f.read().strip().replace("-", "")
+        except OSError:
+            continue
+        if token:
+            return token[:12]
+    return "?"
 
 
 def _distributed() -> bool:

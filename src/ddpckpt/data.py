@@ -1,4 +1,4 @@
-"""Data order that resumes exactly: a resumable sampler, per-sample seeding, a loader recipe.
+"""Data order that resumes exactly: a resumable sampler and per-sample seeding.
 
 * :class:`ResumableDistributedSampler` is ``torch.utils.data.DistributedSampler`` (same
   arguments, same order for the same seed and epoch) plus ``state_dict()`` /
@@ -8,14 +8,11 @@
 * :class:`SeededDataset` makes random augmentation a function of (seed, epoch, index), not
   of which worker ran it or how far that worker's random stream had advanced, so a resumed
   run augments every sample exactly as the uninterrupted one did.
-* :func:`resumable_loader` puts them together with torchdata's ``StatefulDataLoader``, whose
-  state (saved per rank through ``extra``) follows what training consumed, not what the
-  workers prefetched.
 
-Position bookkeeping happens where indices leave the sampler. A plain ``DataLoader`` with
-workers fetches indices ahead of training, so its sampler alone would be ahead by up to
-``prefetch_factor * num_workers`` batches: use ``StatefulDataLoader`` (which snapshots the
-sampler in step with the batches it yields) or ``num_workers=0``.
+A DataLoader with workers takes indices from the sampler ahead of training, so the
+sampler alone cannot know what training consumed: a tracked loader (:mod:`ddpckpt.loader`)
+tells it. Saving the sampler without its loader while an untracked loader prefetches from
+it is refused at the save.
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from torch.utils.data import Dataset, DistributedSampler
 from ._log import get_logger
 from .errors import StateMismatchError
 
-__all__ = ["ResumableDistributedSampler", "SampleIndex", "SeededDataset", "resumable_loader"]
+__all__ = ["ResumableDistributedSampler", "SampleIndex", "SeededDataset"]
 
 _log = get_logger(__name__)
 
@@ -92,7 +89,9 @@ class ResumableDistributedSampler(DistributedSampler):
     """``DistributedSampler`` whose position in the epoch is saved and restored.
 
     Use it exactly like ``DistributedSampler`` (``sampler.set_epoch(epoch)`` before each
-    epoch) and put it in the checkpoint's ``extra``. After a resume, calling ``set_epoch``
+    epoch) and save the DataLoader that it feeds in the checkpoint's ``extra`` (the loader
+    saves the sampler's state, counted from the batches it yielded to training; the sampler
+    alone suffices only with ``num_workers=0``). After a resume, calling ``set_epoch``
     with the restored epoch keeps the restored position; another epoch starts from its
     beginning. A resume at an epoch's end yields nothing for that epoch, so no epoch is
     repeated or skipped whichever epoch the loop restarts from.
@@ -112,8 +111,11 @@ class ResumableDistributedSampler(DistributedSampler):
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
         self._order_replicas = self.num_replicas  # the world size that defines this epoch's order
         self._start = 0  # global position the next pass over this epoch starts at
-        self._consumed = 0  # global position handed out so far
+        self._consumed = 0  # global position consumed so far
+        self._pass_done = False  # the last pass reached the epoch's end
         self._checked_consumer = False
+        self._loader_tracked = False  # a tracked DataLoader reports what training consumed
+        self._feeder: str | None = None  # names an untracked loader that prefetches from us
 
     def _length(self) -> int:
         if not isinstance(self.dataset, Sized):
@@ -137,19 +139,20 @@ class ResumableDistributedSampler(DistributedSampler):
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self._start = self._consumed = 0
+            self._pass_done = False
             self._order_replicas = self.num_replicas
         super().set_epoch(epoch)
+
+    def _total(self) -> int:
+        return self._start + len(self._remaining())
 
     def __iter__(self) -> Iterator[int]:
         if not self._checked_consumer:
             self._checked_consumer = True
-            if _fed_to_prefetching_loader():
-                _log.warning(
-                    "ResumableDistributedSampler feeds a plain DataLoader with workers, which "
-                    "fetches indices ahead of training: a mid-epoch checkpoint would skip up "
-                    "to prefetch_factor*num_workers batches. Use ddpckpt.resumable_loader "
-                    "(torchdata's StatefulDataLoader) or num_workers=0 for an exact position"
-                )
+            self._feeder = None if self._loader_tracked else _prefetching_feeder()
+        if self._pass_done:  # another pass over this epoch (no set_epoch) starts afresh
+            self._start = self._consumed = 0
+            self._pass_done = False
         if self._start == 0:  # a fresh pass over the epoch
             self._order_replicas = self.num_replicas
         rest = self._remaining()
@@ -161,15 +164,25 @@ class ResumableDistributedSampler(DistributedSampler):
 
         def indices() -> Iterator[int]:
             for index in mine:
-                self._consumed = min(self._consumed + step, total)
+                if not self._loader_tracked:
+                    self._consumed = min(self._consumed + step, total)
                 yield SampleIndex(index, epoch)
-            self._consumed = total
-            self._start = 0  # another pass over this epoch (no set_epoch) starts afresh
+            if not self._loader_tracked:
+                self._pass_finished()
 
         return indices()
 
+    def _delivered(self, count: int) -> None:
+        """A tracked loader yielded a batch of ``count`` of this rank's samples to training."""
+        self._consumed = min(self._consumed + count * self.num_replicas, self._total())
+
+    def _pass_finished(self) -> None:
+        self._consumed = self._total()
+        self._pass_done = True
+
     def __len__(self) -> int:
-        if self._start == 0 and self._order_replicas == self.num_replicas:
+        """This rank's samples in the current pass (the rest of the epoch after a resume)."""
+        if self._pass_done or (self._start == 0 and self._order_replicas == self.num_replicas):
             return self.num_samples
         return len(self._remaining()) // self.num_replicas
 
@@ -195,6 +208,7 @@ class ResumableDistributedSampler(DistributedSampler):
                 )
         self.epoch = int(state["epoch"])
         self._start = self._consumed = int(state["consumed"])
+        self._pass_done = False
         self._order_replicas = int(state["order_replicas"])
         total = _epoch_total(self._length(), self._order_replicas, self.drop_last)
         if self._start == 0 or self._start >= total or self._order_replicas == self.num_replicas:
@@ -214,18 +228,19 @@ class ResumableDistributedSampler(DistributedSampler):
         )
 
 
-def _fed_to_prefetching_loader() -> bool:
-    """Best effort: is a plain (non-stateful) multi-worker DataLoader iterating us?"""
+def _prefetching_feeder() -> str | None:
+    """Best effort: the kind of untracked multi-worker DataLoader iterating us, if any."""
     base = getattr(torch.utils.data.dataloader, "_MultiProcessingDataLoaderIter", None)
     frame = sys._getframe(2)
     for _ in range(12):
         if frame is None or base is None:
-            return False
+            return None
         owner = frame.f_locals.get("self")
         if isinstance(owner, base):
-            return not type(owner).__module__.startswith("torchdata")
+            stateful = type(owner).__module__.startswith("torchdata")
+            return "torchdata StatefulDataLoader" if stateful else "DataLoader"
         frame = frame.f_back
-    return False
+    return None
 
 
 def _sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -277,40 +292,3 @@ class SeededDataset(Dataset):
         epoch = getattr(index, "epoch", self.epoch)
         with _seeded(_sample_seed(self.seed, epoch, int(index))):
             return self.dataset[int(index)]
-
-
-def resumable_loader(
-    dataset: Dataset,
-    *,
-    sampler: ResumableDistributedSampler,
-    batch_size: int,
-    num_workers: int = 0,
-    seed: int = 0,
-    **kwargs: Any,
-) -> Any:
-    """A data loader whose position and augmentation survive a resume exactly.
-
-    Returns torchdata's ``StatefulDataLoader`` over ``SeededDataset(dataset, seed)`` with a
-    private generator (so creating its iterator never draws from the global torch RNG,
-    which would shift dropout after a mid-epoch resume). Put it in the checkpoint's
-    ``extra``: its state is saved per rank. Without torchdata and with ``num_workers=0``
-    a plain ``DataLoader`` is returned (the sampler alone is then exact).
-    """
-    generator = torch.Generator()
-    generator.manual_seed(seed)
-    options = dict(
-        sampler=sampler,
-        batch_size=batch_size,
-        num_workers=num_workers,
-        generator=generator,
-        **kwargs,
-    )
-    try:
-        from torchdata.stateful_dataloader import StatefulDataLoader
-    except ImportError:
-        if num_workers:
-            raise ImportError(
-                "resumable_loader with workers needs torchdata (pip install 'ddpckpt[data]')"
-            ) from None
-        return torch.utils.data.DataLoader(SeededDataset(dataset, seed), **options)
-    return StatefulDataLoader(SeededDataset(dataset, seed), **options)

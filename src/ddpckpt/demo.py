@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DemoReport", "run_demo"]
+__all__ = ["DemoReport", "check_options", "default_every", "run_demo"]
+
+_RANK_ERROR = re.compile(r"^\[rank(\d+)\]: (\w*(?:Error|Exception)\b.*)$", re.MULTILINE)
 
 
 @dataclass
@@ -59,7 +62,7 @@ def _torchrun(
     # torchrun shares its rendezvous store with init_process_group by default, and restarted
     # workers then read the dead workers' addresses (pytorch/pytorch#135712, #167288).
     env = {
-        **os.environ,
+        **_child_env(),
         "OMP_NUM_THREADS": "1",
         "PYTHONUNBUFFERED": "1",
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
@@ -67,6 +70,16 @@ def _torchrun(
     return subprocess.Popen(
         command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
     )
+
+
+def _child_env() -> dict[str, str]:
+    """This environment, minus torch's warning at import that numpy is absent (a plain
+    install has no numpy, and the demo never needs it)."""
+    quiet = "ignore:Failed to initialize NumPy"
+    return {
+        **os.environ,
+        "PYTHONWARNINGS": ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), quiet))),
+    }
 
 
 def _wait(process: subprocess.Popen[bytes], run: str, timeout: float) -> None:
@@ -77,9 +90,21 @@ def _wait(process: subprocess.Popen[bytes], run: str, timeout: float) -> None:
         process.wait()
         raise TimeoutError(f"the training in {run} did not finish within {timeout:.0f} s") from None
     if process.returncode != 0:
-        with open(os.path.join(run, "torchrun.log"), errors="replace") as f:
-            tail = f.read()[-3000:]
-        raise RuntimeError(f"the training in {run} failed (exit {process.returncode}):\n{tail}")
+        log = os.path.join(run, "torchrun.log")
+        with open(log, errors="replace") as f:
+            text = f.read()
+        errors = _RANK_ERROR.findall(text)
+        if errors:  # one line: what the first failing rank raised; the log has the traceback
+            rank, error = errors[0]
+            kind = (
+                ImportError
+                if error.startswith(("ImportError", "ModuleNotFoundError"))
+                else RuntimeError
+            )
+            raise kind(f"the training in {run} failed: rank {rank}: {error} (log: {log})")
+        raise RuntimeError(
+            f"the training in {run} failed (exit {process.returncode}):\n{text[-3000:]}"
+        )
 
 
 def _records(path: str) -> list[dict[str, Any]]:
@@ -102,16 +127,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def default_every(steps: int) -> int:
+    """The checkpoint interval when none is given: 20, or a quarter of a shorter run."""
+    return min(20, max(1, steps // 4))
+
+
+def _kill_step(steps: int, every: int) -> int:
+    return (steps * 11) // 20 + every // 3
+
+
+def check_options(*, nproc: int, steps: int, every: int, kill_at: int | None) -> None:
+    """Raise :class:`ValueError` saying which option is wrong, before anything starts."""
+    if nproc < 1:
+        raise ValueError(f"--nproc {nproc}: the demo needs at least 1 rank (default 2)")
+    if every < 1 or steps <= every:
+        raise ValueError(
+            f"--steps {steps} --every {every}: need 0 < every < steps, so that a checkpoint "
+            "exists before the crash"
+        )
+    kill_at = kill_at if kill_at is not None else _kill_step(steps, every)
+    if not every < kill_at < steps:
+        raise ValueError(
+            f"--kill-at {kill_at}: the crash must come after the first checkpoint (step "
+            f"{every}) and before the last step ({steps})"
+        )
+
+
 def run_demo(
     out: str = "demo-output", *, nproc: int = 2, steps: int = 200, every: int = 20,
     kill_at: int | None = None, timeout: float = 600.0,
 ) -> DemoReport:  # fmt: skip
     """Run the demo; returns the report (see the module docstring)."""
-    if not 0 < every < steps:
-        raise ValueError("need 0 < every < steps")
-    kill_at = kill_at if kill_at is not None else (steps * 11) // 20 + every // 3
-    if not every < kill_at < steps:
-        raise ValueError("the kill step must come after the first checkpoint and before the end")
+    check_options(nproc=nproc, steps=steps, every=every, kill_at=kill_at)
+    kill_at = kill_at if kill_at is not None else _kill_step(steps, every)
     out = os.path.abspath(out)
     reference, crash = os.path.join(out, "reference"), os.path.join(out, "crash")
     for run in (reference, crash):
@@ -187,7 +235,11 @@ def _compare(report: DemoReport, reference: str, crash: str) -> None:
 
 
 def _plot(report: DemoReport, reference: str, crash: str) -> str:
-    import matplotlib
+    """Draw ``loss.png``; without matplotlib (an optional extra) return a one-line note."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "not drawn: matplotlib is not installed (pip install 'ddpckpt[demo]')"
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -229,6 +281,7 @@ def _listing(directory: str) -> str:
         capture_output=True,
         text=True,
         check=False,
+        env=_child_env(),
     )
     return (result.stdout + result.stderr).rstrip()
 

@@ -25,6 +25,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",
+    "InexactResumeError",
     "InsufficientSpaceError",
     "RankFailureError",
     "StateMismatchError",
@@ -69,6 +70,10 @@ class StateMismatchError(CheckpointError, RuntimeError):
 
 class UnsupportedValueError(CheckpointError, TypeError):
     """A value cannot be stored without pickle; the message names its key."""
+
+
+class InexactResumeError(CheckpointError, ValueError):
+    """The objects given would not resume at the exact position (data loading); says what to add."""
 
 
 class UnsafeCheckpointError(CheckpointError, ValueError):
@@ -118,6 +123,7 @@ _BY_NAME: dict[str, type[CheckpointError]] = {
         CollectiveTimeoutError,
         CorruptCheckpointError,
         IncompleteCheckpointError,
+        InexactResumeError,
         InsufficientSpaceError,
         RankFailureError,
         StateMismatchError,

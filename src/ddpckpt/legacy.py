@@ -105,8 +105,16 @@ def read_legacy(
             "name it with --trust-global MODULE.NAME; otherwise export the state from the "
             "code that wrote the file"
         ) from exc
-    except (RuntimeError, EOFError, zipfile.BadZipFile) as exc:
-        raise CorruptCheckpointError(f"{path}: not a readable torch.save file ({exc})") from exc
+    except (
+        RuntimeError, EOFError, zipfile.BadZipFile, KeyError, IndexError, ValueError, TypeError,
+        AttributeError,
+    ) as exc:  # fmt: skip
+        # The weights-only unpickler meets bytes that are no pickle with whatever error the
+        # opcode it misreads leads to (a text file gives ``KeyError: 101``).
+        raise CorruptCheckpointError(
+            f"{path}: not a torch.save file ({type(exc).__name__}: {exc}); "
+            "`import` reads files written by torch.save or Lightning"
+        ) from exc
 
 
 def _strip_wrappers(state: Mapping[str, Any]) -> dict[str, Any]:

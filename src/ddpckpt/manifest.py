@@ -33,7 +33,7 @@ from .tree import JSON
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "read_manifest"]
 
 FORMAT_NAME = "ddpckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 
 

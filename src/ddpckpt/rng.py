@@ -17,6 +17,7 @@ import torch
 
 from ._log import get_logger
 from .errors import CorruptCheckpointError
+from .tensorfile import byte_view
 
 __all__ = ["capture_rng", "derive_rng", "restore_rng"]
 
@@ -72,7 +73,8 @@ def derive_rng(base: dict[str, Any], rank: int) -> dict[str, Any]:
     Seeds every generator from a hash of ``base`` (rank 0's stored state) and ``rank``,
     so the same checkpoint resumed at the same world size always gives the same streams.
     """
-    digest = hashlib.sha256(base["torch"].numpy().tobytes() + rank.to_bytes(8, "little"))
+    state_bytes = base["torch"].contiguous()  # kept alive while its bytes are viewed
+    digest = hashlib.sha256(bytes(byte_view(state_bytes)) + rank.to_bytes(8, "little"))
     seed = int.from_bytes(digest.digest()[:8], "little")
     python = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)

@@ -3,8 +3,9 @@
 ``run/.lock`` holds JSON: host, pid, job id (``TORCHELASTIC_RUN_ID`` or ``SLURM_JOB_ID``)
 and when it was taken. It is created with ``O_EXCL``. A lock is *stale*, and is taken
 over with a warning, when its holder is this host's process that no longer exists, when
-it belongs to the same job (an elastic restart), or when it has not been refreshed for
-``stale_after`` seconds (a holder on another host that died). The holder refreshes it from
+it belongs to the same job (an elastic restart) and is not a live process on this host,
+or when it has not been refreshed for ``stale_after`` seconds (a holder on another host
+that died). A job that only reads a run (``Checkpointer(read_only=True)``) never takes it. The holder refreshes it from
 a thread while it holds it, and checks before every save that it still does.
 """
 
@@ -78,10 +79,13 @@ class RunLock:
             return "unreadable" if self._age() > _CREATING else None
         if holder.get("host") == self._mine["host"] and holder.get("pid") == self._mine["pid"]:
             return "ours"
-        if holder.get("job") and holder.get("job") == self._mine["job"]:
-            return f"held by an earlier attempt of this job (pid {holder.get('pid')})"
-        if holder.get("host") == self._mine["host"] and not _alive(int(holder.get("pid", -1))):
+        here = holder.get("host") == self._mine["host"]
+        if here and not _alive(int(holder.get("pid", -1))):
             return f"its holder, pid {holder.get('pid')} on this host, is gone"
+        if holder.get("job") and holder.get("job") == self._mine["job"] and not here:
+            # Elastic restarts replace the processes; a live one here is another program
+            # of the same allocation (an evaluation job), never taken over.
+            return f"held by an earlier attempt of this job (pid {holder.get('pid')})"
         age = self._age()
         if age > self.stale_after:
             return f"not refreshed for {age:.0f} s"
@@ -107,7 +111,8 @@ class RunLock:
                         f"{os.path.dirname(self.path)} is in use by another job: pid "
                         f"{holder.get('pid')} on {holder.get('host')} (job {holder.get('job')}). "
                         "Use another directory, stop that job, or delete the .lock file if "
-                        "you are sure it is dead"
+                        "you are sure it is dead; to only load from it while it runs, use "
+                        "Checkpointer(..., read_only=True)"
                     ) from None
                 if reason != "ours":
                     _log.warning("%s: taking over a stale lock (%s)", self.path, reason)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,19 +69,46 @@ class Snapshot:
 
     ``state`` and ``tensors`` are the shared training state (model, optimizer, scheduler,
     scaler, extras): stored once. Only the tensors named in ``balanced`` are identical on
-    every rank under DDP (parameters and optimizer state), so only they may be written by
-    any rank; every other shared tensor (buffers such as BatchNorm statistics, which each
-    rank updates with its own batch until DDP broadcasts rank 0's at the next forward) is
-    stored as rank 0 holds it. ``rank_state`` and ``rank_tensors`` are this rank's own
-    (RNG, and buffers under ``broadcast_buffers=False``): stored per rank. Tensors are
-    referenced from the trees by name.
+    every rank, so only they may be written by any rank: parameters DDP synchronizes and
+    their optimizer state. Tensors in ``unverified`` are assumed identical on every rank
+    but nothing guarantees it (a model without DDP, module-valued extras such as an EMA
+    copy, optimizer state of parameters outside DDP): :mod:`ddpckpt.consistency`
+    compares their digests across ranks, treats the identical ones as ``balanced`` and
+    stores the others per rank. Tensors in ``per_rank`` differ between ranks by design
+    (parameters and buffers DDP ignores, and their optimizer state): stored per rank
+    whenever there are several ranks. Every other shared tensor (buffers such as BatchNorm
+    statistics, which each rank updates with its own batch until DDP broadcasts rank 0's
+    at the next forward) is stored as rank 0 holds it.
+
+    ``rank_state`` and ``rank_tensors`` are this rank's own (RNG, buffers under
+    ``broadcast_buffers=False``, and, under ``rank_state["own"]``, this rank's values of
+    shared tensors that differ between ranks; see :meth:`keep_per_rank`): stored per rank.
+    ``stepped_by`` maps a shared tensor to the optimizers whose ``step()`` writes it (for
+    the overlap mode, which may copy such tensors until the first of those steps).
+    Tensors are referenced from the trees by name.
     """
 
     state: dict[str, JSON] = field(default_factory=dict)
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     balanced: set[str] = field(default_factory=set)
+    unverified: set[str] = field(default_factory=set)
+    per_rank: set[str] = field(default_factory=set)
     rank_state: dict[str, JSON] = field(default_factory=dict)
     rank_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    stepped_by: dict[str, list[torch.optim.Optimizer]] = field(default_factory=dict)
+
+    def keep_per_rank(self, names: Iterable[str]) -> None:
+        """Store this rank's values of the shared tensors ``names`` in its own file too.
+
+        The shared copy keeps rank 0's values (what a rank that did not exist at save time
+        loads); :func:`ddpckpt.checkpoint.load` gives every other rank its own.
+        """
+        own = self.rank_state.setdefault("own", {})
+        for name in names:
+            self.balanced.discard(name)
+            self.unverified.discard(name)
+            self.rank_tensors[f"own/{name}"] = self.tensors[name]
+            own[name] = f"own/{name}"  # type: ignore[index]
 
 
 def is_stateful(obj: object) -> bool:
@@ -178,17 +205,42 @@ def _tensor_identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
     )
 
 
-def _keeps_rank_buffers(model: nn.Module) -> bool:
-    """True if a DDP wrapper leaves each rank its own buffers (``broadcast_buffers=False``)."""
+@dataclass
+class _Replication:
+    """What the DDP wrappers around a model keep identical on every rank (by tensor id)."""
+
+    wrapped: bool = False
+    synced: set[int] = field(default_factory=set)  # parameters DDP broadcasts and all-reduces
+    ignored: set[int] = field(default_factory=set)  # parameters and buffers DDP leaves alone
+    rank_buffers: bool = False  # broadcast_buffers=False: each rank keeps its own buffers
+
+
+def _replication(model: nn.Module) -> _Replication:
+    """Which of ``model``'s tensors DDP keeps replicated, from every DDP wrapper around it.
+
+    DDP synchronizes a parameter unless its name is in ``parameters_to_ignore`` (set by
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``); parameters
+    it all-reduces late (``delay_all_reduce_named_params``) are listed there too, but are
+    synchronized.
+    """
+    found = _Replication()
     while (attr := _inner_attr(model)) is not None:
-        if isinstance(model, nn.parallel.DistributedDataParallel) and not model.broadcast_buffers:
-            return True
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            found.wrapped = True
+            found.rank_buffers |= not model.broadcast_buffers
+            ignore = set(getattr(model, "parameters_to_ignore", ()))
+            delayed = {id(p) for p in getattr(model, "_delay_all_reduce_params", ())}
+            for name, param in model.module.named_parameters():
+                synced = name not in ignore or id(param) in delayed
+                (found.synced if synced else found.ignored).add(id(param))
+            found.ignored.update(id(b) for n, b in model.module.named_buffers() if n in ignore)
         model = getattr(model, attr)
-    return False
+    return found
 
 
-def _capture_model(model: nn.Module, snapshot: Snapshot) -> nn.Module:
+def _capture_model(model: nn.Module, snapshot: Snapshot) -> tuple[nn.Module, _Replication]:
     view = model_view(model)
+    replication = _replication(model)
     parameters = {id(p) for p in view.root.parameters()}
     keys: list[str] = []
     aliases: dict[str, str] = {}
@@ -205,14 +257,18 @@ def _capture_model(model: nn.Module, snapshot: Snapshot) -> nn.Module:
         if identity is not None:
             seen[identity] = key
         keys.append(key)
-        snapshot.tensors[f"model/{key}"] = value.detach()
-        if id(value) in parameters:
-            snapshot.balanced.add(f"model/{key}")
-    if _keeps_rank_buffers(model):
+        name = f"model/{key}"
+        snapshot.tensors[name] = value.detach()
+        if id(value) in replication.ignored:
+            snapshot.per_rank.add(name)
+        elif id(value) in replication.synced:
+            snapshot.balanced.add(name)
+        elif id(value) in parameters or not replication.wrapped:
+            snapshot.unverified.add(name)  # no DDP keeps it identical: compared before writing
+    if replication.rank_buffers:
+        elsewhere = snapshot.balanced | snapshot.per_rank | snapshot.unverified
         buffers = {
-            key: snapshot.tensors[f"model/{key}"]
-            for key in keys
-            if f"model/{key}" not in snapshot.balanced
+            key: snapshot.tensors[f"model/{key}"] for key in keys if f"model/{key}" not in elsewhere
         }
         snapshot.rank_state["model_buffers"] = encode(
             buffers, "model_buffers", snapshot.rank_tensors
@@ -227,7 +283,7 @@ def _capture_model(model: nn.Module, snapshot: Snapshot) -> nn.Module:
     if extra_state:
         section["extra_state"] = encode(extra_state, "model_extra_state", snapshot.tensors)
     snapshot.state["model"] = section
-    return view.root
+    return view.root, replication
 
 
 def _limited(items: list[str]) -> str:
@@ -292,8 +348,10 @@ def restore_model(
         name = f"model/{key}"
         if isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
             # Not read straight into the parameter: the module's load hooks must see the
-            # incoming value apart from the current one.
-            state[view.live_key[key]] = source.get(name)
+            # incoming value apart from the current one. A GPU copy is read onto the GPU
+            # (pinned, pipelined) rather than mapped then copied from pageable memory.
+            like = torch.empty_like(target) if target.is_cuda else None
+            state[view.live_key[key]] = source.get(name, like=like)
     for alias, key in section["aliases"].items():
         if alias in view.live_key and key in view.live_key and view.live_key[key] in state:
             state[view.live_key[alias]] = state[view.live_key[key]]
@@ -328,15 +386,38 @@ def _with_versions(state: dict[str, Any], root: nn.Module, versions: Mapping[str
 # --------------------------------------------------------------------------- optimizer
 
 
-def _param_names(root: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Each param group's parameter names; parameters outside the model are named by position."""
-    names: dict[int, str] = {}
+def _all_param_names(root: nn.Module) -> dict[int, list[str]]:
+    """Every canonical name of each parameter, by ``id``: tied weights have several."""
+    names: dict[int, list[str]] = {}
     for name, param in root.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), name)
-    return [
-        [names.get(id(p), f"@group{g}.{i}") for i, p in enumerate(group["params"])]
-        for g, group in enumerate(optimizer.param_groups)
-    ]
+        names.setdefault(id(param), []).append(_canonical_key(root, name))
+    return names
+
+
+def _param_names(
+    root: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stored: list[set[str]] | None = None,
+) -> list[list[str]]:
+    """Each param group's parameter names; parameters outside the model are named by position.
+
+    A tied parameter has several names: it takes whichever of them ``stored`` lists for
+    its group (so state saved as ``emb.weight`` reaches a model that now defines ``head``
+    first), else its first name in the module's definition order.
+    """
+    names = _all_param_names(root)
+    result = []
+    for g, group in enumerate(optimizer.param_groups):
+        known = stored[g] if stored is not None and g < len(stored) else set()
+        result.append(
+            [
+                next((n for n in names[id(p)] if n in known), names[id(p)][0])
+                if id(p) in names
+                else f"@group{g}.{i}"
+                for i, p in enumerate(group["params"])
+            ]
+        )
+    return result
 
 
 def _live_names(
@@ -348,7 +429,8 @@ def _live_names(
             [f"@group{g}.{i}" for i in range(len(group["params"]))]
             for g, group in enumerate(optimizer.param_groups)
         ]
-    return _param_names(unwrap_model(model), optimizer)
+    stored = [set(group["params"]) for group in section["groups"]]
+    return _param_names(unwrap_model(model), optimizer, stored)
 
 
 def _capture_optimizer(
@@ -357,6 +439,8 @@ def _capture_optimizer(
     names = _param_names(root, optimizer)
     saved = optimizer.state_dict()
     groups, state, shapes = [], {}, {}
+    placement: dict[str, str] = {}
+    own_dtype: set[str] = set()
     for g, (saved_group, group_names, live_group) in enumerate(
         zip(saved["param_groups"], names, optimizer.param_groups, strict=True)
     ):
@@ -366,6 +450,7 @@ def _capture_optimizer(
             shapes[name] = list(param.shape)
             if index in saved["state"]:
                 state[name] = saved["state"][index]
+                _note_placement(state[name], param, placement, own_dtype)
         hyper = {k: v for k, v in saved_group.items() if k != "params"}
         groups.append({"params": group_names, "hyper": hyper})
         if len(set(group_names)) != len(group_names):
@@ -375,10 +460,31 @@ def _capture_optimizer(
         "groups": groups,
         "state": state,
         "shapes": shapes,
+        "placement": placement,
+        "own_dtype": sorted(own_dtype),
     }
     before = set(snapshot.tensors)
     snapshot.state["optimizer"] = encode(section, "optimizer", snapshot.tensors)
     snapshot.balanced.update(set(snapshot.tensors) - before)
+
+
+def _note_placement(
+    state: Mapping[str, Any], param: torch.Tensor, placement: dict[str, str], own_dtype: set[str]
+) -> None:
+    """Record where the optimizer keeps each state tensor, relative to its parameter.
+
+    Optimizers keep some scalars apart from the parameter (NAdam's ``mu_product`` on the
+    host, ASGD's ``step`` on the device, float32 steps beside bfloat16 weights), which
+    torch's own ``load_state_dict`` policy does not know: restoring them where they were
+    keeps a resumed step identical. Only a parameter off the CPU tells host from device.
+    """
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if param.device.type != "cpu":
+            placement.setdefault(key, "param" if value.device == param.device else "host")
+        if param.is_floating_point() and value.dtype != param.dtype:
+            own_dtype.add(key)
 
 
 def check_optimizer(
@@ -444,51 +550,73 @@ def restore_optimizer(
     ):
         indices = []
         fused = bool(stored["hyper"].get("fused")) or bool(stored["hyper"].get("capturable"))
+        kept = _Kept(fused, section.get("placement", {}), set(section.get("own_dtype", ())))
         for name, param in zip(names, group["params"], strict=True):
             if name in section["state"]:
                 state[index] = {
-                    key: _materialize(value, key, param, fused, source)
+                    key: _materialize(value, key, param, kept, source)
                     for key, value in section["state"][name].items()
                 }
             indices.append(index)
             index += 1
         param_groups.append({**_cloned(stored["hyper"], source), "params": indices})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    # load_state_dict moves every value beside its parameter; put back those kept elsewhere.
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    for index, values in state.items():
+        optimizer.state[params[index]].update(values)
 
 
 class _LazyTensor(str):
     """A tensor reference decoded but not yet read (read once its destination is known)."""
 
 
-def _materialize(
-    value: Any, key: str, param: torch.Tensor, fused: bool, source: TensorSource
-) -> Any:
-    """Read a stored optimizer value straight onto the device and dtype torch would use.
+@dataclass
+class _Kept:
+    """Where a param group's optimizer state goes: its flags and what the save recorded."""
 
-    Mirrors ``Optimizer._process_value_according_to_param_policy`` so that
-    ``load_state_dict`` has nothing left to copy, and the state never shares memory
-    with the checkpoint file. New tensors, never the optimizer's current ones: a load that
-    fails a checksum halfway leaves the optimizer as it was, and tensors that others still
-    hold (a ``state_dict()`` kept aside, a snapshot being copied) are not overwritten.
+    fused: bool  # fused or capturable: torch wants ``step`` as float32 beside the parameter
+    placement: Mapping[str, str]  # key -> "param" or "host", from a save off the CPU
+    own_dtype: set[str]  # keys whose dtype differed from their parameter's
+
+    def target(self, key: str, param: torch.Tensor, stored: torch.dtype) -> tuple[Any, Any]:
+        """Device and dtype of the state tensor ``key`` of ``param``."""
+        where = self.placement.get(key)
+        if key == "step":
+            if self.fused:
+                return param.device, torch.float32
+            return (param.device if where == "param" else torch.device("cpu")), stored
+        if where == "host":
+            return torch.device("cpu"), stored
+        keep = key in self.own_dtype or not param.is_floating_point()
+        return param.device, (stored if keep else param.dtype)
+
+
+def _materialize(
+    value: Any, key: str, param: torch.Tensor, kept: _Kept, source: TensorSource
+) -> Any:
+    """Read a stored optimizer value straight onto the device and dtype it had when saved.
+
+    Follows ``Optimizer._process_value_according_to_param_policy`` (state beside its
+    parameter, in its dtype; ``step`` on the host unless fused or capturable), corrected by
+    what the save recorded (see :func:`_note_placement`), so that ``load_state_dict`` has
+    nothing left to copy and the state never shares memory with the checkpoint file. New
+    tensors, never the optimizer's current ones: a load that fails a checksum halfway leaves
+    the optimizer as it was, and tensors that others still hold (a ``state_dict()`` kept
+    aside, a snapshot being copied) are not overwritten.
     """
     if isinstance(value, _LazyTensor):
         stored_dtype, shape = source.meta(str(value))
-        if key == "step" and not fused:
-            device, dtype = torch.device("cpu"), stored_dtype
-        elif key == "step":
-            device, dtype = param.device, torch.float32
-        else:
-            device = param.device
-            dtype = param.dtype if param.is_floating_point() else stored_dtype
+        device, dtype = kept.target(key, param, stored_dtype)
         target = torch.empty(shape, dtype=dtype, device=device)
         got = source.get(str(value), like=target)
         if got is not target:
             target.copy_(got)
         return target
     if isinstance(value, dict):
-        return {k: _materialize(v, k, param, fused, source) for k, v in value.items()}
+        return {k: _materialize(v, k, param, kept, source) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_materialize(v, key, param, fused, source) for v in value)
+        return type(value)(_materialize(v, key, param, kept, source) for v in value)
     return value
 
 
@@ -531,7 +659,7 @@ def restore_stateful(
 class PerRank:
     """Marks an ``extra`` object whose state differs between ranks, so it is saved per rank.
 
-    ``extra={"loader": ddpckpt.PerRank(my_loader)}``. torchdata's ``StatefulDataLoader``
+    ``extra={"state": ddpckpt.PerRank(obj)}``. DataLoaders, torchdata's ``StatefulDataLoader``
     and :class:`~ddpckpt.GradientAccumulation` are recognised without it. A rank that did
     not exist when the checkpoint was saved gets rank 0's state, with a warning.
     """
@@ -551,7 +679,14 @@ class PerRank:
 
 
 def extra_kind(obj: Any) -> str:
-    """How an ``extra`` entry is stored: ``per_rank``, ``stateful`` (shared) or ``value``."""
+    """How an ``extra`` entry is stored: ``per_rank``, ``stateful`` (shared) or ``value``.
+
+    A plain ``DataLoader`` becomes tracked here (see :mod:`ddpckpt.loader`), so passing it
+    to a load tracks it before the loop.
+    """
+    from .loader import adopt_loaders
+
+    adopt_loaders({"": obj})
     if not is_stateful(obj):
         return "value"
     per_rank = isinstance(obj, PerRank) or getattr(type(obj), "ddpckpt_per_rank", False)
@@ -561,6 +696,9 @@ def extra_kind(obj: Any) -> str:
 
 
 def _capture_extra(extra: Mapping[str, Any], snapshot: Snapshot) -> None:
+    from .loader import check_data_extra
+
+    check_data_extra(extra)
     section: dict[str, JSON] = {}
     for name, obj in extra.items():
         if not isinstance(name, str) or not name:
@@ -599,15 +737,73 @@ def capture(
     Tensors in the snapshot are the live tensors themselves (detached), not copies.
     """
     snapshot = Snapshot()
-    root = _capture_model(model, snapshot)
+    root, replication = _capture_model(model, snapshot)
     if optimizer is not None:
+        before = set(snapshot.tensors)
         _capture_optimizer(optimizer, root, snapshot)
+        _sort_optimizer_state(optimizer, set(snapshot.tensors) - before, replication, snapshot)
     if scheduler is not None:
         _capture_stateful("scheduler", scheduler, snapshot)
     if scaler is not None:
         _capture_stateful("scaler", scaler, snapshot)
     if extra:
         _capture_extra(extra, snapshot)
+        modules = tuple(f"extra/{n}/" for n, obj in extra.items() if isinstance(obj, nn.Module))
+        claimed = {n for n in snapshot.tensors if n.startswith(modules)} if modules else set()
+        snapshot.balanced -= claimed  # e.g. an EMA copy: nothing keeps it identical on all ranks
+        snapshot.unverified |= claimed
     if rng:
         snapshot.rank_state["rng"] = encode(capture_rng(), "rng", snapshot.rank_tensors)
+    optimizers = [o for o in [optimizer, *(extra or {}).values()] if _is_optimizer(o)]
+    _record_steppers(optimizers, snapshot)
     return snapshot
+
+
+def _is_optimizer(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.Optimizer)
+
+
+def _sort_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    names: set[str],
+    replication: _Replication,
+    snapshot: Snapshot,
+) -> None:
+    """Replicated, per rank or to be verified: each state tensor follows its parameter.
+
+    Only the state of parameters DDP synchronizes stays ``balanced``; state that cannot be
+    traced to a parameter is verified too (never assumed).
+    """
+    by_id = {id(snapshot.tensors[n]): n for n in names}
+    synced: set[str] = set()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for value in optimizer.state.get(param, {}).values():
+                name = by_id.get(id(value))
+                if name is None:
+                    continue
+                if id(param) in replication.synced:
+                    synced.add(name)
+                elif id(param) in replication.ignored:
+                    snapshot.per_rank.add(name)
+    snapshot.balanced -= names - synced
+    snapshot.unverified |= names - synced - snapshot.per_rank
+
+
+def _record_steppers(optimizers: list[torch.optim.Optimizer], snapshot: Snapshot) -> None:
+    """Note which optimizers' ``step()`` writes which captured tensor: their parameters
+    and their per-parameter state (moments, step counts)."""
+    by_identity: dict[tuple[Any, ...], list[torch.optim.Optimizer]] = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param, {}).values()
+                for tensor in [param, *(v for v in state if isinstance(v, torch.Tensor))]:
+                    writers = by_identity.setdefault(_tensor_identity(tensor) or (), [])
+                    if optimizer not in writers:
+                        writers.append(optimizer)
+    by_identity.pop((), None)
+    for name, tensor in snapshot.tensors.items():
+        writers = by_identity.get(_tensor_identity(tensor) or ())
+        if writers:
+            snapshot.stepped_by[name] = writers

@@ -4,9 +4,12 @@ The files are plain safetensors (an 8-byte little-endian header length, a JSON h
 each tensor's dtype, shape and byte range, then the raw bytes), so any safetensors reader
 opens them. They are written here rather than with ``safetensors.torch.save_file``
 because that function first builds the whole file in memory, and a checkpoint writer must
-not hold a second copy of the training state: :func:`write_file` streams tensor by tensor,
-copying at most one tensor at a time off the device, and computes an xxh3-64 digest of the
-whole file and of each tensor on the bytes as they are written.
+not hold a second copy of the training state: :func:`write_file` streams tensor by tensor
+and computes an xxh3-64 digest of the whole file and of each tensor on the bytes as they
+are written. CPU tensors are written from their own memory. CUDA tensors pass through a
+:class:`_Ring` of two pinned buffers: the device-to-host copy of the next piece runs
+while the previous piece is hashed and written, so the copy engine and the disk work at
+once and a save holds at most two pieces (``_PIECE`` bytes each) of extra host memory.
 
 Tensors are laid out widest element first, so every tensor starts at an offset aligned to
 its element size (the header is padded to 8 bytes) and memory-mapped views are aligned.
@@ -17,6 +20,8 @@ against its digest before it is returned.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
 import ctypes
 import json
@@ -26,7 +31,7 @@ import queue
 import struct
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +57,7 @@ __all__ = [
 _CHUNK = 8 << 20
 _WRITEBACK_BYTES = 32 << 20  # start the disk writing after this many new bytes
 _HASH_AHEAD_BYTES = 1 << 20  # chunks from this size are hashed on a helper thread
+_PIECE = 32 << 20  # bytes of each of the two pinned buffers a save from a GPU passes through
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -216,7 +222,8 @@ def write_file(
                 _start_writeback(fd, flushed, written - flushed)
                 flushed = written
 
-        result = _emit(os.path.basename(path), items, writer, metadata, sink, progress)
+        with _ring_for([t for _, t in items]) as ring:
+            result = _emit(os.path.basename(path), items, writer, metadata, sink, progress, ring)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -268,6 +275,7 @@ def _emit(
     metadata: dict[str, str],
     sink: Callable[[memoryview], object],
     progress: Callable[[int], None] | None = None,
+    ring: _Ring | None = None,
 ) -> tuple[FileEntry, list[TensorEntry]]:
     items = layout(items)
     for key, tensor in items:
@@ -280,35 +288,203 @@ def _emit(
     entries: list[TensorEntry] = []
     # xxhash and write() both release the GIL: each chunk is hashed on a helper thread
     # while it is being written, which takes hashing off the save's critical path.
-    with _Hasher() as hasher:
-        for key, tensor in items:
-            host = _host_contiguous(tensor)
-            data = byte_view(host)
-            tensor_hash = xxhash.xxh3_64()
-            for start in range(0, len(data), _CHUNK):
-                chunk = data[start : start + _CHUNK]
-                if len(chunk) >= _HASH_AHEAD_BYTES:
-                    hasher.start((file_hash, tensor_hash), chunk)
-                    sink(chunk)
-                    hasher.wait()
-                else:  # handing a small chunk over would cost more than hashing it here
-                    _update((file_hash, tensor_hash), chunk)
-                    sink(chunk)
-                if progress is not None:
-                    progress(len(chunk))
-            entries.append(
-                TensorEntry(
-                    file=name,
-                    key=key,
-                    dtype=dtype_name(tensor.dtype, key),
-                    shape=tuple(tensor.shape),
-                    begin=offset,
-                    end=offset + len(data),
-                    digest=tensor_hash.hexdigest(),
+    blocks = _host_blocks(items, ring)
+    try:
+        with _Hasher() as hasher:
+            block = next(blocks, None)
+            for index, (key, tensor) in enumerate(items):
+                tensor_hash, length = xxhash.xxh3_64(), 0
+                while block is not None and block[0] == index:
+                    data = block[1]
+                    for start in range(0, len(data), _CHUNK):
+                        chunk = data[start : start + _CHUNK]
+                        if len(chunk) >= _HASH_AHEAD_BYTES:
+                            hasher.start((file_hash, tensor_hash), chunk)
+                            sink(chunk)
+                            hasher.wait()
+                        else:  # handing a small chunk over would cost more than hashing it here
+                            _update((file_hash, tensor_hash), chunk)
+                            sink(chunk)
+                        if progress is not None:
+                            progress(len(chunk))
+                    length += len(data)
+                    block = next(blocks, None)  # only now may the ring reuse this buffer
+                entries.append(
+                    TensorEntry(
+                        file=name,
+                        key=key,
+                        dtype=dtype_name(tensor.dtype, key),
+                        shape=tuple(tensor.shape),
+                        begin=offset,
+                        end=offset + length,
+                        digest=tensor_hash.hexdigest(),
+                    )
                 )
-            )
-            offset += len(data)
+                offset += length
+    finally:
+        blocks.close()  # on failure: wait for copies in flight before the buffers are reused
     return FileEntry(name=name, size=offset, digest=file_hash.hexdigest(), writer=writer), entries
+
+
+def _host_blocks(
+    items: Sequence[tuple[str, torch.Tensor]], ring: _Ring | None
+) -> Iterator[tuple[int, memoryview]]:
+    """Each tensor's bytes in order, as ``(index in items, bytes)`` blocks on the host.
+
+    CPU tensors come as one view of their own memory (or through ``ring`` when it is
+    meant for them); device tensors through ``ring``. A ring block is valid until the
+    next block is asked for.
+    """
+    for index, (_, tensor) in enumerate(items):
+        if ring is not None and ring.takes(tensor):
+            yield from ring.pass_through(index, items[index:])
+            return
+        host = _host_contiguous(tensor)
+        if tensor_nbytes(host):
+            yield index, byte_view(host)
+
+
+def _device_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as a flat uint8 tensor on its own device."""
+    tensor = tensor.detach()
+    if tensor.is_conj():
+        tensor = tensor.resolve_conj()
+    if tensor.is_neg():
+        tensor = tensor.resolve_neg()
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+class _Ring:
+    """Two host buffers that tensors pass through on their way to the file.
+
+    While the caller hashes and writes one buffer, the other is being filled with the
+    next piece (an asynchronous device-to-host copy on a side stream of the tensor's
+    device, ordered after the work queued on its current stream). Rings are kept for
+    reuse (:func:`_ring_for`); a save that fails midway waits for its copies in flight,
+    so the buffers are reusable at once.
+    """
+
+    def __init__(self, pinned: bool, for_cpu: bool = False) -> None:
+        self.pinned, self.for_cpu, self.piece = pinned, for_cpu, _PIECE
+        self.buffers = [torch.empty(_PIECE, dtype=torch.uint8, pin_memory=pinned) for _ in "ab"]
+
+    def takes(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cuda or (self.for_cpu and tensor.device.type == "cpu")
+
+    def pass_through(
+        self, first: int, items: Sequence[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[int, memoryview]]:
+        """Blocks of every tensor of ``items`` (indexed from ``first``), double-buffered."""
+        streams: dict[torch.device, Any] = {}
+        in_flight: collections.deque[tuple[int, int, int, Any]] = collections.deque()
+        pieces = self._pieces(first, items)
+        try:
+            for slot in range(len(self.buffers)):
+                self._issue(next(pieces, None), slot, streams, in_flight)
+            while in_flight:
+                index, slot, length, event = in_flight.popleft()
+                if event is not None:
+                    event.synchronize()
+                yield index, byte_view(self.buffers[slot])[:length]
+                self._issue(next(pieces, None), slot, streams, in_flight)
+        finally:
+            for *_, event in in_flight:
+                if event is not None:
+                    event.synchronize()
+
+    def _pieces(
+        self, first: int, items: Sequence[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        for offset, (_, tensor) in enumerate(items):
+            if not self.takes(tensor):
+                flat = _host_contiguous(tensor).reshape(-1).view(torch.uint8)
+            else:
+                flat = _device_bytes(tensor)
+            for start in range(0, flat.numel(), self.piece):
+                yield first + offset, flat[start : start + self.piece]
+
+    def _issue(
+        self,
+        piece: tuple[int, torch.Tensor] | None,
+        slot: int,
+        streams: dict[torch.device, Any],
+        in_flight: collections.deque[tuple[int, int, int, Any]],
+    ) -> None:
+        if piece is None:
+            return
+        index, source = piece
+        length = source.numel()
+        target = self.buffers[slot][:length]
+        stream = None
+        if source.is_cuda:
+            if source.device not in streams:
+                streams[source.device] = _copy_stream(source.device)
+            stream = streams[source.device]
+        event = _copy_on(stream, target, source)
+        in_flight.append((index, slot, length, event))
+
+
+def _copy_stream(device: torch.device) -> Any:
+    """A side stream of CUDA ``device`` that starts after its current stream (else None)."""
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
+
+
+def _copy_on(stream: Any, target: torch.Tensor, source: torch.Tensor) -> Any:
+    """Copy ``source`` into ``target`` on ``stream`` (at once without one); its event."""
+    if stream is None:
+        target.copy_(source)
+        return None
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        target.copy_(source, non_blocking=True)
+        if source.is_cuda:  # a temporary: the allocator must not reuse it meanwhile
+            source.record_stream(stream)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
+
+
+_READ_THREADS = 4  # parallel reads of one piece when loading onto a GPU
+_read_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_read_pool_lock = threading.Lock()
+
+
+def _readers() -> concurrent.futures.ThreadPoolExecutor:
+    global _read_pool
+    with _read_pool_lock:
+        if _read_pool is None:
+            _read_pool = concurrent.futures.ThreadPoolExecutor(
+                _READ_THREADS, thread_name_prefix="ddpckpt-read"
+            )
+        return _read_pool
+
+
+_rings: list[_Ring] = []
+_rings_lock = threading.Lock()
+_RING_FOR_CPU = False  # tests route CPU tensors through the ring too
+
+
+@contextlib.contextmanager
+def _ring_for(tensors: Sequence[torch.Tensor]) -> Iterator[_Ring | None]:
+    """A ring if any of ``tensors`` must pass through one (kept for the next save)."""
+    pinned = any(t.is_cuda for t in tensors)
+    if not (pinned or _RING_FOR_CPU):
+        yield None
+        return
+    with _rings_lock:
+        found = next((r for r in _rings if r.pinned == pinned), None)
+        if found is not None:
+            _rings.remove(found)
+    ring = found or _Ring(pinned, for_cpu=_RING_FOR_CPU)
+    ring.for_cpu = _RING_FOR_CPU
+    try:
+        yield ring
+    finally:
+        with _rings_lock:
+            _rings.append(ring)
 
 
 def _update(hashes: Sequence[Any], chunk: memoryview) -> None:
@@ -360,7 +536,7 @@ def can_read_into(target: torch.Tensor, entry: TensorEntry) -> bool:
     """Whether :meth:`TensorFile.read_into` can fill ``target`` with ``entry``."""
     return (
         entry.nbytes > 0
-        and target.device.type == "cpu"
+        and (target.device.type == "cpu" or target.is_cuda)
         and target.is_contiguous()
         and _DTYPES_BY_NAME.get(entry.dtype) == target.dtype
         and tuple(target.shape) == tuple(entry.shape)
@@ -445,27 +621,82 @@ class TensorFile:
         return flat.view(dtype).reshape(entry.shape)
 
     def read_into(self, entry: TensorEntry, target: torch.Tensor) -> torch.Tensor:
-        """Read ``entry``'s bytes straight into ``target`` and verify them there; returns it.
+        """Read ``entry``'s bytes straight into ``target`` and verify them; returns it.
 
-        ``target`` must be a contiguous CPU tensor of the entry's dtype and shape (see
-        :func:`can_read_into`). One copy instead of mapping then copying; a checksum
-        mismatch raises :class:`CorruptCheckpointError` after ``target`` was written.
+        ``target`` must be a contiguous CPU or CUDA tensor of the entry's dtype and shape
+        (see :func:`can_read_into`). One copy instead of mapping then copying; a checksum
+        mismatch raises :class:`CorruptCheckpointError` after ``target`` was written. A
+        CUDA target is filled through two pinned buffers: each piece is read with parallel
+        reads and hashed while the previous one is copied to the device; work queued on
+        the device's current stream afterwards sees the data.
         """
+        if target.is_cuda or _RING_FOR_CPU:
+            with _ring_for([target]) as ring:
+                if ring is not None:  # always, for a CUDA tensor
+                    self._check_digest(entry, self._read_through(ring, entry, target))
+                    return target
         destination = byte_view(target)
         hasher = xxhash.xxh3_64()
         for start in range(0, len(destination), _CHUNK):
             chunk = destination[start : start + _CHUNK]
-            done = 0
-            while done < len(chunk):
-                count = os.preadv(self._fd, [chunk[done:]], entry.begin + start + done)
-                if count == 0:
-                    raise IncompleteCheckpointError(
-                        f"{self.path}: {entry.key} lies past the end of file"
-                    )
-                done += count
+            self._pread(entry, chunk, entry.begin + start)
             hasher.update(chunk)  # while the chunk is still in the CPU's cache
         self._check_digest(entry, hasher)
         return target
+
+    def _pread(self, entry: TensorEntry, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):
+            count = os.preadv(self._fd, [view[done:]], offset + done)
+            if count == 0:
+                raise IncompleteCheckpointError(
+                    f"{self.path}: {entry.key} lies past the end of file"
+                )
+            done += count
+
+    def _read_through(self, ring: _Ring, entry: TensorEntry, target: torch.Tensor) -> Any:
+        """Fill the CUDA tensor ``target`` with ``entry`` through ``ring``; the hash."""
+        destination = _device_bytes(target)  # a view: target is contiguous
+        hasher = xxhash.xxh3_64()
+        pieces = [
+            (s, min(ring.piece, entry.nbytes - s)) for s in range(0, entry.nbytes, ring.piece)
+        ]
+        landed: list[Any] = [None] * len(ring.buffers)
+        reads: list[list[Any]] = [[] for _ in ring.buffers]
+        stream = _copy_stream(target.device)
+
+        def start_read(index: int) -> None:
+            start, length = pieces[index]
+            slot = index % len(ring.buffers)
+            if landed[slot] is not None:  # its previous piece must be on the device
+                landed[slot].synchronize()
+            view = byte_view(ring.buffers[slot])[:length]
+            reads[slot] = [
+                _readers().submit(self._pread, entry, view[a : a + _CHUNK], entry.begin + start + a)
+                for a in range(0, length, _CHUNK)
+            ]
+
+        try:
+            start_read(0)
+            for index, (start, length) in enumerate(pieces):
+                if index + 1 < len(pieces):
+                    start_read(index + 1)
+                slot = index % len(ring.buffers)
+                for read in reads[slot]:
+                    read.result()
+                host = ring.buffers[slot][:length]
+                hasher.update(byte_view(host))
+                landed[slot] = _copy_on(stream, destination[start : start + length], host)
+        finally:  # nothing may still write into the buffers once they are handed back
+            for pending in reads:
+                for read in pending:
+                    read.exception()
+            for event in landed:
+                if event is not None:
+                    event.synchronize()
+            if stream is not None:  # later work on the current stream sees the data
+                torch.cuda.current_stream(target.device).wait_stream(stream)
+        return hasher
 
     def _check_digest(self, entry: TensorEntry, hasher: Any) -> None:
         if hasher.hexdigest() != entry.digest:

@@ -1,29 +1,53 @@
-"""Read-only tools over checkpoints: summarise, compare, export. All local (one process)."""
+"""Read-only tools over checkpoints: summarise, compare, export. All local (one process).
+
+Each takes a checkpoint directory; given anything else (a run directory, an empty or
+unrelated directory) it raises :class:`~ddpckpt.errors.CheckpointNotFoundError` saying what
+the path is and what was expected.
+"""
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .checkpoint import FileSource, load_state_dict
-from .errors import UnsupportedValueError
+from .checkpoint import FileSource, find_problems, load_state_dict
+from .errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedValueError,
+)
 from .manifest import Manifest, read_manifest
+from .rundir import describe_path
 from .storage import new_token, temp_dir_for
 from .tensorfile import write_file
 from .tree import JSON
 
-__all__ = ["TensorDiff", "diff", "export", "summary"]
+__all__ = ["DiffReport", "TensorDiff", "diff", "export", "open_manifest", "summary"]
+
+
+def open_manifest(path: str) -> Manifest:
+    """The manifest of the checkpoint at ``path``; a path that is no checkpoint at all gets
+    a :class:`CheckpointNotFoundError` naming what it is instead of "did not finish"."""
+    try:
+        return read_manifest(path)
+    except IncompleteCheckpointError:
+        what = describe_path(path)
+        if what is None:
+            raise
+        raise CheckpointNotFoundError(what) from None
 
 
 def summary(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A JSON-able description of a checkpoint: metadata, sections and every tensor."""
     path = os.fspath(path)
-    manifest = read_manifest(path)
+    manifest = open_manifest(path)
     sections: dict[str, Any] = {}
     for name, section in manifest.state.items():
         if name == "extra":
@@ -94,36 +118,140 @@ class TensorDiff:
 
 @dataclass
 class DiffReport:
+    """What :func:`diff` found. ``header``/``state`` hold ``(where, a, b)``; differences in
+    ignored sections are only counted, in ``ignored`` (section -> count)."""
+
     a: str
     b: str
     header: list[tuple[str, Any, Any]] = field(default_factory=list)
     tensors: list[TensorDiff] = field(default_factory=list)
     state: list[tuple[str, Any, Any]] = field(default_factory=list)
     identical_tensors: int = 0
+    verified: bool = False
+    ignored: dict[str, int] = field(default_factory=dict)
 
     @property
     def same(self) -> bool:
         return not (self.header or self.tensors or self.state)
 
+    def by_section(self) -> dict[str, int]:
+        """How many differences each section has (``step``, ``optimizer``, ``rng``, ...)."""
+        counts: dict[str, int] = {}
+        wheres = [w for w, _, _ in self.header + self.state] + [t.name for t in self.tensors]
+        for where in wheres:
+            section = section_of(where)
+            counts[section] = counts.get(section, 0) + 1
+        return counts
 
-def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> DiffReport:
+
+_HEADER_FIELDS = ("step", "epoch", "metrics", "world_size")
+_RANK_TENSOR = re.compile(r"^rank\d+$")
+
+
+def section_of(where: str) -> str:
+    """The section a difference lies in: a header field (``step``), a state section
+    (``model``, ``optimizer``, ``extra/ema``, ...) or a per-rank one (``rng``)."""
+    parts = where.split("/")
+    if parts[0] == "state":  # state/<section>/...
+        parts = parts[1:]
+    elif parts[0] == "ranks":  # ranks/<rank>/<section>/...
+        parts = parts[2:]
+    elif _RANK_TENSOR.match(parts[0]):  # the tensor rank<r>/<section>/...
+        parts = parts[1:]
+    if not parts:
+        return where
+    if parts[0] == "extra" and len(parts) > 1:
+        return f"extra/{parts[1]}"
+    return parts[0]
+
+
+def _sections(manifest: Manifest) -> set[str]:
+    found = {"rng", *_HEADER_FIELDS, *(section_of(f"state/{name}") for name in manifest.state)}
+    found |= {f"extra/{name}" for name in manifest.state.get("extra", {})}
+    found |= {section_of(name) for name in manifest.tensors}
+    for rank in manifest.ranks:
+        found |= {section_of(f"ranks/0/{key}") for key in rank}
+        found |= {f"extra/{name}" for name in rank.get("extra", {})}
+    return found
+
+
+def _check_intact(*paths: str) -> None:
+    problems = [(path, find_problems(path)) for path in paths]
+    bad = [(path, found) for path, found in problems if found]
+    if bad:
+        lines = [problem for _, found in bad for problem in found]
+        raise CorruptCheckpointError(
+            f"cannot compare: {' and '.join(path for path, _ in bad)} "
+            f"{'is' if len(bad) == 1 else 'are'} corrupt; its bytes no longer match its "
+            "checksums:\n  " + "\n  ".join(lines)
+        )
+
+
+def diff(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    ignore: Iterable[str] = (),
+    verify: bool = True,
+) -> DiffReport:
     """Compare two checkpoints: metadata, non-tensor state, and every tensor's values.
 
-    Tensors with equal checksums are not read; others are compared element-wise
-    (max absolute difference for floating tensors, count of differing elements).
+    With ``verify`` (the default) every byte of both is checked against its checksums first
+    and a corrupt side raises :class:`CorruptCheckpointError`; tensors with equal checksums
+    are then equal. Without it, the recorded checksums are trusted (nothing is read for equal
+    ones), so a file damaged since it was written can compare as identical. Differing
+    tensors are compared element-wise (count of differing elements, max absolute difference).
+
+    ``ignore`` names sections whose differences are only counted: header fields (``step``,
+    ``epoch``, ``metrics``, ``world_size``), state sections (``model``, ``optimizer``,
+    ``scheduler``, ``scaler``, ``extra`` or ``extra/NAME``) and ``rng`` (every rank's
+    generators). An unknown name raises :class:`ValueError` listing the known ones.
     """
     a, b = os.fspath(a), os.fspath(b)
-    ma, mb = read_manifest(a), read_manifest(b)
-    report = DiffReport(a, b)
-    for name in ("step", "epoch", "metrics", "world_size"):
+    ma, mb = open_manifest(a), open_manifest(b)
+    ignore = set(ignore)
+    known = _sections(ma) | _sections(mb)
+    unknown = ignore - known - {k.split("/")[0] for k in known}
+    if unknown:
+        raise ValueError(
+            f"nothing called {', '.join(sorted(unknown))} to ignore; these checkpoints have: "
+            f"{', '.join(sorted(known))}"
+        )
+    if verify:
+        _check_intact(a, b)
+    report = DiffReport(a, b, verified=verify)
+
+    def kept(where: str) -> bool:
+        section = section_of(where)
+        if any(section == name or section.startswith(f"{name}/") for name in ignore):
+            report.ignored[section] = report.ignored.get(section, 0) + 1
+            return False
+        return True
+
+    for name in _HEADER_FIELDS:
         va, vb = getattr(ma, name), getattr(mb, name)
-        if va != vb:
+        if va != vb and kept(name):
             report.header.append((name, va, vb))
-    report.state = list(_tree_diff("state", ma.state, mb.state))
-    report.state += list(_tree_diff("ranks", ma.ranks, mb.ranks))
+    state = list(_tree_diff("state", ma.state, mb.state))
+    state += list(_tree_diff("ranks", ma.ranks, mb.ranks))
+    report.state = [item for item in state if kept(item[0])]
     sa, sb = FileSource(a, ma), FileSource(b, mb)
     for name in sorted(set(ma.tensors) | set(mb.tensors)):
         ta, tb = ma.tensors.get(name), mb.tensors.get(name)
+        if (
+            ta is not None
+            and tb is not None
+            and (ta.digest, ta.shape, ta.dtype)
+            == (
+                tb.digest,
+                tb.shape,
+                tb.dtype,
+            )
+        ):
+            report.identical_tensors += 1
+            continue
+        if not kept(name):
+            continue
         if ta is None or tb is None:
             report.tensors.append(TensorDiff(name, "only in B" if ta is None else "only in A"))
         elif ta.shape != tb.shape:
@@ -132,8 +260,6 @@ def diff(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> DiffReport:
             )
         elif ta.dtype != tb.dtype:
             report.tensors.append(TensorDiff(name, "dtype", f"{ta.dtype} vs {tb.dtype}"))
-        elif ta.digest == tb.digest:
-            report.identical_tensors += 1
         else:
             report.tensors.append(_value_diff(name, sa.get(name), sb.get(name)))
     return report
@@ -186,12 +312,12 @@ def export(
     path, out = os.fspath(path), os.fspath(out)
     if not out.endswith((".safetensors", ".pt", ".pth")):
         raise ValueError(f"{out}: name the output *.safetensors or *.pt")
+    manifest = open_manifest(path)
     if os.path.exists(out) and not overwrite:
         raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
     tmp = temp_dir_for(out, new_token())
     try:
         if out.endswith(".safetensors"):
-            manifest = read_manifest(path)
             _export_safetensors(path, manifest, tmp)
         else:
             torch.save(load_state_dict(path), tmp)

@@ -6,8 +6,11 @@ cannot tell, so :func:`storage_domains` asks the file system: one rank per node 
 probe file, every such rank looks for the others', and ranks that see the same probes
 form one *storage domain*. ddpckpt writes one complete copy of a checkpoint per domain.
 
-``storage="shared"`` or ``"local"`` (or ``$DDPCKPT_STORAGE``) skips the probe:
-``"shared"`` puts all ranks in one domain, ``"local"`` makes one domain per node.
+``storage="shared"`` or ``"local"`` (or ``$DDPCKPT_STORAGE``) skips the probe and is
+honoured as given: ``"shared"`` puts all ranks in one domain, ``"local"`` makes one
+domain per node. Nodes are told apart by :func:`ddpckpt.comm.node_id` (host name and
+boot id); if that identity still collides (more ranks claim one machine than its
+``LOCAL_WORLD_SIZE``), ``"auto"`` and ``"local"`` refuse rather than mix machines.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Literal
 from .comm import Comm
 from .errors import CheckpointError
 
-__all__ = ["StorageMode", "resolve_storage_mode", "storage_domains"]
+__all__ = ["StorageMode", "colliding_nodes", "resolve_storage_mode", "storage_domains"]
 
 StorageMode = Literal["auto", "shared", "local"]
 _MODES = ("auto", "shared", "local")
@@ -42,6 +45,35 @@ def _by_node(comm: Comm) -> list[list[int]]:
     return list(groups.values())
 
 
+def colliding_nodes(nodes: list[list[int]], local_sizes: list[str | None]) -> list[list[int]]:
+    """The groups of ranks that claim one machine but hold more ranks than it runs.
+
+    ``local_sizes[rank]`` is that rank's ``LOCAL_WORLD_SIZE`` (set by torchrun and most
+    launchers: how many ranks its machine, or simulated node, runs), ``None`` if unset.
+    """
+    colliding = []
+    for ranks in nodes:
+        sizes = {int(s) for r in ranks if (s := local_sizes[r]) and s.isdigit()}
+        if sizes and len(ranks) > max(sizes):
+            colliding.append(ranks)
+    return colliding
+
+
+def _check_nodes(comm: Comm, nodes: list[list[int]], directory: str) -> None:
+    """Raise if node identities collide: grouping by node would then mix machines."""
+    local_sizes = comm.run_all("local-world", lambda: os.environ.get("LOCAL_WORLD_SIZE"))
+    colliding = colliding_nodes(nodes, local_sizes)
+    if colliding:
+        ranks = colliding[0]
+        raise CheckpointError(
+            f"{directory}: ranks {ranks} report the same machine ({comm.nodes[ranks[0]]}) but "
+            f"LOCAL_WORLD_SIZE says each machine runs {local_sizes[ranks[0]]}: several machines "
+            "share this identity (same host name, no boot id), so ddpckpt cannot tell which "
+            "ranks share a disk. Give the machines distinct host names, or pass "
+            "storage='shared' if this directory is one file system that every machine mounts"
+        )
+
+
 def _probe_name(directory: str, token: str, rank: int) -> str:
     return os.path.join(directory, f".probe-{rank}.tmp-{token}")
 
@@ -53,12 +85,15 @@ def storage_domains(comm: Comm, directory: str, mode: str | None = None) -> list
     sorted.
     """
     mode = resolve_storage_mode(mode)
-    nodes = _by_node(comm)
-    if len(nodes) == 1:
-        mode = "shared"  # ranks on one machine see the same file system
-    if comm.world_size == 1 or mode in ("local", "shared"):
+    everyone = [list(range(comm.world_size))]
+    if comm.world_size == 1 or mode == "shared":
         comm.run("mkdir", lambda: os.makedirs(directory, exist_ok=True))
-        return nodes if mode == "local" else [list(range(comm.world_size))]
+        return everyone
+    nodes = _by_node(comm)
+    _check_nodes(comm, nodes, directory)
+    if mode == "local" or len(nodes) == 1:  # ranks on one machine see the same file system
+        comm.run("mkdir", lambda: os.makedirs(directory, exist_ok=True))
+        return sorted(nodes, key=lambda d: d[0])
     probers = [ranks[0] for ranks in nodes]
     mine = _probe_name(directory, comm.token, comm.rank)
 

@@ -15,13 +15,21 @@ stored as a tensor), ``$tuple``, ``$dict`` (keys that are not plain strings),
 ``$odict``, ``$set``, ``$frozenset``, ``$float`` (nan/inf), ``$complex``, ``$bytes``,
 ``$npscalar``, ``$dtype``, ``$device``, ``$size``. A plain dict whose keys start with
 ``$`` is stored as ``$dict`` so it can never be mistaken for a tag.
+
+Format version 2 adds ``$counter`` (``collections.Counter``, e.g. ``MultiStepLR``'s
+milestones), ``$defaultdict`` (with a built-in default factory), ``$deque`` and ``$enum``.
+Decoding reconstructs only these known types: an enum member is looked up by name in its
+class, which must already be imported (loading never imports a module or calls a
+constructor that user code could define).
 """
 
 from __future__ import annotations
 
 import base64
+import enum
 import math
-from collections import OrderedDict
+import sys
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,6 +42,12 @@ __all__ = ["JSON", "decode", "encode"]
 JSON = Any  # a value json.dumps accepts: None, bool, int, float, str, list, dict[str, JSON]
 
 _SCALARS = (type(None), bool, int, str)
+
+# The only default factories a stored defaultdict may have: built-in types, never a lambda.
+_FACTORIES: dict[str, type] = {
+    t.__name__: t
+    for t in (list, dict, set, frozenset, tuple, int, float, complex, str, bytes, bool)
+} | {"OrderedDict": OrderedDict, "Counter": Counter, "deque": deque}
 
 
 def encode(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> JSON:
@@ -84,6 +98,17 @@ class _Encoder:
             return {"$size": list(value)}
         if kind is dict or kind is OrderedDict:
             return self._encode_mapping(value, path, ordered=kind is OrderedDict)
+        if kind is Counter:
+            return {"$counter": self._encode_pairs(value, path)}
+        if kind is defaultdict:
+            return {
+                "$defaultdict": [self._factory_name(value, path), self._encode_pairs(value, path)]
+            }
+        if kind is deque:
+            items = [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
+            return {"$deque": [items, value.maxlen]}
+        if isinstance(value, enum.Enum):
+            return {"$enum": _enum_reference(value, path)}
         if kind is set or kind is frozenset:
             items = [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
             return {"$set" if kind is set else "$frozenset": items}
@@ -108,11 +133,27 @@ class _Encoder:
         plain = not ordered and all(type(k) is str and not k.startswith("$") for k in value)
         if plain:
             return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
-        pairs = [
+        return {"$odict" if ordered else "$dict": self._encode_pairs(value, path)}
+
+    def _encode_pairs(self, value: Mapping[Any, Any], path: str) -> JSON:
+        return [
             [self.encode(k, f"{path}/<key {k!r}>"), self.encode(v, f"{path}/{k}")]
             for k, v in value.items()
         ]
-        return {"$odict" if ordered else "$dict": pairs}
+
+    @staticmethod
+    def _factory_name(value: defaultdict[Any, Any], path: str) -> str | None:
+        factory = value.default_factory
+        if factory is None:
+            return None
+        name = getattr(factory, "__name__", None)
+        if name in _FACTORIES and _FACTORIES[name] is factory:
+            return name
+        raise UnsupportedValueError(
+            f"{path}: cannot store a defaultdict whose default_factory is {factory!r} without "
+            f"pickle; use one of {', '.join(sorted(_FACTORIES))}, or store dict(value) and "
+            "rebuild the defaultdict in load_state_dict()."
+        )
 
     def _encode_numpy(self, value: Any, path: str) -> JSON:
         import numpy as np
@@ -163,7 +204,7 @@ class _Decoder:
         if tag == "$tuple":
             return tuple(self.decode(v) for v in arg)
         if tag in ("$dict", "$odict"):
-            pairs = [(self._decode_key(k), self.decode(v)) for k, v in arg]
+            pairs = self._decode_pairs(arg)
             return OrderedDict(pairs) if tag == "$odict" else dict(pairs)
         if tag == "$float":
             return float(arg)
@@ -191,10 +232,76 @@ class _Decoder:
 
             dtype_str, item = arg
             return np.dtype(dtype_str).type(self.decode(item))
-        raise self._bad(f"unknown tag {tag!r}")
+        return self._decode_collection(tag, arg)
+
+    def _decode_collection(self, tag: str, arg: JSON) -> Any:
+        if tag == "$counter":
+            return Counter(dict(self._decode_pairs(arg)))
+        if tag == "$defaultdict":
+            factory_name, pairs = arg
+            if factory_name is not None and factory_name not in _FACTORIES:
+                raise self._bad(f"defaultdict factory {factory_name!r} is not a built-in type")
+            factory = None if factory_name is None else _FACTORIES[factory_name]
+            return defaultdict(factory, self._decode_pairs(pairs))
+        if tag == "$deque":
+            items, maxlen = arg
+            return deque((self.decode(v) for v in items), maxlen)
+        if tag == "$enum":
+            return self._decode_enum(*arg)
+        raise self._bad(
+            f"unknown tag {tag!r}: the checkpoint was written by a newer ddpckpt; upgrade to load it"
+        )
+
+    def _decode_pairs(self, pairs: JSON) -> list[tuple[Any, Any]]:
+        return [(self._decode_key(k), self.decode(v)) for k, v in pairs]
+
+    def _decode_enum(self, module: str, qualname: str, name: str) -> enum.Enum:
+        where = f"{self.where}: " if self.where else ""
+        found = _find_enum(module, qualname)
+        if found is None:
+            raise UnsupportedValueError(
+                f"{where}the checkpoint holds a member of the enum {module}.{qualname}, which is "
+                f"not defined in this process: import {module} before loading (ddpckpt never "
+                "imports modules while loading)."
+            )
+        member = vars(found)["_member_map_"].get(name)
+        if member is None:
+            raise UnsupportedValueError(
+                f"{where}the enum {module}.{qualname} has no member {name!r} any more: the "
+                "checkpoint holds it; restore the member or convert the stored value."
+            )
+        return member
 
     def _decode_key(self, key: JSON) -> Any:
         value = self.decode(key)
         if isinstance(value, list):  # only hashable values can be keys; a list never is
             raise self._bad("a dict key or set member decodes to a list")
         return value
+
+
+def _find_enum(module: str, qualname: str) -> type[enum.Enum] | None:
+    """The enum class ``module.qualname`` if already imported; looks only in namespaces.
+
+    ``vars()`` lookups run no module ``__getattr__``, no import and no metaclass code; a
+    class with its own metaclass is refused, since its attribute access could run code.
+    """
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        if found is None:
+            return None
+        found = vars(found).get(part)
+    if isinstance(found, type) and type(found) is enum.EnumMeta and issubclass(found, enum.Enum):
+        return found
+    return None
+
+
+def _enum_reference(member: enum.Enum, path: str) -> JSON:
+    cls = type(member)
+    module, qualname, name = cls.__module__, cls.__qualname__, member.name
+    if _find_enum(module, qualname) is not cls or vars(cls)["_member_map_"].get(name) is not member:
+        raise UnsupportedValueError(
+            f"{path}: cannot store the enum value {member!r}: only members of enums defined at "
+            "module level (not inside a function, no custom metaclass, no combined flags) can "
+            "be stored without pickle; store member.value or member.name instead."
+        )
+    return [module, qualname, name]

@@ -25,16 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import xxhash
 
 from ._log import get_logger
 from .comm import Comm
+from .consistency import check_replicated
 from .errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointWriteError,
     InsufficientSpaceError,
-    StateMismatchError,
     UnsupportedValueError,
 )
 from .manifest import (
@@ -54,7 +53,7 @@ from .tensorfile import FileEntry, TensorEntry, deserialize, serialize, tensor_n
 from .topology import storage_domains
 from .tree import encode
 
-__all__ = ["WritePlan", "header_fields", "plan_write", "write_and_commit"]
+__all__ = ["WritePlan", "header_fields", "plan_write", "staging_share", "write_and_commit"]
 
 _log = get_logger(__name__)
 _FILE_METADATA = {"format": "pt", "writer": "ddpckpt"}
@@ -125,7 +124,7 @@ def plan_write(
     if comm.path is None:
         raise ValueError("plan_write needs a Comm opened with a path")
     path = comm.path
-    _check_replicated(comm, snapshot)
+    check_replicated(comm, snapshot)
     if domains is None:
         domains = storage_domains(comm, os.path.dirname(os.path.abspath(path)) or ".", storage)
     domain = next(d for d in domains if comm.rank in d)
@@ -164,6 +163,15 @@ def plan_write(
         rank_entries=rank_entries,
         foreign=foreign,
     )
+
+
+def staging_share(snapshot: Snapshot, domains: list[list[int]], rank: int) -> list[torch.Tensor]:
+    """The shared tensors ``rank`` would write for ``snapshot`` (as :func:`plan_write`
+    assigns them), for sizing its staging buffer before the first save; local."""
+    domain = next(d for d in domains if rank in d)
+    balanced = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items() if n in snapshot.balanced}
+    owners = {**dict.fromkeys(snapshot.tensors, domain[0]), **assign(balanced, domain)}
+    return [t for n, t in snapshot.tensors.items() if owners[n] == rank]
 
 
 def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
@@ -299,23 +307,6 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]]) -> None:
         with storage_errors(plan.path):
             raise
     _log.info("saved checkpoint %s (step %s, %d bytes)", plan.path, header["step"], manifest.nbytes)
-
-
-def _check_replicated(comm: Comm, snapshot: Snapshot) -> None:
-    """Every rank must hold the same shared tensors: each is written by one of them."""
-    if comm.world_size == 1:
-        return
-    layout = sorted((n, str(t.dtype), list(t.shape)) for n, t in snapshot.tensors.items())
-    digest = xxhash.xxh3_64(json.dumps(layout).encode()).hexdigest()
-    digests = comm.run_all("layout", lambda: digest)
-    differing = [r for r, d in enumerate(digests) if d != digests[0]]
-    if differing:
-        raise StateMismatchError(
-            f"ranks {differing} hold training state whose tensors differ (names, shapes or "
-            "dtypes) from rank 0's. ddpckpt.save stores DDP-replicated state once, so the "
-            "model, optimizer, scheduler, scaler and extra objects must be the same on every "
-            "rank; sharded state (FSDP, ZeRO) is not supported"
-        )
 
 
 @contextmanager

@@ -1,0 +1,20 @@
+"""Every error ddpckpt raises or documents can be caught by its public name."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import ddpckpt
+import ddpckpt.errors
+
+
+def test_every_error_class_and_every_documented_one_is_exported() -> None:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    documented = {
+        name for name in re.findall(r"\b([A-Z]\w*Error)\b", readme) if hasattr(ddpckpt.errors, name)
+    }
+    for name in set(ddpckpt.errors.__all__) | documented:
+        assert name in ddpckpt.__all__, f"ddpckpt.{name} is not exported"
+        assert getattr(ddpckpt, name) is getattr(ddpckpt.errors, name)
+        assert issubclass(getattr(ddpckpt, name), ddpckpt.CheckpointError)

@@ -1,0 +1,64 @@
+"""A plain ``pip install ddpckpt`` (no extras) runs the main job, ``ddpckpt demo``.
+
+Builds a fresh virtual environment with torch (pinned to the version running these tests)
+and this project without any extra, checks that no optional dependency is there, then runs
+the demo and the benchmark's up-front check as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONAL = ("numpy", "torchdata", "matplotlib", "safetensors", "tqdm")
+
+
+def run(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the installed copy only
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, check=False, env=env, **kwargs
+    )
+
+
+def test_plain_install_runs_the_demo_and_names_the_extra_bench_needs(tmp_path) -> None:
+    venv = tmp_path / "venv"
+    python, ddpckpt = venv / "bin" / "python", venv / "bin" / "ddpckpt"
+    torch_pin = f"torch=={torch.__version__.split('+')[0]}"  # never an unpinned torch
+    for step in (
+        [sys.executable, "-m", "venv", str(venv)],
+        [str(python), "-m", "pip", "install", "--quiet", "--no-compile", torch_pin],
+        [str(python), "-m", "pip", "install", "--quiet", "--no-compile", str(ROOT)],
+    ):
+        done = run(step, timeout=600)
+        assert done.returncode == 0, (
+            f"{' '.join(step)}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
+    check = f"import importlib.util as u; print([m for m in {OPTIONAL!r} if u.find_spec(m)])"
+    assert run([str(python), "-c", check], timeout=120).stdout.strip() == "[]"
+
+    demo = run(
+        [str(ddpckpt), "demo", "--steps", "20", "--out", str(tmp_path / "demo")],
+        timeout=600, cwd=tmp_path,
+    )  # fmt: skip
+    output = demo.stdout + demo.stderr
+    assert demo.returncode == 0, output[-4000:]
+    assert "Traceback" not in output
+    assert "bit-identical to reference  yes" in demo.stdout
+    assert "plot: not drawn: matplotlib is not installed (pip install 'ddpckpt[demo]')" in output
+
+    bench = run([str(ddpckpt), "bench", "--out", str(tmp_path / "bench")], timeout=300)
+    assert bench.returncode == 2 and "Traceback" not in bench.stderr
+    said = [line for line in bench.stderr.splitlines() if line.startswith("ddpckpt bench:")]
+    assert said == [
+        "ddpckpt bench: error: the benchmark needs safetensors (to compare against it) and "
+        "matplotlib (for results.png): pip install 'ddpckpt[bench]'"
+    ]
+    assert not (tmp_path / "bench").exists()

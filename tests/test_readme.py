@@ -1,0 +1,103 @@
+"""Every Python snippet in the README runs, copied literally, the way the README says to run it.
+
+Each ```python block is preceded by a marker comment saying how it runs:
+
+* ``<!-- readme-test: python -->``: ``python snippet.py`` in a fresh directory;
+* ``<!-- readme-test: torchrun N -->``: ``torchrun --nproc-per-node N snippet.py`` (gloo on CPU);
+* a trailing ``, twice``: run it again in the same directory (a restarted job), both must succeed;
+* ``<!-- readme-test: skip: REASON -->``: not run (only for the recipe the README warns against).
+
+A block without a marker fails this test, so a snippet cannot silently escape it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from launch import free_port
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+_BLOCK = re.compile(
+    r"(?:<!--\s*readme-test:\s*(?P<how>[^>]*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S
+)
+_HOW = re.compile(r"(?P<launcher>python|torchrun (?P<nproc>\d+))(?P<twice>, twice)?$")
+
+
+@dataclass(frozen=True)
+class Snippet:
+    line: int
+    how: str
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"README.md:{self.line}"
+
+
+def _snippets() -> list[Snippet]:
+    text = README.read_text()
+    return [
+        Snippet(text.count("\n", 0, m.start("code")), (m.group("how") or "").strip(), m["code"])
+        for m in _BLOCK.finditer(text)
+    ]
+
+
+SNIPPETS = _snippets()
+
+
+def test_the_readme_has_snippets_and_every_one_says_how_it_runs() -> None:
+    assert len(SNIPPETS) >= 4
+    unmarked = [s.id for s in SNIPPETS if not s.how]
+    assert not unmarked, f"add a <!-- readme-test: ... --> marker above {unmarked}"
+    for snippet in SNIPPETS:
+        if not snippet.how.startswith("skip:"):
+            assert _HOW.match(snippet.how), f"{snippet.id}: unknown marker {snippet.how!r}"
+
+
+def _command(snippet: Snippet, script: Path) -> list[str]:
+    match = _HOW.match(snippet.how)
+    assert match is not None
+    if match["launcher"] == "python":
+        return [sys.executable, str(script)]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    return [str(torchrun), f"--nproc-per-node={match['nproc']}", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", "--max-restarts=0", str(script)]  # fmt: skip
+
+
+def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1", "HOME": str(cwd)}  # fmt: skip
+    if "PYTHONPATH" in os.environ:  # a development checkout imported through PYTHONPATH
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    try:
+        return subprocess.run(
+            cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{cmd} hung for 240 s:\n{exc.stdout}\n{exc.stderr}") from None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "snippet",
+    [s for s in SNIPPETS if s.how and not s.how.startswith("skip:")],
+    ids=lambda s: s.id,
+)
+def test_readme_snippet_runs_as_written(snippet: Snippet, tmp_path: Path) -> None:
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet.code)
+    runs = 2 if snippet.how.endswith(", twice") else 1
+    for attempt in range(runs):
+        done = _run(_command(snippet, script), tmp_path)
+        assert done.returncode == 0, (
+            f"{snippet.id} (run {attempt + 1} of {runs}) failed with exit {done.returncode}:\n"
+            f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+        )
+        assert "Traceback" not in done.stderr, f"{snippet.id}: {done.stderr[-6000:]}"
