@@ -592,6 +592,54 @@ def scenario_evaluator(args, rank: int) -> dict[str, Any]:
     return {"loaded": loaded, "mismatched": mismatched, "changes": changes}
 
 
+def scenario_failed_async_asked_on_one_rank(args, rank: int) -> dict[str, Any]:
+    """A background save fails on every rank; only rank 0 asks its handle (or waits on its
+    Checkpointer). The next collective call must take the same path on both ranks."""
+    _model, ddp, opt, *_ = build(seed=0)
+    real = checkpoint_module.write_file
+
+    def full(path, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    checkpoint_module.write_file = full
+    pending = ddpckpt.save(os.path.join(args.ckpt, "a"), model=ddp, optimizer=opt,
+                           async_save=True, timeout=args.timeout)  # fmt: skip
+    if rank == 0:
+        asked = repr(pending.exception())  # the usual "log it on rank 0" pattern
+    checkpoint_module.write_file = real
+    outcomes: dict[str, Any] = {}
+    try:
+        ddpckpt.save(os.path.join(args.ckpt, "b"), model=ddp, optimizer=opt, timeout=args.timeout)
+        outcomes["next_save"] = "saved"
+    except ddpckpt.CheckpointError as exc:
+        outcomes["next_save"] = type(exc).__name__
+    ddpckpt.save(os.path.join(args.ckpt, "c"), model=ddp, optimizer=opt, timeout=args.timeout)
+    outcomes["third_save"] = ddpckpt.verify(os.path.join(args.ckpt, "c")).path
+
+    ckpt = ddpckpt.Checkpointer(os.path.join(args.ckpt, "run"), model=ddp, optimizer=opt,
+                                async_save=True, on_error="raise", retries=0,
+                                timeout=args.timeout)  # fmt: skip
+    checkpoint_module.write_file = full
+    ckpt.save(1)
+    if rank == 0:
+        try:
+            ckpt.wait()  # local: rank 0 alone learns of the failure here
+        except ddpckpt.CheckpointWriteError:
+            outcomes["rank0_wait"] = "raised"
+    checkpoint_module.write_file = real
+    try:
+        ckpt.save(2)
+        outcomes["checkpointer_next_save"] = "saved"
+    except ddpckpt.CheckpointError as exc:
+        outcomes["checkpointer_next_save"] = type(exc).__name__
+    ckpt.save(3)
+    ckpt.close()
+    outcomes["checkpointer_steps"] = ckpt.steps()
+    if rank == 0:
+        outcomes["asked"] = asked
+    return outcomes
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()

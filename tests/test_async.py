@@ -255,7 +255,7 @@ def test_a_failed_background_save_is_logged_even_if_nobody_waits(caplog) -> None
         persister._thread.join()
     assert "background save step-7 failed" in caplog.text
     with pytest.raises(ddpckpt.CheckpointWriteError):
-        persister.wait()
+        persister.raise_unseen()
 
 
 def test_overlap_fences_a_second_optimizer_passed_in_extra(ckpt_dir, monkeypatch) -> None:
@@ -341,3 +341,22 @@ def test_a_failure_seen_through_its_handle_is_not_raised_again(tmp_path, monkeyp
     assert p2.wait() == os.fspath(tmp_path / "b")
     assert isinstance(p1.exception(), ddpckpt.CheckpointWriteError)
     ddpckpt.release_async_buffers()
+
+
+@pytest.mark.distributed
+def test_a_background_failure_asked_on_one_rank_only_is_raised_on_every_rank(tmp_path) -> None:
+    """Rank 0 reads the failed save's handle (or waits on its Checkpointer), rank 1 does not:
+    the next save must fail on both ranks with the save's error, not leave rank 0 waiting
+    for rank 1 until the timeout and the ranks one collective call apart."""
+    from launch import torchrun
+
+    args = ["--ckpt", str(tmp_path / "ckpt"), "--timeout", "60"]
+    launch = torchrun("failed_async_asked_on_one_rank", tmp_path / "out", args=args).ok()
+    for rank in (0, 1):
+        result = launch.result(rank)
+        assert result["next_save"] == "CheckpointWriteError", result
+        assert result["third_save"].endswith("c"), result
+        assert result["checkpointer_next_save"] == "CheckpointWriteError", result
+        assert result["checkpointer_steps"] == [3], result
+    assert "ENOSPC" in launch.result(0)["asked"] or "No space" in launch.result(0)["asked"]
+    assert launch.result(0)["rank0_wait"] == "raised"

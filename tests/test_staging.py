@@ -315,3 +315,56 @@ def test_checkpointer_sizes_its_buffer_before_the_first_save(tmp_path) -> None:
         torch.equal(a, b)
         for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
     )
+
+
+def test_a_save_in_flight_keeps_its_buffer_when_a_later_step_would_size_one(
+    tmp_path, monkeypatch
+) -> None:
+    """Saved at step 0, before Adam has moments: the state grows by step 1, but sizing the
+    buffer ahead must not replace (and unpin) the one the background save is writing from."""
+    import ddpckpt.writing as writing
+
+    model = make_mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(
+        tmp_path / "run", model=model, optimizer=optimizer, async_save=True, every_steps=5
+    )
+    entered, opened = threading.Event(), threading.Event()
+    real = writing.write_file
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert opened.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writing, "write_file", held)
+    ckpt.save(0)  # no resume(): the first save sizes the buffer itself
+    assert entered.wait(30)
+    buffer = ckpt._pool._buffer
+    train_steps(model, optimizer, 1)  # the moments appear: the state is now larger
+    try:
+        assert not ckpt.should_save(1)
+        assert ckpt._pool._reserving is None and ckpt._pool._buffer is buffer
+    finally:
+        opened.set()
+    ckpt.close()
+    assert ckpt.steps() == [0]
+
+
+def test_sizing_ahead_never_makes_should_save_raise(tmp_path) -> None:
+    class Broken:
+        def state_dict(self):
+            raise TypeError("not today")
+
+        def load_state_dict(self, state):
+            pass
+
+    model = make_mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(tmp_path / "run", model=model, optimizer=optimizer, async_save=True,
+                        every_steps=5, extra={"broken": Broken()})  # fmt: skip
+    assert ckpt.resume() is None
+    assert not ckpt.should_save(1)  # the save itself reports the broken extra
+    with pytest.raises(TypeError, match="not today"):
+        ckpt.save(5)
+    ckpt.close()

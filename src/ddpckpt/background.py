@@ -9,10 +9,12 @@ writer process doing the same work (see BENCHMARKS.md).
 Each save has its own :class:`Completion`: its handle (:class:`PendingSave`) reports that
 save's outcome and nothing else. Saves stay ordered: the next one starts only after the
 previous one is done. The worker is not a daemon: an interpreter that exits with a save
-in flight finishes it first. A failure is logged when it happens; if nobody asked the
-failed save's handle for its outcome, the next :meth:`Persister.wait` (which every later
-save and load make first) raises it, once, on every rank (the error is the same on every
-rank, since the work is collective).
+in flight finishes it first. A failure is logged when it happens and is raised again by
+the next collective call (save or load) on **every** rank unless every rank has asked the
+failed save's handle: that call decides together (:meth:`Persister.raise_unseen` runs
+inside one of its collective steps), so ranks that looked at the handle and ranks that did
+not never take different paths. Local calls (:meth:`Persister.join`,
+:meth:`Persister.outcome`) report without deciding anything.
 """
 
 from __future__ import annotations
@@ -59,13 +61,18 @@ class Completion:
         self._finished.set()
 
     def _unseen_error(self) -> BaseException | None:
-        """The error, if nobody has been given it yet (and now they have)."""
+        """The error, if this rank has not been given it yet (and now it has)."""
         self._finished.wait()
         with self._lock:
             if self._seen:
                 return None
             self._seen = True
             return self._error
+
+    def _outcome(self) -> BaseException | None:
+        """The error, without marking it seen."""
+        self._finished.wait()
+        return self._error
 
 
 class Persister:
@@ -75,9 +82,15 @@ class Persister:
         self._thread: threading.Thread | None = None
         self.latest: Completion | None = None  # the most recently submitted job's
 
+    @property
+    def busy(self) -> bool:
+        """Whether a job is running now."""
+        return self._thread is not None and self._thread.is_alive()
+
     def submit(self, job: Callable[[], object], name: str) -> Completion:
-        """Start ``job`` once the previous one is done (raising its unseen error, if any)."""
-        self.wait()
+        """Start ``job`` once the previous one is done. The caller has already settled the
+        previous job's outcome (:meth:`raise_unseen` inside its collective call)."""
+        self.join()
         completion = Completion(name)
 
         def run() -> None:
@@ -96,15 +109,29 @@ class Persister:
         self._thread.start()
         return completion
 
-    def wait(self) -> None:
-        """Block until the job in flight is done; raise its error if nobody has seen it yet."""
+    def join(self) -> None:
+        """Block until the job in flight is done; local, raises nothing."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def raise_unseen(self) -> None:
+        """Raise the last job's error if this rank has not been given it yet.
+
+        Call it as (part of) a step of a collective call, so that every rank raises when
+        any rank does (see the module docstring).
+        """
+        self.join()
         if self.latest is not None:
             error = self.latest._unseen_error()
             if error is not None:
                 raise error
+
+    def outcome(self) -> BaseException | None:
+        """Block until the job in flight is done; the last job's error (seen or not), or
+        ``None``. Local: it marks nothing."""
+        self.join()
+        return None if self.latest is None else self.latest._outcome()
 
 
 class PendingSave:

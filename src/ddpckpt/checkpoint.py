@@ -141,22 +141,20 @@ def save(
     when storage fails. Returns the checkpoint's path (rank 0's).
     """
     overlap = async_mode(async_save, optimizer)
-    _PERSISTER.wait()
+    _PERSISTER.join()
     header = header_fields(step, epoch, metrics)
     comm = Comm.open("ddpckpt.save", path=os.fspath(path), timeout=timeout)
     handed_off = False
+
+    def settle_then_capture() -> Snapshot:
+        _PERSISTER.raise_unseen()  # in a collective step: every rank raises if one does
+        return capture(
+            model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, extra=extra,
+            rng=rng,
+        )  # fmt: skip
+
     try:
-        snapshot = comm.run(
-            "capture",
-            lambda: capture(
-                model=model,
-                optimizer=optimizer,
-                scheduler=scheduler,
-                scaler=scaler,
-                extra=extra,
-                rng=rng,
-            ),
-        )
+        snapshot = comm.run("capture", settle_then_capture)
         plan = plan_write(comm, snapshot, header, overwrite=overwrite, storage=storage)
         if not async_save:
             return write_and_commit(plan)
@@ -175,14 +173,14 @@ _PERSISTER = Persister()
 
 
 def release_async_buffers() -> None:
-    """Wait for the asynchronous save in flight (raising its error if it failed and its
-    handle was not asked), then free the host buffer that asynchronous saves reuse; the
-    next one allocates it again.
+    """Wait for the asynchronous save in flight, then free the host buffer that
+    asynchronous saves reuse; the next one allocates it again.
 
-    Local: any rank may call it at any time. A :class:`Checkpointer` has a buffer of its
-    own, which :meth:`Checkpointer.close` frees.
+    Local: any rank may call it at any time, and it raises nothing: a failed save is raised
+    by its handle and, on every rank, by the next save or load. A :class:`Checkpointer` has
+    a buffer of its own, which :meth:`Checkpointer.close` frees.
     """
-    _PERSISTER.wait()
+    _PERSISTER.join()
     _POOL.release()
 
 
@@ -209,7 +207,7 @@ def start_background(
 ) -> None:
     """Stage ``plan``'s tensors and persist them in the background; closes ``plan.comm``.
 
-    Call ``persister.wait()`` before: the pool's previous copies must be written. With
+    Call ``persister.join()`` before: the pool's previous copies must be written. With
     ``overlap`` the tensors that only known optimizers' ``step()`` writes (parameters and
     moments of ``optimizer`` and of every optimizer passed in ``extra``) are copied in the
     background too, and each of those optimizers' next ``step()`` waits for the copies;
@@ -346,8 +344,9 @@ def load(
     while copying may leave the objects partly updated: load another checkpoint.
     """
     path = os.fspath(path)
-    _PERSISTER.wait()
+    _PERSISTER.join()
     with Comm.open("ddpckpt.load", path=path, timeout=timeout) as comm:
+        comm.run("previous save", _PERSISTER.raise_unseen)  # every rank raises if one does
         path = comm.path or path
         manifest = locate(comm, path)
         objects = _Objects(model, optimizer, scheduler, scaler, extra)

@@ -192,6 +192,7 @@ class Checkpointer:
         self._pool = StagingPool()
         self._reserved = False  # whether the pool was sized ahead of the first save
         self._persister = Persister()
+        self._reported: BaseException | None = None  # a background failure wait() reported
         self._committed: int | None = None  # newest step known to be committed
         self._lock = RunLock(self.directory, lock_stale_after)
         self._domains: list[list[int]] | None = None
@@ -343,6 +344,8 @@ class Checkpointer:
         if not self.async_save or self._reserved or self._domains is None:
             return
         self._reserved = True
+        if self._persister.latest is not None:
+            return  # a save already sized the buffer, and may still be copying into it
         try:
             snapshot = capture(
                 model=self.model,
@@ -352,8 +355,8 @@ class Checkpointer:
                 extra=self.extra,
                 rng=False,
             )
-        except CheckpointError as exc:  # the save itself reports it; nothing to size then
-            _log.debug("%s: not sizing the staging buffer ahead: %s", self.directory, exc)
+        except Exception as exc:  # the save itself raises it; nothing to size until then
+            _log.debug("%s: not sizing the staging buffer ahead: %r", self.directory, exc)
             return
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank = torch.distributed.get_rank() if distributed else 0
@@ -457,9 +460,11 @@ class Checkpointer:
         """Block until every save started so far is durable; local.
 
         A background save that failed is then reported like a synchronous one: raised
-        with ``on_error="raise"``, logged with ``"warn"``.
+        with ``on_error="raise"``, logged with ``"warn"``. Being local, it decides nothing
+        for the other ranks: the next :meth:`save` or :meth:`resume` handles the failure on
+        every rank alike (with ``"raise"`` it raises there too).
         """
-        self._settle()
+        self._report_locally()
 
     def close(self) -> None:
         """Wait for saves in flight, free the asynchronous saves' host buffer and release
@@ -468,7 +473,7 @@ class Checkpointer:
             return
         self._closed = True
         try:
-            self._settle()
+            self._report_locally()
         finally:
             self._pool.release()
             self._lock.release()
@@ -564,11 +569,31 @@ class Checkpointer:
             return step()
 
     def _settle(self) -> None:
-        """Wait for the background save, and handle its failure as a synchronous one."""
+        """Wait for the background save, and handle its failure as a synchronous one.
+
+        Called at the start of collective methods only: every rank consumes the outcome at
+        the same call, so all ranks take the same path (see :mod:`ddpckpt.background`).
+        """
         try:
-            self._persister.wait()
+            self._persister.raise_unseen()
         except CheckpointWriteError as exc:
             self._failed(self._latest, exc)
+
+    def _report_locally(self) -> None:
+        """Wait for the background save; report its failure on this rank, deciding nothing."""
+        error = self._persister.outcome()
+        if not isinstance(error, CheckpointWriteError) or error is self._reported:
+            if error is not None and not isinstance(error, CheckpointWriteError):
+                raise error  # a bug, not storage: always raised
+            return
+        self._reported = error
+        if self.on_error == "raise":
+            raise error
+        _log.error(
+            "a background save failed and training goes on (on_error='warn'): %s",
+            error,
+            extra=same_on_every_rank(error),
+        )
 
     def _failed(self, step: int | None, exc: CheckpointWriteError) -> None:
         """Record a failed save; raise it (``on_error="raise"``) or log it loudly."""
@@ -577,6 +602,8 @@ class Checkpointer:
         self.failed_saves += 1
         if self.on_error == "raise":
             raise exc
+        if exc is self._reported:  # already logged by wait() on this rank
+            return
         newest = (
             f"still {self._path(self._committed)} (step {self._committed})"
             if self._committed is not None
