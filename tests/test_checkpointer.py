@@ -568,3 +568,31 @@ def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(tmp_path)
     assert result["mismatched"] == []  # each load is exactly the state the trainer saved
     assert result["changes"] == []  # no lock, nothing deleted, moved or written
     assert steps_on_disk(run) == [f"step-{steps - 1:08d}", f"step-{steps:08d}"]
+
+
+def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch) -> None:
+    """A full disk while taking the lock must not leave an empty .lock that blocks the
+    next start of the job."""
+    import ddpckpt.runlock as runlock
+
+    run = tmp_path / "run"
+    real_write = os.write
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    model = make_mlp()
+    monkeypatch.setattr(runlock.os, "write", full)
+    assert Checkpointer(run, model=model).save(1) is None  # on_error="warn": reported
+    monkeypatch.setattr(runlock.os, "write", real_write)
+    assert not (run / ".lock").exists()
+    with Checkpointer(run, model=model) as ckpt:
+        assert ckpt.save(1) is not None
+
+
+def test_a_fresh_empty_lock_is_explained(tmp_path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").write_bytes(b"")
+    with pytest.raises(ddpckpt.CheckpointLockedError, match="is empty: a job is creating it"):
+        Checkpointer(run, model=make_mlp()).save(1)

@@ -122,10 +122,19 @@ class RunLock:
             try:
                 os.write(fd, document)
                 os.fsync(fd)
+            except OSError:  # e.g. a full disk: leave no empty lock behind to block the next job
+                os.unlink(self.path)
+                raise
             finally:
                 os.close(fd)
             self._hold()
             return
+        if self._read() == {}:
+            raise CheckpointLockedError(
+                f"{self.path} is empty: a job is creating it right now, or one died while "
+                f"creating it. It is taken over once it is {_CREATING:.0f} s old; delete it if "
+                "no job uses this directory"
+            )
         raise CheckpointLockedError(f"{self.path}: could not take the lock (it keeps changing)")
 
     def _hold(self) -> None:
