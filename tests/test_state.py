@@ -227,3 +227,11 @@ def test_each_tensor_knows_which_optimizers_step_it() -> None:
     assert snapshot.stepped_by["optimizer/state/G.weight/exp_avg"] == [opt_g]
     d_moments = [n for n, w in snapshot.stepped_by.items() if n.startswith("extra/") and w]
     assert d_moments and all(snapshot.stepped_by[n] == [opt_d] for n in d_moments)
+
+
+def test_a_torch_sampler_in_extra_points_at_its_loader() -> None:
+    """torch's own DistributedSampler has no state: the message says to save the loader."""
+    dataset = torch.utils.data.TensorDataset(torch.arange(8.0))
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=0)
+    with pytest.raises(UnsupportedValueError, match=r"extra=\{'loader': loader\}"):
+        capture(model=make_mlp(), extra={"sampler": sampler}, rng=False)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from ._log import get_logger
-from .errors import StateMismatchError
+from .errors import StateMismatchError, UnsupportedValueError
 from .rng import capture_rng
 from .tree import JSON, decode, encode
 
@@ -718,6 +718,13 @@ def _capture_extra(extra: Mapping[str, Any], snapshot: Snapshot) -> None:
             if isinstance(obj, nn.Module):  # e.g. an EMA copy: its parameters are replicated
                 names = (f"{prefix}/{k}" for k, _ in obj.named_parameters(remove_duplicate=False))
                 snapshot.balanced.update(n for n in names if n in snapshot.tensors)
+        elif isinstance(obj, torch.utils.data.Sampler):
+            raise UnsupportedValueError(
+                f"{prefix}: a {type(obj).__qualname__} has no position of its own to save: "
+                "the DataLoader that iterates it knows what training consumed. Put that "
+                "loader in extra instead (extra={'loader': loader}); ddpckpt saves and "
+                "restores its position exactly"
+            )
         else:
             section[name] = {"kind": "value", "state": encode(obj, prefix, snapshot.tensors)}
     snapshot.state["extra"] = section

@@ -222,9 +222,9 @@ def _prepare(plan: WritePlan, tmp: str) -> bool:
         if free < needed:
             raise InsufficientSpaceError(
                 errno.ENOSPC,
-                f"{path}: the checkpoint needs about {needed / 2**30:.2f} GiB but only "
-                f"{free / 2**30:.2f} GiB are free there; free space (e.g. keep fewer "
-                "checkpoints) or save elsewhere. Nothing was written",
+                f"{path}: the checkpoint needs about {_readable(needed)} (with 1 MiB to "
+                f"spare) but only {_readable(free)} are free there; free space (e.g. keep "
+                "fewer checkpoints) or save elsewhere. Nothing was written",
             )
         os.mkdir(tmp)
     return False
@@ -323,3 +323,7 @@ def storage_errors(path: str) -> Iterator[None]:
             f"{path}: writing the checkpoint failed at {where}: {exc.strerror or exc}. Nothing "
             "was committed; earlier checkpoints are untouched",
         ) from exc
+
+
+def _readable(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
