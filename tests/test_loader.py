@@ -132,3 +132,17 @@ def test_a_sampler_generator_that_cannot_be_saved_is_refused(tmp_path) -> None:
     next(iterator)
     with pytest.raises(ddpckpt.InexactResumeError, match=r"Random.*torch\.Generator"):
         ddpckpt.save(tmp_path / "c", model=torch.nn.Linear(1, 1), extra={"loader": loader})
+
+
+def test_a_mid_epoch_state_without_the_draws_is_refused() -> None:
+    """A loader state saved before the random draws were recorded cannot replay its order."""
+    loader = own("random", 0)
+    iterator = iter(loader)
+    next(iterator)
+    state = {k: v for k, v in loader.state_dict().items() if k not in ("seed_draw", "order_draw")}
+    with pytest.raises(ddpckpt.StateMismatchError, match="earlier ddpckpt"):
+        own("random", 0).load_state_dict(state)
+    with pytest.raises(ddpckpt.StateMismatchError, match="1 generator"):
+        ddpckpt.track_loader(DataLoader(list(range(12)), batch_size=2)).load_state_dict(
+            loader.state_dict()
+        )

@@ -11,8 +11,9 @@ At a resume the next ``iter()`` over the saved epoch continues after the last yi
 batch: the batch sampler is fast-forwarded before any worker sees an index (skipped samples
 are never loaded), the workers get the saved base seed, and the sampler draws its order
 from the saved state whatever the new iterator drew before it. The global RNG is restored
-after each replayed draw, so the main random stream (dropout) is not shifted. A pass that had finished yields nothing when
-the loop restarts at the same epoch, and a fresh epoch when it restarts at the next one.
+after each replayed draw, so the main random stream (dropout) is not shifted. A pass that
+had finished yields nothing when the loop restarts at the same epoch, and a fresh epoch
+when it restarts at the next one.
 ``len(loader)`` is the number of batches the current pass has left at its start, and stays
 so until the next pass. A :class:`~ddpckpt.ResumableDistributedSampler` keeps the position
 itself; the loader sets it from the batches it yielded.
@@ -83,7 +84,7 @@ class _IndexStream:
         return self._counted(self.skip, self.loader._ddpckpt_now, self.replay)
 
     def _counted(
-        self, skip: int, record: dict[str, Any], replay: Mapping[str, Any] | None
+        self, skip: int, record: dict[str, Any] | None, replay: Mapping[str, Any] | None
     ) -> Iterator[Any]:
         # Everything happens at the first index taken: that is when the sampler draws its
         # order in the saved run, whatever the DataLoader's iterator drew before it.
@@ -91,7 +92,8 @@ class _IndexStream:
             return  # nothing left: the saved run drew nothing more here
         self.draws += 1
         if replay is None:
-            record["order_draw"] = _capture_draw(self.loader)
+            if record is not None:
+                record["order_draw"] = _capture_draw(self.loader)
             indices = iter(self.inner)
         else:
             main_rng = torch.get_rng_state()
@@ -209,10 +211,10 @@ class _Tracking:
             "batches": _pass_length(self),
             "position": 0 if record is None else record["position"],
             "finished": False,
-            "order_draw": None if record is None else record["order_draw"],
+            "order_draw": None if record is None else record.get("order_draw"),
         }
         self._ddpckpt_now = now
-        self._ddpckpt_stream.replay = None if record is None else record["order_draw"]
+        self._ddpckpt_stream.replay = now["order_draw"]
         # A new iterator draws the workers' base seed; persistent workers keep theirs.
         new_iterator = self._iterator is None or not self.persistent_workers
         try:
@@ -273,6 +275,14 @@ class _Tracking:
                 f"{type(self).__qualname__}.load_state_dict: not a ddpckpt loader state "
                 f"(keys: {sorted(state)})"
             )
+        if state["started"] and not state["finished"] and "seed_draw" not in state:
+            raise StateMismatchError(
+                f"{type(self).__qualname__}.load_state_dict: this mid-epoch loader state was "
+                "saved by an earlier ddpckpt that did not record the random states the order "
+                "was drawn from, so the order cannot be replayed. Resume from a checkpoint saved "
+                "after an epoch's loop ended, or leave the loader out of extra to start the epoch "
+                "over"
+            )
         generators = _sampler_generators(self)
         saved = state.get("sampler_generators", [])
         if len(saved) != len(generators):
@@ -290,7 +300,7 @@ class _Tracking:
             sampler.load_state_dict(state["sampler"])
         if "dataset" in state:
             self.dataset.load_state_dict(state["dataset"])
-        self._ddpckpt_resume = _upgraded(state) if state["started"] else None
+        self._ddpckpt_resume = dict(state) if state["started"] else None
         self._ddpckpt_stream.skip = 0
 
 
@@ -366,26 +376,13 @@ def _replay_iter(loader: Any, record: Mapping[str, Any], new_iterator: bool) -> 
     generator_before = None if generator is None else generator.get_state()
     draws = stream.draws
     with torch.random.fork_rng(devices=[]):
-        if new_iterator and record["seed_draw"] is not None:
+        if new_iterator and record.get("seed_draw") is not None:
             _restore_draw(loader, record["seed_draw"])  # the saved workers' base seed
             loader._ddpckpt_seed_draw = record["seed_draw"]
         inner = super(type(loader), loader).__iter__()
     if stream.draws == draws and generator_before is not None:
         generator.set_state(generator_before)  # the order draw (if any) sets it again
     return inner
-
-
-def _upgraded(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A loaded record; one saved before the draws were recorded replays iter() as it did."""
-    record = dict(state)
-    if "seed_draw" not in record:
-        record["seed_draw"] = {
-            "rng": record.pop("rng"),
-            "generator": record.pop("generator_rng", None),
-            "sampler_generators": [],
-        }
-        record["order_draw"] = None
-    return record
 
 
 class _FinishedPass:
