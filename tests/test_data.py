@@ -237,7 +237,9 @@ def test_tracked_loader_position_is_what_training_consumed(kind, workers, persis
         resumed_sampler.set_epoch(2)
     assert len(resumed) == len(full) - 4
     rest = []
-    torch.set_rng_state(state["rng"])  # anything: iter() must not draw from the main stream
+    torch.set_rng_state(
+        state["seed_draw"]["rng"]
+    )  # anything: iter() must not draw from the main stream
     before = torch.get_rng_state()
     for batch in resumed:
         assert len(resumed) == len(full) - 4  # fixed while the epoch is iterated

@@ -1,15 +1,19 @@
 """A ``torch.utils.data.DataLoader`` whose saved position is what training consumed.
 
 A tracked loader records, for its current pass (one ``iter()``): the batches yielded to the
-training loop, the sampler's epoch when the pass began, the random state ``iter()`` drew
-the workers' base seed (and a ``RandomSampler``'s seed) from, and whether the pass finished.
-Workers that prefetch ahead of training change none of it.
+training loop, the sampler's epoch when the pass began, whether the pass finished, and two
+random states: the one the workers' base seed was drawn from (for persistent workers, at
+their first pass) and the one the sampler drew its order from, at its first index (the
+global torch RNG, ``loader.generator`` and the sampler's own ``generator``). Workers that
+prefetch ahead of training change none of it.
 
 At a resume the next ``iter()`` over the saved epoch continues after the last yielded
 batch: the batch sampler is fast-forwarded before any worker sees an index (skipped samples
-are never loaded), and ``iter()`` draws from the saved random state inside a fork, so the
-main random stream (dropout) is not shifted. A pass that had finished yields nothing when
-the loop restarts at the same epoch, and a fresh epoch when it restarts at the next one.
+are never loaded), the workers get the saved base seed, and the sampler draws its order
+from the saved state whatever the new iterator drew before it. The global RNG is restored
+after each replayed draw, so the main random stream (dropout) is not shifted. A pass that
+had finished yields nothing when the loop restarts at the same epoch, and a fresh epoch
+when it restarts at the next one.
 ``len(loader)`` is the number of batches the current pass has left at its start, and stays
 so until the next pass. A :class:`~ddpckpt.ResumableDistributedSampler` keeps the position
 itself; the loader sets it from the batches it yielded.
@@ -24,6 +28,7 @@ seen at a save cannot say what it already consumed: that save raises.
 from __future__ import annotations
 
 import gc
+import itertools
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -68,17 +73,39 @@ class _IndexStream:
         self.loader = loader
         self.skip = 0
         self.sizes: deque[int] = deque()  # indices per batch handed out, not yet yielded
+        self.replay: Mapping[str, Any] | None = None  # the saved order draw, for the next pass
+        self.draws = 0  # order draws so far (the sampler's first index of a pass)
 
     def __len__(self) -> int:
         return max(0, len(self.inner) - self.loader._planned_skip())
 
     def __iter__(self) -> Iterator[Any]:
         self.sizes.clear()
-        return self._counted(iter(self.inner), self.skip)
+        return self._counted(self.skip, self.loader._ddpckpt_now, self.replay)
 
-    def _counted(self, indices: Iterator[Any], skip: int) -> Iterator[Any]:
-        # Skipped lazily, where the first batch is taken, so that a sampler drawing its
-        # seed from the torch RNG (RandomSampler) draws in the same order as in the saved run.
+    def _counted(
+        self, skip: int, record: dict[str, Any] | None, replay: Mapping[str, Any] | None
+    ) -> Iterator[Any]:
+        # Everything happens at the first index taken: that is when the sampler draws its
+        # order in the saved run, whatever the DataLoader's iterator drew before it.
+        if skip and skip >= len(self.inner):
+            return  # nothing left: the saved run drew nothing more here
+        self.draws += 1
+        if replay is None:
+            if record is not None:
+                record["order_draw"] = _capture_draw(self.loader)
+            indices = iter(self.inner)
+        else:
+            main_rng = torch.get_rng_state()
+            try:
+                _restore_draw(self.loader, replay)
+                indices = iter(self.inner)
+                first = next(indices, _END)
+            finally:
+                torch.set_rng_state(main_rng)
+            if first is _END:
+                return
+            indices = itertools.chain([first], indices)
         for _ in range(skip):  # indices only: the skipped samples are never loaded
             if next(indices, _END) is _END:
                 return
@@ -99,11 +126,10 @@ class _IndexStream:
 class _TrackedIterator:
     """What ``iter(loader)`` returns: the DataLoader's iterator, counting what it yields."""
 
-    def __init__(self, loader: Any, inner: Any, pass_id: int, first_rng: Any) -> None:
+    def __init__(self, loader: Any, inner: Any, pass_id: int) -> None:
         self._loader = loader
         self._inner = inner
         self._pass_id = pass_id
-        self._first_rng = first_rng  # the torch RNG state the first next() draws from
 
     def __iter__(self) -> _TrackedIterator:
         return self
@@ -113,13 +139,7 @@ class _TrackedIterator:
 
     def __next__(self) -> Any:
         try:
-            if self._first_rng is None:
-                batch = next(self._inner)
-            else:
-                state, self._first_rng = self._first_rng, None
-                with torch.random.fork_rng(devices=[]):
-                    torch.set_rng_state(state)
-                    batch = next(self._inner)
+            batch = next(self._inner)
         except StopIteration:
             self._loader._pass_ended(self._pass_id)
             raise
@@ -141,6 +161,7 @@ class _Tracking:
         self.__dict__["_ddpckpt_pass"] = 0
         self.__dict__["_ddpckpt_now"] = None  # the current pass's record
         self.__dict__["_ddpckpt_resume"] = None  # a loaded record, applied at the next iter()
+        self.__dict__["_ddpckpt_seed_draw"] = None  # what the live workers' base seed came from
         sampler = _user_sampler(self)
         if isinstance(sampler, ResumableDistributedSampler):
             sampler._loader_tracked = True
@@ -188,27 +209,25 @@ class _Tracking:
         now = {
             "epoch": getattr(_user_sampler(self), "epoch", None),
             "batches": _pass_length(self),
-            "position": 0,
+            "position": 0 if record is None else record["position"],
             "finished": False,
-            "rng": torch.get_rng_state(),
-            "generator_rng": None if self.generator is None else self.generator.get_state(),
+            "order_draw": None if record is None else record.get("order_draw"),
         }
-        first_rng = None
-        if record is None:
-            inner = super(type(self), self).__iter__()  # the loader class that was tracked
-        else:  # replay iter()'s draws from the saved states, the main stream untouched
-            now.update({k: record[k] for k in ("position", "rng", "generator_rng")})
-            generator_before = None if self.generator is None else self.generator.get_state()
-            with torch.random.fork_rng(devices=[]):
-                torch.set_rng_state(record["rng"])
-                if self.generator is not None and record["generator_rng"] is not None:
-                    self.generator.set_state(record["generator_rng"])
-                inner = super(type(self), self).__iter__()
-                first_rng = torch.get_rng_state()
-            if record["finished"] and generator_before is not None:
-                self.generator.set_state(generator_before)  # the saved run drew nothing here
         self._ddpckpt_now = now
-        return _TrackedIterator(self, inner, self._ddpckpt_pass, first_rng)
+        self._ddpckpt_stream.replay = now["order_draw"]
+        # A new iterator draws the workers' base seed; persistent workers keep theirs.
+        new_iterator = self._iterator is None or not self.persistent_workers
+        try:
+            if record is None:
+                if new_iterator:
+                    self._ddpckpt_seed_draw = _capture_draw(self, samplers=False)
+                inner = super(type(self), self).__iter__()  # the loader class that was tracked
+            else:
+                inner = _replay_iter(self, record, new_iterator)
+        finally:
+            self._ddpckpt_stream.replay = None
+        now["seed_draw"] = self._ddpckpt_seed_draw
+        return _TrackedIterator(self, inner, self._ddpckpt_pass)
 
     def _yielded(self: Any, pass_id: int) -> None:
         if pass_id != self._ddpckpt_pass:
@@ -233,13 +252,15 @@ class _Tracking:
     def state_dict(self: Any) -> dict[str, Any]:
         """This rank's position: the record of the current pass (or of the one loaded)."""
         _refuse_untrackable(self)
+        _refuse_uncapturable_samplers(self)
         record = self._ddpckpt_resume or self._ddpckpt_now
         state: dict[str, Any] = {"started": record is not None}
         if record is not None:
-            keys = ("epoch", "batches", "position", "finished", "rng", "generator_rng")
-            state.update({k: record[k] for k in keys})
+            keys = ("epoch", "batches", "position", "finished", "seed_draw", "order_draw")
+            state.update({k: record.get(k) for k in keys})
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
+        state["sampler_generators"] = [g.get_state() for g in _sampler_generators(self)]
         sampler = _user_sampler(self)
         if _stateful(sampler):
             state["sampler"] = sampler.state_dict()
@@ -254,6 +275,24 @@ class _Tracking:
                 f"{type(self).__qualname__}.load_state_dict: not a ddpckpt loader state "
                 f"(keys: {sorted(state)})"
             )
+        if state["started"] and not state["finished"] and "seed_draw" not in state:
+            raise StateMismatchError(
+                f"{type(self).__qualname__}.load_state_dict: this mid-epoch loader state was "
+                "saved by an earlier ddpckpt that did not record the random states the order "
+                "was drawn from, so the order cannot be replayed. Resume from a checkpoint saved "
+                "after an epoch's loop ended, or leave the loader out of extra to start the epoch "
+                "over"
+            )
+        generators = _sampler_generators(self)
+        saved = state.get("sampler_generators", [])
+        if len(saved) != len(generators):
+            raise StateMismatchError(
+                f"{type(self).__qualname__}.load_state_dict: the saved DataLoader's samplers "
+                f"had {len(saved)} generator(s) of their own, this one's have {len(generators)}: "
+                "build the loader (sampler, generator=) as in the saved run"
+            )
+        for generator, generator_state in zip(generators, saved, strict=True):
+            generator.set_state(generator_state)
         if self.generator is not None and state.get("generator") is not None:
             self.generator.set_state(state["generator"])
         sampler = _user_sampler(self)
@@ -281,6 +320,69 @@ def _check_same_pass(loader: Any, record: Mapping[str, Any]) -> None:
             f"position ({record['position']} batches) means nothing here. To resume on another "
             "world size, order the data with ddpckpt.ResumableDistributedSampler"
         )
+
+
+def _sampler_generators(loader: Any) -> list[torch.Generator]:
+    """The torch generators of the loader's (batch) sampler, other than ``loader.generator``."""
+    batch_sampler = loader.batch_sampler
+    found: list[torch.Generator] = []
+    for obj in (batch_sampler, getattr(batch_sampler, "sampler", None), loader.sampler):
+        generator = getattr(obj, "generator", None)
+        if not isinstance(generator, torch.Generator) or generator is loader.generator:
+            continue
+        if all(generator is not seen for seen in found):
+            found.append(generator)
+    return found
+
+
+def _refuse_uncapturable_samplers(loader: Any) -> None:
+    batch_sampler = loader.batch_sampler
+    for obj in (batch_sampler, getattr(batch_sampler, "sampler", None), loader.sampler):
+        generator = getattr(obj, "generator", None)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise InexactResumeError(
+                f"the DataLoader's {type(obj).__qualname__} draws its order from a "
+                f"{type(generator).__qualname__}, whose state ddpckpt cannot save, so a resumed "
+                "run would visit other samples. Give it a torch.Generator (generator="
+                "torch.Generator().manual_seed(seed)) or use ddpckpt.ResumableDistributedSampler"
+            )
+
+
+def _capture_draw(loader: Any, *, samplers: bool = True) -> dict[str, Any]:
+    """The random states the loader's next draw comes from."""
+    generator = loader.generator
+    return {
+        "rng": torch.get_rng_state(),
+        "generator": None if generator is None else generator.get_state(),
+        "sampler_generators": (
+            [g.get_state() for g in _sampler_generators(loader)] if samplers else []
+        ),
+    }
+
+
+def _restore_draw(loader: Any, draw: Mapping[str, Any]) -> None:
+    """Set the states ``draw`` captured (the caller restores the global RNG afterwards)."""
+    torch.set_rng_state(draw["rng"])
+    if loader.generator is not None and draw["generator"] is not None:
+        loader.generator.set_state(draw["generator"])
+    saved = draw["sampler_generators"]  # none for a base seed draw
+    for generator, state in zip(_sampler_generators(loader) if saved else [], saved, strict=True):
+        generator.set_state(state)
+
+
+def _replay_iter(loader: Any, record: Mapping[str, Any], new_iterator: bool) -> Any:
+    """``iter()`` as the saved pass drew it; the stream replays the sampler's draw."""
+    generator, stream = loader.generator, loader._ddpckpt_stream
+    generator_before = None if generator is None else generator.get_state()
+    draws = stream.draws
+    with torch.random.fork_rng(devices=[]):
+        if new_iterator and record.get("seed_draw") is not None:
+            _restore_draw(loader, record["seed_draw"])  # the saved workers' base seed
+            loader._ddpckpt_seed_draw = record["seed_draw"]
+        inner = super(type(loader), loader).__iter__()
+    if stream.draws == draws and generator_before is not None:
+        generator.set_state(generator_before)  # the order draw (if any) sets it again
+    return inner
 
 
 class _FinishedPass:
