@@ -718,10 +718,13 @@ class Comm:
                         client.compare_set(watch.keys[r], b"", b"P")
             return
         ((source, key),) = watch.keys.items()
-        beat = self._beats(client, [source]).get(source)
-        if beat is not None and beat.failed:
-            client.compare_set(key, b"", client.get(self._key("failed", "all")))
+        # Rank 0's heartbeat record says "failed" only until its next call rewrites it, which
+        # can come within one period: the call's own failure key is what must be read.
+        failed = self._key("failed", "all")
+        if client.check([failed]):
+            client.compare_set(key, b"", client.get(failed))
             return
+        beat = self._beats(client, [source]).get(source)
         if watch.silent(source, beat.alive if beat else None, now, self.timeout):
             error = self._timeout_error([source], watch.tag)
             client.compare_set(key, b"", _encode_error(error))
