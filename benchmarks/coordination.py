@@ -2,7 +2,7 @@
 
 Each rank is a thread with its own TCPStore client (plus the second connection a call's
 heartbeat uses), all talking to one TCPStore server on 127.0.0.1, running ddpckpt's
-collectives through :class:`ddpckpt.comm.StoreGroup` (no ``torch.distributed`` set up).
+collectives through :class:`ddpckpt.dist.comm.StoreGroup` (no ``torch.distributed`` set up).
 Every store operation is counted per rank, with the bytes it moves through the server.
 
 For each N it reports, per collective: store operations per rank (mean, and the busiest
@@ -248,11 +248,11 @@ class Version:
 
 
 def load_version(revision: str | None) -> Version:
-    """The current ``ddpckpt.comm``, or ``comm.py`` as of git ``revision`` (as a sibling module)."""
-    import ddpckpt.comm
+    """The current ``ddpckpt.dist.comm``, or ``comm.py`` as of git ``revision`` (as a sibling module)."""
+    import ddpckpt.dist.comm
 
     if revision is None:
-        return Version("current", ddpckpt.comm)
+        return Version("current", ddpckpt.dist.comm)
     root = Path(__file__).resolve().parents[1]
     text = subprocess.run(
         ["git", "show", f"{revision}:src/ddpckpt/comm.py"],

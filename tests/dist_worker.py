@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
-import ddpckpt.writing as checkpoint_module
+import ddpckpt.io.writing as checkpoint_module
 
 
 class Counter:
@@ -399,7 +399,7 @@ def scenario_async_props(args, rank: int) -> dict[str, Any]:
 
 def scenario_wait_cycle(args, rank: int) -> dict[str, Any]:
     """Ranks waiting for each other (rank 0 in one exchange, rank 1 in another) must time out."""
-    from ddpckpt.comm import Comm
+    from ddpckpt.dist.comm import Comm
 
     outcomes = []
     for delay in (0.0, 1.55):  # 1.55 s used to keep both ranks alive forever

@@ -6,21 +6,8 @@ no pickle, every byte checksummed, committed atomically. ``save`` and ``load`` a
 collective under ``torch.distributed`` and work the same in a single process.
 """
 
-from ._version import __version__
-from .accumulation import GradientAccumulation
-from .catalog import latest
-from .checkpoint import (
-    CheckpointInfo,
-    PendingSave,
-    load,
-    load_state_dict,
-    release_async_buffers,
-    save,
-    verify,
-)
-from .checkpointer import Checkpointer
-from .data import ResumableDistributedSampler, SampleIndex, SeededDataset
-from .errors import (
+from ddpckpt._version import __version__
+from ddpckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointLockedError,
@@ -38,8 +25,21 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from .loader import resumable_loader, track_loader
-from .state import PerRank
+from ddpckpt.io.checkpoint import (
+    CheckpointInfo,
+    PendingSave,
+    load,
+    load_state_dict,
+    release_async_buffers,
+    save,
+    verify,
+)
+from ddpckpt.run.catalog import latest
+from ddpckpt.run.checkpointer import Checkpointer
+from ddpckpt.state.capture import PerRank
+from ddpckpt.training.accumulation import GradientAccumulation
+from ddpckpt.training.data import ResumableDistributedSampler, SampleIndex, SeededDataset
+from ddpckpt.training.loader import resumable_loader, track_loader
 
 __all__ = [
     "CheckpointError",

@@ -1,0 +1,1 @@
+"""The ddpckpt command line and its local tools."""

@@ -1,0 +1,178 @@
+"""The DDP training job of ``ddpckpt demo`` (started by torchrun; see :mod:`ddpckpt.cli.demo`).
+
+    torchrun --nproc-per-node 2 -m ddpckpt.cli._demo_train --dir DIR --steps 200 --every 20
+
+A small network with dropout and BatchNorm learns a synthetic regression with AdamW, a
+warm-up + cosine schedule, a GradScaler, an EMA and gradient accumulation 2, reading
+shuffled, randomly augmented data through two loader workers (``resumable_loader``: a plain
+torch DataLoader whose position ddpckpt tracks; no torchdata needed). It checkpoints with a
+Checkpointer and resumes from the newest checkpoint whenever it (re)starts. Each rank
+appends ``{"step", "loss", "lr", "restart"}`` per optimizer step to
+``DIR/losses-rank<r>.jsonl``, the durations of its saves to ``DIR/saves-rank<r>.jsonl``,
+its process id to ``DIR/pid-rank<r>``, and digests of its final state to
+``DIR/final-rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import xxhash
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpckpt
+from ddpckpt.format.tensorfile import byte_view
+
+
+class Synthetic(torch.utils.data.Dataset):
+    """y = sin(2 x0) + x1 x2 + x3 / 2, fixed data, with random input noise on every access."""
+
+    def __init__(self, n: int = 4096) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 16, generator=g)
+        x = self.x
+        self.y = (torch.sin(2 * x[:, 0]) + x[:, 1] * x[:, 2] + 0.5 * x[:, 3]).unsqueeze(1)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[index] + 0.05 * torch.randn(16), self.y[index]
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    hasher = xxhash.xxh3_64()
+    for tensor in tensors:
+        flat = tensor.detach().cpu().contiguous()  # kept alive while its bytes are viewed
+        hasher.update(byte_view(flat))  # needs no numpy
+    return hasher.hexdigest()
+
+
+def _append(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", dest="run", required=True)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args()
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(
+        os.environ["LOCAL_WORLD_SIZE"]
+    )
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(1)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    with open(os.path.join(args.run, f"pid-rank{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = nn.Sequential(
+        nn.Linear(16, 128),
+        nn.BatchNorm1d(128),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(128, 128),
+        nn.ReLU(),
+        nn.Linear(128, 1),
+    ).to(device)
+    ddp = DDP(model, device_ids=[device.index] if cuda else None)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=1e-2)
+    warmup = max(1, args.steps // 10)
+
+    def schedule(step: int) -> float:  # linear warm-up, then cosine decay
+        return (
+            min(1.0, (step + 1) / warmup)
+            * 0.5
+            * (1 + math.cos(math.pi * min(step, args.steps) / args.steps))
+        )
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    scaler = torch.amp.GradScaler(device.type, init_scale=1024.0)
+    ema = torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99)
+    )
+    accumulation = ddpckpt.GradientAccumulation(ddp, steps=2)
+    data = Synthetic()
+    sampler = ddpckpt.ResumableDistributedSampler(data, shuffle=True, seed=0)
+    loader = ddpckpt.resumable_loader(
+        data, sampler=sampler, batch_size=32, num_workers=args.workers
+    )
+    torch.manual_seed(1000 + rank)  # each rank's own dropout stream
+
+    ckpt = ddpckpt.Checkpointer(
+        os.path.join(args.run, "checkpoints"), model=ddp, optimizer=optimizer, scheduler=scheduler,
+        scaler=scaler, extra={"ema": ema, "loader": loader, "accumulation": accumulation},
+        every_steps=args.every, keep_last=3, keep_best=1, monitor="loss",
+    )  # fmt: skip
+    info = ckpt.resume()
+    step, start_epoch = (info.step, info.epoch) if info else (0, 0)
+    losses = os.path.join(args.run, f"losses-rank{rank}.jsonl")
+    window = 0.0
+    for epoch in range(start_epoch, 1_000_000):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            with accumulation.context():
+                loss = nn.functional.mse_loss(ddp(x), y) / accumulation.steps
+                scaler.scale(loss).backward()
+            window += loss.item()
+            if not accumulation.step():
+                continue
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            scheduler.step()
+            ema.update_parameters(model)
+            step += 1
+            _append(
+                losses,
+                {
+                    "step": step,
+                    "loss": window,
+                    "lr": scheduler.get_last_lr()[0],
+                    "restart": restart,
+                },
+            )
+            if ckpt.should_save(step):
+                started = time.perf_counter()
+                ckpt.save(step, epoch=epoch, metrics={"loss": window})
+                _append(os.path.join(args.run, f"saves-rank{rank}.jsonl"),
+                        {"step": step, "seconds": time.perf_counter() - started})  # fmt: skip
+            window = 0.0
+            if step == args.steps:
+                break
+        if step == args.steps:
+            break
+    ckpt.close()
+    final = {
+        "model": _digest(list(model.state_dict().values())),
+        "optimizer": _digest(
+            [v for s in optimizer.state_dict()["state"].values() for v in s.values()]
+        ),
+        "ema": _digest(list(ema.state_dict().values())),
+        "scaler": scaler.state_dict(),
+        "lr": scheduler.get_last_lr(),
+    }
+    with open(os.path.join(args.run, f"final-rank{rank}.json"), "w") as f:
+        json.dump(final, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Coordination between ranks: store collectives, liveness, topology, who writes what, replication checks."""

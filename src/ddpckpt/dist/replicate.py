@@ -1,0 +1,134 @@
+"""Copy a checkpoint to the nodes whose storage lacks it.
+
+With node-local storage every node keeps its own copy; a node that was replaced (or whose
+disk was wiped) has none. Before loading, :func:`repair_copies` sends the files from one
+node that has the checkpoint to the first rank of every storage domain that lacks it, over
+a gloo process group, point to point. Each received file is hashed while written and
+checked against the manifest; the copy is committed atomically like any checkpoint. The
+node then loads its own copy, and keeps it for the next restart.
+
+Every rank calls :func:`repair_copies` (it is collective); ranks with nothing to send or
+receive only take part in the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import xxhash
+
+from ddpckpt._log import get_logger
+from ddpckpt.dist.comm import Comm
+from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from ddpckpt.dist.plan import assign
+from ddpckpt.storage.posix import commit_dir, remove_tree, temp_dir_for, write_bytes_new
+from ddpckpt.format.tensorfile import byte_view
+from ddpckpt.dist.topology import storage_domains
+
+__all__ = ["repair_copies"]
+
+_log = get_logger(__name__)
+_CHUNK = 16 << 20
+
+
+def repair_copies(comm: Comm, path: str, have: list[bool]) -> None:
+    """Give every storage domain lacking the checkpoint at ``path`` a verified copy.
+
+    ``have[r]`` says whether rank ``r`` can read a good copy (all with the same id).
+    """
+    domains = storage_domains(comm, os.path.dirname(os.path.abspath(path)) or ".")
+    complete = [d for d in domains if all(have[r] for r in d)]
+    if not complete or any(any(have[r] for r in d) and d not in complete for d in domains):
+        raise CorruptCheckpointError(
+            f"{path}: ranks that share storage disagree on whether the checkpoint exists "
+            f"(ranks with it: {[r for r, h in enumerate(have) if h]}; storage domains: {domains})"
+        )
+    source = complete[0]
+    receivers = [d[0] for d in domains if not any(have[r] for r in d)]
+    text = comm.broadcast(
+        "manifest", _read_text(path) if comm.rank == source[0] else None, src=source[0]
+    )
+    manifest = Manifest.from_json(text, path)
+    owners = assign({name: f.size for name, f in manifest.files.items()}, source)
+    group = comm.tensor_group(torch.device("cpu"))
+    tmp = temp_dir_for(path, comm.token)
+
+    def transfer() -> None:
+        if comm.rank in receivers:
+            os.makedirs(tmp)
+        for name in sorted(manifest.files):
+            sender = owners[name]
+            for receiver in receivers:
+                if comm.rank == sender:
+                    _send(os.path.join(path, name), manifest.files[name].size, receiver, group)
+                elif comm.rank == receiver:
+                    _receive(os.path.join(tmp, name), manifest, name, sender, group)
+        if comm.rank in receivers:
+            write_bytes_new(os.path.join(tmp, MANIFEST_NAME), text)
+            commit_dir(tmp, path, overwrite=True)
+            _log.warning(
+                "%s: this node had no copy of the checkpoint; received %d files (%d bytes) "
+                "from rank %d",
+                path,
+                len(manifest.files),
+                manifest.nbytes,
+                source[0],
+            )
+
+    try:
+        comm.run("repair", transfer)
+    finally:
+        if comm.rank in receivers:
+            remove_tree(tmp)
+
+
+def _read_text(path: str) -> bytes:
+    read_manifest(path)  # validate before sending
+    with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+        return f.read()
+
+
+def _send(path: str, size: int, receiver: int, group: object) -> None:
+    """Send the file in chunks of exactly the sizes :func:`_receive` expects."""
+    if os.path.getsize(path) != size:
+        raise CorruptCheckpointError(f"{path}: size differs from the manifest's {size} bytes")
+    chunk = torch.empty(_CHUNK, dtype=torch.uint8)
+    with open(path, "rb", buffering=0) as f:
+        remaining = size
+        while remaining:
+            n = min(remaining, _CHUNK)
+            view, filled = byte_view(chunk)[:n], 0
+            while filled < n:  # short reads happen on network file systems
+                got = f.readinto(view[filled:])
+                if not got:
+                    raise CorruptCheckpointError(f"{path}: ended early while being sent")
+                filled += got
+            dist.send(chunk[:n], dst=receiver, group=group)
+            remaining -= n
+
+
+def _receive(path: str, manifest: Manifest, name: str, sender: int, group: object) -> None:
+    entry = manifest.files[name]
+    hasher = xxhash.xxh3_64()
+    chunk = torch.empty(_CHUNK, dtype=torch.uint8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        remaining = entry.size
+        while remaining:
+            n = min(remaining, _CHUNK)
+            dist.recv(chunk[:n], src=sender, group=group)
+            data = byte_view(chunk)[:n]
+            hasher.update(data)
+            while data:
+                data = data[os.write(fd, data) :]
+            remaining -= n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if hasher.hexdigest() != entry.digest:
+        raise CorruptCheckpointError(
+            f"{path}: received copy of {name} does not match its checksum (sent by rank {sender})"
+        )

@@ -1,0 +1,127 @@
+"""Which ranks see the same storage at the checkpoint directory.
+
+A checkpoint directory is either *shared* (a parallel or network file system every node
+mounts) or *node-local* (each node's own disk under the same path). Host names alone
+cannot tell, so :func:`storage_domains` asks the file system: one rank per node writes a
+probe file, every such rank looks for the others', and ranks that see the same probes
+form one *storage domain*. ddpckpt writes one complete copy of a checkpoint per domain.
+
+``storage="shared"`` or ``"local"`` (or ``$DDPCKPT_STORAGE``) skips the probe and is
+honoured as given: ``"shared"`` puts all ranks in one domain, ``"local"`` makes one
+domain per node. Nodes are told apart by :func:`ddpckpt.dist.comm.node_id` (host name and
+boot id); if that identity still collides (more ranks claim one machine than its
+``LOCAL_WORLD_SIZE``), ``"auto"`` and ``"local"`` refuse rather than mix machines.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from ddpckpt.dist.comm import Comm
+from ddpckpt.errors import CheckpointError
+
+__all__ = ["StorageMode", "colliding_nodes", "resolve_storage_mode", "storage_domains"]
+
+StorageMode = Literal["auto", "shared", "local"]
+_MODES = ("auto", "shared", "local")
+
+
+def resolve_storage_mode(mode: str | None) -> StorageMode:
+    """``mode``, else ``$DDPCKPT_STORAGE``, else ``"auto"``; validated."""
+    source = "storage"
+    if mode is None:
+        mode = os.environ.get("DDPCKPT_STORAGE", "").strip() or "auto"
+        source = "DDPCKPT_STORAGE"
+    if mode not in _MODES:
+        raise ValueError(f"{source} must be one of {', '.join(_MODES)}; got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+def _by_node(comm: Comm) -> list[list[int]]:
+    groups: dict[str, list[int]] = {}
+    for rank, node in enumerate(comm.nodes):
+        groups.setdefault(node, []).append(rank)
+    return list(groups.values())
+
+
+def colliding_nodes(nodes: list[list[int]], local_sizes: list[str | None]) -> list[list[int]]:
+    """The groups of ranks that claim one machine but hold more ranks than it runs.
+
+    ``local_sizes[rank]`` is that rank's ``LOCAL_WORLD_SIZE`` (set by torchrun and most
+    launchers: how many ranks its machine, or simulated node, runs), ``None`` if unset.
+    """
+    colliding = []
+    for ranks in nodes:
+        sizes = {int(s) for r in ranks if (s := local_sizes[r]) and s.isdigit()}
+        if sizes and len(ranks) > max(sizes):
+            colliding.append(ranks)
+    return colliding
+
+
+def _check_nodes(comm: Comm, nodes: list[list[int]], directory: str) -> None:
+    """Raise if node identities collide: grouping by node would then mix machines."""
+    local_sizes = comm.run_all("local-world", lambda: os.environ.get("LOCAL_WORLD_SIZE"))
+    colliding = colliding_nodes(nodes, local_sizes)
+    if colliding:
+        ranks = colliding[0]
+        raise CheckpointError(
+            f"{directory}: ranks {ranks} report the same machine ({comm.nodes[ranks[0]]}) but "
+            f"LOCAL_WORLD_SIZE says each machine runs {local_sizes[ranks[0]]}: several machines "
+            "share this identity (same host name, no boot id), so ddpckpt cannot tell which "
+            "ranks share a disk. Give the machines distinct host names, or pass "
+            "storage='shared' if this directory is one file system that every machine mounts"
+        )
+
+
+def _probe_name(directory: str, token: str, rank: int) -> str:
+    return os.path.join(directory, f".probe-{rank}.tmp-{token}")
+
+
+def storage_domains(comm: Comm, directory: str, mode: str | None = None) -> list[list[int]]:
+    """Partition the ranks into groups that share storage at ``directory``. Collective.
+
+    Creates ``directory`` where missing. Returns the groups ordered by lowest rank, each
+    sorted.
+    """
+    mode = resolve_storage_mode(mode)
+    everyone = [list(range(comm.world_size))]
+    if comm.world_size == 1 or mode == "shared":
+        comm.run("mkdir", lambda: os.makedirs(directory, exist_ok=True))
+        return everyone
+    nodes = _by_node(comm)
+    _check_nodes(comm, nodes, directory)
+    if mode == "local" or len(nodes) == 1:  # ranks on one machine see the same file system
+        comm.run("mkdir", lambda: os.makedirs(directory, exist_ok=True))
+        return sorted(nodes, key=lambda d: d[0])
+    probers = [ranks[0] for ranks in nodes]
+    mine = _probe_name(directory, comm.token, comm.rank)
+
+    def write_probe() -> None:
+        os.makedirs(directory, exist_ok=True)
+        if comm.rank in probers:
+            with open(mine, "x"):
+                pass
+
+    comm.run("probe", write_probe)
+
+    def look() -> list[int] | None:
+        if comm.rank not in probers:
+            return None
+        return [r for r in probers if os.path.exists(_probe_name(directory, comm.token, r))]
+
+    seen = comm.run_all("look", look)
+    if comm.rank in probers:
+        os.unlink(mine)
+    visible = {rank: frozenset(seen[rank]) for rank in probers}
+    for rank, others in visible.items():
+        if rank not in others or any(visible[other] != others for other in others):
+            raise CheckpointError(
+                f"{directory}: nodes see inconsistent sets of each other's files "
+                f"({ {r: sorted(v) for r, v in visible.items()} }); pass storage='shared' or "
+                "storage='local' to say how this directory is shared"
+            )
+    domains: dict[frozenset[int], list[int]] = {}
+    for ranks in nodes:
+        domains.setdefault(visible[ranks[0]], []).extend(ranks)
+    return sorted((sorted(d) for d in domains.values()), key=lambda d: d[0])

@@ -1,0 +1,1 @@
+"""A run directory: the Checkpointer, save and retention policies, the directory layout and its lock."""

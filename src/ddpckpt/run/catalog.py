@@ -1,0 +1,68 @@
+"""Finding the newest checkpoint in a directory, without parsing names.
+
+For code that saves with :func:`ddpckpt.save` under names of its own choosing
+(``ckpt/step-{step}``, ``ckpt/epoch{epoch}``, ...); a :class:`~ddpckpt.Checkpointer` run
+directory works too. Local and read-only: any process may call it, also while a job
+saves into the directory.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ddpckpt.errors import CheckpointError
+from ddpckpt.format.manifest import Manifest, read_manifest
+from ddpckpt.storage.posix import is_temp_name
+
+__all__ = ["latest"]
+
+SET_ASIDE_MARK = ".corrupt-"  # step-N.corrupt-<token>: moved aside by Checkpointer.resume
+
+
+def latest(directory: str | os.PathLike[str]) -> str | None:
+    """The path of the newest committed checkpoint directly inside ``directory``, or ``None``.
+
+    Newest means the highest ``step`` recorded by ``save(..., step=)``; checkpoints saved
+    without a step count as older than any with one and are ordered by when they were
+    saved. Temporaries of unfinished saves, checkpoints moved aside as corrupt, and
+    directories whose manifest is missing, damaged or lists a file that is missing or of
+    the wrong size are skipped. The tensor data is verified when loaded (or by
+    :func:`ddpckpt.verify`). Local: call it on every rank before a collective ``load``,
+    or on rank 0 and broadcast the answer::
+
+        path = ddpckpt.latest("ckpt")
+        if path is not None:
+            info = ddpckpt.load(path, model=model, optimizer=optimizer)
+    """
+    directory = os.fspath(directory)
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return None
+    found: list[tuple[tuple[bool, int, float], str]] = []
+    for name in names:
+        if is_temp_name(name) or SET_ASIDE_MARK in name:
+            continue
+        path = os.path.join(directory, name)
+        manifest = _committed(path)
+        if manifest is not None:
+            step = manifest.step
+            found.append(((step is not None, step or 0, manifest.created), path))
+    return max(found)[1] if found else None
+
+
+def _committed(path: str) -> Manifest | None:
+    """The manifest of the checkpoint at ``path`` if it is one and its files are all there."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
+        return None
+    for name, file in manifest.files.items():
+        try:
+            if os.stat(os.path.join(path, name)).st_size != file.size:
+                return None
+        except OSError:
+            return None
+    return manifest

@@ -1,0 +1,1 @@
+"""Capturing and restoring training state: models, optimizers, plain objects, RNG streams."""

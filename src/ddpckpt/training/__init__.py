@@ -1,0 +1,1 @@
+"""Training-loop state that PyTorch does not checkpoint: data position, gradient accumulation."""

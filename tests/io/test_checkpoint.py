@@ -1,0 +1,604 @@
+"""save/load in one process: the whole training state, restored exactly; clear failures."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import pickle
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpckpt
+from conftest import TiedLM, make_mlp, train_steps
+from ddpckpt import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
+
+
+class Counter:
+    """A user object with state_dict/load_state_dict (e.g. a data position)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.history: list[int] = []
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen, self.history = state["seen"], list(state["history"])
+
+
+def training_state(seed: int = 0):
+    model = make_mlp(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3)
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    return model, opt, sched, scaler, ema, Counter()
+
+
+def step(model, opt, sched, scaler, ema, counter) -> float:
+    opt.zero_grad()
+    loss = model(torch.randn(6, 4)).pow(2).mean() * (1 + random.random()) * float(np.random.rand())
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    sched.step()
+    ema.update_parameters(model)
+    counter.seen += 6
+    counter.history.append(int(torch.randint(0, 100, ())))
+    return float(loss.detach())
+
+
+def assert_state_equal(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor):
+            assert x.dtype == y.dtype and torch.equal(x, y), key
+        elif isinstance(x, dict):
+            assert_state_equal(x, y)
+        else:
+            assert x == y, key
+
+
+def test_resumed_training_is_bit_identical(ckpt_dir) -> None:
+    objs = training_state()
+    for _ in range(4):
+        step(*objs)
+    model, opt, sched, scaler, ema, counter = objs
+    ddpckpt.save(
+        ckpt_dir, model=model, optimizer=opt, scheduler=sched, scaler=scaler,
+        extra={"ema": ema, "data": counter, "best": 0.5, "tag": ("a", 1)}, step=4, epoch=1,
+        metrics={"loss": torch.tensor(0.25)},
+    )  # fmt: skip
+    expected = [step(*objs) for _ in range(3)]
+
+    fresh = training_state(seed=1)
+    fresh_model, fresh_opt, fresh_sched, fresh_scaler, fresh_ema, fresh_counter = fresh
+    values = {"best": None, "tag": None}
+    info = ddpckpt.load(
+        ckpt_dir, model=fresh_model, optimizer=fresh_opt, scheduler=fresh_sched,
+        scaler=fresh_scaler, extra={"ema": fresh_ema, "data": fresh_counter, **values},
+    )  # fmt: skip
+    assert (info.step, info.epoch, info.metrics) == (4, 1, {"loss": 0.25})
+    assert info.extra == {"best": 0.5, "tag": ("a", 1)}
+    assert [step(*fresh) for _ in range(3)] == expected
+    assert_state_equal(fresh_model.state_dict(), model.state_dict())
+    assert_state_equal(fresh_opt.state_dict(), opt.state_dict())
+    assert fresh_sched.state_dict() == sched.state_dict()
+    assert fresh_scaler.state_dict() == scaler.state_dict()
+    assert_state_equal(fresh_ema.state_dict(), ema.state_dict())
+    assert fresh_counter.state_dict() == counter.state_dict()
+
+
+def test_plain_extra_values_are_written_back(ckpt_dir) -> None:
+    model = make_mlp()
+    ddpckpt.save(ckpt_dir, model=model, extra={"epoch_seen": 3, "t": torch.arange(3)})
+    extra = {"epoch_seen": 0, "t": None}
+    ddpckpt.load(ckpt_dir, model=model, extra=extra)
+    assert extra["epoch_seen"] == 3 and torch.equal(extra["t"], torch.arange(3))
+
+
+@pytest.mark.parametrize("target", ["plain", "DDP", "compile", "DDP(compile)"])
+def test_checkpoint_from_wrapped_model_loads_into_any_wrapping(
+    process_group, ckpt_dir, target
+) -> None:
+    source = make_mlp(seed=3)
+    ddpckpt.save(ckpt_dir, model=DDP(torch.compile(source, backend="eager")))
+    model = make_mlp(seed=4)
+    wrap = {"plain": lambda m: m, "DDP": DDP, "compile": lambda m: torch.compile(m, backend="eager"),
+            "DDP(compile)": lambda m: DDP(torch.compile(m, backend="eager"))}[target]  # fmt: skip
+    ddpckpt.load(ckpt_dir, model=wrap(model))
+    assert_state_equal(model.state_dict(), source.state_dict())
+
+
+def test_strict_mismatch_lists_every_difference_and_changes_nothing(ckpt_dir) -> None:
+    ddpckpt.save(ckpt_dir, model=make_mlp())
+    other = nn.Sequential(nn.Linear(4, 9), nn.BatchNorm1d(9), nn.ReLU())
+    other.add_module("extra", nn.Linear(2, 2))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(StateMismatchError) as caught:
+        ddpckpt.load(ckpt_dir, model=other)
+    message = str(caught.value)
+    assert "missing from the checkpoint (2): extra.weight, extra.bias" in message
+    assert "unexpected in the checkpoint (2): 3.weight, 3.bias" in message
+    assert "0.weight: checkpoint [8, 4], model [9, 4]" in message
+    assert_state_equal(other.state_dict(), before)
+
+
+def test_non_strict_loads_what_matches_and_warns(ckpt_dir, caplog) -> None:
+    source = make_mlp(seed=5)
+    ddpckpt.save(ckpt_dir, model=source)
+    target = make_mlp(seed=6)
+    target.add_module("head", nn.Linear(3, 1))
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        ddpckpt.load(ckpt_dir, model=target, strict=False)
+    assert "head.weight" in caplog.text and "strict=False" in caplog.text
+    assert torch.equal(target[0].weight, source[0].weight)
+
+
+def test_tied_weights_survive_and_stay_tied(ckpt_dir) -> None:
+    source = TiedLM()
+    with torch.no_grad():
+        source.embed.weight.mul_(3)
+    ddpckpt.save(ckpt_dir, model=source)
+    target = TiedLM()
+    ddpckpt.load(ckpt_dir, model=target)
+    assert target.head.weight is target.embed.weight
+    assert torch.equal(target.embed.weight, source.embed.weight)
+    weights = ddpckpt.load_state_dict(ckpt_dir)
+    assert weights["head.weight"] is weights["embed.weight"]
+
+
+class TwoLayers(nn.Module):
+    def __init__(self, reverse: bool) -> None:
+        super().__init__()
+        names = ["b", "a"] if reverse else ["a", "b"]
+        for name in names:  # definition order decides parameters() order
+            self.add_module(name, nn.Linear(3, 3))
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_optimizer_state_follows_parameter_names_not_positions(ckpt_dir) -> None:
+    source = TwoLayers(reverse=False)
+    opt = torch.optim.Adam(source.parameters(), lr=0.1)
+    train_steps_on(source, opt)
+    ddpckpt.save(ckpt_dir, model=source, optimizer=opt)
+    target = TwoLayers(reverse=True)
+    target_opt = torch.optim.Adam(target.parameters(), lr=0.1)
+    ddpckpt.load(ckpt_dir, model=target, optimizer=target_opt)
+    for name in ("a.weight", "b.weight"):
+        src = opt.state[dict(source.named_parameters())[name]]["exp_avg"]
+        dst = target_opt.state[dict(target.named_parameters())[name]]["exp_avg"]
+        assert torch.equal(src, dst), name
+    # torch's own positional load would have swapped them:
+    naive = torch.optim.Adam(target.parameters(), lr=0.1)
+    naive.load_state_dict(opt.state_dict())
+    assert not torch.equal(
+        naive.state[target.a.weight]["exp_avg"], opt.state[source.a.weight]["exp_avg"]
+    )
+
+
+def train_steps_on(model, opt) -> None:
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+
+
+def test_optimizer_name_and_shape_mismatches_are_errors(ckpt_dir) -> None:
+    source = TwoLayers(reverse=False)
+    opt = torch.optim.Adam(source.parameters())
+    train_steps_on(source, opt)
+    ddpckpt.save(ckpt_dir, model=source, optimizer=opt)
+    target = nn.Sequential()
+    target.add_module("a", nn.Linear(3, 3))
+    target.add_module("c", nn.Linear(3, 3))
+    with pytest.raises(
+        StateMismatchError,
+        match=r"(?s)optimizer.*missing from the checkpoint \(2\): c.weight, c.bias.*unexpected in the checkpoint \(2\): b.weight, b.bias",
+    ):
+        ddpckpt.load(
+            ckpt_dir, model=target, optimizer=torch.optim.Adam(target.parameters()), strict=False
+        )
+    with pytest.raises(StateMismatchError, match="not parameters of the model"):
+        ddpckpt.load(ckpt_dir, model=source, optimizer=torch.optim.Adam(target.parameters()))
+    two_groups = torch.optim.Adam(
+        [{"params": source.a.parameters()}, {"params": source.b.parameters()}]
+    )
+    with pytest.raises(StateMismatchError, match="1 param group"):
+        ddpckpt.load(ckpt_dir, model=source, optimizer=two_groups)
+
+
+OPTIMIZERS = {
+    "SGD-nesterov": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+    "Adam-amsgrad": lambda p: torch.optim.Adam(p, amsgrad=True),
+    "AdamW-foreach": lambda p: torch.optim.AdamW(p, foreach=True),
+    "AdamW-fused": lambda p: torch.optim.AdamW(p, fused=True),
+    "AdamW-tensor-lr": lambda p: torch.optim.AdamW(p, lr=torch.tensor(0.01)),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, momentum=0.5, centered=True),
+    "Adagrad": lambda p: torch.optim.Adagrad(p),
+    "NAdam": lambda p: torch.optim.NAdam(p, decoupled_weight_decay=True),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_optimizers_roundtrip_with_hyperparameter_types(ckpt_dir, name) -> None:
+    model = make_mlp()
+    opt = OPTIMIZERS[name](model.parameters())
+    train_steps(model, opt)
+    opt.param_groups[0]["note"] = ("tuple", 1)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    expected = copy.deepcopy(opt.state_dict())
+    train_steps(model, opt)  # the uninterrupted run goes on...
+    target = make_mlp(seed=1)
+    target_opt = OPTIMIZERS[name](target.parameters())
+    ddpckpt.load(ckpt_dir, model=target, optimizer=target_opt)  # ...the resumed one catches up
+    got = target_opt.state_dict()
+    assert_state_equal(got["state"], expected["state"])
+    for g_exp, g_got in zip(expected["param_groups"], got["param_groups"], strict=True):
+        assert g_got.keys() == g_exp.keys()
+        for key in g_exp:
+            assert type(g_got[key]) is type(g_exp[key]), key
+            if isinstance(g_exp[key], torch.Tensor):
+                assert torch.equal(g_got[key], g_exp[key])
+            else:
+                assert g_got[key] == g_exp[key], key
+    train_steps(target, target_opt)
+    assert_state_equal(target.state_dict(), model.state_dict())
+
+
+def test_restored_optimizer_state_is_private_memory(ckpt_dir) -> None:
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    target = make_mlp(1)
+    target_opt = torch.optim.Adam(target.parameters())
+    ddpckpt.load(ckpt_dir, model=target, optimizer=target_opt)
+    ddpckpt_path = ckpt_dir
+    for root, _, files in os.walk(ddpckpt_path):
+        for f in files:
+            os.unlink(os.path.join(root, f))  # the state must not depend on the files
+    train_steps(target, target_opt)
+    for state in target_opt.state.values():
+        state["exp_avg"].add_(1)  # writable, resizable ordinary tensors
+        assert state["exp_avg"].untyped_storage().resizable()
+
+
+def test_grad_scaler_state_is_exact(ckpt_dir) -> None:
+    model = make_mlp()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    ddpckpt.save(ckpt_dir, model=model, scaler=scaler)
+    target = torch.amp.GradScaler("cpu")
+    ddpckpt.load(ckpt_dir, model=make_mlp(), scaler=target)
+    assert target.state_dict() == scaler.state_dict()
+    assert target.state_dict()["_growth_tracker"] == 3
+
+
+def test_rng_streams_continue_exactly(ckpt_dir) -> None:
+    model = make_mlp()
+    ddpckpt.save(ckpt_dir, model=model)
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    ddpckpt.load(ckpt_dir, model=model)
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
+def test_rng_can_be_left_alone(ckpt_dir) -> None:
+    model = make_mlp()
+    ddpckpt.save(ckpt_dir, model=model, rng=False)
+    torch.manual_seed(5)
+    expected = torch.rand(2)
+    torch.manual_seed(5)
+    ddpckpt.load(ckpt_dir, model=model, rng=False)
+    assert torch.equal(torch.rand(2), expected)
+
+
+def test_objects_not_passed_are_left_alone(ckpt_dir) -> None:
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt, extra={"n": 1})
+    evaluation = make_mlp(seed=7)
+    ddpckpt.load(ckpt_dir, model=evaluation)  # a model alone, for evaluation
+    assert torch.equal(evaluation[0].weight, model[0].weight)
+
+
+def test_objects_passed_but_not_stored_are_errors_naming_them(ckpt_dir) -> None:
+    model = make_mlp()
+    ddpckpt.save(ckpt_dir, model=model, extra={"data": Counter(), "n": 1})
+    with pytest.raises(
+        StateMismatchError, match="passed optimizer= but the checkpoint has no optimizer"
+    ):
+        ddpckpt.load(ckpt_dir, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1))
+    with pytest.raises(StateMismatchError, match=r"extra\['ema'\] is not in the checkpoint"):
+        ddpckpt.load(ckpt_dir, model=model, extra={"ema": Counter()})
+    with pytest.raises(StateMismatchError, match=r"extra\['n'\] was saved as a plain value"):
+        ddpckpt.load(ckpt_dir, model=model, extra={"n": Counter()})
+
+
+def test_existing_checkpoint_is_not_overwritten_unless_asked(ckpt_dir) -> None:
+    first = make_mlp(seed=1)
+    ddpckpt.save(ckpt_dir, model=first, step=1)
+    with pytest.raises(CheckpointExistsError, match="overwrite=True"):
+        ddpckpt.save(ckpt_dir, model=make_mlp(seed=2), step=2)
+    assert ddpckpt.verify(ckpt_dir).step == 1
+    second = make_mlp(seed=2)
+    ddpckpt.save(ckpt_dir, model=second, step=2, overwrite=True)
+    assert ddpckpt.verify(ckpt_dir).step == 2
+    assert sorted(os.listdir(os.path.dirname(ckpt_dir))) == ["ckpt"]  # no temporaries left
+
+
+def flip_byte(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_a_failed_load_leaves_the_optimizer_as_it_was(ckpt_dir) -> None:
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    train_steps(model, opt)  # the live state now differs from the checkpoint
+    kept = opt.state_dict()  # holds the live state tensors themselves
+    before = {(i, k): v.clone() for i, s in kept["state"].items() for k, v in s.items()}
+    state_file = os.path.join(ckpt_dir, "state-00000.safetensors")
+    flip_byte(state_file, os.path.getsize(state_file) - 3)  # the last tensor read
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        ddpckpt.load(ckpt_dir, model=model, optimizer=opt)
+    after = opt.state_dict()["state"]
+    for (i, k), value in before.items():
+        assert torch.equal(after[i][k], value), (i, k)
+        assert torch.equal(kept["state"][i][k], value), (i, k)
+
+
+def test_bit_flip_is_caught_by_load_and_verify(ckpt_dir) -> None:
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    state_file = os.path.join(ckpt_dir, "state-00000.safetensors")
+    flip_byte(state_file, os.path.getsize(state_file) - 3)
+    with pytest.raises(CorruptCheckpointError, match=r"state-00000\.safetensors"):
+        ddpckpt.verify(ckpt_dir)
+    target = make_mlp()
+    with pytest.raises(
+        CorruptCheckpointError, match=r"state-00000\.safetensors: checksum mismatch"
+    ):
+        ddpckpt.load(ckpt_dir, model=target, optimizer=torch.optim.Adam(target.parameters()))
+    ddpckpt.load(ckpt_dir, model=make_mlp())  # the model file itself is intact
+
+
+def test_truncated_or_missing_files_are_reported(ckpt_dir) -> None:
+    ddpckpt.save(ckpt_dir, model=make_mlp())
+    model_file = os.path.join(ckpt_dir, "model-00000.safetensors")
+    os.truncate(model_file, os.path.getsize(model_file) // 2)
+    with pytest.raises(IncompleteCheckpointError, match=r"model-00000\.safetensors"):
+        ddpckpt.load(ckpt_dir, model=make_mlp())
+    os.unlink(model_file)
+    with pytest.raises(CorruptCheckpointError, match=r"model-00000\.safetensors.*missing"):
+        ddpckpt.verify(ckpt_dir)
+
+
+def test_loading_never_unpickles(ckpt_dir, monkeypatch) -> None:
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    train_steps(model, opt)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt, extra={"ema": Counter()})
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("pickle used while loading")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    target = make_mlp()
+    ddpckpt.load(
+        ckpt_dir,
+        model=target,
+        optimizer=torch.optim.AdamW(target.parameters()),
+        extra={"ema": Counter()},
+    )
+    ddpckpt.load_state_dict(ckpt_dir)
+
+
+def test_unstorable_value_fails_the_save_naming_key_and_leaves_nothing(ckpt_dir) -> None:
+    with pytest.raises(UnsupportedValueError, match="extra/hook/fn"):
+        ddpckpt.save(ckpt_dir, model=make_mlp(), extra={"hook": {"fn": len}})
+    assert (
+        not os.path.exists(os.path.dirname(ckpt_dir)) or os.listdir(os.path.dirname(ckpt_dir)) == []
+    )
+
+
+def test_failed_write_leaves_no_checkpoint_and_no_temporary(ckpt_dir, monkeypatch) -> None:
+    import ddpckpt.io.writing as checkpoint
+
+    real = checkpoint.write_file
+    calls = []
+
+    def failing(path, items, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", path)
+        return real(path, items, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write_file", failing)
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    with pytest.raises(ddpckpt.CheckpointWriteError, match="No space left") as caught:
+        ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    assert caught.value.errno == 28 and isinstance(caught.value, OSError)
+    assert os.listdir(os.path.dirname(ckpt_dir)) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_low_and_high_precision_models_roundtrip(ckpt_dir, dtype) -> None:
+    model = make_mlp().to(dtype)
+    model.register_buffer("scale8", torch.tensor([0.5, 2.0]).to(torch.float8_e4m3fn))
+    ddpckpt.save(ckpt_dir, model=model)
+    target = make_mlp(seed=3).to(dtype)
+    target.register_buffer("scale8", torch.zeros(2, dtype=torch.float8_e4m3fn))
+    ddpckpt.load(ckpt_dir, model=target)
+    assert_state_equal(target.state_dict(), model.state_dict())
+
+
+def test_load_state_dict_gives_plain_cpu_weights(ckpt_dir, process_group) -> None:
+    model = make_mlp()
+    ddpckpt.save(ckpt_dir, model=DDP(model))
+    weights = ddpckpt.load_state_dict(ckpt_dir)
+    assert all(not k.startswith("module.") for k in weights)
+    assert all(v.device.type == "cpu" for v in weights.values())
+    inference = make_mlp(seed=9)
+    inference.load_state_dict(weights)
+    assert_state_equal(inference.state_dict(), model.state_dict())
+
+
+def test_invalid_metadata_is_refused_before_anything_is_written(ckpt_dir) -> None:
+    with pytest.raises(TypeError, match="step must be a non-negative int"):
+        ddpckpt.save(ckpt_dir, model=make_mlp(), step=-1)
+    with pytest.raises(UnsupportedValueError, match="metrics"):
+        ddpckpt.save(ckpt_dir, model=make_mlp(), metrics={"loss": [1, 2]})
+    assert not os.path.exists(ckpt_dir)
+
+
+def test_user_journey_compiled_ddp_to_plain_cpu_export_and_import(process_group, tmp_path) -> None:
+    """Issue 2's journey: save DDP(compile(model)) + AdamW + scheduler + GradScaler, load into a
+    plain CPU model, export for inference, import an old torch.save checkpoint."""
+    model = make_mlp(seed=11)
+    wrapped = DDP(torch.compile(model, backend="eager"))
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    scaler = torch.amp.GradScaler("cpu")
+    train_steps(wrapped, opt, scheduler=sched)
+    path = ddpckpt.save(
+        tmp_path / "run", model=wrapped, optimizer=opt, scheduler=sched, scaler=scaler, step=3
+    )
+
+    plain = make_mlp(seed=12)
+    plain_opt = torch.optim.AdamW(plain.parameters())
+    plain_sched = torch.optim.lr_scheduler.OneCycleLR(plain_opt, max_lr=1e-2, total_steps=10)
+    ddpckpt.load(
+        path,
+        model=plain,
+        optimizer=plain_opt,
+        scheduler=plain_sched,
+        scaler=torch.amp.GradScaler("cpu"),
+    )
+    assert_state_equal(plain.state_dict(), model.state_dict())
+    assert plain_sched.get_last_lr() == sched.get_last_lr()
+
+    from ddpckpt.cli.tools import export
+
+    weights = torch.load(export(path, os.fspath(tmp_path / "model.pt")), weights_only=True)
+    assert_state_equal(weights, model.state_dict())
+
+    from ddpckpt.format.legacy import import_checkpoint
+
+    torch.save(
+        {"state_dict": wrapped.state_dict(), "optimizer": opt.state_dict(), "epoch": 1},
+        tmp_path / "old.pth",
+    )
+    imported, _ = import_checkpoint(tmp_path / "old.pth", tmp_path / "imported")
+    fresh = make_mlp(seed=13)
+    ddpckpt.load(imported, model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()))
+    assert_state_equal(fresh.state_dict(), model.state_dict())
+
+
+MEMORY_PROBE = """
+import os, resource, sys, torch, ddpckpt
+params = [torch.nn.Parameter(torch.randn(4 << 20)) for _ in range(8)]  # 128 MiB
+model = torch.nn.ParameterList(params)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ddpckpt.save(sys.argv[1], model=model)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) * 1024, sum(p.numel() * 4 for p in params))
+"""
+
+
+@pytest.mark.slow
+def test_saving_streams_with_bounded_extra_memory(ckpt_dir) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, ckpt_dir],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    extra, state = map(int, result.stdout.split())
+    assert extra < state * 0.15, f"peak RSS grew by {extra} bytes saving {state} bytes"
+
+
+def test_progress_counts_every_byte_saved_and_loaded(ckpt_dir, monkeypatch) -> None:
+    import ddpckpt.io.checkpoint as checkpoint
+
+    seen: dict[str, list[int]] = {}
+
+    class Recorder:
+        def __init__(self, description: str, total: int) -> None:
+            self.key = description.split()[0]
+            seen[self.key] = [total, 0]
+
+        def update(self, n: int) -> None:
+            seen[self.key][1] += n
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            pass
+
+    import ddpckpt.io.writing as writing
+
+    monkeypatch.setattr(checkpoint, "Progress", Recorder)
+    monkeypatch.setattr(writing, "Progress", Recorder)
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    assert seen["saving"][0] == seen["saving"][1] > 0
+    ddpckpt.load(ckpt_dir, model=model, optimizer=opt)
+    assert 0 < seen["loading"][1] <= seen["loading"][0]
+
+
+def test_progress_bar_only_on_a_terminal_and_not_when_disabled(monkeypatch) -> None:
+    from ddpckpt import progress
+
+    monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: True, raising=False)
+    assert progress._wanted()
+    monkeypatch.setenv("DDPCKPT_PROGRESS", "0")
+    assert not progress._wanted()
+    monkeypatch.setenv("DDPCKPT_PROGRESS", "1")
+    monkeypatch.setenv("RANK", "3")
+    assert not progress._wanted()

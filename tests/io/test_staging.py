@@ -1,0 +1,370 @@
+"""Staging host copies: per-device CUDA ordering (with a stand-in for torch.cuda), fences
+waited on from several threads, buffers allocated ahead of the first save."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+import ddpckpt
+import ddpckpt.io.staging as staging
+from conftest import make_mlp, train_steps
+from ddpckpt import Checkpointer
+from ddpckpt.io.staging import Fence, StagingPool, by_device, staged_nbytes
+
+
+class FakeCuda:
+    """Records which device and stream each CUDA call of the staging code runs under."""
+
+    def __init__(self) -> None:
+        self.device_now = 0
+        self.current: dict[int, FakeStream] = {}
+        self.log: list[tuple] = []
+
+    @contextlib.contextmanager
+    def device(self, device: torch.device):
+        previous, self.device_now = self.device_now, device.index
+        try:
+            yield
+        finally:
+            self.device_now = previous
+
+    def current_stream(self, device: torch.device | None = None) -> FakeStream:
+        index = self.device_now if device is None else device.index
+        return self.current.setdefault(index, FakeStream(self, index, "default"))
+
+    def Stream(self, device: torch.device) -> FakeStream:
+        return FakeStream(self, device.index, f"side{len(self.log)}")
+
+    @contextlib.contextmanager
+    def stream(self, stream: FakeStream):
+        previous = self.current_stream(torch.device("cuda", stream.device))
+        self.current[stream.device] = stream
+        try:
+            yield
+        finally:
+            self.current[stream.device] = previous
+
+    def Event(self) -> FakeEvent:
+        return FakeEvent(self)
+
+
+class FakeStream:
+    def __init__(self, cuda: FakeCuda, device: int, name: str) -> None:
+        self.cuda, self.device, self.name = cuda, device, name
+        self.waits_for: list[object] = []
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.waits_for.append(other)
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.waits_for.append(event)
+
+
+class FakeEvent:
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda, self.stream, self.synchronized = cuda, None, 0
+
+    def record(self, stream: FakeStream) -> None:
+        self.stream = stream
+        self.cuda.log.append(("record", stream.device, stream.name))
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+    def query(self) -> bool:
+        return self.synchronized > 0
+
+
+class FakeGpuTensor:
+    def __init__(self, cuda: FakeCuda, index: int, name: str) -> None:
+        self.cuda, self.device, self.name, self.is_cuda = (
+            cuda,
+            torch.device("cuda", index),
+            name,
+            True,
+        )
+        self.kept_for: list[FakeStream] = []
+
+    def record_stream(self, stream: FakeStream) -> None:
+        self.kept_for.append(stream)
+
+
+class FakeHost:
+    def copy_(self, source: FakeGpuTensor, non_blocking: bool = False) -> None:
+        cuda = source.cuda
+        # torch runs a device-to-host copy on the source device's current stream
+        stream = cuda.current_stream(source.device)
+        cuda.log.append(
+            ("copy", source.name, cuda.device_now, stream.device, stream.name, non_blocking)
+        )
+
+
+def test_copies_are_grouped_by_source_device_and_ordered_on_that_device(monkeypatch) -> None:
+    cuda = FakeCuda()
+    monkeypatch.setattr(staging, "_cuda", cuda)
+    # current device stays 0 (no torch.cuda.set_device), the tensors live on devices 1 and 0
+    sources = [
+        FakeGpuTensor(cuda, 1, "a"),
+        FakeGpuTensor(cuda, 0, "b"),
+        FakeGpuTensor(cuda, 1, "c"),
+    ]
+    pairs = [(FakeHost(), s) for s in sources]
+
+    assert list(by_device(pairs)) == [torch.device("cuda", 1), torch.device("cuda", 0)]
+    assert [s.name for _, s in by_device(pairs)[torch.device("cuda", 1)]] == ["a", "c"]
+
+    events = staging._start_copies(pairs)
+
+    assert [device.index for device, _ in events] == [1, 0]
+    copies = [entry for entry in cuda.log if entry[0] == "copy"]
+    for _, name, guard, stream_device, stream_name, non_blocking in copies:
+        index = 0 if name == "b" else 1
+        assert (guard, stream_device) == (index, index), name  # under its own device
+        assert stream_name.startswith("side") and non_blocking, name
+    for device, event in events:
+        stream = event.stream
+        assert stream.device == device.index  # the event is recorded on that device
+        assert stream.waits_for == [cuda.current[device.index]]  # after training's work there
+        assert all(stream in s.kept_for for s in sources if s.device == device)
+    assert cuda.device_now == 0
+
+    fence = Fence(events=[event for _, event in events])
+    assert not fence.done()
+    fence.wait()
+    assert all(event.synchronized == 1 for _, event in events) and fence.done()
+
+
+def test_deferred_copies_wait_on_every_device(monkeypatch) -> None:
+    cuda = FakeCuda()
+    monkeypatch.setattr(staging, "_cuda", cuda)
+    pairs = [(FakeHost(), FakeGpuTensor(cuda, i, f"t{i}")) for i in (2, 0, 3)]
+    earlier = FakeEvent(cuda)
+    fence = staging._copy_later(pairs, [earlier])
+    fence.wait()
+    recorded = {entry[1] for entry in cuda.log if entry[0] == "record"}
+    assert recorded == {0, 2, 3}
+    assert earlier.synchronized == 1 and len(fence._events) == 0
+
+
+class InterleavedFence(Fence):
+    """A fence whose copy thread is read through a property that forces the interleaving
+    of two waiters a race needs: the second waiter sees the copy thread still set, then
+    pauses until the first waiter has finished waiting, then goes on."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.first: threading.Thread | None = None
+        self.second_looked, self.first_done = threading.Event(), threading.Event()
+        super().__init__(thread=thread)
+
+    @property
+    def _thread(self) -> threading.Thread | None:
+        value = self.__dict__["thread"]
+        me = threading.current_thread()
+        if value is not None and self.first is None:
+            self.first = me
+        elif value is not None and me is not self.first:
+            self.second_looked.set()
+            self.first_done.wait(5)
+        return value
+
+    @_thread.setter
+    def _thread(self, value: threading.Thread | None) -> None:
+        self.__dict__["thread"] = value
+
+
+class SlowJoin(threading.Thread):
+    def __init__(self, fence_box: list) -> None:
+        super().__init__(target=lambda: None)
+        self.fence_box = fence_box
+
+    def join(self, timeout: float | None = None) -> None:
+        self.fence_box[0].second_looked.wait(0.5)  # let the other waiter look meanwhile
+        super().join(timeout)
+
+
+def test_one_fence_waited_on_by_two_threads_at_once() -> None:
+    # The optimizer's step hook (training thread) and the background writer wait on the
+    # same fence in overlap mode; neither may fail, and both return after the copy.
+    box: list = []
+    copier = SlowJoin(box)
+    fence = InterleavedFence(copier)
+    box.append(fence)
+    copier.start()
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            fence.wait()
+            assert not copier.is_alive()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            if threading.current_thread() is fence.first:
+                fence.first_done.set()
+
+    waiters = [threading.Thread(target=waiter) for _ in range(2)]
+    for thread in waiters:
+        thread.start()
+    for thread in waiters:
+        thread.join(30)
+    assert not errors, repr(errors[0])
+    assert fence.done()
+
+
+def test_every_waiter_gets_the_copy_error() -> None:
+    fence = Fence()
+
+    def fail() -> None:
+        fence._error = OSError("copy failed")
+
+    fence._thread = threading.Thread(target=fail)
+    fence._thread.start()
+    for _ in range(2):
+        with pytest.raises(OSError, match="copy failed"):
+            fence.wait()
+
+
+def test_buffer_reserved_ahead_is_the_one_the_first_save_uses() -> None:
+    pool = StagingPool()
+    items = [("a", torch.randn(1000)), ("b", torch.randn(3, 5)), ("empty", torch.empty(0))]
+    assert pool.reserve([t for _, t in items])
+    assert not pool.reserve([t for _, t in items])  # under way or done: nothing more
+    assert pool.nbytes == staged_nbytes([t for _, t in items])  # exactly the share
+    pointer = pool._buffer.data_ptr()
+    staged, fence = pool.stage(items)
+    fence.wait()
+    assert staged[0][1].data_ptr() == pointer
+    assert all(torch.equal(h, t) for (_, h), (_, t) in zip(staged, items, strict=True))
+    assert not pool.reserve([t for _, t in items[:1]])  # a smaller save fits already
+
+
+def test_a_failed_reservation_is_reported_and_the_save_allocates(monkeypatch, caplog) -> None:
+    pool = StagingPool()
+    real_empty = torch.empty
+
+    def refuse(*args, **kwargs):
+        if threading.current_thread().name == "ddpckpt-reserve":
+            raise RuntimeError("out of pinned memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    items = [("a", torch.randn(64))]
+    pool.reserve([t for _, t in items])
+    with caplog.at_level("WARNING", logger="ddpckpt"):
+        staged, fence = pool.stage(items)
+    fence.wait()
+    assert "out of pinned memory" in caplog.text
+    assert torch.equal(staged[0][1], items[0][1])
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("side_stream", [False, True])
+@pytest.mark.parametrize("defer", [False, True])
+def test_cuda_copies_see_queued_work_and_precede_later_work(side_stream, defer) -> None:
+    # Training queued slow work that produces the values; staging must copy the values it
+    # produced, and work queued after stage() returns must not reach the copy.
+    stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with torch.cuda.stream(stream):
+        x = torch.zeros(16 << 20, device="cuda")
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the values exist
+        x.fill_(7)
+        pool = StagingPool()
+        staged, fence = pool.stage([("x", x)], defer=(lambda name: True) if defer else None)
+        if defer:  # deferred copies: the optimizer step waits for the fence first
+            fence.wait()
+        x.fill_(9)  # the next step's update, queued at once
+        fence.wait()
+        host = staged[0][1]
+        assert host.is_pinned() and torch.equal(host, torch.full_like(host, 7))
+        torch.cuda.synchronize()
+        assert float(x[0]) == 9
+        assert pool.nbytes == 64 << 20  # exactly the share: no power-of-two rounding
+        pool.release()
+        assert pool.nbytes == 0
+
+
+def test_checkpointer_sizes_its_buffer_before_the_first_save(tmp_path) -> None:
+    model = make_mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(
+        tmp_path / "run", model=model, optimizer=optimizer, async_save=True, every_steps=3
+    )
+    assert ckpt.resume() is None
+    assert ckpt._pool.nbytes == 0
+    for step in range(1, 4):
+        train_steps(model, optimizer, 1)  # the optimizer state exists after the first step
+        if ckpt.should_save(step):
+            break
+        if step == 1:  # a step without a save: allocated now, on a helper thread
+            reserved = ckpt._pool.nbytes
+            pointer = ckpt._pool._buffer.data_ptr()
+    assert reserved > 0
+    ckpt.save(step)  # the first save stages into that buffer: no allocation
+    assert (ckpt._pool.nbytes, ckpt._pool._buffer.data_ptr()) == (reserved, pointer)
+    ckpt.close()
+    fresh = make_mlp(seed=1)
+    fresh.load_state_dict(ddpckpt.load_state_dict(tmp_path / "run" / "step-00000003"))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
+    )
+
+
+def test_a_save_in_flight_keeps_its_buffer_when_a_later_step_would_size_one(
+    tmp_path, monkeypatch
+) -> None:
+    """Saved at step 0, before Adam has moments: the state grows by step 1, but sizing the
+    buffer ahead must not replace (and unpin) the one the background save is writing from."""
+    import ddpckpt.io.writing as writing
+
+    model = make_mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(
+        tmp_path / "run", model=model, optimizer=optimizer, async_save=True, every_steps=5
+    )
+    entered, opened = threading.Event(), threading.Event()
+    real = writing.write_file
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert opened.wait(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writing, "write_file", held)
+    ckpt.save(0)  # no resume(): the first save sizes the buffer itself
+    assert entered.wait(30)
+    buffer = ckpt._pool._buffer
+    train_steps(model, optimizer, 1)  # the moments appear: the state is now larger
+    try:
+        assert not ckpt.should_save(1)
+        assert ckpt._pool._reserving is None and ckpt._pool._buffer is buffer
+    finally:
+        opened.set()
+    ckpt.close()
+    assert ckpt.steps() == [0]
+
+
+def test_sizing_ahead_never_makes_should_save_raise(tmp_path) -> None:
+    class Broken:
+        def state_dict(self):
+            raise TypeError("not today")
+
+        def load_state_dict(self, state):
+            pass
+
+    model = make_mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(tmp_path / "run", model=model, optimizer=optimizer, async_save=True,
+                        every_steps=5, extra={"broken": Broken()})  # fmt: skip
+    assert ckpt.resume() is None
+    assert not ckpt.should_save(1)  # the save itself reports the broken extra
+    with pytest.raises(TypeError, match="not today"):
+        ckpt.save(5)
+    ckpt.close()
