@@ -1,11 +1,12 @@
-# The two commands the README opens with: `make demo` and `make test`.
+# The two commands the README opens with: `make demo` and `make test`; `make bench` runs the
+# benchmark (benchmarks/bench.py, kept in the source tree, not in the package).
 # Both build a virtual environment first (torch==2.13.0 first, then this project).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint clean
+.PHONY: demo bench test lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,12 +18,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/ddpckpt demo --out demo-output
 
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench.py --out bench-output
+
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples
-	$(BIN)/ruff format --check src tests examples
+	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/ruff format --check src tests examples benchmarks
 
 test: lint
 	$(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) demo-output .pytest_cache
+	rm -rf $(VENV) demo-output bench-output .pytest_cache

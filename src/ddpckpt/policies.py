@@ -115,6 +115,11 @@ class Retention(ABC):
     def describe(self) -> dict[str, Any]:
         return {"type": type(self).__name__}
 
+    def why_kept(self, records: Sequence[Record]) -> dict[int, str]:
+        """Steps this policy keeps for a reason worth showing (``ddpckpt ls``), e.g.
+        ``"best #1 by loss"``; keeping the newest ones needs no note."""
+        return {}
+
 
 @dataclass
 class KeepAll(Retention):
@@ -175,6 +180,11 @@ class KeepBest(Retention):
     def keep(self, records: Sequence[Record]) -> set[int]:
         return set(self.best(records))
 
+    def why_kept(self, records: Sequence[Record]) -> dict[int, str]:
+        return {
+            step: f"best #{i + 1} by {self.monitor}" for i, step in enumerate(self.best(records))
+        }
+
     def describe(self) -> dict[str, Any]:
         return {"type": "KeepBest", "k": self.k, "monitor": self.monitor, "mode": self.mode}
 
@@ -190,6 +200,12 @@ class Union(Retention):
         for policy in self.policies:
             kept |= policy.keep(records)
         return kept
+
+    def why_kept(self, records: Sequence[Record]) -> dict[int, str]:
+        notes: dict[int, str] = {}
+        for policy in self.policies:
+            notes.update(policy.why_kept(records))
+        return notes
 
     def describe(self) -> dict[str, Any]:
         return {"type": "Union", "policies": [p.describe() for p in self.policies]}

@@ -1,4 +1,6 @@
-"""``ddpckpt bench`` end to end on a tiny state: every method runs, every figure is a ratio.
+"""``ddpckpt bench``: the launcher finds the benchmark in a source checkout and says how to
+run it from a plain install; the benchmark (``benchmarks/bench.py``) end to end on a tiny
+state: every method runs, every figure is a ratio.
 
 Speed itself is never asserted here (the numbers of a 2-core CI box say nothing); this
 only guards that the benchmark a user runs completes and reports what it promises.
@@ -8,12 +10,17 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from ddpckpt.cli.bench import format_markdown, run_bench
+from ddpckpt.cli.bench_cmd import NOT_INSTALLED, harness_path, load_harness
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
 
 _METHODS = {
     "torch.save rank 0 + barrier",
@@ -26,9 +33,43 @@ _METHODS = {
 }
 
 
+def _run(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=300, check=False, env=env, cwd=cwd
+    )
+
+
+def test_the_package_holds_no_benchmark_and_a_plain_install_says_how_to_run_it(tmp_path):
+    # A plain install: the package files alone, as a wheel lays them out, no source tree.
+    site = tmp_path / "site-packages"
+    shutil.copytree(ROOT / "src" / "ddpckpt", site / "ddpckpt")
+    names = {path.name for path in (site / "ddpckpt").rglob("*.py")}
+    assert not names & {"bench.py", "_bench_worker.py"}, "benchmark code in the package"
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    done = _run([sys.executable, "-m", "ddpckpt", "bench", "--out", "out"], env, tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.splitlines() == [f"ddpckpt bench: error: {NOT_INSTALLED}"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_source_checkout_finds_the_benchmark_and_runs_it_as_a_script(tmp_path):
+    assert harness_path() == ROOT / "benchmarks" / "bench.py"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    script = [sys.executable, str(ROOT / "benchmarks" / "bench.py")]
+    done = _run([*script, "--nproc", "one", "--out", "out"], env, tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == ["bench: error: --nproc one: give world sizes like 1,2"]
+    usage = _run([*script, "--help"], env, tmp_path).stdout
+    assert "usage: python benchmarks/bench.py" in usage and "--device {cpu,cuda}" in usage
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_bench_reports_every_method_against_same_run_references(tmp_path):
+    bench = load_harness()
     out = tmp_path / "bench"
-    report = run_bench(
+    report = bench.run_bench(
         str(out), nprocs=(1, 2), params=200_000, every=2, steps=6, compute=0.01, repeat=1,
         timeout=120,
     )  # fmt: skip
@@ -47,7 +88,7 @@ def test_bench_reports_every_method_against_same_run_references(tmp_path):
     assert "gil" in saved["runs"][0]
 
     markdown = (out / "results.md").read_text()
-    assert markdown == format_markdown(report)
+    assert markdown == bench.format_markdown(report)
     for name in _METHODS:
         assert f"| {name} |" in markdown
     assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -57,14 +98,11 @@ def test_bench_reports_every_method_against_same_run_references(tmp_path):
 def test_a_gpu_run_is_reported_against_the_pinned_copy_floor() -> None:
     # The figures of the recorded H100 run (see BENCHMARKS.md): ratios and the issue's targets
     # are computed from the raw measurements; CI never needs a GPU for this.
-    from pathlib import Path
-
-    from ddpckpt.cli.bench import ratios
-
-    recorded = Path(__file__).parents[2] / "benchmarks" / "gpu-h100-2026-11-23-after.json"
+    bench = load_harness()
+    recorded = ROOT / "benchmarks" / "gpu-h100-2026-11-23-after.json"
     report = json.loads(recorded.read_text())
     run = report["runs"][0]
-    run["ratios"] = ratios(run)
+    run["ratios"] = bench.ratios(run)
     floor = run["state_bytes"] / run["references"]["memcpy"]
     assert run["ratios"]["snapshot_floor_s"] == pytest.approx(floor)
     async_ = run["ratios"]["methods"]["ddpckpt async"]
@@ -74,7 +112,7 @@ def test_a_gpu_run_is_reported_against_the_pinned_copy_floor() -> None:
     assert targets["sync save durable <= 1.1x async time to durable"][0] == pytest.approx(
         run["methods"]["ddpckpt"]["durable"] / run["methods"]["ddpckpt async"]["durable"]
     )
-    markdown = format_markdown(report)
+    markdown = bench.format_markdown(report)
     assert "first-save stall s" in markdown and "NVIDIA H100" in markdown
     for name in run["methods"]:
         assert f"| {name} |" in markdown

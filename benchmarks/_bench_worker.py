@@ -1,4 +1,4 @@
-"""The measuring job of ``ddpckpt bench`` (started by torchrun; see :mod:`ddpckpt.cli.bench`).
+"""The measuring job of the benchmark (``bench.py`` next to this file starts it under torchrun).
 
 Every rank builds the same training state (a model of ``--params`` fp32 parameters and
 fused AdamW moments: 12 bytes per parameter) on ``--device`` (``cuda``: one GPU per rank,

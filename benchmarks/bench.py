@@ -1,18 +1,24 @@
-"""``ddpckpt bench``: checkpointing speed against the alternatives and the hardware, one run.
+"""The benchmark: checkpointing speed against the alternatives and the hardware, one run.
+
+Run it from a source checkout, ``python benchmarks/bench.py [options]`` (ddpckpt importable:
+installed with ``pip install -e '.[bench]'``, or ``PYTHONPATH=src``); ``ddpckpt bench`` runs
+it too when the package is installed from the checkout in place.
 
 For each world size (``--nproc``, default 1 and 2 on CPU, 1 per GPU up to 2 on GPUs) the
-measuring job (:mod:`ddpckpt.cli._bench_worker`) runs under torchrun on the same training
-state, on ``--device`` (``cuda`` by default when a GPU is present), and reports references
-(write ceiling with fsync, read ceiling, the copy floor: memcpy on CPU, pinned
+measuring job (``_bench_worker.py`` next to this file) runs under torchrun on the same
+training state, on ``--device`` (``cuda`` by default when a GPU is present), and reports
+references (write ceiling with fsync, read ceiling, the copy floor: memcpy on CPU, pinned
 device-to-host on a GPU) and, for every method, stall, time until durable, cold load,
 peak extra memory and the overhead of checkpointing every N steps (on a GPU also the
-first save's stall and the pinned memory held). This module turns that into ratios against the references measured in the
-same run, checks them against the project's targets, and writes ``results.json``,
-``results.md`` and ``results.png`` into ``--out``.
+first save's stall and the pinned memory held). This module turns that into ratios against
+the references measured in the same run, checks them against the project's targets, and
+writes ``results.json``, ``results.md`` and ``results.png`` into ``--out``.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -21,11 +27,61 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-__all__ = ["format_markdown", "run_bench"]
+__all__ = ["format_markdown", "main", "ratios", "run_bench", "run_from_args"]
 
 _MB = 1 << 20
+_WORKER = str(Path(__file__).resolve().with_name("_bench_worker.py"))
+_NEEDS = {"safetensors": "to compare against it", "matplotlib": "for results.png"}
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Check the options (``ValueError``) and the optional dependencies (``ImportError``),
+    run the benchmark and print its report; returns the exit status."""
+    missing = [name for name in _NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        needs = " and ".join(f"{name} ({_NEEDS[name]})" for name in missing)
+        raise ImportError(f"the benchmark needs {needs}: pip install 'ddpckpt[bench]'")
+    nprocs = None
+    if args.nproc:
+        try:
+            nprocs = tuple(int(n) for n in args.nproc.split(","))
+        except ValueError:
+            raise ValueError(f"--nproc {args.nproc}: give world sizes like 1,2") from None
+    sizes = {"--nproc": min(nprocs or (1,)), "--params": args.params, "--every": args.every,
+             "--steps": args.steps, "--repeat": args.repeat}  # fmt: skip
+    too_small = [flag for flag, value in sizes.items() if value is not None and value < 1]
+    if too_small:
+        raise ValueError(f"{', '.join(too_small)} must be at least 1")
+    if args.every is not None and args.steps is not None and args.every > args.steps:
+        raise ValueError(f"--every {args.every} is more than --steps {args.steps}")
+    print(f"benchmarking in {args.out}; this takes minutes ...", flush=True)
+    report = run_bench(
+        args.out, directory=args.dir, nprocs=nprocs, params=args.params, every=args.every,
+        steps=args.steps, compute=args.compute, repeat=args.repeat, device=args.device,
+    )  # fmt: skip
+    print(format_markdown(report))
+    print(f"results: {os.path.join(os.path.abspath(args.out), 'results.md')} (.json, .png)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python benchmarks/bench.py [options]``: the options of ``ddpckpt bench``."""
+    from ddpckpt.cli.bench_cmd import add_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/bench.py",
+        description="Measure checkpointing against torch.save, DCP and the hardware.",
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_from_args(args)
+    except (ValueError, ImportError, RuntimeError, OSError) as exc:
+        print(f"bench: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _free_port() -> int:
@@ -40,7 +96,7 @@ def _run_worker(
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
-        "-m", "ddpckpt.cli._bench_worker", "--dir", directory, "--out", out, *options,
+        _WORKER, "--dir", directory, "--out", out, *options,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DDPCKPT_PROGRESS": "0"}
     done = subprocess.run(
@@ -374,3 +430,7 @@ def _plot(report: dict[str, Any], path: str) -> None:
     figure.tight_layout(rect=(0, 0.07, 1, 1))
     figure.savefig(path)
     plt.close(figure)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""``ddpckpt demo``: crash a DDP run, resume it, prove the resume bit-identical."""
+
+from __future__ import annotations
+
+import argparse
+
+from ddpckpt.cli.command import CannotRun, Command
+
+__all__ = ["DEMO"]
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="demo-output", help="output directory (default demo-output)")
+    p.add_argument(
+        "--nproc", type=int, default=2, help="ranks (default 2; gloo on CPU, NCCL with GPUs)"
+    )
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    p.add_argument(
+        "--every", type=int, default=None, help="checkpoint every N steps (default 20, or steps/4)"
+    )
+    p.add_argument("--kill-at", type=int, default=None, help="SIGKILL rank 1 after this step")
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ddpckpt.cli.demo import check_options, default_every, format_report, run_demo
+
+    every = args.every if args.every is not None else default_every(args.steps)
+    try:
+        check_options(nproc=args.nproc, steps=args.steps, every=every, kill_at=args.kill_at)
+    except ValueError as exc:
+        raise CannotRun(str(exc)) from None
+    print(
+        f"running the demo in {args.out} (two DDP trainings under torchrun; about a minute) ...",
+        flush=True,
+    )
+    report = run_demo(
+        args.out, nproc=args.nproc, steps=args.steps, every=every, kill_at=args.kill_at
+    )
+    print(format_report(report))
+    return 0 if report.identical else 1
+
+
+DEMO = Command(
+    "demo", "crash a DDP run, resume it, prove the resume bit-identical", _arguments, _demo
+)
