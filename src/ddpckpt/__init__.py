@@ -39,6 +39,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .loader import resumable_loader, track_loader
+from .preemption import Preemption
 from .state import PerRank
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "InsufficientSpaceError",
     "PendingSave",
     "PerRank",
+    "Preemption",
     "RankFailureError",
     "ResumableDistributedSampler",
     "SampleIndex",
