@@ -333,7 +333,9 @@ class Checkpointer:
 
         When the policy reads the clock (``every_seconds``) rank 0's answer is used on
         every rank: rank 0 publishes it in one store key that the other ranks wait for, so
-        every rank must call this at the same steps.
+        every rank must call this at the same steps. The same holds with ``preemption``:
+        then rank 0 also answers True, on every rank, at the first step after a signal on
+        any rank (see :mod:`ddpckpt.preemption`).
         """
         watch = self._preemption
         latest = self._latest  # with preemption on, a signal can still finish this save

@@ -25,9 +25,10 @@ first step at which it has seen a posted signal or received one itself. Every ra
 gets "preempt" for that same step, wherever it is. A signal on rank 0 is agreed at the
 step it arrives in; one that reaches only other ranks, at most one step later.
 
-Per-step cost with preemption on: rank 0 one ``check`` and one ``set`` on the store; every
-other rank one ``wait``, one ``get`` and one ``add`` (and the last reader two deletes).
-Without it nothing changes (``every_steps`` is decided locally, without the store).
+Per-step cost with preemption on: rank 0 one ``set`` on the store (a helper thread of rank
+0 blocks in the store until a post appears, waking once a second); every other rank one
+``wait``, one ``get`` and one ``add`` (and the last reader two deletes): the cost of
+``every_seconds``. Without it nothing changes (``every_steps`` is decided locally).
 
 The save. The next :meth:`~ddpckpt.Checkpointer.save` is the preemption save: synchronous
 even with ``async_save`` (a background save in flight is finished first); if the newest
@@ -62,11 +63,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from types import FrameType
 from typing import Any
 
 from ._log import get_logger, same_on_every_rank
-from .comm import _default_group, _namespace
+from .comm import _default_group, _namespace, _StoreTimeout
 
 __all__ = ["DEFAULT_GRACE_SECONDS", "Preemption", "PreemptionWatch", "grace_period"]
 
@@ -252,6 +254,9 @@ class PreemptionWatch:
         self.agreed: _Agreed | None = None
         self.preempted = False
         self.signum: int | None = None
+        self._remote: tuple[int, dict[str, int]] | None = None  # (round, post) rank 0 saw
+        self._listener: threading.Thread | None = None
+        self._stop = threading.Event()
         grace_period(options.grace_seconds)  # a bad value fails now, not at the signal
         self._handlers = _Handlers(options.signal_numbers(), self._received)
 
@@ -279,16 +284,44 @@ class PreemptionWatch:
         """On rank 0, inside the decision: ``b"P<signal>,<rank>"`` if any rank was signalled."""
         if self.agreed is not None:
             return None
-        group = _default_group()
         if self._signal is not None:
-            if group is not None:
-                group.store.delete_key(self._key())  # another rank's post of this round, if any
             return b"P%d,0" % self._signal[0]
-        if group is None or not group.store.check([self._key()]):
+        group = _default_group()
+        if group is not None and self._listener is None:
+            self._listener = threading.Thread(
+                target=self._listen, args=(group,), name="ddpckpt-preemption", daemon=True
+            )
+            self._listener.start()
+        remote = self._remote
+        if remote is None or remote[0] != self._round:
             return None
-        record = json.loads(group.store.get(self._key()))
-        group.store.delete_key(self._key())
-        return b"P%d,%d" % (record["signal"], record["rank"])
+        return b"P%d,%d" % (remote[1]["signal"], remote[1]["rank"])
+
+    def _listen(self, group: Any) -> None:
+        """Rank 0's helper thread: blocks in the store until a rank posts a signal.
+
+        So rank 0's step pays nothing to learn of other ranks' signals; the thread wakes
+        once a second to see whether the Checkpointer was closed.
+        """
+        client, own = group.borrow()
+        try:
+            while not self._stop.is_set():
+                current = self._round
+                key = f"{_namespace()}/preempt/{current}"
+                try:
+                    client.wait([key], timedelta(seconds=1))
+                except _StoreTimeout:
+                    continue
+                post = json.loads(client.get(key))
+                client.delete_key(key)
+                self._remote = (current, post)
+                while self._round == current and not self._stop.wait(0.05):
+                    pass  # until this round is agreed; later posts belong to the next one
+        except RuntimeError as exc:  # the store went away (the job is ending)
+            if not self._stop.is_set():
+                _log.warning("ddpckpt preemption listener stopped: %s", exc)
+        finally:
+            group.give_back(client, own)
 
     def agree(self, step: int, decision: bytes) -> None:
         """Every rank, on rank 0's ``b"P..."`` decision for ``step``: the next save is it."""
@@ -391,6 +424,9 @@ class PreemptionWatch:
     def close(self) -> None:
         """Remove the handlers; report a signal that never led to a checkpoint."""
         self._handlers.remove()
+        self._stop.set()
+        if self._listener is not None:
+            self._listener.join(5)
         agreed = self.agreed
         if agreed is not None and agreed.timer is not None:
             agreed.timer.cancel()
