@@ -163,12 +163,13 @@ def test_a_signal_makes_the_next_step_a_synchronous_save_then_preempted(
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # removed by close()
 
 
+@pytest.mark.parametrize("async_save", [True, "overlap"])
 def test_the_async_save_of_the_signalled_step_is_finished_not_captured_again(
-    tmp_path, restore_signals
+    tmp_path, restore_signals, async_save
 ) -> None:
     model, opt = objects()
     with Checkpointer(
-        tmp_path, model=model, optimizer=opt, every_steps=3, preemption=True, async_save=True
+        tmp_path, model=model, optimizer=opt, every_steps=3, preemption=True, async_save=async_save
     ) as ckpt:
         train_steps(model, opt, steps=1)
         assert ckpt.should_save(3)
@@ -176,6 +177,28 @@ def test_the_async_save_of_the_signalled_step_is_finished_not_captured_again(
         deliver(signal.SIGTERM)
         assert not ckpt.should_save(3)  # the loop asks again at the same step
         assert ckpt.preempted and ckpt.exit_code == 143 and ckpt.steps() == [3]
+
+
+def test_signals_during_the_preemption_save_fold_into_it(tmp_path, restore_signals) -> None:
+    model, opt = objects()
+    with Checkpointer(tmp_path, model=model, optimizer=opt, preemption=True) as ckpt:
+        capture = ckpt._capture
+
+        def signalled_capture():
+            deliver(signal.SIGTERM)  # the scheduler repeats itself mid-save
+            return capture()
+
+        ckpt._capture = signalled_capture
+        deliver(signal.SIGUSR1)
+        assert ckpt.should_save(1)
+        ckpt.save(1)
+        assert ckpt.preempted and ckpt.exit_code == 128 + signal.SIGUSR1
+        ckpt._capture = capture
+        assert not ckpt.should_save(2)  # no second preemption checkpoint
+        deliver(signal.SIGTERM)  # a new signal once it is saved: a new round
+        assert ckpt.should_save(3)
+        ckpt.save(3)
+        assert ckpt.steps() == [1, 3] and ckpt.exit_code == 143
 
 
 def test_a_signal_with_no_should_save_after_it_is_reported_at_close(
