@@ -263,6 +263,15 @@ def paused_pids(proc, out: Path) -> list[int]:
     return [json.loads(f.read_text())["pid"] for f in files]
 
 
+def signal_then_go(proc, out: Path, pid: int, sig: int, ranks=(0, 1), before_go=None) -> None:
+    """Send ``sig`` to ``pid``, wait until ``ranks`` received it, then let the workers go on."""
+    os.kill(pid, sig)
+    wait_for(proc, *(out / f"signalled-rank{r}" for r in ranks))
+    if before_go is not None:
+        before_go()
+    (out / "go").touch()
+
+
 def preempted(out: Path) -> list[dict]:
     return [json.loads((out / f"preempted-rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -281,9 +290,7 @@ def test_sigterm_to_torchrun_saves_one_step_on_both_ranks_and_resumes_bit_identi
 ) -> None:
     proc = start(tmp_path)
     paused_pids(proc, tmp_path)
-    os.kill(proc.pid, signal.SIGTERM)  # the agent forwards it to both workers
-    wait_for(proc, tmp_path / "signalled-rank0", tmp_path / "signalled-rank1")
-    (tmp_path / "go").touch()
+    signal_then_go(proc, tmp_path, proc.pid, signal.SIGTERM)  # the agent forwards it to both
     ((code, output),) = _finish([proc], 120)
     assert code != 0, output[-3000:]
     first, second = preempted(tmp_path)
@@ -298,9 +305,8 @@ def test_sigterm_to_torchrun_saves_one_step_on_both_ranks_and_resumes_bit_identi
 @pytest.mark.distributed
 def test_sigusr1_to_one_worker_makes_both_ranks_save_the_same_step(tmp_path) -> None:
     proc = start(tmp_path)
-    os.kill(paused_pids(proc, tmp_path)[1], signal.SIGUSR1)  # rank 1 only: rank 0 hears nothing
-    wait_for(proc, tmp_path / "signalled-rank1")
-    (tmp_path / "go").touch()
+    rank1 = paused_pids(proc, tmp_path)[1]
+    signal_then_go(proc, tmp_path, rank1, signal.SIGUSR1, ranks=[1])  # rank 0 hears nothing
     ((code, output),) = _finish([proc], 120)
     assert code != 0, output[-3000:]
     first, second = preempted(tmp_path)
@@ -315,10 +321,7 @@ def test_a_signal_during_an_async_save_finishes_it_then_saves_synchronously(tmp_
     (tmp_path / "hold").touch()  # the async save of step 3 stays in flight until released
     proc = start(tmp_path, "--async-save", "--every=3", "--hold-from=3")
     paused_pids(proc, tmp_path)
-    os.kill(proc.pid, signal.SIGTERM)
-    wait_for(proc, tmp_path / "signalled-rank0", tmp_path / "signalled-rank1")
-    (tmp_path / "hold").unlink()
-    (tmp_path / "go").touch()
+    signal_then_go(proc, tmp_path, proc.pid, signal.SIGTERM, before_go=(tmp_path / "hold").unlink)
     ((code, output),) = _finish([proc], 120)
     assert code != 0, output[-3000:]
     first, second = preempted(tmp_path)
@@ -333,9 +336,7 @@ def test_a_grace_period_too_short_is_reported_and_the_previous_checkpoint_stays(
     (tmp_path / "hold").touch()  # the preemption save never ends: the scheduler kills the job
     proc = start(tmp_path, "--every=3", "--hold-from=4", env={"DDPCKPT_GRACE_SECONDS": "0.5"})
     workers = paused_pids(proc, tmp_path)
-    os.kill(proc.pid, signal.SIGTERM)
-    wait_for(proc, tmp_path / "signalled-rank0", tmp_path / "signalled-rank1")
-    (tmp_path / "go").touch()
+    signal_then_go(proc, tmp_path, proc.pid, signal.SIGTERM)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))
     reader.start()  # what the user reads
