@@ -22,8 +22,9 @@ group runs and ranks that are a step or more apart (gradient accumulation) still
 answer for the same step. A rank that received a signal posts it in one store key of the
 current *round* before it waits for rank 0's answer; rank 0 answers "preempt" for the
 first step at which it has seen a posted signal or received one itself. Every rank then
-gets "preempt" for that same step, wherever it is. A signal on rank 0 is agreed at the
-step it arrives in; one that reaches only other ranks, at most one step later.
+gets "preempt" for that same step, wherever it is. A signal rank 0 received is agreed at
+its next ``should_save``; one that reached only other ranks is posted at their next
+``should_save`` and agreed at rank 0's following one (usually one step later).
 
 Per-step cost with preemption on: rank 0 one ``set`` on the store (a helper thread of rank
 0 blocks in the store until a post appears, waking once a second); every other rank one
@@ -51,7 +52,12 @@ one after it is saved starts another round. A signal during :meth:`resume` or an
 save is only recorded and agreed at the next ``should_save``. A rank SIGKILLed before the
 agreement never hangs the others: they wait for rank 0 no longer than the Checkpointer's
 ``timeout``, and a save with a missing rank fails naming it. SIGKILL itself cannot be
-caught: the grace period must exceed one step plus one save.
+caught: the grace period must exceed one step plus one save. torchrun signals each
+worker's whole process group, and DataLoader worker processes end on a SIGTERM that does
+not come from their parent; torch then raises RuntimeError from its SIGCHLD handler in the
+training thread. After a preemption signal that error is logged instead of raised (see
+:meth:`_Handlers.guard_children`), so the checkpoint is still taken; the loader yields the
+batches it had prefetched, and raises if it needs more.
 """
 
 from __future__ import annotations
@@ -256,6 +262,7 @@ class PreemptionWatch:
         self.signum: int | None = None
         self._remote: tuple[int, dict[str, int]] | None = None  # (round, post) rank 0 saw
         self._listener: threading.Thread | None = None
+        self._group: Any = None
         self._stop = threading.Event()
         grace_period(options.grace_seconds)  # a bad value fails now, not at the signal
         self._handlers = _Handlers(options.signal_numbers(), self._received)
@@ -288,6 +295,7 @@ class PreemptionWatch:
             return b"P%d,0" % self._signal[0]
         group = _default_group()
         if group is not None and self._listener is None:
+            self._group = group
             self._listener = threading.Thread(
                 target=self._listen, args=(group,), name="ddpckpt-preemption", daemon=True
             )
@@ -314,6 +322,8 @@ class PreemptionWatch:
                     continue
                 post = json.loads(client.get(key))
                 client.delete_key(key)
+                if self._stop.is_set():
+                    break
                 self._remote = (current, post)
                 while self._round == current and not self._stop.wait(0.05):
                     pass  # until this round is agreed; later posts belong to the next one
@@ -425,8 +435,14 @@ class PreemptionWatch:
         """Remove the handlers; report a signal that never led to a checkpoint."""
         self._handlers.remove()
         self._stop.set()
-        if self._listener is not None:
-            self._listener.join(5)
+        if self._listener is not None:  # wake it now rather than at its next timeout
+            key = f"{_namespace()}/preempt/{self._round}"
+            try:
+                self._group.store.set(key, json.dumps({"rank": 0, "signal": 0}).encode())
+                self._listener.join(5)
+                self._group.store.delete_key(key)  # if the listener had already stopped
+            except RuntimeError as exc:  # the store is gone: the daemon thread ends with us
+                _log.debug("preemption listener not woken: %s", exc)
         agreed = self.agreed
         if agreed is not None and agreed.timer is not None:
             agreed.timer.cancel()
