@@ -4,6 +4,11 @@
         [--loader plain|resumable] [--schedule warmup|multistep] [--restart next|same]
     exact_worker.py coverage RUN OUT --batches B
 
+Preemption (test_preemption.py): ``--preempt`` passes ``preemption=True``; ``--pause-at S``
+stops after step S until OUT/go exists (the test sends its signals meanwhile; an
+application handler installed before the Checkpointer writes OUT/signalled-rank<r>);
+``--hold-from S`` holds each save of step S or later before writing while OUT/hold exists.
+
 Dropout, BatchNorm, AdamW, a warm-up schedule, GradScaler, an EMA, gradient accumulation 2,
 a shuffling ResumableDistributedSampler and a 2-worker loader with random augmentation
 (a plain DataLoader over a SeededDataset, or ddpckpt.resumable_loader), saved as the loader;
@@ -18,6 +23,9 @@ import argparse
 import json
 import os
 import signal
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,7 +69,44 @@ def make_loader(kind: str, data: Noisy) -> tuple[Any, Any]:
     return sampler, loader
 
 
+def application_handler(out: str, rank: int) -> None:
+    """What an application may have installed already: the Checkpointer chains to it."""
+
+    def note(signum: int, frame: object) -> None:
+        Path(out, f"signalled-rank{rank}").write_text(signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, note)
+
+
+def pause(out: str, rank: int) -> None:
+    Path(out, f"paused-rank{rank}.json").write_text(json.dumps({"pid": os.getpid()}))
+    deadline = time.monotonic() + 120
+    while not Path(out, "go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the test never wrote 'go'")
+        time.sleep(0.01)
+
+
+def hold_saves(out: str, first: int) -> None:
+    """Saves of step ``first`` and later wait before writing while OUT/hold exists."""
+    import ddpckpt.run.checkpointer as module
+
+    write = module.write_and_commit
+
+    def held(plan: Any, attempt: int) -> None:
+        while plan.header["step"] >= first and Path(out, "hold").exists():
+            time.sleep(0.01)
+        write(plan, attempt)
+
+    module.write_and_commit = held
+
+
 def train(args: argparse.Namespace, rank: int) -> None:
+    if args.preempt:
+        application_handler(args.out, rank)
+    if args.hold_from >= 0:
+        hold_saves(args.out, args.hold_from)
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 1)
@@ -81,7 +126,8 @@ def train(args: argparse.Namespace, rank: int) -> None:
     torch.manual_seed(1234 + rank)  # dropout differs per rank
     extra = {"ema": ema, "loader": loader, "accumulation": accumulation}
     ckpt = ddpckpt.Checkpointer(args.run, model=ddp, optimizer=opt, scheduler=sched, scaler=scaler,
-                                extra=extra, every_steps=args.every, keep_last=2, timeout=60)  # fmt: skip
+                                extra=extra, every_steps=args.every, keep_last=2, timeout=60,
+                                preemption=args.preempt, async_save=args.async_save)  # fmt: skip
     info = ckpt.resume()
     step, start_epoch = (info.step, info.epoch) if info else (0, 0)
     saved = step  # the same step is not saved twice (a resumed finished epoch trains nothing)
@@ -109,12 +155,16 @@ def train(args: argparse.Namespace, rank: int) -> None:
             window = 0.0
             if step == args.kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if step == args.pause_at:
+                pause(args.out, rank)
             if ckpt.should_save(step):
                 ckpt.save(step, epoch=epoch)
                 saved = step
+            if ckpt.preempted:
+                break
             if step == args.steps:
                 break
-        if step == args.steps:
+        if step == args.steps or ckpt.preempted:
             break
         if step == saved:
             continue
@@ -124,6 +174,12 @@ def train(args: argparse.Namespace, rank: int) -> None:
         saved = step
         if epoch == args.kill_after_epoch:
             os.kill(os.getpid(), signal.SIGKILL)
+    if ckpt.preempted:  # written before close(): a rank that exits first makes torchrun stop us
+        record = {"step": step, "exit_code": ckpt.exit_code, "committed": ckpt.steps()}
+        Path(args.out, f"preempted-rank{rank}.json").write_text(json.dumps(record))
+        ckpt.close()
+        dist.destroy_process_group()
+        sys.exit(ckpt.exit_code)
     ckpt.close()
     state = opt.state_dict()["state"]
     final = {
@@ -173,6 +229,10 @@ def main() -> None:
     parser.add_argument("--schedule", choices=["warmup", "multistep"], default="warmup")
     parser.add_argument("--restart", choices=["next", "same"], default="next")
     parser.add_argument("--kill-after-epoch", type=int, default=-1)
+    parser.add_argument("--preempt", action="store_true")
+    parser.add_argument("--async-save", action="store_true")
+    parser.add_argument("--pause-at", type=int, default=-1)
+    parser.add_argument("--hold-from", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

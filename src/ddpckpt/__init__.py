@@ -36,6 +36,7 @@ from ddpckpt.io.checkpoint import (
 )
 from ddpckpt.run.catalog import latest
 from ddpckpt.run.checkpointer import Checkpointer
+from ddpckpt.run.preemption import Preemption
 from ddpckpt.state.capture import PerRank
 from ddpckpt.training.accumulation import GradientAccumulation
 from ddpckpt.training.data import ResumableDistributedSampler, SampleIndex, SeededDataset
@@ -59,6 +60,7 @@ __all__ = [
     "InsufficientSpaceError",
     "PendingSave",
     "PerRank",
+    "Preemption",
     "RankFailureError",
     "ResumableDistributedSampler",
     "SampleIndex",

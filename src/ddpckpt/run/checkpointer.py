@@ -69,6 +69,7 @@ from ddpckpt.policies import (
     Union,
 )
 from ddpckpt.run.catalog import SET_ASIDE_MARK
+from ddpckpt.run.preemption import Preemption, PreemptionWatch
 from ddpckpt.run.rundir import (
     clean_temporaries,
     read_latest,
@@ -137,6 +138,11 @@ class Checkpointer:
     takes no lock, cleans nothing, moves nothing aside and writes nothing (``latest``,
     ``run.json``), so it is safe to use while another job trains into ``directory``;
     :meth:`save` raises.
+
+    Preemption: with ``preemption=True`` (or a :class:`~ddpckpt.run.preemption.Preemption`), a
+    SIGTERM or SIGUSR1 on any rank makes :meth:`should_save` return True at the same step on
+    every rank; that save is synchronous, then :attr:`preempted` is True and the loop should
+    stop and exit with :attr:`exit_code` (see :mod:`ddpckpt.run.preemption`).
     """
 
     def __init__(
@@ -165,11 +171,14 @@ class Checkpointer:
         timeout: float | None = None,
         lock_stale_after: float = 600.0,
         read_only: bool = False,
+        preemption: bool | Preemption = False,
     ) -> None:
         if on_error not in ("warn", "raise"):
             raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
         if type(retries) is not int or retries < 0:
             raise ValueError(f"retries must be a non-negative int, got {retries!r}")
+        if read_only and preemption:
+            raise ValueError("preemption= saves a checkpoint; a read_only Checkpointer cannot")
         if monitor is not None and keep_best is None and retention is None:
             raise ValueError("monitor= only matters with keep_best=; pass keep_best=K as well")
         self.directory = os.fspath(directory)
@@ -202,6 +211,8 @@ class Checkpointer:
         self._run_file_written = False
         self.last_error: CheckpointWriteError | None = None
         self.failed_saves = 0
+        options = Preemption.of(preemption)
+        self._preemption = None if options is None else PreemptionWatch(options, self._newest)
 
     # ------------------------------------------------------------------ public
 
@@ -322,18 +333,35 @@ class Checkpointer:
 
         When the policy reads the clock (``every_seconds``) rank 0's answer is used on
         every rank: rank 0 publishes it in one store key that the other ranks wait for, so
-        every rank must call this at the same steps.
+        every rank must call this at the same steps. The same holds with ``preemption``:
+        then rank 0 also answers True, on every rank, at the first step after a signal on
+        any rank (see :mod:`ddpckpt.run.preemption`).
         """
-        if self._latest is not None and step <= self._latest:
+        watch = self._preemption
+        latest = self._latest  # with preemption on, a signal can still finish this save
+        if latest is not None and (step < latest or (step == latest and watch is None)):
             return False
+        if watch is not None:
+            watch.announce()
 
         def decide() -> bytes:  # on rank 0 only when the ranks must agree
+            preempt = watch.requested() if watch is not None else None
+            if preempt is not None:
+                return preempt
+            if self._latest is not None and step <= self._latest:
+                return b"0"
             return b"1" if self.save_policy.should_save(step, time.monotonic()) else b"0"
 
-        if self.save_policy.needs_agreement:
+        if self.save_policy.needs_agreement or watch is not None:
             decision = Comm.from_leader("Checkpointer.should_save", decide, timeout=self.timeout)
         else:
             decision = decide()
+        if decision[:1] == b"P" and watch is not None:
+            watch.agree(step, decision)
+            if step == self._latest:  # the newest save holds this step: finish it, no new one
+                watch.run_save(self._flush)
+                return False
+            return True
         if decision != b"1":
             self._reserve_staging()
         return decision == b"1"
@@ -373,7 +401,21 @@ class Checkpointer:
         atomically with the state as of this call. Raises :class:`CheckpointStepError`
         if ``step`` is older than the newest checkpoint. Returns ``None`` if storage
         failed and ``on_error="warn"`` (see :attr:`last_error`).
+
+        After :meth:`should_save` agreed on a preemption, this save is synchronous and
+        :attr:`preempted` is True once it returns (or raises).
         """
+        if self._preemption is not None and self._preemption.agreed is not None:
+            return self._preemption.run_save(lambda: self._save(step, epoch, metrics, True))
+        return self._save(step, epoch, metrics)
+
+    def _save(
+        self,
+        step: int,
+        epoch: int | None,
+        metrics: Mapping[str, Any] | None,
+        synchronous: bool = False,
+    ) -> str | None:
         self._check_open()
         if self.read_only:
             raise RuntimeError(
@@ -405,7 +447,7 @@ class Checkpointer:
             )
             if again:
                 _log.info("%s: step %d saved again; the new state replaces it", plan.path, step)
-            if self.async_save:
+            if self.async_save and not synchronous:
                 start_background(
                     plan,
                     snapshot,
@@ -427,6 +469,17 @@ class Checkpointer:
         self._latest = step
         self.save_policy.saved(step, time.monotonic())
         return plan.path
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a preemption checkpoint was saved (or failed): stop training now."""
+        return self._preemption is not None and self._preemption.preempted
+
+    @property
+    def exit_code(self) -> int:
+        """The process's exit code to use: ``128 + signal`` once :attr:`preempted` (143 for
+        SIGTERM, as a shell reports a process that signal ended), else 0."""
+        return self._preemption.exit_code if self._preemption is not None else 0
 
     # ------------------------------------------------------------------ queries (local)
 
@@ -475,6 +528,8 @@ class Checkpointer:
         try:
             self._report_locally()
         finally:
+            if self._preemption is not None:
+                self._preemption.close()
             self._pool.release()
             self._lock.release()
 
@@ -562,6 +617,18 @@ class Checkpointer:
                 exc,
                 extra=same_on_every_rank(exc),
             )
+
+    def _flush(self) -> str | None:
+        """Finish the save in flight (the preemption checkpoint already captured); its path."""
+        step = self._latest
+        self._settle()
+        return self._path(step) if step is not None and self._committed == step else None
+
+    def _newest(self) -> str:
+        """The newest committed checkpoint, for messages."""
+        if self._committed is None:
+            return "nothing (this run has no committed checkpoint)"
+        return f"{self._path(self._committed)} (step {self._committed})"
 
     def _storage(self, step: Callable[[], T]) -> T:
         """Run ``step`` reporting file-system failures as :class:`CheckpointWriteError`."""

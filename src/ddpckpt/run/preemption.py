@@ -1,0 +1,469 @@
+"""Preemption: one checkpoint at the same step on every rank when the job is told to stop.
+
+Schedulers announce the end of a job with a signal and a grace period before SIGKILL:
+``torchrun`` forwards SIGTERM (and whatever ``--signals-to-handle`` lists, e.g.
+``SIGUSR1,SIGUSR2``) from its agent to every worker, then waits ``--shutdown-timeout``
+(``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default) before SIGKILL; Kubernetes sends
+SIGTERM and waits ``terminationGracePeriodSeconds`` (30 s by default); SLURM sends SIGTERM
+at the time limit and SIGKILL ``KillWait`` seconds later, and ``--signal=[B:]SIG@T`` sends
+SIG (e.g. USR1) T seconds before the limit, possibly to the batch shell or one node only.
+
+With ``Checkpointer(..., preemption=True)`` every rank installs a handler for SIGTERM and
+SIGUSR1 (or :attr:`Preemption.signals`). The handler only records the signal (no I/O, no
+lock) and then calls the handler installed before it, if that is a Python function;
+SIG_DFL is not called (it would end the process before the save) and SIG_IGN stays
+ignoring. Handlers are installed from the main thread only (Python allows no other) and
+restored by :meth:`PreemptionWatch.close`.
+
+Agreement. ``should_save(step)`` is then decided by rank 0 for every rank, as for
+``every_seconds``: rank 0 publishes each step's answer in one store key that the other
+ranks wait for (:meth:`ddpckpt.dist.comm.Comm.from_leader`), so no collective of the training
+group runs and ranks that are a step or more apart (gradient accumulation) still read the
+answer for the same step. A rank that received a signal posts it in one store key of the
+current *round* before it waits for rank 0's answer; rank 0 answers "preempt" for the
+first step at which it has seen a posted signal or received one itself. Every rank then
+gets "preempt" for that same step, wherever it is. A signal rank 0 received is agreed at
+its next ``should_save``; one that reached only other ranks is posted at their next
+``should_save`` and agreed at rank 0's following one (usually one step later).
+
+Per-step cost with preemption on: rank 0 one ``set`` on the store (a helper thread of rank
+0 blocks in the store until a post appears, waking once a second); every other rank one
+``wait``, one ``get`` and one ``add`` (and the last reader two deletes): the cost of
+``every_seconds``. Without it nothing changes (``every_steps`` is decided locally).
+
+The save. The next :meth:`~ddpckpt.Checkpointer.save` is the preemption save: synchronous
+even with ``async_save`` (a background save in flight is finished first); if the newest
+save already holds that step (saved asynchronously at the step the signal came in), it is
+only finished, not captured again. Its time is measured against the grace period, counted
+from this rank's signal (or from the agreement on ranks that got none): the period is
+``grace_seconds``, else ``$DDPCKPT_GRACE_SECONDS``, else torchrun's shutdown timeout under
+torchrun, else 30 s (SLURM exports neither ``KillWait`` nor ``--signal``'s lead time: set
+``DDPCKPT_GRACE_SECONDS`` in the batch script). If it runs out while the save is still
+going, an ERROR names the checkpoint a resume would load; a save that ends late is
+reported as an ERROR too. Afterwards :attr:`~ddpckpt.Checkpointer.preempted` is True and
+:attr:`~ddpckpt.Checkpointer.exit_code` is ``128 + signal`` (143 for SIGTERM), the code a
+shell gives a process the signal ended, so torchrun and SLURM see a failed attempt (and
+restart or requeue it where configured) rather than a finished job. The library never
+exits the process itself.
+
+Edge cases. Signals that arrive while a preemption checkpoint is agreed or being written
+(torchrun's forwarded SIGTERM after a SLURM SIGUSR1, a second SIGTERM) are folded into it;
+one after it is saved starts another round. A signal during :meth:`resume` or any other
+save is only recorded and agreed at the next ``should_save``. A rank SIGKILLed before the
+agreement never hangs the others: they wait for rank 0 no longer than the Checkpointer's
+``timeout``, and a save with a missing rank fails naming it. SIGKILL itself cannot be
+caught: the grace period must exceed one step plus one save. torchrun signals each
+worker's whole process group, and DataLoader worker processes end on a SIGTERM that does
+not come from their parent; torch then raises RuntimeError from its SIGCHLD handler in the
+training thread. After a preemption signal that error is logged instead of raised (see
+:meth:`_Handlers.guard_children`), so the checkpoint is still taken; the loader yields the
+batches it had prefetched, and raises if it needs more.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+from ddpckpt._log import get_logger, same_on_every_rank
+from ddpckpt.dist.comm import _default_group, _namespace, _StoreTimeout
+
+__all__ = ["DEFAULT_GRACE_SECONDS", "Preemption", "PreemptionWatch", "grace_period"]
+
+_log = get_logger(__name__)
+
+DEFAULT_GRACE_SECONDS = 30.0
+_Handler = Callable[[int, FrameType | None], Any] | int | None
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """What ``Checkpointer(preemption=...)`` watches: ``True`` means ``Preemption()``.
+
+    ``signals``: signal numbers or names (default SIGTERM and SIGUSR1). ``grace_seconds``:
+    the time between the signal and SIGKILL (default: see :func:`grace_period`).
+    """
+
+    signals: Sequence[int | str] = ("SIGTERM", "SIGUSR1")
+    grace_seconds: float | None = None
+
+    @classmethod
+    def of(cls, value: bool | Preemption | None) -> Preemption | None:
+        """The options ``Checkpointer(preemption=value)`` stands for (``None``: off)."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, Preemption):
+            return value
+        raise TypeError(f"preemption must be True, False or a ddpckpt.Preemption, got {value!r}")
+
+    def signal_numbers(self) -> list[signal.Signals]:
+        numbers = []
+        for sig in self.signals:
+            try:
+                numbers.append(signal.Signals[sig] if isinstance(sig, str) else signal.Signals(sig))
+            except (KeyError, ValueError):
+                raise ValueError(f"Preemption(signals=...): {sig!r} is not a signal") from None
+            if numbers[-1] in (signal.SIGKILL, signal.SIGSTOP):
+                raise ValueError(
+                    f"{numbers[-1].name} cannot be caught; it cannot announce anything"
+                )
+        return numbers
+
+
+def grace_period(grace_seconds: float | None = None) -> tuple[float, str]:
+    """The grace period in seconds and where it came from (for messages).
+
+    ``grace_seconds``, else ``$DDPCKPT_GRACE_SECONDS``, else under torchrun its shutdown
+    timeout (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default), else 30 s (the default
+    of Kubernetes' ``terminationGracePeriodSeconds`` and of SLURM's ``KillWait``).
+    """
+    if grace_seconds is not None:
+        value, source = grace_seconds, "grace_seconds"
+    elif os.environ.get("DDPCKPT_GRACE_SECONDS", "").strip():
+        raw, source = os.environ["DDPCKPT_GRACE_SECONDS"], "DDPCKPT_GRACE_SECONDS"
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"DDPCKPT_GRACE_SECONDS={raw!r} is not a number of seconds") from None
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "").strip()
+        value = float(raw) if raw.isdigit() else DEFAULT_GRACE_SECONDS
+        source = "torchrun's shutdown timeout"
+    else:
+        value, source = DEFAULT_GRACE_SECONDS, "the default; set DDPCKPT_GRACE_SECONDS"
+    if not value > 0:
+        raise ValueError(f"{source} must be a positive number of seconds, got {value!r}")
+    return float(value), source
+
+
+class _Handlers:
+    """Our handler for ``signals``, chained to the ones installed before; main thread only."""
+
+    def __init__(self, signals: Sequence[signal.Signals], on_signal: Callable[[int], None]) -> None:
+        self._on_signal = on_signal
+        self._previous: dict[int, _Handler] = {}
+        if threading.current_thread() is not threading.main_thread():
+            _log.warning(
+                "preemption handling is off on this rank: signal handlers can only be "
+                "installed from the main thread, and this Checkpointer was created in thread "
+                "%r. Create it in the main thread",
+                threading.current_thread().name,
+            )
+            return
+        for sig in signals:
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._handle)
+            signal.siginterrupt(sig, False)  # system calls resume; C++ code need not retry
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def guard_children(self) -> None:
+        """After a preemption signal, defer what the SIGCHLD handler raises (main thread).
+
+        torchrun signals each worker's whole process group, and DataLoader worker processes
+        end on SIGTERM from anyone but their parent; torch's SIGCHLD handler then raises
+        RuntimeError at whatever line the training thread is on, before any checkpoint.
+        Python runs pending handlers in signal-number order, so SIGTERM's and SIGUSR1's
+        run before SIGCHLD's and the guard is in place when it comes.
+        """
+        sigchld = getattr(signal, "SIGCHLD", None)
+        if sigchld is None or sigchld in self._previous or not self._previous:
+            return
+        previous = signal.getsignal(sigchld)
+        self._previous[sigchld] = previous
+
+        def guard(signum: int, frame: FrameType | None) -> None:
+            if not callable(previous):
+                return
+            try:
+                previous(signum, frame)
+            except RuntimeError as exc:  # e.g. "DataLoader worker ... killed by signal"
+                _log.warning(
+                    "after the preemption signal a child process ended and its SIGCHLD "
+                    "handler raised %s: %s. Deferred so that the preemption checkpoint can "
+                    "still be saved (torchrun and SLURM signal the whole process group, and "
+                    "DataLoader workers end on SIGTERM); a DataLoader whose workers ended "
+                    "yields only the batches it has already prefetched",
+                    type(exc).__name__,
+                    exc,
+                )
+
+        self._guard = guard
+        signal.signal(sigchld, guard)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._on_signal(signum)
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+
+    def remove(self) -> None:
+        """Put the previous handlers back where ours is still the one installed."""
+        previous, self._previous = self._previous, {}
+        if threading.current_thread() is not threading.main_thread():
+            if previous:
+                _log.warning(
+                    "preemption signal handlers stay installed: close() ran off the main thread"
+                )
+            return
+        for sig, handler in previous.items():
+            if signal.getsignal(sig) in (self._handle, getattr(self, "_guard", None)):
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+        self._on_signal = _ignore  # a handler installed over ours may still chain to it
+
+
+def _ignore(signum: int) -> None:
+    pass
+
+
+@dataclass
+class _Agreed:
+    """A preemption checkpoint every rank agreed on: at ``step``, for signal ``signum``."""
+
+    step: int
+    signum: int
+    origin: int  # the rank whose signal rank 0 saw first
+    since: float  # monotonic time of this rank's signal, else of the agreement
+    grace: float
+    grace_source: str
+    timer: threading.Timer | None = None
+    started: float | None = None
+    expired: bool = False
+
+
+class PreemptionWatch:
+    """One Checkpointer's preemption state on this rank (see the module docstring).
+
+    The signal handler sets two fields; everything else runs on the training thread, in
+    ``should_save`` and ``save`` (which every rank calls at the same steps).
+    """
+
+    def __init__(self, options: Preemption, newest: Callable[[], str]) -> None:
+        self.options = options
+        self._newest = newest  # describes the checkpoint a resume would load now
+        self._signal: tuple[int, float] | None = None  # first signal not yet agreed on
+        self._count = 0  # signals received
+        self._round = 0  # preemption checkpoints agreed so far (the same on every rank)
+        self._posted = -1  # the round this rank posted its signal in
+        self.agreed: _Agreed | None = None
+        self.preempted = False
+        self.signum: int | None = None
+        self._remote: tuple[int, dict[str, int]] | None = None  # (round, post) rank 0 saw
+        self._listener: threading.Thread | None = None
+        self._group: Any = None
+        self._stop = threading.Event()
+        grace_period(options.grace_seconds)  # a bad value fails now, not at the signal
+        self._handlers = _Handlers(options.signal_numbers(), self._received)
+
+    def _received(self, signum: int) -> None:  # in the signal handler: no I/O, no locks
+        self._count += 1
+        if self._signal is None and self.agreed is None:
+            self._signal = (signum, time.monotonic())
+        self._handlers.guard_children()
+
+    # ------------------------------------------------------------------ agreement
+
+    def _key(self) -> str:
+        return f"{_namespace()}/preempt/{self._round}"
+
+    def announce(self) -> None:
+        """Post this rank's signal for rank 0 (once per round); before the decision."""
+        group = _default_group()
+        if self._signal is None or group is None or group.rank == 0 or self._posted == self._round:
+            return
+        record = {"rank": group.rank, "signal": self._signal[0]}
+        group.store.set(self._key(), json.dumps(record).encode())
+        self._posted = self._round
+
+    def requested(self) -> bytes | None:
+        """On rank 0, inside the decision: ``b"P<signal>,<rank>"`` if any rank was signalled."""
+        if self.agreed is not None:
+            return None
+        if self._signal is not None:
+            return b"P%d,0" % self._signal[0]
+        group = _default_group()
+        if group is not None and self._listener is None:
+            self._group = group
+            self._listener = threading.Thread(
+                target=self._listen, args=(group,), name="ddpckpt-preemption", daemon=True
+            )
+            self._listener.start()
+        remote = self._remote
+        if remote is None or remote[0] != self._round:
+            return None
+        return b"P%d,%d" % (remote[1]["signal"], remote[1]["rank"])
+
+    def _listen(self, group: Any) -> None:
+        """Rank 0's helper thread: blocks in the store until a rank posts a signal.
+
+        So rank 0's step pays nothing to learn of other ranks' signals; the thread wakes
+        once a second to see whether the Checkpointer was closed.
+        """
+        client, own = group.borrow()
+        try:
+            while not self._stop.is_set():
+                current = self._round
+                key = f"{_namespace()}/preempt/{current}"
+                try:
+                    client.wait([key], timedelta(seconds=1))
+                except _StoreTimeout:
+                    continue
+                post = json.loads(client.get(key))
+                client.delete_key(key)
+                if self._stop.is_set():
+                    break
+                self._remote = (current, post)
+                while self._round == current and not self._stop.wait(0.05):
+                    pass  # until this round is agreed; later posts belong to the next one
+        except RuntimeError as exc:  # the store went away (the job is ending)
+            if not self._stop.is_set():
+                _log.warning("ddpckpt preemption listener stopped: %s", exc)
+        finally:
+            group.give_back(client, own)
+
+    def agree(self, step: int, decision: bytes) -> None:
+        """Every rank, on rank 0's ``b"P..."`` decision for ``step``: the next save is it."""
+        signum, origin = (int(x) for x in decision[1:].split(b","))
+        own = self._signal
+        grace, source = grace_period(self.options.grace_seconds)
+        since = own[1] if own is not None else time.monotonic()
+        self._signal = None
+        self._round += 1
+        self.agreed = _Agreed(step, signum, origin, since, grace, source)
+        remaining = since + grace - time.monotonic()
+        self.agreed.timer = threading.Timer(max(remaining, 0.0), self._expire, [self.agreed])
+        self.agreed.timer.daemon = True
+        self.agreed.timer.start()
+        _log.warning(
+            "%s received (rank %d first): every rank saves step %d now and then stops "
+            "(Checkpointer.preempted); grace period %.3g s (%s)",
+            _name(signum),
+            origin,
+            step,
+            grace,
+            source,
+            extra=same_on_every_rank(),
+        )
+
+    def _expire(self, agreed: _Agreed) -> None:
+        agreed.expired = True
+        _log.error(
+            "the grace period of %.3g s (%s) after %s ran out before the preemption "
+            "checkpoint of step %d was saved: if the job is killed now, resume() loads %s",
+            agreed.grace,
+            agreed.grace_source,
+            _name(agreed.signum),
+            agreed.step,
+            self._newest(),
+            extra=same_on_every_rank(),
+        )
+
+    # ------------------------------------------------------------------ the save
+
+    def run_save(self, save: Callable[[], str | None]) -> str | None:
+        """Run the agreed preemption save (``save`` is synchronous) and report its timing."""
+        agreed = self.agreed
+        assert agreed is not None  # called only when a preemption was agreed
+        agreed.started = time.monotonic()
+        path = None
+        try:
+            path = save()
+        finally:
+            self._finish(agreed, path)
+        return path
+
+    def _finish(self, agreed: _Agreed, path: str | None) -> None:
+        if agreed.timer is not None:
+            agreed.timer.cancel()
+        now = time.monotonic()
+        self.agreed, self._signal = None, None  # signals during the save were for it
+        self.preempted, self.signum = True, agreed.signum
+        took = now - (agreed.started or now)
+        after = now - agreed.since
+        if path is None:
+            _log.error(
+                "the preemption checkpoint of step %d failed; resume() will load %s",
+                agreed.step,
+                self._newest(),
+                extra=same_on_every_rank(),
+            )
+        elif after > agreed.grace:
+            _log.error(
+                "the preemption checkpoint %s took %.3g s and ended %.3g s after %s, later "
+                "than the grace period of %.3g s (%s): a scheduler that enforces it kills the "
+                "job before the save ends. Lengthen the grace period (and tell ddpckpt with "
+                "grace_seconds= or DDPCKPT_GRACE_SECONDS) or save less often in between",
+                path,
+                took,
+                after,
+                _name(agreed.signum),
+                agreed.grace,
+                agreed.grace_source,
+                extra=same_on_every_rank(),
+            )
+        else:
+            _log.warning(
+                "preemption checkpoint %s saved in %.3g s, %.3g s after %s (grace period "
+                "%.3g s); stop training and exit with Checkpointer.exit_code (%d)",
+                path,
+                took,
+                after,
+                _name(agreed.signum),
+                agreed.grace,
+                self.exit_code,
+                extra=same_on_every_rank(),
+            )
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signal`` once preempted (143 for SIGTERM), else 0."""
+        return 128 + self.signum if self.preempted and self.signum is not None else 0
+
+    def close(self) -> None:
+        """Remove the handlers; report a signal that never led to a checkpoint."""
+        self._handlers.remove()
+        self._stop.set()
+        if self._listener is not None:  # wake it now rather than at its next timeout
+            key = f"{_namespace()}/preempt/{self._round}"
+            try:
+                self._group.store.set(key, json.dumps({"rank": 0, "signal": 0}).encode())
+                self._listener.join(5)
+                self._group.store.delete_key(key)  # if the listener had already stopped
+            except RuntimeError as exc:  # the store is gone: the daemon thread ends with us
+                _log.debug("preemption listener not woken: %s", exc)
+        agreed = self.agreed
+        if agreed is not None and agreed.timer is not None:
+            agreed.timer.cancel()
+        if agreed is not None:
+            _log.error(
+                "a preemption checkpoint was agreed for step %d but save() was not called "
+                "before close(); resume() will load %s",
+                agreed.step,
+                self._newest(),
+            )
+        elif self._signal is not None:
+            _log.error(
+                "%s was received but no should_save() call followed, so no preemption "
+                "checkpoint was saved; resume() will load %s",
+                _name(self._signal[0]),
+                self._newest(),
+            )
+
+
+def _name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

@@ -1,0 +1,359 @@
+"""Preemption: signal handlers that chain, one checkpoint at the same step on every rank.
+
+The distributed tests run 2 ranks under torchrun (gloo, CPU) through ``exact_worker.py``,
+which pauses at ``--pause-at`` until the test has sent its signals and written ``go``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from ddpckpt.run.preemption import Preemption, PreemptionWatch, grace_period
+
+import ddpckpt
+from conftest import make_mlp, train_steps
+from ddpckpt import Checkpointer
+from launch import _env, _finish, _start, free_port
+from test_exact_resume import EXACT, compare, launch
+
+
+def objects():
+    model = make_mlp()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+@pytest.fixture
+def restore_signals():
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def deliver(sig: int) -> None:
+    """Send ``sig`` to this process and let its Python handler run."""
+    os.kill(os.getpid(), sig)
+    for _ in range(100):  # the handler runs at the next bytecode boundary of the main thread
+        time.sleep(0.001)
+
+
+# ---------------------------------------------------------------------- handlers
+
+
+def test_handlers_chain_to_the_applications_and_are_removed_on_close(restore_signals) -> None:
+    seen: list[int] = []
+    app_handler = lambda signum, frame: seen.append(signum)  # noqa: E731
+    signal.signal(signal.SIGUSR1, app_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    watch = PreemptionWatch(Preemption(), newest=lambda: "nothing")
+    assert signal.getsignal(signal.SIGUSR1) is not app_handler
+    deliver(signal.SIGUSR1)
+    deliver(signal.SIGTERM)  # was ignored: ours records it, nothing else runs
+    assert seen == [signal.SIGUSR1]
+    assert watch._signal is not None and watch._signal[0] == signal.SIGUSR1 and watch._count == 2
+    watch._signal = None
+    watch.close()
+    assert signal.getsignal(signal.SIGUSR1) is app_handler
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def test_a_handler_installed_over_ours_is_left_in_place(restore_signals) -> None:
+    watch = PreemptionWatch(Preemption(signals=["SIGUSR2"]), newest=lambda: "nothing")
+    ours = signal.getsignal(signal.SIGUSR2)
+    seen: list[int] = []
+
+    def later(signum, frame) -> None:  # an application that chains to what it found
+        seen.append(signum)
+        ours(signum, frame)
+
+    signal.signal(signal.SIGUSR2, later)
+    watch.close()
+    assert signal.getsignal(signal.SIGUSR2) is later
+    deliver(signal.SIGUSR2)  # our handler, still chained, no longer records anything
+    assert seen == [signal.SIGUSR2] and watch._signal is None
+
+
+def test_off_the_main_thread_nothing_is_installed_and_a_warning_says_so(
+    restore_signals, caplog
+) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    watches = []
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        thread = threading.Thread(
+            target=lambda: watches.append(PreemptionWatch(Preemption(), lambda: ""))
+        )
+        thread.start()
+        thread.join()
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert "only be installed from the main thread" in caplog.text
+    watches[0].close()
+
+
+def test_bad_options_fail_when_the_checkpointer_is_made(tmp_path, restore_signals) -> None:
+    model = make_mlp()
+    with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
+        Checkpointer(tmp_path, model=model, preemption=Preemption(signals=[signal.SIGKILL]))
+    with pytest.raises(ValueError, match="not a signal"):
+        Checkpointer(tmp_path, model=model, preemption=Preemption(signals=["SIGNOPE"]))
+    with pytest.raises(ValueError, match="positive"):
+        Checkpointer(tmp_path, model=model, preemption=Preemption(grace_seconds=0))
+    with pytest.raises(ValueError, match="read_only"):
+        Checkpointer(tmp_path, model=model, read_only=True, preemption=True)
+
+
+def test_grace_period_comes_from_the_argument_then_the_environment(monkeypatch) -> None:
+    for name in ("DDPCKPT_GRACE_SECONDS", "TORCHELASTIC_RUN_ID", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    assert grace_period()[0] == 30.0
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90")
+    assert grace_period() == (90.0, "torchrun's shutdown timeout")
+    monkeypatch.setenv("DDPCKPT_GRACE_SECONDS", "12.5")
+    assert grace_period() == (12.5, "DDPCKPT_GRACE_SECONDS")
+    assert grace_period(4) == (4.0, "grace_seconds")
+    monkeypatch.setenv("DDPCKPT_GRACE_SECONDS", "soon")
+    with pytest.raises(ValueError, match="DDPCKPT_GRACE_SECONDS"):
+        grace_period()
+
+
+# ---------------------------------------------------------------------- one process
+
+
+def test_without_preemption_no_handler_is_installed(tmp_path, restore_signals) -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    model, opt = objects()
+    with Checkpointer(tmp_path, model=model, optimizer=opt, every_steps=2) as ckpt:
+        assert signal.getsignal(signal.SIGTERM) is before
+        assert [ckpt.should_save(s) for s in (1, 2, 3)] == [False, True, False]
+        assert not ckpt.preempted and ckpt.exit_code == 0
+
+
+@pytest.mark.parametrize("async_save", [False, True, "overlap"])
+def test_a_signal_makes_the_next_step_a_synchronous_save_then_preempted(
+    tmp_path, restore_signals, caplog, async_save
+) -> None:
+    model, opt = objects()
+    with Checkpointer(
+        tmp_path, model=model, optimizer=opt, every_steps=100, preemption=True,
+        async_save=async_save,
+    ) as ckpt:  # fmt: skip
+        for step in range(1, 10):
+            train_steps(model, opt, steps=1)
+            if step == 4:
+                deliver(signal.SIGUSR1)
+                deliver(signal.SIGUSR1)  # twice: still one checkpoint
+            if ckpt.should_save(step):
+                ckpt.save(step)
+                assert ckpt.steps() == [step]  # durable when save() returns, even async
+            if ckpt.preempted:
+                break
+        assert step == 4 and ckpt.exit_code == 128 + signal.SIGUSR1
+    err = caplog.text
+    assert "SIGUSR1 received (rank 0 first): every rank saves step 4" in err
+    assert "preemption checkpoint" in err and "exit with Checkpointer.exit_code (138)" in err
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # removed by close()
+
+
+@pytest.mark.parametrize("async_save", [True, "overlap"])
+def test_the_async_save_of_the_signalled_step_is_finished_not_captured_again(
+    tmp_path, restore_signals, async_save
+) -> None:
+    model, opt = objects()
+    with Checkpointer(
+        tmp_path, model=model, optimizer=opt, every_steps=3, preemption=True, async_save=async_save
+    ) as ckpt:
+        train_steps(model, opt, steps=1)
+        assert ckpt.should_save(3)
+        ckpt.save(3)  # in flight
+        deliver(signal.SIGTERM)
+        assert not ckpt.should_save(3)  # the loop asks again at the same step
+        assert ckpt.preempted and ckpt.exit_code == 143 and ckpt.steps() == [3]
+
+
+def test_signals_during_the_preemption_save_fold_into_it(tmp_path, restore_signals) -> None:
+    model, opt = objects()
+    with Checkpointer(tmp_path, model=model, optimizer=opt, preemption=True) as ckpt:
+        capture = ckpt._capture
+
+        def signalled_capture():
+            deliver(signal.SIGTERM)  # the scheduler repeats itself mid-save
+            return capture()
+
+        ckpt._capture = signalled_capture
+        deliver(signal.SIGUSR1)
+        assert ckpt.should_save(1)
+        ckpt.save(1)
+        assert ckpt.preempted and ckpt.exit_code == 128 + signal.SIGUSR1
+        ckpt._capture = capture
+        assert not ckpt.should_save(2)  # no second preemption checkpoint
+        deliver(signal.SIGTERM)  # a new signal once it is saved: a new round
+        assert ckpt.should_save(3)
+        ckpt.save(3)
+        assert ckpt.steps() == [1, 3] and ckpt.exit_code == 143
+
+
+def test_a_signal_with_no_should_save_after_it_is_reported_at_close(
+    tmp_path, restore_signals, caplog
+) -> None:
+    model, opt = objects()
+    with Checkpointer(tmp_path, model=model, optimizer=opt, preemption=True) as ckpt:
+        ckpt.save(1)
+        deliver(signal.SIGTERM)
+    err = caplog.text
+    assert "SIGTERM was received but no should_save() call followed" in err
+    assert "resume() will load" in err and "step-00000001 (step 1)" in err
+
+
+def test_a_signal_during_resume_is_agreed_at_the_next_should_save(
+    tmp_path, restore_signals
+) -> None:
+    model, opt = objects()
+    with Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
+        ckpt.save(5)
+    with Checkpointer(tmp_path, model=model, optimizer=opt, preemption=True) as ckpt:
+        original = ckpt._try_load
+
+        def signalled_load(step, failures):
+            deliver(signal.SIGTERM)
+            return original(step, failures)
+
+        ckpt._try_load = signalled_load
+        info = ckpt.resume()
+        assert not ckpt.preempted
+        assert ckpt.should_save(info.step + 1)
+        ckpt.save(info.step + 1)
+        assert ckpt.preempted and ckpt.steps() == [5, 6]
+
+
+# ---------------------------------------------------------------------- torchrun, 2 ranks
+
+STEPS, EVERY = 12, 5  # 3 optimizer steps make an epoch: step 4 is mid-epoch 1
+
+
+def start(out: Path, *options: str, env: dict[str, str] | None = None):
+    """torchrun exact_worker.py on 2 ranks, paused after step 4 (see the module docstring)."""
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+           str(EXACT), "train", str(out / "run"), str(out), f"--steps={STEPS}",
+           f"--every={EVERY}", "--preempt", "--pause-at=4", *options]  # fmt: skip
+    return _start(cmd, _env({"OMP_NUM_THREADS": "1", **(env or {})}), None)
+
+
+def wait_for(proc, *paths: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not all(p.exists() for p in paths):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            ((_, out),) = _finish([proc], 30)
+            pytest.fail(f"waited for {[p.name for p in paths]}; the job said:\n{out[-5000:]}")
+        time.sleep(0.02)
+
+
+def paused_pids(proc, out: Path) -> list[int]:
+    files = [out / f"paused-rank{r}.json" for r in (0, 1)]
+    wait_for(proc, *files)
+    return [json.loads(f.read_text())["pid"] for f in files]
+
+
+def signal_then_go(proc, out: Path, pid: int, sig: int, ranks=(0, 1), before_go=None) -> None:
+    """Send ``sig`` to ``pid``, wait until ``ranks`` received it, then let the workers go on."""
+    os.kill(pid, sig)
+    wait_for(proc, *(out / f"signalled-rank{r}" for r in ranks))
+    if before_go is not None:
+        before_go()
+    (out / "go").touch()
+
+
+def preempted(out: Path) -> list[dict]:
+    return [json.loads((out / f"preempted-rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory) -> Path:
+    """The uninterrupted run every preempted one is compared with."""
+    out = tmp_path_factory.mktemp("straight")
+    launch(2, "train", str(out / "run"), str(out), f"--steps={STEPS}", f"--every={EVERY}")
+    return out
+
+
+@pytest.mark.distributed
+def test_sigterm_to_torchrun_saves_one_step_on_both_ranks_and_resumes_bit_identical(
+    tmp_path, straight
+) -> None:
+    proc = start(tmp_path)
+    paused_pids(proc, tmp_path)
+    signal_then_go(proc, tmp_path, proc.pid, signal.SIGTERM)  # the agent forwards it to both
+    ((code, output),) = _finish([proc], 120)
+    assert code != 0, output[-3000:]
+    first, second = preempted(tmp_path)
+    assert first["step"] == second["step"] and 4 <= first["step"] < STEPS, output[-3000:]
+    assert first["exit_code"] == second["exit_code"] == 128 + signal.SIGTERM
+    assert first["step"] in first["committed"]  # durable before save() returned
+    assert "SIGTERM received" in output and "preemption checkpoint" in output
+    launch(2, "train", str(tmp_path / "run"), str(tmp_path), f"--steps={STEPS}", f"--every={EVERY}")
+    compare(straight, tmp_path)
+
+
+@pytest.mark.distributed
+def test_sigusr1_to_one_worker_makes_both_ranks_save_the_same_step(tmp_path) -> None:
+    proc = start(tmp_path)
+    rank1 = paused_pids(proc, tmp_path)[1]
+    signal_then_go(proc, tmp_path, rank1, signal.SIGUSR1, ranks=[1])  # rank 0 hears nothing
+    ((code, output),) = _finish([proc], 120)
+    assert code != 0, output[-3000:]
+    first, second = preempted(tmp_path)
+    assert first["step"] == second["step"] and 4 <= first["step"] < STEPS, output[-3000:]
+    assert first["exit_code"] == second["exit_code"] == 128 + signal.SIGUSR1
+    assert not (tmp_path / "signalled-rank0").exists()
+    assert "SIGUSR1 received (rank 1 first)" in output
+
+
+@pytest.mark.distributed
+def test_a_signal_during_an_async_save_finishes_it_then_saves_synchronously(tmp_path) -> None:
+    (tmp_path / "hold").touch()  # the async save of step 3 stays in flight until released
+    proc = start(tmp_path, "--async-save", "--every=3", "--hold-from=3")
+    paused_pids(proc, tmp_path)
+    signal_then_go(proc, tmp_path, proc.pid, signal.SIGTERM, before_go=(tmp_path / "hold").unlink)
+    ((code, output),) = _finish([proc], 120)
+    assert code != 0, output[-3000:]
+    first, second = preempted(tmp_path)
+    assert first["step"] == second["step"] and 4 <= first["step"] < 6, output[-3000:]
+    assert first["committed"] == [3, first["step"]], output[-3000:]
+
+
+@pytest.mark.distributed
+def test_a_grace_period_too_short_is_reported_and_the_previous_checkpoint_stays(
+    tmp_path,
+) -> None:
+    (tmp_path / "hold").touch()  # the preemption save never ends: the scheduler kills the job
+    proc = start(tmp_path, "--every=3", "--hold-from=4", env={"DDPCKPT_GRACE_SECONDS": "0.5"})
+    workers = paused_pids(proc, tmp_path)
+    signal_then_go(proc, tmp_path, proc.pid, signal.SIGTERM)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))
+    reader.start()  # what the user reads
+    deadline = time.monotonic() + 120
+    while not any("ran out before the preemption" in line for line in lines[:]):
+        if time.monotonic() > deadline or not reader.is_alive():
+            break
+        time.sleep(0.05)
+    for pid in workers:  # the scheduler's SIGKILL at the end of the grace period
+        os.kill(pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(60)
+    proc.wait(60)
+    output = "".join(lines)
+    assert "grace period of 0.5 s (DDPCKPT_GRACE_SECONDS) after SIGTERM ran out" in output, output
+    run = tmp_path / "run"
+    assert f"resume() loads {run / 'step-00000003'} (step 3)" in output
+    assert Checkpointer(run, model=make_mlp(), read_only=True).steps() == [3]
+    ddpckpt.verify(run / "step-00000003")
+    assert (run / "latest").read_text() == "step-00000003\n"
