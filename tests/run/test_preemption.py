@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from ddpckpt.run.preemption import Preemption, PreemptionWatch, grace_period
 
 import ddpckpt
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
+from ddpckpt.run.preemption import Preemption, PreemptionWatch, grace_period
 from launch import _env, _finish, _start, free_port
 from test_exact_resume import EXACT, compare, launch
 
