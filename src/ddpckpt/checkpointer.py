@@ -60,6 +60,7 @@ from .policies import (
     SavePolicy,
     Union,
 )
+from .resumecheck import record as _resume_check
 from .rundir import (
     clean_temporaries,
     read_latest,
@@ -172,7 +173,7 @@ class Checkpointer:
             raise ValueError(f"retries must be a non-negative int, got {retries!r}")
         if monitor is not None and keep_best is None and retention is None:
             raise ValueError("monitor= only matters with keep_best=; pass keep_best=K as well")
-        self.directory = os.fspath(directory)
+        self.directory = _resume_check.redirect(os.fspath(directory))  # as is, outside a check
         self.model, self.optimizer, self.scheduler, self.scaler = (
             model,
             optimizer,
@@ -202,6 +203,8 @@ class Checkpointer:
         self._run_file_written = False
         self.last_error: CheckpointWriteError | None = None
         self.failed_saves = 0
+        if (recorder := _resume_check.active()) is not None:
+            recorder.attach(self)
 
     # ------------------------------------------------------------------ public
 
@@ -243,7 +246,7 @@ class Checkpointer:
             ]
             if not candidates and not broken and not failed:
                 _log.info("%s: no checkpoint to resume from; starting fresh", self.directory)
-                return None
+                return self._resumed(None)
             for candidate in candidates:
                 info = self._try_load(candidate, failures)
                 if info is None:
@@ -253,7 +256,7 @@ class Checkpointer:
                     moved = sorted({b for b in broken if b > candidate} | set(failed))
                     newest = max(c for c in committed if c not in moved)
                     self._after_resume(candidate, moved, newest)
-                return info
+                return self._resumed(info)
             if not candidates:
                 break
         raise CorruptCheckpointError(
@@ -324,6 +327,8 @@ class Checkpointer:
         every rank: rank 0 publishes it in one store key that the other ranks wait for, so
         every rank must call this at the same steps.
         """
+        if (recorder := _resume_check.active()) is not None:
+            recorder.step(self, step)
         if self._latest is not None and step <= self._latest:
             return False
 
@@ -426,7 +431,19 @@ class Checkpointer:
                 comm.close()
         self._latest = step
         self.save_policy.saved(step, time.monotonic())
+        if (recorder := _resume_check.active()) is not None:
+            recorder.saved(self, step, epoch)
         return plan.path
+
+    def log_step(self, loss: Any) -> None:
+        """Report this step's loss to ``ddpckpt check-resume``, which compares it between
+        the uninterrupted and the resumed run; local. Outside a check it does nothing."""
+        if (recorder := _resume_check.active()) is not None:
+            recorder.loss(loss)
+
+    def _resumed(self, info: CheckpointInfo | None) -> CheckpointInfo | None:
+        recorder = _resume_check.active()
+        return info if recorder is None else recorder.resumed(self, info)
 
     # ------------------------------------------------------------------ queries (local)
 

@@ -29,7 +29,7 @@ __all__ = ["main"]
 _EXIT_STATUS = """exit status:
   0  done, nothing wrong found
   1  done, and found problems or differences (verify, ls: a bad checkpoint; diff: they
-     differ; demo: the resume was not exact)
+     differ; demo, check-resume: the resume was not exact)
   2  cannot do its job (wrong or missing input, corrupt input to inspect/export/diff,
      missing optional dependency, run locked by a live job)
   141  the output pipe was closed early (`| head`); nothing is printed about it"""
@@ -458,6 +458,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL rank 1 after this step")
     p.set_defaults(run=_demo)
+
+    from .resumecheck.command import add_parser as add_check_resume
+
+    add_check_resume(commands)
 
     p = commands.add_parser(
         "bench", help="measure checkpointing against torch.save, DCP and the hardware"
