@@ -197,7 +197,7 @@ def _rank_events(
                 if segment == 0:
                     note((0, step, 1), step, "before-kill", {**start, **end})
                 else:
-                    note((phase_key, step, 1), step, "start", start)
+                    note((phase_key, step, 1), step, "start", start, reference_step["end"])
                     note((phase_key, step, 2), step, "end", end, reference_step["end"])
                     for part in (reference_step["start"] or {}, reference_step["end"]):
                         components.update(k for k in part if k not in unused)
@@ -266,6 +266,7 @@ def compare_point(
         first_step_after_resume=_first_after_resume(killed, first.step),
         samples_matched=any(c.endswith(".samples") for c in first.recorded)
         and not any(d.component.endswith(".samples") for d in differences),
+        loader_saved=any(c.startswith("loader.") for c in first.recorded),
     )
     result.divergence = Divergence(
         step=first.step,

@@ -66,11 +66,12 @@ def explain(
     world: int,
     first_step_after_resume: bool,
     samples_matched: bool = False,
+    loader_saved: bool = True,
 ) -> tuple[str, str, str]:
     """``(what differs, likely cause, fix)`` for the first divergence.
 
     ``samples_matched``: a tracked DataLoader recorded the step's sample indices, and they
-    were the same in both runs.
+    were the same in both runs. ``loader_saved``: the Checkpointer holds a DataLoader.
     """
     diff = _first(differences, component)
     on = _on(_ranks(differences, component), world)
@@ -139,6 +140,16 @@ def explain(
     )
     if phase == "start" and component in _GENERATORS:
         name, seed = _GENERATORS[component]
+        if first_step_after_resume and component == "rng.torch" and not loader_saved:
+            return (
+                f"{name} differs {after} {on}",
+                "no DataLoader is saved with the checkpoint (none is in the Checkpointer's "
+                "extra), so after the restart the loop starts a new pass over it: its iter() "
+                "draws a seed from torch's generator and its epoch starts over from the first "
+                f"batch. Or the script seeds torch after resume() ({seed})",
+                "pass the DataLoader to the Checkpointer: extra={'loader': loader} (created "
+                "before resume(); any torch DataLoader), and seed only before resume()",
+            )
         if first_step_after_resume:
             return (
                 f"{name} differs {after} {on}",

@@ -267,9 +267,10 @@ class Recorder:
 
     def _schedule(self, ckpt: Any) -> dict[str, Any]:
         state: dict[str, Any] = {}
-        lrs = []
-        for _, optimizer in self._known_optimizers(ckpt):
-            lrs += [_number(g.get("lr")) for g in optimizer.param_groups]
+        lrs = []  # of the optimizers the Checkpointer holds (others: their own component)
+        for name, optimizer in self._known_optimizers(ckpt):
+            if not name.startswith("optimizer:unsaved"):
+                lrs += [_number(g.get("lr")) for g in optimizer.param_groups]
         state["lr"] = lrs
         scheduler = ckpt.scheduler
         if scheduler is not None and callable(getattr(scheduler, "state_dict", None)):
