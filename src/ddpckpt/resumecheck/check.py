@@ -154,4 +154,9 @@ def check_resume(
         )
         result.seconds = killed.seconds
         report.points.append(result)
+    if not any("loss" in p.components for p in report.points):
+        report.notes.append(
+            "losses not compared: the script does not call ckpt.log_step(loss) (one line in "
+            "the loop; it does nothing outside a check)"
+        )
     return report

@@ -16,7 +16,8 @@ With it, each process appends JSON lines to ``DIR/records/rank<R>.jsonl``:
 * ``save``: :meth:`Checkpointer.save` returned (the state it saved).
 
 Checkpoint directories are redirected under ``DIR/checkpoints`` so that the checked runs
-never read or write the user's own runs. The rank to kill SIGKILLs itself at the chosen
+never read or write the user's own runs (the script's own directory is created, as a
+Checkpointer creates it, and left empty). The rank to kill SIGKILLs itself at the chosen
 point once (a marker file remembers it across restarts).
 """
 
@@ -123,6 +124,8 @@ class Recorder:
 
     def checkpoint_dir(self, directory: str) -> str:
         path = os.path.abspath(directory)
+        # Created as a Checkpointer would, for the script's own files next to it; left empty.
+        os.makedirs(path, exist_ok=True)
         name = f"{os.path.basename(path.rstrip(os.sep)) or 'run'}-{digest(path)[:8]}"
         return os.path.join(self.dir, "checkpoints", name)
 

@@ -60,9 +60,8 @@ def format_report(report: CheckReport) -> str:
                 f"({_kinds(point.components)})"
             )
             if point.unused:
-                lines.append(
-                    f"  not compared (never drawn from, so never seeded): {', '.join(point.unused)}"
-                )
+                unused = ", ".join(point.unused)
+                lines.append(f"  not compared (never drawn from in this script): {unused}")
             continue
         divergence = point.divergence
         if divergence is None:
@@ -154,6 +153,11 @@ def _plot(report: CheckReport) -> str:
         steps = sorted({s for c in point.grid.values() for s in c})
         cells = [[1.0 if point.grid[c].get(s, True) else 0.0 for s in steps] for c in components]
         axis.imshow(cells, aspect="auto", cmap=colours, vmin=0, vmax=1, interpolation="nearest")
+        first = point.divergence
+        if first is not None and first.component in components and first.step in steps:
+            cell = (steps.index(first.step), components.index(first.component))
+            axis.plot(*cell, "kx", ms=10)
+            axis.annotate(" first difference", cell, fontsize=7)
         axis.set_yticks(range(len(components)), components, fontsize=7)
         ticks = range(0, len(steps), max(1, len(steps) // 20))
         axis.set_xticks(list(ticks), [str(steps[i]) for i in ticks], fontsize=7)
