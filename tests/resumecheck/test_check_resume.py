@@ -21,11 +21,19 @@ KILL, RESUMED, FIRST = "10", 8, 9
 
 
 def check(
-    tmp: Path, *options: str, bug: str = "", reference: Path | None = None
+    tmp: Path, *options: str, bug: str = "", reference: Path | None = None, elastic: bool = True
 ) -> tuple[int, str, dict[str, Any]]:
+    """Run the checker on tiny_train.py. ``elastic``: torchrun restarts the killed job itself
+    (--max-restarts 1); otherwise torchrun gives up and the checker starts it again."""
     out = tmp / "check"
-    command = [TORCHRUN, "--nproc-per-node=2", "--master-addr=127.0.0.1",
-               f"--master-port={free_port()}", str(SCRIPT), "--dir", str(tmp / "user")]  # fmt: skip
+    port = free_port()
+    launcher = (
+        ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1",
+         "--monitor-interval=0.2", "--local-addr=127.0.0.1"]
+        if elastic
+        else ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    )  # fmt: skip
+    command = [TORCHRUN, "--nproc-per-node=2", *launcher, str(SCRIPT), "--dir", str(tmp / "user")]
     argv = [sys.executable, "-m", "ddpckpt", "check-resume", "--out", str(out), "--timeout=150",
             *options, *(["--reference", str(reference)] if reference else []), "--", *command]  # fmt: skip
     env = _env({"PLANTED_BUG": bug, "PYTHONWARNINGS": "ignore::FutureWarning"})
@@ -39,7 +47,7 @@ def exact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str, dic
     """The correct script, checked at the default kill points; its uninterrupted run is
     reused by the checks of the bugs that act only after a resume."""
     tmp = tmp_path_factory.mktemp("exact")
-    return (tmp / "check", *check(tmp))
+    return (tmp / "check", *check(tmp, elastic=False))
 
 
 def test_a_correct_script_is_bit_identical_at_both_default_kill_points(exact) -> None:
@@ -54,6 +62,7 @@ def test_a_correct_script_is_bit_identical_at_both_default_kill_points(exact) ->
     assert [p["resumed_from"] for p in points] == [8, 6]
     assert [p["steps_compared"] for p in points] == [2 * 4, 2 * 6]  # steps x ranks
     assert all(p["rank"] == 1 and p["divergence"] is None for p in points)
+    assert all(len(p["launches"]) == 2 for p in points)  # torchrun gave up; started again
     components = set(points[0]["components"])
     assert {"model.parameters", "model.buffers", "optimizer", "scheduler", "rng.torch",
             "rng.numpy", "loader.loader", "loader.loader.samples", "inputs", "loss"} <= components  # fmt: skip
@@ -83,6 +92,7 @@ def test_a_bug_after_resume_is_named_with_its_component_and_step(
     assert (divergence["step"], divergence["phase"]) == (FIRST, phase), divergence
     assert (divergence["component"], divergence["ranks"]) == (component, ranks), divergence
     assert cause in divergence["cause"]
+    assert len(point["launches"]) == 1  # torchrun restarted the killed job itself
     assert f"DIFFERENT: first at step {FIRST}" in output and divergence["fix"] in output
 
 

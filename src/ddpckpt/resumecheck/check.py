@@ -152,7 +152,7 @@ def check_resume(
         result = compare_point(
             ref_records, read_records(killed.dir), kill=point.describe(), victim=report.victim
         )
-        result.seconds = killed.seconds
+        result.seconds, result.launches = killed.seconds, killed.launches
         report.points.append(result)
     if not any("loss" in p.components for p in report.points):
         report.notes.append(

@@ -69,6 +69,7 @@ class PointResult:
     grid: dict[str, dict[int, bool]] = field(default_factory=dict)  # component -> step -> same
     unused: list[str] = field(default_factory=list)  # generators never drawn from: not compared
     seconds: float = 0.0
+    launches: list[dict[str, Any]] = field(default_factory=list)  # 1: the launcher restarted it
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -142,7 +142,7 @@ def explain(
         name, seed = _GENERATORS[component]
         if first_step_after_resume and component == "rng.torch" and not loader_saved:
             return (
-                f"{name} differs {after} {on}",
+                f"{name} differs {after}, {on}",
                 "no DataLoader is saved with the checkpoint (none is in the Checkpointer's "
                 "extra), so after the restart the loop starts a new pass over it: its iter() "
                 "draws a seed from torch's generator and its epoch starts over from the first "
@@ -152,7 +152,7 @@ def explain(
             )
         if first_step_after_resume:
             return (
-                f"{name} differs {after} {on}",
+                f"{name} differs {after}, {on}",
                 f"the script seeds it after resume() ({seed} after ckpt.resume()), which "
                 "overwrites the state resume() restored",
                 f"seed before resume() (or only on a fresh start: if info is None: {seed}); "

@@ -47,9 +47,10 @@ def format_report(report: CheckReport) -> str:
             if point.resumed_from is not None
             else "did not resume"
         )
+        how = "the launcher restarted it" if len(point.launches) == 1 else "started again"
         lines.append(
-            f"kill {index}: rank {point.rank} SIGKILLed {point.kill}; restarted ({point.seconds:.1f} s), "
-            f"{resumed}"
+            f"kill {index}: rank {point.rank} SIGKILLed {point.kill}; {how} "
+            f"({point.seconds:.1f} s in all), {resumed}"
         )
         if point.identical:
             per_rank = point.steps_compared // max(1, point.ranks)
