@@ -7,9 +7,9 @@ import shlex
 import sys
 from typing import Any
 
-__all__ = ["add_parser"]
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "add_parser", "run"]
 
-_DESCRIPTION = """\
+DESCRIPTION = """\
 Prove that your own DDP training script resumes exactly. It runs the command after '--'
 once uninterrupted, then again while SIGKILLing one rank at a step (by default once inside
 an epoch and once right after an epoch-end save), restarts it with the same command, and
@@ -27,7 +27,8 @@ def _progress(line: str) -> None:
     sys.stderr.flush()
 
 
-def _check_resume(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Run ``check-resume``; the exit status (0: exact, 1: not exact)."""
     from .check import check_resume
     from .report import format_report, write_outputs
     from .runner import parse_kill
@@ -56,14 +57,12 @@ def _check_resume(args: argparse.Namespace) -> int:
     return 0 if report.identical else 1
 
 
-def add_parser(commands: Any) -> None:
-    """Add ``check-resume`` to the ``ddpckpt`` command line's subcommands."""
-    p = commands.add_parser(
-        "check-resume",
-        help="prove that your training script resumes exactly (exit 1 if not, naming the cause)",
-        description=_DESCRIPTION,
-        usage="ddpckpt check-resume [options] -- LAUNCH COMMAND ...",
-    )
+HELP = "prove that your training script resumes exactly (exit 1 if not, naming the cause)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``check-resume``."""
+    p.usage = "ddpckpt check-resume [options] -- LAUNCH COMMAND ..."
     p.add_argument(
         "--kill-at",
         action="append",
@@ -93,4 +92,15 @@ def add_parser(commands: Any) -> None:
         "--timeout", type=float, default=1800.0, help="seconds each launch may take (default 1800)"
     )
     p.add_argument("launch", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
-    p.set_defaults(run=_check_resume)
+
+
+def add_parser(commands: Any) -> None:
+    """Add ``check-resume`` to the ``ddpckpt`` command line's subcommands."""
+    p = commands.add_parser(
+        "check-resume",
+        help=HELP,
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(p)
+    p.set_defaults(run=run)
