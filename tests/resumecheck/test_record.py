@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,3 +90,15 @@ def test_with_the_variable_every_step_save_and_resume_is_recorded(
     assert len(step["end"]["loss"]) == 1
     assert events[-1]["step"] == 4
     assert events[-1]["state"] == events[-2]["state"]  # resume() restores what was saved
+
+
+def test_a_command_that_never_creates_a_checkpointer_is_an_error_naming_what_is_needed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddpckpt.cli import main
+
+    code = main(["check-resume", "--out", str(tmp_path), "--", sys.executable, "-c", "pass"])
+    assert code == 2
+    error = capsys.readouterr().err
+    assert "recorded nothing" in error and "ddpckpt.Checkpointer" in error
+    assert "should_save(step)" in error

@@ -174,7 +174,8 @@ class Recorder:
         self.samples.setdefault(id(loader), []).append([int(i) for i in items])
 
     def loss(self, value: Any) -> None:
-        self.losses.append(float(_number(value.detach() if hasattr(value, "detach") else value)))
+        """``log_step(loss)``: any number or tensor (a tensor of several losses too)."""
+        self.losses.append(_number(value.detach() if isinstance(value, torch.Tensor) else value))
 
     def step(self, ckpt: Any, step: int) -> None:
         """``should_save(step)``: the end of a step."""
