@@ -128,3 +128,12 @@ def test_kill_at_accepts_a_step_or_a_step_after_its_save() -> None:
     assert parse_kill("12:after-save") == KillPoint(12, after_save=True)
     with pytest.raises(ValueError, match="K:after-save"):
         parse_kill("twelve")
+
+
+def test_a_restarted_run_that_trains_without_resuming_is_not_called_exact() -> None:
+    reference = {0: [_run(8, {4: False})]}
+    killed = _killed(6, 4, 8)
+    killed[1] = [_start(), *[_step(s) for s in range(1, 9)]]  # started over: no resume()
+    divergence = compare_point(reference, {0: killed}, kill="6", victim=0).divergence
+    assert (divergence.phase, divergence.component) == ("resume", "checkpoint")
+    assert "did not resume" in divergence.what

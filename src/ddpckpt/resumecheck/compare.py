@@ -159,9 +159,14 @@ def _rank_events(
         seen: list[int] = []
         expected_order = order
         position = 0
+        resumed = segment == 0
         for event in events:
             kind = event["event"]
+            if kind == "step" and not resumed:  # restarted, and trained without resume()
+                note((segment, -1, 0), None, "resume", {"checkpoint": ("a checkpoint", None)})
+                return found, grid, compared, resumed_from, components, unused
             if kind == "resume":
+                resumed = True
                 resumed_from = event["step"]
                 if segment == 0:
                     continue

@@ -87,10 +87,13 @@ def explain(
     if component == "checkpoint":
         if g is None:
             return (
-                "the restarted script found no checkpoint to resume from",
-                "no checkpoint was committed before the kill, or the script's checkpoint "
-                "directory changes between runs (a timestamp in its name)",
-                "kill later (--kill-at) or after a save, and keep the directory fixed",
+                "the restarted script did not resume: resume() found no checkpoint, or it "
+                "trained without calling resume()",
+                "no checkpoint was committed before the kill, the script's checkpoint directory "
+                "changes between runs (a timestamp in its name), or resume() is not called "
+                "(or only behind a flag: pass it with --resume-args)",
+                "call ckpt.resume() on every start before training, keep the directory fixed, "
+                "and kill after a save (--kill-at)",
             )
         return (
             f"the restarted script resumed from step {g}, which the uninterrupted run never "
