@@ -172,7 +172,8 @@ def explain(
         scheduler = _first(differences, "scheduler") if component == "scheduler" else None
         lr_diff = next((d for d in differences if d.component == "lr"), None)
         lrs = f" (learning rate {lr_diff.got}, expected {lr_diff.expected})" if lr_diff else ""
-        if scheduler is not None and isinstance(scheduler.got, dict):
+        counts = [getattr(scheduler, side, None) for side in ("got", "expected")]
+        if all(isinstance(c, dict) and isinstance(c.get("last_epoch"), int) for c in counts):
             extra = scheduler.got["last_epoch"] - scheduler.expected["last_epoch"]
             what = (
                 f"the scheduler has stepped {scheduler.got['last_epoch']} times {after}, the "
