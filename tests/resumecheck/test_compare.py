@@ -137,3 +137,10 @@ def test_a_restarted_run_that_trains_without_resuming_is_not_called_exact() -> N
     divergence = compare_point(reference, {0: killed}, kill="6", victim=0).divergence
     assert (divergence.phase, divergence.component) == ("resume", "checkpoint")
     assert "did not resume" in divergence.what
+
+
+def test_a_resume_from_a_step_the_reference_did_not_save_compares_with_its_end_state() -> None:
+    reference = {0: [_run(8, {4: False})]}  # a clock-driven policy saved step 3 in the other run
+    killed = _killed(6, 3, 8)
+    result = compare_point(reference, {0: killed}, kill="6", victim=0)
+    assert result.identical and result.resumed_from == 3

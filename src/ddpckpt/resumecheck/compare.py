@@ -104,6 +104,25 @@ def _unused_generators(events: list[dict[str, Any]]) -> list[str]:
     return sorted(key for key, seen in values.items() if len(seen) == 1)
 
 
+def _saved_state(
+    step: int, saves: Mapping[int, dict[str, Any]], steps: Mapping[tuple[int, int], dict[str, Any]]
+) -> dict[str, Any] | None:
+    """What a checkpoint of ``step`` holds in the reference run: its save, or, where the
+    reference saved other steps (a save policy reading the clock), the state at the end of
+    that step, less what the step consumed."""
+    if step in saves:
+        return saves[step]["state"]
+    ended = [e for (s, _), e in steps.items() if s == step]
+    if not ended:
+        return None
+    consumed = ("inputs", "loss", "loader.*.samples")
+    return {
+        k: v
+        for k, v in ended[-1]["end"].items()
+        if not any(fnmatch.fnmatchcase(k, c) for c in consumed)
+    }
+
+
 def causal_rank(component: str, phase: str) -> int:
     for index, pattern in enumerate(_ORDER.get(phase, [])):
         if fnmatch.fnmatchcase(component, pattern):
@@ -173,13 +192,12 @@ def _rank_events(
                 if event["step"] is None:
                     note((segment, -1, 0), None, "resume", {"checkpoint": ("a checkpoint", None)})
                     return found, grid, compared, resumed_from, components, unused
-                if event["step"] not in saves:
+                saved = _saved_state(event["step"], saves, ref_steps)
+                if saved is None:
                     diffs = {"checkpoint": (sorted(saves), event["step"])}
                     note((segment, event["step"], 0), event["step"], "resume", diffs)
                     return found, grid, compared, resumed_from, components, unused
-                diffs = _differences(
-                    saves[event["step"]]["state"], event["state"], [*_NOT_AT_RESUME, *unused]
-                )
+                diffs = _differences(saved, event["state"], [*_NOT_AT_RESUME, *unused])
                 note((segment, event["step"], 0), event["step"], "resume", diffs)
                 after = len(order) - 1 - order[::-1].index(event["step"])
                 expected_order, position = order[after + 1 :], 0
