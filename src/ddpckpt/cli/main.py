@@ -6,8 +6,8 @@ Each subcommand is a :class:`~ddpckpt.cli.command.Command` in a module of its ow
 
 Exit status (the same for every command, see ``_EXIT_STATUS``): 0 when it did its job and
 found nothing wrong; 1 when it did its job and found problems or differences (``verify``,
-``ls``: a corrupt or incomplete checkpoint; ``diff``: the checkpoints differ; ``demo``: the
-resume was not exact); 2 when it cannot do its job (a wrong or missing input, an unreadable
+``ls``: a corrupt or incomplete checkpoint; ``diff``: the checkpoints differ; ``demo``,
+``check-resume``: the resume was not exact); 2 when it cannot do its job (a wrong or missing input, an unreadable
 or corrupt input to ``inspect``/``export``/``diff``, a missing optional dependency, a refused
 pickle, a run directory locked by a live job). A closed output pipe (``| head``) ends it
 quietly with status 141, as it does other Unix tools.
@@ -22,7 +22,14 @@ import sys
 from collections.abc import Sequence
 
 from ddpckpt._version import __version__
-from ddpckpt.cli import bench_cmd, checkpoint_cmds, demo_cmd, diff_cmd, rundir_cmds
+from ddpckpt.cli import (
+    bench_cmd,
+    check_resume_cmd,
+    checkpoint_cmds,
+    demo_cmd,
+    diff_cmd,
+    rundir_cmds,
+)
 from ddpckpt.cli.command import CannotRun, Command
 from ddpckpt.errors import CheckpointError
 
@@ -31,6 +38,7 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS: tuple[Command, ...] = (
     checkpoint_cmds.INSPECT,
     demo_cmd.DEMO,
+    check_resume_cmd.CHECK_RESUME,
     bench_cmd.BENCH,
     rundir_cmds.LS,
     rundir_cmds.CLEAN,
@@ -43,7 +51,7 @@ COMMANDS: tuple[Command, ...] = (
 _EXIT_STATUS = """exit status:
   0  done, nothing wrong found
   1  done, and found problems or differences (verify, ls: a bad checkpoint; diff: they
-     differ; demo: the resume was not exact)
+     differ; demo, check-resume: the resume was not exact)
   2  cannot do its job (wrong or missing input, corrupt input to inspect/export/diff,
      missing optional dependency, run locked by a live job)
   141  the output pipe was closed early (`| head`); nothing is printed about it"""

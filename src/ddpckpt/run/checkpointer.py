@@ -68,6 +68,7 @@ from ddpckpt.policies import (
     SavePolicy,
     Union,
 )
+from ddpckpt.resumecheck import record as _resume_check
 from ddpckpt.run.catalog import SET_ASIDE_MARK
 from ddpckpt.run.preemption import Preemption, PreemptionWatch
 from ddpckpt.run.rundir import (
@@ -181,7 +182,7 @@ class Checkpointer:
             raise ValueError("preemption= saves a checkpoint; a read_only Checkpointer cannot")
         if monitor is not None and keep_best is None and retention is None:
             raise ValueError("monitor= only matters with keep_best=; pass keep_best=K as well")
-        self.directory = os.fspath(directory)
+        self.directory = _resume_check.redirect(os.fspath(directory))  # as is, outside a check
         self.model, self.optimizer, self.scheduler, self.scaler = (
             model,
             optimizer,
@@ -213,6 +214,8 @@ class Checkpointer:
         self.failed_saves = 0
         options = Preemption.of(preemption)
         self._preemption = None if options is None else PreemptionWatch(options, self._newest)
+        if (recorder := _resume_check.active()) is not None:
+            recorder.attach(self)
 
     # ------------------------------------------------------------------ public
 
@@ -254,7 +257,7 @@ class Checkpointer:
             ]
             if not candidates and not broken and not failed:
                 _log.info("%s: no checkpoint to resume from; starting fresh", self.directory)
-                return None
+                return self._resumed(None)
             for candidate in candidates:
                 info = self._try_load(candidate, failures)
                 if info is None:
@@ -264,7 +267,7 @@ class Checkpointer:
                     moved = sorted({b for b in broken if b > candidate} | set(failed))
                     newest = max(c for c in committed if c not in moved)
                     self._after_resume(candidate, moved, newest)
-                return info
+                return self._resumed(info)
             if not candidates:
                 break
         raise CorruptCheckpointError(
@@ -337,6 +340,8 @@ class Checkpointer:
         then rank 0 also answers True, on every rank, at the first step after a signal on
         any rank (see :mod:`ddpckpt.run.preemption`).
         """
+        if (recorder := _resume_check.active()) is not None:
+            recorder.step(self, step)
         watch = self._preemption
         latest = self._latest  # with preemption on, a signal can still finish this save
         if latest is not None and (step < latest or (step == latest and watch is None)):
@@ -468,6 +473,8 @@ class Checkpointer:
                 comm.close()
         self._latest = step
         self.save_policy.saved(step, time.monotonic())
+        if (recorder := _resume_check.active()) is not None:
+            recorder.saved(self, step, epoch)
         return plan.path
 
     @property
@@ -480,6 +487,16 @@ class Checkpointer:
         """The process's exit code to use: ``128 + signal`` once :attr:`preempted` (143 for
         SIGTERM, as a shell reports a process that signal ended), else 0."""
         return self._preemption.exit_code if self._preemption is not None else 0
+
+    def log_step(self, loss: Any) -> None:
+        """Report this step's loss to ``ddpckpt check-resume``, which compares it between
+        the uninterrupted and the resumed run; local. Outside a check it does nothing."""
+        if (recorder := _resume_check.active()) is not None:
+            recorder.loss(loss)
+
+    def _resumed(self, info: CheckpointInfo | None) -> CheckpointInfo | None:
+        recorder = _resume_check.active()
+        return info if recorder is None else recorder.resumed(self, info)
 
     # ------------------------------------------------------------------ queries (local)
 

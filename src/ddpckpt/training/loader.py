@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from ddpckpt.errors import InexactResumeError, StateMismatchError
+from ddpckpt.resumecheck import record as _resume_check
 from ddpckpt.training.data import ResumableDistributedSampler, SampleIndex, SeededDataset
 
 __all__ = ["resumable_loader", "track_loader"]
@@ -75,12 +76,16 @@ class _IndexStream:
         self.sizes: deque[int] = deque()  # indices per batch handed out, not yet yielded
         self.replay: Mapping[str, Any] | None = None  # the saved order draw, for the next pass
         self.draws = 0  # order draws so far (the sampler's first index of a pass)
+        # the index batches handed out, not yet yielded: only under ddpckpt check-resume
+        self.handed: deque[Any] | None = deque() if _resume_check.active() else None
 
     def __len__(self) -> int:
         return max(0, len(self.inner) - self.loader._planned_skip())
 
     def __iter__(self) -> Iterator[Any]:
         self.sizes.clear()
+        if self.handed is not None:
+            self.handed.clear()
         return self._counted(self.skip, self.loader._ddpckpt_now, self.replay)
 
     def _counted(
@@ -114,6 +119,8 @@ class _IndexStream:
         tag = isinstance(self.loader.dataset, SeededDataset) and epoch is not None
         for item in indices:
             self.sizes.append(len(item) if batched else 1)
+            if self.handed is not None:
+                self.handed.append(item)
             if tag and batched:
                 item = [
                     i if isinstance(i, SampleIndex) else SampleIndex(int(i), epoch) for i in item
@@ -235,6 +242,9 @@ class _Tracking:
         self._ddpckpt_now["position"] += 1
         sizes = self._ddpckpt_stream.sizes
         count = sizes.popleft() if sizes else 0
+        handed = self._ddpckpt_stream.handed
+        if handed:
+            _resume_check.active().batch(self, handed.popleft())
         sampler = _user_sampler(self)
         if isinstance(sampler, ResumableDistributedSampler):
             sampler._delivered(count)

@@ -1,0 +1,116 @@
+"""``ddpckpt check-resume`` on real 2-rank torchrun jobs: a script that resumes exactly, and
+planted bugs, each named by the component and the step where it first shows."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from launch import _env, _finish, _start, free_port
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+SCRIPT = Path(__file__).with_name("tiny_train.py")
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+# tiny_train.py: 6 steps an epoch, 2 epochs; saves at 4, 6 (epoch end), 8, 12 (and epoch end).
+# Killed at step 10, the restarted run resumes from 8 and its first step is 9.
+KILL, RESUMED, FIRST = "10", 8, 9
+
+
+def check(
+    tmp: Path, *options: str, bug: str = "", reference: Path | None = None, elastic: bool = True
+) -> tuple[int, str, dict[str, Any]]:
+    """Run the checker on tiny_train.py. ``elastic``: torchrun restarts the killed job itself
+    (--max-restarts 1); otherwise torchrun gives up and the checker starts it again."""
+    out = tmp / "check"
+    port = free_port()
+    launcher = (
+        ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1",
+         "--monitor-interval=0.2", "--local-addr=127.0.0.1"]
+        if elastic
+        else ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    )  # fmt: skip
+    command = [TORCHRUN, "--nproc-per-node=2", *launcher, str(SCRIPT), "--dir", str(tmp / "user")]
+    argv = [sys.executable, "-m", "ddpckpt", "check-resume", "--out", str(out), "--timeout=150",
+            *options, *(["--reference", str(reference)] if reference else []), "--", *command]  # fmt: skip
+    env = _env({"PLANTED_BUG": bug, "PYTHONWARNINGS": "ignore::FutureWarning"})
+    ((code, output),) = _finish([_start(argv, env, tmp)], 600)
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    return code, output, report
+
+
+@pytest.fixture(scope="module")
+def exact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str, dict[str, Any]]:
+    """The correct script, checked at the default kill points; its uninterrupted run is
+    reused by the checks of the bugs that act only after a resume."""
+    tmp = tmp_path_factory.mktemp("exact")
+    return (tmp / "check", *check(tmp, elastic=False))
+
+
+def test_a_correct_script_is_bit_identical_at_both_default_kill_points(exact) -> None:
+    _, code, output, report = exact
+    assert code == 0, output[-5000:]
+    assert report["identical"] is True
+    points = report["points"]
+    assert [p["kill"] for p in points] == [
+        "at step 10 (before any save of it)",  # inside epoch 2, after the mid-epoch save at 8
+        "right after the save of step 6",  # epoch 1's end
+    ]
+    assert [p["resumed_from"] for p in points] == [8, 6]
+    assert [p["steps_compared"] for p in points] == [2 * 4, 2 * 6]  # steps x ranks
+    assert all(p["rank"] == 1 and p["divergence"] is None for p in points)
+    assert all(len(p["launches"]) == 2 for p in points)  # torchrun gave up; started again
+    components = set(points[0]["components"])
+    assert {"model.parameters", "model.buffers", "optimizer", "scheduler", "rng.torch",
+            "rng.numpy", "loader.loader", "loader.loader.samples", "inputs", "loss"} <= components  # fmt: skip
+    assert (
+        "bit-identical at every step on every rank: 4 steps after the restart x 2 ranks" in output
+    )
+    assert "verdict: the resume is exact at every kill point" in output
+
+
+@pytest.mark.parametrize(
+    ("bug", "phase", "component", "ranks", "cause"),
+    [
+        ("numpy", "start", "rng.numpy", [0, 1], "seeds it after resume()"),
+        ("scheduler", "start", "scheduler", [0, 1], "steps the scheduler 1 more time"),
+        ("broadcast", "start", "model.buffers", [1], "broadcast_buffers=False"),
+    ],
+)
+def test_a_bug_after_resume_is_named_with_its_component_and_step(
+    exact, tmp_path: Path, bug: str, phase: str, component: str, ranks: list[int], cause: str
+) -> None:
+    reference = exact[0]
+    code, output, report = check(tmp_path, f"--kill-at={KILL}", bug=bug, reference=reference)
+    assert code == 1, output[-5000:]
+    (point,) = report["points"]
+    divergence = point["divergence"]
+    assert point["resumed_from"] == RESUMED
+    assert (divergence["step"], divergence["phase"]) == (FIRST, phase), divergence
+    assert (divergence["component"], divergence["ranks"]) == (component, ranks), divergence
+    assert cause in divergence["cause"]
+    assert len(point["launches"]) == 1  # torchrun restarted the killed job itself
+    assert f"DIFFERENT: first at step {FIRST}" in output and divergence["fix"] in output
+
+
+@pytest.mark.parametrize(
+    ("bug", "phase", "component", "fix"),
+    [
+        ("optimizer", "end", "optimizer:unsaved.0", "optimizer=optimizer"),
+        # the unsaved loader's new pass draws its seed from torch's generator, then restarts
+        ("loader", "start", "rng.torch", "extra={'loader': loader}"),
+    ],
+)
+def test_a_bug_from_the_start_is_named_with_its_component_and_step(
+    tmp_path: Path, bug: str, phase: str, component: str, fix: str
+) -> None:
+    code, output, report = check(tmp_path, f"--kill-at={KILL}", bug=bug)
+    assert code == 1, output[-5000:]
+    (point,) = report["points"]
+    divergence = point["divergence"]
+    assert (divergence["step"], divergence["phase"]) == (FIRST, phase), divergence
+    assert divergence["component"] == component, divergence
+    assert fix in divergence["fix"]

@@ -1,0 +1,146 @@
+"""Finding the first divergence and choosing kill points, on recorded events (no processes)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from ddpckpt.resumecheck.check import default_kill_points
+from ddpckpt.resumecheck.compare import compare_point
+from ddpckpt.resumecheck.runner import KillPoint, parse_kill
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {
+        "model.parameters": {"w": f"w{step}"},
+        "optimizer": {"entries": 1, "state": f"o{step}"},
+        "rng.torch": f"t{step}",
+        "rng.python": "never-drawn",  # unseeded and unused: differs between runs harmlessly
+    }
+
+
+def _step(step: int) -> dict[str, Any]:
+    return {
+        "event": "step",
+        "step": step,
+        "start": {"rng.torch": f"t{step - 1}", "rng.python": "never-drawn"},
+        "end": {**_state(step), "inputs": {"forwards": 1, "digest": f"i{step}"}},
+    }
+
+
+def _save(step: int, epoch_end: bool = False) -> dict[str, Any]:
+    return {"event": "save", "step": step, "n": 1, "epoch_end": epoch_end, "state": _state(step)}
+
+
+def _start() -> dict[str, Any]:
+    return {"event": "start", "world": 1}
+
+
+def _run(steps: int, saves: dict[int, bool]) -> list[dict[str, Any]]:
+    events = [_start(), {"event": "resume", "step": None, "state": {}}]
+    for step in range(1, steps + 1):
+        events.append(_step(step))
+        if step in saves:
+            events.append(_save(step, saves[step]))
+    return events
+
+
+def _killed(kill: int, resumed: int, steps: int) -> list[list[dict[str, Any]]]:
+    before = _run(kill, {4: False})
+    after = [_start(), {"event": "resume", "step": resumed, "state": _state(resumed)}]
+    after += [_step(s) for s in range(resumed + 1, steps + 1)]
+    return [before, after]
+
+
+def _other_python_seed(processes: list[list[dict[str, Any]]]) -> None:
+    for events in processes:
+        for event in events:
+            for part in ("start", "end", "state"):
+                if event.get(part) and "rng.python" in event[part]:
+                    event[part]["rng.python"] = "another-seed"
+
+
+def test_identical_runs_are_identical_and_an_unused_generator_is_not_compared() -> None:
+    reference = {0: [_run(8, {4: False})]}
+    killed = _killed(6, 4, 8)
+    _other_python_seed(killed)
+    result = compare_point(reference, {0: killed}, kill="6", victim=0)
+    assert result.identical and result.divergence is None
+    assert result.resumed_from == 4 and result.steps_compared == 4
+    assert result.unused == ["rng.python"]
+
+
+def test_a_difference_before_the_kill_is_reported_as_nondeterminism() -> None:
+    reference = {0: [_run(8, {4: False})]}
+    killed = _killed(6, 4, 8)
+    killed[0][3]["end"]["model.parameters"]["w"] = "other"  # step 2 of the first process
+    result = compare_point(reference, {0: killed}, kill="6", victim=0)
+    divergence = result.divergence
+    assert (divergence.step, divergence.phase, divergence.component) == (
+        2,
+        "before-kill",
+        "model.parameters",
+    )
+    assert "use_deterministic_algorithms" in divergence.fix
+
+
+def test_a_resumed_run_that_stops_early_differs_in_its_steps() -> None:
+    reference = {0: [_run(8, {4: False})]}
+    killed = _killed(6, 4, 8)
+    killed[1] = killed[1][:-2]  # steps 7 and 8 never ran
+    divergence = compare_point(reference, {0: killed}, kill="6", victim=0).divergence
+    assert (divergence.step, divergence.phase, divergence.component) == (7, "steps", "steps")
+
+
+def test_the_first_cause_in_step_order_is_blamed_over_its_effects() -> None:
+    reference = {0: [_run(8, {4: False})]}
+    killed = _killed(6, 4, 8)
+    later = copy.deepcopy(killed)
+    later[1][2]["start"]["rng.torch"] = "reseeded"  # step 5 starts from another state
+    later[1][2]["end"]["model.parameters"]["w"] = "other"  # ... so it ends elsewhere too
+    divergence = compare_point(reference, {0: later}, kill="6", victim=0).divergence
+    assert (divergence.step, divergence.phase, divergence.component) == (5, "start", "rng.torch")
+    assert "torch.manual_seed" in divergence.cause
+
+
+def test_default_kill_points_inside_an_epoch_and_after_an_epoch_end_save() -> None:
+    events = _run(12, {4: False, 6: True, 8: False, 12: True})
+    points, notes = default_kill_points(events)
+    assert points == [KillPoint(10), KillPoint(6, after_save=True, saves=1)]
+    assert notes == []
+
+
+def test_without_epoch_end_saves_only_a_mid_epoch_point_is_chosen_and_said() -> None:
+    points, notes = default_kill_points(_run(12, {5: False, 10: False}))
+    assert points == [KillPoint(11)]
+    assert "only a kill inside an epoch" in notes[0]
+
+
+def test_no_save_before_the_last_step_is_an_error_that_says_what_to_change() -> None:
+    with pytest.raises(RuntimeError, match="save more often"):
+        default_kill_points(_run(6, {6: True}))
+
+
+def test_kill_at_accepts_a_step_or_a_step_after_its_save() -> None:
+    assert parse_kill("12") == KillPoint(12)
+    assert parse_kill("12:after-save") == KillPoint(12, after_save=True)
+    with pytest.raises(ValueError, match="K:after-save"):
+        parse_kill("twelve")
+
+
+def test_a_restarted_run_that_trains_without_resuming_is_not_called_exact() -> None:
+    reference = {0: [_run(8, {4: False})]}
+    killed = _killed(6, 4, 8)
+    killed[1] = [_start(), *[_step(s) for s in range(1, 9)]]  # started over: no resume()
+    divergence = compare_point(reference, {0: killed}, kill="6", victim=0).divergence
+    assert (divergence.phase, divergence.component) == ("resume", "checkpoint")
+    assert "did not resume" in divergence.what
+
+
+def test_a_resume_from_a_step_the_reference_did_not_save_compares_with_its_end_state() -> None:
+    reference = {0: [_run(8, {4: False})]}  # a clock-driven policy saved step 3 in the other run
+    killed = _killed(6, 3, 8)
+    result = compare_point(reference, {0: killed}, kill="6", victim=0)
+    assert result.identical and result.resumed_from == 3

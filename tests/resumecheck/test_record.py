@@ -1,0 +1,104 @@
+"""The in-library recorder: nothing at all without the checker's variable, digests with it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.optimizer import _global_optimizer_post_hooks
+from torch.utils.data import DataLoader, TensorDataset
+
+import ddpckpt
+from ddpckpt.resumecheck import record
+
+
+@pytest.fixture
+def fresh_recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The recorder reads the environment once per process: look again in this test."""
+    monkeypatch.setattr(record, "_LOOKED", False)
+    monkeypatch.setattr(record, "_RECORDER", None)
+    hooks = dict(_global_optimizer_post_hooks)
+    yield
+    _global_optimizer_post_hooks.clear()
+    _global_optimizer_post_hooks.update(hooks)
+
+
+def _train(directory: Path) -> tuple[nn.Module, DataLoader, ddpckpt.Checkpointer]:
+    """A user's loop: a tracked loader, should_save every step, log_step, a save, a resume."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = DataLoader(TensorDataset(torch.randn(16, 3), torch.randn(16, 1)), batch_size=4)
+    ckpt = ddpckpt.Checkpointer(
+        directory, model=model, optimizer=optimizer, extra={"loader": loader}, every_steps=2
+    )
+    ckpt.resume()
+    for step, (x, y) in enumerate(loader, 1):
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        ckpt.log_step(loss)
+        if ckpt.should_save(step):
+            ckpt.save(step)
+    ckpt.resume()
+    ckpt.close()
+    return model, loader, ckpt
+
+
+def test_production_records_nothing_and_registers_no_hook(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_recorder: None
+) -> None:
+    monkeypatch.delenv(record.ENV, raising=False)
+    hooks_before = len(_global_optimizer_post_hooks)
+    model, loader, ckpt = _train(tmp_path / "run")
+
+    assert record.active() is None
+    assert ckpt.directory == os.fspath(tmp_path / "run")  # not redirected
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    assert not any(p.name == "records" or p.suffix == ".jsonl" for p in tmp_path.rglob("*"))
+    assert not model._forward_pre_hooks
+    assert len(_global_optimizer_post_hooks) == hooks_before
+    assert loader._ddpckpt_stream.handed is None  # the loader keeps no indices
+
+
+def test_with_the_variable_every_step_save_and_resume_is_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_recorder: None
+) -> None:
+    check = tmp_path / "check"
+    monkeypatch.setenv(record.ENV, json.dumps({"dir": str(check), "kill": None}))
+    _, _, ckpt = _train(tmp_path / "run")
+
+    assert ckpt.directory.startswith(str(check / "checkpoints"))  # the user's run untouched
+    assert list((tmp_path / "run").iterdir()) == []  # created, as the script expects, but empty
+    events = [json.loads(line) for line in (check / "records" / "rank0.jsonl").open()]
+    assert [e["event"] for e in events] == [
+        "start", "resume", "step", "step", "save", "step", "step", "save", "resume",
+    ]  # fmt: skip
+    step = events[2]
+    assert step["step"] == 1
+    assert step["end"]["loader.loader.samples"] == [[0, 1, 2, 3]]
+    assert step["end"]["loader.loader"] == {"epoch": None, "position": 1, "finished": False}
+    assert step["end"]["optimizer"]["entries"] == 6  # a momentum buffer per parameter
+    assert set(step["start"]) >= {"rng.torch", "rng.python", "lr", "model.buffers"}
+    assert step["end"]["inputs"]["forwards"] == 1
+    assert len(step["end"]["loss"]) == 1
+    assert events[-1]["step"] == 4
+    assert events[-1]["state"] == events[-2]["state"]  # resume() restores what was saved
+
+
+def test_a_command_that_never_creates_a_checkpointer_is_an_error_naming_what_is_needed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ddpckpt.cli import main
+
+    code = main(["check-resume", "--out", str(tmp_path), "--", sys.executable, "-c", "pass"])
+    assert code == 2
+    error = capsys.readouterr().err
+    assert "recorded nothing" in error and "ddpckpt.Checkpointer" in error
+    assert "should_save(step)" in error
