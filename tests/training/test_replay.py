@@ -1,4 +1,4 @@
-"""A tracked DataLoader resumes in the saved order whatever draws its order (ddpckpt.training.loader)."""
+"""A tracked DataLoader resumes in the saved order whatever draws its order (ddpckpt.training.replay)."""
 
 from __future__ import annotations
 
