@@ -37,7 +37,7 @@ from ddpckpt.io.checkpoint import (
 from ddpckpt.run.catalog import latest
 from ddpckpt.run.checkpointer import Checkpointer
 from ddpckpt.run.preemption import Preemption
-from ddpckpt.state.capture import PerRank
+from ddpckpt.state.objects import PerRank
 from ddpckpt.training.accumulation import GradientAccumulation
 from ddpckpt.training.data import ResumableDistributedSampler, SampleIndex, SeededDataset
 from ddpckpt.training.loader import resumable_loader, track_loader

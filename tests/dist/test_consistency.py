@@ -6,7 +6,7 @@ import torch
 
 import ddpckpt.dist.consistency as consistency
 from ddpckpt.dist.consistency import check_replicated, tensor_digest
-from ddpckpt.state.capture import Snapshot
+from ddpckpt.state.snapshot import Snapshot
 
 
 def snapshot_of(sizes: dict[str, int]) -> Snapshot:

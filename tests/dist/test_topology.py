@@ -7,9 +7,8 @@ from typing import Any
 
 import pytest
 
-import ddpckpt.dist.comm as comm_module
-from ddpckpt.dist.comm import node_id
-from ddpckpt.dist.topology import colliding_nodes, storage_domains
+import ddpckpt.dist.topology as topology
+from ddpckpt.dist.topology import colliding_nodes, node_id, storage_domains
 from ddpckpt.errors import CheckpointError
 
 
@@ -29,12 +28,12 @@ class RankView:
 
 
 def machine(monkeypatch, tmp_path, host: str, boot_id: str | None) -> str:
-    monkeypatch.setattr(comm_module.platform, "node", lambda: host)
+    monkeypatch.setattr(topology.platform, "node", lambda: host)
     files = []
     if boot_id is not None:
         (tmp_path / "boot_id").write_text(boot_id + "\n")
         files.append(str(tmp_path / "boot_id"))
-    monkeypatch.setattr(comm_module, "_MACHINE_FILES", (*files, str(tmp_path / "absent")))
+    monkeypatch.setattr(topology, "_MACHINE_FILES", (*files, str(tmp_path / "absent")))
     return node_id()
 
 

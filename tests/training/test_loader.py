@@ -1,148 +1,267 @@
-"""A tracked DataLoader resumes in the saved order whatever draws its order (ddpckpt.training.loader)."""
+"""A tracked DataLoader's position is what training consumed, through workers, epochs and
+checkpoints (ddpckpt.training.loader)."""
 
 from __future__ import annotations
 
-import random
+import subprocess
+import sys
 
 import pytest
 import torch
-from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
-    RandomSampler,
-    SubsetRandomSampler,
-    WeightedRandomSampler,
-)
+from torch.utils.data import DataLoader, DistributedSampler
 
 import ddpckpt
+from ddpckpt import ResumableDistributedSampler, SeededDataset, resumable_loader
+from ddpckpt.errors import StateMismatchError
+from toy_data import Augmented, Numbers
 
 
-class WorkerSeeded(torch.utils.data.Dataset):
-    """Each sample with the seed of the worker that loaded it."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_loader_resumes_exactly_mid_epoch(workers) -> None:
+    def make():
+        sampler = ResumableDistributedSampler(Augmented(40), 2, 1, seed=3)
+        return sampler, resumable_loader(
+            Augmented(40), sampler=sampler, batch_size=3, num_workers=workers
+        )
 
-    def __len__(self) -> int:
-        return 12
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        info = torch.utils.data.get_worker_info()
-        return torch.tensor([i, -1 if info is None else info.seed])
-
-
-def persistent(workers: int, with_generator: bool) -> DataLoader:
-    options = {}
-    if with_generator:
-        options["generator"] = torch.Generator().manual_seed(1)
-    loader = DataLoader(WorkerSeeded(), batch_size=2, shuffle=True, num_workers=workers,
-                        persistent_workers=True, **options)  # fmt: skip
-    return ddpckpt.track_loader(loader)
-
-
-def rows(batches) -> list[list[int]]:
-    return [row for batch in batches for row in batch.tolist()]
-
-
-@pytest.mark.parametrize(("workers", "with_generator"), [(1, False), (2, True)])
-def test_persistent_workers_resume_mid_epoch_after_the_first(tmp_path, workers, with_generator):
-    """Later passes of persistent workers draw no base seed, the replay's new iterator does."""
-    model = torch.nn.Linear(1, 1)
-    torch.manual_seed(0)
-    loader = persistent(workers, with_generator)
-    epochs = [rows(loader) for _ in range(3)]
-    torch.manual_seed(0)
-    loader = persistent(workers, with_generator)
-    assert rows(loader) == epochs[0]
+    sampler, loader = make()
+    full = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        full += list(loader)
+    sampler, loader = make()
+    sampler.set_epoch(0)
+    got = list(loader)
+    sampler.set_epoch(1)
     iterator = iter(loader)
-    got = rows(next(iterator) for _ in range(2))
-    ddpckpt.save(tmp_path / "c", model=model, extra={"loader": loader})
-    del iterator, loader
-    torch.manual_seed(5)
-    resumed = persistent(workers, with_generator)
-    ddpckpt.load(tmp_path / "c", model=model, extra={"loader": resumed})
-    before = torch.get_rng_state()
-    rest = rows(resumed)
-    assert torch.equal(torch.get_rng_state(), before)  # the main stream is left alone
-    assert got + rest == epochs[1]  # same order and the original workers' seeds
-    assert rows(resumed) == epochs[2]  # the next epoch as well
+    got += [next(iterator) for _ in range(4)]
+    state = {"sampler": sampler.state_dict(), "loader": loader.state_dict()}
+    del iterator
+    sampler, loader = make()
+    sampler.load_state_dict(state["sampler"])
+    loader.load_state_dict(state["loader"])
+    sampler.set_epoch(1)
+    got += list(loader)
+    assert len(got) == len(full) and all(torch.equal(a, b) for a, b in zip(got, full, strict=True))
 
 
-def generator() -> torch.Generator:
-    return torch.Generator().manual_seed(7)
+def test_loader_and_sampler_roundtrip_through_a_checkpoint(tmp_path) -> None:
+    model = torch.nn.Linear(1, 1)
+    sampler = ResumableDistributedSampler(Numbers(20), 1, 0)
+    loader = resumable_loader(Numbers(20), sampler=sampler, batch_size=4, num_workers=1)
+    sampler.set_epoch(1)
+    iterator = iter(loader)
+    expected_rest = None
+    for _ in range(2):
+        next(iterator)
+    ddpckpt.save(tmp_path / "c", model=model, extra={"sampler": sampler, "loader": loader})
+    expected_rest = [b.tolist() for b in iterator]
+    del iterator
+    sampler2 = ResumableDistributedSampler(Numbers(20), 1, 0)
+    loader2 = resumable_loader(Numbers(20), sampler=sampler2, batch_size=4, num_workers=1)
+    ddpckpt.load(tmp_path / "c", model=model, extra={"sampler": sampler2, "loader": loader2})
+    sampler2.set_epoch(1)
+    assert [b.tolist() for b in loader2] == expected_rest
+    with pytest.raises(StateMismatchError, match="per-rank state"):
+        ddpckpt.load(tmp_path / "c", model=model, extra={"sampler": sampler2, "loader": sampler2})
+
+
+def plain(sampler, workers=2, **kwargs) -> DataLoader:
+    return DataLoader(SeededDataset(Augmented(40), 1), sampler=sampler, batch_size=3,
+                      num_workers=workers, **kwargs)  # fmt: skip
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 SAMPLERS = {
-    "random": lambda: {"sampler": RandomSampler(range(12), generator=generator())},
-    "replacement": lambda: {  # draws lazily, 32 indices at a time
-        "sampler": RandomSampler(range(12), True, 70, generator=generator())
-    },
-    "weighted": lambda: {
-        "sampler": WeightedRandomSampler(torch.arange(1.0, 13.0), 12, generator=generator())
-    },
-    "subset": lambda: {"sampler": SubsetRandomSampler(range(2, 12), generator=generator())},
-    "batch": lambda: {
-        "batch_sampler": BatchSampler(RandomSampler(range(12), generator=generator()), 2, False)
-    },
+    "resumable": lambda: ResumableDistributedSampler(Augmented(40), 2, 1, seed=3),
+    "distributed": lambda: DistributedSampler(Augmented(40), 2, 1, seed=3),
+    "random": lambda: torch.utils.data.RandomSampler(Augmented(40)),
 }
 
 
-def own(kind: str, workers: int) -> DataLoader:
-    options = SAMPLERS[kind]()
-    if "batch_sampler" not in options:
-        options["batch_size"] = 2
-    return ddpckpt.track_loader(DataLoader(list(range(12)), num_workers=workers, **options))
-
-
 @pytest.mark.parametrize("kind", list(SAMPLERS))
-def test_a_sampler_with_its_own_generator_resumes_in_its_order(kind) -> None:
-    workers = 2 if kind == "replacement" else 0
-    loader = own(kind, workers)
-    epochs = [rows(loader) for _ in range(3)]
-    assert epochs[1] != epochs[2]
-    loader = own(kind, workers)
-    rows(loader)
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_tracked_loader_position_is_what_training_consumed(kind, workers, persistent) -> None:
+    """Prefetching workers do not move the position; len() is what remains, all epoch."""
+    options = {"persistent_workers": persistent}
+    torch.manual_seed(0)
+    sampler = SAMPLERS[kind]()
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(2)
+    full = list(ddpckpt.track_loader(plain(sampler, workers, **options)))
+    torch.manual_seed(0)
+    sampler = SAMPLERS[kind]()
+    loader = ddpckpt.track_loader(plain(sampler, workers, **options))
+    if hasattr(sampler, "set_epoch"):
+        sampler.set_epoch(2)
     iterator = iter(loader)
-    got = rows(next(iterator) for _ in range(3))
+    got = [next(iterator) for _ in range(4)]
     state = loader.state_dict()
+    assert state["position"] == 4 and not state["finished"]
     del iterator
-    resumed = own(kind, workers)
+    resumed_sampler = SAMPLERS[kind]()
+    resumed = ddpckpt.track_loader(plain(resumed_sampler, workers, **options))
     resumed.load_state_dict(state)
-    assert got + rows(resumed) == epochs[1], "mid-epoch"
-    assert rows(resumed) == epochs[2]
-    loader = own(kind, workers)
-    rows(loader)
-    resumed = own(kind, workers)
-    resumed.load_state_dict(loader.state_dict())
-    assert [rows(resumed), rows(resumed)] == epochs[1:], "after a finished epoch"
+    if hasattr(resumed_sampler, "set_epoch"):
+        resumed_sampler.set_epoch(2)
+    assert len(resumed) == len(full) - 4
+    rest = []
+    torch.set_rng_state(
+        state["seed_draw"]["rng"]
+    )  # anything: iter() must not draw from the main stream
+    before = torch.get_rng_state()
+    for batch in resumed:
+        assert len(resumed) == len(full) - 4  # fixed while the epoch is iterated
+        rest.append(batch)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert same(got + rest, full)
 
 
-def test_a_sampler_generator_that_cannot_be_saved_is_refused(tmp_path) -> None:
-    class PythonShuffle(torch.utils.data.Sampler):
-        def __init__(self) -> None:
-            self.generator = random.Random(0)
+@pytest.mark.parametrize("kind", ["resumable", "distributed"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_finished_epoch_is_neither_replayed_nor_skipped(kind, workers) -> None:
+    """The imagenet pattern: save after the epoch's loop; restart at that epoch or the next."""
+    sampler = SAMPLERS[kind]()
+    loader = ddpckpt.track_loader(plain(sampler, workers))
+    sampler.set_epoch(0)
+    list(loader)
+    state = loader.state_dict()
+    assert state["finished"] and state["position"] == len(loader)
+    sampler.set_epoch(1)
+    epoch1 = list(loader)
+    for restart in (0, 1):
+        sampler = SAMPLERS[kind]()
+        resumed = ddpckpt.track_loader(plain(sampler, workers))
+        resumed.load_state_dict(state)
+        seen = []
+        for epoch in range(restart, 2):
+            sampler.set_epoch(epoch)
+            seen += list(resumed)
+        assert same(seen, epoch1), restart
 
-        def __len__(self) -> int:
-            return 8
+
+def test_a_sampler_saved_without_its_prefetching_loader_is_refused(tmp_path) -> None:
+    sampler = ResumableDistributedSampler(Numbers(16), 1, 0)
+    loader = DataLoader(Numbers(16), sampler=sampler, batch_size=2, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    model = torch.nn.Linear(1, 1)
+    with pytest.raises(ddpckpt.InexactResumeError, match="Save the loader too"):
+        ddpckpt.save(tmp_path / "a", model=model, extra={"sampler": sampler})
+    with pytest.raises(ddpckpt.InexactResumeError, match="first sees this DataLoader"):
+        ddpckpt.save(tmp_path / "b", model=model, extra={"sampler": sampler, "loader": loader})
+    del iterator
+
+
+def test_a_loader_tracked_by_the_checkpointer_saves_what_was_consumed(tmp_path) -> None:
+    """extra={"sampler": ...} alone is exact when the loader is tracked (issue: 14 vs 18)."""
+    sampler = ResumableDistributedSampler(Numbers(64), 2, 0)
+    loader = DataLoader(Numbers(64), sampler=sampler, batch_size=2, num_workers=2)
+    model = torch.nn.Linear(1, 1)
+    ckpt = ddpckpt.Checkpointer(tmp_path / "run", model=model, extra={"loader": loader})
+    sampler.set_epoch(0)
+    iterator = iter(loader)
+    first = [next(iterator).tolist() for _ in range(3)]
+    ckpt.save(1, epoch=0)
+    ddpckpt.save(tmp_path / "sampler-only", model=model, extra={"sampler": sampler})
+    rest = [b.tolist() for b in iterator]
+    ckpt.close()
+    for extra in ("run", "sampler-only"):
+        sampler2 = ResumableDistributedSampler(Numbers(64), 2, 0)
+        loader2 = DataLoader(Numbers(64), sampler=sampler2, batch_size=2, num_workers=2)
+        if extra == "run":
+            ddpckpt.Checkpointer(tmp_path / "run", model=model, extra={"loader": loader2}).resume()
+        else:
+            ddpckpt.load(tmp_path / extra, model=model, extra={"sampler": sampler2})
+            ddpckpt.track_loader(loader2)
+        sampler2.set_epoch(0)
+        assert len(loader2) == len(rest) == 13
+        assert [b.tolist() for b in loader2] == rest, extra
+    assert len(first) == 3
+
+
+def test_an_untrackable_iterable_dataset_is_refused() -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    with pytest.raises(ddpckpt.InexactResumeError, match="IterableDataset"):
+        ddpckpt.track_loader(DataLoader(Stream(), batch_size=2))
+
+
+def test_a_stateful_iterable_dataset_resumes_with_num_workers_0() -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __init__(self):
+            self.at = 0
 
         def __iter__(self):
-            order = list(range(8))
-            self.generator.shuffle(order)
-            return iter(order)
+            while self.at < 10:
+                self.at += 1
+                yield self.at - 1
 
-    loader = ddpckpt.track_loader(DataLoader(list(range(8)), sampler=PythonShuffle()))
+        def state_dict(self):
+            return {"at": self.at}
+
+        def load_state_dict(self, state):
+            self.at = state["at"]
+
+    loader = ddpckpt.track_loader(DataLoader(Stream(), batch_size=2))
+    iterator = iter(loader)
+    [next(iterator) for _ in range(2)]
+    resumed = ddpckpt.track_loader(DataLoader(Stream(), batch_size=2))
+    resumed.load_state_dict(loader.state_dict())
+    assert [b.tolist() for b in resumed] == [[4, 5], [6, 7], [8, 9]]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_saved_after_an_epoch_starts_the_next_one_fresh(tmp_path, workers):
+    """torchdata's own snapshot of a finished pass would override set_epoch at the next iter()."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def make():
+        sampler = ResumableDistributedSampler(Numbers(24), 2, 0, seed=1)
+        loader = stateful.StatefulDataLoader(Numbers(24), sampler=sampler, batch_size=3,
+                                             num_workers=workers)  # fmt: skip
+        return sampler, loader
+
+    model = torch.nn.Linear(1, 1)
+    sampler, loader = make()
+    sampler.set_epoch(0)
+    list(loader)
+    ddpckpt.save(tmp_path / "end", model=model, extra={"loader": loader})
+    sampler.set_epoch(1)
+    epoch1 = [b.tolist() for b in loader]
+    for restart in (0, 1):
+        sampler, loader = make()
+        ddpckpt.load(tmp_path / "end", model=model, extra={"loader": loader})
+        seen = []
+        for epoch in range(restart, 2):
+            sampler.set_epoch(epoch)
+            seen += [b.tolist() for b in loader]
+        assert seen == epoch1, restart
+
+
+def test_resumable_loader_needs_no_torchdata() -> None:
+    code = (
+        "import sys; sys.modules['torchdata'] = None\n"
+        "import torch, ddpckpt\n"
+        "data = torch.utils.data.TensorDataset(torch.arange(8.0))\n"
+        "sampler = ddpckpt.ResumableDistributedSampler(data, 1, 0)\n"
+        "loader = ddpckpt.resumable_loader(data, sampler=sampler, batch_size=2, num_workers=1)\n"
+        "assert len(list(loader)) == 4\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_a_position_without_a_resumable_sampler_is_refused_on_another_world_size() -> None:
+    loader = ddpckpt.track_loader(plain(DistributedSampler(Augmented(40), 2, 0), workers=0))
     iterator = iter(loader)
     next(iterator)
-    with pytest.raises(ddpckpt.InexactResumeError, match=r"Random.*torch\.Generator"):
-        ddpckpt.save(tmp_path / "c", model=torch.nn.Linear(1, 1), extra={"loader": loader})
-
-
-def test_a_mid_epoch_state_without_the_draws_is_refused() -> None:
-    """A loader state saved before the random draws were recorded cannot replay its order."""
-    loader = own("random", 0)
-    iterator = iter(loader)
-    next(iterator)
-    state = {k: v for k, v in loader.state_dict().items() if k not in ("seed_draw", "order_draw")}
-    with pytest.raises(ddpckpt.StateMismatchError, match="earlier ddpckpt"):
-        own("random", 0).load_state_dict(state)
-    with pytest.raises(ddpckpt.StateMismatchError, match="1 generator"):
-        ddpckpt.track_loader(DataLoader(list(range(12)), batch_size=2)).load_state_dict(
-            loader.state_dict()
-        )
+    state = loader.state_dict()
+    resumed = ddpckpt.track_loader(plain(DistributedSampler(Augmented(40), 3, 0), workers=0))
+    resumed.load_state_dict(state)
+    with pytest.raises(ddpckpt.InexactResumeError, match="ResumableDistributedSampler"):
+        iter(resumed)

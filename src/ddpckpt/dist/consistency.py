@@ -31,8 +31,8 @@ import xxhash
 from ddpckpt._log import get_logger
 from ddpckpt.dist.comm import Comm
 from ddpckpt.errors import StateMismatchError
-from ddpckpt.state.capture import Snapshot
 from ddpckpt.format.tensorfile import _host_contiguous, byte_view, tensor_nbytes
+from ddpckpt.state.snapshot import Snapshot
 
 __all__ = ["CANARY_BYTES", "check_replicated", "tensor_digest"]
 

@@ -1,17 +1,33 @@
 """Which rank writes (or reads) which tensor.
 
-DDP state is replicated, so any rank holding it can write any tensor. Each tensor is
-assigned to exactly one rank of a storage domain, largest first to the least-loaded
-rank (longest-processing-time scheduling), which keeps every rank's bytes within one
-tensor of the mean. Every rank computes the same plan from the same inputs.
+Every storage domain gets a full copy of the checkpoint. A tensor identical on every rank
+(parameters DDP keeps replicated) can be written by any rank: each is assigned to exactly
+one rank of the domain, largest first to the least-loaded rank (longest-processing-time
+scheduling), which keeps every rank's bytes within one tensor of the mean. Every other
+tensor is written by the domain's first rank, which holds rank 0's values. The plan is
+a pure function of its inputs, so every rank computes the same one without exchanging it.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-__all__ = ["assign", "file_names"]
+__all__ = ["assign", "file_names", "plan_owners"]
+
+
+def plan_owners(
+    sizes: Mapping[str, int], domains: Sequence[Sequence[int]], movable: Collection[str]
+) -> list[dict[str, int]]:
+    """For each storage domain, which of its ranks writes each tensor of ``sizes`` (bytes).
+
+    Tensors in ``movable`` are balanced over the domain's ranks (:func:`assign`); the
+    others go to the domain's first rank.
+    """
+    movable_sizes = {name: size for name, size in sizes.items() if name in movable}
+    return [
+        {**dict.fromkeys(sizes, domain[0]), **assign(movable_sizes, domain)} for domain in domains
+    ]
 
 
 def assign(sizes: Mapping[str, int], ranks: Sequence[int]) -> dict[str, int]:

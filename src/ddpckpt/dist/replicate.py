@@ -21,12 +21,12 @@ import xxhash
 
 from ddpckpt._log import get_logger
 from ddpckpt.dist.comm import Comm
+from ddpckpt.dist.plan import assign
+from ddpckpt.dist.topology import storage_domains
 from ddpckpt.errors import CorruptCheckpointError
 from ddpckpt.format.manifest import MANIFEST_NAME, Manifest, read_manifest
-from ddpckpt.dist.plan import assign
-from ddpckpt.storage.posix import commit_dir, remove_tree, temp_dir_for, write_bytes_new
 from ddpckpt.format.tensorfile import byte_view
-from ddpckpt.dist.topology import storage_domains
+from ddpckpt.storage.posix import commit_dir, remove_tree, temp_dir_for, write_bytes_new
 
 __all__ = ["repair_copies"]
 

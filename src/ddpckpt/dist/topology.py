@@ -8,7 +8,7 @@ form one *storage domain*. ddpckpt writes one complete copy of a checkpoint per 
 
 ``storage="shared"`` or ``"local"`` (or ``$DDPCKPT_STORAGE``) skips the probe and is
 honoured as given: ``"shared"`` puts all ranks in one domain, ``"local"`` makes one
-domain per node. Nodes are told apart by :func:`ddpckpt.dist.comm.node_id` (host name and
+domain per node. Nodes are told apart by :func:`node_id` (host name and
 boot id); if that identity still collides (more ranks claim one machine than its
 ``LOCAL_WORLD_SIZE``), ``"auto"`` and ``"local"`` refuse rather than mix machines.
 """
@@ -16,12 +16,15 @@ boot id); if that identity still collides (more ranks claim one machine than its
 from __future__ import annotations
 
 import os
-from typing import Literal
+import platform
+from typing import TYPE_CHECKING, Literal
 
-from ddpckpt.dist.comm import Comm
 from ddpckpt.errors import CheckpointError
 
-__all__ = ["StorageMode", "colliding_nodes", "resolve_storage_mode", "storage_domains"]
+if TYPE_CHECKING:
+    from ddpckpt.dist.comm import Comm
+
+__all__ = ["StorageMode", "colliding_nodes", "node_id", "resolve_storage_mode", "storage_domains"]
 
 StorageMode = Literal["auto", "shared", "local"]
 _MODES = ("auto", "shared", "local")
@@ -36,6 +39,35 @@ def resolve_storage_mode(mode: str | None) -> StorageMode:
     if mode not in _MODES:
         raise ValueError(f"{source} must be one of {', '.join(_MODES)}; got {mode!r}")
     return mode  # type: ignore[return-value]
+
+
+def node_id() -> str:
+    """Names the machine this process runs on: ``host/machine[/group]``.
+
+    The host name alone can collide (cloned images, containers all called ``localhost``),
+    so it is qualified by the kernel's boot id (random for each boot of each machine; else
+    ``/etc/machine-id``), and by torchrun's node rank (``GROUP_RANK``) when set, so that
+    several simulated nodes on one host are told apart too.
+    """
+    name = f"{platform.node()}/{_machine_token()}"
+    group = os.environ.get("GROUP_RANK")
+    return f"{name}/{group}" if group is not None else name
+
+
+_MACHINE_FILES = ("/proc/sys/kernel/random/boot_id", "/etc/machine-id", "/var/lib/dbus/machine-id")
+
+
+def _machine_token() -> str:
+    """A short identifier of this machine's running system, or ``"?"`` where none exists."""
+    for path in _MACHINE_FILES:
+        try:
+            with open(path) as f:
+                token = f.read().strip().replace("-", "")
+        except OSError:
+            continue
+        if token:
+            return token[:12]
+    return "?"
 
 
 def _by_node(comm: Comm) -> list[list[int]]:

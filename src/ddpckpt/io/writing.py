@@ -29,7 +29,7 @@ import torch
 from ddpckpt._log import get_logger
 from ddpckpt.dist.comm import Comm
 from ddpckpt.dist.consistency import check_replicated
-from ddpckpt.dist.plan import assign, file_names
+from ddpckpt.dist.plan import file_names, plan_owners
 from ddpckpt.dist.topology import storage_domains
 from ddpckpt.errors import (
     CheckpointError,
@@ -135,8 +135,8 @@ def plan_write(
     if domains is None:
         domains = storage_domains(comm, os.path.dirname(os.path.abspath(path)) or ".", storage)
     domain = next(d for d in domains if comm.rank in d)
-    balanced = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items() if n in snapshot.balanced}
-    owners = {**dict.fromkeys(snapshot.tensors, domain[0]), **assign(balanced, domain)}
+    sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
+    owners = plan_owners(sizes, domains, snapshot.balanced)[domains.index(domain)]
     rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
     rank_blob, rank_file, rank_entries = serialize(
         file_names(comm.rank)["rank"], rank_items, writer=comm.rank, metadata=_FILE_METADATA
@@ -176,8 +176,8 @@ def staging_share(snapshot: Snapshot, domains: list[list[int]], rank: int) -> li
     """The shared tensors ``rank`` would write for ``snapshot`` (as :func:`plan_write`
     assigns them), for sizing its staging buffer before the first save; local."""
     domain = next(d for d in domains if rank in d)
-    balanced = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items() if n in snapshot.balanced}
-    owners = {**dict.fromkeys(snapshot.tensors, domain[0]), **assign(balanced, domain)}
+    sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
+    owners = plan_owners(sizes, domains, snapshot.balanced)[domains.index(domain)]
     return [t for n, t in snapshot.tensors.items() if owners[n] == rank]
 
 

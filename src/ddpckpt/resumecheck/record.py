@@ -134,7 +134,7 @@ class Recorder:
         if self.primary is not None and self.primary() is not None:
             return
         self.primary = weakref.ref(ckpt)
-        from ddpckpt.state.capture import unwrap_model
+        from ddpckpt.state.model import unwrap_model
 
         unwrap_model(ckpt.model).register_forward_pre_hook(self._forward, with_kwargs=True)
         register_optimizer_step_post_hook(self._stepped)
@@ -237,7 +237,7 @@ class Recorder:
         return state
 
     def _model(self, ckpt: Any) -> dict[str, Any]:
-        from ddpckpt.state.capture import unwrap_model
+        from ddpckpt.state.model import unwrap_model
 
         root = unwrap_model(ckpt.model)
         return {

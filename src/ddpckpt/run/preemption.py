@@ -74,7 +74,7 @@ from types import FrameType
 from typing import Any
 
 from ddpckpt._log import get_logger, same_on_every_rank
-from ddpckpt.dist.comm import _default_group, _namespace, _StoreTimeout
+from ddpckpt.dist.store import StoreTimeout, default_group, namespace
 
 __all__ = ["DEFAULT_GRACE_SECONDS", "Preemption", "PreemptionWatch", "grace_period"]
 
@@ -276,11 +276,11 @@ class PreemptionWatch:
     # ------------------------------------------------------------------ agreement
 
     def _key(self) -> str:
-        return f"{_namespace()}/preempt/{self._round}"
+        return f"{namespace()}/preempt/{self._round}"
 
     def announce(self) -> None:
         """Post this rank's signal for rank 0 (once per round); before the decision."""
-        group = _default_group()
+        group = default_group()
         if self._signal is None or group is None or group.rank == 0 or self._posted == self._round:
             return
         record = {"rank": group.rank, "signal": self._signal[0]}
@@ -293,7 +293,7 @@ class PreemptionWatch:
             return None
         if self._signal is not None:
             return b"P%d,0" % self._signal[0]
-        group = _default_group()
+        group = default_group()
         if group is not None and self._listener is None:
             self._group = group
             self._listener = threading.Thread(
@@ -315,10 +315,10 @@ class PreemptionWatch:
         try:
             while not self._stop.is_set():
                 current = self._round
-                key = f"{_namespace()}/preempt/{current}"
+                key = f"{namespace()}/preempt/{current}"
                 try:
                     client.wait([key], timedelta(seconds=1))
-                except _StoreTimeout:
+                except StoreTimeout:
                     continue
                 post = json.loads(client.get(key))
                 client.delete_key(key)
@@ -436,7 +436,7 @@ class PreemptionWatch:
         self._handlers.remove()
         self._stop.set()
         if self._listener is not None:  # wake it now rather than at its next timeout
-            key = f"{_namespace()}/preempt/{self._round}"
+            key = f"{namespace()}/preempt/{self._round}"
             try:
                 self._group.store.set(key, json.dumps({"rank": 0, "signal": 0}).encode())
                 self._listener.join(5)

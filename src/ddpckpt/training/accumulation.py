@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ddpckpt._log import get_logger
-from ddpckpt.state.capture import unwrap_model
+from ddpckpt.state.model import unwrap_model
 
 __all__ = ["GradientAccumulation"]
 

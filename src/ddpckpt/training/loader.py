@@ -8,12 +8,9 @@ global torch RNG, ``loader.generator`` and the sampler's own ``generator``). Wor
 prefetch ahead of training change none of it.
 
 At a resume the next ``iter()`` over the saved epoch continues after the last yielded
-batch: the batch sampler is fast-forwarded before any worker sees an index (skipped samples
-are never loaded), the workers get the saved base seed, and the sampler draws its order
-from the saved state whatever the new iterator drew before it. The global RNG is restored
-after each replayed draw, so the main random stream (dropout) is not shifted. A pass that
-had finished yields nothing when the loop restarts at the same epoch, and a fresh epoch
-when it restarts at the next one.
+batch, in the saved order, with the saved workers' seed (see
+:mod:`ddpckpt.training.replay`). A pass that had finished yields nothing when the loop
+restarts at the same epoch, and a fresh epoch when it restarts at the next one.
 ``len(loader)`` is the number of batches the current pass has left at its start, and stays
 so until the next pass. A :class:`~ddpckpt.ResumableDistributedSampler` keeps the position
 itself; the loader sets it from the batches it yielded.
@@ -28,9 +25,7 @@ seen at a save cannot say what it already consumed: that save raises.
 from __future__ import annotations
 
 import gc
-import itertools
-from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -39,95 +34,21 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from ddpckpt.errors import InexactResumeError, StateMismatchError
 from ddpckpt.resumecheck import record as _resume_check
-from ddpckpt.training.data import ResumableDistributedSampler, SampleIndex, SeededDataset
+from ddpckpt.state.objects import is_stateful
+from ddpckpt.training.data import ResumableDistributedSampler, SeededDataset
+from ddpckpt.training.replay import (
+    IndexStream,
+    capture_draw,
+    check_same_pass,
+    pass_length,
+    refuse_uncapturable_samplers,
+    replay_iter,
+    sampler_generators,
+    sampler_keeps_position,
+    user_sampler,
+)
 
 __all__ = ["resumable_loader", "track_loader"]
-
-_END = object()
-
-
-def _stateful(obj: object) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
-
-
-def _user_sampler(loader: DataLoader) -> Any:
-    """The sampler that orders the data (inside a batch sampler if there is one)."""
-    batch_sampler = loader.batch_sampler
-    return getattr(batch_sampler, "sampler", loader.sampler)
-
-
-def _sampler_keeps_position(loader: DataLoader) -> bool:
-    return isinstance(_user_sampler(loader), ResumableDistributedSampler)
-
-
-class _IndexStream:
-    """The loader's index sampler, fast-forwarded at a resume and counted as indices leave it.
-
-    The base DataLoader iterator reads ``loader._index_sampler`` once (persistent workers
-    keep it across passes), so this object stays in place and is re-armed per pass.
-    """
-
-    def __init__(self, inner: Any, loader: Any) -> None:
-        self.inner = inner
-        self.loader = loader
-        self.skip = 0
-        self.sizes: deque[int] = deque()  # indices per batch handed out, not yet yielded
-        self.replay: Mapping[str, Any] | None = None  # the saved order draw, for the next pass
-        self.draws = 0  # order draws so far (the sampler's first index of a pass)
-        # the index batches handed out, not yet yielded: only under ddpckpt check-resume
-        self.handed: deque[Any] | None = deque() if _resume_check.active() else None
-
-    def __len__(self) -> int:
-        return max(0, len(self.inner) - self.loader._planned_skip())
-
-    def __iter__(self) -> Iterator[Any]:
-        self.sizes.clear()
-        if self.handed is not None:
-            self.handed.clear()
-        return self._counted(self.skip, self.loader._ddpckpt_now, self.replay)
-
-    def _counted(
-        self, skip: int, record: dict[str, Any] | None, replay: Mapping[str, Any] | None
-    ) -> Iterator[Any]:
-        # Everything happens at the first index taken: that is when the sampler draws its
-        # order in the saved run, whatever the DataLoader's iterator drew before it.
-        if skip and skip >= len(self.inner):
-            return  # nothing left: the saved run drew nothing more here
-        self.draws += 1
-        if replay is None:
-            if record is not None:
-                record["order_draw"] = _capture_draw(self.loader)
-            indices = iter(self.inner)
-        else:
-            main_rng = torch.get_rng_state()
-            try:
-                _restore_draw(self.loader, replay)
-                indices = iter(self.inner)
-                first = next(indices, _END)
-            finally:
-                torch.set_rng_state(main_rng)
-            if first is _END:
-                return
-            indices = itertools.chain([first], indices)
-        for _ in range(skip):  # indices only: the skipped samples are never loaded
-            if next(indices, _END) is _END:
-                return
-        batched = self.loader._auto_collation
-        epoch = getattr(_user_sampler(self.loader), "epoch", None)
-        tag = isinstance(self.loader.dataset, SeededDataset) and epoch is not None
-        for item in indices:
-            self.sizes.append(len(item) if batched else 1)
-            if self.handed is not None:
-                self.handed.append(item)
-            if tag and batched:
-                item = [
-                    i if isinstance(i, SampleIndex) else SampleIndex(int(i), epoch) for i in item
-                ]
-            elif tag and not isinstance(item, SampleIndex):
-                item = SampleIndex(int(item), epoch)
-            yield item
 
 
 class _TrackedIterator:
@@ -164,12 +85,12 @@ class _Tracking:
 
     def _ddpckpt_init(self: Any) -> None:
         inner = DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
-        self.__dict__["_ddpckpt_stream"] = _IndexStream(inner, self)
+        self.__dict__["_ddpckpt_stream"] = IndexStream(inner, self)
         self.__dict__["_ddpckpt_pass"] = 0
         self.__dict__["_ddpckpt_now"] = None  # the current pass's record
         self.__dict__["_ddpckpt_resume"] = None  # a loaded record, applied at the next iter()
         self.__dict__["_ddpckpt_seed_draw"] = None  # what the live workers' base seed came from
-        sampler = _user_sampler(self)
+        sampler = user_sampler(self)
         if isinstance(sampler, ResumableDistributedSampler):
             sampler._loader_tracked = True
         iterator = getattr(self, "_iterator", None)  # persistent workers made before tracking
@@ -186,7 +107,7 @@ class _Tracking:
         record = self._ddpckpt_resume
         if record is None or not record["started"]:
             return False
-        epoch = getattr(_user_sampler(self), "epoch", None)
+        epoch = getattr(user_sampler(self), "epoch", None)
         if record["finished"] and epoch is None:
             return False  # no epochs: the pass after a finished one is simply the next one
         return record["epoch"] == epoch
@@ -195,7 +116,7 @@ class _Tracking:
         """Batches the next (or current) pass starts after."""
         if self._ddpckpt_resume is None:
             return self._ddpckpt_stream.skip
-        if not self._resume_applies() or _sampler_keeps_position(self):
+        if not self._resume_applies() or sampler_keeps_position(self):
             return 0
         if isinstance(self.dataset, IterableDataset):
             return 0  # the dataset keeps its own position
@@ -212,10 +133,10 @@ class _Tracking:
         self._ddpckpt_resume = None
         self._ddpckpt_pass += 1
         if record is not None:
-            _check_same_pass(self, record)
+            check_same_pass(self, record)
         now = {
-            "epoch": getattr(_user_sampler(self), "epoch", None),
-            "batches": _pass_length(self),
+            "epoch": getattr(user_sampler(self), "epoch", None),
+            "batches": pass_length(self),
             "position": 0 if record is None else record["position"],
             "finished": False,
             "order_draw": None if record is None else record.get("order_draw"),
@@ -227,10 +148,10 @@ class _Tracking:
         try:
             if record is None:
                 if new_iterator:
-                    self._ddpckpt_seed_draw = _capture_draw(self, samplers=False)
+                    self._ddpckpt_seed_draw = capture_draw(self, samplers=False)
                 inner = super(type(self), self).__iter__()  # the loader class that was tracked
             else:
-                inner = _replay_iter(self, record, new_iterator)
+                inner = replay_iter(self, record, new_iterator)
         finally:
             self._ddpckpt_stream.replay = None
         now["seed_draw"] = self._ddpckpt_seed_draw
@@ -245,7 +166,7 @@ class _Tracking:
         handed = self._ddpckpt_stream.handed
         if handed:
             _resume_check.active().batch(self, handed.popleft())
-        sampler = _user_sampler(self)
+        sampler = user_sampler(self)
         if isinstance(sampler, ResumableDistributedSampler):
             sampler._delivered(count)
 
@@ -253,7 +174,7 @@ class _Tracking:
         if pass_id != self._ddpckpt_pass:
             return
         self._ddpckpt_now["finished"] = True
-        sampler = _user_sampler(self)
+        sampler = user_sampler(self)
         if isinstance(sampler, ResumableDistributedSampler):
             sampler._pass_finished()
 
@@ -262,7 +183,7 @@ class _Tracking:
     def state_dict(self: Any) -> dict[str, Any]:
         """This rank's position: the record of the current pass (or of the one loaded)."""
         _refuse_untrackable(self)
-        _refuse_uncapturable_samplers(self)
+        refuse_uncapturable_samplers(self)
         record = self._ddpckpt_resume or self._ddpckpt_now
         state: dict[str, Any] = {"started": record is not None}
         if record is not None:
@@ -270,9 +191,9 @@ class _Tracking:
             state.update({k: record.get(k) for k in keys})
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
-        state["sampler_generators"] = [g.get_state() for g in _sampler_generators(self)]
-        sampler = _user_sampler(self)
-        if _stateful(sampler):
+        state["sampler_generators"] = [g.get_state() for g in sampler_generators(self)]
+        sampler = user_sampler(self)
+        if is_stateful(sampler):
             state["sampler"] = sampler.state_dict()
         if isinstance(self.dataset, IterableDataset):
             state["dataset"] = self.dataset.state_dict()
@@ -293,7 +214,7 @@ class _Tracking:
                 "after an epoch's loop ended, or leave the loader out of extra to start the epoch "
                 "over"
             )
-        generators = _sampler_generators(self)
+        generators = sampler_generators(self)
         saved = state.get("sampler_generators", [])
         if len(saved) != len(generators):
             raise StateMismatchError(
@@ -305,94 +226,13 @@ class _Tracking:
             generator.set_state(generator_state)
         if self.generator is not None and state.get("generator") is not None:
             self.generator.set_state(state["generator"])
-        sampler = _user_sampler(self)
-        if "sampler" in state and _stateful(sampler):
+        sampler = user_sampler(self)
+        if "sampler" in state and is_stateful(sampler):
             sampler.load_state_dict(state["sampler"])
         if "dataset" in state:
             self.dataset.load_state_dict(state["dataset"])
         self._ddpckpt_resume = dict(state) if state["started"] else None
         self._ddpckpt_stream.skip = 0
-
-
-def _pass_length(loader: Any) -> int | None:
-    """Batches in a whole pass, where the loader (not the sampler) keeps the position."""
-    if _sampler_keeps_position(loader) or isinstance(loader.dataset, IterableDataset):
-        return None
-    return len(loader._ddpckpt_stream.inner)
-
-
-def _check_same_pass(loader: Any, record: Mapping[str, Any]) -> None:
-    saved, now = record.get("batches"), _pass_length(loader)
-    if saved is not None and now is not None and saved != now:
-        raise InexactResumeError(
-            f"the DataLoader's epoch had {saved} batches on this rank when the checkpoint was "
-            f"saved and has {now} now (another dataset, batch size or world size), so its saved "
-            f"position ({record['position']} batches) means nothing here. To resume on another "
-            "world size, order the data with ddpckpt.ResumableDistributedSampler"
-        )
-
-
-def _sampler_generators(loader: Any) -> list[torch.Generator]:
-    """The torch generators of the loader's (batch) sampler, other than ``loader.generator``."""
-    batch_sampler = loader.batch_sampler
-    found: list[torch.Generator] = []
-    for obj in (batch_sampler, getattr(batch_sampler, "sampler", None), loader.sampler):
-        generator = getattr(obj, "generator", None)
-        if not isinstance(generator, torch.Generator) or generator is loader.generator:
-            continue
-        if all(generator is not seen for seen in found):
-            found.append(generator)
-    return found
-
-
-def _refuse_uncapturable_samplers(loader: Any) -> None:
-    batch_sampler = loader.batch_sampler
-    for obj in (batch_sampler, getattr(batch_sampler, "sampler", None), loader.sampler):
-        generator = getattr(obj, "generator", None)
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise InexactResumeError(
-                f"the DataLoader's {type(obj).__qualname__} draws its order from a "
-                f"{type(generator).__qualname__}, whose state ddpckpt cannot save, so a resumed "
-                "run would visit other samples. Give it a torch.Generator (generator="
-                "torch.Generator().manual_seed(seed)) or use ddpckpt.ResumableDistributedSampler"
-            )
-
-
-def _capture_draw(loader: Any, *, samplers: bool = True) -> dict[str, Any]:
-    """The random states the loader's next draw comes from."""
-    generator = loader.generator
-    return {
-        "rng": torch.get_rng_state(),
-        "generator": None if generator is None else generator.get_state(),
-        "sampler_generators": (
-            [g.get_state() for g in _sampler_generators(loader)] if samplers else []
-        ),
-    }
-
-
-def _restore_draw(loader: Any, draw: Mapping[str, Any]) -> None:
-    """Set the states ``draw`` captured (the caller restores the global RNG afterwards)."""
-    torch.set_rng_state(draw["rng"])
-    if loader.generator is not None and draw["generator"] is not None:
-        loader.generator.set_state(draw["generator"])
-    saved = draw["sampler_generators"]  # none for a base seed draw
-    for generator, state in zip(_sampler_generators(loader) if saved else [], saved, strict=True):
-        generator.set_state(state)
-
-
-def _replay_iter(loader: Any, record: Mapping[str, Any], new_iterator: bool) -> Any:
-    """``iter()`` as the saved pass drew it; the stream replays the sampler's draw."""
-    generator, stream = loader.generator, loader._ddpckpt_stream
-    generator_before = None if generator is None else generator.get_state()
-    draws = stream.draws
-    with torch.random.fork_rng(devices=[]):
-        if new_iterator and record.get("seed_draw") is not None:
-            _restore_draw(loader, record["seed_draw"])  # the saved workers' base seed
-            loader._ddpckpt_seed_draw = record["seed_draw"]
-        inner = super(type(loader), loader).__iter__()
-    if stream.draws == draws and generator_before is not None:
-        generator.set_state(generator_before)  # the order draw (if any) sets it again
-    return inner
 
 
 class _FinishedPass:
@@ -409,8 +249,8 @@ class _FinishedPass:
         if iterator is None or not iterator._finished:
             return super(type(self), self).state_dict()
         state: dict[str, Any] = {"ddpckpt_finished_pass": True}
-        sampler = _user_sampler(self)
-        if _stateful(sampler):
+        sampler = user_sampler(self)
+        if is_stateful(sampler):
             state["sampler"] = sampler.state_dict()
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
@@ -421,8 +261,8 @@ class _FinishedPass:
             super(type(self), self).load_state_dict(state)
             return
         super(type(self), self).load_state_dict({})
-        sampler = _user_sampler(self)
-        if "sampler" in state and _stateful(sampler):
+        sampler = user_sampler(self)
+        if "sampler" in state and is_stateful(sampler):
             sampler.load_state_dict(state["sampler"])
         if self.generator is not None and state.get("generator") is not None:
             self.generator.set_state(state["generator"])
@@ -430,7 +270,7 @@ class _FinishedPass:
 
 def _refuse_untrackable(loader: Any) -> None:
     iterable = isinstance(loader.dataset, IterableDataset)
-    if iterable and (not _stateful(loader.dataset) or loader.num_workers > 0):
+    if iterable and (not is_stateful(loader.dataset) or loader.num_workers > 0):
         raise InexactResumeError(
             f"a DataLoader over the IterableDataset {type(loader.dataset).__qualname__} "
             "cannot resume exactly: its position lives in the dataset's iterator"
@@ -523,7 +363,7 @@ def check_data_extra(extra: Mapping[str, Any]) -> None:
     for name, obj in extra.items():
         if not isinstance(obj, ResumableDistributedSampler) or obj._feeder is None:
             continue
-        if any(_user_sampler(loader) is obj for loader in loaders):
+        if any(user_sampler(loader) is obj for loader in loaders):
             continue
         raise InexactResumeError(
             f"extra[{name!r}]: this ResumableDistributedSampler feeds a {obj._feeder} with "
