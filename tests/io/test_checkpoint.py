@@ -593,7 +593,7 @@ def test_progress_counts_every_byte_saved_and_loaded(ckpt_dir, monkeypatch) -> N
 
 
 def test_progress_bar_only_on_a_terminal_and_not_when_disabled(monkeypatch) -> None:
-    from ddpckpt import progress
+    from ddpckpt.io import progress
 
     monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: True, raising=False)
     assert progress._wanted()

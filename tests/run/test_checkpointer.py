@@ -305,9 +305,9 @@ def test_transient_errors_are_retried_and_raise_mode_raises(tmp_path, monkeypatc
 
 
 def test_a_save_that_cannot_fit_fails_before_writing(tmp_path, monkeypatch) -> None:
-    import ddpckpt.io.writing as checkpoint
+    from ddpckpt.storage import storage_for
 
-    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(type(storage_for(tmp_path)), "free_bytes", lambda self, path: 1000)
     model, _ = objects()
     ckpt = Checkpointer(tmp_path / "run", model=model, on_error="raise")
     with pytest.raises(InsufficientSpaceError, match=r"only 0\.0 MiB are free"):
@@ -395,9 +395,10 @@ def test_after_resuming_an_older_step_saves_must_still_be_newer(tmp_path) -> Non
 def test_a_retry_after_a_failure_following_the_commit_finds_it_committed(
     tmp_path, monkeypatch
 ) -> None:
-    import ddpckpt.io.writing as writing
+    from ddpckpt.storage import storage_for
 
-    real = writing.commit_dir
+    strategy = type(storage_for(tmp_path).commit)
+    real = strategy.publish
     failures = [errno.EIO]
 
     def commit_then_fail(*args, **kwargs):
@@ -405,7 +406,7 @@ def test_a_retry_after_a_failure_following_the_commit_finds_it_committed(
         if failures:
             raise OSError(failures.pop(), "Input/output error")
 
-    monkeypatch.setattr(writing, "commit_dir", commit_then_fail)
+    monkeypatch.setattr(strategy, "publish", commit_then_fail)
     ckpt = Checkpointer(
         tmp_path / "run", model=make_mlp(), retries=1, retry_backoff=0.01, on_error="raise"
     )
