@@ -539,22 +539,39 @@ class TensorFile:
             if reader.size != size:
                 kind = IncompleteCheckpointError if reader.size < size else CorruptCheckpointError
                 raise kind(f"{path}: file is {reader.size} bytes, the manifest records {size}")
-            self._map = reader.map()
         except BaseException:
             reader.close()
             raise
         # Kept open, so read_into reads the very object that was checked even if the path
         # is replaced meanwhile; closed with this object.
         self._reader = reader
+        self._mapped: Any = None
         weakref.finalize(self, reader.close)
+
+    @property
+    def _map(self) -> Any:
+        """The whole file as a private buffer, made on first use: a copy-on-write memory
+        map on disk (nothing read until touched), a download on an object store."""
+        if self._mapped is None:
+            self._mapped = self._reader.map()
+        return self._mapped
+
+    def _read_range(self, offset: int, length: int) -> bytes:
+        buffer = bytearray(max(0, min(length, self._reader.size - offset)))
+        view, done = memoryview(buffer), 0
+        while done < len(buffer):
+            count = self._reader.read_into(view[done:], offset + done)
+            if count == 0:
+                break
+            done += count
+        return bytes(buffer[:done])
 
     def check_header(self, entries: Sequence[TensorEntry]) -> None:
         """Raise :class:`CorruptCheckpointError` unless the file's own header (every byte
         before the tensor data) describes exactly ``entries``, as the manifest does."""
-        view = memoryview(self._map) if self._map is not None else memoryview(b"")
         try:
-            (length,) = struct.unpack_from("<Q", view)
-            header = json.loads(bytes(view[8 : 8 + length]))
+            (length,) = struct.unpack_from("<Q", self._read_range(0, 8))
+            header = json.loads(self._read_range(8, length))
         except (struct.error, ValueError) as exc:
             raise CorruptCheckpointError(
                 f"{self.path}: damaged safetensors header ({exc})"
