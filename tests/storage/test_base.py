@@ -3,14 +3,37 @@
 from __future__ import annotations
 
 import errno
+import os
+import uuid
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 import ddpckpt
 from ddpckpt.errors import CheckpointExistsError, IncompleteCheckpointError
-from ddpckpt.storage import ManifestLastCommit, RenameCommit, is_temp_name, new_token, resolve
+from ddpckpt.storage import (
+    ManifestLastCommit,
+    RenameCommit,
+    Storage,
+    is_temp_name,
+    new_token,
+    resolve,
+)
 from ddpckpt.storage.base import MANIFEST, temp_name
+from ddpckpt.storage.memory import SCHEME
+
+
+@pytest.fixture(params=["posix", "memory"])
+def store(request, tmp_path) -> Iterator[tuple[Storage, str]]:
+    """``(storage, root)``: an empty directory or memory prefix to work under."""
+    if request.param == "posix":
+        yield resolve(os.fspath(tmp_path))
+        return
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    storage, root = resolve(f"{SCHEME}{name}/root")
+    yield storage, root
+    storage.clear(name)
 
 
 def test_exclusive_create_refuses_an_existing_object(store) -> None:
