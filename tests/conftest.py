@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -70,3 +71,75 @@ def _seeded() -> None:
 @pytest.fixture
 def ckpt_dir(tmp_path) -> str:
     return os.fspath(tmp_path / "ckpt")
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line(
+        "markers", "disk_only(why): runs on the file system only (ckpt_root), for the reason given"
+    )
+
+
+class StoredPath(str):
+    """A location in a storage that is no file system (``memory://...``), with the few
+    ``pathlib`` methods the suites use, so that one test body runs on disk and in memory."""
+
+    def __truediv__(self, name: str) -> StoredPath:
+        return StoredPath(f"{self.rstrip('/')}/{name}")
+
+    @property
+    def name(self) -> str:
+        return self.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> StoredPath:
+        return StoredPath(self.rstrip("/").rsplit("/", 1)[0])
+
+    def _storage(self):
+        from ddpckpt.storage import storage_for
+
+        return storage_for(self)
+
+    def exists(self) -> bool:
+        return self._storage().exists(self)
+
+    def is_dir(self) -> bool:
+        return self._storage().is_dir(self)
+
+    def iterdir(self) -> list[StoredPath]:
+        return [self / name for name in self._storage().list(self)]
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        self._storage().make_dirs(self)
+
+    def read_bytes(self) -> bytes:
+        return self._storage().read(self)
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def write_bytes(self, data: bytes) -> None:
+        self._storage().replace(self, data)
+
+    def write_text(self, text: str) -> None:
+        self.write_bytes(text.encode())
+
+    def unlink(self) -> None:
+        self._storage().delete(self)
+
+
+@pytest.fixture(params=["disk", "memory"])
+def ckpt_root(request, tmp_path) -> Iterator[object]:
+    """An empty place to save checkpoints: ``tmp_path``, then a fresh ``memory://`` store.
+    Suites written against it prove that the library reaches bytes only through the
+    storage interface; tests marked ``disk_only`` run on the file system alone."""
+    if request.param == "disk":
+        yield tmp_path
+        return
+    disk_only = request.node.get_closest_marker("disk_only")
+    if disk_only:
+        pytest.skip(f"on disk only: {disk_only.args[0]}")
+    from ddpckpt.storage import storage_for
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    yield StoredPath(f"memory://{name}")
+    storage_for(f"memory://{name}").clear(name)

@@ -23,6 +23,25 @@ from ddpckpt import (
     StateMismatchError,
     UnsupportedValueError,
 )
+from ddpckpt.storage import storage_for
+
+
+@pytest.fixture
+def ckpt_dir(ckpt_root) -> str:
+    """Where each test saves: on disk, then in memory (``ckpt_root``)."""
+    return os.fspath(ckpt_root / "ckpt")
+
+
+def names_in(directory: str) -> list[str]:
+    """What ``directory`` holds (nothing if it does not exist), in whichever storage."""
+    try:
+        return sorted(storage_for(directory).list(directory))
+    except FileNotFoundError:
+        return []
+
+
+def parent_of(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[0]
 
 
 class Counter:
@@ -270,10 +289,7 @@ def test_restored_optimizer_state_is_private_memory(ckpt_dir) -> None:
     target = make_mlp(1)
     target_opt = torch.optim.Adam(target.parameters())
     ddpckpt.load(ckpt_dir, model=target, optimizer=target_opt)
-    ddpckpt_path = ckpt_dir
-    for root, _, files in os.walk(ddpckpt_path):
-        for f in files:
-            os.unlink(os.path.join(root, f))  # the state must not depend on the files
+    storage_for(ckpt_dir).delete_tree(ckpt_dir)  # the state must not depend on the files
     train_steps(target, target_opt)
     for state in target_opt.state.values():
         state["exp_avg"].add_(1)  # writable, resizable ordinary tensors
@@ -350,15 +366,14 @@ def test_existing_checkpoint_is_not_overwritten_unless_asked(ckpt_dir) -> None:
     second = make_mlp(seed=2)
     ddpckpt.save(ckpt_dir, model=second, step=2, overwrite=True)
     assert ddpckpt.verify(ckpt_dir).step == 2
-    assert sorted(os.listdir(os.path.dirname(ckpt_dir))) == ["ckpt"]  # no temporaries left
+    assert names_in(parent_of(ckpt_dir)) == ["ckpt"]  # no temporaries left
 
 
 def flip_byte(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x01]))
+    storage = storage_for(path)
+    data = bytearray(storage.read(path))
+    data[offset] ^= 0x01
+    storage.replace(path, bytes(data))
 
 
 def test_a_failed_load_leaves_the_optimizer_as_it_was(ckpt_dir) -> None:
@@ -370,7 +385,7 @@ def test_a_failed_load_leaves_the_optimizer_as_it_was(ckpt_dir) -> None:
     kept = opt.state_dict()  # holds the live state tensors themselves
     before = {(i, k): v.clone() for i, s in kept["state"].items() for k, v in s.items()}
     state_file = os.path.join(ckpt_dir, "state-00000.safetensors")
-    flip_byte(state_file, os.path.getsize(state_file) - 3)  # the last tensor read
+    flip_byte(state_file, storage_for(state_file).size(state_file) - 3)  # the last tensor read
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
         ddpckpt.load(ckpt_dir, model=model, optimizer=opt)
     after = opt.state_dict()["state"]
@@ -385,7 +400,7 @@ def test_bit_flip_is_caught_by_load_and_verify(ckpt_dir) -> None:
     train_steps(model, opt)
     ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
     state_file = os.path.join(ckpt_dir, "state-00000.safetensors")
-    flip_byte(state_file, os.path.getsize(state_file) - 3)
+    flip_byte(state_file, storage_for(state_file).size(state_file) - 3)
     with pytest.raises(CorruptCheckpointError, match=r"state-00000\.safetensors"):
         ddpckpt.verify(ckpt_dir)
     target = make_mlp()
@@ -399,10 +414,11 @@ def test_bit_flip_is_caught_by_load_and_verify(ckpt_dir) -> None:
 def test_truncated_or_missing_files_are_reported(ckpt_dir) -> None:
     ddpckpt.save(ckpt_dir, model=make_mlp())
     model_file = os.path.join(ckpt_dir, "model-00000.safetensors")
-    os.truncate(model_file, os.path.getsize(model_file) // 2)
+    storage = storage_for(model_file)
+    storage.replace(model_file, storage.read(model_file)[: storage.size(model_file) // 2])
     with pytest.raises(IncompleteCheckpointError, match=r"model-00000\.safetensors"):
         ddpckpt.load(ckpt_dir, model=make_mlp())
-    os.unlink(model_file)
+    storage.delete(model_file)
     with pytest.raises(CorruptCheckpointError, match=r"model-00000\.safetensors.*missing"):
         ddpckpt.verify(ckpt_dir)
 
@@ -433,9 +449,7 @@ def test_loading_never_unpickles(ckpt_dir, monkeypatch) -> None:
 def test_unstorable_value_fails_the_save_naming_key_and_leaves_nothing(ckpt_dir) -> None:
     with pytest.raises(UnsupportedValueError, match="extra/hook/fn"):
         ddpckpt.save(ckpt_dir, model=make_mlp(), extra={"hook": {"fn": len}})
-    assert (
-        not os.path.exists(os.path.dirname(ckpt_dir)) or os.listdir(os.path.dirname(ckpt_dir)) == []
-    )
+    assert names_in(parent_of(ckpt_dir)) == []
 
 
 def test_failed_write_leaves_no_checkpoint_and_no_temporary(ckpt_dir, monkeypatch) -> None:
@@ -457,7 +471,7 @@ def test_failed_write_leaves_no_checkpoint_and_no_temporary(ckpt_dir, monkeypatc
     with pytest.raises(ddpckpt.CheckpointWriteError, match="No space left") as caught:
         ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
     assert caught.value.errno == 28 and isinstance(caught.value, OSError)
-    assert os.listdir(os.path.dirname(ckpt_dir)) == []
+    assert names_in(parent_of(ckpt_dir)) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
@@ -487,7 +501,7 @@ def test_invalid_metadata_is_refused_before_anything_is_written(ckpt_dir) -> Non
         ddpckpt.save(ckpt_dir, model=make_mlp(), step=-1)
     with pytest.raises(UnsupportedValueError, match="metrics"):
         ddpckpt.save(ckpt_dir, model=make_mlp(), metrics={"loss": [1, 2]})
-    assert not os.path.exists(ckpt_dir)
+    assert not storage_for(ckpt_dir).exists(ckpt_dir)
 
 
 def test_user_journey_compiled_ddp_to_plain_cpu_export_and_import(process_group, tmp_path) -> None:
@@ -545,6 +559,7 @@ print((after - before) * 1024, sum(p.numel() * 4 for p in params))
 
 
 @pytest.mark.slow
+@pytest.mark.disk_only("measured in a child process, which sees no memory:// store")
 def test_saving_streams_with_bounded_extra_memory(ckpt_dir) -> None:
     import subprocess
     import sys

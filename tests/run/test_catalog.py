@@ -10,8 +10,8 @@ import ddpckpt
 from conftest import make_mlp, train_steps
 
 
-def test_the_newest_committed_checkpoint_of_a_save_loop(tmp_path) -> None:
-    ckpt = tmp_path / "ckpt"
+def test_the_newest_committed_checkpoint_of_a_save_loop(ckpt_root) -> None:
+    ckpt = ckpt_root / "ckpt"
     assert ddpckpt.latest(ckpt) is None  # nothing yet (not even the directory)
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -19,29 +19,31 @@ def test_the_newest_committed_checkpoint_of_a_save_loop(tmp_path) -> None:
         train_steps(model, opt, steps=1)
         ddpckpt.save(f"{ckpt}/step-{step}", model=model, optimizer=opt, step=step)
     assert ddpckpt.latest(ckpt) == os.path.join(ckpt, "step-11")
-    os.unlink(ckpt / "step-11" / "manifest.json")  # a save killed before its commit
-    (ckpt / ".step-12.tmp-0a1b2c").mkdir()  # a save in progress
-    (ckpt / "step-12.corrupt-0a1b2c").mkdir()  # moved aside by a Checkpointer
+    for moved in (".step-12.tmp-0a1b2c", "step-12.corrupt-0a1b2c"):  # in progress, set aside
+        (ckpt / moved).mkdir()
+        for file in (ckpt / "step-11").iterdir():  # complete, and newer: skipped by name
+            (ckpt / moved / file.name).write_bytes(file.read_bytes())
+    (ckpt / "step-11" / "manifest.json").unlink()  # a save killed before its commit
     (ckpt / "notes.txt").write_text("not a checkpoint")
-    with open(ckpt / "step-10" / "model-00000.safetensors", "r+b") as f:
-        f.truncate(100)  # a damaged copy
+    damaged = ckpt / "step-10" / "model-00000.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:100])  # a damaged copy
     found = ddpckpt.latest(ckpt)
     assert found == os.path.join(ckpt, "step-9")
     fresh = make_mlp(seed=1)
     assert ddpckpt.load(found, model=fresh).step == 9
 
 
-def test_checkpoints_saved_without_a_step_go_by_time(tmp_path) -> None:
+def test_checkpoints_saved_without_a_step_go_by_time(ckpt_root) -> None:
     model = make_mlp()
     for name in ("b", "a"):
-        ddpckpt.save(tmp_path / name, model=model)
-    assert ddpckpt.latest(tmp_path) == os.path.join(tmp_path, "a")
-    ddpckpt.save(tmp_path / "c", model=model, step=0)
-    assert ddpckpt.latest(tmp_path) == os.path.join(tmp_path, "c")
+        ddpckpt.save(ckpt_root / name, model=model)
+    assert ddpckpt.latest(ckpt_root) == os.path.join(ckpt_root, "a")
+    ddpckpt.save(ckpt_root / "c", model=model, step=0)
+    assert ddpckpt.latest(ckpt_root) == os.path.join(ckpt_root, "c")
 
 
-def test_a_checkpointer_run_directory_works_too(tmp_path) -> None:
-    run = tmp_path / "run"
+def test_a_checkpointer_run_directory_works_too(ckpt_root) -> None:
+    run = ckpt_root / "run"
     with ddpckpt.Checkpointer(run, model=make_mlp(), keep_last=2) as ckpt:
         for step in (5, 50, 500):
             ckpt.save(step)

@@ -26,20 +26,23 @@ def objects(seed: int = 0):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+def names(run) -> list[str]:
+    """What the run directory holds, on disk or in memory."""
+    return sorted(p.name for p in run.iterdir())
+
+
 def steps_on_disk(run) -> list[str]:
-    return sorted(n for n in os.listdir(run) if n.startswith("step-"))
+    return [n for n in names(run) if n.startswith("step-")]
 
 
-def flip_last_byte(path: str) -> None:
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        last = f.read(1)
-        f.seek(-1, os.SEEK_END)
-        f.write(bytes([last[0] ^ 0x01]))
+def flip_last_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
 
 
-def test_five_line_loop_saves_on_schedule_and_resumes_newest(tmp_path) -> None:
-    run = tmp_path / "run"
+def test_five_line_loop_saves_on_schedule_and_resumes_newest(ckpt_root) -> None:
+    run = ckpt_root / "run"
     model, opt = objects()
     with Checkpointer(run, model=model, optimizer=opt, every_steps=3, keep_last=2) as ckpt:
         assert ckpt.resume() is None
@@ -60,8 +63,8 @@ def test_five_line_loop_saves_on_schedule_and_resumes_newest(tmp_path) -> None:
         assert not ckpt.should_save(9) and ckpt.should_save(12)
 
 
-def test_keep_best_ignores_nan_and_inf_and_never_drops_the_newest(tmp_path) -> None:
-    run = tmp_path / "run"
+def test_keep_best_ignores_nan_and_inf_and_never_drops_the_newest(ckpt_root) -> None:
+    run = ckpt_root / "run"
     model, opt = objects()
     losses = {1: 0.5, 2: float("nan"), 3: 0.2, 4: float("-inf"), 5: 0.9, 6: 0.8, 7: float("nan")}
     ckpt = Checkpointer(run, model=model, optimizer=opt, keep_last=1, keep_best=2, monitor="loss")
@@ -81,8 +84,9 @@ def test_keep_best_ignores_nan_and_inf_and_never_drops_the_newest(tmp_path) -> N
     ]
 
 
-def test_retention_and_best_marks_show_in_ls(tmp_path, capsys) -> None:
-    run = tmp_path / "run"
+@pytest.mark.disk_only("the CLI's `ls` still looks at directories with os.path")
+def test_retention_and_best_marks_show_in_ls(ckpt_root, capsys) -> None:
+    run = ckpt_root / "run"
     model, _ = objects()
     with Checkpointer(run, model=model, keep_last=1, keep_best=1, monitor="loss") as ckpt:
         for step, loss in ((10, 0.3), (20, 0.1), (30, 0.4)):
@@ -91,16 +95,16 @@ def test_retention_and_best_marks_show_in_ls(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "20    " in out and "best #1 by loss" in out
     assert "latest" in out and "verified" in out and "10  " not in out
-    flip_last_byte(str(run / "step-00000030" / "model-00000.safetensors"))
+    flip_last_byte(run / "step-00000030" / "model-00000.safetensors")
     assert main(["ls", str(run)]) == 1
     assert "CORRUPT" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_saving_the_newest_step_again_replaces_it_and_older_steps_are_refused(
-    tmp_path, caplog, async_save
+    ckpt_root, caplog, async_save
 ) -> None:
-    run = tmp_path / "run"
+    run = ckpt_root / "run"
     model, opt = objects()
     ckpt = Checkpointer(run, model=model, optimizer=opt, keep_last=None, async_save=async_save)
     ckpt.save(4)
@@ -115,7 +119,7 @@ def test_saving_the_newest_step_again_replaces_it_and_older_steps_are_refused(
     for key, value in ddpckpt.load_state_dict(run / "step-00000005").items():
         assert torch.equal(value, expected[key]), key
     assert steps_on_disk(run) == ["step-00000004", "step-00000005"]
-    assert [n for n in os.listdir(run) if ".tmp-" in n] == []
+    assert [n for n in names(run) if ".tmp-" in n] == []
     assert ckpt.last_error is None
     with pytest.raises(CheckpointStepError, match="newest checkpoint is step 5"):
         ckpt.save(4)
@@ -124,22 +128,22 @@ def test_saving_the_newest_step_again_replaces_it_and_older_steps_are_refused(
         Checkpointer(run, model=model).save(3)
 
 
-def test_resume_falls_back_past_corrupt_and_incomplete_checkpoints(tmp_path, caplog) -> None:
-    run = tmp_path / "run"
+def test_resume_falls_back_past_corrupt_and_incomplete_checkpoints(ckpt_root, caplog) -> None:
+    run = ckpt_root / "run"
     model, opt = objects()
     with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as ckpt:
         for step in (1, 2, 3):
             train_steps(model, opt, steps=1)
             ckpt.save(step)
-    flip_last_byte(str(run / "step-00000003" / "state-00000.safetensors"))
-    os.unlink(run / "step-00000002" / "manifest.json")
+    flip_last_byte(run / "step-00000003" / "state-00000.safetensors")
+    (run / "step-00000002" / "manifest.json").unlink()
     fresh, fresh_opt = objects(seed=9)
     with caplog.at_level(logging.WARNING, logger="ddpckpt"):
         ckpt = Checkpointer(run, model=fresh, optimizer=fresh_opt, keep_last=None)
         assert ckpt.resume().step == 1
     assert "step-00000003/state-00000.safetensors: checksum mismatch" in caplog.text
     assert "moved" in caplog.text
-    on_disk = sorted(os.listdir(run))
+    on_disk = names(run)
     assert "step-00000001" in on_disk and any(
         n.startswith("step-00000003.corrupt-") for n in on_disk
     )
@@ -148,18 +152,18 @@ def test_resume_falls_back_past_corrupt_and_incomplete_checkpoints(tmp_path, cap
     assert (run / "latest").read_text() == "step-00000003\n"
 
 
-def test_nothing_loadable_is_an_error_not_a_fresh_start(tmp_path) -> None:
-    run = tmp_path / "run"
+def test_nothing_loadable_is_an_error_not_a_fresh_start(ckpt_root) -> None:
+    run = ckpt_root / "run"
     model, _ = objects()
     with Checkpointer(run, model=model) as ckpt:
         ckpt.save(1)
-    flip_last_byte(str(run / "step-00000001" / "model-00000.safetensors"))
+    flip_last_byte(run / "step-00000001" / "model-00000.safetensors")
     with pytest.raises(CorruptCheckpointError, match="none can be loaded"):
         Checkpointer(run, model=model).resume()
 
 
-def test_resume_a_given_step_and_model_only_for_evaluation(tmp_path) -> None:
-    run = tmp_path / "run"
+def test_resume_a_given_step_and_model_only_for_evaluation(ckpt_root) -> None:
+    run = ckpt_root / "run"
     model, opt = objects()
     with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as ckpt:
         for step in (1, 2):
@@ -176,8 +180,8 @@ def test_resume_a_given_step_and_model_only_for_evaluation(tmp_path) -> None:
         ckpt.resume()
 
 
-def test_stale_temporaries_are_cleaned_and_never_loaded(tmp_path) -> None:
-    run = tmp_path / "run"
+def test_stale_temporaries_are_cleaned_and_never_loaded(ckpt_root) -> None:
+    run = ckpt_root / "run"
     model, _ = objects()
     with Checkpointer(run, model=model) as ckpt:
         ckpt.save(1)
@@ -196,8 +200,8 @@ def write_lock(run, pid: int, host: str | None = None, job: str | None = None) -
     )
 
 
-def test_a_live_lock_holder_is_named_and_a_dead_one_is_taken_over(tmp_path, caplog) -> None:
-    run = tmp_path / "run"
+def test_a_live_lock_holder_is_named_and_a_dead_one_is_taken_over(ckpt_root, caplog) -> None:
+    run = ckpt_root / "run"
     model, _ = objects()
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -218,8 +222,8 @@ def test_a_live_lock_holder_is_named_and_a_dead_one_is_taken_over(tmp_path, capl
         Checkpointer(run, model=model).resume()
 
 
-def test_an_elastic_restart_of_the_same_job_takes_the_lock_over(tmp_path, monkeypatch) -> None:
-    run = tmp_path / "run"
+def test_an_elastic_restart_of_the_same_job_takes_the_lock_over(ckpt_root, monkeypatch) -> None:
+    run = ckpt_root / "run"
     write_lock(run, 1, host="node-that-died", job="job-7")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
     Checkpointer(run, model=make_mlp()).resume()
@@ -242,8 +246,8 @@ def failing_writes(monkeypatch, errors: list[int]) -> list[int]:
     return seen
 
 
-def test_disk_full_warns_and_training_goes_on(tmp_path, monkeypatch, caplog) -> None:
-    run = tmp_path / "run"
+def test_disk_full_warns_and_training_goes_on(ckpt_root, monkeypatch, caplog) -> None:
+    run = ckpt_root / "run"
     model, opt = objects()
     ckpt = Checkpointer(run, model=model, optimizer=opt, retries=2, retry_backoff=0.01)
     ckpt.save(1)
@@ -252,17 +256,16 @@ def test_disk_full_warns_and_training_goes_on(tmp_path, monkeypatch, caplog) -> 
         assert ckpt.save(2) is None
     assert seen == [errno.ENOSPC]  # not retried: a full disk stays full
     assert "training goes on" in caplog.text and "No space left" in caplog.text
-    assert (
-        steps_on_disk(run) == ["step-00000001"]
-        and [n for n in os.listdir(run) if ".tmp-" in n] == []
-    )
+    assert steps_on_disk(run) == ["step-00000001"] and [n for n in names(run) if ".tmp-" in n] == []
     assert ckpt.last_error.errno == errno.ENOSPC and ckpt.failed_saves == 1
     assert ckpt.save(3) is not None
     assert ckpt.last_error is None and ckpt.failed_saves == 0
 
 
-def test_every_failed_save_is_an_error_counting_the_failures(tmp_path, monkeypatch, caplog) -> None:
-    run = tmp_path / "run"
+def test_every_failed_save_is_an_error_counting_the_failures(
+    ckpt_root, monkeypatch, caplog
+) -> None:
+    run = ckpt_root / "run"
     model, _ = objects()
     ckpt = Checkpointer(run, model=model, retries=0)
     ckpt.save(10)
@@ -277,8 +280,8 @@ def test_every_failed_save_is_an_error_counting_the_failures(tmp_path, monkeypat
     ckpt.close()
 
 
-def test_a_run_that_never_saved_says_it_has_no_checkpoint(tmp_path, monkeypatch, caplog) -> None:
-    ckpt = Checkpointer(tmp_path / "run", model=make_mlp(), retries=0)
+def test_a_run_that_never_saved_says_it_has_no_checkpoint(ckpt_root, monkeypatch, caplog) -> None:
+    ckpt = Checkpointer(ckpt_root / "run", model=make_mlp(), retries=0)
     failing_writes(monkeypatch, [errno.EIO])
     with caplog.at_level(logging.WARNING, logger="ddpckpt"):
         assert ckpt.save(1) is None
@@ -286,10 +289,10 @@ def test_a_run_that_never_saved_says_it_has_no_checkpoint(tmp_path, monkeypatch,
     ckpt.close()
 
 
-def test_transient_errors_are_retried_and_raise_mode_raises(tmp_path, monkeypatch) -> None:
+def test_transient_errors_are_retried_and_raise_mode_raises(ckpt_root, monkeypatch) -> None:
     model, opt = objects()
     ckpt = Checkpointer(
-        tmp_path / "run",
+        ckpt_root / "run",
         model=model,
         optimizer=opt,
         retries=2,
@@ -304,18 +307,18 @@ def test_transient_errors_are_retried_and_raise_mode_raises(tmp_path, monkeypatc
     assert caught.value.errno == errno.EIO
 
 
-def test_a_save_that_cannot_fit_fails_before_writing(tmp_path, monkeypatch) -> None:
-    import ddpckpt.io.writing as checkpoint
+def test_a_save_that_cannot_fit_fails_before_writing(ckpt_root, monkeypatch) -> None:
+    from ddpckpt.storage import storage_for
 
-    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: 1000)
+    monkeypatch.setattr(type(storage_for(ckpt_root)), "free_bytes", lambda self, path: 1000)
     model, _ = objects()
-    ckpt = Checkpointer(tmp_path / "run", model=model, on_error="raise")
+    ckpt = Checkpointer(ckpt_root / "run", model=model, on_error="raise")
     with pytest.raises(InsufficientSpaceError, match=r"only 0\.0 MiB are free"):
         ckpt.save(1)
-    assert steps_on_disk(tmp_path / "run") == []
+    assert steps_on_disk(ckpt_root / "run") == []
 
 
-def test_every_seconds_policy(tmp_path) -> None:
+def test_every_seconds_policy(ckpt_root) -> None:
     from ddpckpt.policies import AnyOf, EverySeconds, EverySteps
 
     policy = AnyOf(EverySteps(100), EverySeconds(10))
@@ -325,7 +328,7 @@ def test_every_seconds_policy(tmp_path) -> None:
     policy.saved(2, now=10.5)
     assert not policy.should_save(3, now=15.0) and policy.should_save(100, now=15.0)
     model, _ = objects()
-    ckpt = Checkpointer(tmp_path / "run", model=model, every_seconds=3600)
+    ckpt = Checkpointer(ckpt_root / "run", model=model, every_seconds=3600)
     assert not ckpt.should_save(1)
 
 
@@ -340,13 +343,13 @@ def test_every_seconds_policy(tmp_path) -> None:
         ({"keep_best": 1, "monitor": "loss", "mode": "up"}, "mode"),
     ],
 )
-def test_configuration_is_validated_up_front(tmp_path, kwargs, message) -> None:
+def test_configuration_is_validated_up_front(ckpt_root, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
-        Checkpointer(tmp_path / "run", model=make_mlp(), **kwargs)
+        Checkpointer(ckpt_root / "run", model=make_mlp(), **kwargs)
 
 
-def test_torchruns_default_run_id_does_not_identify_a_job(tmp_path, monkeypatch) -> None:
-    run = tmp_path / "run"
+def test_torchruns_default_run_id_does_not_identify_a_job(ckpt_root, monkeypatch) -> None:
+    run = ckpt_root / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         write_lock(run, holder.pid, host="another-node", job="none")
@@ -358,8 +361,8 @@ def test_torchruns_default_run_id_does_not_identify_a_job(tmp_path, monkeypatch)
         holder.wait()
 
 
-def test_a_job_whose_lock_was_taken_over_stops_writing(tmp_path) -> None:
-    run = tmp_path / "run"
+def test_a_job_whose_lock_was_taken_over_stops_writing(ckpt_root) -> None:
+    run = ckpt_root / "run"
     ckpt = Checkpointer(run, model=make_mlp())
     ckpt.save(1)
     write_lock(run, 1, host="another-node", job="job-9")  # another job took the directory
@@ -368,10 +371,11 @@ def test_a_job_whose_lock_was_taken_over_stops_writing(tmp_path) -> None:
     assert json.loads((run / ".lock").read_text())["host"] == "another-node"  # left alone
 
 
-def test_the_lock_stays_fresh_while_held(tmp_path) -> None:
+@pytest.mark.disk_only("sets the lock file's mtime")
+def test_the_lock_stays_fresh_while_held(ckpt_root) -> None:
     import time as clock
 
-    run = tmp_path / "run"
+    run = ckpt_root / "run"
     ckpt = Checkpointer(run, model=make_mlp(), lock_stale_after=1.2)
     ckpt.resume()
     os.utime(run / ".lock", (0, 0))  # as if not refreshed for ages
@@ -380,8 +384,8 @@ def test_the_lock_stays_fresh_while_held(tmp_path) -> None:
     ckpt.close()
 
 
-def test_after_resuming_an_older_step_saves_must_still_be_newer(tmp_path) -> None:
-    run = tmp_path / "run"
+def test_after_resuming_an_older_step_saves_must_still_be_newer(ckpt_root) -> None:
+    run = ckpt_root / "run"
     with Checkpointer(run, model=make_mlp(), keep_last=None) as ckpt:
         for step in (100, 200, 300):
             ckpt.save(step)
@@ -393,11 +397,12 @@ def test_after_resuming_an_older_step_saves_must_still_be_newer(tmp_path) -> Non
 
 
 def test_a_retry_after_a_failure_following_the_commit_finds_it_committed(
-    tmp_path, monkeypatch
+    ckpt_root, monkeypatch
 ) -> None:
-    import ddpckpt.io.writing as writing
+    from ddpckpt.storage import storage_for
 
-    real = writing.commit_dir
+    strategy = type(storage_for(ckpt_root).commit)
+    real = strategy.publish
     failures = [errno.EIO]
 
     def commit_then_fail(*args, **kwargs):
@@ -405,24 +410,24 @@ def test_a_retry_after_a_failure_following_the_commit_finds_it_committed(
         if failures:
             raise OSError(failures.pop(), "Input/output error")
 
-    monkeypatch.setattr(writing, "commit_dir", commit_then_fail)
+    monkeypatch.setattr(strategy, "publish", commit_then_fail)
     ckpt = Checkpointer(
-        tmp_path / "run", model=make_mlp(), retries=1, retry_backoff=0.01, on_error="raise"
+        ckpt_root / "run", model=make_mlp(), retries=1, retry_backoff=0.01, on_error="raise"
     )
     assert ckpt.save(1) is not None
-    assert ddpckpt.verify(tmp_path / "run" / "step-00000001").step == 1
+    assert ddpckpt.verify(ckpt_root / "run" / "step-00000001").step == 1
     assert ckpt.save(2) is not None  # and the run knows step 1 is its newest
     ckpt.close()
 
 
-def test_a_retention_failure_in_one_process_only_warns(tmp_path, monkeypatch, caplog) -> None:
+def test_a_retention_failure_in_one_process_only_warns(ckpt_root, monkeypatch, caplog) -> None:
     import ddpckpt.run.checkpointer as checkpointer
 
     def refuse(path):
         raise IsADirectoryError(21, "Is a directory", path)
 
     monkeypatch.setattr(checkpointer, "remove_checkpoint", refuse)
-    ckpt = Checkpointer(tmp_path / "run", model=make_mlp(), keep_last=1)
+    ckpt = Checkpointer(ckpt_root / "run", model=make_mlp(), keep_last=1)
     ckpt.save(1)
     with caplog.at_level(logging.WARNING, logger="ddpckpt"):
         assert ckpt.save(2) is not None
@@ -445,8 +450,9 @@ def directory_state(run) -> dict[str, tuple[int, float] | str]:
     return state
 
 
-def test_a_read_only_reader_loads_while_changing_nothing(tmp_path, caplog) -> None:
-    run = tmp_path / "run"
+@pytest.mark.disk_only("compares file mtimes")
+def test_a_read_only_reader_loads_while_changing_nothing(ckpt_root, caplog) -> None:
+    run = ckpt_root / "run"
     model, opt = objects()
     writer = Checkpointer(run, model=model, optimizer=opt, keep_last=2, keep_best=1, monitor="loss")
     for step, loss in ((1, 0.1), (2, 0.4), (3, 0.5)):
@@ -455,7 +461,7 @@ def test_a_read_only_reader_loads_while_changing_nothing(tmp_path, caplog) -> No
     in_flight = run / ".step-00000004.tmp-0a1b2c"  # the writer's next save, being written
     in_flight.mkdir()
     (in_flight / "model-00000.safetensors").write_bytes(b"half")
-    flip_last_byte(str(run / "step-00000003" / "model-00000.safetensors"))
+    flip_last_byte(run / "step-00000003" / "model-00000.safetensors")
     before = directory_state(run)
 
     fresh, fresh_opt = objects(seed=4)
@@ -480,11 +486,11 @@ def test_a_read_only_reader_loads_while_changing_nothing(tmp_path, caplog) -> No
     writer.close()
 
 
-def test_a_reader_that_loses_a_race_with_retention_loads_the_next(tmp_path, monkeypatch, caplog):
+def test_a_reader_that_loses_a_race_with_retention_loads_the_next(ckpt_root, monkeypatch, caplog):
     import ddpckpt.run.checkpointer as checkpointer
     from ddpckpt.run.rundir import remove_checkpoint
 
-    run = tmp_path / "run"
+    run = ckpt_root / "run"
     model, opt = objects()
     with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as writer:
         for step in (1, 2):
@@ -514,8 +520,8 @@ def test_a_reader_that_loses_a_race_with_retention_loads_the_next(tmp_path, monk
     assert reader.resume().step == 4  # listed again
 
 
-def test_opening_a_run_to_resume_leaves_run_json_alone(tmp_path) -> None:
-    run = tmp_path / "run"
+def test_opening_a_run_to_resume_leaves_run_json_alone(ckpt_root) -> None:
+    run = ckpt_root / "run"
     model, _ = objects()
     with Checkpointer(run, model=model, keep_last=1, keep_best=1, monitor="loss") as writer:
         writer.save(1, metrics={"loss": 0.5})
@@ -526,8 +532,8 @@ def test_opening_a_run_to_resume_leaves_run_json_alone(tmp_path) -> None:
     assert (run / "run.json").read_text() == written
 
 
-def test_a_live_process_of_the_same_job_on_this_host_keeps_its_lock(tmp_path, monkeypatch) -> None:
-    run = tmp_path / "run"
+def test_a_live_process_of_the_same_job_on_this_host_keeps_its_lock(ckpt_root, monkeypatch) -> None:
+    run = ckpt_root / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         write_lock(run, holder.pid, job="4242")  # a trainer of this SLURM allocation
@@ -540,12 +546,13 @@ def test_a_live_process_of_the_same_job_on_this_host_keeps_its_lock(tmp_path, mo
         holder.wait()
 
 
-def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(tmp_path) -> None:
+@pytest.mark.disk_only("the trainer is another process")
+def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(ckpt_root) -> None:
     import threading
 
     from launch import torchrun
 
-    run, shared = tmp_path / "run", tmp_path / "shared"
+    run, shared = ckpt_root / "run", ckpt_root / "shared"
     shared.mkdir()
     env = {"SLURM_JOB_ID": "4242"}  # both in the same allocation
     common = ["--ckpt", str(run), "--shared", str(shared)]
@@ -553,11 +560,11 @@ def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(tmp_path)
 
     def train() -> None:
         args = [*common, "--steps", "8"]
-        trainer["launch"] = torchrun("trainer", tmp_path / "t", args=args, env=env, timeout=400)
+        trainer["launch"] = torchrun("trainer", ckpt_root / "t", args=args, env=env, timeout=400)
 
     thread = threading.Thread(target=train)
     thread.start()
-    evaluator = torchrun("evaluator", tmp_path / "e", nproc=1, args=common, env=env, timeout=400)
+    evaluator = torchrun("evaluator", ckpt_root / "e", nproc=1, args=common, env=env, timeout=400)
     thread.join()
     trained = trainer["launch"].ok().results
     result = evaluator.ok().result(0)
@@ -570,12 +577,13 @@ def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(tmp_path)
     assert steps_on_disk(run) == [f"step-{steps - 1:08d}", f"step-{steps:08d}"]
 
 
-def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch) -> None:
+@pytest.mark.disk_only("fails os.write")
+def test_a_lock_that_cannot_be_written_is_not_left_behind(ckpt_root, monkeypatch) -> None:
     """A full disk while taking the lock must not leave an empty .lock that blocks the
     next start of the job."""
     import ddpckpt.run.runlock as runlock
 
-    run = tmp_path / "run"
+    run = ckpt_root / "run"
     real_write = os.write
 
     def full(fd, data):
@@ -590,8 +598,8 @@ def test_a_lock_that_cannot_be_written_is_not_left_behind(tmp_path, monkeypatch)
         assert ckpt.save(1) is not None
 
 
-def test_a_fresh_empty_lock_is_explained(tmp_path) -> None:
-    run = tmp_path / "run"
+def test_a_fresh_empty_lock_is_explained(ckpt_root) -> None:
+    run = ckpt_root / "run"
     run.mkdir()
     (run / ".lock").write_bytes(b"")
     with pytest.raises(ddpckpt.CheckpointLockedError, match="is empty: a job is creating it"):

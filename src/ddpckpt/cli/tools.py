@@ -27,7 +27,8 @@ from ddpckpt.format.manifest import Manifest, read_manifest
 from ddpckpt.format.tensorfile import write_file
 from ddpckpt.io.checkpoint import FileSource, find_problems, load_state_dict
 from ddpckpt.run.rundir import describe_path
-from ddpckpt.storage.posix import new_token, temp_dir_for
+from ddpckpt.storage import Writer, new_token, storage_for
+from ddpckpt.storage.base import temp_name
 
 __all__ = ["DiffReport", "TensorDiff", "diff", "export", "open_manifest", "summary"]
 
@@ -313,19 +314,36 @@ def export(
     if not out.endswith((".safetensors", ".pt", ".pth")):
         raise ValueError(f"{out}: name the output *.safetensors or *.pt")
     manifest = open_manifest(path)
-    if os.path.exists(out) and not overwrite:
+    store = storage_for(out)
+    if store.exists(out) and not overwrite:
         raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
-    tmp = temp_dir_for(out, new_token())
+    tmp = temp_name(out, new_token())
     try:
         if out.endswith(".safetensors"):
             _export_safetensors(path, manifest, tmp)
         else:
-            torch.save(load_state_dict(path), tmp)
-        os.replace(tmp, out)
+            with store.create(tmp) as writer:
+                torch.save(load_state_dict(path), _TorchSink(writer))
+                writer.sync()
+        store.rename(tmp, out)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        if store.exists(tmp):
+            store.delete(tmp)
     return out
+
+
+class _TorchSink:
+    """The file-like object ``torch.save`` writes to, over a storage writer."""
+
+    def __init__(self, writer: Writer) -> None:
+        self._writer = writer
+
+    def write(self, data: bytes) -> int:
+        self._writer.write(data)
+        return len(data)
+
+    def flush(self) -> None:
+        """Nothing buffered here; the writer syncs when the export is complete."""
 
 
 def _export_safetensors(path: str, manifest: Manifest, tmp: str) -> None:

@@ -26,7 +26,7 @@ from ddpckpt.dist.topology import storage_domains
 from ddpckpt.errors import CorruptCheckpointError
 from ddpckpt.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt.format.tensorfile import byte_view
-from ddpckpt.storage.posix import commit_dir, remove_tree, temp_dir_for, write_bytes_new
+from ddpckpt.storage import storage_for
 
 __all__ = ["repair_copies"]
 
@@ -39,7 +39,8 @@ def repair_copies(comm: Comm, path: str, have: list[bool]) -> None:
 
     ``have[r]`` says whether rank ``r`` can read a good copy (all with the same id).
     """
-    domains = storage_domains(comm, os.path.dirname(os.path.abspath(path)) or ".")
+    store = storage_for(path)
+    domains = storage_domains(comm, store.parent(path))
     complete = [d for d in domains if all(have[r] for r in d)]
     if not complete or any(any(have[r] for r in d) and d not in complete for d in domains):
         raise CorruptCheckpointError(
@@ -54,11 +55,11 @@ def repair_copies(comm: Comm, path: str, have: list[bool]) -> None:
     manifest = Manifest.from_json(text, path)
     owners = assign({name: f.size for name, f in manifest.files.items()}, source)
     group = comm.tensor_group(torch.device("cpu"))
-    tmp = temp_dir_for(path, comm.token)
+    tmp = store.commit.staging(store, path, comm.token)
 
     def transfer() -> None:
         if comm.rank in receivers:
-            os.makedirs(tmp)
+            store.commit.begin(store, path, tmp, overwrite=True)
         for name in sorted(manifest.files):
             sender = owners[name]
             for receiver in receivers:
@@ -67,8 +68,8 @@ def repair_copies(comm: Comm, path: str, have: list[bool]) -> None:
                 elif comm.rank == receiver:
                     _receive(os.path.join(tmp, name), manifest, name, sender, group)
         if comm.rank in receivers:
-            write_bytes_new(os.path.join(tmp, MANIFEST_NAME), text)
-            commit_dir(tmp, path, overwrite=True)
+            store.write_new(os.path.join(tmp, MANIFEST_NAME), text)
+            store.commit.publish(store, tmp, path, overwrite=True)
             _log.warning(
                 "%s: this node had no copy of the checkpoint; received %d files (%d bytes) "
                 "from rank %d",
@@ -80,54 +81,53 @@ def repair_copies(comm: Comm, path: str, have: list[bool]) -> None:
 
     try:
         comm.run("repair", transfer)
-    finally:
+    except BaseException:
         if comm.rank in receivers:
-            remove_tree(tmp)
+            store.commit.abort(store, tmp, path)
+        raise
 
 
 def _read_text(path: str) -> bytes:
     read_manifest(path)  # validate before sending
-    with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
-        return f.read()
+    return storage_for(path).read(os.path.join(path, MANIFEST_NAME))
 
 
 def _send(path: str, size: int, receiver: int, group: object) -> None:
     """Send the file in chunks of exactly the sizes :func:`_receive` expects."""
-    if os.path.getsize(path) != size:
-        raise CorruptCheckpointError(f"{path}: size differs from the manifest's {size} bytes")
-    chunk = torch.empty(_CHUNK, dtype=torch.uint8)
-    with open(path, "rb", buffering=0) as f:
-        remaining = size
-        while remaining:
-            n = min(remaining, _CHUNK)
+    reader = storage_for(path).open(path)
+    try:
+        if reader.size != size:
+            raise CorruptCheckpointError(f"{path}: size differs from the manifest's {size} bytes")
+        chunk = torch.empty(_CHUNK, dtype=torch.uint8)
+        sent = 0
+        while sent < size:
+            n = min(size - sent, _CHUNK)
             view, filled = byte_view(chunk)[:n], 0
             while filled < n:  # short reads happen on network file systems
-                got = f.readinto(view[filled:])
+                got = reader.read_into(view[filled:], sent + filled)
                 if not got:
                     raise CorruptCheckpointError(f"{path}: ended early while being sent")
                 filled += got
             dist.send(chunk[:n], dst=receiver, group=group)
-            remaining -= n
+            sent += n
+    finally:
+        reader.close()
 
 
 def _receive(path: str, manifest: Manifest, name: str, sender: int, group: object) -> None:
     entry = manifest.files[name]
     hasher = xxhash.xxh3_64()
     chunk = torch.empty(_CHUNK, dtype=torch.uint8)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
+    with storage_for(path).create(path) as out:
         remaining = entry.size
         while remaining:
             n = min(remaining, _CHUNK)
             dist.recv(chunk[:n], src=sender, group=group)
             data = byte_view(chunk)[:n]
             hasher.update(data)
-            while data:
-                data = data[os.write(fd, data) :]
+            out.write(data)
             remaining -= n
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        out.sync()
     if hasher.hexdigest() != entry.digest:
         raise CorruptCheckpointError(
             f"{path}: received copy of {name} does not match its checksum (sent by rank {sender})"

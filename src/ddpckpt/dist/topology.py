@@ -20,6 +20,7 @@ import platform
 from typing import TYPE_CHECKING, Literal
 
 from ddpckpt.errors import CheckpointError
+from ddpckpt.storage import storage_for
 
 if TYPE_CHECKING:
     from ddpckpt.dist.comm import Comm
@@ -117,34 +118,34 @@ def storage_domains(comm: Comm, directory: str, mode: str | None = None) -> list
     sorted.
     """
     mode = resolve_storage_mode(mode)
+    store = storage_for(directory)
     everyone = [list(range(comm.world_size))]
     if comm.world_size == 1 or mode == "shared":
-        comm.run("mkdir", lambda: os.makedirs(directory, exist_ok=True))
+        comm.run("mkdir", lambda: store.make_dirs(directory))
         return everyone
     nodes = _by_node(comm)
     _check_nodes(comm, nodes, directory)
     if mode == "local" or len(nodes) == 1:  # ranks on one machine see the same file system
-        comm.run("mkdir", lambda: os.makedirs(directory, exist_ok=True))
+        comm.run("mkdir", lambda: store.make_dirs(directory))
         return sorted(nodes, key=lambda d: d[0])
     probers = [ranks[0] for ranks in nodes]
     mine = _probe_name(directory, comm.token, comm.rank)
 
     def write_probe() -> None:
-        os.makedirs(directory, exist_ok=True)
+        store.make_dirs(directory)
         if comm.rank in probers:
-            with open(mine, "x"):
-                pass
+            store.write_new(mine, b"")
 
     comm.run("probe", write_probe)
 
     def look() -> list[int] | None:
         if comm.rank not in probers:
             return None
-        return [r for r in probers if os.path.exists(_probe_name(directory, comm.token, r))]
+        return [r for r in probers if store.exists(_probe_name(directory, comm.token, r))]
 
     seen = comm.run_all("look", look)
     if comm.rank in probers:
-        os.unlink(mine)
+        store.delete(mine)
     visible = {rank: frozenset(seen[rank]) for rank in probers}
     for rank, others in visible.items():
         if rank not in others or any(visible[other] != others for other in others):

@@ -35,6 +35,7 @@ from ddpckpt.errors import CorruptCheckpointError, UnsafeCheckpointError, Unsupp
 from ddpckpt.format.codec import encode
 from ddpckpt.io.writing import header_fields, plan_write, write_and_commit
 from ddpckpt.state.capture import Snapshot
+from ddpckpt.storage.posix import load_torch_file
 
 __all__ = ["import_checkpoint"]
 
@@ -91,10 +92,9 @@ def read_legacy(
             "only for files you made yourself"
         )
     extra = [_resolve_global(name) for name in trusted_globals]
-    mmap = zipfile.is_zipfile(path)
     try:
         with torch.serialization.safe_globals(extra):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return load_torch_file(path)
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         if found is None:

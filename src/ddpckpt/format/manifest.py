@@ -33,12 +33,14 @@ from ddpckpt.errors import (
 )
 from ddpckpt.format.codec import JSON
 from ddpckpt.format.tensorfile import FileEntry, TensorEntry
+from ddpckpt.storage import storage_for
+from ddpckpt.storage.base import MANIFEST
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "read_manifest"]
 
 FORMAT_NAME = "ddpckpt"
 FORMAT_VERSION = 2
-MANIFEST_NAME = "manifest.json"
+MANIFEST_NAME = MANIFEST
 
 
 @dataclass
@@ -212,16 +214,16 @@ def read_manifest(path: str) -> Manifest:
     (an interrupted save), :class:`~ddpckpt.errors.CorruptCheckpointError` if the
     manifest cannot be parsed.
     """
-    if not os.path.isdir(path):
-        if os.path.exists(path):
+    storage = storage_for(path)
+    if not storage.is_dir(path):
+        if storage.exists(path):
             raise CheckpointNotFoundError(
                 f"{path}: is a file, not a ddpckpt checkpoint directory; to convert a "
                 "torch.save file run `ddpckpt import`"
             )
         raise CheckpointNotFoundError(f"{path}: no checkpoint at this path")
     try:
-        with open(manifest_path(path), "rb") as f:
-            text = f.read()
+        text = storage.read(manifest_path(path))
     except FileNotFoundError:
         raise IncompleteCheckpointError(
             f"{path}: has no {MANIFEST_NAME}; the save that created it did not finish"

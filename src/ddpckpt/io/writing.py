@@ -58,7 +58,7 @@ from ddpckpt.format.tensorfile import (
 )
 from ddpckpt.io.progress import Progress
 from ddpckpt.state.capture import Snapshot
-from ddpckpt.storage.posix import commit_dir, free_bytes, remove_tree, temp_dir_for, write_bytes_new
+from ddpckpt.storage import storage_for
 
 __all__ = ["WritePlan", "header_fields", "plan_write", "staging_share", "write_and_commit"]
 
@@ -133,7 +133,7 @@ def plan_write(
     path = comm.path
     check_replicated(comm, snapshot)
     if domains is None:
-        domains = storage_domains(comm, os.path.dirname(os.path.abspath(path)) or ".", storage)
+        domains = storage_domains(comm, storage_for(path).parent(path), storage)
     domain = next(d for d in domains if comm.rank in d)
     sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
     owners = plan_owners(sizes, domains, snapshot.balanced)[domains.index(domain)]
@@ -189,7 +189,8 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
     (its messages must not meet the failed attempt's).
     """
     comm, path = plan.comm, plan.path
-    tmp = temp_dir_for(path, f"{comm.token}-{attempt}")
+    store = storage_for(path)
+    tmp = store.commit.staging(store, path, f"{comm.token}-{attempt}")
     try:
         done = comm.run_all(f"prepare.{attempt}", lambda: _prepare(plan, tmp))
         if all(done[d[0]] for d in plan.domains):  # a previous attempt committed, then failed
@@ -198,7 +199,7 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
         comm.run(f"commit.{attempt}", lambda: _commit(plan, tmp, results))
     except BaseException:
         if plan.leader:
-            remove_tree(tmp)
+            store.commit.abort(store, tmp, path)
         raise
     return path
 
@@ -218,22 +219,23 @@ def _prepare(plan: WritePlan, tmp: str) -> bool:
     path = plan.path
     if _committed_by(plan):
         return True
+    store = storage_for(path)
     with storage_errors(path):
-        if os.path.lexists(path) and not plan.overwrite:
+        if store.commit.exists(store, path) and not plan.overwrite:
             raise CheckpointExistsError(
                 f"{path}: a checkpoint already exists here; pass overwrite=True to replace it, "
                 "or save under a new name"
             )
-        free = free_bytes(os.path.dirname(os.path.abspath(path)))
+        free = store.free_bytes(store.parent(path))
         needed = plan.needed + (1 << 20)
-        if free < needed:
+        if free is not None and free < needed:
             raise InsufficientSpaceError(
                 errno.ENOSPC,
                 f"{path}: the checkpoint needs about {_readable(needed)} (with 1 MiB to "
                 f"spare) but only {_readable(free)} are free there; free space (e.g. keep "
                 "fewer checkpoints) or save elsewhere. Nothing was written",
             )
-        os.mkdir(tmp)
+        store.commit.begin(store, path, tmp, overwrite=plan.overwrite)
     return False
 
 
@@ -260,9 +262,10 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
             files.append({"name": entry.name, **file_to_json(entry)})
             prefix = "model/" if kind == "model" else ""
             tensors.update({prefix + e.key: tensor_to_json(e) for e in entries})
-        write_bytes_new(os.path.join(tmp, names["rank"]), plan.rank_blob)
+        store = storage_for(tmp)
+        store.write_new(os.path.join(tmp, names["rank"]), plan.rank_blob)
         for other, blob in plan.foreign.items():
-            write_bytes_new(os.path.join(tmp, file_names(other)["rank"]), blob)
+            store.write_new(os.path.join(tmp, file_names(other)["rank"]), blob)
     return {
         "files": files,
         "tensors": tensors,
@@ -298,10 +301,11 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]]) -> None:
     manifest.tensors = dict(
         sorted(manifest.tensors.items(), key=lambda kv: order.get(kv[0], len(order)))
     )
+    store = storage_for(plan.path)
     with storage_errors(plan.path):
-        write_bytes_new(os.path.join(tmp, MANIFEST_NAME), manifest.to_json().encode())
+        store.write_new(os.path.join(tmp, MANIFEST_NAME), manifest.to_json().encode())
     try:
-        commit_dir(tmp, plan.path, overwrite=plan.overwrite)
+        store.commit.publish(store, tmp, plan.path, overwrite=plan.overwrite)
     except OSError as exc:
         if _committed_by(plan):  # renamed into place; what failed came after
             raise CheckpointWriteError(

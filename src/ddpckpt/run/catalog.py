@@ -12,7 +12,7 @@ import os
 
 from ddpckpt.errors import CheckpointError
 from ddpckpt.format.manifest import Manifest, read_manifest
-from ddpckpt.storage.posix import is_temp_name
+from ddpckpt.storage import is_temp_name, storage_for
 
 __all__ = ["latest"]
 
@@ -36,7 +36,7 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
     """
     directory = os.fspath(directory)
     try:
-        names = os.listdir(directory)
+        names = storage_for(directory).list(directory)
     except FileNotFoundError:
         return None
     found: list[tuple[tuple[bool, int, float], str]] = []
@@ -53,7 +53,8 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
 
 def _committed(path: str) -> Manifest | None:
     """The manifest of the checkpoint at ``path`` if it is one and its files are all there."""
-    if not os.path.isdir(path):
+    store = storage_for(path)
+    if not store.is_dir(path):
         return None
     try:
         manifest = read_manifest(path)
@@ -61,7 +62,7 @@ def _committed(path: str) -> Manifest | None:
         return None
     for name, file in manifest.files.items():
         try:
-            if os.stat(os.path.join(path, name)).st_size != file.size:
+            if store.size(os.path.join(path, name)) != file.size:
                 return None
         except OSError:
             return None

@@ -82,7 +82,7 @@ from ddpckpt.run.rundir import (
 )
 from ddpckpt.run.runlock import RunLock
 from ddpckpt.state.capture import Snapshot, capture
-from ddpckpt.storage.posix import new_token
+from ddpckpt.storage import new_token, storage_for
 from ddpckpt.training.loader import adopt_loaders
 
 __all__ = ["Checkpointer"]
@@ -732,10 +732,10 @@ class Checkpointer:
                 if not self._leader:
                     return
                 for broken in newer_broken:
-                    source = self._path(broken)
-                    if os.path.exists(source):
+                    source, store = self._path(broken), storage_for(self.directory)
+                    if store.exists(source):
                         target = f"{source}{SET_ASIDE_MARK}{new_token()}"
-                        os.rename(source, target)
+                        store.commit.set_aside(store, source, target)
                         _log.warning("moved %s aside to %s; it is never loaded", source, target)
                 if read_latest(self.directory) != step_dirname(newest):
                     write_latest(self.directory, step_dirname(newest))

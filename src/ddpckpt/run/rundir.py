@@ -14,7 +14,6 @@ Local operations only; :mod:`ddpckpt.run.checkpointer` decides which rank calls 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -25,14 +24,7 @@ from ddpckpt.errors import CheckpointError, CheckpointLockedError, IncompleteChe
 from ddpckpt.format.codec import decode
 from ddpckpt.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt.run.runlock import LOCK_NAME, RunLock
-from ddpckpt.storage.posix import (
-    fsync_dir,
-    is_temp_name,
-    new_token,
-    remove_tree,
-    temp_dir_for,
-    write_bytes_atomic,
-)
+from ddpckpt.storage import is_temp_name, storage_for
 
 __all__ = [
     "Entry",
@@ -89,10 +81,11 @@ class Entry:
 
 def scan(directory: str) -> list[Entry]:
     """Every ``step-N`` directory, oldest first, with its manifest read (not its data)."""
-    if not os.path.isdir(directory):
+    store = storage_for(directory)
+    if not store.is_dir(directory):
         return []
     entries = []
-    for name in os.listdir(directory):
+    for name in store.list(directory):
         step = parse_step(name)
         if step is None:
             continue
@@ -109,10 +102,11 @@ def scan(directory: str) -> list[Entry]:
 def size_problems(path: str, manifest: Manifest) -> list[str]:
     """Files of a checkpoint that are missing or not the size its manifest records: the
     cheap check (no data read) that catches a truncated copy, never a bit flip."""
+    store = storage_for(path)
     problems = []
     for name, file in sorted(manifest.files.items()):
         try:
-            actual = os.stat(os.path.join(path, name)).st_size
+            actual = store.size(os.path.join(path, name))
         except FileNotFoundError:
             problems.append(
                 f"{os.path.join(path, name)}: data file listed in the manifest is missing"
@@ -127,25 +121,24 @@ def size_problems(path: str, manifest: Manifest) -> list[str]:
 
 def read_latest(directory: str) -> str | None:
     try:
-        with open(os.path.join(directory, LATEST)) as f:
-            return f.read().strip() or None
+        return storage_for(directory).read(os.path.join(directory, LATEST)).decode().strip() or None
     except FileNotFoundError:
         return None
 
 
 def write_latest(directory: str, name: str) -> None:
     """Point ``latest`` at ``name``, atomically and durably."""
-    write_bytes_atomic(os.path.join(directory, LATEST), f"{name}\n".encode())
+    storage_for(directory).replace(os.path.join(directory, LATEST), f"{name}\n".encode())
 
 
 def write_run_file(directory: str, policy: dict[str, object]) -> None:
-    write_bytes_atomic(os.path.join(directory, RUN_FILE), json.dumps(policy, indent=1).encode())
+    document = json.dumps(policy, indent=1).encode()
+    storage_for(directory).replace(os.path.join(directory, RUN_FILE), document)
 
 
 def read_run_file(directory: str) -> dict[str, object]:
     try:
-        with open(os.path.join(directory, RUN_FILE)) as f:
-            return json.load(f)
+        return json.loads(storage_for(directory).read(os.path.join(directory, RUN_FILE)))
     except (FileNotFoundError, ValueError):
         return {}
 
@@ -153,13 +146,12 @@ def read_run_file(directory: str) -> dict[str, object]:
 def remove_checkpoint(path: str) -> None:
     """Delete a checkpoint so that a crash midway can never leave a damaged ``step-N``.
 
-    It is first renamed to a temporary name (atomic), which a later cleanup removes if
-    this process dies before finishing.
+    On a file system it is first renamed to a temporary name (atomic), which a later
+    cleanup removes if this process dies before finishing; on an object store its manifest
+    is deleted first.
     """
-    doomed = temp_dir_for(path, new_token())
-    os.rename(path, doomed)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-    remove_tree(doomed)
+    store = storage_for(path)
+    store.commit.discard(store, path)
 
 
 def clean_temporaries(directory: str) -> list[str]:
@@ -167,16 +159,13 @@ def clean_temporaries(directory: str) -> list[str]:
 
     Call it only while holding the run's lock, when no save of this job is in flight.
     """
+    store = storage_for(directory)
     removed = []
-    if not os.path.isdir(directory):
+    if not store.is_dir(directory):
         return removed
-    for name in os.listdir(directory):
+    for name in store.list(directory):
         if is_temp_name(name):
-            path = os.path.join(directory, name)
-            if os.path.isdir(path):
-                remove_tree(path)
-            else:
-                os.unlink(path)
+            store.delete_tree(os.path.join(directory, name))
             removed.append(name)
     return removed
 
@@ -198,23 +187,13 @@ class Leftover:
 def tree_bytes(path: str) -> int:
     """Bytes of the files under ``path`` (a file or a directory); files vanishing meanwhile
     (a save finishing or being cleaned) count as empty."""
-    if not os.path.isdir(path):
-        try:
-            return os.lstat(path).st_size
-        except FileNotFoundError:
-            return 0
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            with contextlib.suppress(FileNotFoundError):
-                total += os.lstat(os.path.join(root, name)).st_size
-    return total
+    return storage_for(path).tree_bytes(path)
 
 
 def find_leftovers(directory: str) -> list[Leftover]:
     """The temporaries and moved-aside corrupt checkpoints of a run directory, by name."""
     found = []
-    for name in sorted(os.listdir(directory)):
+    for name in sorted(storage_for(directory).list(directory)):
         if is_temp_name(name):
             kind = "temporary"
         elif parse_step(name.split(_CORRUPT_MARK)[0]) is not None and _CORRUPT_MARK in name:
@@ -234,7 +213,8 @@ def clean_leftovers(directory: str, *, corrupt: bool = False) -> list[Leftover]:
     :class:`~ddpckpt.errors.CheckpointLockedError` while a live job holds it (a temporary
     may then be a save in progress). Committed checkpoints are never touched.
     """
-    if not os.path.isdir(directory):
+    store = storage_for(directory)
+    if not store.is_dir(directory):
         raise FileNotFoundError(f"{directory}: no such directory")
     _refuse_own_jobs_lock(directory)
     lock = RunLock(directory)
@@ -246,10 +226,7 @@ def clean_leftovers(directory: str, *, corrupt: bool = False) -> list[Leftover]:
             if leftover.kind == "temporary" or corrupt
         ]
         for leftover in doomed:
-            if os.path.isdir(leftover.path):
-                remove_tree(leftover.path)
-            else:
-                os.unlink(leftover.path)
+            store.delete_tree(leftover.path)
         return doomed
     finally:
         lock.release()
@@ -263,8 +240,7 @@ def _refuse_own_jobs_lock(directory: str) -> None:
     """
     ours = [os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")]
     try:
-        with open(os.path.join(directory, LOCK_NAME)) as f:
-            holder = json.load(f)
+        holder = json.loads(storage_for(directory).read(os.path.join(directory, LOCK_NAME)))
     except (FileNotFoundError, ValueError):
         return
     job = holder.get("job") if isinstance(holder, dict) else None
@@ -279,12 +255,13 @@ def _refuse_own_jobs_lock(directory: str) -> None:
 def describe_path(path: str) -> str | None:
     """What ``path`` is, when it is not a checkpoint directory, as a message saying what was
     expected; ``None`` when it is a checkpoint (complete or not) or does not exist."""
-    if not os.path.isdir(path):
+    store = storage_for(path)
+    if not store.is_dir(path):
         return None
-    names = os.listdir(path)
+    names = store.list(path)
     if MANIFEST_NAME in names or any(_DATA_FILE.match(n) for n in names):
         return None
-    base = os.path.basename(os.path.normpath(path))
+    base = os.path.basename(path.rstrip("/"))
     if parse_step(base) is not None or is_temp_name(base) or _CORRUPT_MARK in base:
         return None  # a checkpoint directory whose save never wrote anything
     steps = sorted(n for n in names if parse_step(n) is not None)
@@ -296,7 +273,7 @@ def describe_path(path: str) -> str | None:
             else " (it holds no checkpoint yet)"
         )
         return f"{path}: a run directory, not a checkpoint: try `ddpckpt ls {path}`{example}"
-    inner = sorted(n for n in names if os.path.isfile(os.path.join(path, n, MANIFEST_NAME)))
+    inner = sorted(n for n in names if store.exists(os.path.join(path, n, MANIFEST_NAME)))
     if inner:
         shown = ", ".join(inner[:3]) + (", ..." if len(inner) > 3 else "")
         return (

@@ -21,7 +21,7 @@ from typing import Any
 
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointLockedError
-from ddpckpt.storage.posix import write_bytes_atomic
+from ddpckpt.storage import storage_for
 
 __all__ = ["LOCK_NAME", "RunLock"]
 
@@ -53,7 +53,9 @@ class RunLock:
     """The lock of one run directory, as held by this process."""
 
     def __init__(self, directory: str, stale_after: float = 600.0) -> None:
+        self._storage = storage_for(directory)
         self.path = os.path.join(directory, LOCK_NAME)
+        self.directory = os.path.dirname(self.path)
         self.stale_after = stale_after
         self.held = False
         self._stop = threading.Event()
@@ -61,8 +63,7 @@ class RunLock:
 
     def _read(self) -> dict[str, Any] | None:
         try:
-            with open(self.path) as f:
-                return json.load(f)
+            return json.loads(self._storage.read(self.path))
         except FileNotFoundError:
             return None
         except ValueError:
@@ -70,7 +71,7 @@ class RunLock:
 
     def _age(self) -> float:
         try:
-            return time.time() - os.stat(self.path).st_mtime
+            return self._storage.age(self.path)
         except FileNotFoundError:
             return math.inf
 
@@ -93,11 +94,11 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock or raise :class:`CheckpointLockedError` naming its live holder."""
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._storage.make_dirs(self.directory)
         document = json.dumps({**self._mine, "since": time.time()}).encode()
         for _ in range(3):
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                writer = self._storage.create(self.path)
             except FileExistsError:
                 holder = self._read()
                 if holder is None:
@@ -108,7 +109,7 @@ class RunLock:
                     continue
                 if reason is None:
                     raise CheckpointLockedError(
-                        f"{os.path.dirname(self.path)} is in use by another job: pid "
+                        f"{self.directory} is in use by another job: pid "
                         f"{holder.get('pid')} on {holder.get('host')} (job {holder.get('job')}). "
                         "Use another directory, stop that job, or delete the .lock file if "
                         "you are sure it is dead; to only load from it while it runs, use "
@@ -116,17 +117,16 @@ class RunLock:
                     ) from None
                 if reason != "ours":
                     _log.warning("%s: taking over a stale lock (%s)", self.path, reason)
-                write_bytes_atomic(self.path, document)
+                self._storage.replace(self.path, document)
                 self._hold()
                 return
             try:
-                os.write(fd, document)
-                os.fsync(fd)
+                with writer:
+                    writer.write(document)
+                    writer.sync()
             except OSError:  # e.g. a full disk: leave no empty lock behind to block the next job
-                os.unlink(self.path)
+                self._storage.delete(self.path)
                 raise
-            finally:
-                os.close(fd)
             self._hold()
             return
         if self._read() == {}:
@@ -161,7 +161,7 @@ class RunLock:
             return
         self.held = False
         raise CheckpointLockedError(
-            f"{os.path.dirname(self.path)}: another job took this directory's lock over "
+            f"{self.directory}: another job took this directory's lock over "
             f"(now pid {(holder or {}).get('pid')} on {(holder or {}).get('host')}); this job "
             "stops writing here"
         )
@@ -171,7 +171,7 @@ class RunLock:
         if self.held:
             holder = self._read()
             if holder and self._why_stale(holder) == "ours":
-                os.utime(self.path)
+                self._storage.touch(self.path)
 
     def release(self) -> None:
         """Delete the lock file if it is still ours. If storage refuses (read-only), the
@@ -183,7 +183,7 @@ class RunLock:
         holder = self._read()
         if holder and self._why_stale(holder) == "ours":
             try:
-                os.unlink(self.path)
+                self._storage.delete(self.path)
             except OSError as exc:
                 _log.warning(
                     "%s: could not remove the lock (%s); the next job takes it over", self.path, exc

@@ -1,0 +1,261 @@
+"""The Storage protocol's semantics, the same for every implementation (``store`` fixture)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import ddpckpt
+from ddpckpt.errors import CheckpointExistsError, IncompleteCheckpointError
+from ddpckpt.storage import (
+    ManifestLastCommit,
+    RenameCommit,
+    Storage,
+    is_temp_name,
+    new_token,
+    resolve,
+)
+from ddpckpt.storage.base import MANIFEST, temp_name
+from ddpckpt.storage.memory import SCHEME
+
+
+@pytest.fixture(params=["posix", "memory"])
+def store(request, tmp_path) -> Iterator[tuple[Storage, str]]:
+    """``(storage, root)``: an empty directory or memory prefix to work under."""
+    if request.param == "posix":
+        yield resolve(os.fspath(tmp_path))
+        return
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    storage, root = resolve(f"{SCHEME}{name}/root")
+    yield storage, root
+    storage.clear(name)
+
+
+def test_exclusive_create_refuses_an_existing_object(store) -> None:
+    storage, root = store
+    storage.make_dirs(root)
+    storage.write_new(f"{root}/a", b"first")
+    with pytest.raises(FileExistsError):
+        storage.create(f"{root}/a")
+    with pytest.raises(FileExistsError):
+        storage.write_new(f"{root}/a", b"second")
+    assert storage.read(f"{root}/a") == b"first"
+
+
+def test_a_streamed_write_is_read_back_by_ranges(store) -> None:
+    storage, root = store
+    storage.make_dirs(root)
+    data = bytes(range(256)) * 1000
+    with storage.create(f"{root}/blob") as writer:
+        for start in range(0, len(data), 7000):
+            writer.write(memoryview(data)[start : start + 7000])
+        writer.sync()
+    assert storage.size(f"{root}/blob") == len(data)
+    reader = storage.open(f"{root}/blob")
+    try:
+        assert reader.size == len(data)
+        buffer = bytearray(100)
+        assert reader.read_into(memoryview(buffer), 1000) == 100
+        assert bytes(buffer) == data[1000:1100]
+        assert reader.read_into(memoryview(buffer), len(data) - 10) == 10
+        assert bytes(buffer[:10]) == data[-10:]
+        assert reader.read_into(memoryview(buffer), len(data)) == 0
+        mapped = reader.map()
+        assert bytes(mapped) == data
+        mapped[0] = 99  # private to this reader: the stored bytes stay
+    finally:
+        reader.close()
+    assert storage.read(f"{root}/blob") == data
+
+
+def test_a_reader_keeps_the_bytes_it_opened(store) -> None:
+    storage, root = store
+    storage.make_dirs(root)
+    storage.write_new(f"{root}/a", b"old bytes")
+    reader = storage.open(f"{root}/a")
+    storage.replace(f"{root}/a", b"new bytes!")
+    buffer = bytearray(9)
+    reader.read_into(memoryview(buffer), 0)
+    reader.close()
+    assert bytes(buffer) == b"old bytes"
+    assert storage.read(f"{root}/a") == b"new bytes!"
+
+
+def test_missing_objects_raise_file_not_found(store) -> None:
+    storage, root = store
+    for call in (storage.open, storage.read, storage.size, storage.delete, storage.list):
+        with pytest.raises(FileNotFoundError):
+            call(f"{root}/nothing")
+    assert not storage.exists(f"{root}/nothing") and not storage.is_dir(f"{root}/nothing")
+    storage.delete_tree(f"{root}/nothing")  # missing is fine
+
+
+def test_list_walk_and_delete_tree(store) -> None:
+    storage, root = store
+    for name in ("d/a", "d/sub/b", "d/sub/c", "e"):
+        storage.make_dirs(storage.parent(f"{root}/{name}"))
+        storage.write_new(f"{root}/{name}", name.encode())
+    assert sorted(storage.list(root)) == ["d", "e"]
+    assert sorted(storage.list(f"{root}/d")) == ["a", "sub"]
+    assert sorted(storage.walk(f"{root}/d")) == ["a", "sub/b", "sub/c"]
+    assert storage.is_dir(f"{root}/d") and not storage.is_dir(f"{root}/e")
+    assert storage.tree_bytes(f"{root}/d") == len("d/a") + 2 * len("d/sub/b")
+    storage.delete_tree(f"{root}/d")
+    assert storage.list(root) == ["e"] and not storage.exists(f"{root}/d/sub/b")
+    storage.delete(f"{root}/e")
+    assert not storage.exists(f"{root}/e")
+
+
+def test_replace_is_whole_and_leaves_no_temporary(store) -> None:
+    storage, root = store
+    storage.make_dirs(root)
+    storage.replace(f"{root}/latest", b"step-1\n")
+    storage.replace(f"{root}/latest", b"step-2\n")
+    assert storage.read(f"{root}/latest") == b"step-2\n"
+    assert storage.list(root) == ["latest"]
+
+
+def test_touch_makes_an_object_young(store) -> None:
+    storage, root = store
+    storage.make_dirs(root)
+    storage.write_new(f"{root}/.lock", b"{}")
+    storage.touch(f"{root}/.lock")
+    assert 0 <= storage.age(f"{root}/.lock") < 60
+
+
+def test_rename_moves_a_tree_and_refuses_a_non_empty_target(store) -> None:
+    storage, root = store
+    for name in ("src/a", "src/b", "other/c"):
+        storage.make_dirs(storage.parent(f"{root}/{name}"))
+        storage.write_new(f"{root}/{name}", name.encode())
+    with pytest.raises(OSError) as caught:
+        storage.rename(f"{root}/src", f"{root}/other")
+    assert caught.value.errno in (errno.EEXIST, errno.ENOTEMPTY)
+    storage.rename(f"{root}/src", f"{root}/dst")
+    assert sorted(storage.walk(f"{root}/dst")) == ["a", "b"]
+    assert not storage.exists(f"{root}/src")
+
+
+def test_temporary_names_are_recognised() -> None:
+    name = temp_name("/run/step-00000001", new_token()).rsplit("/", 1)[1]
+    assert is_temp_name(name) and not is_temp_name("step-00000001")
+    assert temp_name("memory://t/run/x", "ab") == "memory://t/run/.x.tmp-ab"
+
+
+def _write_checkpoint_files(storage, staging: str, manifest: bytes | None) -> None:
+    storage.make_dirs(staging)
+    storage.write_new(f"{staging}/model-0.safetensors", b"data")
+    if manifest is not None:
+        storage.write_new(f"{staging}/{MANIFEST}", manifest)
+
+
+def _save_files(strategy, storage, final: str, staging: str) -> None:
+    strategy.begin(storage, final, staging, overwrite=False)
+    _write_checkpoint_files(storage, staging, b"two")
+    strategy.publish(storage, staging, final, overwrite=False)
+
+
+@pytest.mark.parametrize("strategy", [RenameCommit(), ManifestLastCommit()], ids=type)
+def test_commit_publishes_all_at_once_and_refuses_an_existing_one(store, strategy) -> None:
+    storage, root = store
+    final = f"{root}/ckpt"
+    staging = strategy.staging(storage, final, "t1")
+    strategy.begin(storage, final, staging, overwrite=False)
+    _write_checkpoint_files(storage, staging, b"one")
+    strategy.publish(storage, staging, final, overwrite=False)
+    assert storage.read(f"{final}/{MANIFEST}") == b"one"
+    assert strategy.exists(storage, final)
+    assert [n for n in storage.list(root) if is_temp_name(n)] == []
+
+    staging = strategy.staging(storage, final, "t2")
+    with pytest.raises(FileExistsError):  # refused at the latest when publishing
+        _save_files(strategy, storage, final, staging)
+    strategy.abort(storage, staging, final)
+    assert storage.read(f"{final}/{MANIFEST}") == b"one"
+
+    staging = strategy.staging(storage, final, "t3")
+    strategy.begin(storage, final, staging, overwrite=True)
+    _write_checkpoint_files(storage, staging, b"three")
+    strategy.publish(storage, staging, final, overwrite=True)
+    assert storage.read(f"{final}/{MANIFEST}") == b"three"
+    assert storage.list(root) == ["ckpt"]
+
+
+@pytest.mark.parametrize("strategy", [RenameCommit(), ManifestLastCommit()], ids=type)
+def test_a_crash_between_data_and_manifest_leaves_no_checkpoint(store, strategy) -> None:
+    storage, root = store
+    final = f"{root}/ckpt"
+    staging = strategy.staging(storage, final, "t1")
+    strategy.begin(storage, final, staging, overwrite=False)
+    _write_checkpoint_files(storage, staging, manifest=None)  # the process dies here
+    assert not strategy.exists(storage, final)
+    assert not storage.exists(f"{final}/{MANIFEST}")
+    # The next save to the same place succeeds; the leftovers are never part of it.
+    staging = strategy.staging(storage, final, "t2")
+    strategy.begin(storage, final, staging, overwrite=False)
+    storage.write_new(f"{staging}/{MANIFEST}", b"m")
+    strategy.publish(storage, staging, final, overwrite=False)
+    assert storage.walk(final) == [MANIFEST]
+
+
+@pytest.mark.parametrize("strategy", [RenameCommit(), ManifestLastCommit()], ids=type)
+def test_discard_and_set_aside(store, strategy) -> None:
+    storage, root = store
+    for name in ("a", "b"):
+        final = f"{root}/{name}"
+        staging = strategy.staging(storage, final, name)
+        strategy.begin(storage, final, staging, overwrite=False)
+        _write_checkpoint_files(storage, staging, b"m")
+        strategy.publish(storage, staging, final, overwrite=False)
+    strategy.discard(storage, f"{root}/a")
+    strategy.set_aside(storage, f"{root}/b", f"{root}/b.corrupt-1")
+    assert [n for n in storage.list(root) if not is_temp_name(n)] == ["b.corrupt-1"]
+    assert sorted(storage.walk(f"{root}/b.corrupt-1")) == [MANIFEST, "model-0.safetensors"]
+
+
+def test_a_save_without_manifest_is_no_checkpoint_and_is_replaced(store) -> None:
+    """Through the public API: data objects without a manifest (a crash before the commit)
+    are reported as incomplete, skipped by latest(), and a new save there succeeds."""
+    storage, root = store
+    path = f"{root}/ckpt"
+    storage.make_dirs(path)
+    storage.write_new(f"{path}/model-0.safetensors", b"partial")
+    with pytest.raises(IncompleteCheckpointError, match="did not finish"):
+        ddpckpt.load(path, model=torch.nn.Linear(2, 2))
+    assert ddpckpt.latest(root) is None
+    model = torch.nn.Linear(2, 2)
+    if isinstance(storage.commit, RenameCommit):  # a directory is in the way
+        with pytest.raises(CheckpointExistsError):
+            ddpckpt.save(path, model=model)
+        ddpckpt.save(path, model=model, overwrite=True)
+    else:
+        ddpckpt.save(path, model=model)
+    fresh = torch.nn.Linear(2, 2)
+    ddpckpt.load(path, model=fresh)
+    assert torch.equal(fresh.weight, model.weight)
+    assert ddpckpt.latest(root) == path
+
+
+def test_resolve_picks_the_storage_by_scheme() -> None:
+    from ddpckpt.storage import mount
+    from ddpckpt.storage.memory import MemoryStorage
+    from ddpckpt.storage.posix import PosixStorage
+
+    assert isinstance(resolve("/tmp/x")[0], PosixStorage)
+    assert isinstance(resolve("relative/x")[0], PosixStorage)
+    assert isinstance(resolve("memory://t/x")[0], MemoryStorage)
+    with pytest.raises(ValueError, match="no storage for nope:// URLs"):
+        resolve("nope://bucket/x")
+    mine = MemoryStorage()
+    mount("nope://bucket", mine)
+    try:
+        assert resolve("nope://bucket/run/x") == (mine, "nope://bucket/run/x")
+        with pytest.raises(ValueError):
+            resolve("nope://other/x")
+    finally:
+        mount("nope://bucket", None)
