@@ -84,7 +84,6 @@ def test_keep_best_ignores_nan_and_inf_and_never_drops_the_newest(ckpt_root) -> 
     ]
 
 
-@pytest.mark.disk_only("the CLI's `ls` still looks at directories with os.path")
 def test_retention_and_best_marks_show_in_ls(ckpt_root, capsys) -> None:
     run = ckpt_root / "run"
     model, _ = objects()

@@ -18,13 +18,15 @@ __all__ = ["CLEAN", "LS"]
 def _not_a_run_directory(directory: str) -> str | None:
     """Why ``directory`` cannot be listed as a run directory, or ``None`` if it can."""
     from ddpckpt.format.manifest import MANIFEST_NAME
+    from ddpckpt.storage import storage_for
 
-    if not os.path.exists(directory):
+    storage = storage_for(directory)
+    if not storage.exists(directory):
         return f"{directory}: no such directory"
-    if not os.path.isdir(directory):
+    if not storage.is_dir(directory):
         return f"{directory}: a file, not a run directory"
-    if os.path.exists(os.path.join(directory, MANIFEST_NAME)):
-        parent = os.path.dirname(os.path.abspath(directory))
+    if storage.exists(os.path.join(directory, MANIFEST_NAME)):
+        parent = storage.parent(directory)
         return (
             f"{directory}: a checkpoint, not a run directory: try `ddpckpt inspect {directory}`, "
             f"or `ddpckpt ls {parent}` for the run it belongs to"
@@ -143,8 +145,9 @@ def _ls(args: argparse.Namespace) -> int:
 def _looks_unrelated(directory: str) -> bool:
     from ddpckpt.run.rundir import LATEST, RUN_FILE
     from ddpckpt.run.runlock import LOCK_NAME
+    from ddpckpt.storage import storage_for
 
-    names = set(os.listdir(directory))
+    names = set(storage_for(directory).list(directory))
     return bool(names) and not names & {LATEST, RUN_FILE, LOCK_NAME}
 
 
