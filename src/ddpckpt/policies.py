@@ -21,10 +21,15 @@ __all__ = [
     "KeepAll",
     "KeepBest",
     "KeepLast",
+    "Never",
     "Record",
     "Retention",
     "SavePolicy",
     "Union",
+    "best_first",
+    "keeping",
+    "retention_from",
+    "schedule",
 ]
 
 
@@ -226,3 +231,40 @@ def retention_from(description: Mapping[str, Any]) -> Retention | None:
         parts = [retention_from(p) for p in description.get("policies", [])]
         return Union(*(p for p in parts if p is not None))
     return None
+
+
+class Never(SavePolicy):
+    """No schedule: ``should_save`` is always False (call ``Checkpointer.save`` yourself)."""
+
+    def should_save(self, step: int, now: float) -> bool:
+        return False
+
+
+def schedule(every_steps: int | None, every_seconds: float | None) -> SavePolicy:
+    """The save policy of ``Checkpointer(every_steps=..., every_seconds=...)``."""
+    policies: list[SavePolicy] = []
+    if every_steps is not None:
+        policies.append(EverySteps(every_steps))
+    if every_seconds is not None:
+        policies.append(EverySeconds(every_seconds))
+    if not policies:
+        return Never()
+    return policies[0] if len(policies) == 1 else AnyOf(*policies)
+
+
+def keeping(
+    keep_last: int | None, keep_best: int | None, monitor: str | None, mode: str
+) -> Retention:
+    """The retention of ``Checkpointer(keep_last=..., keep_best=..., monitor=..., mode=...)``."""
+    parts: list[Retention] = [KeepLast(keep_last) if keep_last is not None else KeepAll()]
+    if keep_best is not None:
+        if monitor is None:
+            raise ValueError("keep_best needs monitor=, the name of a metric passed to save()")
+        parts.append(KeepBest(keep_best, monitor, mode))
+    return parts[0] if len(parts) == 1 else Union(*parts)
+
+
+def best_first(committed: Mapping[int, Mapping[str, Any]], metric: str, mode: str) -> list[int]:
+    """The steps with a finite ``metric``, best first (ties: the newer first)."""
+    records = [Record(step, dict(metrics)) for step, metrics in committed.items()]
+    return KeepBest(max(len(records), 1), metric, mode).best(records)

@@ -24,7 +24,6 @@ To load from a run another job is writing (an evaluation job), open it read-only
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -42,7 +41,6 @@ from ddpckpt.errors import (
     CheckpointStepError,
     CheckpointWriteError,
     CorruptCheckpointError,
-    InsufficientSpaceError,
 )
 from ddpckpt.format.manifest import read_manifest
 from ddpckpt.io.background import Persister
@@ -56,20 +54,10 @@ from ddpckpt.io.writing import (
     storage_errors,
     write_and_commit,
 )
-from ddpckpt.policies import (
-    AnyOf,
-    EverySeconds,
-    EverySteps,
-    KeepAll,
-    KeepBest,
-    KeepLast,
-    Record,
-    Retention,
-    SavePolicy,
-    Union,
-)
+from ddpckpt.policies import Record, Retention, SavePolicy, best_first, keeping, schedule
 from ddpckpt.resumecheck import record as _resume_check
 from ddpckpt.run.catalog import SET_ASIDE_MARK
+from ddpckpt.run.failures import SaveFailures
 from ddpckpt.run.preemption import Preemption, PreemptionWatch
 from ddpckpt.run.rundir import (
     clean_temporaries,
@@ -90,19 +78,6 @@ __all__ = ["Checkpointer"]
 T = TypeVar("T")
 _log = get_logger(__name__)
 _READER_LISTINGS = 3  # times a read-only resume lists the directory before giving up
-# Storage errors worth retrying: a network file system's hiccups, not a full or read-only disk.
-_TRANSIENT = {
-    errno.EIO,
-    errno.EAGAIN,
-    errno.EINTR,
-    errno.EBUSY,
-    errno.ETIMEDOUT,
-    errno.ESTALE,
-    errno.ECONNRESET,
-    errno.ENETDOWN,
-    errno.ENETUNREACH,
-    errno.EHOSTUNREACH,
-}
 
 
 class Checkpointer:
@@ -174,10 +149,7 @@ class Checkpointer:
         read_only: bool = False,
         preemption: bool | Preemption = False,
     ) -> None:
-        if on_error not in ("warn", "raise"):
-            raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
-        if type(retries) is not int or retries < 0:
-            raise ValueError(f"retries must be a non-negative int, got {retries!r}")
+        self._failures = SaveFailures(on_error, retries, retry_backoff)
         if read_only and preemption:
             raise ValueError("preemption= saves a checkpoint; a read_only Checkpointer cannot")
         if monitor is not None and keep_best is None and retention is None:
@@ -191,18 +163,16 @@ class Checkpointer:
         )
         self.extra = extra
         adopt_loaders(extra)  # a DataLoader must be tracked before it iterates
-        self.save_policy = save_policy or _save_policy(every_steps, every_seconds)
-        self.retention = retention or _retention(keep_last, keep_best, monitor, mode)
+        self.save_policy = save_policy or schedule(every_steps, every_seconds)
+        self.retention = retention or keeping(keep_last, keep_best, monitor, mode)
         self.mode = mode
         self.read_only = read_only
-        self.on_error, self.retries, self.retry_backoff = on_error, retries, retry_backoff
         self.rng, self.storage, self.timeout = rng, storage, timeout
         self.overlap = async_mode(async_save, optimizer)
         self.async_save = bool(async_save)
         self._pool = StagingPool()
         self._reserved = False  # whether the pool was sized ahead of the first save
         self._persister = Persister()
-        self._reported: BaseException | None = None  # a background failure wait() reported
         self._committed: int | None = None  # newest step known to be committed
         self._lock = RunLock(self.directory, lock_stale_after)
         self._domains: list[list[int]] | None = None
@@ -210,8 +180,6 @@ class Checkpointer:
         self._latest: int | None = None
         self._closed = False
         self._run_file_written = False
-        self.last_error: CheckpointWriteError | None = None
-        self.failed_saves = 0
         options = Preemption.of(preemption)
         self._preemption = None if options is None else PreemptionWatch(options, self._newest)
         if (recorder := _resume_check.active()) is not None:
@@ -282,16 +250,7 @@ class Checkpointer:
         damaged or, for a reader, gone."""
         path = self._path(step)
         try:
-            return load(
-                path,
-                model=self.model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                scaler=self.scaler,
-                extra=self.extra,
-                rng=self.rng,
-                timeout=self.timeout,
-            )
+            return load(path, **self._objects(), rng=self.rng, timeout=self.timeout)
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
             if isinstance(exc, CheckpointNotFoundError) and not self.read_only:
                 raise  # listed a moment ago under this job's lock: not a race
@@ -323,7 +282,7 @@ class Checkpointer:
             return [step]
         if best is None:
             return sorted(committed, reverse=True)
-        ranked = _best_first(committed, best, mode or self.mode)
+        ranked = best_first(committed, best, mode or self.mode)
         if committed and not ranked:
             raise CheckpointNotFoundError(
                 f"{self.directory}: no checkpoint has a finite metric {best!r} (saved with "
@@ -380,14 +339,7 @@ class Checkpointer:
         if self._persister.latest is not None:
             return  # a save already sized the buffer, and may still be copying into it
         try:
-            snapshot = capture(
-                model=self.model,
-                optimizer=self.optimizer,
-                scheduler=self.scheduler,
-                scaler=self.scaler,
-                extra=self.extra,
-                rng=False,
-            )
+            snapshot = capture(**self._objects(), rng=False)
         except Exception as exc:  # the save itself raises it; nothing to size until then
             _log.debug("%s: not sizing the staging buffer ahead: %r", self.directory, exc)
             return
@@ -488,6 +440,16 @@ class Checkpointer:
         SIGTERM, as a shell reports a process that signal ended), else 0."""
         return self._preemption.exit_code if self._preemption is not None else 0
 
+    @property
+    def last_error(self) -> CheckpointWriteError | None:
+        """The error of the most recent failed save; ``None`` once a save succeeds."""
+        return self._failures.last_error
+
+    @property
+    def failed_saves(self) -> int:
+        """How many saves failed since the last one that succeeded."""
+        return self._failures.failed_saves
+
     def log_step(self, loss: Any) -> None:
         """Report this step's loss to ``ddpckpt check-resume``, which compares it between
         the uninterrupted and the resumed run; local. Outside a check it does nothing."""
@@ -516,7 +478,7 @@ class Checkpointer:
         """The committed step with the best finite ``metric`` (``mode`` ``"min"`` or
         ``"max"``, by default the Checkpointer's), or ``None``; local and read-only."""
         committed = {e.step: e.metrics for e in scan(self.directory) if e.status == "committed"}
-        ranked = _best_first(committed, metric, mode or self.mode)
+        ranked = best_first(committed, metric, mode or self.mode)
         return ranked[0] if ranked else None
 
     def info(self, step: int) -> CheckpointInfo:
@@ -558,6 +520,16 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ internals
 
+    def _objects(self) -> dict[str, Any]:
+        """The objects saved and restored, as :func:`ddpckpt.save` and ``load`` take them."""
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "scheduler": self.scheduler,
+            "scaler": self.scaler,
+            "extra": self.extra,
+        }
+
     def _comm(self, call: str, path: str | None = None) -> Comm:
         return Comm.open(call, path=path or self.directory, timeout=self.timeout)
 
@@ -592,39 +564,15 @@ class Checkpointer:
 
     def _capture(self) -> Snapshot:
         self._lock.check()  # never write into a directory another job has taken over
-        return capture(
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            scaler=self.scaler,
-            extra=self.extra,
-            rng=self.rng,
-        )
+        return capture(**self._objects(), rng=self.rng)
 
     def _persist(self, plan: WritePlan) -> None:
         """Write and commit ``plan`` (retrying transient storage errors), then retention.
 
         Runs on the training thread, or on the background thread for async saves.
         """
-        for attempt in range(self.retries + 1):
-            try:
-                write_and_commit(plan, attempt)
-                break
-            except CheckpointWriteError as exc:
-                transient = exc.errno in _TRANSIENT and not isinstance(exc, InsufficientSpaceError)
-                if not transient or attempt == self.retries:
-                    raise
-                delay = self.retry_backoff * 2**attempt
-                _log.warning(
-                    "saving %s failed (%s); retrying in %.1f s",
-                    plan.path,
-                    exc,
-                    delay,
-                    extra=same_on_every_rank(exc),
-                )
-                time.sleep(delay)
+        self._failures.retrying(plan.path, lambda attempt: write_and_commit(plan, attempt))
         self._committed = plan.header["step"]
-        self.last_error, self.failed_saves = None, 0
         try:
             plan.comm.run("retain", lambda: self._storage(lambda: self._after_commit(plan.path)))
         except CheckpointError as exc:  # committed all the same
@@ -665,44 +613,17 @@ class Checkpointer:
 
     def _report_locally(self) -> None:
         """Wait for the background save; report its failure on this rank, deciding nothing."""
-        error = self._persister.outcome()
-        if not isinstance(error, CheckpointWriteError) or error is self._reported:
-            if error is not None and not isinstance(error, CheckpointWriteError):
-                raise error  # a bug, not storage: always raised
-            return
-        self._reported = error
-        if self.on_error == "raise":
-            raise error
-        _log.error(
-            "a background save failed and training goes on (on_error='warn'): %s",
-            error,
-            extra=same_on_every_rank(error),
-        )
+        self._failures.report_background(self._persister.outcome())
 
     def _failed(self, step: int | None, exc: CheckpointWriteError) -> None:
         """Record a failed save; raise it (``on_error="raise"``) or log it loudly."""
         self._latest = self._committed
-        self.last_error = exc
-        self.failed_saves += 1
-        if self.on_error == "raise":
-            raise exc
-        if exc is self._reported:  # already logged by wait() on this rank
-            return
         newest = (
-            f"still {self._path(self._committed)} (step {self._committed})"
-            if self._committed is not None
-            else "NONE: this run has no checkpoint to resume from"
+            None
+            if self._committed is None
+            else f"{self._path(self._committed)} (step {self._committed})"
         )
-        _log.error(
-            "saving step %s failed (%d consecutive failed save%s) and training goes on "
-            "(on_error='warn'); the newest good checkpoint is %s. Cause: %s",
-            step,
-            self.failed_saves,
-            "" if self.failed_saves == 1 else "s",
-            newest,
-            exc,
-            extra=same_on_every_rank(exc),
-        )
+        self._failures.failed(step, exc, newest)
 
     def _after_commit(self, path: str) -> None:
         if not self._leader:
@@ -748,38 +669,3 @@ class Checkpointer:
 def _listing(directory: str) -> dict[str, tuple[str, dict[str, Any]]]:
     """Every checkpoint of ``directory``: its status and metrics, by step (JSON-able)."""
     return {str(e.step): (e.status, e.metrics) for e in scan(directory)}
-
-
-def _best_first(committed: Mapping[int, Mapping[str, Any]], metric: str, mode: str) -> list[int]:
-    """The steps with a finite ``metric``, best first (ties: the newer first)."""
-    records = [Record(step, dict(metrics)) for step, metrics in committed.items()]
-    return KeepBest(max(len(records), 1), metric, mode).best(records)
-
-
-def _save_policy(every_steps: int | None, every_seconds: float | None) -> SavePolicy:
-    policies: list[SavePolicy] = []
-    if every_steps is not None:
-        policies.append(EverySteps(every_steps))
-    if every_seconds is not None:
-        policies.append(EverySeconds(every_seconds))
-    if not policies:
-        return _Never()
-    return policies[0] if len(policies) == 1 else AnyOf(*policies)
-
-
-def _retention(
-    keep_last: int | None, keep_best: int | None, monitor: str | None, mode: str
-) -> Retention:
-    parts: list[Retention] = [KeepLast(keep_last) if keep_last is not None else KeepAll()]
-    if keep_best is not None:
-        if monitor is None:
-            raise ValueError("keep_best needs monitor=, the name of a metric passed to save()")
-        parts.append(KeepBest(keep_best, monitor, mode))
-    return parts[0] if len(parts) == 1 else Union(*parts)
-
-
-class _Never(SavePolicy):
-    """No schedule given: ``should_save`` is always False; call :meth:`Checkpointer.save` yourself."""
-
-    def should_save(self, step: int, now: float) -> bool:
-        return False
