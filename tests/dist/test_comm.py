@@ -7,9 +7,10 @@ import errno
 
 import pytest
 
+from ddpckpt.dist import liveness
 from ddpckpt.dist.comm import Comm, node_id, resolve_timeout
 from ddpckpt.dist.store import StoreGroup
-from ddpckpt.errors import CheckpointWriteError, CollectiveMismatchError
+from ddpckpt.errors import CheckpointWriteError, CollectiveMismatchError, RankFailureError
 from thread_ranks import ranks, sim
 
 
@@ -63,6 +64,31 @@ def test_results_reach_the_ranks_that_need_them() -> None:
         assert out["from2"] == b"two"
 
 
+def test_a_reduced_answer_is_the_same_on_every_rank_and_a_failing_reduce_raises_everywhere() -> (
+    None
+):
+    def body(group: StoreGroup) -> dict:
+        r = group.rank
+        with Comm.open("ddpckpt.test", timeout=30, group=group) as comm:
+            newest = comm.run_reduce("max", lambda: {"step": r * 10}, lambda v: (max(v, key=str),))
+            by_rank = comm.run_reduce("keys", lambda: r, lambda v: {i: x for i, x in enumerate(v)})
+            try:
+                comm.run_reduce("broken", lambda: r, lambda v: v[99])
+            except RankFailureError as exc:  # rank 0's bug, raised on every rank
+                return {"newest": newest, "by_rank": by_rank, "error": str(exc)}
+            return {"newest": newest, "by_rank": by_rank, "error": None}
+
+    results, _ = ranks(4, body)
+    for out in results:
+        assert not isinstance(out, BaseException), out
+        assert out == results[0]  # JSON on every rank, rank 0 included: lists, string keys
+    assert results[0]["newest"] == [{"step": 30}]
+    assert results[0]["by_rank"] == {"0": 0, "1": 1, "2": 2, "3": 3}
+    assert "list index out of range" in results[0]["error"]
+    with Comm.open("ddpckpt.test") as comm:  # one process: the same JSON value
+        assert comm.run_reduce("one", lambda: 1, lambda v: {0: tuple(v)}) == {"0": [1]}
+
+
 def test_failures_are_combined_and_raised_on_every_rank() -> None:
     def body(group: StoreGroup) -> None:
         def step() -> None:
@@ -102,7 +128,10 @@ def _exchange_sequence(group: StoreGroup) -> None:
     Comm.from_leader("Checkpointer.should_save", lambda: b"0", group=group)
 
 
-def test_store_operations_per_rank_do_not_grow_with_the_ranks() -> None:
+def test_store_operations_per_rank_do_not_grow_with_the_ranks(monkeypatch) -> None:
+    # A wait longer than one period re-checks liveness; on a loaded machine that would add
+    # operations by timing, not by the number of ranks. Nobody is silent here.
+    monkeypatch.setattr(liveness, "MAX_PERIOD", 60.0)
     counts = {}
     for n in (3, 12):
         server = sim.Server()

@@ -23,8 +23,10 @@ class RankView:
     def run(self, name: str, fn: Callable[[], Any]) -> Any:
         return fn()
 
-    def run_all(self, name: str, fn: Callable[[], Any]) -> list[Any]:
-        return self.answers[name]
+    def run_reduce(
+        self, name: str, fn: Callable[[], Any], reduce: Callable[[list[Any]], Any]
+    ) -> Any:
+        return reduce(self.answers[name])
 
 
 def machine(monkeypatch, tmp_path, host: str, boot_id: str | None) -> str:

@@ -61,6 +61,7 @@ from ddpckpt.errors import CheckpointError, CollectiveMismatchError
 __all__ = ["DEFAULT_TIMEOUT", "Comm", "StoreGroup", "node_id", "resolve_timeout"]
 
 T = TypeVar("T")
+R = TypeVar("R")
 _log = get_logger(__name__)
 
 DEFAULT_TIMEOUT = 600.0
@@ -306,8 +307,27 @@ class Comm:
         _, results = self._run(tag, step, share=False, keep=True)
         return results
 
+    def run_reduce(self, tag: str, step: Callable[[], Any], reduce: Callable[[list[Any]], R]) -> R:
+        """Like :meth:`run_all`, but rank 0 turns every rank's result into one JSON-able
+        answer, ``reduce(results)``, and every rank receives only that answer.
+
+        What each rank receives is the size of the answer, not ``world_size`` results: use
+        it whenever the ranks need a decision (a union, a maximum, the ranks that differ)
+        rather than each other's data. ``reduce`` runs on rank 0 only; if it raises, every
+        rank raises the combined error.
+        """
+        if self.world_size == 1:
+            return json.loads(json.dumps(reduce([step()])))  # the same value as with ranks
+        answer, _ = self._run(tag, step, share=False, keep=True, reduce=reduce)
+        return answer  # type: ignore[no-any-return]
+
     def _run(
-        self, tag: str, step: Callable[[], Any], share: bool, keep: bool = False
+        self,
+        tag: str,
+        step: Callable[[], Any],
+        share: bool,
+        keep: bool = False,
+        reduce: Callable[[list[Any]], Any] | None = None,
     ) -> tuple[Any, list[Any] | None]:
         local: BaseException | None = None
         result: Any = None
@@ -323,6 +343,8 @@ class Comm:
                 reply = self._receive(tag)
             except CheckpointError as exc:
                 raise exc from local
+            if reduce is not None:
+                return json.loads(reply), None
             return result, [json.loads(b)["ok"] for b in unpack(reply)] if share else None
         outcomes = [json.loads(b) for b in gathered]
         failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
@@ -331,6 +353,16 @@ class Comm:
             self._publish(tag, encode_error(error))
             raise error from local
         results = [o["ok"] for o in outcomes]
+        if reduce is not None:
+            try:
+                answer = reduce(results)
+                reply = json.dumps(answer).encode()
+            except Exception as exc:
+                error = combine(self.call, {_LEADER: describe(exc)})
+                self._publish(tag, encode_error(error))
+                raise error from exc
+            self._publish(tag, b"K" + reply)
+            return json.loads(reply), None  # exactly what the other ranks decode
         self._publish(tag, b"K" + (pack(gathered) if share else b""))
         return result, results if share or keep else None
 

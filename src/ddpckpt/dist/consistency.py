@@ -60,8 +60,12 @@ def _canaries(snapshot: Snapshot) -> list[str]:
 
 def _differing(comm: Comm, snapshot: Snapshot, call: str, names: list[str]) -> set[str]:
     """The ``names`` whose digests are not the same on every rank; collective."""
-    gathered = comm.run_all(call, lambda: [tensor_digest(snapshot.tensors[n]) for n in names])
-    return {name for i, name in enumerate(names) if len({g[i] for g in gathered}) > 1}
+
+    def differing(gathered: list[list[str]]) -> list[int]:  # on rank 0
+        return [i for i in range(len(names)) if len({g[i] for g in gathered}) > 1]
+
+    digests = lambda: [tensor_digest(snapshot.tensors[n]) for n in names]  # noqa: E731
+    return {names[i] for i in comm.run_reduce(call, digests, differing)}
 
 
 def check_replicated(comm: Comm, snapshot: Snapshot) -> None:
@@ -79,8 +83,9 @@ def check_replicated(comm: Comm, snapshot: Snapshot) -> None:
     layout = sorted((n, str(t.dtype), list(t.shape)) for n, t in snapshot.tensors.items())
     mine = [sorted(snapshot.unverified), sorted(snapshot.per_rank), _canaries(snapshot)]
     fingerprint = xxhash.xxh3_64(json.dumps([layout, mine]).encode()).hexdigest()
-    fingerprints = comm.run_all("layout", lambda: fingerprint)
-    mismatched = [r for r, f in enumerate(fingerprints) if f != fingerprints[0]]
+    mismatched = comm.run_reduce(
+        "layout", lambda: fingerprint, lambda fps: [r for r, f in enumerate(fps) if f != fps[0]]
+    )
     if mismatched:
         raise StateMismatchError(
             f"ranks {mismatched} hold training state whose tensors differ (names, shapes, "

@@ -29,6 +29,7 @@ from ddpckpt.dist.store import StoreGroup, StoreTimeout, multi_get, namespace
 __all__ = ["Beat", "Liveness", "Watch", "beat_key"]
 
 _log = get_logger(__name__)
+MAX_PERIOD = 1.0  # seconds between heartbeats (and liveness checks) at most
 
 
 @dataclass
@@ -106,7 +107,7 @@ class Liveness:
         self.call = call
         self.timeout = timeout
         self.beat = Beat(op, 0, 0, 0, 0)
-        self.period = min(1.0, timeout / 8)
+        self.period = min(MAX_PERIOD, timeout / 8)
         self._failed_key = failed_key
         self._store: Any = None
         self._blocking = False

@@ -94,13 +94,18 @@ def colliding_nodes(nodes: list[list[int]], local_sizes: list[str | None]) -> li
 
 def _check_nodes(comm: Comm, nodes: list[list[int]], directory: str) -> None:
     """Raise if node identities collide: grouping by node would then mix machines."""
-    local_sizes = comm.run_all("local-world", lambda: os.environ.get("LOCAL_WORLD_SIZE"))
-    colliding = colliding_nodes(nodes, local_sizes)
-    if colliding:
-        ranks = colliding[0]
+
+    def first_collision(local_sizes: list[str | None]) -> tuple[list[int], str | None] | None:
+        colliding = colliding_nodes(nodes, local_sizes)
+        return (colliding[0], local_sizes[colliding[0][0]]) if colliding else None
+
+    local_world = lambda: os.environ.get("LOCAL_WORLD_SIZE")  # noqa: E731
+    collision = comm.run_reduce("local-world", local_world, first_collision)
+    if collision:
+        ranks, size = collision
         raise CheckpointError(
             f"{directory}: ranks {ranks} report the same machine ({comm.nodes[ranks[0]]}) but "
-            f"LOCAL_WORLD_SIZE says each machine runs {local_sizes[ranks[0]]}: several machines "
+            f"LOCAL_WORLD_SIZE says each machine runs {size}: several machines "
             "share this identity (same host name, no boot id), so ddpckpt cannot tell which "
             "ranks share a disk. Give the machines distinct host names, or pass "
             "storage='shared' if this directory is one file system that every machine mounts"
@@ -143,10 +148,13 @@ def storage_domains(comm: Comm, directory: str, mode: str | None = None) -> list
             return None
         return [r for r in probers if store.exists(_probe_name(directory, comm.token, r))]
 
-    seen = comm.run_all("look", look)
+    def by_prober(seen: list[list[int] | None]) -> dict[int, list[int]]:  # on rank 0
+        return {rank: seen[rank] or [] for rank in probers}
+
+    seen = comm.run_reduce("look", look, by_prober)  # JSON: the keys come back as strings
     if comm.rank in probers:
         store.delete(mine)
-    visible = {rank: frozenset(seen[rank]) for rank in probers}
+    visible = {rank: frozenset(seen[str(rank)]) for rank in probers}
     for rank, others in visible.items():
         if rank not in others or any(visible[other] != others for other in others):
             raise CheckpointError(

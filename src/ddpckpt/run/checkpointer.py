@@ -215,11 +215,9 @@ class Checkpointer:
             with self._comm("Checkpointer.resume") as comm:
                 if not self.read_only and listing == 0:
                     self._prepare(comm)
-                views = comm.run_all("list", lambda: _listing(self.directory))
-            committed = {
-                int(s): m for v in views for s, (status, m) in v.items() if status == "committed"
-            }
-            broken = sorted({int(s) for v in views for s in v} - set(committed))
+                listed = comm.run_reduce("list", lambda: _listing(self.directory), _merged)
+            committed = {int(s): m for s, (status, m) in listed.items() if status == "committed"}
+            broken = sorted({int(s) for s in listed} - set(committed))
             candidates = [
                 c for c in self._candidates(committed, step, best, mode) if c not in failed
             ]
@@ -556,11 +554,13 @@ class Checkpointer:
                     )
             return [e.step for e in scan(self.directory) if e.status == "committed"]
 
-        steps = [
-            s for listing in comm.run_all("setup", lambda: self._storage(setup)) for s in listing
-        ]
+        newest = comm.run_reduce(
+            "setup",
+            lambda: max(self._storage(setup), default=None),
+            lambda found: max((s for s in found if s is not None), default=None),
+        )
         self._domains = domains  # only now: a failed set-up is tried again by the next save
-        self._latest = self._committed = max(steps, default=None)
+        self._latest = self._committed = newest
 
     def _capture(self) -> Snapshot:
         self._lock.check()  # never write into a directory another job has taken over
@@ -669,3 +669,16 @@ class Checkpointer:
 def _listing(directory: str) -> dict[str, tuple[str, dict[str, Any]]]:
     """Every checkpoint of ``directory``: its status and metrics, by step (JSON-able)."""
     return {str(e.step): (e.status, e.metrics) for e in scan(directory)}
+
+
+def _merged(
+    views: list[dict[str, tuple[str, dict[str, Any]]]],
+) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Every rank's listing in one (rank 0 reduces them): a step is committed if any rank
+    sees it committed (a node lacking its copy gets it repaired by the load)."""
+    merged: dict[str, tuple[str, dict[str, Any]]] = {}
+    for view in views:
+        for step, (status, metrics) in view.items():
+            if step not in merged or status == "committed":
+                merged[step] = (status, metrics)
+    return merged
