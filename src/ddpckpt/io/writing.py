@@ -192,10 +192,17 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
     store = storage_for(path)
     tmp = store.commit.staging(store, path, f"{comm.token}-{attempt}")
     try:
-        done = comm.run_all(f"prepare.{attempt}", lambda: _prepare(plan, tmp))
-        if all(done[d[0]] for d in plan.domains):  # a previous attempt committed, then failed
+        done = comm.run_reduce(
+            f"prepare.{attempt}",
+            lambda: _prepare(plan, tmp),
+            lambda found: all(found[d[0]] for d in plan.domains),
+        )
+        if done:  # a previous attempt committed, then failed
             return path
-        results = comm.run_all(f"write.{attempt}", lambda: _write(plan, tmp))
+        # The leader of each copy writes its manifest from every rank's result. With one copy
+        # that is rank 0 alone: the other ranks need not receive every rank's result.
+        exchange = comm.run_gather if len(plan.domains) == 1 else comm.run_all
+        results = exchange(f"write.{attempt}", lambda: _write(plan, tmp))
         comm.run(f"commit.{attempt}", lambda: _commit(plan, tmp, results))
     except BaseException:
         if plan.leader:
@@ -275,9 +282,10 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
     }
 
 
-def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]]) -> None:
+def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> None:
     if not plan.leader:
         return
+    assert results is not None, "every copy's leader receives every rank's result"
     comm, domain, header = plan.comm, plan.domain, plan.header
     manifest = Manifest(
         id=comm.token,
