@@ -576,7 +576,7 @@ def test_saving_streams_with_bounded_extra_memory(ckpt_dir) -> None:
 
 
 def test_progress_counts_every_byte_saved_and_loaded(ckpt_dir, monkeypatch) -> None:
-    import ddpckpt.io.checkpoint as checkpoint
+    import ddpckpt.io.load as loading
 
     seen: dict[str, list[int]] = {}
 
@@ -596,7 +596,7 @@ def test_progress_counts_every_byte_saved_and_loaded(ckpt_dir, monkeypatch) -> N
 
     import ddpckpt.io.writing as writing
 
-    monkeypatch.setattr(checkpoint, "Progress", Recorder)
+    monkeypatch.setattr(loading, "Progress", Recorder)
     monkeypatch.setattr(writing, "Progress", Recorder)
     model = make_mlp()
     opt = torch.optim.Adam(model.parameters())
