@@ -27,7 +27,7 @@ __all__ = ["CheckpointInfo", "FileSource", "find_problems", "load_state_dict", "
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What :func:`load` returns: the checkpoint's metadata and its plain ``extra`` values."""
+    """What :func:`ddpckpt.load` returns: the checkpoint's metadata and plain ``extra`` values."""
 
     path: str
     step: int | None
