@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ddpckpt
-from ddpckpt.format.tensorfile import write_file
+from ddpckpt.format.tensorwrite import write_file
 
 _CHUNK = 8 << 20
 
@@ -135,9 +135,14 @@ def pinned_peak_reset() -> None:
 def pinned_peak() -> float:
     """Peak bytes of pinned memory torch's host allocator held since the last reset, plus
     the buffer ddpckpt's asynchronous saves page-locked themselves (held until released)."""
-    from ddpckpt.io.checkpoint import _POOL
+    try:
+        from ddpckpt.io.async_saver import DEFAULT_SAVER
 
-    pool = getattr(_POOL, "_unpin", None) is not None and _POOL.nbytes  # old versions: no
+        staging = DEFAULT_SAVER.pool
+    except ImportError:  # versions before the AsyncSaver
+        from ddpckpt.io.checkpoint import _POOL as staging
+
+    pool = getattr(staging, "_unpin", None) is not None and staging.nbytes  # old versions: no
     try:
         stats = torch.cuda.memory.host_memory_stats()
         return float(stats.get("allocated_bytes.peak", 0)) + float(pool or 0)

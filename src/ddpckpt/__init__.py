@@ -25,15 +25,9 @@ from ddpckpt.errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from ddpckpt.io.checkpoint import (
-    CheckpointInfo,
-    PendingSave,
-    load,
-    load_state_dict,
-    release_async_buffers,
-    save,
-    verify,
-)
+from ddpckpt.io.load import load
+from ddpckpt.io.reader import CheckpointInfo, load_state_dict, verify
+from ddpckpt.io.save import PendingSave, release_async_buffers, save
 from ddpckpt.run.catalog import latest
 from ddpckpt.run.checkpointer import Checkpointer
 from ddpckpt.run.preemption import Preemption

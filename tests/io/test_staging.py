@@ -297,17 +297,17 @@ def test_checkpointer_sizes_its_buffer_before_the_first_save(tmp_path) -> None:
         tmp_path / "run", model=model, optimizer=optimizer, async_save=True, every_steps=3
     )
     assert ckpt.resume() is None
-    assert ckpt._pool.nbytes == 0
+    assert ckpt._saver.pool.nbytes == 0
     for step in range(1, 4):
         train_steps(model, optimizer, 1)  # the optimizer state exists after the first step
         if ckpt.should_save(step):
             break
         if step == 1:  # a step without a save: allocated now, on a helper thread
-            reserved = ckpt._pool.nbytes
-            pointer = ckpt._pool._buffer.data_ptr()
+            reserved = ckpt._saver.pool.nbytes
+            pointer = ckpt._saver.pool._buffer.data_ptr()
     assert reserved > 0
     ckpt.save(step)  # the first save stages into that buffer: no allocation
-    assert (ckpt._pool.nbytes, ckpt._pool._buffer.data_ptr()) == (reserved, pointer)
+    assert (ckpt._saver.pool.nbytes, ckpt._saver.pool._buffer.data_ptr()) == (reserved, pointer)
     ckpt.close()
     fresh = make_mlp(seed=1)
     fresh.load_state_dict(ddpckpt.load_state_dict(tmp_path / "run" / "step-00000003"))
@@ -340,11 +340,11 @@ def test_a_save_in_flight_keeps_its_buffer_when_a_later_step_would_size_one(
     monkeypatch.setattr(writing, "write_file", held)
     ckpt.save(0)  # no resume(): the first save sizes the buffer itself
     assert entered.wait(30)
-    buffer = ckpt._pool._buffer
+    buffer = ckpt._saver.pool._buffer
     train_steps(model, optimizer, 1)  # the moments appear: the state is now larger
     try:
         assert not ckpt.should_save(1)
-        assert ckpt._pool._reserving is None and ckpt._pool._buffer is buffer
+        assert ckpt._saver.pool._reserving is None and ckpt._saver.pool._buffer is buffer
     finally:
         opened.set()
     ckpt.close()

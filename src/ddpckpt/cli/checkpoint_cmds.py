@@ -65,7 +65,7 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
 def _verify(args: argparse.Namespace) -> int:
     from ddpckpt.cli.tools import open_manifest
     from ddpckpt.errors import CheckpointNotFoundError
-    from ddpckpt.io.checkpoint import find_problems
+    from ddpckpt.io.reader import find_problems
 
     status = 0
     for path in args.checkpoints:

@@ -45,7 +45,7 @@ def _ls_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _ls_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
-    from ddpckpt.io.checkpoint import find_problems
+    from ddpckpt.io.reader import find_problems
     from ddpckpt.policies import Record, retention_from
     from ddpckpt.run.rundir import read_latest, read_run_file, scan, size_problems
 

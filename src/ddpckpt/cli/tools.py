@@ -24,8 +24,8 @@ from ddpckpt.errors import (
 )
 from ddpckpt.format.codec import JSON
 from ddpckpt.format.manifest import Manifest, read_manifest
-from ddpckpt.format.tensorfile import write_file
-from ddpckpt.io.checkpoint import FileSource, find_problems, load_state_dict
+from ddpckpt.format.tensorwrite import write_file
+from ddpckpt.io.reader import FileSource, find_problems, load_state_dict
 from ddpckpt.run.rundir import describe_path
 from ddpckpt.storage import Writer, new_token, storage_for
 from ddpckpt.storage.base import temp_name

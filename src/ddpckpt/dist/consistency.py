@@ -31,7 +31,7 @@ import xxhash
 from ddpckpt._log import get_logger
 from ddpckpt.dist.comm import Comm
 from ddpckpt.errors import StateMismatchError
-from ddpckpt.format.tensorfile import _host_contiguous, byte_view, tensor_nbytes
+from ddpckpt.format.tensorfile import byte_view, host_contiguous, tensor_nbytes
 from ddpckpt.state.snapshot import Snapshot
 
 __all__ = ["CANARY_BYTES", "check_replicated", "tensor_digest"]
@@ -43,7 +43,7 @@ _warned: set[tuple[str, ...]] = set()
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """The xxh3-64 digest of a tensor's bytes (copied off its device first)."""
-    host = _host_contiguous(tensor)  # kept alive: byte_view does not hold it
+    host = host_contiguous(tensor)  # kept alive: byte_view does not hold it
     return xxhash.xxh3_64(byte_view(host)).hexdigest()
 
 

@@ -48,14 +48,8 @@ from ddpckpt.format.manifest import (
     tensor_from_json,
     tensor_to_json,
 )
-from ddpckpt.format.tensorfile import (
-    FileEntry,
-    TensorEntry,
-    deserialize,
-    serialize,
-    tensor_nbytes,
-    write_file,
-)
+from ddpckpt.format.tensorfile import FileEntry, TensorEntry, deserialize, tensor_nbytes
+from ddpckpt.format.tensorwrite import serialize, write_file
 from ddpckpt.io.progress import Progress
 from ddpckpt.state.capture import Snapshot
 from ddpckpt.storage import storage_for

@@ -43,9 +43,9 @@ from ddpckpt.errors import (
     CorruptCheckpointError,
 )
 from ddpckpt.format.manifest import read_manifest
-from ddpckpt.io.background import Persister
-from ddpckpt.io.checkpoint import CheckpointInfo, async_mode, load, start_background
-from ddpckpt.io.staging import StagingPool
+from ddpckpt.io.async_saver import AsyncSaver, async_mode
+from ddpckpt.io.load import load
+from ddpckpt.io.reader import CheckpointInfo
 from ddpckpt.io.writing import (
     WritePlan,
     header_fields,
@@ -170,9 +170,8 @@ class Checkpointer:
         self.rng, self.storage, self.timeout = rng, storage, timeout
         self.overlap = async_mode(async_save, optimizer)
         self.async_save = bool(async_save)
-        self._pool = StagingPool()
-        self._reserved = False  # whether the pool was sized ahead of the first save
-        self._persister = Persister()
+        self._saver = AsyncSaver()  # this run's own host buffer and background writer
+        self._reserved = False  # whether the buffer was sized ahead of the first save
         self._committed: int | None = None  # newest step known to be committed
         self._lock = RunLock(self.directory, lock_stale_after)
         self._domains: list[list[int]] | None = None
@@ -334,7 +333,7 @@ class Checkpointer:
         if not self.async_save or self._reserved or self._domains is None:
             return
         self._reserved = True
-        if self._persister.latest is not None:
+        if self._saver.latest is not None:
             return  # a save already sized the buffer, and may still be copying into it
         try:
             snapshot = capture(**self._objects(), rng=False)
@@ -343,7 +342,7 @@ class Checkpointer:
             return
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         rank = torch.distributed.get_rank() if distributed else 0
-        self._pool.reserve(staging_share(snapshot, self._domains, rank))
+        self._saver.reserve(staging_share(snapshot, self._domains, rank))
 
     def save(
         self, step: int, epoch: int | None = None, metrics: Mapping[str, Any] | None = None
@@ -403,15 +402,7 @@ class Checkpointer:
             if again:
                 _log.info("%s: step %d saved again; the new state replaces it", plan.path, step)
             if self.async_save and not synchronous:
-                start_background(
-                    plan,
-                    snapshot,
-                    pool=self._pool,
-                    persister=self._persister,
-                    overlap=self.overlap,
-                    optimizer=self.optimizer,
-                    persist=self._persist,
-                )
+                self._saver.start(plan, snapshot, overlap=self.overlap, persist=self._persist)
                 handed_off = True
             else:
                 self._persist(plan)
@@ -507,7 +498,7 @@ class Checkpointer:
         finally:
             if self._preemption is not None:
                 self._preemption.close()
-            self._pool.release()
+            self._saver.release()
             self._lock.release()
 
     def __enter__(self) -> Checkpointer:
@@ -607,13 +598,13 @@ class Checkpointer:
         the same call, so all ranks take the same path (see :mod:`ddpckpt.io.background`).
         """
         try:
-            self._persister.raise_unseen()
+            self._saver.raise_unseen()
         except CheckpointWriteError as exc:
             self._failed(self._latest, exc)
 
     def _report_locally(self) -> None:
         """Wait for the background save; report its failure on this rank, deciding nothing."""
-        self._failures.report_background(self._persister.outcome())
+        self._failures.report_background(self._saver.outcome())
 
     def _failed(self, step: int | None, exc: CheckpointWriteError) -> None:
         """Record a failed save; raise it (``on_error="raise"``) or log it loudly."""

@@ -1,8 +1,8 @@
 """What a checkpoint holds, taken from live training objects and put back into them.
 
 The entry points :mod:`ddpckpt.io` uses. Capture is local to a process;
-:mod:`ddpckpt.io.checkpoint` decides which rank writes what, and restores each part
-through the functions re-exported here:
+:mod:`ddpckpt.io.writing` decides which rank writes what, :mod:`ddpckpt.io.load` restores
+each part through the functions re-exported here:
 
 * **Model** (:mod:`ddpckpt.state.model`): canonical keys, tied weights, what DDP keeps
   replicated; restored through the module's own ``load_state_dict``.

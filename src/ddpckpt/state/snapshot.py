@@ -74,7 +74,7 @@ class Snapshot:
         """Store this rank's values of the shared tensors ``names`` in its own file too.
 
         The shared copy keeps rank 0's values (what a rank that did not exist at save time
-        loads); :func:`ddpckpt.io.checkpoint.load` gives every other rank its own.
+        loads); :func:`ddpckpt.io.load.load` gives every other rank its own.
         """
         own = self.rank_state.setdefault("own", {})
         for name in names:

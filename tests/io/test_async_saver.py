@@ -211,22 +211,38 @@ def test_host_buffers_are_reused_not_reallocated() -> None:
 
 
 def test_host_buffers_are_freed_on_request_and_by_close(tmp_path) -> None:
-    import ddpckpt.io.checkpoint as checkpoint
+    from ddpckpt.io.async_saver import DEFAULT_SAVER
 
     model, opt = objects()
     ddpckpt.save(tmp_path / "a", model=model, optimizer=opt, async_save=True)
-    assert checkpoint._POOL.nbytes > 0
+    assert DEFAULT_SAVER.pool.nbytes > 0
     ddpckpt.release_async_buffers()  # waits for the save in flight first
-    assert checkpoint._POOL.nbytes == 0
+    assert DEFAULT_SAVER.pool.nbytes == 0
     assert ddpckpt.verify(tmp_path / "a").path
     ddpckpt.save(tmp_path / "b", model=model, optimizer=opt, async_save=True).wait()
     ddpckpt.release_async_buffers()
 
     ckpt = Checkpointer(tmp_path / "run", model=model, optimizer=opt, async_save=True)
     ckpt.save(1)
-    assert ckpt._pool.nbytes > 0
+    assert ckpt._saver.pool.nbytes > 0
     ckpt.close()
-    assert ckpt._pool.nbytes == 0 and ddpckpt.verify(tmp_path / "run" / "step-00000001")
+    assert ckpt._saver.pool.nbytes == 0 and ddpckpt.verify(tmp_path / "run" / "step-00000001")
+
+
+def test_save_and_each_checkpointer_have_their_own_buffer(tmp_path) -> None:
+    from ddpckpt.io.async_saver import DEFAULT_SAVER
+
+    model, opt = objects()
+    ddpckpt.save(tmp_path / "a", model=model, optimizer=opt, async_save=True).wait()
+    with Checkpointer(tmp_path / "run", model=model, optimizer=opt, async_save=True) as ckpt:
+        ckpt.save(1)
+        ckpt.wait()
+        assert ckpt._saver is not DEFAULT_SAVER and ckpt._saver.pool.nbytes > 0
+        ddpckpt.release_async_buffers()  # frees save()'s buffer, not the run's
+        assert DEFAULT_SAVER.pool.nbytes == 0 and ckpt._saver.pool.nbytes > 0
+        ckpt.save(2)
+    assert ckpt._saver.pool.nbytes == 0
+    assert ddpckpt.verify(tmp_path / "run" / "step-00000002").step == 2
 
 
 def test_a_save_in_flight_when_the_program_ends_is_completed(tmp_path) -> None:

@@ -1,0 +1,295 @@
+"""The collective :func:`load`: find the checkpoint on every rank, check, then restore.
+
+``load`` is collective under ``torch.distributed``: every rank calls it, in the same order,
+with the same arguments (rank 0's path is used everywhere); it works unchanged in a single
+process. It finds the checkpoint on every rank (repairing node-local copies,
+:mod:`ddpckpt.dist.replicate`), checks every object against it, then copies memory-mapped,
+checksum-verified tensors (:class:`~ddpckpt.io.reader.FileSource`) into the live objects
+through :mod:`ddpckpt.state`. A failure on any rank raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpckpt._log import get_logger
+from ddpckpt.dist.comm import Comm
+from ddpckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    error_class,
+)
+from ddpckpt.format.codec import decode
+from ddpckpt.format.manifest import Manifest, read_manifest
+from ddpckpt.io.async_saver import DEFAULT_SAVER
+from ddpckpt.io.progress import Progress
+from ddpckpt.io.reader import CheckpointInfo, FileSource
+from ddpckpt.state.capture import (
+    check_model,
+    check_optimizer,
+    extra_kind,
+    restore_model,
+    restore_optimizer,
+    restore_rank_buffers,
+    restore_stateful,
+)
+from ddpckpt.state.rng import derive_rng, restore_rng
+
+__all__ = ["load", "locate", "own_tensors"]
+
+_log = get_logger(__name__)
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    extra: MutableMapping[str, Any] | None = None,
+    strict: bool = True,
+    rng: bool = True,
+    timeout: float | None = None,
+) -> CheckpointInfo:
+    """Restore the checkpoint at ``path`` into the live objects; collective.
+
+    Every rank calls it after building its model, optimizer etc. (before or after
+    wrapping in DDP or torch.compile). Tensors are read from memory-mapped files and
+    copied into the live tensors, so they land on each rank's own devices. Every byte
+    read is verified against its checksum.
+
+    Objects not passed are left alone; an object passed but absent from the checkpoint
+    is an error naming it. Stateful ``extra`` objects get ``load_state_dict``; plain
+    values are written back into the ``extra`` mapping and returned in
+    :attr:`CheckpointInfo.extra`. With ``rng`` each rank's random generators are restored
+    (ranks the checkpoint has no state for get a deterministic derived state and a
+    warning). ``strict=False`` loads the model keys that match and warns about the rest.
+
+    Every check runs before anything is modified. Raises
+    :class:`CheckpointNotFoundError`, :class:`StateMismatchError` (listing every
+    difference), :class:`CorruptCheckpointError` (naming the file); a checksum error found
+    while copying may leave the objects partly updated: load another checkpoint.
+    """
+    path = os.fspath(path)
+    DEFAULT_SAVER.join()
+    with Comm.open("ddpckpt.load", path=path, timeout=timeout) as comm:
+        comm.run("previous save", DEFAULT_SAVER.raise_unseen)  # every rank raises if one does
+        path = comm.path or path
+        manifest = locate(comm, path)
+        objects = _Objects(model, optimizer, scheduler, scaler, extra)
+        with Progress(f"loading {os.path.basename(path)}", manifest.nbytes) as bar:
+            source = FileSource(path, manifest, progress=bar)
+            source.own = own_tensors(manifest, comm.rank, path)
+            comm.run("check", lambda: _check(manifest, source, objects, strict, path))
+            return comm.run(
+                "restore", lambda: _restore(manifest, source, objects, strict, rng, path, comm.rank)
+            )
+
+
+def locate(comm: Comm, path: str) -> Manifest:
+    """Read the manifest at ``path`` on every rank; collective.
+
+    The decision is the same on every rank: if no rank has a committed checkpoint there,
+    :class:`CheckpointNotFoundError` (or the error of an incomplete or corrupt one); if
+    some storage domains lack it (node-local disks, a replaced node), they receive a copy
+    first (:mod:`ddpckpt.dist.replicate`). Returns this rank's manifest.
+    """
+    found: dict[str, Manifest] = {}
+
+    def read() -> dict[str, Any]:
+        try:
+            found["manifest"] = read_manifest(path)
+        except CheckpointNotFoundError:
+            return {"missing": True}
+        except CorruptCheckpointError as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}
+        return {"id": found["manifest"].id}
+
+    statuses = comm.run_all("locate", read)
+    ids = [s.get("id") for s in statuses]
+    present = [i for i in ids if i is not None]
+    if not present:
+        errors = [s for s in statuses if "error" in s]
+        if errors:
+            raise error_class(errors[0]["error"])(errors[0]["message"])
+        raise CheckpointNotFoundError(f"{path}: no checkpoint at this path")
+    if len(set(present)) > 1:
+        listing = ", ".join(f"rank {r}: {i}" for r, i in enumerate(ids) if i is not None)
+        raise CorruptCheckpointError(
+            f"{path}: ranks see different checkpoints under this name ({listing}); node-local "
+            "copies from different runs? Remove the stale ones"
+        )
+    if all(i is not None for i in ids):
+        return found["manifest"]
+    from ddpckpt.dist.replicate import repair_copies
+
+    repair_copies(comm, path, [i is not None for i in ids])
+    return comm.run("reread", lambda: read_manifest(path))
+
+
+def own_tensors(manifest: Manifest, rank: int, path: str) -> dict[str, str]:
+    """Where ``rank``'s own values are of the shared tensors that differed between ranks at
+    save time (parameters DDP ignores, a model without DDP ...): shared name -> stored name.
+
+    A rank that did not exist at save time gets none: it loads rank 0's, with a warning.
+    """
+    if rank < manifest.world_size:
+        own = manifest.ranks[rank].get("own", {})
+        return {name: f"rank{rank}/{stored}" for name, stored in own.items()}
+    if any("own" in r for r in manifest.ranks):
+        _log.warning(
+            "%s: saved with %d ranks, some state per rank (it differed between ranks); rank %d "
+            "has none stored and starts from rank 0's",
+            path,
+            manifest.world_size,
+            rank,
+        )
+    return {}
+
+
+@dataclass
+class _Objects:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    scheduler: Any
+    scaler: Any
+    extra: MutableMapping[str, Any] | None
+
+
+def _check(
+    manifest: Manifest, source: FileSource, objects: _Objects, strict: bool, path: str
+) -> None:
+    state = manifest.state
+    present = [k for k in ("model", "optimizer", "scheduler", "scaler") if k in state]
+    for name in ("optimizer", "scheduler", "scaler"):
+        if getattr(objects, name) is not None and name not in state:
+            raise StateMismatchError(
+                f"{path}: you passed {name}= but the checkpoint has no {name} state (it holds: "
+                f"{', '.join(present)}); leave {name}= out or load a checkpoint saved with one"
+            )
+    check_model(objects.model, state["model"], source, path, strict)
+    if objects.optimizer is not None:
+        check_optimizer(objects.optimizer, objects.model, state["optimizer"], path)
+    stored_extra = state.get("extra", {})
+    for name, obj in (objects.extra or {}).items():
+        if name not in stored_extra:
+            raise StateMismatchError(
+                f"{path}: extra[{name!r}] is not in the checkpoint (it has: "
+                f"{', '.join(sorted(stored_extra)) or 'no extra state'})"
+            )
+        stored, now = stored_extra[name]["kind"], extra_kind(obj)
+        if stored != now:
+            raise StateMismatchError(
+                f"{path}: extra[{name!r}] was saved as {_KINDS[stored]}, but the object passed "
+                f"now ({type(obj).__qualname__}) is {_KINDS[now]}"
+            )
+
+
+_KINDS = {
+    "value": "a plain value",
+    "stateful": "an object with state_dict() shared by all ranks",
+    "per_rank": "per-rank state (PerRank, a StatefulDataLoader ...)",
+}
+
+
+def _restore(
+    manifest: Manifest,
+    source: FileSource,
+    objects: _Objects,
+    strict: bool,
+    rng: bool,
+    path: str,
+    rank: int,
+) -> CheckpointInfo:
+    state = manifest.state
+    restore_model(objects.model, state["model"], source, path, strict)
+    if any("model_buffers" in r for r in manifest.ranks):
+        if rank < manifest.world_size and "model_buffers" in manifest.ranks[rank]:
+            encoded = manifest.ranks[rank]["model_buffers"]
+            restore_rank_buffers(objects.model, encoded, source.for_rank(rank), path)
+        else:
+            _log.warning(
+                "%s: saved with %d ranks and per-rank buffers (broadcast_buffers=False); rank %d "
+                "has none stored and starts from rank 0's buffers",
+                path,
+                manifest.world_size,
+                rank,
+            )
+    if objects.optimizer is not None:
+        restore_optimizer(objects.optimizer, objects.model, state["optimizer"], source, path)
+    for name in ("scheduler", "scaler"):
+        if getattr(objects, name) is not None:
+            restore_stateful(getattr(objects, name), state[name], source, path)
+    values: dict[str, Any] = {}
+    for name, entry in state.get("extra", {}).items():
+        if entry["kind"] == "value":
+            values[name] = decode(entry["state"], lambda n: source.get(n).clone(), where=path)
+    for name, obj in (objects.extra or {}).items():
+        entry = state["extra"][name]
+        if entry["kind"] == "stateful":
+            restore_stateful(obj, entry, source, path)
+        elif entry["kind"] == "per_rank":
+            owner = _per_rank_owner(manifest, name, rank, path)
+            own = {"state": manifest.ranks[owner]["extra"][name]}
+            restore_stateful(obj, own, source.for_rank(owner), path)
+        else:
+            objects.extra[name] = values[name]  # type: ignore[index]
+    if rng:
+        _restore_rng(manifest, source, path, rank)
+    _log.info("loaded checkpoint %s (step %s)", path, manifest.step)
+    return CheckpointInfo.from_manifest(path, manifest, values)
+
+
+def _per_rank_owner(manifest: Manifest, name: str, rank: int, path: str) -> int:
+    """Whose saved per-rank state ``rank`` loads: its own, or rank 0's if it has none."""
+    if rank < manifest.world_size:
+        if name not in manifest.ranks[rank].get("extra", {}):
+            raise CorruptCheckpointError(
+                f"{path}: no per-rank state of extra[{name!r}] for rank {rank}"
+            )
+        return rank
+    _log.warning(
+        "%s: saved with %d ranks, so rank %d has no extra[%r] state of its own; it starts from rank 0's",
+        path,
+        manifest.world_size,
+        rank,
+        name,
+    )
+    return 0
+
+
+def _restore_rng(manifest: Manifest, source: FileSource, path: str, rank: int) -> None:
+    with_rng = [r for r, s in enumerate(manifest.ranks) if "rng" in s]
+    if not with_rng:
+        _log.warning(
+            "%s: the checkpoint holds no RNG state; random generators left as they are", path
+        )
+        return
+    if rank < manifest.world_size:
+        if "rng" not in manifest.ranks[rank]:
+            raise CorruptCheckpointError(f"{path}: no RNG state stored for rank {rank}")
+        rank_source = source.for_rank(rank)
+        state = decode(
+            manifest.ranks[rank]["rng"], lambda n: rank_source.get(n).clone(), where=path
+        )
+        restore_rng(state, f"{path} (rank {rank})")
+        return
+    rank0 = source.for_rank(with_rng[0])
+    base = decode(manifest.ranks[with_rng[0]]["rng"], lambda n: rank0.get(n).clone(), where=path)
+    _log.warning(
+        "%s: saved with %d ranks, so rank %d has no stored RNG state; seeding its generators "
+        "deterministically from rank %d's state and its rank number",
+        path,
+        manifest.world_size,
+        rank,
+        with_rng[0],
+    )
+    restore_rng(derive_rng(base, rank), f"{path} (derived for rank {rank})")

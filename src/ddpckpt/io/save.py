@@ -1,0 +1,105 @@
+"""The collective :func:`save`: capture, plan and write the training state.
+
+``save`` is collective under ``torch.distributed``: every rank calls it, in the same order,
+with the same arguments (rank 0's path is used everywhere); it works unchanged in a single
+process. It captures the training state (:mod:`ddpckpt.state.capture`), plans and writes it
+collectively (:mod:`ddpckpt.io.writing`), or from host copies in the background
+(:mod:`ddpckpt.io.async_saver`). A failure on any rank raises the same error on every rank;
+nothing committed earlier is touched.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpckpt.dist.comm import Comm
+from ddpckpt.io.async_saver import DEFAULT_SAVER, async_mode
+from ddpckpt.io.background import PendingSave
+from ddpckpt.io.writing import header_fields, plan_write, write_and_commit
+from ddpckpt.state.capture import Snapshot, capture
+
+__all__ = ["PendingSave", "release_async_buffers", "save"]
+
+
+def save(
+    path: str | os.PathLike[str],
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    extra: Mapping[str, Any] | None = None,
+    step: int | None = None,
+    epoch: int | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+    rng: bool = True,
+    async_save: bool | str = False,
+    storage: str | None = None,
+    timeout: float | None = None,
+) -> str | PendingSave:
+    """Write the whole training state to the checkpoint directory ``path``; collective.
+
+    Every rank calls it. ``model`` may be wrapped in DDP, DataParallel or torch.compile;
+    ``extra`` maps names to objects with ``state_dict()``/``load_state_dict()`` or to plain
+    values (numbers, strings, lists, dicts, tensors). ``metrics`` are scalars (numbers,
+    0-d tensors, strings). With ``rng`` every rank's random generators are stored.
+    ``storage`` is ``"auto"`` (detect), ``"shared"`` or ``"local"``; see
+    :mod:`ddpckpt.dist.topology`. ``timeout`` bounds how long a rank waits for a silent one.
+
+    ``async_save=True`` returns as soon as this rank's share of the state is copied to host
+    memory (:mod:`ddpckpt.io.staging`); writing and committing go on in the background and the
+    returned :class:`PendingSave` waits for them. ``async_save="overlap"`` returns sooner:
+    parameters and optimizer state are copied while the next forward and backward run,
+    and the ``step()`` of ``optimizer`` (required) and of every optimizer in ``extra``
+    waits for that copy. Either way the checkpoint holds the state as of this call. The
+    returned handle reports this save's own outcome (``done()``, ``wait()``,
+    ``exception()``). The next save or load waits for the previous asynchronous save and
+    raises its error if it failed and nobody had asked its handle.
+
+    Raises :class:`CheckpointExistsError` if ``path`` is already a checkpoint (pass
+    ``overwrite=True`` to replace it atomically), :class:`UnsupportedValueError` naming the
+    key of anything that cannot be stored without pickle, :class:`CheckpointWriteError`
+    when storage fails. Returns the checkpoint's path (rank 0's).
+    """
+    overlap = async_mode(async_save, optimizer)
+    saver = DEFAULT_SAVER
+    saver.join()
+    header = header_fields(step, epoch, metrics)
+    comm = Comm.open("ddpckpt.save", path=os.fspath(path), timeout=timeout)
+    handed_off = False
+
+    def settle_then_capture() -> Snapshot:
+        saver.raise_unseen()  # in a collective step: every rank raises if one does
+        return capture(
+            model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, extra=extra,
+            rng=rng,
+        )  # fmt: skip
+
+    try:
+        snapshot = comm.run("capture", settle_then_capture)
+        plan = plan_write(comm, snapshot, header, overwrite=overwrite, storage=storage)
+        if not async_save:
+            return write_and_commit(plan)
+        completion = saver.start(plan, snapshot, overlap=overlap)
+        handed_off = True
+        return PendingSave(plan.path, completion)
+    finally:
+        if not handed_off:
+            comm.close()
+
+
+def release_async_buffers() -> None:
+    """Wait for the asynchronous save in flight, then free the host buffer that
+    asynchronous saves reuse; the next one allocates it again.
+
+    Local: any rank may call it at any time, and it raises nothing: a failed save is raised
+    by its handle and, on every rank, by the next save or load. A :class:`Checkpointer` has
+    a buffer of its own, which :meth:`Checkpointer.close` frees.
+    """
+    DEFAULT_SAVER.release()

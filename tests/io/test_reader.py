@@ -1,0 +1,64 @@
+"""Local readers: verify and load_state_dict find damage and hand out plain weights."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from io_helpers import assert_state_equal, flip_byte
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import ddpckpt
+from conftest import make_mlp, train_steps
+from ddpckpt import (
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+from ddpckpt.storage import storage_for
+
+
+@pytest.fixture
+def ckpt_dir(ckpt_root) -> str:
+    """Where each test saves: on disk, then in memory (``ckpt_root``)."""
+    return os.fspath(ckpt_root / "ckpt")
+
+
+def test_bit_flip_is_caught_by_load_and_verify(ckpt_dir) -> None:
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    state_file = os.path.join(ckpt_dir, "state-00000.safetensors")
+    flip_byte(state_file, storage_for(state_file).size(state_file) - 3)
+    with pytest.raises(CorruptCheckpointError, match=r"state-00000\.safetensors"):
+        ddpckpt.verify(ckpt_dir)
+    target = make_mlp()
+    with pytest.raises(
+        CorruptCheckpointError, match=r"state-00000\.safetensors: checksum mismatch"
+    ):
+        ddpckpt.load(ckpt_dir, model=target, optimizer=torch.optim.Adam(target.parameters()))
+    ddpckpt.load(ckpt_dir, model=make_mlp())  # the model file itself is intact
+
+
+def test_truncated_or_missing_files_are_reported(ckpt_dir) -> None:
+    ddpckpt.save(ckpt_dir, model=make_mlp())
+    model_file = os.path.join(ckpt_dir, "model-00000.safetensors")
+    storage = storage_for(model_file)
+    storage.replace(model_file, storage.read(model_file)[: storage.size(model_file) // 2])
+    with pytest.raises(IncompleteCheckpointError, match=r"model-00000\.safetensors"):
+        ddpckpt.load(ckpt_dir, model=make_mlp())
+    storage.delete(model_file)
+    with pytest.raises(CorruptCheckpointError, match=r"model-00000\.safetensors.*missing"):
+        ddpckpt.verify(ckpt_dir)
+
+
+def test_load_state_dict_gives_plain_cpu_weights(ckpt_dir, process_group) -> None:
+    model = make_mlp()
+    ddpckpt.save(ckpt_dir, model=DDP(model))
+    weights = ddpckpt.load_state_dict(ckpt_dir)
+    assert all(not k.startswith("module.") for k in weights)
+    assert all(v.device.type == "cpu" for v in weights.values())
+    inference = make_mlp(seed=9)
+    inference.load_state_dict(weights)
+    assert_state_equal(inference.state_dict(), model.state_dict())

@@ -1,0 +1,96 @@
+"""The collective save: refusals before anything is written, failures leave nothing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from io_helpers import names_in, parent_of
+
+import ddpckpt
+from conftest import make_mlp, train_steps
+from ddpckpt import CheckpointExistsError, UnsupportedValueError
+from ddpckpt.storage import storage_for
+
+
+@pytest.fixture
+def ckpt_dir(ckpt_root) -> str:
+    """Where each test saves: on disk, then in memory (``ckpt_root``)."""
+    return os.fspath(ckpt_root / "ckpt")
+
+
+def test_existing_checkpoint_is_not_overwritten_unless_asked(ckpt_dir) -> None:
+    first = make_mlp(seed=1)
+    ddpckpt.save(ckpt_dir, model=first, step=1)
+    with pytest.raises(CheckpointExistsError, match="overwrite=True"):
+        ddpckpt.save(ckpt_dir, model=make_mlp(seed=2), step=2)
+    assert ddpckpt.verify(ckpt_dir).step == 1
+    second = make_mlp(seed=2)
+    ddpckpt.save(ckpt_dir, model=second, step=2, overwrite=True)
+    assert ddpckpt.verify(ckpt_dir).step == 2
+    assert names_in(parent_of(ckpt_dir)) == ["ckpt"]  # no temporaries left
+
+
+def test_unstorable_value_fails_the_save_naming_key_and_leaves_nothing(ckpt_dir) -> None:
+    with pytest.raises(UnsupportedValueError, match="extra/hook/fn"):
+        ddpckpt.save(ckpt_dir, model=make_mlp(), extra={"hook": {"fn": len}})
+    assert names_in(parent_of(ckpt_dir)) == []
+
+
+def test_failed_write_leaves_no_checkpoint_and_no_temporary(ckpt_dir, monkeypatch) -> None:
+    import ddpckpt.io.writing as checkpoint
+
+    real = checkpoint.write_file
+    calls = []
+
+    def failing(path, items, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", path)
+        return real(path, items, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "write_file", failing)
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    with pytest.raises(ddpckpt.CheckpointWriteError, match="No space left") as caught:
+        ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    assert caught.value.errno == 28 and isinstance(caught.value, OSError)
+    assert names_in(parent_of(ckpt_dir)) == []
+
+
+def test_invalid_metadata_is_refused_before_anything_is_written(ckpt_dir) -> None:
+    with pytest.raises(TypeError, match="step must be a non-negative int"):
+        ddpckpt.save(ckpt_dir, model=make_mlp(), step=-1)
+    with pytest.raises(UnsupportedValueError, match="metrics"):
+        ddpckpt.save(ckpt_dir, model=make_mlp(), metrics={"loss": [1, 2]})
+    assert not storage_for(ckpt_dir).exists(ckpt_dir)
+
+
+MEMORY_PROBE = """
+import os, resource, sys, torch, ddpckpt
+params = [torch.nn.Parameter(torch.randn(4 << 20)) for _ in range(8)]  # 128 MiB
+model = torch.nn.ParameterList(params)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ddpckpt.save(sys.argv[1], model=model)
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) * 1024, sum(p.numel() * 4 for p in params))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.disk_only("measured in a child process, which sees no memory:// store")
+def test_saving_streams_with_bounded_extra_memory(ckpt_dir) -> None:
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", MEMORY_PROBE, ckpt_dir],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    extra, state = map(int, result.stdout.split())
+    assert extra < state * 0.15, f"peak RSS grew by {extra} bytes saving {state} bytes"
