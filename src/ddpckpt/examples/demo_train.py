@@ -102,7 +102,8 @@ def main() -> None:
     info = ckpt.resume()
     step, start_epoch = (info.step, info.epoch) if info else (0, 0)
     window = 0.0
-    for epoch in range(start_epoch, 1_000_000):
+    epoch = start_epoch
+    while step < args.steps:  # a run that already finished does nothing more
         sampler.set_epoch(epoch)
         for x, y in loader:
             x, y = x.to(device), y.to(device)
@@ -124,8 +125,7 @@ def main() -> None:
             window = 0.0
             if step == args.steps:
                 break
-        if step == args.steps:
-            break
+        epoch += 1
     ckpt.close()
     dist.destroy_process_group()
 
