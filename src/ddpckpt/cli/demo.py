@@ -26,7 +26,7 @@ from ddpckpt.resumecheck.check import CheckReport, check_resume
 from ddpckpt.resumecheck.report import write_outputs
 from ddpckpt.resumecheck.runner import KillPoint
 
-__all__ = ["SCRIPT", "check_options", "default_every", "default_kill_at", "run_demo"]
+__all__ = ["SCRIPT", "check_options", "default_every", "default_kill_at", "listing", "run_demo"]
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "demo_train.py"
 
@@ -94,7 +94,7 @@ def run_demo(
 
 def listing(report: CheckReport) -> str:
     """``ddpckpt ls`` of the killed run's checkpoints, also written to ``checkpoints.txt``."""
-    found = sorted(glob.glob(os.path.join(report.out, "runs", "kill-*", "checkpoints", "*")))
+    found = glob.glob(os.path.join(report.killed_runs[0], "checkpoints", "*"))
     if not found:
         return "no checkpoints were written"
     from ddpckpt.cli.main import main

@@ -26,6 +26,7 @@ class CheckReport:
     reference_reused: str | None = None
     victim: int = 0
     points: list[PointResult] = field(default_factory=list)
+    killed_runs: list[str] = field(default_factory=list)  # the directory of each point's run
     notes: list[str] = field(default_factory=list)
     plot: str = ""
     # the killed rank's loss per step (log_step): {"rank", "reference": [[step, loss]],
@@ -166,6 +167,7 @@ def check_resume(
             f"kill-{point.label().replace(':', '-')}", command, out, kill=point,
             rank=report.victim, resume_args=resume_args, timeout=timeout,
         )  # fmt: skip
+        report.killed_runs.append(killed.dir)
         killed_records = read_records(killed.dir)
         result = compare_point(
             ref_records, killed_records, kill=point.describe(), victim=report.victim

@@ -128,6 +128,7 @@ def write_outputs(report: CheckReport) -> None:
         "reference_seconds": report.reference_seconds,
         "reference_reused": report.reference_reused,
         "points": [p.as_json() for p in report.points],
+        "killed_runs": report.killed_runs,
         "notes": report.notes,
         "plot": report.plot,
         "losses": report.losses,
