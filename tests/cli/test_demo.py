@@ -1,4 +1,5 @@
-"""The main job, end to end: crash a DDP run, let torchrun restart it, prove it exact."""
+"""The main job, end to end: ``ddpckpt demo`` crashes a DDP run, torchrun restarts it, and
+``ddpckpt check-resume`` proves the resume exact on the bundled training script."""
 
 from __future__ import annotations
 
@@ -6,28 +7,64 @@ import json
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib.image
 import pytest
 
+from ddpckpt.cli.demo import SCRIPT
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    png = path.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", png[16:24])
+    assert matplotlib.image.imread(path).shape[:2] == (height, width)  # decodes
+    return width, height
 
 
 def test_demo_shows_a_crash_an_automatic_resume_and_a_bit_identical_result(tmp_path) -> None:
     out = tmp_path / "demo"
     result = subprocess.run(
-        [sys.executable, "-m", "ddpckpt", "demo", "--out", str(out), "--steps", "60", "--every", "10"],
-        capture_output=True, text=True, timeout=300, check=False,
+        [sys.executable, "-m", "ddpckpt", "demo", "--out", str(out), "--steps", "60", "--every", "10",
+         "--kill-at", "36"],
+        capture_output=True, text=True, timeout=400, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "bit-identical to reference  yes" in result.stdout
+    assert "ddpckpt demo: 2 ranks, 60 optimizer steps, a checkpoint every 10" in result.stdout
+    assert "rank 1 SIGKILLed at step 36 (before any save of it); the launcher restarted it" in (
+        result.stdout
+    )
+    assert "bit-identical at every step on every rank: 30 steps after the restart x 2 ranks" in (
+        result.stdout
+    )
+    assert "verdict: the resume is exact at every kill point" in result.stdout
+
     report = json.loads((out / "report.json").read_text())
-    assert report["identical"] and report["differences"] == []
-    assert 10 <= report["resumed_from"] < report["killed_at"] < 60
-    png = (out / "loss.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
-    width, height = struct.unpack(">II", png[16:24])
-    assert width > 400 and height > 300
-    assert matplotlib.image.imread(out / "loss.png").shape[:2] == (height, width)  # decodes
+    assert report["identical"] and report["world"] == 2 and report["victim"] == 1
+    (point,) = report["points"]
+    assert point["resumed_from"] == 30 and point["divergence"] is None
+    assert len(point["launches"]) == 1  # torchrun --max-restarts 1 restarted the job itself
+    assert {"loss", "lr", "scheduler", "scaler", "extra.ema", "extra.accumulation",
+            "loader.loader.samples", "model.buffers", "rng.torch"} <= set(point["components"])  # fmt: skip
+    # every step after the restart, the loss and the learning rate equal the uninterrupted run's
+    for component in ("loss", "lr"):
+        assert point["grid"][component] == {str(s): True for s in range(31, 61)}
+    losses = report["losses"]
+    assert losses["rank"] == 1 and [s for s, _ in losses["reference"]] == list(range(1, 61))
+    before, after = losses["killed"][0]
+    assert [s for s, _ in before] == list(range(1, 37))
+    assert after == losses["reference"][30:]
+
+    assert _png_size(out / "loss.png")[0] > 400 and _png_size(out / "resume-check.png")[0] > 400
     listing = (out / "checkpoints.txt").read_text()
     assert "latest" in listing and "verified" in listing
+    assert f"training script: {SCRIPT}" in result.stdout
+
+
+def test_the_training_script_is_an_example_file_not_a_module_of_the_package() -> None:
+    assert SCRIPT.is_file() and SCRIPT.parent.name == "examples"
+    assert not (SCRIPT.parent / "__init__.py").exists()
+    assert "ckpt.log_step(" in SCRIPT.read_text()

@@ -144,3 +144,38 @@ def test_a_resume_from_a_step_the_reference_did_not_save_compares_with_its_end_s
     killed = _killed(6, 3, 8)
     result = compare_point(reference, {0: killed}, kill="6", victim=0)
     assert result.identical and result.resumed_from == 3
+
+
+def _buffers_after_resume(value: str) -> tuple[dict[int, Any], list[list[dict[str, Any]]]]:
+    """BatchNorm statistics in every state, the same in both runs except right after
+    resume(), where the killed run holds ``value``."""
+    reference = {0: [_run(8, {4: False})]}
+    killed = _killed(6, 4, 8)
+    for events in [*reference[0], *killed]:
+        for event in events:
+            for part in ("start", "end", "state"):
+                if event.get(part) is not None and event["event"] != "start":
+                    event[part]["model.buffers"] = {"bn.running_var": "own"}
+    killed[1][1]["state"]["model.buffers"] = {"bn.running_var": value}
+    return reference, killed
+
+
+def test_buffers_ddp_overwrites_at_the_first_forward_after_resume_are_not_a_difference() -> None:
+    # DDP(broadcast_buffers=True): rank 1 ends each step with its own statistics, saves rank
+    # 0's, and gets rank 0's again at every forward; right after resume() they differ.
+    reference, killed = _buffers_after_resume("rank 0's")
+    result = compare_point(reference, {0: killed}, kill="6", victim=0)
+    assert result.identical and result.divergence is None
+
+
+def test_buffers_wrong_after_resume_and_at_the_next_forward_are_named_at_the_resume() -> None:
+    reference, killed = _buffers_after_resume("rank 0's")
+    killed[1][2]["start"]["model.buffers"] = {"bn.running_var": "rank 0's"}  # step 5 reads them
+    result = compare_point(reference, {0: killed}, kill="6", victim=0)
+    divergence = result.divergence
+    assert divergence is not None and not result.identical
+    assert (divergence.phase, divergence.step, divergence.component) == (
+        "resume",
+        4,
+        "model.buffers",
+    )

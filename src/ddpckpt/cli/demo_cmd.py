@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from ddpckpt.cli.command import CannotRun, Command
 
@@ -21,22 +22,45 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-at", type=int, default=None, help="SIGKILL rank 1 after this step")
 
 
+def _progress(line: str) -> None:
+    sys.stderr.write(f"  {line}\n")
+    sys.stderr.flush()
+
+
 def _demo(args: argparse.Namespace) -> int:
-    from ddpckpt.cli.demo import check_options, default_every, format_report, run_demo
+    from ddpckpt.cli.demo import (
+        SCRIPT,
+        check_options,
+        default_every,
+        default_kill_at,
+        listing,
+        run_demo,
+    )
+    from ddpckpt.resumecheck.report import format_report
 
     every = args.every if args.every is not None else default_every(args.steps)
+    kill_at = args.kill_at if args.kill_at is not None else default_kill_at(args.steps, every)
     try:
-        check_options(nproc=args.nproc, steps=args.steps, every=every, kill_at=args.kill_at)
+        check_options(nproc=args.nproc, steps=args.steps, every=every, kill_at=kill_at)
     except ValueError as exc:
         raise CannotRun(str(exc)) from None
     print(
-        f"running the demo in {args.out} (two DDP trainings under torchrun; about a minute) ...",
+        f"running the demo in {args.out}: ddpckpt check-resume on {SCRIPT.name} (two DDP "
+        "trainings under torchrun; a few minutes on two CPU cores) ...",
         flush=True,
     )
     report = run_demo(
-        args.out, nproc=args.nproc, steps=args.steps, every=every, kill_at=args.kill_at
+        args.out, nproc=args.nproc, steps=args.steps, every=every, kill_at=kill_at,
+        progress=_progress,
+    )  # fmt: skip
+    title = (
+        f"ddpckpt demo: {args.nproc} ranks, {args.steps} optimizer steps, a checkpoint every "
+        f"{every}\ntraining script: {SCRIPT}"
     )
-    print(format_report(report))
+    print(format_report(report, title=title))
+    print(
+        f"\ncheckpoints of the killed run (kept: the last 3 and the best by loss):\n{listing(report)}"
+    )
     return 0 if report.identical else 1
 
 

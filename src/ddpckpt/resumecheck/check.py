@@ -26,8 +26,13 @@ class CheckReport:
     reference_reused: str | None = None
     victim: int = 0
     points: list[PointResult] = field(default_factory=list)
+    killed_runs: list[str] = field(default_factory=list)  # the directory of each point's run
     notes: list[str] = field(default_factory=list)
     plot: str = ""
+    # the killed rank's loss per step (log_step): {"rank", "reference": [[step, loss]],
+    # "killed": per kill point, per process started, [[step, loss]]}; empty without losses
+    losses: dict[str, Any] = field(default_factory=dict)
+    loss_plot: str = ""
 
     @property
     def identical(self) -> bool:
@@ -38,6 +43,16 @@ def _reference_events(records: dict[int, list[list[dict[str, Any]]]]) -> list[di
     if 0 not in records or not records[0]:
         raise RuntimeError("the uninterrupted run recorded nothing on rank 0")
     return records[0][0]
+
+
+def _loss_curve(events: list[dict[str, Any]]) -> list[list[Any]]:
+    """``[step, loss]`` of each step that logged one number as its last loss."""
+    curve = []
+    for event in events:
+        losses = (event.get("end") or {}).get("loss") if event["event"] == "step" else None
+        if losses and isinstance(losses[-1], (int, float)):
+            curve.append([event["step"], losses[-1]])
+    return curve
 
 
 def _saves(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -143,17 +158,25 @@ def check_resume(
     else:
         points, notes = default_kill_points(events)
         report.notes += notes
+    victim_reference = _loss_curve((ref_records.get(report.victim) or [[]])[0])
+    if victim_reference:
+        report.losses = {"rank": report.victim, "reference": victim_reference, "killed": []}
     for point in points:
         say(f"killing rank {report.victim} {point.describe()}, then restarting ...")
         killed = run(
             f"kill-{point.label().replace(':', '-')}", command, out, kill=point,
             rank=report.victim, resume_args=resume_args, timeout=timeout,
         )  # fmt: skip
+        report.killed_runs.append(killed.dir)
+        killed_records = read_records(killed.dir)
         result = compare_point(
-            ref_records, read_records(killed.dir), kill=point.describe(), victim=report.victim
+            ref_records, killed_records, kill=point.describe(), victim=report.victim
         )
         result.seconds, result.launches = killed.seconds, killed.launches
         report.points.append(result)
+        if report.losses:
+            processes = killed_records.get(report.victim, [])
+            report.losses["killed"].append([_loss_curve(events) for events in processes])
     if not any("loss" in p.components for p in report.points):
         report.notes.append(
             "losses not compared: the script does not call ckpt.log_step(loss) (one line in "

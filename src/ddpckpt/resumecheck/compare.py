@@ -123,6 +123,18 @@ def _saved_state(
     }
 
 
+def _first_step_reads_right_buffers(
+    events: Sequence[dict[str, Any]], ref_steps: Mapping[tuple[int, int], dict[str, Any]]
+) -> bool:
+    """Whether the first step after a resume starts its forward with the reference's buffers."""
+    first = next((e for e in events if e["event"] == "step"), None)
+    reference = ref_steps.get((first["step"], 0)) if first is not None else None
+    if first is None or reference is None:
+        return False
+    expected = (reference.get("start") or {}).get("model.buffers")
+    return expected is not None and expected == (first.get("start") or {}).get("model.buffers")
+
+
 def causal_rank(component: str, phase: str) -> int:
     for index, pattern in enumerate(_ORDER.get(phase, [])):
         if fnmatch.fnmatchcase(component, pattern):
@@ -179,7 +191,7 @@ def _rank_events(
         expected_order = order
         position = 0
         resumed = segment == 0
-        for event in events:
+        for index, event in enumerate(events):
             kind = event["event"]
             if kind == "step" and not resumed:  # restarted, and trained without resume()
                 note((segment, -1, 0), None, "resume", {"checkpoint": ("a checkpoint", None)})
@@ -198,6 +210,12 @@ def _rank_events(
                     note((segment, event["step"], 0), event["step"], "resume", diffs)
                     return found, grid, compared, resumed_from, components, unused
                 diffs = _differences(saved, event["state"], [*_NOT_AT_RESUME, *unused])
+                if "model.buffers" in diffs and _first_step_reads_right_buffers(
+                    events[index + 1 :], ref_steps
+                ):
+                    # DDP's broadcast_buffers (the default) overwrites this rank's buffers
+                    # with rank 0's at every forward: what it held after resume() is never read
+                    del diffs["model.buffers"]
                 note((segment, event["step"], 0), event["step"], "resume", diffs)
                 after = len(order) - 1 - order[::-1].index(event["step"])
                 expected_order, position = order[after + 1 :], 0

@@ -29,15 +29,15 @@ def _saves(report: CheckReport) -> str:
     return ", ".join(parts) or "none"
 
 
-def format_report(report: CheckReport) -> str:
-    """The summary the command prints."""
+def format_report(report: CheckReport, *, title: str | None = None) -> str:
+    """The summary the command prints; ``title`` replaces its first line (the command)."""
     reference = (
         f"reused from {report.reference_reused}"
         if report.reference_reused
         else f"{report.reference_seconds:.1f} s"
     )
     lines = [
-        f"ddpckpt check-resume: {shlex.join(report.command)}",
+        title or f"ddpckpt check-resume: {shlex.join(report.command)}",
         f"uninterrupted run: {len(report.steps)} steps on {report.world} rank"
         f"{'s' if report.world > 1 else ''} ({reference}); checkpoints at steps {_saves(report)}",
     ]
@@ -96,6 +96,8 @@ def format_report(report: CheckReport) -> str:
     lines.append(f"verdict: {verdict}")
     lines.append(f"report: {os.path.join(report.out, 'report.json')}")
     lines.append(f"plot: {report.plot}")
+    if report.losses:
+        lines.append(f"loss plot: {report.loss_plot}")
     lines.append(LIMITS)
     return "\n".join(lines)
 
@@ -110,9 +112,12 @@ def _kinds(components: list[str]) -> str:
 
 
 def write_outputs(report: CheckReport) -> None:
-    """``report.json`` and ``resume-check.png`` (a note instead without matplotlib)."""
+    """``report.json``, ``resume-check.png`` and, when the script logs its loss,
+    ``loss.png`` (a note instead of each plot without matplotlib)."""
     os.makedirs(report.out, exist_ok=True)
     report.plot = _plot(report)
+    if report.losses:
+        report.loss_plot = _loss_plot(report)
     data: dict[str, Any] = {
         "command": report.command,
         "identical": report.identical,
@@ -123,21 +128,36 @@ def write_outputs(report: CheckReport) -> None:
         "reference_seconds": report.reference_seconds,
         "reference_reused": report.reference_reused,
         "points": [p.as_json() for p in report.points],
+        "killed_runs": report.killed_runs,
         "notes": report.notes,
         "plot": report.plot,
+        "losses": report.losses,
+        "loss_plot": report.loss_plot,
         "limits": LIMITS,
     }
     with open(os.path.join(report.out, "report.json"), "w") as f:
         json.dump(data, f, indent=1, default=repr)
 
 
-def _plot(report: CheckReport) -> str:
+def _pyplot() -> Any:
+    """matplotlib's pyplot drawing to files, or ``None`` when matplotlib is not installed."""
     try:
         import matplotlib
     except ImportError:
-        return "not drawn: matplotlib is not installed (pip install 'ddpckpt[demo]')"
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+_NO_MATPLOTLIB = "not drawn: matplotlib is not installed (pip install 'ddpckpt[demo]')"
+
+
+def _plot(report: CheckReport) -> str:
+    plt = _pyplot()
+    if plt is None:
+        return _NO_MATPLOTLIB
     from matplotlib.colors import ListedColormap
 
     points = [p for p in report.points if p.grid]
@@ -169,6 +189,51 @@ def _plot(report: CheckReport) -> str:
             fontsize=8,
         )
         axis.set_xlabel("optimizer step after the restart", fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+def _xy(curve: list[list[Any]]) -> tuple[list[Any], list[Any]]:
+    return [step for step, _ in curve], [loss for _, loss in curve]
+
+
+def _loss_plot(report: CheckReport) -> str:
+    """``loss.png``: the killed rank's loss, uninterrupted and killed-and-resumed, per point."""
+    plt = _pyplot()
+    if plt is None:
+        return _NO_MATPLOTLIB
+    path = os.path.join(report.out, "loss.png")
+    rank, reference = report.losses["rank"], report.losses["reference"]
+    runs = list(zip(report.points, report.losses["killed"], strict=True))
+    figure, axes = plt.subplots(len(runs), 1, figsize=(8, 4.5 * len(runs)), dpi=110, squeeze=False)
+    for axis, (point, processes) in zip(axes[:, 0], runs, strict=True):
+        axis.plot(*_xy(reference), color="0.6", lw=4, label="uninterrupted run")
+        for index, curve in enumerate(p for p in processes if p):
+            style = (
+                {"color": "tab:blue", "lw": 1.3, "label": "killed run"}
+                if index == 0
+                else {"color": "tab:orange", "lw": 1.3, "ls": "--", "label": "after the resume"}
+            )
+            axis.plot(*_xy(curve), **style)
+        at_top = axis.get_xaxis_transform()  # x in data, y in axes coordinates
+        if processes and processes[0]:
+            killed_at = processes[0][-1][0]
+            axis.axvline(killed_at, color="tab:red", lw=1)
+            axis.text(killed_at, 0.03, f" SIGKILL rank {point.rank} (step {killed_at})",
+                      color="tab:red", transform=at_top, fontsize=8)  # fmt: skip
+        if point.resumed_from is not None:
+            axis.axvline(point.resumed_from, color="tab:green", lw=1)
+            axis.text(point.resumed_from, 0.09, f"resumed from step {point.resumed_from} ",
+                      color="tab:green", transform=at_top, ha="right", fontsize=8)  # fmt: skip
+        if all(loss > 0 for _, loss in reference):
+            axis.set_yscale("log")
+        axis.set_xlabel("optimizer step")
+        axis.set_ylabel(f"loss (log_step, rank {rank})")
+        verdict = "bit-identical" if point.identical else "DIFFERENT"
+        axis.set_title(f"rank {point.rank} killed {point.kill}: {verdict}", fontsize=9)
+        axis.legend(loc="upper right", fontsize=8)
     figure.tight_layout()
     figure.savefig(path)
     plt.close(figure)

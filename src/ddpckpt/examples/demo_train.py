@@ -1,34 +1,29 @@
-"""The DDP training job of ``ddpckpt demo`` (started by torchrun; see :mod:`ddpckpt.cli.demo`).
+"""The training script of ``ddpckpt demo``: an ordinary DDP script that resumes exactly.
 
-    torchrun --nproc-per-node 2 -m ddpckpt.cli._demo_train --dir DIR --steps 200 --every 20
+    torchrun --nproc-per-node 2 demo_train.py --dir runs/demo --steps 200 --every 20
 
 A small network with dropout and BatchNorm learns a synthetic regression with AdamW, a
 warm-up + cosine schedule, a GradScaler, an EMA and gradient accumulation 2, reading
 shuffled, randomly augmented data through two loader workers (``resumable_loader``: a plain
-torch DataLoader whose position ddpckpt tracks; no torchdata needed). It checkpoints with a
-Checkpointer and resumes from the newest checkpoint whenever it (re)starts. Each rank
-appends ``{"step", "loss", "lr", "restart"}`` per optimizer step to
-``DIR/losses-rank<r>.jsonl``, the durations of its saves to ``DIR/saves-rank<r>.jsonl``,
-its process id to ``DIR/pid-rank<r>``, and digests of its final state to
-``DIR/final-rank<r>.json``.
+torch DataLoader whose position ddpckpt tracks; no torchdata needed). It checkpoints to
+``--dir`` with a Checkpointer and resumes from the newest checkpoint whenever it (re)starts;
+run it again, or under ``torchrun --max-restarts``, and it goes on where it stopped.
+``ckpt.log_step(loss)`` hands each step's loss to ``ddpckpt check-resume`` (and does
+nothing outside a check). ``ddpckpt demo`` runs ``ddpckpt check-resume`` on this file.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
-import xxhash
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
-from ddpckpt.format.tensorfile import byte_view
 
 
 class Synthetic(torch.utils.data.Dataset):
@@ -47,22 +42,9 @@ class Synthetic(torch.utils.data.Dataset):
         return self.x[index] + 0.05 * torch.randn(16), self.y[index]
 
 
-def _digest(tensors: list[torch.Tensor]) -> str:
-    hasher = xxhash.xxh3_64()
-    for tensor in tensors:
-        flat = tensor.detach().cpu().contiguous()  # kept alive while its bytes are viewed
-        hasher.update(byte_view(flat))  # needs no numpy
-    return hasher.hexdigest()
-
-
-def _append(path: str, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--dir", dest="run", required=True)
+    parser.add_argument("--dir", required=True, help="the checkpoint directory")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--workers", type=int, default=2)
@@ -77,9 +59,6 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     torch.set_num_threads(1)
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    with open(os.path.join(args.run, f"pid-rank{rank}"), "w") as f:
-        f.write(str(os.getpid()))
 
     torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(
@@ -116,15 +95,15 @@ def main() -> None:
     torch.manual_seed(1000 + rank)  # each rank's own dropout stream
 
     ckpt = ddpckpt.Checkpointer(
-        os.path.join(args.run, "checkpoints"), model=ddp, optimizer=optimizer, scheduler=scheduler,
+        args.dir, model=ddp, optimizer=optimizer, scheduler=scheduler,
         scaler=scaler, extra={"ema": ema, "loader": loader, "accumulation": accumulation},
         every_steps=args.every, keep_last=3, keep_best=1, monitor="loss",
     )  # fmt: skip
     info = ckpt.resume()
     step, start_epoch = (info.step, info.epoch) if info else (0, 0)
-    losses = os.path.join(args.run, f"losses-rank{rank}.jsonl")
     window = 0.0
-    for epoch in range(start_epoch, 1_000_000):
+    epoch = start_epoch
+    while step < args.steps:  # a run that already finished does nothing more
         sampler.set_epoch(epoch)
         for x, y in loader:
             x, y = x.to(device), y.to(device)
@@ -140,37 +119,14 @@ def main() -> None:
             scheduler.step()
             ema.update_parameters(model)
             step += 1
-            _append(
-                losses,
-                {
-                    "step": step,
-                    "loss": window,
-                    "lr": scheduler.get_last_lr()[0],
-                    "restart": restart,
-                },
-            )
+            ckpt.log_step(window)
             if ckpt.should_save(step):
-                started = time.perf_counter()
                 ckpt.save(step, epoch=epoch, metrics={"loss": window})
-                _append(os.path.join(args.run, f"saves-rank{rank}.jsonl"),
-                        {"step": step, "seconds": time.perf_counter() - started})  # fmt: skip
             window = 0.0
             if step == args.steps:
                 break
-        if step == args.steps:
-            break
+        epoch += 1
     ckpt.close()
-    final = {
-        "model": _digest(list(model.state_dict().values())),
-        "optimizer": _digest(
-            [v for s in optimizer.state_dict()["state"].values() for v in s.values()]
-        ),
-        "ema": _digest(list(ema.state_dict().values())),
-        "scaler": scaler.state_dict(),
-        "lr": scheduler.get_last_lr(),
-    }
-    with open(os.path.join(args.run, f"final-rank{rank}.json"), "w") as f:
-        json.dump(final, f)
     dist.destroy_process_group()
 
 
