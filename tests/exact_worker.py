@@ -221,29 +221,33 @@ def coverage(args: argparse.Namespace, rank: int) -> None:
 
 def two(args: argparse.Namespace, rank: int) -> None:
     """Closing one Checkpointer leaves another alone; one signal preempts every live one."""
-    models = [nn.Linear(4, 4) for _ in range(3)]
 
-    def checkpointer(name: str, model: nn.Module) -> ddpckpt.Checkpointer:
+    def checkpointer(name: str) -> ddpckpt.Checkpointer:
         return ddpckpt.Checkpointer(
-            os.path.join(args.run, name), model=model, every_steps=1000, preemption=True,
-            timeout=60,
+            os.path.join(args.run, name), model=nn.Linear(4, 4), every_steps=1000,
+            preemption=True, timeout=60,
         )  # fmt: skip
 
-    first, second = checkpointer("first", models[0]), checkpointer("second", models[1])
-    for step in range(1, 4):
-        first.should_save(step)
-        second.should_save(step)
-    first.close()  # e.g. a first phase's Checkpointer; no signal anywhere
-    for step in range(4, 12):  # time for a listener to act on anything close() wrote
-        if second.should_save(step):
-            second.save(step)
-        time.sleep(0.2)
+    second = checkpointer("second")
+    step = 0
+    for phase in range(4):  # each closed one could wake the other's listener (a race: 4 tries)
+        first = checkpointer(f"first{phase}")
+        for _ in range(2):
+            step += 1
+            first.should_save(step)
+            second.should_save(step)
+        first.close()  # e.g. a first phase's Checkpointer; no signal anywhere
+        for _ in range(3):  # time for a listener to act on anything close() wrote
+            step += 1
+            if second.should_save(step):
+                second.save(step)
+            time.sleep(0.2)
     alone = {"preempted": second.preempted, "steps": second.steps()}
-    third = checkpointer("third", models[2])
+    third = checkpointer("third")
     if rank == 1:
         os.kill(os.getpid(), signal.SIGUSR1)  # rank 0 hears nothing
-    step = 11
-    while not (second.preempted and third.preempted) and step < 400:
+    end = step + 400
+    while not (second.preempted and third.preempted) and step < end:
         step += 1
         for ckpt in (second, third):
             if ckpt.should_save(step):
