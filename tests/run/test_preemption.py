@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -21,7 +22,12 @@ import torch
 import ddpckpt
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
-from ddpckpt.run.preemption import Preemption, PreemptionWatch, grace_period
+from ddpckpt.run.preemption import (
+    IgnoringPreemptionSignals,
+    Preemption,
+    PreemptionWatch,
+    grace_period,
+)
 from launch import _env, _finish, _start, free_port
 from test_exact_resume import EXACT, compare, launch
 
@@ -454,3 +460,16 @@ def test_a_grace_period_too_short_is_reported_and_the_previous_checkpoint_stays(
     assert Checkpointer(run, model=make_mlp(), read_only=True).steps() == [3]
     ddpckpt.verify(run / "step-00000003")
     assert (run / "latest").read_text() == "step-00000003\n"
+
+
+def test_a_spawned_loader_worker_learns_the_signals_from_the_pickled_init(
+    restore_signals,
+) -> None:
+    init = IgnoringPreemptionSignals(None)
+    assert pickle.loads(pickle.dumps(init)).signals == []  # no preemption on: nothing ignored
+    watch = PreemptionWatch(Preemption(signals=["SIGUSR2"]), newest=lambda: "nothing")
+    try:
+        spawned = pickle.loads(pickle.dumps(init))  # as torch starts a spawn worker
+    finally:
+        watch.close()
+    assert spawned.signals == [signal.SIGUSR2]
