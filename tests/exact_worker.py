@@ -3,11 +3,14 @@
     exact_worker.py train RUN OUT --steps T --every K [--kill-at S] [--kill-after-epoch E]
         [--loader plain|resumable] [--schedule warmup|multistep] [--restart next|same]
     exact_worker.py coverage RUN OUT --batches B
+    exact_worker.py two RUN OUT
 
 Preemption (test_preemption.py): ``--preempt`` passes ``preemption=True``; ``--pause-at S``
 stops after step S until OUT/go exists (the test sends its signals meanwhile; an
 application handler installed before the Checkpointer writes OUT/signalled-rank<r>);
 ``--hold-from S`` holds each save of step S or later before writing while OUT/hold exists.
+``two``: two preemption-enabled Checkpointers, one closed early, then SIGUSR1 on rank 1 only;
+writes OUT/two-rank<r>.json.
 
 Dropout, BatchNorm, AdamW, a warm-up schedule, GradScaler, an EMA, gradient accumulation 2,
 a shuffling ResumableDistributedSampler and a 2-worker loader with random augmentation
@@ -216,9 +219,51 @@ def coverage(args: argparse.Namespace, rank: int) -> None:
         json.dump(seen, f)
 
 
+def two(args: argparse.Namespace, rank: int) -> None:
+    """Closing one Checkpointer leaves another alone; one signal preempts every live one."""
+
+    def checkpointer(name: str) -> ddpckpt.Checkpointer:
+        return ddpckpt.Checkpointer(
+            os.path.join(args.run, name), model=nn.Linear(4, 4), every_steps=1000,
+            preemption=True, timeout=60,
+        )  # fmt: skip
+
+    second = checkpointer("second")
+    step = 0
+    for phase in range(4):  # each closed one could wake the other's listener (a race: 4 tries)
+        first = checkpointer(f"first{phase}")
+        for _ in range(2):
+            step += 1
+            first.should_save(step)
+            second.should_save(step)
+        first.close()  # e.g. a first phase's Checkpointer; no signal anywhere
+        for _ in range(3):  # time for a listener to act on anything close() wrote
+            step += 1
+            if second.should_save(step):
+                second.save(step)
+            time.sleep(0.2)
+    alone = {"preempted": second.preempted, "steps": second.steps()}
+    third = checkpointer("third")
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)  # rank 0 hears nothing
+    end = step + 400
+    while not (second.preempted and third.preempted) and step < end:
+        step += 1
+        for ckpt in (second, third):
+            if ckpt.should_save(step):
+                ckpt.save(step)
+        time.sleep(0.05)
+    record = {"alone": alone, "step": step}
+    for name, ckpt in (("second", second), ("third", third)):
+        record[name] = {"preempted": ckpt.preempted, "steps": ckpt.steps()}
+    Path(args.out, f"two-rank{rank}.json").write_text(json.dumps(record))
+    third.close()
+    second.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train", "coverage"])
+    parser.add_argument("mode", choices=["train", "coverage", "two"])
     parser.add_argument("run")
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=12)
@@ -236,7 +281,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    (train if args.mode == "train" else coverage)(args, dist.get_rank())
+    {"train": train, "coverage": coverage, "two": two}[args.mode](args, dist.get_rank())
     dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -21,7 +22,12 @@ import torch
 import ddpckpt
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
-from ddpckpt.run.preemption import Preemption, PreemptionWatch, grace_period
+from ddpckpt.run.preemption import (
+    IgnoringPreemptionSignals,
+    Preemption,
+    PreemptionWatch,
+    grace_period,
+)
 from launch import _env, _finish, _start, free_port
 from test_exact_resume import EXACT, compare, launch
 
@@ -204,6 +210,7 @@ def test_signals_during_the_preemption_save_fold_into_it(tmp_path, restore_signa
 def test_a_signal_with_no_should_save_after_it_is_reported_at_close(
     tmp_path, restore_signals, caplog
 ) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # was ignored: stays so, nothing re-sent
     model, opt = objects()
     with Checkpointer(tmp_path, model=model, optimizer=opt, preemption=True) as ckpt:
         ckpt.save(1)
@@ -211,6 +218,83 @@ def test_a_signal_with_no_should_save_after_it_is_reported_at_close(
     err = caplog.text
     assert "SIGTERM was received but no should_save() call followed" in err
     assert "resume() will load" in err and "step-00000001 (step 1)" in err
+    assert "delivered again" not in err and signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+
+
+def run_script(script: str, tmp_path: Path) -> tuple[int, str]:
+    """Run ``script`` in a Python process of its own session (its own process group)."""
+    proc = _start([sys.executable, "-c", script, str(tmp_path)], _env(None), None)
+    ((code, output),) = _finish([proc], 120)
+    return code, output
+
+
+AFTER_THE_LOOP = """
+import os, signal, sys, time, torch, ddpckpt
+ckpt = ddpckpt.Checkpointer(sys.argv[1], model=torch.nn.Linear(2, 2), preemption=True)
+for step in range(1, 4):
+    if ckpt.should_save(step):
+        ckpt.save(step)
+os.kill(os.getpid(), signal.SIGTERM)  # after the loop, e.g. during a final evaluation
+time.sleep(0.1)
+print("alive until close", flush=True)
+ckpt.close()
+print("alive after close", flush=True)
+"""
+
+
+def test_a_sigterm_after_the_last_should_save_ends_the_process_at_close(tmp_path) -> None:
+    code, output = run_script(AFTER_THE_LOOP, tmp_path)
+    assert code == -signal.SIGTERM, output
+    assert "alive until close" in output and "alive after close" not in output
+    assert "SIGTERM was received but no should_save() call followed" in output
+    assert "SIGTERM is delivered again now that the preemption handlers are removed" in output
+
+
+WORKERS_SIGNALLED = """
+import os, signal, sys, torch, ddpckpt
+from torch import nn
+ACCUMULATE = 8  # batches per optimizer step: the agreed step needs more from the workers
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4000
+    def __getitem__(self, i):
+        return torch.randn(8), torch.randn(1)
+
+model = nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = torch.utils.data.DataLoader(Data(), batch_size=4, num_workers=2)
+ckpt = ddpckpt.Checkpointer(sys.argv[1], model=model, optimizer=opt, extra={"loader": loader},
+                            every_steps=1000, preemption=True)
+step = batches = 0
+for x, y in loader:
+    (model(x) - y).pow(2).mean().backward()
+    batches += 1
+    if batches == 2 * ACCUMULATE + 1:
+        os.killpg(os.getpgrp(), signal.SIGTERM)  # mid-step, to every process, as torchrun does
+    if batches % ACCUMULATE:
+        continue
+    opt.step()
+    opt.zero_grad()
+    step += 1
+    if ckpt.should_save(step):
+        ckpt.save(step)
+    if ckpt.preempted:
+        break
+print("RESULT", step, ckpt.preempted, ckpt.steps(), flush=True)
+ckpt.close()
+del loader
+import gc, multiprocessing
+gc.collect()
+print("WORKERS LEFT", [p.pid for p in multiprocessing.active_children()], flush=True)
+"""
+
+
+def test_a_tracked_loaders_workers_survive_a_group_wide_sigterm(tmp_path) -> None:
+    code, output = run_script(WORKERS_SIGNALLED, tmp_path)
+    assert code == 0, output
+    assert "RESULT 3 True [3]" in output, output  # the signal came during step 3
+    assert "WORKERS LEFT []" in output, output  # the loader still shuts its workers down
 
 
 def test_a_signal_during_resume_is_agreed_at_the_next_should_save(
@@ -317,6 +401,25 @@ def test_sigusr1_to_one_worker_makes_both_ranks_save_the_same_step(tmp_path) -> 
 
 
 @pytest.mark.distributed
+def test_closing_one_checkpointer_leaves_another_alone_and_a_signal_preempts_both(
+    tmp_path,
+) -> None:
+    proc = _start([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2",
+                   "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+                   str(EXACT), "two", str(tmp_path / "run"), str(tmp_path)],
+                  _env({"OMP_NUM_THREADS": "1"}), None)  # fmt: skip
+    ((code, output),) = _finish([proc], 120)
+    assert code == 0, output[-3000:]
+    records = [json.loads((tmp_path / f"two-rank{r}.json").read_text()) for r in (0, 1)]
+    assert records[0] == records[1], output[-3000:]
+    record = records[0]
+    assert record["alone"] == {"preempted": False, "steps": []}, output[-3000:]
+    assert record["second"]["preempted"] and record["third"]["preempted"], output[-3000:]
+    assert len(record["second"]["steps"]) == len(record["third"]["steps"]) == 1
+    assert "SIGUSR1 received (rank 1 first)" in output
+
+
+@pytest.mark.distributed
 def test_a_signal_during_an_async_save_finishes_it_then_saves_synchronously(tmp_path) -> None:
     (tmp_path / "hold").touch()  # the async save of step 3 stays in flight until released
     proc = start(tmp_path, "--async-save", "--every=3", "--hold-from=3")
@@ -357,3 +460,16 @@ def test_a_grace_period_too_short_is_reported_and_the_previous_checkpoint_stays(
     assert Checkpointer(run, model=make_mlp(), read_only=True).steps() == [3]
     ddpckpt.verify(run / "step-00000003")
     assert (run / "latest").read_text() == "step-00000003\n"
+
+
+def test_a_spawned_loader_worker_learns_the_signals_from_the_pickled_init(
+    restore_signals,
+) -> None:
+    init = IgnoringPreemptionSignals(None)
+    assert pickle.loads(pickle.dumps(init)).signals == []  # no preemption on: nothing ignored
+    watch = PreemptionWatch(Preemption(signals=["SIGUSR2"]), newest=lambda: "nothing")
+    try:
+        spawned = pickle.loads(pickle.dumps(init))  # as torch starts a spawn worker
+    finally:
+        watch.close()
+    assert spawned.signals == [signal.SIGUSR2]

@@ -496,10 +496,12 @@ class Checkpointer:
         try:
             self._report_locally()
         finally:
-            if self._preemption is not None:
-                self._preemption.close()
-            self._saver.release()
-            self._lock.release()
+            try:
+                self._saver.release()
+                self._lock.release()
+            finally:
+                if self._preemption is not None:  # last: it may re-deliver a signal
+                    self._preemption.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -52,16 +52,36 @@ one after it is saved starts another round. A signal during :meth:`resume` or an
 save is only recorded and agreed at the next ``should_save``. A rank SIGKILLed before the
 agreement never hangs the others: they wait for rank 0 no longer than the Checkpointer's
 ``timeout``, and a save with a missing rank fails naming it. SIGKILL itself cannot be
-caught: the grace period must exceed one step plus one save. torchrun signals each
-worker's whole process group, and DataLoader worker processes end on a SIGTERM that does
-not come from their parent; torch then raises RuntimeError from its SIGCHLD handler in the
-training thread. After a preemption signal that error is logged instead of raised (see
-:meth:`_Handlers.guard_children`), so the checkpoint is still taken; the loader yields the
-batches it had prefetched, and raises if it needs more.
+caught: the grace period must exceed one step plus one save.
+
+Several Checkpointers. Each preemption-enabled Checkpointer has its own store keys, named
+by its rank-independent serial number (the how-many-th preemption-enabled Checkpointer of
+this process it is): every rank must create them in the same order, as every rank must call
+their ``should_save`` at the same steps anyway. A signal reaches every live one: each
+preempts at its next ``should_save``. Closing one changes nothing for the others.
+
+DataLoader workers. torchrun and SLURM signal each worker's whole process group, and
+torch's DataLoader worker processes end on such a signal; the training thread then fails at
+the next batch it needs from them, before the checkpoint. The workers of every DataLoader
+ddpckpt tracks (:func:`~ddpckpt.resumable_loader`, :func:`~ddpckpt.track_loader`, one in a
+Checkpointer's ``extra``) ignore the preemption signals while preemption is on in the
+process (their ``worker_init_fn`` sets SIG_IGN after torch's own set-up); they still end
+when the loader shuts them down or the training process dies. A DataLoader ddpckpt does not
+track keeps torch's behaviour: its workers die with the signal. Pass it in ``extra`` (or
+give it a ``worker_init_fn`` that ignores the signals).
+
+After close. :meth:`PreemptionWatch.close` restores the handlers that were installed before.
+A signal that was received but never turned into a checkpoint (it came after the loop's
+last ``should_save``) is then delivered again to the process, so it does what it would
+have done without ddpckpt: SIGTERM under its default action ends the process at
+``close()``. Until then (after the loop, or while a rank is blocked in a collective whose
+peer died) such a signal is only recorded: the launcher's SIGKILL after its shutdown
+timeout ends a process that never reaches ``close()``.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -76,12 +96,48 @@ from typing import Any
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt.dist.store import StoreTimeout, default_group, namespace
 
-__all__ = ["DEFAULT_GRACE_SECONDS", "Preemption", "PreemptionWatch", "grace_period"]
+__all__ = [
+    "DEFAULT_GRACE_SECONDS",
+    "IgnoringPreemptionSignals",
+    "Preemption",
+    "PreemptionWatch",
+    "grace_period",
+]
 
 _log = get_logger(__name__)
 
 DEFAULT_GRACE_SECONDS = 30.0
 _Handler = Callable[[int, FrameType | None], Any] | int | None
+_serials = itertools.count()  # preemption-enabled Checkpointers made in this process
+_watched: dict[int, frozenset[int]] = {}  # serial -> signals, of the watches with handlers
+
+
+def watched_signals() -> frozenset[int]:
+    """The preemption signals some live Checkpointer of this process handles."""
+    return frozenset().union(*_watched.values())
+
+
+class IgnoringPreemptionSignals:
+    """A DataLoader ``worker_init_fn``: ignore the preemption signals, then call ``inner``.
+
+    torch runs it in each worker process after its own signal set-up. Under the ``fork``
+    start method the worker reads the signals from the state it inherited; under ``spawn``
+    they travel with the pickled function, taken when the workers start.
+    """
+
+    def __init__(self, inner: Callable[[int], Any] | None) -> None:
+        self.inner = inner
+        self.signals: list[int] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"inner": self.inner, "signals": sorted(watched_signals())}
+
+    def __call__(self, worker_id: int) -> None:
+        signals = watched_signals() if self.signals is None else self.signals
+        for sig in signals:
+            signal.signal(sig, signal.SIG_IGN)
+        if self.inner is not None:
+            self.inner(worker_id)
 
 
 @dataclass(frozen=True)
@@ -152,6 +208,7 @@ class _Handlers:
     def __init__(self, signals: Sequence[signal.Signals], on_signal: Callable[[int], None]) -> None:
         self._on_signal = on_signal
         self._previous: dict[int, _Handler] = {}
+        self.removed = False
         if threading.current_thread() is not threading.main_thread():
             _log.warning(
                 "preemption handling is off on this rank: signal handlers can only be "
@@ -169,63 +226,43 @@ class _Handlers:
     def installed(self) -> bool:
         return bool(self._previous)
 
-    def guard_children(self) -> None:
-        """After a preemption signal, defer what the SIGCHLD handler raises (main thread).
-
-        torchrun signals each worker's whole process group, and DataLoader worker processes
-        end on SIGTERM from anyone but their parent; torch's SIGCHLD handler then raises
-        RuntimeError at whatever line the training thread is on, before any checkpoint.
-        Python runs pending handlers in signal-number order, so SIGTERM's and SIGUSR1's
-        run before SIGCHLD's and the guard is in place when it comes.
-        """
-        sigchld = getattr(signal, "SIGCHLD", None)
-        if sigchld is None or sigchld in self._previous or not self._previous:
-            return
-        previous = signal.getsignal(sigchld)
-        self._previous[sigchld] = previous
-
-        def guard(signum: int, frame: FrameType | None) -> None:
-            if not callable(previous):
-                return
-            try:
-                previous(signum, frame)
-            except RuntimeError as exc:  # e.g. "DataLoader worker ... killed by signal"
-                _log.warning(
-                    "after the preemption signal a child process ended and its SIGCHLD "
-                    "handler raised %s: %s. Deferred so that the preemption checkpoint can "
-                    "still be saved (torchrun and SLURM signal the whole process group, and "
-                    "DataLoader workers end on SIGTERM); a DataLoader whose workers ended "
-                    "yields only the batches it has already prefetched",
-                    type(exc).__name__,
-                    exc,
-                )
-
-        self._guard = guard
-        signal.signal(sigchld, guard)
-
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self._on_signal(signum)
+        if not self.removed:
+            self._on_signal(signum)
         previous = self._previous.get(signum)
         if callable(previous):
             previous(signum, frame)
 
-    def remove(self) -> None:
-        """Put the previous handlers back where ours is still the one installed."""
-        previous, self._previous = self._previous, {}
+    def remove(self) -> dict[int, _Handler]:
+        """Put the previous handlers back where ours is still the one installed.
+
+        Returns the handler each signal has now. A handler installed over ours may still
+        chain to ours, which then only chains on; where another Checkpointer's handler is
+        put back after that Checkpointer was closed, what it had replaced is put back.
+        """
+        self.removed = True
         if threading.current_thread() is not threading.main_thread():
-            if previous:
+            if self._previous:
                 _log.warning(
                     "preemption signal handlers stay installed: close() ran off the main thread"
                 )
-            return
-        for sig, handler in previous.items():
-            if signal.getsignal(sig) in (self._handle, getattr(self, "_guard", None)):
+            return {}
+        now = {}
+        for sig, handler in self._previous.items():
+            if signal.getsignal(sig) == self._handle:
+                handler = _unwrap_removed(sig, handler)
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-        self._on_signal = _ignore  # a handler installed over ours may still chain to it
+            now[sig] = signal.getsignal(sig)
+        return now
 
 
-def _ignore(signum: int) -> None:
-    pass
+def _unwrap_removed(sig: int, handler: _Handler) -> _Handler:
+    """``handler``, or what it replaced if it is a removed Checkpointer's (recursively)."""
+    owner = getattr(handler, "__self__", None)
+    while isinstance(owner, _Handlers) and owner.removed:
+        handler = owner._previous.get(sig, signal.SIG_DFL)
+        owner = getattr(handler, "__self__", None)
+    return handler
 
 
 @dataclass
@@ -265,18 +302,23 @@ class PreemptionWatch:
         self._group: Any = None
         self._stop = threading.Event()
         grace_period(options.grace_seconds)  # a bad value fails now, not at the signal
-        self._handlers = _Handlers(options.signal_numbers(), self._received)
+        self._serial = next(_serials)  # the same on every rank: names this watch's keys
+        signals = options.signal_numbers()
+        self._handlers = _Handlers(signals, self._received)
+        if self._handlers.installed:
+            _watched[self._serial] = frozenset(signals)
 
     def _received(self, signum: int) -> None:  # in the signal handler: no I/O, no locks
         self._count += 1
         if self._signal is None and self.agreed is None:
             self._signal = (signum, time.monotonic())
-        self._handlers.guard_children()
 
     # ------------------------------------------------------------------ agreement
 
-    def _key(self) -> str:
-        return f"{namespace()}/preempt/{self._round}"
+    def _key(self, round_: int | None = None) -> str:
+        """This watch's store key of ``round_`` (default: the current round)."""
+        round_ = self._round if round_ is None else round_
+        return f"{namespace()}/preempt/{self._serial}/{round_}"
 
     def announce(self) -> None:
         """Post this rank's signal for rank 0 (once per round); before the decision."""
@@ -301,7 +343,7 @@ class PreemptionWatch:
             )
             self._listener.start()
         remote = self._remote
-        if remote is None or remote[0] != self._round:
+        if remote is None or remote[0] != self._round or remote[1].get("signal", 0) <= 0:
             return None
         return b"P%d,%d" % (remote[1]["signal"], remote[1]["rank"])
 
@@ -315,16 +357,16 @@ class PreemptionWatch:
         try:
             while not self._stop.is_set():
                 current = self._round
-                key = f"{namespace()}/preempt/{current}"
+                key = self._key(current)
                 try:
                     client.wait([key], timedelta(seconds=1))
                 except StoreTimeout:
                     continue
-                post = json.loads(client.get(key))
+                value = client.get(key)
                 client.delete_key(key)
-                if self._stop.is_set():
+                if self._stop.is_set():  # close() woke it (its value is no post)
                     break
-                self._remote = (current, post)
+                self._remote = (current, json.loads(value))
                 while self._round == current and not self._stop.wait(0.05):
                     pass  # until this round is agreed; later posts belong to the next one
         except RuntimeError as exc:  # the store went away (the job is ending)
@@ -432,13 +474,17 @@ class PreemptionWatch:
         return 128 + self.signum if self.preempted and self.signum is not None else 0
 
     def close(self) -> None:
-        """Remove the handlers; report a signal that never led to a checkpoint."""
-        self._handlers.remove()
+        """Restore the handlers; report, then deliver again, a signal that led to no checkpoint.
+
+        Local; call it last (a re-delivered SIGTERM ends the process here).
+        """
+        handlers = self._handlers.remove()
+        _watched.pop(self._serial, None)
         self._stop.set()
         if self._listener is not None:  # wake it now rather than at its next timeout
-            key = f"{namespace()}/preempt/{self._round}"
+            key = self._key()
             try:
-                self._group.store.set(key, json.dumps({"rank": 0, "signal": 0}).encode())
+                self._group.store.set(key, b"stop")  # read only with _stop set: no post
                 self._listener.join(5)
                 self._group.store.delete_key(key)  # if the listener had already stopped
             except RuntimeError as exc:  # the store is gone: the daemon thread ends with us
@@ -453,13 +499,24 @@ class PreemptionWatch:
                 agreed.step,
                 self._newest(),
             )
-        elif self._signal is not None:
+        pending = self._signal[0] if self._signal is not None else None
+        if agreed is not None:
+            pending = agreed.signum
+        elif pending is not None:
             _log.error(
                 "%s was received but no should_save() call followed, so no preemption "
                 "checkpoint was saved; resume() will load %s",
-                _name(self._signal[0]),
+                _name(pending),
                 self._newest(),
             )
+        if pending is not None and handlers.get(pending) == signal.SIG_DFL:
+            _log.error(
+                "%s is delivered again now that the preemption handlers are removed: the "
+                "process ends as it would have without preemption handling",
+                _name(pending),
+            )
+            self.agreed, self._signal = None, None
+            os.kill(os.getpid(), pending)
 
 
 def _name(signum: int) -> str:

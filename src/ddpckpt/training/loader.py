@@ -34,6 +34,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from ddpckpt.errors import InexactResumeError, StateMismatchError
 from ddpckpt.resumecheck import record as _resume_check
+from ddpckpt.run.preemption import IgnoringPreemptionSignals
 from ddpckpt.state.objects import is_stateful
 from ddpckpt.training.data import ResumableDistributedSampler, SeededDataset
 from ddpckpt.training.replay import (
@@ -313,7 +314,9 @@ def track_loader(loader: DataLoader) -> DataLoader:
     """Make ``loader`` (any ``torch.utils.data.DataLoader``) record its position; returns it.
 
     Call it before the loader's first iteration, on every rank; passing the loader in a
-    Checkpointer's or :func:`ddpckpt.load`'s ``extra`` does it for you. Idempotent.
+    Checkpointer's or :func:`ddpckpt.load`'s ``extra`` does it for you. Idempotent. Its
+    worker processes ignore the preemption signals while a Checkpointer with ``preemption``
+    is open (see :mod:`ddpckpt.run.preemption`).
     """
     if is_tracked(loader):
         return loader
@@ -322,6 +325,7 @@ def track_loader(loader: DataLoader) -> DataLoader:
     _refuse_untrackable(loader)
     _swap_class(loader, _Tracking)
     loader._ddpckpt_init()
+    loader.worker_init_fn = IgnoringPreemptionSignals(loader.worker_init_fn)
     return loader
 
 
