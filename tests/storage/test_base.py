@@ -24,11 +24,14 @@ from ddpckpt.storage.base import MANIFEST, temp_name
 from ddpckpt.storage.memory import SCHEME
 
 
-@pytest.fixture(params=["posix", "memory"])
+@pytest.fixture(params=["posix", "memory", "s3"])
 def store(request, tmp_path) -> Iterator[tuple[Storage, str]]:
-    """``(storage, root)``: an empty directory or memory prefix to work under."""
+    """``(storage, root)``: an empty directory, memory prefix or S3 prefix to work under."""
     if request.param == "posix":
         yield resolve(os.fspath(tmp_path))
+        return
+    if request.param == "s3":
+        yield resolve(request.getfixturevalue("s3_root"))
         return
     name = f"test-{uuid.uuid4().hex[:8]}"
     storage, root = resolve(f"{SCHEME}{name}/root")
