@@ -191,17 +191,31 @@ def test_the_server_stopped_mid_save_is_a_bounded_error_and_training_goes_on(cap
         s3server.stop(process)
 
 
-def test_retention_on_s3_deletes_manifest_first_and_keeps_the_newest(s3_root) -> None:
+def test_retention_on_s3_deletes_manifest_first_and_keeps_the_newest(s3_root, monkeypatch) -> None:
+    from ddpckpt.storage.s3 import S3Storage
+
+    deletions: list[str] = []
+    for method in ("delete", "delete_tree"):
+        real = getattr(S3Storage, method)
+
+        def record(self, location, _real=real, _method=method):
+            deletions.append(f"{_method} {location}")
+            return _real(self, location)
+
+        monkeypatch.setattr(S3Storage, method, record)
     run = s3_root / "run"
     model = make_mlp()
     with Checkpointer(run, model=model, keep_last=2) as ckpt:
         for step in (1, 2, 3, 4):
+            if step == 3:  # step 1 was saved; now retention removes it
+                deletions.clear()
             ckpt.save(step)
     steps = [n for n in run.iterdir() if n.name.startswith("step-")]
     assert sorted(p.name for p in steps) == ["step-00000003", "step-00000004"]
     assert (run / "latest").read_text() == "step-00000004\n"
-    storage = storage_for(run)
-    assert storage.walk(f"{run}/step-00000001") == []  # nothing of it left behind
+    first = [d for d in deletions if "step-00000001" in d]
+    assert first[0] == f"delete {run}/step-00000001/manifest.json"  # uncommitted first
+    assert storage_for(run).walk(f"{run}/step-00000001") == []  # nothing of it left behind
     assert ddpckpt.latest(run) == f"{run}/step-00000004"
 
 
