@@ -16,6 +16,7 @@ from conftest import StoredPath, make_mlp, train_steps
 from ddpckpt import Checkpointer
 from ddpckpt.cli.main import main
 from ddpckpt.storage import ManifestLastCommit, mount, resolve, storage_for
+from launch import torchrun
 
 pytestmark = pytest.mark.skipif(bool(s3server.missing()), reason=str(s3server.missing()))
 
@@ -266,3 +267,18 @@ def test_storage_errors_are_os_errors_a_caller_can_classify(s3_endpoint) -> None
     with pytest.raises(ConnectionError) as caught:
         unreachable.read(f"s3://{s3server.BUCKET}/x")
     assert caught.value.errno == errno.ECONNREFUSED and caught.value.filename.endswith("/x")
+
+
+@pytest.mark.distributed
+def test_two_ranks_under_torchrun_save_and_resume_on_s3(s3_root, tmp_path) -> None:
+    """Both ranks reach the server through the inherited AWS_ENDPOINT_URL and credentials."""
+    run = f"{s3_root}/run"
+    args = ["--ckpt", run, "--steps", "12"]  # the last step is saved (every 4 steps)
+    results = torchrun("checkpointer_run", tmp_path / "out", nproc=2, args=args).ok().results
+    assert results[0]["saved"] == results[1]["saved"] and len(results[0]["saved"]) >= 2
+    newest = results[0]["saved"][-1]
+    for result in results.values():
+        assert result["resumed"] == newest and result["resumed_digest"] == results[0]["digest"]
+    kept = [n for n in storage_for(run).list(run) if n.startswith("step-")]
+    assert f"step-{newest:08d}" in kept and len(kept) <= 3
+    ddpckpt.verify(f"{run}/step-{newest:08d}")
