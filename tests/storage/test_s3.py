@@ -69,6 +69,10 @@ def test_a_large_object_goes_up_in_parts_and_comes_back_by_parallel_ranges(mount
         reader.close()
     storage.copy(f"{root}/big", f"{root}/copy")  # server-side
     assert storage.read(f"{root}/copy") == data
+    storage.write_new(f"{root}/empty", b"")  # no byte to range over
+    reader = storage.open(f"{root}/empty")
+    assert reader.size == 0 and reader.map() is None
+    reader.close()
 
 
 def test_an_upload_closed_without_sync_leaves_nothing(mounted) -> None:

@@ -76,10 +76,20 @@ def _os_error(exc: Exception, location: str) -> OSError:
     return OSError(errno.EIO, f"S3 request failed ({type(exc).__name__}: {exc})", location)
 
 
+class _EmptyObject(Exception):
+    """A ranged GET of an object without bytes (HTTP 416)."""
+
+
+def _error_code(exc: Exception) -> str:
+    if not isinstance(exc, botocore.exceptions.ClientError):
+        return ""
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
 def _is_precondition_failure(exc: Exception) -> bool:
     if not isinstance(exc, botocore.exceptions.ClientError):
         return False
-    code = str(exc.response.get("Error", {}).get("Code", ""))
+    code = _error_code(exc)
     status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
     return code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412)
 
@@ -204,13 +214,18 @@ class _S3Reader(Reader):
 
     def __init__(self, store: S3Storage, location: str) -> None:
         self._store, self._location = store, location
-        self._bucket, self._key = store._split(location)
-        head = store._head(location)
-        self.size = int(head["ContentLength"])
-        self._etag = head["ETag"]
         self._data: bytes | None = None
-        if self.size <= store.small_object:
-            self._data = store._get(location, IfMatch=self._etag)
+        # One request tells the size and version and, for a small object, brings it all.
+        try:
+            data, response = store._get_object(location, Range=f"bytes=0-{store.small_object - 1}")
+        except _EmptyObject:
+            self.size, self._etag, self._data = 0, "", b""
+            return
+        total = str(response.get("ContentRange", "")).rpartition("/")[2]
+        self.size = int(total) if total.isdigit() else len(data)
+        self._etag = response["ETag"]
+        if len(data) == self.size:
+            self._data = data
 
     def _get_range(self, view: memoryview, offset: int) -> None:
         data = self._store._get(
@@ -342,13 +357,19 @@ class S3Storage(Storage):
             raise IsADirectoryError(errno.EISDIR, "a bucket is no object", location)
         return self._call(location, self._client.head_object, Bucket=bucket, Key=key)
 
-    def _get(self, location: str, **kwargs: Any) -> bytes:
+    def _get_object(self, location: str, **kwargs: Any) -> tuple[bytes, dict[str, Any]]:
+        """The body and the response of a GET."""
         bucket, key = self._split(location)
-        response = self._call(location, self._client.get_object, Bucket=bucket, Key=key, **kwargs)
         try:
-            return response["Body"].read()
+            response = self._client.get_object(Bucket=bucket, Key=key, **kwargs)
+            return response["Body"].read(), response
         except _CLIENT_ERRORS as exc:
+            if "Range" in kwargs and _error_code(exc) == "InvalidRange":
+                raise _EmptyObject from None  # no byte 0: the object exists and is empty
             raise _os_error(exc, location) from exc
+
+    def _get(self, location: str, **kwargs: Any) -> bytes:
+        return self._get_object(location, **kwargs)[0]
 
     def _put_new(self, location: str, data: bytes) -> None:
         bucket, key = self._split(location)
