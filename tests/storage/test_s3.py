@@ -6,6 +6,8 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -286,3 +288,12 @@ def test_two_ranks_under_torchrun_save_and_resume_on_s3(s3_root, tmp_path) -> No
     kept = [n for n in storage_for(run).list(run) if n.startswith("step-")]
     assert f"step-{newest:08d}" in kept and len(kept) <= 3
     ddpckpt.verify(f"{run}/step-{newest:08d}")
+
+
+def test_without_the_extra_an_s3_url_says_what_to_install(tmp_path) -> None:
+    code = "import sys; sys.modules['boto3'] = None\nimport ddpckpt\nddpckpt.latest('s3://b/run')"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode != 0
+    assert "ImportError: s3:// locations need boto3: pip install 'ddpckpt[s3]'" in done.stderr
