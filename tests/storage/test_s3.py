@@ -297,3 +297,27 @@ def test_without_the_extra_an_s3_url_says_what_to_install(tmp_path) -> None:
     )
     assert done.returncode != 0
     assert "ImportError: s3:// locations need boto3: pip install 'ddpckpt[s3]'" in done.stderr
+
+
+def test_a_server_without_conditional_writes_gets_plain_ones_after_a_warning(
+    mounted, monkeypatch, caplog
+) -> None:
+    import botocore.exceptions
+
+    storage, root = mounted
+    real = storage._client.put_object
+
+    def put_object(**kwargs):
+        if "IfNoneMatch" in kwargs:
+            error = {"Error": {"Code": "NotImplemented", "Message": "not implemented"}}
+            raise botocore.exceptions.ClientError(error, "PutObject")
+        return real(**kwargs)
+
+    monkeypatch.setattr(storage._client, "put_object", put_object)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        storage.write_new(f"{root}/a", b"1")
+        storage.write_new(f"{root}/b", b"2")
+    assert caplog.text.count("does not support conditional writes") == 1
+    assert storage.read(f"{root}/a") == b"1" and storage.read(f"{root}/b") == b"2"
+    with pytest.raises(FileExistsError):
+        storage.write_new(f"{root}/a", b"again")  # still checked before writing

@@ -326,6 +326,7 @@ class S3Storage(Storage):
             config=config,
         )
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="ddpckpt-s3")
+        self._conditional_writes = True
 
     def __repr__(self) -> str:  # no credentials in messages
         return f"S3Storage(endpoint_url={self._client.meta.endpoint_url!r})"
@@ -343,10 +344,22 @@ class S3Storage(Storage):
     def _call(
         self, location: str, operation: Callable[..., _T], *, exclusive: bool = False, **kwargs: Any
     ) -> _T:
-        """``operation(**kwargs)``, its client errors raised as :class:`OSError`."""
+        """``operation(**kwargs)``, its client errors raised as :class:`OSError`. A server
+        without conditional writes gets them unconditionally (after one warning)."""
+        if not self._conditional_writes:
+            kwargs.pop("IfNoneMatch", None)
         try:
             return operation(**kwargs)
         except _CLIENT_ERRORS as exc:
+            if "IfNoneMatch" in kwargs and _error_code(exc) == "NotImplemented":
+                _log.warning(
+                    "%s: the S3 server does not support conditional writes (If-None-Match); "
+                    "exclusive creates are checked before writing only, so two jobs saving "
+                    "to one prefix at the same moment are not detected",
+                    location,
+                )
+                self._conditional_writes = False
+                return self._call(location, operation, exclusive=exclusive, **kwargs)
             if exclusive and _is_precondition_failure(exc):
                 raise FileExistsError(errno.EEXIST, "object exists", location) from None
             raise _os_error(exc, location) from exc
