@@ -321,3 +321,52 @@ def test_a_server_without_conditional_writes_gets_plain_ones_after_a_warning(
     assert storage.read(f"{root}/a") == b"1" and storage.read(f"{root}/b") == b"2"
     with pytest.raises(FileExistsError):
         storage.write_new(f"{root}/a", b"again")  # still checked before writing
+
+
+_KILLED_TRAINER = """
+import sys, time, torch, ddpckpt
+from ddpckpt.storage import mount
+from ddpckpt.storage.s3 import S3Storage
+
+root = sys.argv[1]
+
+class Stalling(S3Storage):
+    def create(self, location):
+        if location.endswith("step-00000002/manifest.json"):
+            print("UPLOADED", flush=True)  # step 2's data is up, its manifest is not
+            time.sleep(600)
+        return super().create(location)
+
+mount(root, Stalling(part_size=5 << 20))
+torch.manual_seed(0)
+model = torch.nn.Linear(1024, 2048)  # 8 MiB: a multipart upload
+with ddpckpt.Checkpointer(root + "/run", model=model) as ckpt:
+    ckpt.save(1)
+    with torch.no_grad():
+        model.weight.add_(1)
+    ckpt.save(2)
+"""
+
+
+def test_a_trainer_killed_during_upload_resumes_from_the_previous_checkpoint(s3_root) -> None:
+    """SIGKILL after step 2's data objects are uploaded and before its manifest: step 2 is
+    no checkpoint, resume() loads step 1 and removes the leftovers."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_TRAINER, s3_root], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert trainer.stdout.readline().strip() == "UPLOADED"
+    finally:
+        trainer.kill()
+        trainer.wait(60)
+    run = f"{s3_root}/run"
+    storage = storage_for(run)
+    assert "model-00000.safetensors" in storage.walk(f"{run}/step-00000002")
+    assert ddpckpt.latest(run) == f"{run}/step-00000001"
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(1024, 2048)
+    fresh = torch.nn.Linear(1024, 2048)
+    with Checkpointer(run, model=fresh) as ckpt:  # the dead trainer's lock is taken over
+        assert ckpt.resume().step == 1
+    assert torch.equal(fresh.weight, expected.weight)
+    assert storage.walk(f"{run}/step-00000002") == []  # resume() removed the leftovers
