@@ -80,7 +80,7 @@ def pytest_configure(config) -> None:
 
 
 class StoredPath(str):
-    """A location in a storage that is no file system (``memory://...``), with the few
+    """A location in a storage that is no file system (``memory://...``, ``s3://...``), with the few
     ``pathlib`` methods the suites use, so that one test body runs on disk and in memory."""
 
     def __truediv__(self, name: str) -> StoredPath:
@@ -127,17 +127,55 @@ class StoredPath(str):
         self._storage().delete(self)
 
 
-@pytest.fixture(params=["disk", "memory"])
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A moto S3 server on loopback for the whole session, with the bucket
+    ``s3server.BUCKET`` and ``AWS_ENDPOINT_URL``/credentials set in the environment
+    (inherited by launched workers). Skips only if boto3 or moto is not installed."""
+    import s3server
+
+    why = s3server.missing()
+    if why:
+        pytest.skip(why)
+    process, endpoint = s3server.start()
+    previous = s3server.set_environment(endpoint)
+    try:
+        s3server.make_bucket(endpoint)
+        import ddpckpt.storage.s3
+
+        ddpckpt.storage.s3.reset_default()  # the next s3:// URL reads the new environment
+        yield endpoint
+    finally:
+        s3server.restore_environment(previous)
+        s3server.stop(process)
+
+
+@pytest.fixture
+def s3_root(s3_endpoint) -> Iterator[StoredPath]:
+    """A fresh, empty prefix in the test bucket."""
+    import s3server
+    from ddpckpt.storage import storage_for
+
+    root = StoredPath(f"s3://{s3server.BUCKET}/test-{uuid.uuid4().hex[:12]}")
+    yield root
+    storage_for(root).delete_tree(root)
+
+
+@pytest.fixture(params=["disk", "memory", "s3"])
 def ckpt_root(request, tmp_path) -> Iterator[object]:
-    """An empty place to save checkpoints: ``tmp_path``, then a fresh ``memory://`` store.
-    Suites written against it prove that the library reaches bytes only through the
-    storage interface; tests marked ``disk_only`` run on the file system alone."""
+    """An empty place to save checkpoints: ``tmp_path``, a fresh ``memory://`` store, a
+    fresh prefix on a local S3 server. Suites written against it prove that the library
+    reaches bytes only through the storage interface; tests marked ``disk_only`` run on
+    the file system alone."""
     if request.param == "disk":
         yield tmp_path
         return
     disk_only = request.node.get_closest_marker("disk_only")
     if disk_only:
         pytest.skip(f"on disk only: {disk_only.args[0]}")
+    if request.param == "s3":
+        yield request.getfixturevalue("s3_root")
+        return
     from ddpckpt.storage import storage_for
 
     name = f"test-{uuid.uuid4().hex[:12]}"

@@ -24,11 +24,14 @@ from ddpckpt.storage.base import MANIFEST, temp_name
 from ddpckpt.storage.memory import SCHEME
 
 
-@pytest.fixture(params=["posix", "memory"])
+@pytest.fixture(params=["posix", "memory", "s3"])
 def store(request, tmp_path) -> Iterator[tuple[Storage, str]]:
-    """``(storage, root)``: an empty directory or memory prefix to work under."""
+    """``(storage, root)``: an empty directory, memory prefix or S3 prefix to work under."""
     if request.param == "posix":
         yield resolve(os.fspath(tmp_path))
+        return
+    if request.param == "s3":
+        yield resolve(request.getfixturevalue("s3_root"))
         return
     name = f"test-{uuid.uuid4().hex[:8]}"
     storage, root = resolve(f"{SCHEME}{name}/root")
@@ -259,3 +262,26 @@ def test_resolve_picks_the_storage_by_scheme() -> None:
             resolve("nope://other/x")
     finally:
         mount("nope://bucket", None)
+
+
+@pytest.mark.parametrize("strategy", [RenameCommit(), ManifestLastCommit()], ids=type)
+def test_abort_logs_a_storage_failure_instead_of_masking_the_save_error(
+    store, strategy, monkeypatch, caplog
+) -> None:
+    """abort runs while the save's own error propagates; the store that failed the save
+    (a server gone away) often fails the cleanup too, which must not replace that error."""
+    storage, root = store
+    final = f"{root}/ckpt"
+    staging = strategy.staging(storage, final, "t1")
+    strategy.begin(storage, final, staging, overwrite=False)
+    _write_checkpoint_files(storage, staging, manifest=None)
+
+    def unreachable(location: str) -> None:
+        raise ConnectionError(errno.ECONNREFUSED, "connection refused", location)
+
+    monkeypatch.setattr(storage, "delete_tree", unreachable)
+    monkeypatch.setattr(storage, "exists", lambda location: unreachable(location))
+    with caplog.at_level("WARNING", logger="ddpckpt"):
+        strategy.abort(storage, staging, final)
+    assert "could not remove what the failed save left" in caplog.text
+    assert "connection refused" in caplog.text

@@ -1,7 +1,8 @@
 """Where checkpoints are stored: a path or URL resolved to a :class:`Storage`.
 
 ``/data/run`` is the local file system, ``memory://name/run`` the
-in-memory store of this process. Another backend registers its URL scheme with
+in-memory store of this process, ``s3://bucket/run`` S3-compatible object storage (extra
+``ddpckpt[s3]``; see :mod:`ddpckpt.storage.s3`). Another backend registers its URL scheme with
 :func:`register` (a factory from the URL to a storage, e.g. one per bucket and options);
 :func:`mount` serves one URL prefix from a given storage instance.
 """
@@ -43,7 +44,15 @@ __all__ = [
 _lock = threading.Lock()
 _posix = PosixStorage()
 _memory = MemoryStorage()
-_schemes: dict[str, Callable[[str], Storage]] = {"memory": lambda url: _memory}
+
+
+def _s3(url: str) -> Storage:
+    from ddpckpt.storage.s3 import default_storage  # boto3 is optional: imported on use
+
+    return default_storage(url)
+
+
+_schemes: dict[str, Callable[[str], Storage]] = {"memory": lambda url: _memory, "s3": _s3}
 _mounts: dict[str, Storage] = {}
 
 

@@ -26,6 +26,8 @@ import uuid
 from types import TracebackType
 from typing import Any
 
+from ddpckpt._log import get_logger
+
 __all__ = [
     "CommitStrategy",
     "ManifestLastCommit",
@@ -40,6 +42,7 @@ __all__ = [
 
 MANIFEST = "manifest.json"  # the commit marker both strategies rely on
 _TEMP_MARK = ".tmp-"
+_log = get_logger(__name__)
 
 
 def new_token() -> str:
@@ -243,9 +246,24 @@ class CommitStrategy(abc.ABC):
         """Make the finished checkpoint visible at ``final`` (its manifest is written).
         Raises ``FileExistsError`` if ``final`` exists and ``overwrite`` is false."""
 
-    @abc.abstractmethod
     def abort(self, storage: Storage, staging: str, final: str) -> None:
-        """Remove what a failed save left; never a committed checkpoint."""
+        """Remove what a failed save left; never a committed checkpoint. Called while the
+        save's own error propagates, so a storage failure here (the store that just failed
+        the save is often still down) is logged, not raised: the leftovers are no
+        checkpoint, and the next save there or ``ddpckpt clean`` removes them."""
+        try:
+            self._remove_leftovers(storage, staging, final)
+        except OSError as exc:
+            _log.warning(
+                "%s: could not remove what the failed save left (%s); it is no checkpoint, "
+                "and the next save there or `ddpckpt clean` removes it",
+                staging,
+                exc,
+            )
+
+    @abc.abstractmethod
+    def _remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
+        """What :meth:`abort` does."""
 
     @abc.abstractmethod
     def discard(self, storage: Storage, final: str) -> None:
@@ -293,7 +311,7 @@ class RenameCommit(CommitStrategy):
         exchange = getattr(storage, "exchange", None)
         return bool(exchange is not None and exchange(a, b))
 
-    def abort(self, storage: Storage, staging: str, final: str) -> None:
+    def _remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
         storage.delete_tree(staging)
 
     def discard(self, storage: Storage, final: str) -> None:
@@ -329,7 +347,7 @@ class ManifestLastCommit(CommitStrategy):
     def publish(self, storage: Storage, staging: str, final: str, *, overwrite: bool) -> None:
         """Nothing left to do: the manifest the leader wrote last is the commit."""
 
-    def abort(self, storage: Storage, staging: str, final: str) -> None:
+    def _remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
         if not self.exists(storage, final):
             storage.delete_tree(final)
 

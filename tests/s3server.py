@@ -1,0 +1,111 @@
+"""A real S3-compatible server for the tests: moto's standalone server on 127.0.0.1.
+
+:func:`start` runs it as a separate process on a free loopback port and waits (with a
+hard timeout) until it answers; :func:`stop` ends it. Tests reach it through the standard
+``AWS_ENDPOINT_URL`` and credential variables, which torchrun workers inherit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+
+BUCKET = "ddpckpt-test"
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def missing() -> str | None:
+    """Why the S3 tests cannot run here, or ``None``."""
+    for module, extra in (("boto3", "boto3"), ("moto.server", "moto[server]")):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            return f"S3 tests need {extra} (pip install -e '.[test]')"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(timeout: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
+    """A running server and its endpoint URL; raises if it does not answer in time."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError(f"moto server exited with {process.returncode} before answering")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                stop(process)
+                raise RuntimeError(
+                    f"moto server did not answer on port {port} in {timeout} s"
+                ) from None
+            time.sleep(0.1)
+    return process, f"http://127.0.0.1:{port}"
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+def make_bucket(endpoint: str, bucket: str = BUCKET) -> None:
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=CREDENTIALS["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=CREDENTIALS["AWS_SECRET_ACCESS_KEY"],
+        region_name=CREDENTIALS["AWS_DEFAULT_REGION"],
+    )
+    client.create_bucket(Bucket=bucket)
+
+
+def environment(endpoint: str) -> dict[str, str]:
+    """The variables that point boto3 (in this and child processes) at ``endpoint``."""
+    return {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint}
+
+
+def set_environment(endpoint: str) -> dict[str, str | None]:
+    """Set :func:`environment` in ``os.environ``; the previous values, for restoring."""
+    previous = {}
+    for name, value in environment(endpoint).items():
+        previous[name] = os.environ.get(name)
+        os.environ[name] = value
+    return previous
+
+
+def restore_environment(previous: dict[str, str | None]) -> None:
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value

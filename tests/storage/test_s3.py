@@ -1,0 +1,372 @@
+"""What only S3 storage does, against a real S3 server on loopback (moto, ``s3_endpoint``):
+multipart uploads, damaged objects, a server that goes away mid-save, retention, the CLI."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ddpckpt
+import s3server
+from conftest import StoredPath, make_mlp, train_steps
+from ddpckpt import Checkpointer
+from ddpckpt.cli.main import main
+from ddpckpt.storage import ManifestLastCommit, mount, resolve, storage_for
+from launch import torchrun
+
+pytestmark = pytest.mark.skipif(bool(s3server.missing()), reason=str(s3server.missing()))
+
+MiB = 1 << 20
+
+
+def small_parts(endpoint: str, **options):
+    from ddpckpt.storage.s3 import S3Storage
+
+    return S3Storage(endpoint_url=endpoint, part_size=5 * MiB, small_object=1 * MiB, **options)
+
+
+@pytest.fixture
+def mounted(s3_endpoint, s3_root):
+    """``s3_root`` served by a storage with 5 MiB parts, so a few MiB go multipart."""
+    storage = small_parts(s3_endpoint)
+    mount(s3_root, storage)
+    yield storage, s3_root
+    mount(s3_root, None)
+
+
+def test_s3_urls_resolve_to_one_storage_with_manifest_last_commit(s3_endpoint) -> None:
+    from ddpckpt.storage.s3 import S3Storage
+
+    storage, location = resolve(f"s3://{s3server.BUCKET}/run/step-1")
+    assert isinstance(storage, S3Storage) and location == f"s3://{s3server.BUCKET}/run/step-1"
+    assert storage is storage_for(f"s3://{s3server.BUCKET}/other")
+    assert isinstance(storage.commit, ManifestLastCommit)
+    assert s3_endpoint in repr(storage) and "testing" not in repr(storage)  # no credentials
+    with pytest.raises(ValueError, match="name a bucket"):
+        storage.read("s3://")
+
+
+def test_a_large_object_goes_up_in_parts_and_comes_back_by_parallel_ranges(mounted) -> None:
+    storage, root = mounted
+    data = os.urandom(12 * MiB + 12345)  # three parts, the last one short
+    with storage.create(f"{root}/big") as writer:
+        for start in range(0, len(data), 3 * MiB):
+            writer.write(data[start : start + 3 * MiB])
+        assert not storage.exists(f"{root}/big")  # invisible until complete
+        writer.sync()
+    assert storage.size(f"{root}/big") == len(data)
+    reader = storage.open(f"{root}/big")
+    try:
+        buffer = bytearray(11 * MiB)
+        assert reader.read_into(memoryview(buffer), 100) == len(buffer)
+        assert bytes(buffer) == data[100 : 100 + len(buffer)]
+        assert bytes(reader.map()) == data
+    finally:
+        reader.close()
+    storage.copy(f"{root}/big", f"{root}/copy")  # server-side
+    assert storage.read(f"{root}/copy") == data
+    storage.write_new(f"{root}/empty", b"")  # no byte to range over
+    reader = storage.open(f"{root}/empty")
+    assert reader.size == 0 and reader.map() is None
+    reader.close()
+
+
+def test_an_upload_closed_without_sync_leaves_nothing(mounted) -> None:
+    storage, root = mounted
+    writer = storage.create(f"{root}/big")
+    writer.write(os.urandom(11 * MiB))  # two parts in flight
+    writer.close()
+    assert not storage.exists(f"{root}/big")
+    bucket, key = storage._split(f"{root}/big")
+    uploads = storage._client.list_multipart_uploads(Bucket=bucket, Prefix=key)
+    assert uploads.get("Uploads", []) == []  # aborted, no parts left to pay for
+
+
+def test_a_large_object_replaced_after_open_is_an_error_not_mixed_bytes(mounted) -> None:
+    storage, root = mounted
+    storage.write_new(f"{root}/big", b"a" * (2 * MiB))
+    reader = storage.open(f"{root}/big")
+    storage.replace(f"{root}/big", b"b" * (2 * MiB))
+    with pytest.raises(OSError, match="big"):
+        reader.read_into(memoryview(bytearray(10)), 0)
+    reader.close()
+
+
+def test_listing_and_delete_tree_go_page_by_page_and_batch_by_batch(s3_root, monkeypatch) -> None:
+    import ddpckpt.storage.s3 as s3
+
+    monkeypatch.setattr(s3, "_LIST_PAGE", 4)  # the real sizes (1000) need 1000s of objects
+    monkeypatch.setattr(s3, "_DELETE_BATCH", 3)
+    storage = storage_for(s3_root)
+    names = [f"{n:02d}" for n in range(11)] + [f"sub/{n}" for n in range(6)]
+    for name in names:
+        storage.replace(f"{s3_root}/many/{name}", b"x")
+    assert storage.walk(f"{s3_root}/many") == sorted(names)
+    assert storage.list(f"{s3_root}/many") == sorted([*names[:11], "sub"])
+    storage.delete_tree(f"{s3_root}/many")
+    assert storage.walk(s3_root) == []
+
+
+def saved_run(run: StoredPath, steps=(1, 2)) -> torch.nn.Module:
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as ckpt:
+        for step in steps:
+            train_steps(model, opt, steps=1)
+            ckpt.save(step)
+    return model
+
+
+def test_a_truncated_object_falls_back_to_the_older_checkpoint_naming_it(s3_root, caplog) -> None:
+    run = s3_root / "run"
+    saved_run(run)
+    damaged = run / "step-00000002" / "model-00000.safetensors"
+    damaged.write_bytes(damaged.read_bytes()[:-100])  # an upload cut short
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert Checkpointer(run, model=make_mlp(3)).resume().step == 1
+    assert "step-00000002/model-00000.safetensors: file is" in caplog.text
+
+
+def test_a_bit_flipped_large_object_is_caught_while_streaming(mounted, caplog) -> None:
+    _, root = mounted
+    run = root / "run"
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weights: read by ranges, not at once
+    with Checkpointer(run, model=model, keep_last=None) as ckpt:
+        ckpt.save(1)
+        ckpt.save(2)
+    damaged = run / "step-00000002" / "model-00000.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    damaged.write_bytes(bytes(data))
+    fresh = torch.nn.Linear(1024, 1024)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert Checkpointer(run, model=fresh).resume().step == 1
+    assert "step-00000002/model-00000.safetensors" in caplog.text
+    assert "checksum mismatch" in caplog.text
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_the_server_stopped_mid_save_is_a_bounded_error_and_training_goes_on(caplog) -> None:
+    """A server of its own, killed when the first data object of step 2 is created: the
+    save fails after bounded retries, nothing of step 2 is committed, training goes on."""
+    from ddpckpt.storage.s3 import S3Storage
+
+    process, endpoint = s3server.start()
+    try:
+        s3server.make_bucket(endpoint, "doomed")
+        root = "s3://doomed/run"
+
+        class DyingServer(S3Storage):
+            kill_at: str | None = None
+
+            def create(self, location: str):
+                if self.kill_at and location.startswith(self.kill_at):
+                    s3server.stop(process)
+                return super().create(location)
+
+        storage = DyingServer(
+            endpoint_url=endpoint,
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+            connect_timeout=2,
+            read_timeout=5,
+            max_attempts=2,
+        )
+        mount("s3://doomed", storage)
+        model = make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ckpt = Checkpointer(root, model=model, optimizer=opt, retries=1, retry_backoff=0.01)
+        ckpt.save(1)
+        storage.kill_at = f"{root}/step-00000002/"
+        with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+            train_steps(model, opt, steps=1)
+            assert ckpt.save(2) is None  # on_error="warn" (the default)
+            train_steps(model, opt, steps=1)  # training goes on
+        assert isinstance(ckpt.last_error, ddpckpt.CheckpointWriteError)
+        assert isinstance(ckpt.last_error.__cause__ or ckpt.last_error, OSError)
+        assert "step-00000002" in str(ckpt.last_error)
+        assert "training goes on" in caplog.text
+        assert ckpt.failed_saves == 1
+    finally:
+        mount("s3://doomed", None)
+        s3server.stop(process)
+
+
+def test_retention_on_s3_deletes_manifest_first_and_keeps_the_newest(s3_root, monkeypatch) -> None:
+    from ddpckpt.storage.s3 import S3Storage
+
+    deletions: list[str] = []
+    for method in ("delete", "delete_tree"):
+        real = getattr(S3Storage, method)
+
+        def record(self, location, _real=real, _method=method):
+            deletions.append(f"{_method} {location}")
+            return _real(self, location)
+
+        monkeypatch.setattr(S3Storage, method, record)
+    run = s3_root / "run"
+    model = make_mlp()
+    with Checkpointer(run, model=model, keep_last=2) as ckpt:
+        for step in (1, 2, 3, 4):
+            if step == 3:  # step 1 was saved; now retention removes it
+                deletions.clear()
+            ckpt.save(step)
+    steps = [n for n in run.iterdir() if n.name.startswith("step-")]
+    assert sorted(p.name for p in steps) == ["step-00000003", "step-00000004"]
+    assert (run / "latest").read_text() == "step-00000004\n"
+    first = [d for d in deletions if "step-00000001" in d]
+    assert first[0] == f"delete {run}/step-00000001/manifest.json"  # uncommitted first
+    assert storage_for(run).walk(f"{run}/step-00000001") == []  # nothing of it left behind
+    assert ddpckpt.latest(run) == f"{run}/step-00000004"
+
+
+def test_a_prefix_without_manifest_is_a_leftover_that_resume_skips(s3_root, capsys) -> None:
+    run = s3_root / "run"
+    saved_run(run, steps=(1,))
+    storage = storage_for(run)
+    storage.write_new(f"{run}/step-00000002/model-00000.safetensors", b"an upload cut off")
+    assert ddpckpt.latest(run) == f"{run}/step-00000001"
+    assert main(["ls", run]) == 1  # found a problem
+    out = capsys.readouterr().out
+    assert "verified" in out and "step-00000002: has no manifest.json" in out
+    assert Checkpointer(run, model=make_mlp()).resume().step == 1
+    assert main(["clean", run]) == 0
+    assert storage.walk(f"{run}/step-00000002") == []
+    assert ddpckpt.latest(run) == f"{run}/step-00000001"
+
+
+def test_cli_ls_verify_inspect_on_an_s3_url(s3_root, capsys) -> None:
+    run = s3_root / "run"
+    saved_run(run)
+    step = f"{run}/step-00000002"
+    assert main(["ls", run]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()[2:]]
+    assert [(row[0], row[5], row[-1]) for row in rows] == [
+        ("1", "verified", "-"),
+        ("2", "verified", "latest"),
+    ]
+    assert main(["inspect", step]) == 0
+    assert "model/0.weight" in capsys.readouterr().out
+    assert main(["verify", step]) == 0
+    damaged = run / "step-00000002" / "model-00000.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["verify", step]) == 1
+    out = capsys.readouterr().out
+    assert "BAD" in out and "model-00000.safetensors" in out
+
+
+def test_storage_errors_are_os_errors_a_caller_can_classify(s3_endpoint) -> None:
+    storage = storage_for(f"s3://{s3server.BUCKET}/x")
+    with pytest.raises(FileNotFoundError):
+        storage.read(f"s3://no-such-bucket-{os.getpid()}/x")
+    unreachable = small_parts("http://127.0.0.1:9", connect_timeout=1, max_attempts=1)
+    with pytest.raises(ConnectionError) as caught:
+        unreachable.read(f"s3://{s3server.BUCKET}/x")
+    assert caught.value.errno == errno.ECONNREFUSED and caught.value.filename.endswith("/x")
+
+
+@pytest.mark.distributed
+def test_two_ranks_under_torchrun_save_and_resume_on_s3(s3_root, tmp_path) -> None:
+    """Both ranks reach the server through the inherited AWS_ENDPOINT_URL and credentials."""
+    run = f"{s3_root}/run"
+    args = ["--ckpt", run, "--steps", "12"]  # the last step is saved (every 4 steps)
+    results = torchrun("checkpointer_run", tmp_path / "out", nproc=2, args=args).ok().results
+    assert results[0]["saved"] == results[1]["saved"] and len(results[0]["saved"]) >= 2
+    newest = results[0]["saved"][-1]
+    for result in results.values():
+        assert result["resumed"] == newest and result["resumed_digest"] == results[0]["digest"]
+    kept = [n for n in storage_for(run).list(run) if n.startswith("step-")]
+    assert f"step-{newest:08d}" in kept and len(kept) <= 3
+    ddpckpt.verify(f"{run}/step-{newest:08d}")
+
+
+def test_without_the_extra_an_s3_url_says_what_to_install(tmp_path) -> None:
+    code = "import sys; sys.modules['boto3'] = None\nimport ddpckpt\nddpckpt.latest('s3://b/run')"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode != 0
+    assert "ImportError: s3:// locations need boto3: pip install 'ddpckpt[s3]'" in done.stderr
+
+
+def test_a_server_without_conditional_writes_gets_plain_ones_after_a_warning(
+    mounted, monkeypatch, caplog
+) -> None:
+    import botocore.exceptions
+
+    storage, root = mounted
+    real = storage._client.put_object
+
+    def put_object(**kwargs):
+        if "IfNoneMatch" in kwargs:
+            error = {"Error": {"Code": "NotImplemented", "Message": "not implemented"}}
+            raise botocore.exceptions.ClientError(error, "PutObject")
+        return real(**kwargs)
+
+    monkeypatch.setattr(storage._client, "put_object", put_object)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        storage.write_new(f"{root}/a", b"1")
+        storage.write_new(f"{root}/b", b"2")
+    assert caplog.text.count("does not support conditional writes") == 1
+    assert storage.read(f"{root}/a") == b"1" and storage.read(f"{root}/b") == b"2"
+    with pytest.raises(FileExistsError):
+        storage.write_new(f"{root}/a", b"again")  # still checked before writing
+
+
+_KILLED_TRAINER = """
+import sys, time, torch, ddpckpt
+from ddpckpt.storage import mount
+from ddpckpt.storage.s3 import S3Storage
+
+root = sys.argv[1]
+
+class Stalling(S3Storage):
+    def create(self, location):
+        if location.endswith("step-00000002/manifest.json"):
+            print("UPLOADED", flush=True)  # step 2's data is up, its manifest is not
+            time.sleep(600)
+        return super().create(location)
+
+mount(root, Stalling(part_size=5 << 20))
+torch.manual_seed(0)
+model = torch.nn.Linear(1024, 2048)  # 8 MiB: a multipart upload
+with ddpckpt.Checkpointer(root + "/run", model=model) as ckpt:
+    ckpt.save(1)
+    with torch.no_grad():
+        model.weight.add_(1)
+    ckpt.save(2)
+"""
+
+
+def test_a_trainer_killed_during_upload_resumes_from_the_previous_checkpoint(s3_root) -> None:
+    """SIGKILL after step 2's data objects are uploaded and before its manifest: step 2 is
+    no checkpoint, resume() loads step 1 and removes the leftovers."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_TRAINER, s3_root], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert trainer.stdout.readline().strip() == "UPLOADED"
+    finally:
+        trainer.kill()
+        trainer.wait(60)
+    run = f"{s3_root}/run"
+    storage = storage_for(run)
+    assert "model-00000.safetensors" in storage.walk(f"{run}/step-00000002")
+    assert ddpckpt.latest(run) == f"{run}/step-00000001"
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(1024, 2048)
+    fresh = torch.nn.Linear(1024, 2048)
+    with Checkpointer(run, model=fresh) as ckpt:  # the dead trainer's lock is taken over
+        assert ckpt.resume().step == 1
+    assert torch.equal(fresh.weight, expected.weight)
+    assert storage.walk(f"{run}/step-00000002") == []  # resume() removed the leftovers
