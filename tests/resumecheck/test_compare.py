@@ -144,3 +144,34 @@ def test_a_resume_from_a_step_the_reference_did_not_save_compares_with_its_end_s
     killed = _killed(6, 3, 8)
     result = compare_point(reference, {0: killed}, kill="6", victim=0)
     assert result.identical and result.resumed_from == 3
+
+
+def test_parameters_changed_after_resume_are_blamed_on_the_script_not_nondeterminism() -> None:
+    reference = {0: [_run(8, {4: False})]}
+    killed = _killed(6, 4, 8)
+    for process in [*reference[0], *killed]:  # each step starts from the previous one's end
+        for event in process:
+            if event["event"] == "step":
+                event["start"]["model.parameters"] = {"w": f"w{event['step'] - 1}"}
+    killed[1][2]["start"]["model.parameters"]["w"] = "rescaled"  # step 5, right after resume()
+    for event in killed[1][2:]:
+        event["end"]["model.parameters"]["w"] = "other"
+        event["end"]["loss"] = [1.0]
+    divergence = compare_point(reference, {0: killed}, kill="6", victim=0).divergence
+    assert (divergence.step, divergence.phase, divergence.component) == (
+        5,
+        "start",
+        "model.parameters",
+    )
+    assert "between resume() and the first step" in divergence.cause
+    assert "if info is None" in divergence.fix
+    assert "use_deterministic_algorithms" not in divergence.fix
+
+
+def test_a_part_recorded_in_one_run_only_is_never_called_identical() -> None:
+    reference = {0: [_run(8, {4: False})]}
+    killed = _killed(6, 4, 8)
+    killed[1][3]["start"] = None  # step 6 of the resumed run recorded no start of the step
+    result = compare_point(reference, {0: killed}, kill="6", victim=0)
+    assert not result.identical
+    assert (result.divergence.step, result.divergence.phase) == (6, "start")

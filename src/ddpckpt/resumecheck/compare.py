@@ -25,7 +25,8 @@ _PHASES = {"resume": 0, "start": 1, "end": 2, "steps": 3}
 # Causal order inside one point: what a step reads before what it writes.
 _ORDER = {
     "resume": ["model.*", "optimizer*", "scheduler", "scaler", "loader.*", "extra.*", "rng.*"],
-    "start": ["scheduler", "lr", "rng.*", "model.buffers", "loader.*", "extra.*"],
+    "start": ["scheduler", "lr", "rng.*", "model.parameters", "model.buffers", "optimizer*",
+              "loader.*", "extra.*"],
     "end": ["loader.*.samples", "loader.*", "inputs", "loss", "optimizer:unsaved.*", "optimizer*",
             "scaler", "model.parameters", "model.buffers", "extra.*", "scheduler", "lr", "rng.*"],
 }  # fmt: skip
@@ -80,8 +81,9 @@ class PointResult:
 def _differences(
     expected: Mapping[str, Any] | None, got: Mapping[str, Any] | None, skip: Sequence[str] = ()
 ) -> dict[str, tuple[Any, Any]]:
-    if expected is None or got is None:
+    if expected is None and got is None:
         return {}
+    expected, got = expected or {}, got or {}  # recorded in one run only: every part differs
     found = {}
     for key in list(expected) + [k for k in got if k not in expected]:
         if any(fnmatch.fnmatchcase(key, pattern) for pattern in skip):
