@@ -175,3 +175,13 @@ def test_a_part_recorded_in_one_run_only_is_never_called_identical() -> None:
     result = compare_point(reference, {0: killed}, kill="6", victim=0)
     assert not result.identical
     assert (result.divergence.step, result.divergence.phase) == (6, "start")
+
+
+def test_a_generator_drawn_from_only_after_the_resume_is_compared() -> None:
+    reference = {0: [_run(8, {4: False})]}  # never draws from Python's random
+    killed = _killed(6, 4, 8)
+    for number, event in enumerate(killed[1][2:], 7):
+        event["end"]["rng.python"] = f"drawn{number}"  # the resumed run does, from step 5 on
+    result = compare_point(reference, {0: killed}, kill="6", victim=0)
+    assert not result.identical and result.unused == []
+    assert (result.divergence.step, result.divergence.component) == (5, "rng.python")

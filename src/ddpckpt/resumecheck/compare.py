@@ -94,16 +94,25 @@ def _differences(
     return found
 
 
-def _unused_generators(events: list[dict[str, Any]]) -> list[str]:
-    """The random generators whose state never changes in a run: not drawn from, so an
-    unseeded one (Python's ``random`` in most scripts) differs between runs harmlessly."""
+def _generator_values(events: list[dict[str, Any]]) -> dict[str, set[Any]]:
     values: dict[str, set[Any]] = {}
     for event in events:
         for part in ("state", "start", "end"):
             for key, value in (event.get(part) or {}).items():
                 if key.startswith("rng."):
                     values.setdefault(key, set()).add(value)
-    return sorted(key for key, seen in values.items() if len(seen) == 1)
+    return values
+
+
+def _unused_generators(
+    reference: list[dict[str, Any]], killed: Sequence[list[dict[str, Any]]] = ()
+) -> list[str]:
+    """The random generators whose state never changes, in the reference run nor in any
+    process of the killed one: not drawn from, so an unseeded one (Python's ``random`` in
+    most scripts) differs between runs harmlessly. One drawn from in either is compared."""
+    drawn = {k for events in killed for k, v in _generator_values(events).items() if len(v) > 1}
+    values = _generator_values(reference)
+    return sorted(key for key, seen in values.items() if len(seen) == 1 and key not in drawn)
 
 
 def _saved_state(
@@ -152,7 +161,7 @@ def _rank_events(
             "restarted), so it is no reference; run the check again"
         )
     ref_events = reference[0]
-    unused = _unused_generators(ref_events)
+    unused = _unused_generators(ref_events, killed)
     ref_steps: dict[tuple[int, int], dict[str, Any]] = {}
     order: list[int] = []
     saves: dict[int, dict[str, Any]] = {}
