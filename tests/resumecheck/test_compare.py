@@ -179,3 +179,44 @@ def test_buffers_wrong_after_resume_and_at_the_next_forward_are_named_at_the_res
         4,
         "model.buffers",
     )
+
+
+def test_parameters_changed_after_resume_are_blamed_on_the_script_not_nondeterminism() -> None:
+    reference = {0: [_run(8, {4: False})]}
+    killed = _killed(6, 4, 8)
+    for process in [*reference[0], *killed]:  # each step starts from the previous one's end
+        for event in process:
+            if event["event"] == "step":
+                event["start"]["model.parameters"] = {"w": f"w{event['step'] - 1}"}
+    killed[1][2]["start"]["model.parameters"]["w"] = "rescaled"  # step 5, right after resume()
+    for event in killed[1][2:]:
+        event["end"]["model.parameters"]["w"] = "other"
+        event["end"]["loss"] = [1.0]
+    divergence = compare_point(reference, {0: killed}, kill="6", victim=0).divergence
+    assert (divergence.step, divergence.phase, divergence.component) == (
+        5,
+        "start",
+        "model.parameters",
+    )
+    assert "between resume() and the first step" in divergence.cause
+    assert "if info is None" in divergence.fix
+    assert "use_deterministic_algorithms" not in divergence.fix
+
+
+def test_a_part_recorded_in_one_run_only_is_never_called_identical() -> None:
+    reference = {0: [_run(8, {4: False})]}
+    killed = _killed(6, 4, 8)
+    killed[1][3]["start"] = None  # step 6 of the resumed run recorded no start of the step
+    result = compare_point(reference, {0: killed}, kill="6", victim=0)
+    assert not result.identical
+    assert (result.divergence.step, result.divergence.phase) == (6, "start")
+
+
+def test_a_generator_drawn_from_only_after_the_resume_is_compared() -> None:
+    reference = {0: [_run(8, {4: False})]}  # never draws from Python's random
+    killed = _killed(6, 4, 8)
+    for number, event in enumerate(killed[1][2:], 7):
+        event["end"]["rng.python"] = f"drawn{number}"  # the resumed run does, from step 5 on
+    result = compare_point(reference, {0: killed}, kill="6", victim=0)
+    assert not result.identical and result.unused == []
+    assert (result.divergence.step, result.divergence.component) == (5, "rng.python")

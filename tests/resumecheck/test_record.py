@@ -8,6 +8,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -102,3 +103,68 @@ def test_a_command_that_never_creates_a_checkpointer_is_an_error_naming_what_is_
     error = capsys.readouterr().err
     assert "recorded nothing" in error and "ddpckpt.Checkpointer" in error
     assert "should_save(step)" in error
+
+
+def _events(check: Path) -> list[dict]:
+    return [json.loads(line) for line in (check / "records" / "rank0.jsonl").open()]
+
+
+def test_a_read_only_checkpointer_reads_pretrained_weights_and_the_writable_one_is_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_recorder: None
+) -> None:
+    monkeypatch.delenv(record.ENV, raising=False)
+    pretrained = nn.Linear(2, 2)
+    ddpckpt.Checkpointer(tmp_path / "pre", model=pretrained).save(7)
+    monkeypatch.setattr(record, "_LOOKED", False)
+    check = tmp_path / "check"
+    monkeypatch.setenv(record.ENV, json.dumps({"dir": str(check), "kill": None}))
+
+    model = nn.Linear(2, 2)
+    reader = ddpckpt.Checkpointer(tmp_path / "pre", model=model, read_only=True)
+    info = reader.resume()  # a fine-tuning script's pretrained weights
+    assert reader.directory == os.fspath(tmp_path / "pre")
+    assert info is not None and info.step == 7
+    assert torch.equal(model.weight, pretrained.weight)
+    ckpt = ddpckpt.Checkpointer(tmp_path / "run", model=model, every_steps=2)
+    assert ckpt.resume() is None
+    for step in (1, 2):
+        model(torch.randn(1, 2)).sum().backward()
+        if ckpt.should_save(step):
+            ckpt.save(step)
+    # a reader of the run being trained reads the check's copy of it, not the user's
+    reader = ddpckpt.Checkpointer(tmp_path / "run", model=model, read_only=True)
+    assert reader.directory == ckpt.directory
+    ckpt.close()
+
+    assert [e["event"] for e in _events(check)] == ["start", "resume", "step", "step", "save"]
+
+
+def test_the_start_of_a_step_holds_parameters_and_optimizer_state_and_plain_extras(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_recorder: None
+) -> None:
+    check = tmp_path / "check"
+    monkeypatch.setenv(record.ENV, json.dumps({"dir": str(check), "kill": None}))
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    extra = {"counts": {"seen": 3}, "history": [0.5, 0.25], "n": 5, "table": np.arange(4)}
+    ckpt = ddpckpt.Checkpointer(tmp_path / "run", model=model, optimizer=optimizer, extra=extra)
+    ckpt.resume()
+    with torch.no_grad():
+        model.weight.mul_(0.5)  # changed between resume() and the first step
+    for step in (1, 2):
+        model(torch.randn(2, 3)).sum().backward()
+        optimizer.step()
+        ckpt.extra["counts"]["seen"] += 1
+        ckpt.should_save(step)
+    ckpt.close()
+
+    resumed, first, second = (e for e in _events(check) if e["event"] in ("resume", "step"))
+    restored, started = resumed["state"]["model.parameters"], first["start"]["model.parameters"]
+    assert started["weight"] != restored["weight"] and started["bias"] == restored["bias"]
+    assert first["start"]["optimizer"] == resumed["state"]["optimizer"]
+    assert second["start"]["optimizer"] == first["end"]["optimizer"]  # momentum after step 1
+    assert second["start"]["model.parameters"] == first["end"]["model.parameters"]
+    for name in ("counts", "history", "n", "table"):
+        assert isinstance(first["end"][f"extra.{name}"], str)
+    assert first["end"]["extra.counts"] != second["end"]["extra.counts"]
+    assert first["end"]["extra.table"] == second["end"]["extra.table"]

@@ -25,7 +25,8 @@ _PHASES = {"resume": 0, "start": 1, "end": 2, "steps": 3}
 # Causal order inside one point: what a step reads before what it writes.
 _ORDER = {
     "resume": ["model.*", "optimizer*", "scheduler", "scaler", "loader.*", "extra.*", "rng.*"],
-    "start": ["scheduler", "lr", "rng.*", "model.buffers", "loader.*", "extra.*"],
+    "start": ["scheduler", "lr", "rng.*", "model.parameters", "model.buffers", "optimizer*",
+              "loader.*", "extra.*"],
     "end": ["loader.*.samples", "loader.*", "inputs", "loss", "optimizer:unsaved.*", "optimizer*",
             "scaler", "model.parameters", "model.buffers", "extra.*", "scheduler", "lr", "rng.*"],
 }  # fmt: skip
@@ -80,8 +81,9 @@ class PointResult:
 def _differences(
     expected: Mapping[str, Any] | None, got: Mapping[str, Any] | None, skip: Sequence[str] = ()
 ) -> dict[str, tuple[Any, Any]]:
-    if expected is None or got is None:
+    if expected is None and got is None:
         return {}
+    expected, got = expected or {}, got or {}  # recorded in one run only: every part differs
     found = {}
     for key in list(expected) + [k for k in got if k not in expected]:
         if any(fnmatch.fnmatchcase(key, pattern) for pattern in skip):
@@ -92,16 +94,25 @@ def _differences(
     return found
 
 
-def _unused_generators(events: list[dict[str, Any]]) -> list[str]:
-    """The random generators whose state never changes in a run: not drawn from, so an
-    unseeded one (Python's ``random`` in most scripts) differs between runs harmlessly."""
+def _generator_values(events: list[dict[str, Any]]) -> dict[str, set[Any]]:
     values: dict[str, set[Any]] = {}
     for event in events:
         for part in ("state", "start", "end"):
             for key, value in (event.get(part) or {}).items():
                 if key.startswith("rng."):
                     values.setdefault(key, set()).add(value)
-    return sorted(key for key, seen in values.items() if len(seen) == 1)
+    return values
+
+
+def _unused_generators(
+    reference: list[dict[str, Any]], killed: Sequence[list[dict[str, Any]]] = ()
+) -> list[str]:
+    """The random generators whose state never changes, in the reference run nor in any
+    process of the killed one: not drawn from, so an unseeded one (Python's ``random`` in
+    most scripts) differs between runs harmlessly. One drawn from in either is compared."""
+    drawn = {k for events in killed for k, v in _generator_values(events).items() if len(v) > 1}
+    values = _generator_values(reference)
+    return sorted(key for key, seen in values.items() if len(seen) == 1 and key not in drawn)
 
 
 def _saved_state(
@@ -162,7 +173,7 @@ def _rank_events(
             "restarted), so it is no reference; run the check again"
         )
     ref_events = reference[0]
-    unused = _unused_generators(ref_events)
+    unused = _unused_generators(ref_events, killed)
     ref_steps: dict[tuple[int, int], dict[str, Any]] = {}
     order: list[int] = []
     saves: dict[int, dict[str, Any]] = {}

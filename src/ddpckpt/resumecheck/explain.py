@@ -199,6 +199,8 @@ def explain(
             "not hold (not passed as scheduler=, or created after resume()), or lr set by hand",
             "create the scheduler before resume() and pass it as scheduler= (a second one in extra)",
         )
+    if phase == "start" and (component == "model.parameters" or component.startswith("optimizer")):
+        return _changed_before_step(component, e, g, after, on, first_step_after_resume)
     if component == "model.buffers":
         names = _changed(e, g)
         ranks = _ranks(differences, component)
@@ -311,3 +313,31 @@ def explain(
 
 def _entries(state: Any) -> Any:
     return state.get("entries") if isinstance(state, dict) else state
+
+
+def _changed_before_step(
+    component: str, expected: Any, got: Any, after: str, on: str, first_after_resume: bool
+) -> tuple[str, str, str]:
+    """Parameters or optimizer state that differ before the step ran: the script changed them."""
+    if component == "model.parameters":
+        names = ", ".join(_changed(expected, got)[:4])
+        what = f"the model's parameters ({names}) differ {after} {on}"
+        kind = "the model (re-initialising, rescaling or loading weights)"
+    else:
+        what = f"{component}'s state differs {after} {on}"
+        kind = "the optimizer (resetting its state, changing its groups or hyper-parameters)"
+    if first_after_resume:
+        return (
+            what + "; right after resume() it matched",
+            f"state changed between resume() and the first step: something in your script "
+            f"changes {kind} after resume()",
+            "move it before resume(), or guard it with `if info is None:` so that it runs only "
+            "on a fresh start; resume() already restores this state",
+        )
+    return (
+        what + ", although the previous step ended the same in both runs",
+        f"something between two steps changes {kind} differently after a resume (code that "
+        "runs at an epoch start or on a step count kept outside the checkpoint)",
+        "drive such changes from the saved step and epoch (info.step, info.epoch), or pass "
+        "the state they depend on in extra",
+    )

@@ -11,7 +11,7 @@ With it, each process appends JSON lines to ``DIR/records/rank<R>.jsonl``:
 * ``resume``: :meth:`Checkpointer.resume` returned (the step it restored, the state after it);
 * ``step``: :meth:`Checkpointer.should_save` was called for a step: the state at the start of
   the step (taken at the model's first forward: random generators, learning rates,
-  scheduler, buffers) and at its end (everything, plus the sample indices of the batches the
+  scheduler, parameters, buffers, optimizer state) and at its end (everything, plus the sample indices of the batches the
   step consumed, a digest of the model's inputs and the losses passed to ``log_step``);
 * ``save``: :meth:`Checkpointer.save` returned (the state it saved).
 
@@ -58,10 +58,20 @@ def active() -> Recorder | None:
     return _RECORDER
 
 
-def redirect(directory: str) -> str:
-    """Where a Checkpointer writes ``directory`` during a check: under the run's directory."""
+def redirect(directory: str, *, read_only: bool = False) -> str:
+    """Where a Checkpointer uses ``directory`` during a check: under the run's directory.
+
+    A ``read_only`` Checkpointer (pretrained weights, another run's checkpoints) reads
+    where the script says, unless the check's runs write that very directory (a reader of
+    the run being trained): then it reads the check's copy.
+    """
     recorder = active()
-    return directory if recorder is None else recorder.checkpoint_dir(directory)
+    if recorder is None:
+        return directory
+    if read_only:
+        copy = recorder.checkpoint_dir(directory, create=False)
+        return copy if os.path.isdir(copy) else directory
+    return recorder.checkpoint_dir(directory)
 
 
 def digest(obj: Any) -> str:
@@ -122,16 +132,17 @@ class Recorder:
 
     # ------------------------------------------------------------------ set-up
 
-    def checkpoint_dir(self, directory: str) -> str:
+    def checkpoint_dir(self, directory: str, *, create: bool = True) -> str:
         path = os.path.abspath(directory)
-        # Created as a Checkpointer would, for the script's own files next to it; left empty.
-        os.makedirs(path, exist_ok=True)
+        if create:  # as a Checkpointer would, for the script's own files next to it; left empty
+            os.makedirs(path, exist_ok=True)
         name = f"{os.path.basename(path.rstrip(os.sep)) or 'run'}-{digest(path)[:8]}"
         return os.path.join(self.dir, "checkpoints", name)
 
     def attach(self, ckpt: Any) -> None:
-        """Follow ``ckpt`` (the process's first Checkpointer); later ones are only redirected."""
-        if self.primary is not None and self.primary() is not None:
+        """Follow ``ckpt`` if it is the process's first writable Checkpointer; later ones are
+        only redirected, and read-only ones (which never train) are never followed."""
+        if ckpt.read_only or (self.primary is not None and self.primary() is not None):
             return
         self.primary = weakref.ref(ckpt)
         from ddpckpt.state.model import unwrap_model
@@ -218,11 +229,14 @@ class Recorder:
     # ------------------------------------------------------------------ state
 
     def _start_state(self, ckpt: Any) -> dict[str, Any]:
-        """What a step starts from that the step itself does not write."""
+        """What a step starts from: the state the previous step (or resume()) left, so that
+        a change made between resume() and the first step is told from what the step did.
+        Optimizers the Checkpointer does not hold are known only once they step: left out."""
         state: dict[str, Any] = {}
         state.update(self._rng())
         state.update(self._schedule(ckpt))
-        state["model.buffers"] = self._model(ckpt)["model.buffers"]
+        state.update(self._model(ckpt))
+        state.update(self._optimizers(ckpt, saved_only=True))
         return state
 
     def _state(self, ckpt: Any) -> dict[str, Any]:
@@ -256,9 +270,11 @@ class Recorder:
         known += [(f"optimizer:unsaved.{i}", o) for i, o in enumerate(unsaved)]
         return known
 
-    def _optimizers(self, ckpt: Any) -> dict[str, Any]:
+    def _optimizers(self, ckpt: Any, saved_only: bool = False) -> dict[str, Any]:
         state = {}
         for name, optimizer in self._known_optimizers(ckpt):
+            if saved_only and name.startswith("optimizer:unsaved"):
+                continue
             saved = optimizer.state_dict()
             groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
             state[name] = {
@@ -305,7 +321,7 @@ class Recorder:
                 continue
             elif callable(getattr(obj, "state_dict", None)):
                 state[f"extra.{name}"] = digest(obj.state_dict())
-            elif isinstance(obj, torch.Tensor):
+            else:  # a plain value (tensor, number, dict, list, numpy array): saved as it is
                 state[f"extra.{name}"] = digest(obj)
         return state
 

@@ -154,7 +154,7 @@ class Checkpointer:
             raise ValueError("preemption= saves a checkpoint; a read_only Checkpointer cannot")
         if monitor is not None and keep_best is None and retention is None:
             raise ValueError("monitor= only matters with keep_best=; pass keep_best=K as well")
-        self.directory = _resume_check.redirect(os.fspath(directory))  # as is, outside a check
+        self.directory = _resume_check.redirect(os.fspath(directory), read_only=read_only)
         self.model, self.optimizer, self.scheduler, self.scaler = (
             model,
             optimizer,
