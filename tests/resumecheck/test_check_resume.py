@@ -102,6 +102,8 @@ def test_a_bug_after_resume_is_named_with_its_component_and_step(
         ("optimizer", "end", "optimizer:unsaved.0", "optimizer=optimizer"),
         # the unsaved loader's new pass draws its seed from torch's generator, then restarts
         ("loader", "start", "rng.torch", "extra={'loader': loader}"),
+        # loader workers augment from their own global generators: same samples, other noise
+        ("augment", "end", "inputs", "ddpckpt.SeededDataset(dataset, seed)"),
     ],
 )
 def test_a_bug_from_the_start_is_named_with_its_component_and_step(
