@@ -161,12 +161,7 @@ def s3_root(s3_endpoint) -> Iterator[StoredPath]:
     storage_for(root).delete_tree(root)
 
 
-@pytest.fixture(params=["disk", "memory", "s3"])
-def ckpt_root(request, tmp_path) -> Iterator[object]:
-    """An empty place to save checkpoints: ``tmp_path``, a fresh ``memory://`` store, a
-    fresh prefix on a local S3 server. Suites written against it prove that the library
-    reaches bytes only through the storage interface; tests marked ``disk_only`` run on
-    the file system alone."""
+def _stored_root(request, tmp_path) -> Iterator[object]:
     if request.param == "disk":
         yield tmp_path
         return
@@ -181,3 +176,20 @@ def ckpt_root(request, tmp_path) -> Iterator[object]:
     name = f"test-{uuid.uuid4().hex[:12]}"
     yield StoredPath(f"memory://{name}")
     storage_for(f"memory://{name}").clear(name)
+
+
+@pytest.fixture(params=["disk", "memory"])
+def ckpt_root(request, tmp_path) -> Iterator[object]:
+    """An empty place to save checkpoints: ``tmp_path``, then a fresh ``memory://`` store.
+    Suites written against it prove that the library reaches bytes only through the storage
+    interface; tests marked ``disk_only`` run on the file system alone."""
+    yield from _stored_root(request, tmp_path)
+
+
+@pytest.fixture(params=["disk", "memory", "s3"])
+def run_root(request, tmp_path) -> Iterator[object]:
+    """As ``ckpt_root``, and a fresh prefix on a local S3 server as well: for the
+    Checkpointer's suite (resume, fallback, retention), what S3 users rely on most. The save
+    and load suites run on disk and memory only, to keep the test run short; S3's own
+    semantics are in tests/storage."""
+    yield from _stored_root(request, tmp_path)

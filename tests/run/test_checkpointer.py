@@ -41,8 +41,8 @@ def flip_last_byte(path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_five_line_loop_saves_on_schedule_and_resumes_newest(ckpt_root) -> None:
-    run = ckpt_root / "run"
+def test_five_line_loop_saves_on_schedule_and_resumes_newest(run_root) -> None:
+    run = run_root / "run"
     model, opt = objects()
     with Checkpointer(run, model=model, optimizer=opt, every_steps=3, keep_last=2) as ckpt:
         assert ckpt.resume() is None
@@ -63,8 +63,8 @@ def test_five_line_loop_saves_on_schedule_and_resumes_newest(ckpt_root) -> None:
         assert not ckpt.should_save(9) and ckpt.should_save(12)
 
 
-def test_keep_best_ignores_nan_and_inf_and_never_drops_the_newest(ckpt_root) -> None:
-    run = ckpt_root / "run"
+def test_keep_best_ignores_nan_and_inf_and_never_drops_the_newest(run_root) -> None:
+    run = run_root / "run"
     model, opt = objects()
     losses = {1: 0.5, 2: float("nan"), 3: 0.2, 4: float("-inf"), 5: 0.9, 6: 0.8, 7: float("nan")}
     ckpt = Checkpointer(run, model=model, optimizer=opt, keep_last=1, keep_best=2, monitor="loss")
@@ -84,8 +84,8 @@ def test_keep_best_ignores_nan_and_inf_and_never_drops_the_newest(ckpt_root) -> 
     ]
 
 
-def test_retention_and_best_marks_show_in_ls(ckpt_root, capsys) -> None:
-    run = ckpt_root / "run"
+def test_retention_and_best_marks_show_in_ls(run_root, capsys) -> None:
+    run = run_root / "run"
     model, _ = objects()
     with Checkpointer(run, model=model, keep_last=1, keep_best=1, monitor="loss") as ckpt:
         for step, loss in ((10, 0.3), (20, 0.1), (30, 0.4)):
@@ -101,9 +101,9 @@ def test_retention_and_best_marks_show_in_ls(ckpt_root, capsys) -> None:
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_saving_the_newest_step_again_replaces_it_and_older_steps_are_refused(
-    ckpt_root, caplog, async_save
+    run_root, caplog, async_save
 ) -> None:
-    run = ckpt_root / "run"
+    run = run_root / "run"
     model, opt = objects()
     ckpt = Checkpointer(run, model=model, optimizer=opt, keep_last=None, async_save=async_save)
     ckpt.save(4)
@@ -127,8 +127,8 @@ def test_saving_the_newest_step_again_replaces_it_and_older_steps_are_refused(
         Checkpointer(run, model=model).save(3)
 
 
-def test_resume_falls_back_past_corrupt_and_incomplete_checkpoints(ckpt_root, caplog) -> None:
-    run = ckpt_root / "run"
+def test_resume_falls_back_past_corrupt_and_incomplete_checkpoints(run_root, caplog) -> None:
+    run = run_root / "run"
     model, opt = objects()
     with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as ckpt:
         for step in (1, 2, 3):
@@ -151,8 +151,8 @@ def test_resume_falls_back_past_corrupt_and_incomplete_checkpoints(ckpt_root, ca
     assert (run / "latest").read_text() == "step-00000003\n"
 
 
-def test_nothing_loadable_is_an_error_not_a_fresh_start(ckpt_root) -> None:
-    run = ckpt_root / "run"
+def test_nothing_loadable_is_an_error_not_a_fresh_start(run_root) -> None:
+    run = run_root / "run"
     model, _ = objects()
     with Checkpointer(run, model=model) as ckpt:
         ckpt.save(1)
@@ -161,8 +161,8 @@ def test_nothing_loadable_is_an_error_not_a_fresh_start(ckpt_root) -> None:
         Checkpointer(run, model=model).resume()
 
 
-def test_resume_a_given_step_and_model_only_for_evaluation(ckpt_root) -> None:
-    run = ckpt_root / "run"
+def test_resume_a_given_step_and_model_only_for_evaluation(run_root) -> None:
+    run = run_root / "run"
     model, opt = objects()
     with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as ckpt:
         for step in (1, 2):
@@ -179,8 +179,8 @@ def test_resume_a_given_step_and_model_only_for_evaluation(ckpt_root) -> None:
         ckpt.resume()
 
 
-def test_stale_temporaries_are_cleaned_and_never_loaded(ckpt_root) -> None:
-    run = ckpt_root / "run"
+def test_stale_temporaries_are_cleaned_and_never_loaded(run_root) -> None:
+    run = run_root / "run"
     model, _ = objects()
     with Checkpointer(run, model=model) as ckpt:
         ckpt.save(1)
@@ -199,8 +199,8 @@ def write_lock(run, pid: int, host: str | None = None, job: str | None = None) -
     )
 
 
-def test_a_live_lock_holder_is_named_and_a_dead_one_is_taken_over(ckpt_root, caplog) -> None:
-    run = ckpt_root / "run"
+def test_a_live_lock_holder_is_named_and_a_dead_one_is_taken_over(run_root, caplog) -> None:
+    run = run_root / "run"
     model, _ = objects()
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -221,8 +221,8 @@ def test_a_live_lock_holder_is_named_and_a_dead_one_is_taken_over(ckpt_root, cap
         Checkpointer(run, model=model).resume()
 
 
-def test_an_elastic_restart_of_the_same_job_takes_the_lock_over(ckpt_root, monkeypatch) -> None:
-    run = ckpt_root / "run"
+def test_an_elastic_restart_of_the_same_job_takes_the_lock_over(run_root, monkeypatch) -> None:
+    run = run_root / "run"
     write_lock(run, 1, host="node-that-died", job="job-7")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
     Checkpointer(run, model=make_mlp()).resume()
@@ -245,8 +245,8 @@ def failing_writes(monkeypatch, errors: list[int]) -> list[int]:
     return seen
 
 
-def test_disk_full_warns_and_training_goes_on(ckpt_root, monkeypatch, caplog) -> None:
-    run = ckpt_root / "run"
+def test_disk_full_warns_and_training_goes_on(run_root, monkeypatch, caplog) -> None:
+    run = run_root / "run"
     model, opt = objects()
     ckpt = Checkpointer(run, model=model, optimizer=opt, retries=2, retry_backoff=0.01)
     ckpt.save(1)
@@ -261,10 +261,8 @@ def test_disk_full_warns_and_training_goes_on(ckpt_root, monkeypatch, caplog) ->
     assert ckpt.last_error is None and ckpt.failed_saves == 0
 
 
-def test_every_failed_save_is_an_error_counting_the_failures(
-    ckpt_root, monkeypatch, caplog
-) -> None:
-    run = ckpt_root / "run"
+def test_every_failed_save_is_an_error_counting_the_failures(run_root, monkeypatch, caplog) -> None:
+    run = run_root / "run"
     model, _ = objects()
     ckpt = Checkpointer(run, model=model, retries=0)
     ckpt.save(10)
@@ -279,8 +277,8 @@ def test_every_failed_save_is_an_error_counting_the_failures(
     ckpt.close()
 
 
-def test_a_run_that_never_saved_says_it_has_no_checkpoint(ckpt_root, monkeypatch, caplog) -> None:
-    ckpt = Checkpointer(ckpt_root / "run", model=make_mlp(), retries=0)
+def test_a_run_that_never_saved_says_it_has_no_checkpoint(run_root, monkeypatch, caplog) -> None:
+    ckpt = Checkpointer(run_root / "run", model=make_mlp(), retries=0)
     failing_writes(monkeypatch, [errno.EIO])
     with caplog.at_level(logging.WARNING, logger="ddpckpt"):
         assert ckpt.save(1) is None
@@ -288,10 +286,10 @@ def test_a_run_that_never_saved_says_it_has_no_checkpoint(ckpt_root, monkeypatch
     ckpt.close()
 
 
-def test_transient_errors_are_retried_and_raise_mode_raises(ckpt_root, monkeypatch) -> None:
+def test_transient_errors_are_retried_and_raise_mode_raises(run_root, monkeypatch) -> None:
     model, opt = objects()
     ckpt = Checkpointer(
-        ckpt_root / "run",
+        run_root / "run",
         model=model,
         optimizer=opt,
         retries=2,
@@ -306,18 +304,18 @@ def test_transient_errors_are_retried_and_raise_mode_raises(ckpt_root, monkeypat
     assert caught.value.errno == errno.EIO
 
 
-def test_a_save_that_cannot_fit_fails_before_writing(ckpt_root, monkeypatch) -> None:
+def test_a_save_that_cannot_fit_fails_before_writing(run_root, monkeypatch) -> None:
     from ddpckpt.storage import storage_for
 
-    monkeypatch.setattr(type(storage_for(ckpt_root)), "free_bytes", lambda self, path: 1000)
+    monkeypatch.setattr(type(storage_for(run_root)), "free_bytes", lambda self, path: 1000)
     model, _ = objects()
-    ckpt = Checkpointer(ckpt_root / "run", model=model, on_error="raise")
+    ckpt = Checkpointer(run_root / "run", model=model, on_error="raise")
     with pytest.raises(InsufficientSpaceError, match=r"only 0\.0 MiB are free"):
         ckpt.save(1)
-    assert steps_on_disk(ckpt_root / "run") == []
+    assert steps_on_disk(run_root / "run") == []
 
 
-def test_every_seconds_policy(ckpt_root) -> None:
+def test_every_seconds_policy(run_root) -> None:
     from ddpckpt.policies import AnyOf, EverySeconds, EverySteps
 
     policy = AnyOf(EverySteps(100), EverySeconds(10))
@@ -327,7 +325,7 @@ def test_every_seconds_policy(ckpt_root) -> None:
     policy.saved(2, now=10.5)
     assert not policy.should_save(3, now=15.0) and policy.should_save(100, now=15.0)
     model, _ = objects()
-    ckpt = Checkpointer(ckpt_root / "run", model=model, every_seconds=3600)
+    ckpt = Checkpointer(run_root / "run", model=model, every_seconds=3600)
     assert not ckpt.should_save(1)
 
 
@@ -342,13 +340,13 @@ def test_every_seconds_policy(ckpt_root) -> None:
         ({"keep_best": 1, "monitor": "loss", "mode": "up"}, "mode"),
     ],
 )
-def test_configuration_is_validated_up_front(ckpt_root, kwargs, message) -> None:
+def test_configuration_is_validated_up_front(run_root, kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
-        Checkpointer(ckpt_root / "run", model=make_mlp(), **kwargs)
+        Checkpointer(run_root / "run", model=make_mlp(), **kwargs)
 
 
-def test_torchruns_default_run_id_does_not_identify_a_job(ckpt_root, monkeypatch) -> None:
-    run = ckpt_root / "run"
+def test_torchruns_default_run_id_does_not_identify_a_job(run_root, monkeypatch) -> None:
+    run = run_root / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         write_lock(run, holder.pid, host="another-node", job="none")
@@ -360,8 +358,8 @@ def test_torchruns_default_run_id_does_not_identify_a_job(ckpt_root, monkeypatch
         holder.wait()
 
 
-def test_a_job_whose_lock_was_taken_over_stops_writing(ckpt_root) -> None:
-    run = ckpt_root / "run"
+def test_a_job_whose_lock_was_taken_over_stops_writing(run_root) -> None:
+    run = run_root / "run"
     ckpt = Checkpointer(run, model=make_mlp())
     ckpt.save(1)
     write_lock(run, 1, host="another-node", job="job-9")  # another job took the directory
@@ -371,10 +369,10 @@ def test_a_job_whose_lock_was_taken_over_stops_writing(ckpt_root) -> None:
 
 
 @pytest.mark.disk_only("sets the lock file's mtime")
-def test_the_lock_stays_fresh_while_held(ckpt_root) -> None:
+def test_the_lock_stays_fresh_while_held(run_root) -> None:
     import time as clock
 
-    run = ckpt_root / "run"
+    run = run_root / "run"
     ckpt = Checkpointer(run, model=make_mlp(), lock_stale_after=1.2)
     ckpt.resume()
     os.utime(run / ".lock", (0, 0))  # as if not refreshed for ages
@@ -383,8 +381,8 @@ def test_the_lock_stays_fresh_while_held(ckpt_root) -> None:
     ckpt.close()
 
 
-def test_after_resuming_an_older_step_saves_must_still_be_newer(ckpt_root) -> None:
-    run = ckpt_root / "run"
+def test_after_resuming_an_older_step_saves_must_still_be_newer(run_root) -> None:
+    run = run_root / "run"
     with Checkpointer(run, model=make_mlp(), keep_last=None) as ckpt:
         for step in (100, 200, 300):
             ckpt.save(step)
@@ -396,11 +394,11 @@ def test_after_resuming_an_older_step_saves_must_still_be_newer(ckpt_root) -> No
 
 
 def test_a_retry_after_a_failure_following_the_commit_finds_it_committed(
-    ckpt_root, monkeypatch
+    run_root, monkeypatch
 ) -> None:
     from ddpckpt.storage import storage_for
 
-    strategy = type(storage_for(ckpt_root).commit)
+    strategy = type(storage_for(run_root).commit)
     real = strategy.publish
     failures = [errno.EIO]
 
@@ -411,22 +409,22 @@ def test_a_retry_after_a_failure_following_the_commit_finds_it_committed(
 
     monkeypatch.setattr(strategy, "publish", commit_then_fail)
     ckpt = Checkpointer(
-        ckpt_root / "run", model=make_mlp(), retries=1, retry_backoff=0.01, on_error="raise"
+        run_root / "run", model=make_mlp(), retries=1, retry_backoff=0.01, on_error="raise"
     )
     assert ckpt.save(1) is not None
-    assert ddpckpt.verify(ckpt_root / "run" / "step-00000001").step == 1
+    assert ddpckpt.verify(run_root / "run" / "step-00000001").step == 1
     assert ckpt.save(2) is not None  # and the run knows step 1 is its newest
     ckpt.close()
 
 
-def test_a_retention_failure_in_one_process_only_warns(ckpt_root, monkeypatch, caplog) -> None:
+def test_a_retention_failure_in_one_process_only_warns(run_root, monkeypatch, caplog) -> None:
     import ddpckpt.run.checkpointer as checkpointer
 
     def refuse(path):
         raise IsADirectoryError(21, "Is a directory", path)
 
     monkeypatch.setattr(checkpointer, "remove_checkpoint", refuse)
-    ckpt = Checkpointer(ckpt_root / "run", model=make_mlp(), keep_last=1)
+    ckpt = Checkpointer(run_root / "run", model=make_mlp(), keep_last=1)
     ckpt.save(1)
     with caplog.at_level(logging.WARNING, logger="ddpckpt"):
         assert ckpt.save(2) is not None
@@ -450,8 +448,8 @@ def directory_state(run) -> dict[str, tuple[int, float] | str]:
 
 
 @pytest.mark.disk_only("compares file mtimes")
-def test_a_read_only_reader_loads_while_changing_nothing(ckpt_root, caplog) -> None:
-    run = ckpt_root / "run"
+def test_a_read_only_reader_loads_while_changing_nothing(run_root, caplog) -> None:
+    run = run_root / "run"
     model, opt = objects()
     writer = Checkpointer(run, model=model, optimizer=opt, keep_last=2, keep_best=1, monitor="loss")
     for step, loss in ((1, 0.1), (2, 0.4), (3, 0.5)):
@@ -485,11 +483,11 @@ def test_a_read_only_reader_loads_while_changing_nothing(ckpt_root, caplog) -> N
     writer.close()
 
 
-def test_a_reader_that_loses_a_race_with_retention_loads_the_next(ckpt_root, monkeypatch, caplog):
+def test_a_reader_that_loses_a_race_with_retention_loads_the_next(run_root, monkeypatch, caplog):
     import ddpckpt.run.checkpointer as checkpointer
     from ddpckpt.run.rundir import remove_checkpoint
 
-    run = ckpt_root / "run"
+    run = run_root / "run"
     model, opt = objects()
     with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as writer:
         for step in (1, 2):
@@ -519,8 +517,8 @@ def test_a_reader_that_loses_a_race_with_retention_loads_the_next(ckpt_root, mon
     assert reader.resume().step == 4  # listed again
 
 
-def test_opening_a_run_to_resume_leaves_run_json_alone(ckpt_root) -> None:
-    run = ckpt_root / "run"
+def test_opening_a_run_to_resume_leaves_run_json_alone(run_root) -> None:
+    run = run_root / "run"
     model, _ = objects()
     with Checkpointer(run, model=model, keep_last=1, keep_best=1, monitor="loss") as writer:
         writer.save(1, metrics={"loss": 0.5})
@@ -531,8 +529,8 @@ def test_opening_a_run_to_resume_leaves_run_json_alone(ckpt_root) -> None:
     assert (run / "run.json").read_text() == written
 
 
-def test_a_live_process_of_the_same_job_on_this_host_keeps_its_lock(ckpt_root, monkeypatch) -> None:
-    run = ckpt_root / "run"
+def test_a_live_process_of_the_same_job_on_this_host_keeps_its_lock(run_root, monkeypatch) -> None:
+    run = run_root / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         write_lock(run, holder.pid, job="4242")  # a trainer of this SLURM allocation
@@ -546,12 +544,12 @@ def test_a_live_process_of_the_same_job_on_this_host_keeps_its_lock(ckpt_root, m
 
 
 @pytest.mark.disk_only("the trainer is another process")
-def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(ckpt_root) -> None:
+def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(run_root) -> None:
     import threading
 
     from launch import torchrun
 
-    run, shared = ckpt_root / "run", ckpt_root / "shared"
+    run, shared = run_root / "run", run_root / "shared"
     shared.mkdir()
     env = {"SLURM_JOB_ID": "4242"}  # both in the same allocation
     common = ["--ckpt", str(run), "--shared", str(shared)]
@@ -559,11 +557,11 @@ def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(ckpt_root
 
     def train() -> None:
         args = [*common, "--steps", "8"]
-        trainer["launch"] = torchrun("trainer", ckpt_root / "t", args=args, env=env, timeout=400)
+        trainer["launch"] = torchrun("trainer", run_root / "t", args=args, env=env, timeout=400)
 
     thread = threading.Thread(target=train)
     thread.start()
-    evaluator = torchrun("evaluator", ckpt_root / "e", nproc=1, args=common, env=env, timeout=400)
+    evaluator = torchrun("evaluator", run_root / "e", nproc=1, args=common, env=env, timeout=400)
     thread.join()
     trained = trainer["launch"].ok().results
     result = evaluator.ok().result(0)
@@ -577,12 +575,12 @@ def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(ckpt_root
 
 
 @pytest.mark.disk_only("fails os.write")
-def test_a_lock_that_cannot_be_written_is_not_left_behind(ckpt_root, monkeypatch) -> None:
+def test_a_lock_that_cannot_be_written_is_not_left_behind(run_root, monkeypatch) -> None:
     """A full disk while taking the lock must not leave an empty .lock that blocks the
     next start of the job."""
     import ddpckpt.run.runlock as runlock
 
-    run = ckpt_root / "run"
+    run = run_root / "run"
     real_write = os.write
 
     def full(fd, data):
@@ -597,8 +595,8 @@ def test_a_lock_that_cannot_be_written_is_not_left_behind(ckpt_root, monkeypatch
         assert ckpt.save(1) is not None
 
 
-def test_a_fresh_empty_lock_is_explained(ckpt_root) -> None:
-    run = ckpt_root / "run"
+def test_a_fresh_empty_lock_is_explained(run_root) -> None:
+    run = run_root / "run"
     run.mkdir()
     (run / ".lock").write_bytes(b"")
     with pytest.raises(ddpckpt.CheckpointLockedError, match="is empty: a job is creating it"):
