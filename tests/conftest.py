@@ -150,14 +150,34 @@ def s3_endpoint() -> Iterator[str]:
         s3server.stop(process)
 
 
+def closes_checkpointers(monkeypatch) -> list:
+    """The Checkpointers a test creates, for closing them when it ends: one left open keeps
+    refreshing its lock on a server that the session stops before the process exits."""
+    from ddpckpt.run.checkpointer import Checkpointer
+
+    opened = []
+    real = Checkpointer.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        real(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(Checkpointer, "__init__", init)
+    return opened
+
+
 @pytest.fixture
-def s3_root(s3_endpoint) -> Iterator[StoredPath]:
-    """A fresh, empty prefix in the test bucket."""
+def s3_root(s3_endpoint, monkeypatch) -> Iterator[StoredPath]:
+    """A fresh, empty prefix in the test bucket; Checkpointers the test leaves open are
+    closed at its end."""
     import s3server
     from ddpckpt.storage import storage_for
 
     root = StoredPath(f"s3://{s3server.BUCKET}/test-{uuid.uuid4().hex[:12]}")
+    opened = closes_checkpointers(monkeypatch)
     yield root
+    for ckpt in opened:
+        ckpt.close()
     storage_for(root).delete_tree(root)
 
 

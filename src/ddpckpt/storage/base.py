@@ -208,6 +208,12 @@ class Storage(abc.ABC):
     def free_bytes(self, location: str) -> int | None:
         """Bytes free for new objects at ``location``; ``None`` where unbounded/unknown."""
 
+    def best_effort(self) -> Storage:
+        """This storage for a last operation that must not hold the process up (at
+        interpreter exit): each request is tried once, with short timeouts. Local stores
+        have no retries and return themselves."""
+        return self
+
     def sync_dir(self, location: str) -> None:  # noqa: B027 - a no-op unless overridden
         """Make the entries of the directory ``location`` durable (POSIX only)."""
 

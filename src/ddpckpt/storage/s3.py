@@ -28,10 +28,11 @@ on them). ``age`` compares the server's clock with this machine's.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -53,6 +54,30 @@ _DELETE_BATCH = 1000  # the most keys one DeleteObjects request takes
 _LIST_PAGE = 1000  # keys per ListObjectsV2 page (the server's maximum)
 _log = get_logger(__name__)
 _T = TypeVar("_T")
+_ARGUMENTS = (
+    "endpoint_url",
+    "region_name",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "aws_session_token",
+    "profile_name",
+    "connect_timeout",
+    "read_timeout",
+    "max_attempts",
+    "part_size",
+    "max_concurrency",
+    "small_object",
+)
+_OPTION_NAMES = {  # storage_options names (ours, boto3's and s3fs's) -> S3Storage arguments
+    **{name: name for name in _ARGUMENTS},
+    "region": "region_name",
+    "key": "aws_access_key_id",
+    "username": "aws_access_key_id",
+    "secret": "aws_secret_access_key",
+    "password": "aws_secret_access_key",
+    "token": "aws_session_token",
+    "profile": "profile_name",
+}
 
 
 def _os_error(exc: Exception, location: str) -> OSError:
@@ -309,24 +334,69 @@ class S3Storage(Storage):
             max_concurrency,
             small_object,
         )
-        session = boto3.session.Session(profile_name=profile_name)
+        self._session = boto3.session.Session(profile_name=profile_name)
+        self._client_options = {  # holds credentials: never logged, never in repr
+            "endpoint_url": endpoint_url,
+            "region_name": region_name or self._session.region_name or "us-east-1",
+            "aws_access_key_id": aws_access_key_id,
+            "aws_secret_access_key": aws_secret_access_key,
+            "aws_session_token": aws_session_token,
+        }
+        self._client = self._make_client(max_attempts, connect_timeout, read_timeout)
+        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="ddpckpt-s3")
+        self._conditional_writes = True
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> S3Storage:
+        """A storage made from a ``storage_options`` mapping, in this class's argument
+        names or in those s3fs/fsspec users pass: ``key``/``secret``/``token``,
+        ``profile``, ``region``, ``client_kwargs`` (``endpoint_url``, ``region_name``,
+        credentials) and ``config_kwargs`` (``connect_timeout``, ``read_timeout``,
+        ``retries={"max_attempts": N}``). Raises :class:`ValueError` naming an unknown or
+        twice-given option (never a value)."""
+        arguments: dict[str, Any] = {}
+        given: dict[str, str] = {}
+
+        def take(name: str, value: Any, where: str) -> None:
+            target = _OPTION_NAMES.get(name)
+            if target is None:
+                known = ", ".join(sorted({*_OPTION_NAMES, "client_kwargs", "config_kwargs"}))
+                raise ValueError(f"storage_options: unknown S3 option {where!r} (known: {known})")
+            if target in arguments and arguments[target] != value:
+                raise ValueError(
+                    f"storage_options: {given[target]!r} and {where!r} both set {target}"
+                )
+            arguments[target], given[target] = value, where
+
+        for name, value in options.items():
+            if name in ("client_kwargs", "config_kwargs"):
+                for inner, inner_value in dict(value or {}).items():
+                    if name == "config_kwargs" and inner == "retries":
+                        retries = dict(inner_value or {})
+                        for count in ("max_attempts", "total_max_attempts"):
+                            if count in retries:
+                                attempts = int(retries[count]) - (count == "total_max_attempts")
+                                take("max_attempts", attempts, f"{name}.retries.{count}")
+                        continue
+                    take(inner, inner_value, f"{name}.{inner}")
+            else:
+                take(name, value, name)
+        return cls(**arguments)
+
+    def _make_client(self, retries: int, connect_timeout: float, read_timeout: float) -> Any:
         config = botocore.config.Config(
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
-            retries={"max_attempts": max_attempts, "mode": "standard"},
-            max_pool_connections=2 * max_concurrency + 2,
+            retries={"total_max_attempts": retries + 1, "mode": "standard"},
+            max_pool_connections=2 * self.max_concurrency + 2,
         )
-        self._client = session.client(
-            "s3",
-            endpoint_url=endpoint_url,
-            region_name=region_name or session.region_name or "us-east-1",
-            aws_access_key_id=aws_access_key_id,
-            aws_secret_access_key=aws_secret_access_key,
-            aws_session_token=aws_session_token,
-            config=config,
-        )
-        self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="ddpckpt-s3")
-        self._conditional_writes = True
+        return self._session.client("s3", config=config, **self._client_options)
+
+    def best_effort(self) -> S3Storage:
+        """This storage with one attempt per request, 2 s to connect and 5 s to answer."""
+        quick = copy.copy(self)
+        quick._client = self._make_client(0, 2.0, 5.0)
+        return quick
 
     def __repr__(self) -> str:  # no credentials in messages
         return f"S3Storage(endpoint_url={self._client.meta.endpoint_url!r})"
