@@ -372,3 +372,86 @@ def test_a_trainer_killed_during_upload_resumes_from_the_previous_checkpoint(s3_
         assert ckpt.resume().step == 1
     assert torch.equal(fresh.weight, expected.weight)
     assert storage.walk(f"{run}/step-00000002") == []  # resume() removed the leftovers
+
+
+@pytest.fixture
+def no_mounts(monkeypatch):
+    """Mounts and configured storages made by the test are forgotten after it."""
+    import ddpckpt.storage
+
+    monkeypatch.setattr(ddpckpt.storage, "_mounts", {})
+    monkeypatch.setattr(ddpckpt.storage, "_configured", {})
+
+
+SECRET = "SECRET-never-logged-7f3a"
+
+
+def test_storage_options_reach_a_server_the_environment_does_not_name(
+    s3_endpoint, s3_root, tmp_path, monkeypatch, no_mounts
+) -> None:
+    import ddpckpt.storage.s3
+
+    monkeypatch.setattr(ddpckpt.storage.s3, "_default", None)  # made anew after the test
+    with monkeypatch.context() as environment:
+        for name in s3server.environment(s3_endpoint):
+            environment.delenv(name)
+        environment.setenv("AWS_CONFIG_FILE", os.fspath(tmp_path / "none"))
+        environment.setenv("AWS_SHARED_CREDENTIALS_FILE", os.fspath(tmp_path / "none"))
+        round_trips_with_options(s3_endpoint, s3_root)
+
+
+def round_trips_with_options(s3_endpoint: str, s3_root: StoredPath) -> None:
+    options = {  # as s3fs / DCP users write them
+        "key": "testing",
+        "secret": SECRET,
+        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
+        "config_kwargs": {"connect_timeout": 5, "retries": {"max_attempts": 2}},
+    }
+    model = make_mlp()
+    path = f"{s3_root}/single/step-1"
+    ddpckpt.save(path, model=model, step=1, storage_options=options)
+    fresh = make_mlp(seed=1)
+    assert ddpckpt.load(path, model=fresh, storage_options=options).step == 1
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    storage = storage_for(path)
+    assert storage._client.meta.endpoint_url == s3_endpoint and SECRET not in repr(storage)
+    run = s3_root / "run"
+    with Checkpointer(run, model=model, storage_options=options) as ckpt:
+        ckpt.save(5)
+    with Checkpointer(run, model=fresh, storage_options=options) as ckpt:
+        assert ckpt.resume().step == 5
+
+
+def test_credentials_in_storage_options_never_reach_messages_or_logs(
+    s3_endpoint, caplog, no_mounts
+) -> None:
+    url = f"s3://{s3server.BUCKET}/nowhere/step-1"
+    dead = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": SECRET, "max_attempts": 0}
+    with caplog.at_level(logging.DEBUG, logger="ddpckpt"), pytest.raises(Exception) as caught:
+        ddpckpt.load(url, model=make_mlp(), storage_options=dead)
+    assert "127.0.0.1:9" in str(caught.value) or "127.0.0.1:9" in repr(caught.value.__cause__)
+    with pytest.raises(ValueError, match="missing: aws_access_key_id") as partial:
+        ddpckpt.storage.configure(url, {"secret": SECRET})
+    with pytest.raises(ValueError, match="unknown S3 option 'bogus'") as unknown:
+        ddpckpt.storage.configure(url, {"secret": SECRET, "bogus": SECRET})
+    with pytest.raises(ValueError, match="'key' and 'aws_access_key_id' both set") as twice:
+        ddpckpt.storage.configure(url, {"key": SECRET, "aws_access_key_id": "other"})
+    with pytest.raises(ValueError, match="a local path takes none"):
+        ddpckpt.save("/tmp/x", model=make_mlp(), storage_options={"secret": SECRET})
+    texts = [caplog.text, str(caught.value), repr(caught.value.__cause__), str(unknown.value)]
+    texts += [str(twice.value), str(partial.value), repr(storage_for(url))]
+    assert not [t for t in texts if SECRET in t]
+
+
+def test_the_endpoint_comes_from_aws_endpoint_url_with_or_without_options(
+    s3_endpoint, s3_root, no_mounts
+) -> None:
+    from ddpckpt.storage.s3 import S3Storage
+
+    assert os.environ["AWS_ENDPOINT_URL"] == s3_endpoint
+    assert S3Storage()._client.meta.endpoint_url == s3_endpoint
+    path = f"{s3_root}/step-1"
+    options = {"read_timeout": 30}  # no endpoint: still the environment's
+    ddpckpt.save(path, model=make_mlp(), storage_options=options)
+    assert storage_for(path)._client.meta.endpoint_url == s3_endpoint
+    assert ddpckpt.verify(path).step is None

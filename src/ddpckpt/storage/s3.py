@@ -342,7 +342,10 @@ class S3Storage(Storage):
             "aws_secret_access_key": aws_secret_access_key,
             "aws_session_token": aws_session_token,
         }
-        self._client = self._make_client(max_attempts, connect_timeout, read_timeout)
+        try:
+            self._client = self._make_client(max_attempts, connect_timeout, read_timeout)
+        except botocore.exceptions.BotoCoreError as exc:  # e.g. a key without its secret
+            raise ValueError(f"S3 client settings: {exc}") from None
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="ddpckpt-s3")
         self._conditional_writes = True
 
