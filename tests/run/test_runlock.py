@@ -48,18 +48,20 @@ sys.path.insert(0, sys.argv[1])
 import s3server, torch, ddpckpt
 from ddpckpt.storage import mount
 from ddpckpt.storage.s3 import S3Storage
+from ddpckpt.storage.s3client import S3Requests
 
 process, endpoint = s3server.start()
 s3server.make_bucket(endpoint, "gone")
+make_client = S3Requests._make_client
 
-class Counted(S3Storage):
-    def _make_client(self, *args):
-        client = super()._make_client(*args)
-        client.meta.events.register("before-send", lambda **kw: sends.append(1))
-        return client
+def counted(self, *args):  # every request any client of this process sends
+    client = make_client(self, *args)
+    client.meta.events.register("before-send", lambda **kw: sends.append(1))
+    return client
 
-mount("s3://gone", Counted(endpoint_url=endpoint, aws_access_key_id="testing",
-                           aws_secret_access_key="testing"))
+S3Requests._make_client = counted
+mount("s3://gone", S3Storage(endpoint_url=endpoint, aws_access_key_id="testing",
+                             aws_secret_access_key="testing"))
 ckpt = ddpckpt.Checkpointer("s3://gone/run", model=torch.nn.Linear(2, 2))
 ckpt.save(1)
 s3server.stop(process)
