@@ -26,14 +26,18 @@ from ddpckpt.storage.base import MANIFEST, temp_name
 from ddpckpt.storage.memory import SCHEME
 
 
-@pytest.fixture(params=["posix", "memory", "s3"])
+@pytest.fixture(params=["posix", "memory", "s3", "fsspec"])
 def store(request, tmp_path) -> Iterator[tuple[Storage, str]]:
-    """``(storage, root)``: an empty directory, memory prefix or S3 prefix to work under."""
+    """``(storage, root)``: an empty directory, memory prefix, S3 prefix or prefix of
+    fsspec's in-memory file system to work under."""
     if request.param == "posix":
         yield resolve(os.fspath(tmp_path))
         return
     if request.param == "s3":
         yield resolve(request.getfixturevalue("s3_root"))
+        return
+    if request.param == "fsspec":
+        yield resolve(request.getfixturevalue("fsspec_root"))
         return
     name = f"test-{uuid.uuid4().hex[:8]}"
     storage, root = resolve(f"{SCHEME}{name}/root")
