@@ -363,7 +363,7 @@ def test_a_trainer_killed_during_upload_resumes_from_the_previous_checkpoint(s3_
         trainer.wait(60)
     run = f"{s3_root}/run"
     storage = storage_for(run)
-    assert "model-00000.safetensors" in storage.walk(f"{run}/step-00000002")
+    assert storage.walk(f"{run}/step-00000002")  # data objects, and no manifest
     assert ddpckpt.latest(run) == f"{run}/step-00000001"
     torch.manual_seed(0)
     expected = torch.nn.Linear(1024, 2048)
@@ -455,3 +455,40 @@ def test_the_endpoint_comes_from_aws_endpoint_url_with_or_without_options(
     ddpckpt.save(path, model=make_mlp(), storage_options=options)
     assert storage_for(path)._client.meta.endpoint_url == s3_endpoint
     assert ddpckpt.verify(path).step is None
+
+
+@pytest.mark.distributed
+def test_two_ranks_whose_server_stops_mid_upload_are_told_alike_and_train_on(
+    s3_endpoint, s3_root, tmp_path
+) -> None:
+    """The server stops answering at the second object of step 2 (the first is uploaded):
+    every rank's save fails within bounds, nothing of step 2 is committed, training goes on
+    under on_error="warn", and resume() loads step 1."""
+    outage = s3server.Outage(s3_endpoint, trip=b"/step-00000002/state-0000")
+    run = f"{s3_root}/run"
+    try:
+        launch = torchrun(
+            "s3_outage", tmp_path / "out", nproc=2, args=["--ckpt", run], timeout=240,
+            env={"AWS_ENDPOINT_URL": outage.endpoint},
+        ).ok()  # fmt: skip
+    finally:
+        outage.close()
+    assert outage.tripped.is_set()
+    for result in launch.results.values():
+        assert result["saved"] == [f"{run}/step-00000001", None]
+        assert result["error"] == "CheckpointWriteError" and result["failed_saves"] == 1
+        assert "step-00000002" in result["message"]
+        assert "rank 0" in result["message"] and "rank 1" in result["message"]  # and objects
+        assert result["message"].count(".safetensors: S3 request failed") == 2
+        assert result["trained"] == 3
+    storage = storage_for(run)  # the server itself, which kept what was uploaded
+    assert storage.walk(f"{run}/step-00000002")  # data objects, and no manifest
+    assert not storage.exists(f"{run}/step-00000002/manifest.json")
+    assert ddpckpt.latest(run) == f"{run}/step-00000001"
+    model = torch.nn.Sequential(  # the workers' model
+        torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    with Checkpointer(run, model=model, optimizer=optimizer) as ckpt:
+        assert ckpt.resume().step == 1
+    assert storage.walk(f"{run}/step-00000002") == []  # resume() removed the leftovers
