@@ -492,3 +492,21 @@ def test_two_ranks_whose_server_stops_mid_upload_are_told_alike_and_train_on(
     with Checkpointer(run, model=model, optimizer=optimizer) as ckpt:
         assert ckpt.resume().step == 1
     assert storage.walk(f"{run}/step-00000002") == []  # resume() removed the leftovers
+
+
+def test_parts_grow_every_thousand_parts(mounted, monkeypatch) -> None:
+    import ddpckpt.storage.s3io as s3io
+
+    monkeypatch.setattr(s3io, "_PARTS_PER_SIZE", 2)  # 1000 parts would take 5 GB here
+    storage, root = mounted
+    data = os.urandom(27 * MiB)  # parts of 5, 5, 10 and 7 (the rest) MiB
+    with storage.create(f"{root}/growing") as writer:
+        writer.write(data)
+        writer.sync()
+    bucket, key = storage._split(f"{root}/growing")
+    sizes = [
+        storage._client.head_object(Bucket=bucket, Key=key, PartNumber=n)["ContentLength"]
+        for n in (1, 2, 3, 4)
+    ]
+    assert sizes == [5 * MiB, 5 * MiB, 10 * MiB, 7 * MiB]
+    assert storage.read(f"{root}/growing") == data

@@ -63,8 +63,10 @@ class S3Storage(Storage):
     ``AWS_REGION``, the credential variables, ``~/.aws/config``/``credentials``, instance
     roles. Every request times out (``connect_timeout``, ``read_timeout`` seconds) and is
     retried at most ``max_attempts`` times with backoff. Objects over ``part_size`` bytes
-    are uploaded in parts, ``max_concurrency`` at a time; reads over ``part_size`` go out
-    as that many parallel ranged GETs. Credentials are never logged.
+    are uploaded in parts (``part_size``, doubled every 1000 parts), ``max_concurrency`` at
+    a time; reads over ``part_size`` go out as that many parallel ranged GETs. 8 MiB parts
+    (boto3's own default) saved a 64 MiB checkpoint twice as fast as 32 MiB ones against a
+    local server: the last part's upload, after the last byte is written, is shorter. Credentials are never logged.
 
     Serve a URL prefix from a configured instance with::
 
@@ -88,7 +90,7 @@ class S3Storage(Storage):
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
         max_attempts: int = 5,
-        part_size: int = 32 * _MiB,
+        part_size: int = 8 * _MiB,
         max_concurrency: int = 8,
         small_object: int = 8 * _MiB,
     ) -> None:
