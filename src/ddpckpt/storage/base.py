@@ -33,6 +33,7 @@ from ddpckpt._log import get_logger
 __all__ = [
     "CommitStrategy",
     "ManifestLastCommit",
+    "RangedReader",
     "Reader",
     "RenameCommit",
     "Storage",
@@ -105,6 +106,37 @@ class Reader(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the object; buffers from :meth:`map` stay valid."""
+
+
+class RangedReader(Reader):
+    """A reader for object stores: a small object's bytes kept from when it was opened
+    (``_data``), a larger one's read by ranges (:meth:`_read_range`)."""
+
+    _data: bytes | None = None
+
+    @abc.abstractmethod
+    def _read_range(self, view: memoryview, offset: int) -> None:
+        """Fill all of ``view`` with the stored bytes at ``offset``."""
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        count = max(0, min(len(view), self.size - offset))
+        if count == 0:
+            return 0
+        if self._data is not None:
+            view[:count] = self._data[offset : offset + count]
+        else:
+            self._read_range(view[:count], offset)
+        return count
+
+    def map(self) -> Any:
+        if self.size == 0:
+            return None
+        buffer = bytearray(self.size)
+        self.read_into(memoryview(buffer), 0)
+        return buffer
+
+    def close(self) -> None:
+        self._data = None
 
 
 class Storage(abc.ABC):

@@ -33,7 +33,7 @@ except ImportError as _missing:  # pragma: no cover - depends on the installatio
     ) from _missing
 
 from ddpckpt.storage import register
-from ddpckpt.storage.base import ManifestLastCommit, Reader, Storage, Writer
+from ddpckpt.storage.base import ManifestLastCommit, RangedReader, Reader, Storage, Writer
 
 __all__ = ["FsspecStorage", "use"]
 
@@ -89,7 +89,7 @@ class _FsspecWriter(Writer):
             self._storage.delete(self._location)
 
 
-class _FsspecReader(Reader):
+class _FsspecReader(RangedReader):
     """A small object is read whole when opened (so it keeps those bytes); a larger one is
     read by ranges (``cat_file(path, start, end)``)."""
 
@@ -101,32 +101,15 @@ class _FsspecReader(Reader):
             self._data = storage.read(location)
             self.size = len(self._data)
 
-    def read_into(self, view: memoryview, offset: int) -> int:
-        count = max(0, min(len(view), self.size - offset))
-        if count == 0:
-            return 0
-        if self._data is not None:
-            view[:count] = self._data[offset : offset + count]
-            return count
+    def _read_range(self, view: memoryview, offset: int) -> None:
         storage = self._storage
         with _errors(self._location):
-            data = storage.fs.cat_file(storage.path(self._location), offset, offset + count)
-        if len(data) != count:
+            data = storage.fs.cat_file(storage.path(self._location), offset, offset + len(view))
+        if len(data) != len(view):
             raise OSError(
-                errno.EIO, f"short ranged read ({len(data)} of {count} bytes)", self._location
+                errno.EIO, f"short ranged read ({len(data)} of {len(view)} bytes)", self._location
             )
-        view[:count] = data
-        return count
-
-    def map(self) -> Any:
-        if self.size == 0:
-            return None
-        buffer = bytearray(self.size)
-        self.read_into(memoryview(buffer), 0)
-        return buffer
-
-    def close(self) -> None:
-        self._data = None
+        view[:] = data
 
 
 class FsspecStorage(Storage):

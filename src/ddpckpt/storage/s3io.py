@@ -12,7 +12,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from ddpckpt._log import get_logger
-from ddpckpt.storage.base import Reader, Writer
+from ddpckpt.storage.base import RangedReader, Writer
 from ddpckpt.storage.s3client import CLIENT_ERRORS, EmptyObject, os_error, split
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ class S3Writer(Writer):
         self._buffer = None
 
 
-class S3Reader(Reader):
+class S3Reader(RangedReader):
     """A small object is downloaded when opened; a larger one is read by ranged GETs of
     the version that was opened, in parallel for long reads."""
 
@@ -174,31 +174,13 @@ class S3Reader(Reader):
             )
         view[:] = data
 
-    def read_into(self, view: memoryview, offset: int) -> int:
-        count = max(0, min(len(view), self.size - offset))
-        if count == 0:
-            return 0
-        if self._data is not None:
-            view[:count] = self._data[offset : offset + count]
-            return count
-        chunk = self._store.part_size
-        starts = range(0, count, chunk)
+    def _read_range(self, view: memoryview, offset: int) -> None:
+        chunk, count = self._store.part_size, len(view)
         futures = [
             self._store._pool.submit(
                 self._get_range, view[start : min(start + chunk, count)], offset + start
             )
-            for start in starts
+            for start in range(0, count, chunk)
         ]
         for future in futures:
             future.result()
-        return count
-
-    def map(self) -> Any:
-        if self.size == 0:
-            return None
-        buffer = bytearray(self.size)
-        self.read_into(memoryview(buffer), 0)
-        return buffer
-
-    def close(self) -> None:
-        self._data = None
