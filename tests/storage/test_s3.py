@@ -91,10 +91,13 @@ def test_an_upload_closed_without_sync_leaves_nothing(mounted) -> None:
 def test_a_large_object_replaced_after_open_is_an_error_not_mixed_bytes(mounted) -> None:
     storage, root = mounted
     storage.write_new(f"{root}/big", b"a" * (2 * MiB))
-    reader = storage.open(f"{root}/big")
+    reader = storage.open(f"{root}/big")  # its first MiB (small_object) comes at once
     storage.replace(f"{root}/big", b"b" * (2 * MiB))
+    buffer = bytearray(10)
+    reader.read_into(memoryview(buffer), 0)
+    assert bytes(buffer) == b"a" * 10  # the bytes opened
     with pytest.raises(OSError, match="big"):
-        reader.read_into(memoryview(bytearray(10)), 0)
+        reader.read_into(memoryview(bytearray(10)), MiB + 10)  # the server's are another's
     reader.close()
 
 

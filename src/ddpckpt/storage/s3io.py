@@ -148,6 +148,7 @@ class S3Reader(RangedReader):
     def __init__(self, store: S3Storage, location: str) -> None:
         self._store, self._location = store, location
         self._data: bytes | None = None
+        self._prefix = b""
         # One request tells the size and version and, for a small object, brings it all.
         try:
             data, response = store._requests.get_object(
@@ -161,6 +162,8 @@ class S3Reader(RangedReader):
         self._etag = response["ETag"]
         if len(data) == self.size:
             self._data = data
+        else:
+            self._prefix = data  # the object's first bytes, read anyway: not read again
 
     def _get_range(self, view: memoryview, offset: int) -> None:
         data = self._store._requests.get(
@@ -175,6 +178,9 @@ class S3Reader(RangedReader):
         view[:] = data
 
     def _read_range(self, view: memoryview, offset: int) -> None:
+        known = max(0, min(len(view), len(self._prefix) - offset))
+        view[:known] = self._prefix[offset : offset + known]
+        view, offset = view[known:], offset + known
         chunk, count = self._store.part_size, len(view)
         futures = [
             self._store._pool.submit(
@@ -184,3 +190,7 @@ class S3Reader(RangedReader):
         ]
         for future in futures:
             future.result()
+
+    def close(self) -> None:
+        super().close()
+        self._prefix = b""
