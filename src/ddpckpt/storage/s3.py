@@ -19,8 +19,9 @@ of an upload and ranges of a read go out on a thread pool.
 
 Limits: ``create`` is exclusive (checked when opened, enforced by a conditional write at
 the end). A reader of an object up to ``small_object`` bytes downloads it when opened, so
-it keeps those bytes; a larger one reads ranges of the version it opened (``If-Match``)
-and raises :class:`OSError` if that object is replaced meanwhile. ``rename`` and
+it keeps those bytes; a larger one keeps its first ``small_object`` bytes and reads the rest
+by ranges of the version it opened (``If-Match``), raising :class:`OSError` if that object
+is replaced meanwhile. ``rename`` and
 ``delete_tree`` copy/delete object by object and are not atomic (the commit never relies
 on them). ``age`` compares the server's clock with this machine's.
 """
