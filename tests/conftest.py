@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -150,15 +151,56 @@ def s3_endpoint() -> Iterator[str]:
         s3server.stop(process)
 
 
+@contextlib.contextmanager
+def closing_checkpointers() -> Iterator[None]:
+    """Close the Checkpointers created inside when it ends: one left open keeps refreshing
+    its lock on a server that the session stops before the process exits."""
+    from ddpckpt.run.checkpointer import Checkpointer
+
+    opened = []
+    real = Checkpointer.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        real(self, *args, **kwargs)
+        opened.append(self)
+
+    Checkpointer.__init__ = init
+    try:
+        yield
+    finally:
+        Checkpointer.__init__ = real
+        for ckpt in opened:
+            ckpt.close()
+
+
 @pytest.fixture
 def s3_root(s3_endpoint) -> Iterator[StoredPath]:
-    """A fresh, empty prefix in the test bucket."""
+    """A fresh, empty prefix in the test bucket; Checkpointers the test leaves open are
+    closed at its end. (No ``monkeypatch`` here: a test's patches must be undone before
+    this clean-up runs.)"""
     import s3server
     from ddpckpt.storage import storage_for
 
     root = StoredPath(f"s3://{s3server.BUCKET}/test-{uuid.uuid4().hex[:12]}")
-    yield root
+    with closing_checkpointers():
+        yield root
     storage_for(root).delete_tree(root)
+
+
+@pytest.fixture
+def fsspec_root() -> Iterator[StoredPath]:
+    """A fresh prefix of fsspec's in-memory file system, served as ``fsmem://``."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    import ddpckpt.storage.fsspec
+
+    ddpckpt.storage.fsspec.use("fsmem", MemoryFileSystem())
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    with closing_checkpointers():
+        yield StoredPath(f"fsmem://{name}")
+    fs = MemoryFileSystem()
+    if fs.exists(f"/{name}"):
+        fs.rm(f"/{name}", recursive=True)
 
 
 def _stored_root(request, tmp_path) -> Iterator[object]:

@@ -512,6 +512,29 @@ def scenario_failing_saves(args, rank: int) -> dict[str, Any]:
     return {"results": [first, second], "failed_saves": ckpt.failed_saves}
 
 
+def scenario_s3_outage(args, rank: int) -> dict[str, Any]:
+    """A Checkpointer on S3 (one retry per request) whose server stops answering while step 2
+    is uploaded (the test's s3server.Outage): every rank is told, training goes on."""
+    _model, ddp, opt, sched, scaler, counter = build(seed=0)
+    options = {"connect_timeout": 2, "read_timeout": 5, "max_attempts": 1}
+    ckpt = ddpckpt.Checkpointer(
+        args.ckpt, model=ddp, optimizer=opt, retries=0, timeout=60, storage_options=options
+    )
+    first = ckpt.save(1)
+    train(ddp, opt, sched, scaler, counter, 1)
+    second = ckpt.save(2)  # on_error="warn": returns None
+    train(ddp, opt, sched, scaler, counter, 2)  # the ranks still train together
+    error = ckpt.last_error
+    ckpt.close()
+    return {
+        "saved": [first, second],
+        "error": type(error).__name__,
+        "message": str(error),
+        "failed_saves": ckpt.failed_saves,
+        "trained": counter.n,
+    }
+
+
 def model_digest(model: nn.Module) -> str:
     hasher = xxhash.xxh3_64()
     for name, value in sorted(model.state_dict().items()):

@@ -7,11 +7,13 @@ hard timeout) until it answers; :func:`stop` ends it. Tests reach it through the
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 BUCKET = "ddpckpt-test"
@@ -109,3 +111,66 @@ def restore_environment(previous: dict[str, str | None]) -> None:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+class Outage:
+    """A TCP forwarder on loopback in front of the server that goes down, as a server that
+    stops answering does, at the first request whose bytes hold ``trip``: every open
+    connection is cut and new ones are closed at once, until :meth:`up`. The server keeps
+    its objects, so a test can look at what was committed afterwards."""
+
+    def __init__(self, endpoint: str, trip: bytes) -> None:
+        self._target = ("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))
+        self._trip, self.tripped = trip, threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._open: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def up(self) -> None:
+        self.tripped.clear()
+
+    def close(self) -> None:
+        self._listener.close()
+        self._cut()
+
+    def _cut(self) -> None:
+        with self._lock:
+            sockets, self._open = self._open, []
+        for sock in sockets:
+            with contextlib.suppress(OSError):  # the peer may have gone already
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            if self.tripped.is_set():
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self._target, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._open += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, request: bool) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                if request and self._trip in data and not self.tripped.is_set():
+                    self.tripped.set()
+                    self._cut()
+                    return
+                if self.tripped.is_set():
+                    return
+                sink.sendall(data)
+        except OSError:
+            return

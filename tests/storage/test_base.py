@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import os
 import uuid
 from collections.abc import Iterator
@@ -24,14 +26,18 @@ from ddpckpt.storage.base import MANIFEST, temp_name
 from ddpckpt.storage.memory import SCHEME
 
 
-@pytest.fixture(params=["posix", "memory", "s3"])
+@pytest.fixture(params=["posix", "memory", "s3", "fsspec"])
 def store(request, tmp_path) -> Iterator[tuple[Storage, str]]:
-    """``(storage, root)``: an empty directory, memory prefix or S3 prefix to work under."""
+    """``(storage, root)``: an empty directory, memory prefix, S3 prefix or prefix of
+    fsspec's in-memory file system to work under."""
     if request.param == "posix":
         yield resolve(os.fspath(tmp_path))
         return
     if request.param == "s3":
         yield resolve(request.getfixturevalue("s3_root"))
+        return
+    if request.param == "fsspec":
+        yield resolve(request.getfixturevalue("fsspec_root"))
         return
     name = f"test-{uuid.uuid4().hex[:8]}"
     storage, root = resolve(f"{SCHEME}{name}/root")
@@ -285,3 +291,52 @@ def test_abort_logs_a_storage_failure_instead_of_masking_the_save_error(
         strategy.abort(storage, staging, final)
     assert "could not remove what the failed save left" in caplog.text
     assert "connection refused" in caplog.text
+
+
+_MUTATIONS = ("create", "replace", "delete", "delete_tree", "rename", "copy", "touch")
+
+
+def test_an_overwrite_failing_at_any_step_leaves_the_old_or_the_new_checkpoint(
+    store, monkeypatch
+) -> None:
+    """A fault injected before each storage operation of ``save(overwrite=True)`` in turn:
+    afterwards the path always loads, as the old or the new state, never neither."""
+    storage, root = store
+    storage.make_dirs(root)
+    path = f"{root}/step-1"
+    old, new = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    ddpckpt.save(path, model=old, step=1)
+    calls = {"count": 0, "fail_at": 0}
+
+    def faulty(method: str):
+        real = getattr(storage, method)
+
+        def call(*args, **kwargs):
+            calls["count"] += 1
+            if calls["count"] == calls["fail_at"]:
+                raise OSError(errno.EIO, f"injected fault in {method}", args[0])
+            return real(*args, **kwargs)
+
+        return call
+
+    for method in _MUTATIONS:
+        monkeypatch.setattr(storage, method, faulty(method))
+    outcomes = []
+    for fail_at in range(1, 40):
+        calls.update(count=0, fail_at=fail_at)
+        with contextlib.suppress(ddpckpt.CheckpointWriteError):  # or it succeeds
+            ddpckpt.save(path, model=new, step=2, overwrite=True)
+        fired, calls["fail_at"] = calls["count"] >= fail_at, 0
+        loaded = torch.nn.Linear(3, 2)
+        step = ddpckpt.load(path, model=loaded).step  # committed, whatever failed
+        assert torch.equal(loaded.weight, (new if step == 2 else old).weight)
+        outcomes.append(step)
+        if not fired:
+            break
+        ddpckpt.save(path, model=old, step=1, overwrite=True)  # the next try starts over
+    assert outcomes[-1] == 2 and 1 in outcomes  # the faults were met, the last save worked
+    listed = ddpckpt.verify(path)
+    assert listed.step == 2
+    if isinstance(storage.commit, ManifestLastCommit):  # the replaced objects are gone
+        manifest = json.loads(storage.read(f"{path}/{MANIFEST}"))
+        assert sorted(storage.walk(path)) == sorted([MANIFEST, *manifest["files"]])

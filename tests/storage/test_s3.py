@@ -91,10 +91,13 @@ def test_an_upload_closed_without_sync_leaves_nothing(mounted) -> None:
 def test_a_large_object_replaced_after_open_is_an_error_not_mixed_bytes(mounted) -> None:
     storage, root = mounted
     storage.write_new(f"{root}/big", b"a" * (2 * MiB))
-    reader = storage.open(f"{root}/big")
+    reader = storage.open(f"{root}/big")  # its first MiB (small_object) comes at once
     storage.replace(f"{root}/big", b"b" * (2 * MiB))
+    buffer = bytearray(10)
+    reader.read_into(memoryview(buffer), 0)
+    assert bytes(buffer) == b"a" * 10  # the bytes opened
     with pytest.raises(OSError, match="big"):
-        reader.read_into(memoryview(bytearray(10)), 0)
+        reader.read_into(memoryview(bytearray(10)), MiB + 10)  # the server's are another's
     reader.close()
 
 
@@ -193,6 +196,8 @@ def test_the_server_stopped_mid_save_is_a_bounded_error_and_training_goes_on(cap
         assert "step-00000002" in str(ckpt.last_error)
         assert "training goes on" in caplog.text
         assert ckpt.failed_saves == 1
+        ckpt.close()  # the server is gone: the lock stays, with one warning
+        assert "could not remove the lock" in caplog.text
     finally:
         mount("s3://doomed", None)
         s3server.stop(process)
@@ -361,7 +366,7 @@ def test_a_trainer_killed_during_upload_resumes_from_the_previous_checkpoint(s3_
         trainer.wait(60)
     run = f"{s3_root}/run"
     storage = storage_for(run)
-    assert "model-00000.safetensors" in storage.walk(f"{run}/step-00000002")
+    assert storage.walk(f"{run}/step-00000002")  # data objects, and no manifest
     assert ddpckpt.latest(run) == f"{run}/step-00000001"
     torch.manual_seed(0)
     expected = torch.nn.Linear(1024, 2048)
@@ -370,3 +375,141 @@ def test_a_trainer_killed_during_upload_resumes_from_the_previous_checkpoint(s3_
         assert ckpt.resume().step == 1
     assert torch.equal(fresh.weight, expected.weight)
     assert storage.walk(f"{run}/step-00000002") == []  # resume() removed the leftovers
+
+
+@pytest.fixture
+def no_mounts(monkeypatch):
+    """Mounts and configured storages made by the test are forgotten after it."""
+    import ddpckpt.storage
+
+    monkeypatch.setattr(ddpckpt.storage, "_mounts", {})
+    monkeypatch.setattr(ddpckpt.storage, "_configured", {})
+
+
+SECRET = "SECRET-never-logged-7f3a"
+
+
+def test_storage_options_reach_a_server_the_environment_does_not_name(
+    s3_endpoint, s3_root, tmp_path, monkeypatch, no_mounts
+) -> None:
+    import ddpckpt.storage.s3
+
+    monkeypatch.setattr(ddpckpt.storage.s3, "_default", None)  # made anew after the test
+    with monkeypatch.context() as environment:
+        for name in s3server.environment(s3_endpoint):
+            environment.delenv(name)
+        environment.setenv("AWS_CONFIG_FILE", os.fspath(tmp_path / "none"))
+        environment.setenv("AWS_SHARED_CREDENTIALS_FILE", os.fspath(tmp_path / "none"))
+        round_trips_with_options(s3_endpoint, s3_root)
+
+
+def round_trips_with_options(s3_endpoint: str, s3_root: StoredPath) -> None:
+    options = {  # as s3fs / DCP users write them
+        "key": "testing",
+        "secret": SECRET,
+        "client_kwargs": {"endpoint_url": s3_endpoint, "region_name": "us-east-1"},
+        "config_kwargs": {"connect_timeout": 5, "retries": {"max_attempts": 2}},
+    }
+    model = make_mlp()
+    path = f"{s3_root}/single/step-1"
+    ddpckpt.save(path, model=model, step=1, storage_options=options)
+    fresh = make_mlp(seed=1)
+    assert ddpckpt.load(path, model=fresh, storage_options=options).step == 1
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    storage = storage_for(path)
+    assert storage._client.meta.endpoint_url == s3_endpoint and SECRET not in repr(storage)
+    run = s3_root / "run"
+    with Checkpointer(run, model=model, storage_options=options) as ckpt:
+        ckpt.save(5)
+    with Checkpointer(run, model=fresh, storage_options=options) as ckpt:
+        assert ckpt.resume().step == 5
+
+
+def test_credentials_in_storage_options_never_reach_messages_or_logs(
+    s3_endpoint, caplog, no_mounts
+) -> None:
+    url = f"s3://{s3server.BUCKET}/nowhere/step-1"
+    dead = {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": SECRET, "max_attempts": 0}
+    with caplog.at_level(logging.DEBUG, logger="ddpckpt"), pytest.raises(Exception) as caught:
+        ddpckpt.load(url, model=make_mlp(), storage_options=dead)
+    assert "127.0.0.1:9" in str(caught.value) or "127.0.0.1:9" in repr(caught.value.__cause__)
+    with pytest.raises(ValueError, match="missing: aws_access_key_id") as partial:
+        ddpckpt.storage.configure(url, {"secret": SECRET})
+    with pytest.raises(ValueError, match="unknown S3 option 'bogus'") as unknown:
+        ddpckpt.storage.configure(url, {"secret": SECRET, "bogus": SECRET})
+    with pytest.raises(ValueError, match="'key' and 'aws_access_key_id' both set") as twice:
+        ddpckpt.storage.configure(url, {"key": SECRET, "aws_access_key_id": "other"})
+    with pytest.raises(ValueError, match="a local path takes none"):
+        ddpckpt.save("/tmp/x", model=make_mlp(), storage_options={"secret": SECRET})
+    texts = [caplog.text, str(caught.value), repr(caught.value.__cause__), str(unknown.value)]
+    texts += [str(twice.value), str(partial.value), repr(storage_for(url))]
+    assert not [t for t in texts if SECRET in t]
+
+
+def test_the_endpoint_comes_from_aws_endpoint_url_with_or_without_options(
+    s3_endpoint, s3_root, no_mounts
+) -> None:
+    from ddpckpt.storage.s3 import S3Storage
+
+    assert os.environ["AWS_ENDPOINT_URL"] == s3_endpoint
+    assert S3Storage()._client.meta.endpoint_url == s3_endpoint
+    path = f"{s3_root}/step-1"
+    options = {"read_timeout": 30}  # no endpoint: still the environment's
+    ddpckpt.save(path, model=make_mlp(), storage_options=options)
+    assert storage_for(path)._client.meta.endpoint_url == s3_endpoint
+    assert ddpckpt.verify(path).step is None
+
+
+@pytest.mark.distributed
+def test_two_ranks_whose_server_stops_mid_upload_are_told_alike_and_train_on(
+    s3_endpoint, s3_root, tmp_path
+) -> None:
+    """The server stops answering at the second object of step 2 (the first is uploaded):
+    every rank's save fails within bounds, nothing of step 2 is committed, training goes on
+    under on_error="warn", and resume() loads step 1."""
+    outage = s3server.Outage(s3_endpoint, trip=b"/step-00000002/state-0000")
+    run = f"{s3_root}/run"
+    try:
+        launch = torchrun(
+            "s3_outage", tmp_path / "out", nproc=2, args=["--ckpt", run], timeout=240,
+            env={"AWS_ENDPOINT_URL": outage.endpoint},
+        ).ok()  # fmt: skip
+    finally:
+        outage.close()
+    assert outage.tripped.is_set()
+    for result in launch.results.values():
+        assert result["saved"] == [f"{run}/step-00000001", None]
+        assert result["error"] == "CheckpointWriteError" and result["failed_saves"] == 1
+        assert "step-00000002" in result["message"]
+        assert "rank 0" in result["message"] and "rank 1" in result["message"]  # and objects
+        assert result["message"].count(".safetensors: S3 request failed") == 2
+        assert result["trained"] == 3
+    storage = storage_for(run)  # the server itself, which kept what was uploaded
+    assert storage.walk(f"{run}/step-00000002")  # data objects, and no manifest
+    assert not storage.exists(f"{run}/step-00000002/manifest.json")
+    assert ddpckpt.latest(run) == f"{run}/step-00000001"
+    model = torch.nn.Sequential(  # the workers' model
+        torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    )
+    optimizer = torch.optim.AdamW(model.parameters())
+    with Checkpointer(run, model=model, optimizer=optimizer) as ckpt:
+        assert ckpt.resume().step == 1
+    assert storage.walk(f"{run}/step-00000002") == []  # resume() removed the leftovers
+
+
+def test_parts_grow_every_thousand_parts(mounted, monkeypatch) -> None:
+    import ddpckpt.storage.s3io as s3io
+
+    monkeypatch.setattr(s3io, "_PARTS_PER_SIZE", 2)  # 1000 parts would take 5 GB here
+    storage, root = mounted
+    data = os.urandom(27 * MiB)  # parts of 5, 5, 10 and 7 (the rest) MiB
+    with storage.create(f"{root}/growing") as writer:
+        writer.write(data)
+        writer.sync()
+    bucket, key = storage._split(f"{root}/growing")
+    sizes = [
+        storage._client.head_object(Bucket=bucket, Key=key, PartNumber=n)["ContentLength"]
+        for n in (1, 2, 3, 4)
+    ]
+    assert sizes == [5 * MiB, 5 * MiB, 10 * MiB, 7 * MiB]
+    assert storage.read(f"{root}/growing") == data

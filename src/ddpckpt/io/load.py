@@ -11,7 +11,7 @@ through :mod:`ddpckpt.state`. A failure on any rank raises the same error on eve
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from ddpckpt.state.capture import (
     restore_stateful,
 )
 from ddpckpt.state.rng import derive_rng, restore_rng
+from ddpckpt.storage import configure
 
 __all__ = ["load", "locate", "own_tensors"]
 
@@ -58,6 +59,7 @@ def load(
     strict: bool = True,
     rng: bool = True,
     timeout: float | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointInfo:
     """Restore the checkpoint at ``path`` into the live objects; collective.
 
@@ -79,6 +81,7 @@ def load(
     while copying may leave the objects partly updated: load another checkpoint.
     """
     path = os.fspath(path)
+    configure(path, storage_options)  # an s3:// URL's client (ddpckpt.storage.configure)
     DEFAULT_SAVER.join()
     with Comm.open("ddpckpt.load", path=path, timeout=timeout) as comm:
         comm.run("previous save", DEFAULT_SAVER.raise_unseen)  # every rank raises if one does

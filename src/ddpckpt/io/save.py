@@ -22,6 +22,7 @@ from ddpckpt.io.async_saver import DEFAULT_SAVER, async_mode
 from ddpckpt.io.background import PendingSave
 from ddpckpt.io.writing import header_fields, plan_write, write_and_commit
 from ddpckpt.state.capture import Snapshot, capture
+from ddpckpt.storage import configure
 
 __all__ = ["PendingSave", "release_async_buffers", "save"]
 
@@ -42,6 +43,7 @@ def save(
     async_save: bool | str = False,
     storage: str | None = None,
     timeout: float | None = None,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> str | PendingSave:
     """Write the whole training state to the checkpoint directory ``path``; collective.
 
@@ -51,6 +53,7 @@ def save(
     0-d tensors, strings). With ``rng`` every rank's random generators are stored.
     ``storage`` is ``"auto"`` (detect), ``"shared"`` or ``"local"``; see
     :mod:`ddpckpt.dist.topology`. ``timeout`` bounds how long a rank waits for a silent one.
+    ``storage_options`` configures an ``s3://`` URL's client (:func:`ddpckpt.storage.configure`).
 
     ``async_save=True`` returns as soon as this rank's share of the state is copied to host
     memory (:mod:`ddpckpt.io.staging`); writing and committing go on in the background and the
@@ -67,6 +70,7 @@ def save(
     key of anything that cannot be stored without pickle, :class:`CheckpointWriteError`
     when storage fails. Returns the checkpoint's path (rank 0's).
     """
+    configure(path, storage_options)
     overlap = async_mode(async_save, optimizer)
     saver = DEFAULT_SAVER
     saver.join()

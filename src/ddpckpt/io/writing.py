@@ -184,7 +184,7 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
     """
     comm, path = plan.comm, plan.path
     store = storage_for(path)
-    tmp = store.commit.staging(store, path, f"{comm.token}-{attempt}")
+    tmp = store.commit.staging(store, path, f"{comm.token}-{attempt}", overwrite=plan.overwrite)
     try:
         done = comm.run_reduce(
             f"prepare.{attempt}",

@@ -70,7 +70,7 @@ from ddpckpt.run.rundir import (
 )
 from ddpckpt.run.runlock import RunLock
 from ddpckpt.state.capture import Snapshot, capture
-from ddpckpt.storage import new_token, storage_for
+from ddpckpt.storage import configure, new_token, storage_for
 from ddpckpt.training.loader import adopt_loaders
 
 __all__ = ["Checkpointer"]
@@ -148,7 +148,9 @@ class Checkpointer:
         lock_stale_after: float = 600.0,
         read_only: bool = False,
         preemption: bool | Preemption = False,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
+        configure(directory, storage_options)  # an s3:// URL's client (ddpckpt.storage)
         self._failures = SaveFailures(on_error, retries, retry_backoff)
         if read_only and preemption:
             raise ValueError("preemption= saves a checkpoint; a read_only Checkpointer cannot")

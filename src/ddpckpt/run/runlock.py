@@ -5,29 +5,49 @@ and when it was taken. It is created with ``O_EXCL``. A lock is *stale*, and is 
 over with a warning, when its holder is this host's process that no longer exists, when
 it belongs to the same job (an elastic restart) and is not a live process on this host,
 or when it has not been refreshed for ``stale_after`` seconds (a holder on another host
-that died). A job that only reads a run (``Checkpointer(read_only=True)``) never takes it. The holder refreshes it from
-a thread while it holds it, and checks before every save that it still does.
+that died). A job that only reads a run (``Checkpointer(read_only=True)``) never takes it.
+The holder refreshes it from a thread while it holds it, and checks before every save that
+it still does.
+
+A lock still held when the interpreter exits (a Checkpointer never closed, a script ended
+by an exception) is released then: refreshes stop, and the lock is removed with one
+attempt per request (:meth:`~ddpckpt.storage.Storage.best_effort`), so a store that is gone
+costs one WARNING line, not the retries of a running job.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
 import platform
 import threading
 import time
+import weakref
 from typing import Any
 
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointLockedError
-from ddpckpt.storage import storage_for
+from ddpckpt.storage import Storage, storage_for
 
 __all__ = ["LOCK_NAME", "RunLock"]
 
 _log = get_logger(__name__)
 LOCK_NAME = ".lock"
 _CREATING = 30.0  # seconds an empty lock file may be in the middle of being written
+_held: weakref.WeakSet[RunLock] = weakref.WeakSet()  # locks of this process, for exit
+_exiting = threading.Event()
+
+
+def _release_at_exit() -> None:
+    """Drop the locks still held: the process is ending, nobody refreshes them any more."""
+    _exiting.set()
+    for lock in list(_held):
+        lock._release_at_exit()
+
+
+atexit.register(_release_at_exit)
 
 
 def _job_id() -> str | None:
@@ -59,11 +79,12 @@ class RunLock:
         self.stale_after = stale_after
         self.held = False
         self._stop = threading.Event()
+        self._pid = os.getpid()
         self._mine = {"host": platform.node(), "pid": os.getpid(), "job": _job_id()}
 
-    def _read(self) -> dict[str, Any] | None:
+    def _read(self, storage: Storage | None = None) -> dict[str, Any] | None:
         try:
-            return json.loads(self._storage.read(self.path))
+            return json.loads((storage or self._storage).read(self.path))
         except FileNotFoundError:
             return None
         except ValueError:
@@ -140,15 +161,17 @@ class RunLock:
     def _hold(self) -> None:
         """Keep the lock fresh from a thread, so a job that saves rarely never looks dead."""
         self.held = True
-        self._stop = threading.Event()
+        self._stop = stop = threading.Event()
+        _held.add(self)
         interval = min(60.0, self.stale_after / 4)
 
         def refresh() -> None:
-            while not self._stop.wait(interval):
+            while not stop.wait(interval) and not _exiting.is_set():
                 try:
                     self.refresh()
                 except OSError as exc:
-                    _log.warning("%s: could not refresh the lock: %s", self.path, exc)
+                    if not stop.is_set():  # a lock being dropped needs no refresh
+                        _log.warning("%s: could not refresh the lock: %s", self.path, exc)
 
         threading.Thread(target=refresh, name="ddpckpt-lock", daemon=True).start()
 
@@ -176,15 +199,23 @@ class RunLock:
     def release(self) -> None:
         """Delete the lock file if it is still ours. If storage refuses (read-only), the
         lock stays and the next job takes it over as stale; that is logged, not raised."""
+        self._release(self._storage)
+
+    def _release_at_exit(self) -> None:
+        if os.getpid() == self._pid:  # a forked child exiting leaves its parent's lock alone
+            self._release(self._storage.best_effort())
+
+    def _release(self, storage: Storage) -> None:
         if not self.held:
             return
         self.held = False
         self._stop.set()
-        holder = self._read()
-        if holder and self._why_stale(holder) == "ours":
-            try:
-                self._storage.delete(self.path)
-            except OSError as exc:
-                _log.warning(
-                    "%s: could not remove the lock (%s); the next job takes it over", self.path, exc
-                )
+        _held.discard(self)
+        try:
+            holder = self._read(storage)
+            if holder and self._why_stale(holder) == "ours":
+                storage.delete(self.path)
+        except OSError as exc:
+            _log.warning(
+                "%s: could not remove the lock (%s); the next job takes it over", self.path, exc
+            )

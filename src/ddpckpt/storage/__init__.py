@@ -4,14 +4,19 @@
 in-memory store of this process, ``s3://bucket/run`` S3-compatible object storage (extra
 ``ddpckpt[s3]``; see :mod:`ddpckpt.storage.s3`). Another backend registers its URL scheme with
 :func:`register` (a factory from the URL to a storage, e.g. one per bucket and options);
-:func:`mount` serves one URL prefix from a given storage instance.
+:func:`mount` serves one URL prefix from a given storage instance, and :func:`configure`
+from a storage made with a ``storage_options`` mapping (what ``save``, ``load`` and
+``Checkpointer`` take as ``storage_options=``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ddpckpt.storage.base import (
     CommitStrategy,
@@ -33,6 +38,7 @@ __all__ = [
     "RenameCommit",
     "Storage",
     "Writer",
+    "configure",
     "is_temp_name",
     "mount",
     "new_token",
@@ -52,14 +58,62 @@ def _s3(url: str) -> Storage:
     return default_storage(url)
 
 
+def _s3_configured(options: Mapping[str, Any]) -> Storage:
+    from ddpckpt.storage.s3 import S3Storage
+
+    return S3Storage.from_options(options)
+
+
 _schemes: dict[str, Callable[[str], Storage]] = {"memory": lambda url: _memory, "s3": _s3}
+_configurable: dict[str, Callable[[Mapping[str, Any]], Storage]] = {"s3": _s3_configured}
+_configured: dict[tuple[str, str], Storage] = {}  # one storage per scheme and options
 _mounts: dict[str, Storage] = {}
 
 
-def register(scheme: str, factory: Callable[[str], Storage]) -> None:
-    """Serve ``scheme://...`` URLs from ``factory(url)`` (called for each resolution)."""
+def register(
+    scheme: str,
+    factory: Callable[[str], Storage],
+    *,
+    configured: Callable[[Mapping[str, Any]], Storage] | None = None,
+) -> None:
+    """Serve ``scheme://...`` URLs from ``factory(url)`` (called for each resolution);
+    ``configured(options)``, if given, makes a storage from ``storage_options``."""
     with _lock:
         _schemes[scheme] = factory
+        if configured is not None:
+            _configurable[scheme] = configured
+
+
+def configure(path: str | os.PathLike[str], options: Mapping[str, Any] | None) -> None:
+    """Serve the bucket of the URL ``path`` (``s3://bucket``; a checkpoint's run directory
+    and its neighbours live there) from a storage made with the ``storage_options`` mapping
+    ``options`` (for ``s3://``: endpoint, region, profile, credentials, timeouts; see
+    :meth:`S3Storage.from_options <ddpckpt.storage.s3.S3Storage.from_options>`). Nothing
+    to do when ``options`` is ``None`` or empty. Equal options share one storage (one
+    connection pool); the options given last for a bucket serve it. Messages name options,
+    never their values."""
+    if not options:
+        return
+    location = os.fspath(path)
+    scheme, sep, rest = location.partition("://")
+    if not sep or "/" in scheme:
+        raise ValueError(
+            f"{location}: storage_options apply to URLs such as s3://bucket/run; "
+            "a local path takes none"
+        )
+    with _lock:
+        make = _configurable.get(scheme)
+    if make is None:
+        raise ValueError(f"{location}: {scheme}:// locations take no storage_options")
+    text = json.dumps(dict(options), sort_keys=True, default=repr)
+    key = (scheme, hashlib.sha256(text.encode()).hexdigest())
+    with _lock:
+        storage = _configured.get(key)
+    if storage is None:
+        made = make(options)
+        with _lock:
+            storage = _configured.setdefault(key, made)
+    mount(f"{scheme}://{rest.strip('/').split('/')[0]}", storage)
 
 
 def mount(prefix: str, storage: Storage | None) -> None:

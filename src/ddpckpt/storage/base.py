@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import errno
+import json
 import uuid
 from types import TracebackType
 from typing import Any
@@ -31,6 +33,7 @@ from ddpckpt._log import get_logger
 __all__ = [
     "CommitStrategy",
     "ManifestLastCommit",
+    "RangedReader",
     "Reader",
     "RenameCommit",
     "Storage",
@@ -103,6 +106,37 @@ class Reader(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the object; buffers from :meth:`map` stay valid."""
+
+
+class RangedReader(Reader):
+    """A reader for object stores: a small object's bytes kept from when it was opened
+    (``_data``), a larger one's read by ranges (:meth:`_read_range`)."""
+
+    _data: bytes | None = None
+
+    @abc.abstractmethod
+    def _read_range(self, view: memoryview, offset: int) -> None:
+        """Fill all of ``view`` with the stored bytes at ``offset``."""
+
+    def read_into(self, view: memoryview, offset: int) -> int:
+        count = max(0, min(len(view), self.size - offset))
+        if count == 0:
+            return 0
+        if self._data is not None:
+            view[:count] = self._data[offset : offset + count]
+        else:
+            self._read_range(view[:count], offset)
+        return count
+
+    def map(self) -> Any:
+        if self.size == 0:
+            return None
+        buffer = bytearray(self.size)
+        self.read_into(memoryview(buffer), 0)
+        return buffer
+
+    def close(self) -> None:
+        self._data = None
 
 
 class Storage(abc.ABC):
@@ -208,6 +242,12 @@ class Storage(abc.ABC):
     def free_bytes(self, location: str) -> int | None:
         """Bytes free for new objects at ``location``; ``None`` where unbounded/unknown."""
 
+    def best_effort(self) -> Storage:
+        """This storage for a last operation that must not hold the process up (at
+        interpreter exit): each request is tried once, with short timeouts. Local stores
+        have no retries and return themselves."""
+        return self
+
     def sync_dir(self, location: str) -> None:  # noqa: B027 - a no-op unless overridden
         """Make the entries of the directory ``location`` durable (POSIX only)."""
 
@@ -230,8 +270,9 @@ class CommitStrategy(abc.ABC):
     """
 
     @abc.abstractmethod
-    def staging(self, storage: Storage, final: str, token: str) -> str:
-        """Where the objects of the checkpoint ``final`` are written before publishing."""
+    def staging(self, storage: Storage, final: str, token: str, *, overwrite: bool = False) -> str:
+        """Where the objects of the checkpoint ``final`` are written before publishing
+        (``overwrite``: the save may replace a committed checkpoint there)."""
 
     @abc.abstractmethod
     def exists(self, storage: Storage, final: str) -> bool:
@@ -281,7 +322,7 @@ class RenameCommit(CommitStrategy):
     which :func:`is_temp_name` recognises. Overwriting exchanges the two directories where
     the store can (``renameat2`` on Linux); elsewhere the old one is renamed aside first."""
 
-    def staging(self, storage: Storage, final: str, token: str) -> str:
+    def staging(self, storage: Storage, final: str, token: str, *, overwrite: bool = False) -> str:
         return temp_name(final, token)
 
     def exists(self, storage: Storage, final: str) -> bool:
@@ -327,11 +368,17 @@ class RenameCommit(CommitStrategy):
 class ManifestLastCommit(CommitStrategy):
     """For stores without rename: data objects are written under ``D`` itself and the
     manifest, written last, is the commit. A prefix without a valid manifest is never a
-    checkpoint. Deleting removes the manifest first. Overwriting removes the old
-    checkpoint before the new one is written (not atomic: a crash in between leaves none)."""
+    checkpoint. Deleting removes the manifest first.
 
-    def staging(self, storage: Storage, final: str, token: str) -> str:
-        return final
+    Overwriting never leaves a moment without a committed checkpoint at ``D``: the new one
+    is written under ``D/.next-<token>/``, manifest last; the commit replaces ``D``'s
+    manifest in one write with that manifest, its object names prefixed by
+    ``.next-<token>/``; only then are the old objects deleted. A failure before that write
+    leaves the old checkpoint (and removes the new objects); one after it, the new one.
+    """
+
+    def staging(self, storage: Storage, final: str, token: str, *, overwrite: bool = False) -> str:
+        return f"{final}/{_NEXT_MARK}{token}" if overwrite else final
 
     def exists(self, storage: Storage, final: str) -> bool:
         return storage.exists(f"{final}/{MANIFEST}")
@@ -340,15 +387,39 @@ class ManifestLastCommit(CommitStrategy):
         if self.exists(storage, final):
             if not overwrite:
                 raise FileExistsError(errno.EEXIST, "checkpoint already exists", final)
+            if staging != final:
+                storage.make_dirs(staging)  # the old checkpoint stays committed meanwhile
+                return
             self.discard(storage, final)
         storage.delete_tree(final)  # an interrupted save's leftovers: no checkpoint
-        storage.make_dirs(final)
+        storage.make_dirs(staging)
 
     def publish(self, storage: Storage, staging: str, final: str, *, overwrite: bool) -> None:
-        """Nothing left to do: the manifest the leader wrote last is the commit."""
+        """Nothing left to do for a new checkpoint: the manifest the leader wrote last is
+        the commit. For a replacement, the switch of manifests described above."""
+        if staging == final:
+            return
+        prefix = staging[len(final) + 1 :]
+        manifest = _relocated(storage.read(f"{staging}/{MANIFEST}"), prefix, final)
+        storage.replace(f"{final}/{MANIFEST}", manifest)
+        try:  # committed: what follows only frees space
+            keep = {MANIFEST, *_listed(manifest)}
+            for name in storage.walk(final):
+                if name not in keep:
+                    storage.delete(f"{final}/{name}")
+        except OSError as exc:
+            _log.warning(
+                "%s: replaced, but deleting the objects of the previous save failed (%s); "
+                "they are no part of the checkpoint and go when it is deleted or replaced",
+                final,
+                exc,
+            )
 
     def _remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
-        if not self.exists(storage, final):
+        if staging != final:
+            if staging[len(final) + 1 :] not in _prefixes(storage, final):  # not committed
+                storage.delete_tree(staging)
+        elif not self.exists(storage, final):
             storage.delete_tree(final)
 
     def discard(self, storage: Storage, final: str) -> None:
@@ -362,3 +433,40 @@ class ManifestLastCommit(CommitStrategy):
             storage.make_dirs(storage.parent(f"{target}/{name}"))
             storage.copy(f"{final}/{name}", f"{target}/{name}")
         self.discard(storage, final)
+
+
+_NEXT_MARK = ".next-"
+
+
+def _listed(manifest: bytes) -> list[str]:
+    """The object names a manifest lists (read without verifying: a cleanup's question)."""
+    try:
+        return list(json.loads(manifest)["files"])
+    except (ValueError, KeyError, TypeError):
+        return []
+
+
+def _prefixes(storage: Storage, final: str) -> set[str]:
+    """The first components of the names the committed manifest at ``final`` lists."""
+    try:
+        names = _listed(storage.read(f"{final}/{MANIFEST}"))
+    except FileNotFoundError:
+        return set()
+    return {name.split("/", 1)[0] for name in names if "/" in name}
+
+
+def _relocated(manifest: bytes, prefix: str, where: str) -> bytes:
+    """``manifest`` with every object name under ``prefix/``: what a replacement written
+    under ``D/prefix`` commits as ``D``'s manifest."""
+    from ddpckpt.format.manifest import Manifest  # the format builds on storage, not back
+
+    parsed = Manifest.from_json(manifest, where)
+    parsed.files = {
+        f"{prefix}/{name}": dataclasses.replace(entry, name=f"{prefix}/{name}")
+        for name, entry in parsed.files.items()
+    }
+    parsed.tensors = {
+        key: dataclasses.replace(entry, file=f"{prefix}/{entry.file}")
+        for key, entry in parsed.tensors.items()
+    }
+    return parsed.to_json().encode()
