@@ -57,7 +57,6 @@ from ddpckpt.io.writing import (
 from ddpckpt.policies import Record, Retention, SavePolicy, best_first, keeping, schedule
 from ddpckpt.resumecheck import record as _resume_check
 from ddpckpt.run.catalog import SET_ASIDE_MARK
-from ddpckpt.run.failures import SaveFailures
 from ddpckpt.run.preemption import Preemption, PreemptionWatch
 from ddpckpt.run.rundir import (
     clean_temporaries,
@@ -69,6 +68,7 @@ from ddpckpt.run.rundir import (
     write_run_file,
 )
 from ddpckpt.run.runlock import RunLock
+from ddpckpt.run.save_failures import SaveFailures
 from ddpckpt.state.capture import Snapshot, capture
 from ddpckpt.storage import new_token, storage_for
 from ddpckpt.training.loader import adopt_loaders
