@@ -22,12 +22,8 @@ import torch
 import ddpckpt
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
-from ddpckpt.run.preemption import (
-    IgnoringPreemptionSignals,
-    Preemption,
-    PreemptionWatch,
-    grace_period,
-)
+from ddpckpt.run.preemption import Preemption, PreemptionWatch, grace_period
+from ddpckpt.training.worker_signals import IgnoringPreemptionSignals
 from launch import _env, _finish, _start, free_port
 from test_exact_resume import EXACT, compare, launch
 

@@ -95,10 +95,10 @@ from typing import Any
 
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt.dist.store import StoreTimeout, default_group, namespace
+from ddpckpt.training import worker_signals
 
 __all__ = [
     "DEFAULT_GRACE_SECONDS",
-    "IgnoringPreemptionSignals",
     "Preemption",
     "PreemptionWatch",
     "grace_period",
@@ -109,35 +109,6 @@ _log = get_logger(__name__)
 DEFAULT_GRACE_SECONDS = 30.0
 _Handler = Callable[[int, FrameType | None], Any] | int | None
 _serials = itertools.count()  # preemption-enabled Checkpointers made in this process
-_watched: dict[int, frozenset[int]] = {}  # serial -> signals, of the watches with handlers
-
-
-def watched_signals() -> frozenset[int]:
-    """The preemption signals some live Checkpointer of this process handles."""
-    return frozenset().union(*_watched.values())
-
-
-class IgnoringPreemptionSignals:
-    """A DataLoader ``worker_init_fn``: ignore the preemption signals, then call ``inner``.
-
-    torch runs it in each worker process after its own signal set-up. Under the ``fork``
-    start method the worker reads the signals from the state it inherited; under ``spawn``
-    they travel with the pickled function, taken when the workers start.
-    """
-
-    def __init__(self, inner: Callable[[int], Any] | None) -> None:
-        self.inner = inner
-        self.signals: list[int] | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"inner": self.inner, "signals": sorted(watched_signals())}
-
-    def __call__(self, worker_id: int) -> None:
-        signals = watched_signals() if self.signals is None else self.signals
-        for sig in signals:
-            signal.signal(sig, signal.SIG_IGN)
-        if self.inner is not None:
-            self.inner(worker_id)
 
 
 @dataclass(frozen=True)
@@ -306,7 +277,7 @@ class PreemptionWatch:
         signals = options.signal_numbers()
         self._handlers = _Handlers(signals, self._received)
         if self._handlers.installed:
-            _watched[self._serial] = frozenset(signals)
+            worker_signals.publish(self._serial, signals)
 
     def _received(self, signum: int) -> None:  # in the signal handler: no I/O, no locks
         self._count += 1
@@ -479,7 +450,7 @@ class PreemptionWatch:
         Local; call it last (a re-delivered SIGTERM ends the process here).
         """
         handlers = self._handlers.remove()
-        _watched.pop(self._serial, None)
+        worker_signals.withdraw(self._serial)
         self._stop.set()
         if self._listener is not None:  # wake it now rather than at its next timeout
             key = self._key()
