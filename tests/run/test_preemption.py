@@ -286,13 +286,13 @@ def test_a_signal_during_resume_is_agreed_at_the_next_should_save(
     with Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
         ckpt.save(5)
     with Checkpointer(tmp_path, model=model, optimizer=opt, preemption=True) as ckpt:
-        original = ckpt._try_load
+        original = ckpt._load
 
-        def signalled_load(step, failures):
+        def signalled_load(step):
             deliver(signal.SIGTERM)
-            return original(step, failures)
+            return original(step)
 
-        ckpt._try_load = signalled_load
+        ckpt._load = signalled_load
         info = ckpt.resume()
         assert not ckpt.preempted
         assert ckpt.should_save(info.step + 1)
