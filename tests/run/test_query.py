@@ -100,3 +100,17 @@ def test_resume_loads_what_resume_step_names(run) -> None:
     expected = reader.resume_step(best="loss")
     assert reader.resume(best="loss").step == expected == 4
     reader.close()
+
+
+def test_why_kept_reads_the_retention_the_saving_job_recorded(tmp_path) -> None:
+    run = tmp_path / "run"
+    assert query.why_kept(str(run)) == {} and query.entries(str(run)) == []
+    with Checkpointer(run, model=make_mlp(), keep_last=1, keep_best=1, monitor="loss") as ckpt:
+        for step, loss in ((1, 0.3), (2, 0.1), (3, 0.7)):
+            ckpt.save(step, metrics={"loss": loss})
+    assert query.why_kept(str(run)) == {2: "best #1 by loss"}
+    assert query.latest_name(str(run)) == "step-00000003"
+    assert [(e.step, e.status) for e in query.entries(str(run))] == [
+        (2, "committed"),
+        (3, "committed"),
+    ]

@@ -19,12 +19,43 @@ from typing import Any
 from ddpckpt.errors import CheckpointNotFoundError
 from ddpckpt.format.manifest import read_manifest
 from ddpckpt.io.reader import CheckpointInfo
-from ddpckpt.policies import best_first
-from ddpckpt.run.rundir import scan, step_dirname
+from ddpckpt.policies import Record, best_first, retention_from
+from ddpckpt.run.rundir import Entry, read_latest, read_run_file, scan, step_dirname
 
-__all__ = ["best_step", "choose", "committed", "info", "latest_step", "resume_step", "steps"]
+__all__ = [
+    "best_step",
+    "choose",
+    "committed",
+    "entries",
+    "info",
+    "latest_name",
+    "latest_step",
+    "resume_step",
+    "steps",
+    "why_kept",
+]
 
 Metrics = dict[str, Any]
+
+
+def entries(directory: str) -> list[Entry]:
+    """Every ``step-N`` checkpoint, oldest first, with its status (``committed``,
+    ``incomplete`` or ``corrupt``) and, when committed, its manifest."""
+    return scan(directory)
+
+
+def latest_name(directory: str) -> str | None:
+    """What the run's ``latest`` file names (``step-N``), or ``None``."""
+    return read_latest(directory)
+
+
+def why_kept(directory: str) -> dict[int, str]:
+    """The committed steps the run's retention keeps for a reason worth showing (``"best #1
+    by loss"``), from the policy the saving job recorded in ``run.json``."""
+    policy = retention_from(read_run_file(directory).get("retention", {}))
+    if policy is None:
+        return {}
+    return policy.why_kept([Record(step, m) for step, m in committed(directory).items()])
 
 
 def committed(directory: str) -> dict[int, Metrics]:
