@@ -67,9 +67,8 @@ class Checkpointer:
     ``save_policy``, ``preemption``), what to keep (``keep_last``, ``keep_best``, ``monitor``,
     ``mode``, ``retention``), failures (``on_error``, ``retries``, ``retry_backoff``),
     ``async_save``, and storage (``storage``, ``timeout``, ``lock_stale_after``,
-    ``read_only``). :attr:`last_error` is the error of the most recent failed save (``None``
-    once a save succeeds) and :attr:`failed_saves` counts the failures since the last
-    success; every failed save logs an ERROR naming the newest good checkpoint.
+    ``read_only``). A failed save logs an ERROR naming the newest good checkpoint (see
+    :attr:`last_error`, :attr:`failed_saves`).
 
     Read-only: with ``read_only=True`` the Checkpointer only loads. :meth:`resume` then
     takes no lock, cleans nothing, moves nothing aside and writes nothing (``latest``,
@@ -222,9 +221,8 @@ class Checkpointer:
                 return preempt
             if self._saves.latest is not None and step <= self._saves.latest:
                 return b"0"
-            return (
-                b"1" if self.options.schedule.policy.should_save(step, time.monotonic()) else b"0"
-            )
+            due = self.options.schedule.policy.should_save(step, time.monotonic())
+            return b"1" if due else b"0"
 
         if self.options.schedule.policy.needs_agreement or watch is not None:
             decision = Comm.from_leader(
