@@ -93,7 +93,7 @@ def pause(out: str, rank: int) -> None:
 
 def hold_saves(out: str, first: int) -> None:
     """Saves of step ``first`` and later wait before writing while OUT/hold exists."""
-    import ddpckpt.run.checkpointer as module
+    import ddpckpt.run.saving as module
 
     write = module.write_and_commit
 

@@ -418,12 +418,12 @@ def test_a_retry_after_a_failure_following_the_commit_finds_it_committed(
 
 
 def test_a_retention_failure_in_one_process_only_warns(run_root, monkeypatch, caplog) -> None:
-    import ddpckpt.run.checkpointer as checkpointer
+    import ddpckpt.run.rundir as rundir
 
     def refuse(path):
         raise IsADirectoryError(21, "Is a directory", path)
 
-    monkeypatch.setattr(checkpointer, "remove_checkpoint", refuse)
+    monkeypatch.setattr(rundir, "remove_checkpoint", refuse)
     ckpt = Checkpointer(run_root / "run", model=make_mlp(), keep_last=1)
     ckpt.save(1)
     with caplog.at_level(logging.WARNING, logger="ddpckpt"):

@@ -22,12 +22,9 @@ import torch
 import ddpckpt
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
-from ddpckpt.run.preemption import (
-    IgnoringPreemptionSignals,
-    Preemption,
-    PreemptionWatch,
-    grace_period,
-)
+from ddpckpt.run.preemption import PreemptionWatch
+from ddpckpt.run.signals import Preemption
+from ddpckpt.training.worker_signals import IgnoringPreemptionSignals
 from launch import _env, _finish, _start, free_port
 from test_exact_resume import EXACT, compare, launch
 
@@ -114,21 +111,6 @@ def test_bad_options_fail_when_the_checkpointer_is_made(tmp_path, restore_signal
         Checkpointer(tmp_path, model=model, preemption=Preemption(grace_seconds=0))
     with pytest.raises(ValueError, match="read_only"):
         Checkpointer(tmp_path, model=model, read_only=True, preemption=True)
-
-
-def test_grace_period_comes_from_the_argument_then_the_environment(monkeypatch) -> None:
-    for name in ("DDPCKPT_GRACE_SECONDS", "TORCHELASTIC_RUN_ID", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"):
-        monkeypatch.delenv(name, raising=False)
-    assert grace_period()[0] == 30.0
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "90")
-    assert grace_period() == (90.0, "torchrun's shutdown timeout")
-    monkeypatch.setenv("DDPCKPT_GRACE_SECONDS", "12.5")
-    assert grace_period() == (12.5, "DDPCKPT_GRACE_SECONDS")
-    assert grace_period(4) == (4.0, "grace_seconds")
-    monkeypatch.setenv("DDPCKPT_GRACE_SECONDS", "soon")
-    with pytest.raises(ValueError, match="DDPCKPT_GRACE_SECONDS"):
-        grace_period()
 
 
 # ---------------------------------------------------------------------- one process
@@ -304,13 +286,13 @@ def test_a_signal_during_resume_is_agreed_at_the_next_should_save(
     with Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
         ckpt.save(5)
     with Checkpointer(tmp_path, model=model, optimizer=opt, preemption=True) as ckpt:
-        original = ckpt._try_load
+        original = ckpt._load
 
-        def signalled_load(step, failures):
+        def signalled_load(step):
             deliver(signal.SIGTERM)
-            return original(step, failures)
+            return original(step)
 
-        ckpt._try_load = signalled_load
+        ckpt._load = signalled_load
         info = ckpt.resume()
         assert not ckpt.preempted
         assert ckpt.should_save(info.step + 1)

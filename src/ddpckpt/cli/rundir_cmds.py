@@ -46,16 +46,13 @@ def _ls_arguments(p: argparse.ArgumentParser) -> None:
 
 def _ls_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ddpckpt.io.reader import find_problems
-    from ddpckpt.policies import Record, retention_from
-    from ddpckpt.run.rundir import read_latest, read_run_file, scan, size_problems
+    from ddpckpt.run import query
+    from ddpckpt.run.rundir import size_problems
 
-    entries = scan(args.directory)
-    latest = read_latest(args.directory)
-    policy = retention_from(read_run_file(args.directory).get("retention", {}))
-    committed = [Record(e.step, e.metrics) for e in entries if e.status == "committed"]
-    why_kept = policy.why_kept(committed) if policy is not None else {}
+    latest = query.latest_name(args.directory)
+    why_kept = query.why_kept(args.directory)
     rows = []
-    for entry in entries:
+    for entry in query.entries(args.directory):
         manifest = entry.manifest
         if manifest is None:
             status, problems = entry.status, [entry.problem]

@@ -13,8 +13,10 @@
     ckpt.close()
 
 Every method except :meth:`wait`, :meth:`close` and the queries (:meth:`steps`,
-:meth:`latest_step`, :meth:`best`, :meth:`info`) is collective: call it on every rank.
-See :mod:`ddpckpt.run.rundir` for the directory layout.
+:meth:`latest_step`, :meth:`best`, :meth:`info`, :meth:`resume_step`) is collective: call it
+on every rank. The queries only read (no lock, no collective; see :mod:`ddpckpt.run.query`).
+See :mod:`ddpckpt.run.rundir` for the directory layout, :mod:`ddpckpt.run.resume` for the
+steps of :meth:`resume` and :mod:`ddpckpt.run.saving` for those of a save.
 
 To load from a run another job is writing (an evaluation job), open it read-only::
 
@@ -26,58 +28,33 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any, TypeVar
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from ddpckpt._log import get_logger, same_on_every_rank
+from ddpckpt._log import get_logger
 from ddpckpt.dist.comm import Comm
-from ddpckpt.dist.topology import storage_domains
-from ddpckpt.errors import (
-    CheckpointError,
-    CheckpointNotFoundError,
-    CheckpointStepError,
-    CheckpointWriteError,
-    CorruptCheckpointError,
-)
-from ddpckpt.format.manifest import read_manifest
-from ddpckpt.io.async_saver import AsyncSaver, async_mode
+from ddpckpt.errors import CheckpointWriteError
+from ddpckpt.io.async_saver import AsyncSaver
 from ddpckpt.io.load import load
 from ddpckpt.io.reader import CheckpointInfo
-from ddpckpt.io.writing import (
-    WritePlan,
-    header_fields,
-    plan_write,
-    staging_share,
-    storage_errors,
-    write_and_commit,
-)
-from ddpckpt.policies import Record, Retention, SavePolicy, best_first, keeping, schedule
+from ddpckpt.io.writing import header_fields
+from ddpckpt.policies import Retention, SavePolicy
 from ddpckpt.resumecheck import record as _resume_check
-from ddpckpt.run.catalog import SET_ASIDE_MARK
-from ddpckpt.run.failures import SaveFailures
+from ddpckpt.run import query
+from ddpckpt.run.options import resolve
 from ddpckpt.run.preemption import Preemption, PreemptionWatch
-from ddpckpt.run.rundir import (
-    clean_temporaries,
-    read_latest,
-    remove_checkpoint,
-    scan,
-    step_dirname,
-    write_latest,
-    write_run_file,
-)
-from ddpckpt.run.runlock import RunLock
+from ddpckpt.run.resume import READER_LISTINGS, list_candidates, load_first, nothing_loads
+from ddpckpt.run.saving import RunSaves
 from ddpckpt.state.capture import Snapshot, capture
-from ddpckpt.storage import configure, new_token, storage_for
+from ddpckpt.storage import configure
 from ddpckpt.training.loader import adopt_loaders
 
 __all__ = ["Checkpointer"]
 
-T = TypeVar("T")
 _log = get_logger(__name__)
-_READER_LISTINGS = 3  # times a read-only resume lists the directory before giving up
 
 
 class Checkpointer:
@@ -86,29 +63,13 @@ class Checkpointer:
     Objects: ``model`` (required; plain, DDP or compiled), ``optimizer``, ``scheduler``,
     ``scaler``, ``extra`` (as for :func:`ddpckpt.save`).
 
-    When to save: ``every_steps`` and/or ``every_seconds`` (rank 0's clock decides), or a
-    :class:`~ddpckpt.policies.SavePolicy` as ``save_policy``.
-
-    What to keep: the ``keep_last`` newest (``None`` keeps all) and, with ``keep_best`` and
-    ``monitor``, the ``keep_best`` best by that metric (``mode`` ``"min"`` or ``"max"``), or
-    a :class:`~ddpckpt.policies.Retention` as ``retention``. The newest committed
-    checkpoint is always kept; others are deleted only after a newer one is committed.
-
-    Asynchronous saves: with ``async_save=True``, :meth:`save` returns once this rank's
-    share of the state is copied to reusable host buffers; writing, commit, ``latest`` and
-    retention follow in the background (one save in flight; the next call waits for it).
-    ``async_save="overlap"`` also copies parameters and optimizer state during the next
-    forward/backward, and ``optimizer.step()`` waits for that copy.
-
-    Failures: a save that fails in storage (disk full, I/O error) is retried ``retries``
-    times with exponential backoff when the error is transient, then, with
-    ``on_error="warn"`` (the default), logged as an ERROR (on stderr unless ``logging``
-    is configured; by rank 0 and any rank with a failure of its own) while training goes on; with
-    ``"raise"`` it raises on every rank. Programming errors (a value that cannot be
-    stored, ranks holding different state) always raise. :attr:`last_error` is the
-    error of the most recent failed save (``None`` once a save succeeds) and
-    :attr:`failed_saves` counts the failures since the last success; every failed save
-    logs an ERROR saying so and naming the newest good checkpoint.
+    Options (keyword arguments, grouped and checked by :mod:`ddpckpt.run.options`, read
+    back as :attr:`options`): when to save (``every_steps``, ``every_seconds``,
+    ``save_policy``, ``preemption``), what to keep (``keep_last``, ``keep_best``, ``monitor``,
+    ``mode``, ``retention``), failures (``on_error``, ``retries``, ``retry_backoff``),
+    ``async_save``, and storage (``storage``, ``timeout``, ``lock_stale_after``,
+    ``read_only``). A failed save logs an ERROR naming the newest good checkpoint (see
+    :attr:`last_error`, :attr:`failed_saves`).
 
     Read-only: with ``read_only=True`` the Checkpointer only loads. :meth:`resume` then
     takes no lock, cleans nothing, moves nothing aside and writes nothing (``latest``,
@@ -151,38 +112,38 @@ class Checkpointer:
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         configure(directory, storage_options)  # an s3:// URL's client (ddpckpt.storage)
-        self._failures = SaveFailures(on_error, retries, retry_backoff)
-        if read_only and preemption:
-            raise ValueError("preemption= saves a checkpoint; a read_only Checkpointer cannot")
-        if monitor is not None and keep_best is None and retention is None:
-            raise ValueError("monitor= only matters with keep_best=; pass keep_best=K as well")
-        self.directory = _resume_check.redirect(os.fspath(directory), read_only=read_only)
-        self.model, self.optimizer, self.scheduler, self.scaler = (
-            model,
-            optimizer,
-            scheduler,
-            scaler,
+        self.options = resolve(
+            optimizer=optimizer,
+            keep_last=keep_last,
+            keep_best=keep_best,
+            monitor=monitor,
+            mode=mode,
+            every_steps=every_steps,
+            every_seconds=every_seconds,
+            save_policy=save_policy,
+            retention=retention,
+            on_error=on_error,
+            retries=retries,
+            retry_backoff=retry_backoff,
+            async_save=async_save,
+            storage=storage,
+            timeout=timeout,
+            lock_stale_after=lock_stale_after,
+            read_only=read_only,
+            preemption=preemption,
         )
-        self.extra = extra
-        adopt_loaders(extra)  # a DataLoader must be tracked before it iterates
-        self.save_policy = save_policy or schedule(every_steps, every_seconds)
-        self.retention = retention or keeping(keep_last, keep_best, monitor, mode)
-        self.mode = mode
         self.read_only = read_only
-        self.rng, self.storage, self.timeout = rng, storage, timeout
-        self.overlap = async_mode(async_save, optimizer)
-        self.async_save = bool(async_save)
+        self.directory = _resume_check.redirect(os.fspath(directory), read_only=read_only)
+        self.model, self.optimizer = model, optimizer
+        self.scheduler, self.scaler, self.extra = scheduler, scaler, extra
+        self.rng = rng
+        adopt_loaders(extra)  # a DataLoader must be tracked before it iterates
         self._saver = AsyncSaver()  # this run's own host buffer and background writer
+        self._saves = RunSaves(self.directory, self.options, self._saver)
         self._reserved = False  # whether the buffer was sized ahead of the first save
-        self._committed: int | None = None  # newest step known to be committed
-        self._lock = RunLock(self.directory, lock_stale_after)
-        self._domains: list[list[int]] | None = None
-        self._leader = False
-        self._latest: int | None = None
         self._closed = False
-        self._run_file_written = False
-        options = Preemption.of(preemption)
-        self._preemption = None if options is None else PreemptionWatch(options, self._newest)
+        watched = self.options.schedule.preemption
+        self._preemption = None if watched is None else PreemptionWatch(watched, self._saves.newest)
         if (recorder := _resume_check.active()) is not None:
             recorder.attach(self)
 
@@ -208,86 +169,36 @@ class Checkpointer:
         self._check_open()
         if step is not None and best is not None:
             raise ValueError("pass step= or best=, not both")
-        self._settle()
+        self._saves.settle()
+        mode = mode or self.options.keeping.mode
         failed: list[int] = []
         failures: list[str] = []
         # A reader whose candidates were all deleted meanwhile lists the directory again.
-        for listing in range(_READER_LISTINGS if self.read_only else 1):
-            with self._comm("Checkpointer.resume") as comm:
+        for listing in range(READER_LISTINGS if self.read_only else 1):
+            with self._saves.comm("Checkpointer.resume") as comm:
                 if not self.read_only and listing == 0:
-                    self._prepare(comm)
-                listed = comm.run_reduce("list", lambda: _listing(self.directory), _merged)
-            committed = {int(s): m for s, (status, m) in listed.items() if status == "committed"}
-            broken = sorted({int(s) for s in listed} - set(committed))
-            candidates = [
-                c for c in self._candidates(committed, step, best, mode) if c not in failed
-            ]
+                    self._saves.prepare(comm)
+                committed, broken = list_candidates(comm, self.directory)
+            candidates = query.choose(self.directory, committed, step, best, mode)
+            candidates = [c for c in candidates if c not in failed]
             if not candidates and not broken and not failed:
                 _log.info("%s: no checkpoint to resume from; starting fresh", self.directory)
                 return self._resumed(None)
-            for candidate in candidates:
-                info = self._try_load(candidate, failures)
-                if info is None:
-                    failed.append(candidate)
-                    continue
+            loaded = load_first(
+                candidates, self._load, self.directory, self.read_only, failed, failures
+            )
+            if loaded is not None:
                 if not self.read_only:
-                    moved = sorted({b for b in broken if b > candidate} | set(failed))
-                    newest = max(c for c in committed if c not in moved)
-                    self._after_resume(candidate, moved, newest)
-                return self._resumed(info)
+                    self._saves.resumed(loaded[0], committed, broken, failed)
+                return self._resumed(loaded[1])
             if not candidates:
                 break
-        raise CorruptCheckpointError(
-            f"{self.directory}: holds checkpoints but none can be loaded:\n  "
-            + "\n  ".join(failures)
-            if failures
-            else f"{self.directory}: holds only incomplete checkpoints ({broken}); nothing to resume"
-        )
+        raise nothing_loads(self.directory, failures, broken)
 
-    def _try_load(self, step: int, failures: list[str]) -> CheckpointInfo | None:
-        """Load checkpoint ``step``; ``None`` (reported, added to ``failures``) if it is
-        damaged or, for a reader, gone."""
-        path = self._path(step)
-        try:
-            return load(path, **self._objects(), rng=self.rng, timeout=self.timeout)
-        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-            if isinstance(exc, CheckpointNotFoundError) and not self.read_only:
-                raise  # listed a moment ago under this job's lock: not a race
-            _log.warning(
-                "cannot resume from %s: %s; trying %s",
-                path,
-                exc,
-                "the next candidate (the job writing there may have deleted or replaced it)"
-                if self.read_only
-                else "an older checkpoint",
-                extra=same_on_every_rank(exc),
-            )
-            failures.append(f"{path}: {exc}")
-            return None
-
-    def _candidates(
-        self,
-        committed: dict[int, dict[str, Any]],
-        step: int | None,
-        best: str | None,
-        mode: str | None,
-    ) -> list[int]:
-        """The steps to try loading, in order (see :meth:`resume`)."""
-        if step is not None:
-            if step not in committed:
-                raise CheckpointNotFoundError(
-                    f"{self._path(step)}: no committed checkpoint for step {step}"
-                )
-            return [step]
-        if best is None:
-            return sorted(committed, reverse=True)
-        ranked = best_first(committed, best, mode or self.mode)
-        if committed and not ranked:
-            raise CheckpointNotFoundError(
-                f"{self.directory}: no checkpoint has a finite metric {best!r} (saved with "
-                f"metrics={{{best!r}: ...}}); resume() without best= loads the newest"
-            )
-        return ranked
+    def _load(self, step: int) -> CheckpointInfo:
+        """Restore checkpoint ``step`` into the objects; collective."""
+        path, timeout = self._saves.path(step), self.options.storage.timeout
+        return load(path, **self._objects(), rng=self.rng, timeout=timeout)
 
     def should_save(self, step: int) -> bool:
         """Whether the policy asks for a save at ``step``; identical on every rank.
@@ -301,7 +212,7 @@ class Checkpointer:
         if (recorder := _resume_check.active()) is not None:
             recorder.step(self, step)
         watch = self._preemption
-        latest = self._latest  # with preemption on, a signal can still finish this save
+        latest = self._saves.latest  # with preemption on, a signal can still finish this save
         if latest is not None and (step < latest or (step == latest and watch is None)):
             return False
         if watch is not None:
@@ -311,18 +222,21 @@ class Checkpointer:
             preempt = watch.requested() if watch is not None else None
             if preempt is not None:
                 return preempt
-            if self._latest is not None and step <= self._latest:
+            if self._saves.latest is not None and step <= self._saves.latest:
                 return b"0"
-            return b"1" if self.save_policy.should_save(step, time.monotonic()) else b"0"
+            due = self.options.schedule.policy.should_save(step, time.monotonic())
+            return b"1" if due else b"0"
 
-        if self.save_policy.needs_agreement or watch is not None:
-            decision = Comm.from_leader("Checkpointer.should_save", decide, timeout=self.timeout)
+        if self.options.schedule.policy.needs_agreement or watch is not None:
+            decision = Comm.from_leader(
+                "Checkpointer.should_save", decide, timeout=self.options.storage.timeout
+            )
         else:
             decision = decide()
         if decision[:1] == b"P" and watch is not None:
             watch.agree(step, decision)
-            if step == self._latest:  # the newest save holds this step: finish it, no new one
-                watch.run_save(self._flush)
+            if step == self._saves.latest:  # the newest save holds it: finish it, no new one
+                watch.run_save(self._saves.flush)
                 return False
             return True
         if decision != b"1":
@@ -332,7 +246,7 @@ class Checkpointer:
     def _reserve_staging(self) -> None:
         """Once the layout is known, allocate the async saves' host buffer on a helper
         thread, so the first save does not stall on it (pinning is about 0.5 s per GB)."""
-        if not self.async_save or self._reserved or self._domains is None:
+        if not self.options.asynchronous.enabled or self._reserved or self._saves.domains is None:
             return
         self._reserved = True
         if self._saver.latest is not None:
@@ -342,9 +256,7 @@ class Checkpointer:
         except Exception as exc:  # the save itself raises it; nothing to size until then
             _log.debug("%s: not sizing the staging buffer ahead: %r", self.directory, exc)
             return
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        rank = torch.distributed.get_rank() if distributed else 0
-        self._saver.reserve(staging_share(snapshot, self._domains, rank))
+        self._saves.reserve(snapshot)
 
     def save(
         self, step: int, epoch: int | None = None, metrics: Mapping[str, Any] | None = None
@@ -378,47 +290,12 @@ class Checkpointer:
                 f"Checkpointer({self.directory!r}, read_only=True) cannot save; open it "
                 "without read_only=True in the job that writes this run"
             )
-        self._settle()
-        header = header_fields(step, epoch, metrics)
-        if self._domains is None:
-            try:
-                with self._comm("Checkpointer.prepare") as comm:
-                    self._prepare(comm)
-            except CheckpointWriteError as exc:
-                self._failed(step, exc)
-                return None
-        if self._latest is not None and step < self._latest:
-            raise CheckpointStepError(
-                f"{self.directory}: cannot save step {step}: the newest checkpoint is step "
-                f"{self._latest}. Steps must grow; after going back to an older checkpoint, "
-                "delete the newer ones or use a new directory"
-            )
-        again = step == self._latest
-        comm = self._comm("Checkpointer.save", self._path(step))
-        handed_off = False
-        try:
-            snapshot = comm.run("capture", self._capture)
-            plan = plan_write(
-                comm, snapshot, header, overwrite=again, storage=self.storage, domains=self._domains
-            )
-            if again:
-                _log.info("%s: step %d saved again; the new state replaces it", plan.path, step)
-            if self.async_save and not synchronous:
-                self._saver.start(plan, snapshot, overlap=self.overlap, persist=self._persist)
-                handed_off = True
-            else:
-                self._persist(plan)
-        except CheckpointWriteError as exc:
-            self._failed(step, exc)
-            return None
-        finally:
-            if not handed_off:
-                comm.close()
-        self._latest = step
-        self.save_policy.saved(step, time.monotonic())
-        if (recorder := _resume_check.active()) is not None:
+        path = self._saves.save(
+            step, header_fields(step, epoch, metrics), lambda: self._capture(), synchronous
+        )
+        if path is not None and (recorder := _resume_check.active()) is not None:
             recorder.saved(self, step, epoch)
-        return plan.path
+        return path
 
     @property
     def preempted(self) -> bool:
@@ -434,12 +311,12 @@ class Checkpointer:
     @property
     def last_error(self) -> CheckpointWriteError | None:
         """The error of the most recent failed save; ``None`` once a save succeeds."""
-        return self._failures.last_error
+        return self._saves.failures.last_error
 
     @property
     def failed_saves(self) -> int:
         """How many saves failed since the last one that succeeded."""
-        return self._failures.failed_saves
+        return self._saves.failures.failed_saves
 
     def log_step(self, loss: Any) -> None:
         """Report this step's loss to ``ddpckpt check-resume``, which compares it between
@@ -454,30 +331,29 @@ class Checkpointer:
     # ------------------------------------------------------------------ queries (local)
 
     def steps(self) -> list[int]:
-        """The steps of the committed checkpoints, oldest first; local and read-only.
-
-        Committed means the manifest is in place and verifies; the data is verified
-        when loaded (or by :func:`ddpckpt.verify`).
-        """
-        return [e.step for e in scan(self.directory) if e.status == "committed"]
+        """The steps of the committed checkpoints, oldest first (see :mod:`ddpckpt.run.query`)."""
+        return query.steps(self.directory)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None``; local and read-only."""
-        return max(self.steps(), default=None)
+        return query.latest_step(self.directory)
 
     def best(self, metric: str, mode: str | None = None) -> int | None:
         """The committed step with the best finite ``metric`` (``mode`` ``"min"`` or
         ``"max"``, by default the Checkpointer's), or ``None``; local and read-only."""
-        committed = {e.step: e.metrics for e in scan(self.directory) if e.status == "committed"}
-        ranked = best_first(committed, metric, mode or self.mode)
-        return ranked[0] if ranked else None
+        return query.best_step(self.directory, metric, mode or self.options.keeping.mode)
 
     def info(self, step: int) -> CheckpointInfo:
-        """The metadata of checkpoint ``step`` (epoch, metrics, world size, when saved)
-        without loading it; local and read-only. Raises :class:`CheckpointNotFoundError`
-        or :class:`CorruptCheckpointError`."""
-        path = self._path(step)
-        return CheckpointInfo.from_manifest(path, read_manifest(path), {})
+        """The metadata of checkpoint ``step`` without loading it; local and read-only.
+        Raises :class:`CheckpointNotFoundError` or :class:`CorruptCheckpointError`."""
+        return query.info(self.directory, step)
+
+    def resume_step(
+        self, step: int | None = None, *, best: str | None = None, mode: str | None = None
+    ) -> int | None:
+        """The checkpoint :meth:`resume` with these arguments would load first (it falls
+        back to the next if the data does not verify), or ``None``; local and read-only."""
+        return query.resume_step(self.directory, step, best, mode or self.options.keeping.mode)
 
     def wait(self) -> None:
         """Block until every save started so far is durable; local.
@@ -487,7 +363,7 @@ class Checkpointer:
         for the other ranks: the next :meth:`save` or :meth:`resume` handles the failure on
         every rank alike (with ``"raise"`` it raises there too).
         """
-        self._report_locally()
+        self._saves.report_locally()
 
     def close(self) -> None:
         """Wait for saves in flight, free the asynchronous saves' host buffer and release
@@ -496,14 +372,10 @@ class Checkpointer:
             return
         self._closed = True
         try:
-            self._report_locally()
+            self._saves.close()
         finally:
-            try:
-                self._saver.release()
-                self._lock.release()
-            finally:
-                if self._preemption is not None:  # last: it may re-deliver a signal
-                    self._preemption.close()
+            if self._preemption is not None:  # last: it may re-deliver a signal
+                self._preemption.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -523,157 +395,10 @@ class Checkpointer:
             "extra": self.extra,
         }
 
-    def _comm(self, call: str, path: str | None = None) -> Comm:
-        return Comm.open(call, path=path or self.directory, timeout=self.timeout)
-
-    def _path(self, step: int) -> str:
-        return os.path.join(self.directory, step_dirname(step))
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"Checkpointer({self.directory!r}) is closed")
 
-    def _prepare(self, comm: Comm) -> None:
-        """Find the storage domains, take the lock, clear leftovers, learn the newest step."""
-        domains = storage_domains(comm, self.directory, self.storage)
-        self._leader = any(d[0] == comm.rank for d in domains)
-
-        def setup() -> list[int]:
-            if self._leader:
-                self._lock.acquire()
-                for name in clean_temporaries(self.directory):
-                    _log.info(
-                        "%s: removed %s, left by an interrupted save or deletion",
-                        self.directory,
-                        name,
-                    )
-            return [e.step for e in scan(self.directory) if e.status == "committed"]
-
-        newest = comm.run_reduce(
-            "setup",
-            lambda: max(self._storage(setup), default=None),
-            lambda found: max((s for s in found if s is not None), default=None),
-        )
-        self._domains = domains  # only now: a failed set-up is tried again by the next save
-        self._latest = self._committed = newest
-
     def _capture(self) -> Snapshot:
-        self._lock.check()  # never write into a directory another job has taken over
+        self._saves.lock.check()  # never write into a directory another job has taken over
         return capture(**self._objects(), rng=self.rng)
-
-    def _persist(self, plan: WritePlan) -> None:
-        """Write and commit ``plan`` (retrying transient storage errors), then retention.
-
-        Runs on the training thread, or on the background thread for async saves.
-        """
-        self._failures.retrying(plan.path, lambda attempt: write_and_commit(plan, attempt))
-        self._committed = plan.header["step"]
-        try:
-            plan.comm.run("retain", lambda: self._storage(lambda: self._after_commit(plan.path)))
-        except CheckpointError as exc:  # committed all the same
-            _log.warning(
-                "%s is saved, but updating 'latest' or deleting old checkpoints failed: %s",
-                plan.path,
-                exc,
-                extra=same_on_every_rank(exc),
-            )
-
-    def _flush(self) -> str | None:
-        """Finish the save in flight (the preemption checkpoint already captured); its path."""
-        step = self._latest
-        self._settle()
-        return self._path(step) if step is not None and self._committed == step else None
-
-    def _newest(self) -> str:
-        """The newest committed checkpoint, for messages."""
-        if self._committed is None:
-            return "nothing (this run has no committed checkpoint)"
-        return f"{self._path(self._committed)} (step {self._committed})"
-
-    def _storage(self, step: Callable[[], T]) -> T:
-        """Run ``step`` reporting file-system failures as :class:`CheckpointWriteError`."""
-        with storage_errors(self.directory):
-            return step()
-
-    def _settle(self) -> None:
-        """Wait for the background save, and handle its failure as a synchronous one.
-
-        Called at the start of collective methods only: every rank consumes the outcome at
-        the same call, so all ranks take the same path (see :mod:`ddpckpt.io.background`).
-        """
-        try:
-            self._saver.raise_unseen()
-        except CheckpointWriteError as exc:
-            self._failed(self._latest, exc)
-
-    def _report_locally(self) -> None:
-        """Wait for the background save; report its failure on this rank, deciding nothing."""
-        self._failures.report_background(self._saver.outcome())
-
-    def _failed(self, step: int | None, exc: CheckpointWriteError) -> None:
-        """Record a failed save; raise it (``on_error="raise"``) or log it loudly."""
-        self._latest = self._committed
-        newest = (
-            None
-            if self._committed is None
-            else f"{self._path(self._committed)} (step {self._committed})"
-        )
-        self._failures.failed(step, exc, newest)
-
-    def _after_commit(self, path: str) -> None:
-        if not self._leader:
-            return
-        write_latest(self.directory, os.path.basename(path))
-        if not self._run_file_written:  # written by a job that saves, never by one that resumes
-            write_run_file(self.directory, {"retention": self.retention.describe()})
-            self._run_file_written = True
-        committed = [e for e in scan(self.directory) if e.status == "committed"]
-        records = [Record(e.step, e.metrics) for e in committed]
-        keep = self.retention.keep(records) | {max(r.step for r in records)}
-        for entry in committed:
-            if entry.step not in keep:
-                remove_checkpoint(entry.path)
-                _log.info("deleted %s (retention)", entry.path)
-        self._lock.refresh()
-
-    def _after_resume(self, step: int, newer_broken: list[int], newest: int) -> None:
-        """Move aside the broken checkpoints newer than ``step``; point ``latest`` at it.
-
-        ``newest`` is the newest committed checkpoint left: later saves must be newer
-        (after ``resume(step=N)`` too, so no branch can mix with the abandoned one).
-        """
-        with self._comm("Checkpointer.resumed") as comm:
-
-            def tidy() -> None:
-                if not self._leader:
-                    return
-                for broken in newer_broken:
-                    source, store = self._path(broken), storage_for(self.directory)
-                    if store.exists(source):
-                        target = f"{source}{SET_ASIDE_MARK}{new_token()}"
-                        store.commit.set_aside(store, source, target)
-                        _log.warning("moved %s aside to %s; it is never loaded", source, target)
-                if read_latest(self.directory) != step_dirname(newest):
-                    write_latest(self.directory, step_dirname(newest))
-
-            comm.run("tidy", lambda: self._storage(tidy))
-        self._latest = self._committed = newest
-        self.save_policy.saved(step, time.monotonic())
-
-
-def _listing(directory: str) -> dict[str, tuple[str, dict[str, Any]]]:
-    """Every checkpoint of ``directory``: its status and metrics, by step (JSON-able)."""
-    return {str(e.step): (e.status, e.metrics) for e in scan(directory)}
-
-
-def _merged(
-    views: list[dict[str, tuple[str, dict[str, Any]]]],
-) -> dict[str, tuple[str, dict[str, Any]]]:
-    """Every rank's listing in one (rank 0 reduces them): a step is committed if any rank
-    sees it committed (a node lacking its copy gets it repaired by the load)."""
-    merged: dict[str, tuple[str, dict[str, Any]]] = {}
-    for view in views:
-        for step, (status, metrics) in view.items():
-            if step not in merged or status == "committed":
-                merged[step] = (status, metrics)
-    return merged

@@ -1,21 +1,10 @@
 """Preemption: one checkpoint at the same step on every rank when the job is told to stop.
 
-Schedulers announce the end of a job with a signal and a grace period before SIGKILL:
-``torchrun`` forwards SIGTERM (and whatever ``--signals-to-handle`` lists, e.g.
-``SIGUSR1,SIGUSR2``) from its agent to every worker, then waits ``--shutdown-timeout``
-(``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default) before SIGKILL; Kubernetes sends
-SIGTERM and waits ``terminationGracePeriodSeconds`` (30 s by default); SLURM sends SIGTERM
-at the time limit and SIGKILL ``KillWait`` seconds later, and ``--signal=[B:]SIG@T`` sends
-SIG (e.g. USR1) T seconds before the limit, possibly to the batch shell or one node only.
+The signals, the grace period and the handlers that record a signal are
+:mod:`ddpckpt.run.signals`; this module turns a signal on any rank into one checkpoint at
+the same step on every rank.
 
-With ``Checkpointer(..., preemption=True)`` every rank installs a handler for SIGTERM and
-SIGUSR1 (or :attr:`Preemption.signals`). The handler only records the signal (no I/O, no
-lock) and then calls the handler installed before it, if that is a Python function;
-SIG_DFL is not called (it would end the process before the save) and SIG_IGN stays
-ignoring. Handlers are installed from the main thread only (Python allows no other) and
-restored by :meth:`PreemptionWatch.close`.
-
-Agreement. ``should_save(step)`` is then decided by rank 0 for every rank, as for
+Agreement. With preemption on, ``should_save(step)`` is decided by rank 0 for every rank, as for
 ``every_seconds``: rank 0 publishes each step's answer in one store key that the other
 ranks wait for (:meth:`ddpckpt.dist.comm.Comm.from_leader`), so no collective of the training
 group runs and ranks that are a step or more apart (gradient accumulation) still read the
@@ -60,16 +49,6 @@ this process it is): every rank must create them in the same order, as every ran
 their ``should_save`` at the same steps anyway. A signal reaches every live one: each
 preempts at its next ``should_save``. Closing one changes nothing for the others.
 
-DataLoader workers. torchrun and SLURM signal each worker's whole process group, and
-torch's DataLoader worker processes end on such a signal; the training thread then fails at
-the next batch it needs from them, before the checkpoint. The workers of every DataLoader
-ddpckpt tracks (:func:`~ddpckpt.resumable_loader`, :func:`~ddpckpt.track_loader`, one in a
-Checkpointer's ``extra``) ignore the preemption signals while preemption is on in the
-process (their ``worker_init_fn`` sets SIG_IGN after torch's own set-up); they still end
-when the loader shuts them down or the training process dies. A DataLoader ddpckpt does not
-track keeps torch's behaviour: its workers die with the signal. Pass it in ``extra`` (or
-give it a ``worker_init_fn`` that ignores the signals).
-
 After close. :meth:`PreemptionWatch.close` restores the handlers that were installed before.
 A signal that was received but never turned into a checkpoint (it came after the loop's
 last ``should_save``) is then delivered again to the process, so it does what it would
@@ -87,182 +66,21 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from types import FrameType
 from typing import Any
 
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt.dist.store import StoreTimeout, default_group, namespace
+from ddpckpt.run.signals import Preemption, SignalHandlers, grace_period, signal_name
+from ddpckpt.training import worker_signals
 
-__all__ = [
-    "DEFAULT_GRACE_SECONDS",
-    "IgnoringPreemptionSignals",
-    "Preemption",
-    "PreemptionWatch",
-    "grace_period",
-]
+__all__ = ["Preemption", "PreemptionWatch"]  # Preemption: the options, from run.signals
 
 _log = get_logger(__name__)
 
-DEFAULT_GRACE_SECONDS = 30.0
-_Handler = Callable[[int, FrameType | None], Any] | int | None
 _serials = itertools.count()  # preemption-enabled Checkpointers made in this process
-_watched: dict[int, frozenset[int]] = {}  # serial -> signals, of the watches with handlers
-
-
-def watched_signals() -> frozenset[int]:
-    """The preemption signals some live Checkpointer of this process handles."""
-    return frozenset().union(*_watched.values())
-
-
-class IgnoringPreemptionSignals:
-    """A DataLoader ``worker_init_fn``: ignore the preemption signals, then call ``inner``.
-
-    torch runs it in each worker process after its own signal set-up. Under the ``fork``
-    start method the worker reads the signals from the state it inherited; under ``spawn``
-    they travel with the pickled function, taken when the workers start.
-    """
-
-    def __init__(self, inner: Callable[[int], Any] | None) -> None:
-        self.inner = inner
-        self.signals: list[int] | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"inner": self.inner, "signals": sorted(watched_signals())}
-
-    def __call__(self, worker_id: int) -> None:
-        signals = watched_signals() if self.signals is None else self.signals
-        for sig in signals:
-            signal.signal(sig, signal.SIG_IGN)
-        if self.inner is not None:
-            self.inner(worker_id)
-
-
-@dataclass(frozen=True)
-class Preemption:
-    """What ``Checkpointer(preemption=...)`` watches: ``True`` means ``Preemption()``.
-
-    ``signals``: signal numbers or names (default SIGTERM and SIGUSR1). ``grace_seconds``:
-    the time between the signal and SIGKILL (default: see :func:`grace_period`).
-    """
-
-    signals: Sequence[int | str] = ("SIGTERM", "SIGUSR1")
-    grace_seconds: float | None = None
-
-    @classmethod
-    def of(cls, value: bool | Preemption | None) -> Preemption | None:
-        """The options ``Checkpointer(preemption=value)`` stands for (``None``: off)."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return cls()
-        if isinstance(value, Preemption):
-            return value
-        raise TypeError(f"preemption must be True, False or a ddpckpt.Preemption, got {value!r}")
-
-    def signal_numbers(self) -> list[signal.Signals]:
-        numbers = []
-        for sig in self.signals:
-            try:
-                numbers.append(signal.Signals[sig] if isinstance(sig, str) else signal.Signals(sig))
-            except (KeyError, ValueError):
-                raise ValueError(f"Preemption(signals=...): {sig!r} is not a signal") from None
-            if numbers[-1] in (signal.SIGKILL, signal.SIGSTOP):
-                raise ValueError(
-                    f"{numbers[-1].name} cannot be caught; it cannot announce anything"
-                )
-        return numbers
-
-
-def grace_period(grace_seconds: float | None = None) -> tuple[float, str]:
-    """The grace period in seconds and where it came from (for messages).
-
-    ``grace_seconds``, else ``$DDPCKPT_GRACE_SECONDS``, else under torchrun its shutdown
-    timeout (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, 30 s by default), else 30 s (the default
-    of Kubernetes' ``terminationGracePeriodSeconds`` and of SLURM's ``KillWait``).
-    """
-    if grace_seconds is not None:
-        value, source = grace_seconds, "grace_seconds"
-    elif os.environ.get("DDPCKPT_GRACE_SECONDS", "").strip():
-        raw, source = os.environ["DDPCKPT_GRACE_SECONDS"], "DDPCKPT_GRACE_SECONDS"
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(f"DDPCKPT_GRACE_SECONDS={raw!r} is not a number of seconds") from None
-    elif "TORCHELASTIC_RUN_ID" in os.environ:
-        raw = os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "").strip()
-        value = float(raw) if raw.isdigit() else DEFAULT_GRACE_SECONDS
-        source = "torchrun's shutdown timeout"
-    else:
-        value, source = DEFAULT_GRACE_SECONDS, "the default; set DDPCKPT_GRACE_SECONDS"
-    if not value > 0:
-        raise ValueError(f"{source} must be a positive number of seconds, got {value!r}")
-    return float(value), source
-
-
-class _Handlers:
-    """Our handler for ``signals``, chained to the ones installed before; main thread only."""
-
-    def __init__(self, signals: Sequence[signal.Signals], on_signal: Callable[[int], None]) -> None:
-        self._on_signal = on_signal
-        self._previous: dict[int, _Handler] = {}
-        self.removed = False
-        if threading.current_thread() is not threading.main_thread():
-            _log.warning(
-                "preemption handling is off on this rank: signal handlers can only be "
-                "installed from the main thread, and this Checkpointer was created in thread "
-                "%r. Create it in the main thread",
-                threading.current_thread().name,
-            )
-            return
-        for sig in signals:
-            self._previous[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._handle)
-            signal.siginterrupt(sig, False)  # system calls resume; C++ code need not retry
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._previous)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if not self.removed:
-            self._on_signal(signum)
-        previous = self._previous.get(signum)
-        if callable(previous):
-            previous(signum, frame)
-
-    def remove(self) -> dict[int, _Handler]:
-        """Put the previous handlers back where ours is still the one installed.
-
-        Returns the handler each signal has now. A handler installed over ours may still
-        chain to ours, which then only chains on; where another Checkpointer's handler is
-        put back after that Checkpointer was closed, what it had replaced is put back.
-        """
-        self.removed = True
-        if threading.current_thread() is not threading.main_thread():
-            if self._previous:
-                _log.warning(
-                    "preemption signal handlers stay installed: close() ran off the main thread"
-                )
-            return {}
-        now = {}
-        for sig, handler in self._previous.items():
-            if signal.getsignal(sig) == self._handle:
-                handler = _unwrap_removed(sig, handler)
-                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-            now[sig] = signal.getsignal(sig)
-        return now
-
-
-def _unwrap_removed(sig: int, handler: _Handler) -> _Handler:
-    """``handler``, or what it replaced if it is a removed Checkpointer's (recursively)."""
-    owner = getattr(handler, "__self__", None)
-    while isinstance(owner, _Handlers) and owner.removed:
-        handler = owner._previous.get(sig, signal.SIG_DFL)
-        owner = getattr(handler, "__self__", None)
-    return handler
 
 
 @dataclass
@@ -304,9 +122,9 @@ class PreemptionWatch:
         grace_period(options.grace_seconds)  # a bad value fails now, not at the signal
         self._serial = next(_serials)  # the same on every rank: names this watch's keys
         signals = options.signal_numbers()
-        self._handlers = _Handlers(signals, self._received)
+        self._handlers = SignalHandlers(signals, self._received)
         if self._handlers.installed:
-            _watched[self._serial] = frozenset(signals)
+            worker_signals.publish(self._serial, signals)
 
     def _received(self, signum: int) -> None:  # in the signal handler: no I/O, no locks
         self._count += 1
@@ -391,7 +209,7 @@ class PreemptionWatch:
         _log.warning(
             "%s received (rank %d first): every rank saves step %d now and then stops "
             "(Checkpointer.preempted); grace period %.3g s (%s)",
-            _name(signum),
+            signal_name(signum),
             origin,
             step,
             grace,
@@ -406,7 +224,7 @@ class PreemptionWatch:
             "checkpoint of step %d was saved: if the job is killed now, resume() loads %s",
             agreed.grace,
             agreed.grace_source,
-            _name(agreed.signum),
+            signal_name(agreed.signum),
             agreed.step,
             self._newest(),
             extra=same_on_every_rank(),
@@ -450,7 +268,7 @@ class PreemptionWatch:
                 path,
                 took,
                 after,
-                _name(agreed.signum),
+                signal_name(agreed.signum),
                 agreed.grace,
                 agreed.grace_source,
                 extra=same_on_every_rank(),
@@ -462,7 +280,7 @@ class PreemptionWatch:
                 path,
                 took,
                 after,
-                _name(agreed.signum),
+                signal_name(agreed.signum),
                 agreed.grace,
                 self.exit_code,
                 extra=same_on_every_rank(),
@@ -479,7 +297,7 @@ class PreemptionWatch:
         Local; call it last (a re-delivered SIGTERM ends the process here).
         """
         handlers = self._handlers.remove()
-        _watched.pop(self._serial, None)
+        worker_signals.withdraw(self._serial)
         self._stop.set()
         if self._listener is not None:  # wake it now rather than at its next timeout
             key = self._key()
@@ -506,21 +324,14 @@ class PreemptionWatch:
             _log.error(
                 "%s was received but no should_save() call followed, so no preemption "
                 "checkpoint was saved; resume() will load %s",
-                _name(pending),
+                signal_name(pending),
                 self._newest(),
             )
         if pending is not None and handlers.get(pending) == signal.SIG_DFL:
             _log.error(
                 "%s is delivered again now that the preemption handlers are removed: the "
                 "process ends as it would have without preemption handling",
-                _name(pending),
+                signal_name(pending),
             )
             self.agreed, self._signal = None, None
             os.kill(os.getpid(), pending)
-
-
-def _name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"

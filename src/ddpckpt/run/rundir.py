@@ -23,12 +23,14 @@ from typing import Any
 from ddpckpt.errors import CheckpointError, CheckpointLockedError, IncompleteCheckpointError
 from ddpckpt.format.codec import decode
 from ddpckpt.format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from ddpckpt.policies import Record, Retention
 from ddpckpt.run.runlock import LOCK_NAME, RunLock
 from ddpckpt.storage import is_temp_name, storage_for
 
 __all__ = [
     "Entry",
     "Leftover",
+    "apply_retention",
     "clean_leftovers",
     "clean_temporaries",
     "describe_path",
@@ -152,6 +154,18 @@ def remove_checkpoint(path: str) -> None:
     """
     store = storage_for(path)
     store.commit.discard(store, path)
+
+
+def apply_retention(directory: str, retention: Retention) -> list[str]:
+    """Delete the committed checkpoints ``retention`` does not keep (never the newest);
+    returns their paths. Call it only while holding the run's lock."""
+    committed = [e for e in scan(directory) if e.status == "committed"]
+    records = [Record(e.step, e.metrics) for e in committed]
+    keep = retention.keep(records) | {max((r.step for r in records), default=-1)}
+    deleted = [e.path for e in committed if e.step not in keep]
+    for path in deleted:
+        remove_checkpoint(path)
+    return deleted
 
 
 def clean_temporaries(directory: str) -> list[str]:

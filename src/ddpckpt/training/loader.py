@@ -34,7 +34,6 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from ddpckpt.errors import InexactResumeError, StateMismatchError
 from ddpckpt.resumecheck import record as _resume_check
-from ddpckpt.run.preemption import IgnoringPreemptionSignals
 from ddpckpt.state.objects import is_stateful
 from ddpckpt.training.data import ResumableDistributedSampler, SeededDataset
 from ddpckpt.training.replay import (
@@ -48,6 +47,7 @@ from ddpckpt.training.replay import (
     sampler_keeps_position,
     user_sampler,
 )
+from ddpckpt.training.worker_signals import IgnoringPreemptionSignals
 
 __all__ = ["resumable_loader", "track_loader"]
 
@@ -316,7 +316,7 @@ def track_loader(loader: DataLoader) -> DataLoader:
     Call it before the loader's first iteration, on every rank; passing the loader in a
     Checkpointer's or :func:`ddpckpt.load`'s ``extra`` does it for you. Idempotent. Its
     worker processes ignore the preemption signals while a Checkpointer with ``preemption``
-    is open (see :mod:`ddpckpt.run.preemption`).
+    is open (see :mod:`ddpckpt.training.worker_signals`).
     """
     if is_tracked(loader):
         return loader

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt.errors import CheckpointWriteError, InsufficientSpaceError
+from ddpckpt.run.options import FailureHandling
 
 __all__ = ["SaveFailures"]
 
@@ -37,12 +38,9 @@ _TRANSIENT = {
 class SaveFailures:
     """Retries, ``on_error`` and the record of failed saves (``last_error``, ``failed_saves``)."""
 
-    def __init__(self, on_error: str, retries: int, retry_backoff: float) -> None:
-        if on_error not in ("warn", "raise"):
-            raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
-        if type(retries) is not int or retries < 0:
-            raise ValueError(f"retries must be a non-negative int, got {retries!r}")
-        self.on_error, self.retries, self.retry_backoff = on_error, retries, retry_backoff
+    def __init__(self, options: FailureHandling) -> None:
+        self.on_error, self.retries = options.on_error, options.retries
+        self.retry_backoff = options.retry_backoff
         self.last_error: CheckpointWriteError | None = None
         self.failed_saves = 0
         self._reported: BaseException | None = None  # a background failure already logged here

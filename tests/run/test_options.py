@@ -1,0 +1,85 @@
+"""The Checkpointer's options: flat keyword arguments in, typed groups out, checked once."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+import pytest
+import torch
+
+from conftest import make_mlp
+from ddpckpt import Checkpointer, Preemption
+from ddpckpt.policies import EverySteps, KeepAll, KeepBest, KeepLast, Never, Union
+from ddpckpt.run.options import resolve
+
+
+def test_flat_arguments_land_in_their_groups(tmp_path) -> None:
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = Checkpointer(
+        tmp_path / "run",
+        model=model,
+        optimizer=optimizer,
+        every_steps=5,
+        keep_last=2,
+        keep_best=1,
+        monitor="loss",
+        mode="max",
+        on_error="raise",
+        retries=4,
+        retry_backoff=0.5,
+        async_save="overlap",
+        storage="shared",
+        timeout=30.0,
+        lock_stale_after=60.0,
+    )
+    options = ckpt.options
+    assert options.schedule.policy == EverySteps(5) and options.schedule.preemption is None
+    assert isinstance(options.keeping.retention, Union) and options.keeping.mode == "max"
+    assert (options.failures.on_error, options.failures.retries) == ("raise", 4)
+    assert options.failures.retry_backoff == 0.5
+    assert options.asynchronous.enabled and options.asynchronous.overlap
+    assert options.storage.sharing == "shared" and options.storage.timeout == 30.0
+    assert options.storage.lock_stale_after == 60.0 and not options.storage.read_only
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.keeping = options.keeping  # read-only
+    ckpt.close()
+
+
+def test_defaults_and_policy_objects_are_kept() -> None:
+    defaults = resolve()
+    assert isinstance(defaults.schedule.policy, Never)
+    assert defaults.keeping.retention == KeepLast(3) and defaults.keeping.mode == "min"
+    assert not defaults.asynchronous.enabled and defaults.failures.on_error == "warn"
+    policy, retention = EverySteps(7), KeepBest(2, "loss", "min")
+    given = resolve(save_policy=policy, retention=retention, keep_last=None, preemption=True)
+    assert given.schedule.policy is policy and given.keeping.retention is retention
+    assert given.schedule.preemption == Preemption()
+    assert resolve(keep_last=None).keeping.retention == KeepAll()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"on_error": "ignore"}, "on_error"),
+        ({"retries": -1}, "retries"),
+        ({"retries": 1.5}, "retries"),
+        ({"retry_backoff": -1}, "retry_backoff"),
+        ({"mode": "lowest"}, "mode"),
+        ({"monitor": "loss"}, "monitor= only matters with keep_best"),
+        ({"keep_best": 2}, "keep_best needs monitor"),
+        ({"async_save": "yes"}, "async_save"),
+        ({"async_save": "overlap"}, "needs optimizer"),
+        ({"read_only": True, "preemption": True}, "read_only"),
+        ({"preemption": Preemption(signals=[signal.SIGKILL])}, "SIGKILL cannot be caught"),
+        ({"preemption": Preemption(grace_seconds=0)}, "positive"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_is_touched(
+    tmp_path, arguments: dict, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        Checkpointer(tmp_path / "run", model=make_mlp(), **arguments)
+    assert not (tmp_path / "run").exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # no handler left installed

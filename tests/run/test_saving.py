@@ -1,0 +1,45 @@
+"""RunSaves, the write side of a Checkpointer: set-up, commit, retention, the newest step."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from conftest import make_mlp
+from ddpckpt.errors import CheckpointStepError, CheckpointWriteError
+from ddpckpt.io.async_saver import AsyncSaver
+from ddpckpt.io.writing import header_fields
+from ddpckpt.run.options import resolve
+from ddpckpt.run.saving import RunSaves
+from ddpckpt.state.capture import capture
+
+
+def test_saves_commit_retain_and_refuse_going_back(tmp_path) -> None:
+    run = tmp_path / "run"
+    model = make_mlp()
+    saves = RunSaves(str(run), resolve(keep_last=1), AsyncSaver())
+    assert saves.newest() == "nothing (this run has no committed checkpoint)"
+
+    def save(step: int) -> str | None:
+        return saves.save(step, header_fields(step, None, None), lambda: capture(model=model), True)
+
+    assert save(1) == str(run / "step-00000001")
+    assert (run / ".lock").exists()  # taken at the first save
+    assert save(2) == str(run / "step-00000002")
+    assert (saves.latest, saves.committed) == (2, 2)
+    assert saves.newest() == f"{run / 'step-00000002'} (step 2)"
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-00000002"]  # keep_last=1
+    assert (run / "latest").read_text() == "step-00000002\n"
+    with pytest.raises(CheckpointStepError, match="newest checkpoint is step 2"):
+        save(1)
+    saves.close()
+    assert not (run / ".lock").exists()
+
+
+def test_a_failed_save_falls_back_to_the_newest_committed(tmp_path, caplog) -> None:
+    saves = RunSaves(str(tmp_path / "run"), resolve(), AsyncSaver())
+    saves.latest, saves.committed = 5, 4  # step 5 was in flight
+    saves.failed(5, CheckpointWriteError(errno.ENOSPC, "disk full"))
+    assert saves.latest == 4 and saves.failures.failed_saves == 1
+    assert "step-00000004 (step 4)" in caplog.text
