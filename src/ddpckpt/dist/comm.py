@@ -38,13 +38,12 @@ import json
 import os
 import uuid
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from ddpckpt._log import get_logger
+from ddpckpt.dist.copies import tensor_group
 from ddpckpt.dist.failures import combine, describe, encode_error, timeout_error, unwrap
 from ddpckpt.dist.liveness import Liveness, Watch
 from ddpckpt.dist.store import (
@@ -66,7 +65,6 @@ _log = get_logger(__name__)
 
 DEFAULT_TIMEOUT = 600.0
 _LEADER = 0
-_tensor_groups: dict[int, Any] = {}
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -321,6 +319,28 @@ class Comm:
         answer, _ = self._run(tag, step, share=False, keep=True, reduce=reduce)
         return answer  # type: ignore[no-any-return]
 
+    def run_scatter(
+        self,
+        tag: str,
+        step: Callable[[], Any],
+        split: Callable[[list[Any]], dict[int, Any]],
+        *,
+        receive: bool,
+    ) -> Any:
+        """Like :meth:`run_gather`, then rank 0 sends each rank that passes ``receive=True``
+        its own part of ``split(results)`` (``None`` if it has none); returns this rank's
+        part (``None`` where ``receive`` is false).
+
+        A rank receives only its part: what the first rank of each storage domain needs
+        to write its copy's manifest, say. ``split`` runs on rank 0 only; if it raises,
+        every rank raises the combined error.
+        """
+        if self.world_size == 1:
+            part = json.loads(json.dumps(split([step()]).get(0)))
+            return part if receive else None
+        part, _ = self._run(tag, step, share=False, keep=True, split=split, receive=receive)
+        return part if receive else None
+
     def _run(
         self,
         tag: str,
@@ -328,12 +348,17 @@ class Comm:
         share: bool,
         keep: bool = False,
         reduce: Callable[[list[Any]], Any] | None = None,
+        split: Callable[[list[Any]], dict[int, Any]] | None = None,
+        receive: bool = False,
     ) -> tuple[Any, list[Any] | None]:
         local: BaseException | None = None
         result: Any = None
         try:
             result = step()
-            payload = json.dumps({"ok": result if share or keep else None}).encode()
+            sent: dict[str, Any] = {"ok": result if share or keep else None}
+            if receive:
+                sent["receive"] = True
+            payload = json.dumps(sent).encode()
         except Exception as exc:
             local = exc
             payload = json.dumps({"error": describe(exc)}).encode()
@@ -345,6 +370,8 @@ class Comm:
                 raise exc from local
             if reduce is not None:
                 return json.loads(reply), None
+            if split is not None:
+                return self._receive_part(tag) if receive else None, None
             return result, [json.loads(b)["ok"] for b in unpack(reply)] if share else None
         outcomes = [json.loads(b) for b in gathered]
         failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
@@ -353,31 +380,41 @@ class Comm:
             self._publish(tag, encode_error(error))
             raise error from local
         results = [o["ok"] for o in outcomes]
-        if reduce is not None:
+        if reduce is not None or split is not None:
             try:
-                answer = reduce(results)
-                reply = json.dumps(answer).encode()
+                if split is not None:
+                    parts = split(results)
+                    receivers = [r for r, o in enumerate(outcomes) if r and o.get("receive")]
+                    encoded = {r: json.dumps(parts.get(r)).encode() for r in receivers}
+                    mine = json.loads(json.dumps(parts.get(_LEADER)))
+                else:
+                    reply = json.dumps(reduce(results)).encode()  # type: ignore[misc]
             except Exception as exc:
                 error = combine(self.call, {_LEADER: describe(exc)})
                 self._publish(tag, encode_error(error))
                 raise error from exc
+            if split is not None:
+                for r, blob in encoded.items():  # before the reply: a receiver reads it at once
+                    self._store.set(self._key(tag, f"to{r}"), blob)
+                self._publish(tag, b"K")
+                return mine, None
             self._publish(tag, b"K" + reply)
             return json.loads(reply), None  # exactly what the other ranks decode
         self._publish(tag, b"K" + (pack(gathered) if share else b""))
         return result, results if share or keep else None
 
+    def _receive_part(self, tag: str) -> Any:
+        """This rank's part of a :meth:`run_scatter` (posted before the reply); deleted once read."""
+        key = self._key(tag, f"to{self.rank}")
+        part = json.loads(self._store.get(key))
+        self._store.delete_key(key)
+        return part
+
     # ------------------------------------------------------------------ tensors
 
     def tensor_group(self, device: torch.device) -> Any:
         """The process group to move tensors on ``device`` with (all ranks must ask together)."""
-        if device.type != "cpu" and dist.get_backend() != "gloo":
-            return None  # the default (e.g. NCCL) group carries device tensors
-        key = id(dist.distributed_c10d._get_default_group())
-        if key not in _tensor_groups:
-            _tensor_groups[key] = dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=self.timeout)
-            )
-        return _tensor_groups[key]
+        return tensor_group(device, self.timeout)
 
     # ------------------------------------------------------------------ exchanges
 

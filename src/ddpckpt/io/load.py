@@ -113,26 +113,39 @@ def locate(comm: Comm, path: str) -> Manifest:
             return {"error": type(exc).__name__, "message": str(exc)}
         return {"id": found["manifest"].id}
 
-    statuses = comm.run_all("locate", read)
+    verdict = comm.run_reduce("locate", read, lambda statuses: _verdict(statuses, path))
+    if "error" in verdict:
+        raise error_class(verdict["error"])(verdict["message"])
+    if not verdict["lacking"]:
+        return found["manifest"]
+    from ddpckpt.dist.replicate import repair_copies
+
+    lacking = set(verdict["lacking"])
+    repair_copies(comm, path, [r not in lacking for r in range(comm.world_size)])
+    return comm.run("reread", lambda: read_manifest(path))
+
+
+def _verdict(statuses: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    """Rank 0's decision from every rank's ``locate`` status: an error, or the ranks that lack
+    the checkpoint (usually none: every rank then receives a few bytes)."""
     ids = [s.get("id") for s in statuses]
     present = [i for i in ids if i is not None]
     if not present:
         errors = [s for s in statuses if "error" in s]
         if errors:
-            raise error_class(errors[0]["error"])(errors[0]["message"])
-        raise CheckpointNotFoundError(f"{path}: no checkpoint at this path")
+            return errors[0]
+        return {
+            "error": "CheckpointNotFoundError",
+            "message": f"{path}: no checkpoint at this path",
+        }
     if len(set(present)) > 1:
         listing = ", ".join(f"rank {r}: {i}" for r, i in enumerate(ids) if i is not None)
-        raise CorruptCheckpointError(
-            f"{path}: ranks see different checkpoints under this name ({listing}); node-local "
-            "copies from different runs? Remove the stale ones"
-        )
-    if all(i is not None for i in ids):
-        return found["manifest"]
-    from ddpckpt.dist.replicate import repair_copies
-
-    repair_copies(comm, path, [i is not None for i in ids])
-    return comm.run("reread", lambda: read_manifest(path))
+        return {
+            "error": "CorruptCheckpointError",
+            "message": f"{path}: ranks see different checkpoints under this name ({listing}); "
+            "node-local copies from different runs? Remove the stale ones",
+        }
+    return {"lacking": [r for r, i in enumerate(ids) if i is None]}
 
 
 def own_tensors(manifest: Manifest, rank: int, path: str) -> dict[str, str]:

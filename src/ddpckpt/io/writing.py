@@ -29,7 +29,9 @@ import torch
 from ddpckpt._log import get_logger
 from ddpckpt.dist.comm import Comm
 from ddpckpt.dist.consistency import check_replicated
+from ddpckpt.dist.copies import send_to_leaders
 from ddpckpt.dist.plan import file_names, plan_owners
+from ddpckpt.dist.store import pack, unpack
 from ddpckpt.dist.topology import storage_domains
 from ddpckpt.errors import (
     CheckpointError,
@@ -137,15 +139,16 @@ def plan_write(
     )
     values, shared_state, foreign = snapshot.tensors, snapshot.state, {}
     if len(domains) > 1:  # every domain gets a full copy of rank 0's state and all rank files
-        blobs = comm.all_gather("rank-files", rank_blob)
-        if comm.rank == domain[0]:
-            foreign = {r: b for r, b in enumerate(blobs) if r not in domain}
-        state_json = json.dumps(snapshot.state).encode() if comm.rank == 0 else None
-        shared_state = json.loads(comm.broadcast("state", state_json))
-        pinned = [(n, t) for n, t in snapshot.tensors.items() if n not in snapshot.balanced]
-        blob = serialize("rank0", pinned, writer=0, metadata={})[0] if comm.rank == 0 else None
-        rank0 = comm.broadcast("rank0-tensors", blob)
-        if comm.rank == domain[0]:
+        bundle = [rank_blob]
+        if comm.rank == 0:
+            pinned = [(n, t) for n, t in snapshot.tensors.items() if n not in snapshot.balanced]
+            state_json = json.dumps(snapshot.state).encode()
+            bundle += [state_json, serialize("rank0", pinned, writer=0, metadata={})[0]]
+        received = comm.run("copies", lambda: send_to_leaders(comm, domains, pack(bundle)))
+        foreign = {r: unpack(b)[0] for r, b in received.items()}
+        if 0 in received:  # this rank leads a domain without rank 0: it writes rank 0's part
+            _, state_json, rank0 = unpack(received[0])
+            shared_state = json.loads(state_json)
             values = {**snapshot.tensors, **deserialize(rank0, path)}
     return WritePlan(
         comm=comm,
@@ -193,16 +196,38 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
         )
         if done:  # a previous attempt committed, then failed
             return path
-        # The leader of each copy writes its manifest from every rank's result. With one copy
-        # that is rank 0 alone: the other ranks need not receive every rank's result.
-        exchange = comm.run_gather if len(plan.domains) == 1 else comm.run_all
-        results = exchange(f"write.{attempt}", lambda: _write(plan, tmp))
+        # The leader of each copy writes its manifest: it receives its own ranks' results
+        # and the other ranks' rank files; no other rank receives any.
+        results = comm.run_scatter(
+            f"write.{attempt}",
+            lambda: _write(plan, tmp),
+            lambda found: _results_by_leader(found, plan.domains),
+            receive=plan.leader,
+        )
         comm.run(f"commit.{attempt}", lambda: _commit(plan, tmp, results))
     except BaseException:
         if plan.leader:
             store.commit.abort(store, tmp, path)
         raise
     return path
+
+
+def _results_by_leader(
+    results: list[dict[str, Any]], domains: list[list[int]]
+) -> dict[int, list[dict[str, Any]]]:
+    """For each copy's leader, every rank's write result, of other copies' ranks only the
+    parts of their rank file (the leader wrote those files too)."""
+    parts = {}
+    for domain in domains:
+        mine = set(domain)
+        parts[domain[0]] = [
+            found if rank in mine else {k: found[k] for k in _RANK_PARTS}
+            for rank, found in enumerate(results)
+        ]
+    return parts
+
+
+_RANK_PARTS = ("rank_state", "rank_file", "rank_tensors")
 
 
 def _committed_by(plan: WritePlan) -> bool:
