@@ -50,7 +50,8 @@ from ddpckpt.format.manifest import (
     tensor_from_json,
     tensor_to_json,
 )
-from ddpckpt.format.tensorfile import FileEntry, TensorEntry, deserialize, tensor_nbytes
+from ddpckpt.format.rankparts import RANK_STATE_KEY, rank_keys
+from ddpckpt.format.tensorfile import FileEntry, deserialize, tensor_nbytes
 from ddpckpt.format.tensorwrite import serialize, write_file
 from ddpckpt.io.progress import Progress
 from ddpckpt.state.capture import Snapshot
@@ -95,10 +96,9 @@ class WritePlan:
     order: list[str]  # every shared tensor name, in state order
     needed: int  # bytes of one complete copy
     shared_state: dict[str, Any]
-    rank_state: dict[str, Any]
-    rank_blob: bytes
+    rank_keys: list[str]  # the sections of this rank's state in its rank file
+    rank_blob: bytes  # this rank's file: its per-rank tensors, its state in the metadata
     rank_file: FileEntry
-    rank_entries: list[TensorEntry]
     foreign: dict[int, bytes] = field(default_factory=dict)
 
     @property
@@ -134,8 +134,9 @@ def plan_write(
     sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
     owners = plan_owners(sizes, domains, snapshot.balanced)[domains.index(domain)]
     rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
-    rank_blob, rank_file, rank_entries = serialize(
-        file_names(comm.rank)["rank"], rank_items, writer=comm.rank, metadata=_FILE_METADATA
+    rank_metadata = {**_FILE_METADATA, RANK_STATE_KEY: json.dumps(snapshot.rank_state)}
+    rank_blob, rank_file, _ = serialize(
+        file_names(comm.rank)["rank"], rank_items, writer=comm.rank, metadata=rank_metadata
     )
     values, shared_state, foreign = snapshot.tensors, snapshot.state, {}
     if len(domains) > 1:  # every domain gets a full copy of rank 0's state and all rank files
@@ -161,10 +162,9 @@ def plan_write(
         needed=sum(tensor_nbytes(t) for t in snapshot.tensors.values())
         + comm.world_size * (len(rank_blob) + 4096),
         shared_state=shared_state,
-        rank_state=snapshot.rank_state,
+        rank_keys=rank_keys(snapshot.rank_state),
         rank_blob=rank_blob,
         rank_file=rank_file,
-        rank_entries=rank_entries,
         foreign=foreign,
     )
 
@@ -227,7 +227,7 @@ def _results_by_leader(
     return parts
 
 
-_RANK_PARTS = ("rank_state", "rank_file", "rank_tensors")
+_RANK_PARTS = ("rank_keys", "rank_file")
 
 
 def _committed_by(plan: WritePlan) -> bool:
@@ -295,9 +295,8 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
     return {
         "files": files,
         "tensors": tensors,
-        "rank_state": plan.rank_state,
+        "rank_keys": plan.rank_keys,
         "rank_file": {"name": plan.rank_file.name, **file_to_json(plan.rank_file)},
-        "rank_tensors": {e.key: tensor_to_json(e) for e in plan.rank_entries},
     }
 
 
@@ -313,7 +312,7 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
         metrics=header["metrics"],
         world_size=comm.world_size,
         state=plan.shared_state,
-        ranks=[r["rank_state"] for r in results],
+        rank_keys=sorted({key for r in results for key in r["rank_keys"]}),
         copy={"index": plan.domains.index(domain), "count": len(plan.domains), "ranks": domain},
     )
     for rank, result in enumerate(results):
@@ -322,7 +321,7 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
             manifest.files[doc["name"]] = file_from_json(
                 doc["name"], {**doc, "writer": doc["writer"] if mine else domain[0]}
             )
-        for name, doc in {**(result["tensors"] if mine else {}), **result["rank_tensors"]}.items():
+        for name, doc in (result["tensors"] if mine else {}).items():
             manifest.tensors[name] = tensor_from_json(doc)
     order = {name: i for i, name in enumerate(plan.order)}
     manifest.tensors = dict(
