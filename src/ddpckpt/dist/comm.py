@@ -19,9 +19,9 @@ training process group:
   rank failed, every rank raises the same error with a per-rank report (the local
   exception chained; see :mod:`ddpckpt.dist.failures`).
 
-Small messages (statuses, plans, file records, per-rank state) travel through the store;
-tensors, when they must move between ranks, use :meth:`Comm.tensor_group` (a gloo group
-made once, or the default group for CUDA tensors under NCCL).
+Only small messages (statuses, plans, file records) travel through the store, by
+:mod:`ddpckpt.dist.exchange`; bulk bytes (rank files, tensors) move point to point over a
+gloo group of ddpckpt's own (:mod:`ddpckpt.dist.copies`, :meth:`Comm.tensor_group`).
 
 Calls are matched across ranks by order: the n-th ddpckpt collective on one rank meets
 the n-th on every other, so calls must be opened from the training thread (a background
@@ -44,13 +44,12 @@ import torch
 
 from ddpckpt._log import get_logger
 from ddpckpt.dist.copies import tensor_group
-from ddpckpt.dist.failures import combine, describe, encode_error, timeout_error, unwrap
-from ddpckpt.dist.liveness import Liveness, Watch
+from ddpckpt.dist.exchange import LEADER, Exchanges
+from ddpckpt.dist.failures import combine, describe, encode_error
+from ddpckpt.dist.liveness import Liveness
 from ddpckpt.dist.store import (
     StoreGroup,
     default_group,
-    multi_get,
-    namespace,
     pack,
     unpack,
 )
@@ -64,7 +63,6 @@ R = TypeVar("R")
 _log = get_logger(__name__)
 
 DEFAULT_TIMEOUT = 600.0
-_LEADER = 0
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -84,7 +82,7 @@ def resolve_timeout(timeout: float | None) -> float:
     return float(timeout)
 
 
-class Comm:
+class Comm(Exchanges):
     """The collective context of one ddpckpt call on this rank.
 
     Create it with :meth:`open` on every rank, in the same order; use it from one thread
@@ -241,35 +239,6 @@ class Comm:
 
     # ------------------------------------------------------------------ primitives
 
-    def all_gather(self, tag: str, payload: bytes) -> list[bytes]:
-        """Every rank's ``payload``, in rank order, on every rank.
-
-        Every rank receives ``world_size`` payloads: prefer :meth:`run` or
-        :meth:`run_gather` where only rank 0 needs them.
-        """
-        if self.world_size == 1:
-            return [payload]
-        payloads = self._collect(tag, payload)
-        if payloads is not None:
-            self._publish(tag, b"K" + pack(payloads))
-            return payloads
-        return unpack(self._receive(tag))
-
-    def broadcast(self, tag: str, payload: bytes | None, src: int = 0) -> bytes:
-        """``src``'s payload on every rank (other ranks pass ``None``)."""
-        if self.rank == src and payload is None:
-            raise ValueError("the broadcasting rank must pass a payload")
-        if self.world_size == 1:
-            return payload  # type: ignore[return-value]
-        self._exchanges += 1
-        key = self._key(tag, f"from{src}")
-        self._share(key)
-        if self.rank == src:
-            self._store.set(key, b"K" + payload)  # type: ignore[operator]
-            return payload  # type: ignore[return-value]
-        self._live.wait(Watch(tag, {src: key}, self._exchanges, gather=False))
-        return unwrap(self._store.get(key))
-
     def barrier(self, tag: str) -> None:
         """Return once every rank has reached this barrier."""
         self.run(tag, lambda: None)
@@ -386,11 +355,11 @@ class Comm:
                     parts = split(results)
                     receivers = [r for r, o in enumerate(outcomes) if r and o.get("receive")]
                     encoded = {r: json.dumps(parts.get(r)).encode() for r in receivers}
-                    mine = json.loads(json.dumps(parts.get(_LEADER)))
+                    mine = json.loads(json.dumps(parts.get(LEADER)))
                 else:
                     reply = json.dumps(reduce(results)).encode()  # type: ignore[misc]
             except Exception as exc:
-                error = combine(self.call, {_LEADER: describe(exc)})
+                error = combine(self.call, {LEADER: describe(exc)})
                 self._publish(tag, encode_error(error))
                 raise error from exc
             if split is not None:
@@ -403,81 +372,8 @@ class Comm:
         self._publish(tag, b"K" + (pack(gathered) if share else b""))
         return result, results if share or keep else None
 
-    def _receive_part(self, tag: str) -> Any:
-        """This rank's part of a :meth:`run_scatter` (posted before the reply); deleted once read."""
-        key = self._key(tag, f"to{self.rank}")
-        part = json.loads(self._store.get(key))
-        self._store.delete_key(key)
-        return part
-
     # ------------------------------------------------------------------ tensors
 
     def tensor_group(self, device: torch.device) -> Any:
         """The process group to move tensors on ``device`` with (all ranks must ask together)."""
         return tensor_group(device, self.timeout)
-
-    # ------------------------------------------------------------------ exchanges
-
-    def _collect(
-        self, tag: str, payload: bytes, cause: BaseException | None = None
-    ) -> list[bytes] | None:
-        """Every rank's ``payload`` on rank 0 (``None`` on the others, which post theirs).
-
-        Rank 0 blocks until every rank has posted, or its heartbeat thread has marked the
-        silent ranks (then it publishes a timeout naming them and raises it).
-        """
-        self._exchanges += 1
-        if self.rank != _LEADER:
-            self._store.set(self._key(tag, self.rank), b"K" + payload)
-            self._live.posted(self._exchanges, tag)
-            return None
-        keys = {r: self._key(tag, r) for r in range(1, self.world_size)}
-        self._live.wait(Watch(tag, keys, self._exchanges, gather=True))
-        blobs = multi_get(self._store, list(keys.values()))
-        silent = [r for r, blob in zip(keys, blobs, strict=True) if blob[:1] == b"T"]
-        if silent:
-            for r, blob in zip(keys, blobs, strict=True):
-                if blob[:1] in (b"T", b"P"):  # markers: the ranks that posted delete their own
-                    self._store.delete_key(keys[r])
-            error = timeout_error(self.call, self.timeout, silent, tag)
-            self._fail(tag, error)
-            raise error from cause
-        return [payload, *(blob[1:] for blob in blobs)]
-
-    def _publish(self, tag: str, reply: bytes) -> None:
-        """Rank 0 answers the exchange ``tag``: ``b"K"`` and data, or an encoded error."""
-        key = self._key(tag, "reply")
-        self._share(key)
-        self._store.set(key, reply)
-
-    def _receive(self, tag: str) -> bytes:
-        """Rank 0's answer to the exchange ``tag``; raises the error it sent."""
-        key = self._key(tag, "reply")
-        self._share(key)
-        self._live.wait(Watch(tag, {_LEADER: key}, self._exchanges, gather=False))
-        reply = self._store.get(key)
-        self._store.delete_key(self._key(tag, self.rank))  # rank 0 has read it
-        return unwrap(reply)
-
-    def _fail(self, tag: str, error: CheckpointError) -> None:
-        """Rank 0 timed out: tell every rank, also those waiting in another exchange."""
-        blob = encode_error(error)
-        self._store.set(self._key("failed", "all"), blob)
-        self._live.mark_failed()
-        self._publish(tag, blob)
-
-    # ------------------------------------------------------------------ keys
-
-    @property
-    def _live(self) -> Liveness:
-        """The call's heartbeat: every call with several ranks has one once opened."""
-        assert self._liveness is not None, "exchanges need a Comm made by Comm.open"
-        return self._liveness
-
-    def _share(self, key: str) -> None:
-        """Record a key every rank reads (the same list on every rank), for :meth:`close`."""
-        if self._shared_keys is not None and key not in self._shared_keys:
-            self._shared_keys.append(key)
-
-    def _key(self, tag: str, who: int | str) -> str:
-        return f"{namespace()}/{self._op}/{tag}/{who}"
