@@ -278,8 +278,69 @@ def load_version(revision: str | None) -> Version:
 
 LATE = "run, 1 rank 1 s late"
 COLLECTIVES = (
-    "open+close", "run", "run_all", "run_reduce", "broadcast", "barrier", LATE, "should_save"
+    "open+close", "run", "run_reduce", "broadcast", "barrier", LATE, "save", "load", "should_save"
 )  # fmt: skip
+_TENSORS = 24  # shared tensors each rank writes in the simulated save (balanced over ranks)
+
+
+def _write_result(rank: int) -> dict[str, Any]:
+    """A rank's result of the write step as ``ddpckpt.io.writing`` makes it (sizes alike)."""
+    entry = {"file": f"model-{rank:05d}.safetensors", "key": "", "dtype": "F32",
+             "shape": [1024, 1024], "offsets": [0, 4194304], "xxh3_64": "0123456789abcdef"}  # fmt: skip
+    files = [{"name": f"model-{rank:05d}.safetensors", "size": 4194304 * _TENSORS,
+              "xxh3_64": "0123456789abcdef", "writer": rank}]  # fmt: skip
+    return {
+        "files": files,
+        "tensors": {f"model/layer{rank}.{i}.weight": {**entry, "key": f"w{i}"} for i in range(_TENSORS)},
+        "rank_keys": ["rng"],
+        "rank_file": {"name": f"rank-{rank:05d}.safetensors", "size": 9000,
+                      "xxh3_64": "0123456789abcdef", "writer": rank},
+    }  # fmt: skip
+
+
+def _save(version: Version, bound: Any, rank: int, timeout: float) -> None:
+    """The store exchanges of one ``ddpckpt.save`` on shared storage (no files written):
+    capture, the layout and digest checks, the storage probe, prepare, write, commit."""
+    digests = lambda: ["0123456789abcdef"] * 8  # noqa: E731  the canaries' digests
+    with version.open(bound, "bench.save", timeout) as comm:
+        comm.run("capture", lambda: None)
+        _reduce(
+            comm,
+            "layout",
+            lambda: "fingerprint",
+            lambda v: [r for r, f in enumerate(v) if f != v[0]],
+        )
+        _reduce(
+            comm, "digests", digests, lambda v: [i for i in range(8) if len({g[i] for g in v}) > 1]
+        )
+        comm.run("probe", lambda: None)
+        _reduce(comm, "look", lambda: [0] if rank == 0 else None, lambda v: {0: [0]})
+        _reduce(comm, "prepare", lambda: False, lambda v: v[0])
+        if hasattr(comm, "run_scatter"):
+            comm.run_scatter(
+                "write", lambda: _write_result(rank), lambda v: {0: v}, receive=rank == 0
+            )
+        else:
+            comm.run_all("write", lambda: _write_result(rank))
+        comm.run("commit", lambda: None)  # fmt: skip
+
+
+def _load(version: Version, bound: Any, rank: int, timeout: float) -> None:
+    """The store exchanges of one ``ddpckpt.load``: locate, this rank's part, check, restore."""
+    with version.open(bound, "bench.load", timeout) as comm:
+        comm.run("previous save", lambda: None)
+        _reduce(comm, "locate", lambda: {"id": "0123456789ab"}, lambda v: {"lacking": []})
+        comm.run("rank part", lambda: None)
+        comm.run("check", lambda: None)
+        comm.run("restore", lambda: None)
+
+
+def _reduce(
+    comm: Any, tag: str, step: Callable[[], Any], reduce: Callable[[list[Any]], Any]
+) -> Any:
+    if hasattr(comm, "run_reduce"):
+        return comm.run_reduce(tag, step, reduce)
+    return reduce(comm.run_all(tag, step))
 
 
 def _reduced(comm: Any, rank: int) -> Any:
@@ -319,7 +380,6 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
 
         comm = timed("open+close", lambda: version.open(bound, "bench.call", timeout))
         timed("run", lambda: comm.run("run", lambda: rank))
-        timed("run_all", lambda: comm.run_all("run_all", lambda: {"rank": rank, "ok": True}))
         timed("run_reduce", lambda: _reduced(comm, rank))
         timed("broadcast", lambda: comm.broadcast("bcast", b"x" * 64 if rank == 0 else None))
         timed("barrier", lambda: comm.barrier("barrier"))
@@ -333,6 +393,8 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
             opened[1] + after[1] - nbytes,
             opened[2],
         )
+        timed("save", lambda: _save(version, bound, rank, timeout))
+        timed("load", lambda: _load(version, bound, rank, timeout))
         timed("should_save", lambda: version.decide(bound, timeout))
 
     results, _ = run_ranks(n, body)
@@ -363,6 +425,20 @@ def measure_detection(version: Version, n: int, timeout: float) -> dict[str, flo
     silent = n - 1
     raised: dict[int, float] = {}
     starts: dict[int, float] = {}
+    judged: list[tuple[float, int]] = []  # rank 0's liveness checks: seconds, store operations
+    liveness = sys.modules.get(version.module.__name__.rsplit(".", 1)[0] + ".liveness")
+    original = getattr(getattr(liveness, "Liveness", None), "_judge", None)
+
+    def timed_judge(self: Any, client: Any, watch: Any) -> None:
+        if self.group.rank != 0:
+            return original(self, client, watch)
+        ops = client.stats.snapshot()[0] if hasattr(client, "stats") else 0
+        started = time.perf_counter()
+        try:
+            return original(self, client, watch)
+        finally:
+            after = client.stats.snapshot()[0] if hasattr(client, "stats") else 0
+            judged.append((time.perf_counter() - started, after - ops))
 
     def body(rank: int, store: Any) -> str:
         bound = version.bind(rank, n, store)
@@ -377,7 +453,13 @@ def measure_detection(version: Version, n: int, timeout: float) -> dict[str, flo
             return type(exc).__name__
         return "no error"
 
-    results, stats = run_ranks(n, body)
+    if original is not None:
+        liveness.Liveness._judge = timed_judge
+    try:
+        results, stats = run_ranks(n, body)
+    finally:
+        if original is not None:
+            liveness.Liveness._judge = original
     unexpected = [
         r for r in results[:silent] if r != "TimeoutError" and r != "CollectiveTimeoutError"
     ]
@@ -394,6 +476,10 @@ def measure_detection(version: Version, n: int, timeout: float) -> dict[str, flo
         "ratio": (max(max(others), raised[0]) - begin) / timeout,
         "ops_rank0": stats[0].snapshot()[0],
         "ops_mean": sum(s.snapshot()[0] for s in stats[:silent]) / silent,
+        "judge_count": len(judged),
+        "judge_ms_mean": 1000 * sum(t for t, _ in judged) / max(1, len(judged)),
+        "judge_ms_max": 1000 * max((t for t, _ in judged), default=0.0),
+        "judge_ops_max": max((o for _, o in judged), default=0),
     }
 
 
@@ -453,15 +539,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     _say("")
     _say(
         "| comm.py | N | timeout s | calls start spread s | rank 0 raised s (own call) | "
-        "last rank raised s | rank 0 own / timeout | worst / timeout | ops rank 0 | ops/rank |"
+        "last rank raised s | rank 0 own / timeout | worst / timeout | ops rank 0 | ops/rank | "
+        "rank 0 checks | check ms mean / max | check ops max |"
     )
-    _say("|---|---|---|---|---|---|---|---|---|---|")
+    _say("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d in detections:
         _say(
             f"| {d['version']} | {d['n']} | {d['timeout_s']:g} | {d['start_spread_s']:.2f} | "
             f"{d['rank0_s']:.2f} ({d['rank0_own_s']:.2f}) | {d['last_s']:.2f} | "
             f"{d['rank0_own_s'] / d['timeout_s']:.2f}x | {d['ratio']:.2f}x | {d['ops_rank0']} | "
-            f"{d['ops_mean']:.0f} |"
+            f"{d['ops_mean']:.0f} | {d['judge_count']} | {d['judge_ms_mean']:.2f} / "
+            f"{d['judge_ms_max']:.2f} | {d['judge_ops_max']} |"
         )
     if args.json:
         args.json.write_text(json.dumps({"collectives": rows, "detection": detections}, indent=1))
