@@ -113,6 +113,9 @@ class CountingStore:
             "compare_set", _size(key) + len(expected) + len(desired), key, expected, desired
         )
 
+    def append(self, key: str, value: bytes) -> None:
+        self._call("append", _size(key) + _size(value), key, value)
+
     def delete_key(self, key: str) -> bool:
         return self._call("delete_key", _size(key), key)
 
