@@ -127,32 +127,43 @@ class CountingStore:
 class Server:
     """A TCPStore server on 127.0.0.1 and its clients, one per simulated rank."""
 
-    def __init__(self) -> None:
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT
-        )
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port  # another process's server
+        if port is None:
+            self.store = dist.TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT
+            )
+            self.port = self.store.port
 
     def client(self) -> Any:
-        return dist.TCPStore("127.0.0.1", self.store.port, is_master=False, timeout=_STORE_TIMEOUT)
+        return dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=_STORE_TIMEOUT)
 
 
 def run_ranks(
-    n: int, body: Callable[[int, Any], Any], server: Server | None = None
+    n: int,
+    body: Callable[[int, Any], Any],
+    server: Server | None = None,
+    share: Sequence[int] | None = None,
+    ready: Callable[[], None] = lambda: None,
 ) -> tuple[list[Any], list[StoreStats]]:
     """Run ``body(rank, store)`` on ``n`` threads, each with its own counting store client.
 
     Returns each rank's result (or the exception it raised) and its store statistics.
+    With ``share``, runs only those ranks (this process's share of a multi-process
+    simulation), calling ``ready()`` once they are connected, before any starts.
     """
     server = server or Server()
+    share = list(range(n)) if share is None else list(share)
     stats = [StoreStats(heartbeat=StoreStats()) for _ in range(n)]
     with ThreadPoolExecutor(64) as pool:  # some connects stall for 5 s here: overlap them
-        clients = list(pool.map(lambda _: server.client(), range(4 * n)))
-    stores = [
-        CountingStore(clients[4 * r], s, clients[4 * r + 1 : 4 * r + 4])
-        for r, s in enumerate(stats)
-    ]
+        clients = list(pool.map(lambda _: server.client(), range(4 * len(share))))
+    stores = {
+        r: CountingStore(clients[4 * i], stats[r], clients[4 * i + 1 : 4 * i + 4])
+        for i, r in enumerate(share)
+    }
     results: list[Any] = [None] * n
-    start = threading.Barrier(n)
+    ready()
+    start = threading.Barrier(len(share))
 
     def run(rank: int) -> None:
         start.wait()
@@ -161,7 +172,7 @@ def run_ranks(
         except BaseException as exc:
             results[rank] = exc
 
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in share]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -419,12 +430,61 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
     return report
 
 
-def measure_detection(version: Version, n: int, timeout: float) -> dict[str, float]:
+def measure_detection(
+    version: Version, n: int, timeout: float, processes: int = 1
+) -> dict[str, float]:
     """A rank that never calls: seconds until rank 0 and the last other rank raise.
 
     Times count from the first rank's call; ``rank0_own_s`` from rank 0's own call (the
-    threads of the simulation start their calls up to ``start_spread_s`` apart).
+    threads of the simulation start their calls up to ``start_spread_s`` apart). With
+    ``processes`` > 1 the ranks are spread over that many processes (forked, each with
+    its threads), so that fewer threads share one interpreter lock.
     """
+    if processes == 1:
+        found = _detect(version, n, timeout, Server(), None, lambda: None)
+    else:
+        found = _detect_in_processes(version, n, timeout, processes)
+    return _detection_report(version, n, timeout, found)
+
+
+def _detect_in_processes(version: Version, n: int, timeout: float, processes: int) -> dict:
+    import multiprocessing
+
+    server = Server()
+    context = multiprocessing.get_context("fork")
+    barrier, queue = context.Barrier(processes), context.Queue()
+
+    def child(share: list[int]) -> None:
+        queue.put(_detect(version, n, timeout, Server(server.port), share, barrier.wait))
+
+    workers = [
+        context.Process(target=child, args=(list(range(p, n, processes)),), daemon=True)
+        for p in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    parts = [queue.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    found: dict[str, Any] = {"results": [None] * n, "ops": [0] * n}
+    for key in ("starts", "raised"):
+        found[key] = {r: t for part in parts for r, t in part[key].items()}
+    found["judged"] = [j for part in parts for j in part["judged"]]
+    for part in parts:
+        for r, result in part["results"].items():
+            found["results"][r] = result
+            found["ops"][r] = part["ops"][r]
+    return found
+
+
+def _detect(
+    version: Version,
+    n: int,
+    timeout: float,
+    server: Server,
+    share: list[int] | None,
+    ready: Callable[[], Any],
+) -> dict[str, Any]:
     silent = n - 1
     raised: dict[int, float] = {}
     starts: dict[int, float] = {}
@@ -459,10 +519,26 @@ def measure_detection(version: Version, n: int, timeout: float) -> dict[str, flo
     if original is not None:
         liveness.Liveness._judge = timed_judge
     try:
-        results, stats = run_ranks(n, body)
+        results, stats = run_ranks(n, body, server, share, ready)
     finally:
         if original is not None:
             liveness.Liveness._judge = original
+    mine = range(n) if share is None else share
+    return {
+        "starts": starts,
+        "raised": raised,
+        "judged": judged,
+        "results": {
+            r: results[r] if isinstance(results[r], str) else repr(results[r]) for r in mine
+        },
+        "ops": {r: stats[r].snapshot()[0] for r in mine},
+    }
+
+
+def _detection_report(version: Version, n: int, timeout: float, found: dict) -> dict[str, float]:
+    silent = n - 1
+    starts, raised, judged, ops = found["starts"], found["raised"], found["judged"], found["ops"]
+    results = [found["results"][r] for r in range(n)]
     unexpected = [
         r for r in results[:silent] if r != "TimeoutError" and r != "CollectiveTimeoutError"
     ]
@@ -477,8 +553,8 @@ def measure_detection(version: Version, n: int, timeout: float) -> dict[str, flo
         "rank0_s": raised[0] - begin,
         "last_s": max(others) - begin,
         "ratio": (max(max(others), raised[0]) - begin) / timeout,
-        "ops_rank0": stats[0].snapshot()[0],
-        "ops_mean": sum(s.snapshot()[0] for s in stats[:silent]) / silent,
+        "ops_rank0": ops[0],
+        "ops_mean": sum(ops[:silent]) / silent,
         "judge_count": len(judged),
         "judge_ms_mean": 1000 * sum(t for t, _ in judged) / max(1, len(judged)),
         "judge_ms_max": 1000 * max((t for t, _ in judged), default=0.0),
@@ -517,6 +593,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="for the collectives")
     parser.add_argument("--detect-timeout", type=float, default=3.0)
     parser.add_argument("--no-detect", action="store_true")
+    parser.add_argument("--processes", type=int, default=1, help="for detection: ranks spread over")
     parser.add_argument("--only-detect", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -534,8 +611,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                     rows.append({"version": version.name, "n": n, "collective": name, **values})
                 _say(_table([r for r in rows if r["n"] == n and r["version"] == version.name]))
             if not args.no_detect:
-                found = measure_detection(version, n, args.detect_timeout)
-                detections.append({"version": version.name, "n": n, **found})
+                found = measure_detection(version, n, args.detect_timeout, args.processes)
+                name = version.name + (
+                    f", {args.processes} processes" if args.processes > 1 else ""
+                )
+                detections.append({"version": name, "n": n, **found})
                 _say(json.dumps(detections[-1]))
     _say("")
     _say(_table(rows))
