@@ -29,7 +29,8 @@ save keeps using the call its ``save`` opened). The first exchange of each call 
 the call names, so ``save`` on one rank and ``load`` on another fails at once instead of
 mixing messages. Every key a call writes to the store is deleted when the call is over
 (per-rank keys by their rank once rank 0 replied, shared keys by the last rank to close
-the call), except each rank's heartbeat record, one per rank for the job.
+the call), except each rank's heartbeat record, one per rank for the job, and the roster
+of the ranks that have one.
 """
 
 from __future__ import annotations
