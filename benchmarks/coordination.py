@@ -372,6 +372,7 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
     Heartbeat threads' operations count too (liveness checks run there in the new code).
     """
     marks: list[dict[str, tuple[int, int, float]]] = [{} for _ in range(n)]
+    mains: list[dict[str, int]] = [{} for _ in range(n)]  # without the heartbeat threads' ops
     walls: dict[str, list[float]] = {c: [0.0, 0.0] for c in COLLECTIVES}
     lock = threading.Lock()
 
@@ -381,11 +382,13 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
 
         def timed(name: str, action: Callable[[], Any]) -> Any:
             ops, nbytes = store.stats.snapshot()
+            main = store.stats.ops
             started = time.monotonic()
             out = action()
             ended = time.monotonic()
             after = store.stats.snapshot()
             record[name] = (after[0] - ops, after[1] - nbytes, ended - started)
+            mains[rank][name] = store.stats.ops - main
             with lock:
                 span = walls[name]
                 span[0] = started if span[0] == 0 else min(span[0], started)
@@ -399,8 +402,10 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
         timed("barrier", lambda: comm.barrier("barrier"))
         timed(LATE, lambda: comm.run("late", lambda: time.sleep(1.0 if rank == n - 1 else 0)))
         ops, nbytes = store.stats.snapshot()
+        main = store.stats.ops
         comm.close()
         after = store.stats.snapshot()
+        mains[rank]["open+close"] += store.stats.ops - main
         opened = record["open+close"]
         record["open+close"] = (
             opened[0] + after[0] - ops,
@@ -422,6 +427,8 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
             "ops_mean": sum(p[0] for p in per_rank) / n,
             "ops_rank0": per_rank[0][0],
             "ops_max_other": max(p[0] for p in per_rank[1:]),
+            "calls_rank0": mains[0][name],  # the call's own operations (no heartbeats)
+            "calls_max_other": max(m[name] for m in mains[1:]),
             "bytes_mean": sum(p[1] for p in per_rank) / n,
             "bytes_rank0": per_rank[0][1],
             "bytes_total": sum(p[1] for p in per_rank),
