@@ -544,7 +544,8 @@ def _detect(
 
 def _detection_report(version: Version, n: int, timeout: float, found: dict) -> dict[str, float]:
     silent = n - 1
-    starts, raised, judged, ops = found["starts"], found["raised"], found["judged"], found["ops"]
+    starts, raised, judged = found["starts"], found["raised"], found["judged"]
+    ops = [found["ops"][r] for r in range(n)]
     results = [found["results"][r] for r in range(n)]
     unexpected = [
         r for r in results[:silent] if r != "TimeoutError" and r != "CollectiveTimeoutError"
