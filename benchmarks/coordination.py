@@ -113,6 +113,9 @@ class CountingStore:
             "compare_set", _size(key) + len(expected) + len(desired), key, expected, desired
         )
 
+    def append(self, key: str, value: bytes) -> None:
+        self._call("append", _size(key) + _size(value), key, value)
+
     def delete_key(self, key: str) -> bool:
         return self._call("delete_key", _size(key), key)
 
@@ -124,32 +127,43 @@ class CountingStore:
 class Server:
     """A TCPStore server on 127.0.0.1 and its clients, one per simulated rank."""
 
-    def __init__(self) -> None:
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT
-        )
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port  # another process's server
+        if port is None:
+            self.store = dist.TCPStore(
+                "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT
+            )
+            self.port = self.store.port
 
     def client(self) -> Any:
-        return dist.TCPStore("127.0.0.1", self.store.port, is_master=False, timeout=_STORE_TIMEOUT)
+        return dist.TCPStore("127.0.0.1", self.port, is_master=False, timeout=_STORE_TIMEOUT)
 
 
 def run_ranks(
-    n: int, body: Callable[[int, Any], Any], server: Server | None = None
+    n: int,
+    body: Callable[[int, Any], Any],
+    server: Server | None = None,
+    share: Sequence[int] | None = None,
+    ready: Callable[[], None] = lambda: None,
 ) -> tuple[list[Any], list[StoreStats]]:
     """Run ``body(rank, store)`` on ``n`` threads, each with its own counting store client.
 
     Returns each rank's result (or the exception it raised) and its store statistics.
+    With ``share``, runs only those ranks (this process's share of a multi-process
+    simulation), calling ``ready()`` once they are connected, before any starts.
     """
     server = server or Server()
+    share = list(range(n)) if share is None else list(share)
     stats = [StoreStats(heartbeat=StoreStats()) for _ in range(n)]
     with ThreadPoolExecutor(64) as pool:  # some connects stall for 5 s here: overlap them
-        clients = list(pool.map(lambda _: server.client(), range(4 * n)))
-    stores = [
-        CountingStore(clients[4 * r], s, clients[4 * r + 1 : 4 * r + 4])
-        for r, s in enumerate(stats)
-    ]
+        clients = list(pool.map(lambda _: server.client(), range(4 * len(share))))
+    stores = {
+        r: CountingStore(clients[4 * i], stats[r], clients[4 * i + 1 : 4 * i + 4])
+        for i, r in enumerate(share)
+    }
     results: list[Any] = [None] * n
-    start = threading.Barrier(n)
+    ready()
+    start = threading.Barrier(len(share))
 
     def run(rank: int) -> None:
         start.wait()
@@ -158,7 +172,7 @@ def run_ranks(
         except BaseException as exc:
             results[rank] = exc
 
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in share]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -278,8 +292,69 @@ def load_version(revision: str | None) -> Version:
 
 LATE = "run, 1 rank 1 s late"
 COLLECTIVES = (
-    "open+close", "run", "run_all", "run_reduce", "broadcast", "barrier", LATE, "should_save"
+    "open+close", "run", "run_reduce", "broadcast", "barrier", LATE, "save", "load", "should_save"
 )  # fmt: skip
+_TENSORS = 24  # shared tensors each rank writes in the simulated save (balanced over ranks)
+
+
+def _write_result(rank: int) -> dict[str, Any]:
+    """A rank's result of the write step as ``ddpckpt.io.writing`` makes it (sizes alike)."""
+    entry = {"file": f"model-{rank:05d}.safetensors", "key": "", "dtype": "F32",
+             "shape": [1024, 1024], "offsets": [0, 4194304], "xxh3_64": "0123456789abcdef"}  # fmt: skip
+    files = [{"name": f"model-{rank:05d}.safetensors", "size": 4194304 * _TENSORS,
+              "xxh3_64": "0123456789abcdef", "writer": rank}]  # fmt: skip
+    return {
+        "files": files,
+        "tensors": {f"model/layer{rank}.{i}.weight": {**entry, "key": f"w{i}"} for i in range(_TENSORS)},
+        "rank_keys": ["rng"],
+        "rank_file": {"name": f"rank-{rank:05d}.safetensors", "size": 9000,
+                      "xxh3_64": "0123456789abcdef", "writer": rank},
+    }  # fmt: skip
+
+
+def _save(version: Version, bound: Any, rank: int, timeout: float) -> None:
+    """The store exchanges of one ``ddpckpt.save`` on shared storage (no files written):
+    capture, the layout and digest checks, the storage probe, prepare, write, commit."""
+    digests = lambda: ["0123456789abcdef"] * 8  # noqa: E731  the canaries' digests
+    with version.open(bound, "bench.save", timeout) as comm:
+        comm.run("capture", lambda: None)
+        _reduce(
+            comm,
+            "layout",
+            lambda: "fingerprint",
+            lambda v: [r for r, f in enumerate(v) if f != v[0]],
+        )
+        _reduce(
+            comm, "digests", digests, lambda v: [i for i in range(8) if len({g[i] for g in v}) > 1]
+        )
+        comm.run("probe", lambda: None)
+        _reduce(comm, "look", lambda: [0] if rank == 0 else None, lambda v: {0: [0]})
+        _reduce(comm, "prepare", lambda: False, lambda v: v[0])
+        if hasattr(comm, "run_scatter"):
+            comm.run_scatter(
+                "write", lambda: _write_result(rank), lambda v: {0: v}, receive=rank == 0
+            )
+        else:
+            comm.run_all("write", lambda: _write_result(rank))
+        comm.run("commit", lambda: None)  # fmt: skip
+
+
+def _load(version: Version, bound: Any, rank: int, timeout: float) -> None:
+    """The store exchanges of one ``ddpckpt.load``: locate, this rank's part, check, restore."""
+    with version.open(bound, "bench.load", timeout) as comm:
+        comm.run("previous save", lambda: None)
+        _reduce(comm, "locate", lambda: {"id": "0123456789ab"}, lambda v: {"lacking": []})
+        comm.run("rank part", lambda: None)
+        comm.run("check", lambda: None)
+        comm.run("restore", lambda: None)
+
+
+def _reduce(
+    comm: Any, tag: str, step: Callable[[], Any], reduce: Callable[[list[Any]], Any]
+) -> Any:
+    if hasattr(comm, "run_reduce"):
+        return comm.run_reduce(tag, step, reduce)
+    return reduce(comm.run_all(tag, step))
 
 
 def _reduced(comm: Any, rank: int) -> Any:
@@ -297,6 +372,7 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
     Heartbeat threads' operations count too (liveness checks run there in the new code).
     """
     marks: list[dict[str, tuple[int, int, float]]] = [{} for _ in range(n)]
+    mains: list[dict[str, int]] = [{} for _ in range(n)]  # without the heartbeat threads' ops
     walls: dict[str, list[float]] = {c: [0.0, 0.0] for c in COLLECTIVES}
     lock = threading.Lock()
 
@@ -306,11 +382,13 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
 
         def timed(name: str, action: Callable[[], Any]) -> Any:
             ops, nbytes = store.stats.snapshot()
+            main = store.stats.ops
             started = time.monotonic()
             out = action()
             ended = time.monotonic()
             after = store.stats.snapshot()
             record[name] = (after[0] - ops, after[1] - nbytes, ended - started)
+            mains[rank][name] = store.stats.ops - main
             with lock:
                 span = walls[name]
                 span[0] = started if span[0] == 0 else min(span[0], started)
@@ -319,20 +397,23 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
 
         comm = timed("open+close", lambda: version.open(bound, "bench.call", timeout))
         timed("run", lambda: comm.run("run", lambda: rank))
-        timed("run_all", lambda: comm.run_all("run_all", lambda: {"rank": rank, "ok": True}))
         timed("run_reduce", lambda: _reduced(comm, rank))
         timed("broadcast", lambda: comm.broadcast("bcast", b"x" * 64 if rank == 0 else None))
         timed("barrier", lambda: comm.barrier("barrier"))
         timed(LATE, lambda: comm.run("late", lambda: time.sleep(1.0 if rank == n - 1 else 0)))
         ops, nbytes = store.stats.snapshot()
+        main = store.stats.ops
         comm.close()
         after = store.stats.snapshot()
+        mains[rank]["open+close"] += store.stats.ops - main
         opened = record["open+close"]
         record["open+close"] = (
             opened[0] + after[0] - ops,
             opened[1] + after[1] - nbytes,
             opened[2],
         )
+        timed("save", lambda: _save(version, bound, rank, timeout))
+        timed("load", lambda: _load(version, bound, rank, timeout))
         timed("should_save", lambda: version.decide(bound, timeout))
 
     results, _ = run_ranks(n, body)
@@ -346,6 +427,8 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
             "ops_mean": sum(p[0] for p in per_rank) / n,
             "ops_rank0": per_rank[0][0],
             "ops_max_other": max(p[0] for p in per_rank[1:]),
+            "calls_rank0": mains[0][name],  # the call's own operations (no heartbeats)
+            "calls_max_other": max(m[name] for m in mains[1:]),
             "bytes_mean": sum(p[1] for p in per_rank) / n,
             "bytes_rank0": per_rank[0][1],
             "bytes_total": sum(p[1] for p in per_rank),
@@ -354,15 +437,78 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
     return report
 
 
-def measure_detection(version: Version, n: int, timeout: float) -> dict[str, float]:
+def measure_detection(
+    version: Version, n: int, timeout: float, processes: int = 1
+) -> dict[str, float]:
     """A rank that never calls: seconds until rank 0 and the last other rank raise.
 
     Times count from the first rank's call; ``rank0_own_s`` from rank 0's own call (the
-    threads of the simulation start their calls up to ``start_spread_s`` apart).
+    threads of the simulation start their calls up to ``start_spread_s`` apart). With
+    ``processes`` > 1 the ranks are spread over that many processes (forked, each with
+    its threads), so that fewer threads share one interpreter lock.
     """
+    if processes == 1:
+        found = _detect(version, n, timeout, Server(), None, lambda: None)
+    else:
+        found = _detect_in_processes(version, n, timeout, processes)
+    return _detection_report(version, n, timeout, found)
+
+
+def _detect_in_processes(version: Version, n: int, timeout: float, processes: int) -> dict:
+    import multiprocessing
+
+    server = Server()
+    context = multiprocessing.get_context("fork")
+    barrier, queue = context.Barrier(processes), context.Queue()
+
+    def child(share: list[int]) -> None:
+        queue.put(_detect(version, n, timeout, Server(server.port), share, barrier.wait))
+
+    workers = [
+        context.Process(target=child, args=(list(range(p, n, processes)),), daemon=True)
+        for p in range(processes)
+    ]
+    for worker in workers:
+        worker.start()
+    parts = [queue.get() for _ in workers]
+    for worker in workers:
+        worker.join()
+    found: dict[str, Any] = {"results": [None] * n, "ops": [0] * n}
+    for key in ("starts", "raised"):
+        found[key] = {r: t for part in parts for r, t in part[key].items()}
+    found["judged"] = [j for part in parts for j in part["judged"]]
+    for part in parts:
+        for r, result in part["results"].items():
+            found["results"][r] = result
+            found["ops"][r] = part["ops"][r]
+    return found
+
+
+def _detect(
+    version: Version,
+    n: int,
+    timeout: float,
+    server: Server,
+    share: list[int] | None,
+    ready: Callable[[], Any],
+) -> dict[str, Any]:
     silent = n - 1
     raised: dict[int, float] = {}
     starts: dict[int, float] = {}
+    judged: list[tuple[float, int]] = []  # rank 0's liveness checks: seconds, store operations
+    liveness = sys.modules.get(version.module.__name__.rsplit(".", 1)[0] + ".liveness")
+    original = getattr(getattr(liveness, "Liveness", None), "_judge", None)
+
+    def timed_judge(self: Any, client: Any, watch: Any) -> None:
+        if self.group.rank != 0:
+            return original(self, client, watch)
+        ops = client.stats.snapshot()[0] if hasattr(client, "stats") else 0
+        started = time.perf_counter()
+        try:
+            return original(self, client, watch)
+        finally:
+            after = client.stats.snapshot()[0] if hasattr(client, "stats") else 0
+            judged.append((time.perf_counter() - started, after - ops))
 
     def body(rank: int, store: Any) -> str:
         bound = version.bind(rank, n, store)
@@ -377,7 +523,30 @@ def measure_detection(version: Version, n: int, timeout: float) -> dict[str, flo
             return type(exc).__name__
         return "no error"
 
-    results, stats = run_ranks(n, body)
+    if original is not None:
+        liveness.Liveness._judge = timed_judge
+    try:
+        results, stats = run_ranks(n, body, server, share, ready)
+    finally:
+        if original is not None:
+            liveness.Liveness._judge = original
+    mine = range(n) if share is None else share
+    return {
+        "starts": starts,
+        "raised": raised,
+        "judged": judged,
+        "results": {
+            r: results[r] if isinstance(results[r], str) else repr(results[r]) for r in mine
+        },
+        "ops": {r: stats[r].snapshot()[0] for r in mine},
+    }
+
+
+def _detection_report(version: Version, n: int, timeout: float, found: dict) -> dict[str, float]:
+    silent = n - 1
+    starts, raised, judged = found["starts"], found["raised"], found["judged"]
+    ops = [found["ops"][r] for r in range(n)]
+    results = [found["results"][r] for r in range(n)]
     unexpected = [
         r for r in results[:silent] if r != "TimeoutError" and r != "CollectiveTimeoutError"
     ]
@@ -392,8 +561,12 @@ def measure_detection(version: Version, n: int, timeout: float) -> dict[str, flo
         "rank0_s": raised[0] - begin,
         "last_s": max(others) - begin,
         "ratio": (max(max(others), raised[0]) - begin) / timeout,
-        "ops_rank0": stats[0].snapshot()[0],
-        "ops_mean": sum(s.snapshot()[0] for s in stats[:silent]) / silent,
+        "ops_rank0": ops[0],
+        "ops_mean": sum(ops[:silent]) / silent,
+        "judge_count": len(judged),
+        "judge_ms_mean": 1000 * sum(t for t, _ in judged) / max(1, len(judged)),
+        "judge_ms_max": 1000 * max((t for t, _ in judged), default=0.0),
+        "judge_ops_max": max((o for _, o in judged), default=0),
     }
 
 
@@ -428,6 +601,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="for the collectives")
     parser.add_argument("--detect-timeout", type=float, default=3.0)
     parser.add_argument("--no-detect", action="store_true")
+    parser.add_argument("--processes", type=int, default=1, help="for detection: ranks spread over")
     parser.add_argument("--only-detect", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -445,23 +619,28 @@ def main(argv: Sequence[str] | None = None) -> None:
                     rows.append({"version": version.name, "n": n, "collective": name, **values})
                 _say(_table([r for r in rows if r["n"] == n and r["version"] == version.name]))
             if not args.no_detect:
-                found = measure_detection(version, n, args.detect_timeout)
-                detections.append({"version": version.name, "n": n, **found})
+                found = measure_detection(version, n, args.detect_timeout, args.processes)
+                name = version.name + (
+                    f", {args.processes} processes" if args.processes > 1 else ""
+                )
+                detections.append({"version": name, "n": n, **found})
                 _say(json.dumps(detections[-1]))
     _say("")
     _say(_table(rows))
     _say("")
     _say(
         "| comm.py | N | timeout s | calls start spread s | rank 0 raised s (own call) | "
-        "last rank raised s | rank 0 own / timeout | worst / timeout | ops rank 0 | ops/rank |"
+        "last rank raised s | rank 0 own / timeout | worst / timeout | ops rank 0 | ops/rank | "
+        "rank 0 checks | check ms mean / max | check ops max |"
     )
-    _say("|---|---|---|---|---|---|---|---|---|---|")
+    _say("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for d in detections:
         _say(
             f"| {d['version']} | {d['n']} | {d['timeout_s']:g} | {d['start_spread_s']:.2f} | "
             f"{d['rank0_s']:.2f} ({d['rank0_own_s']:.2f}) | {d['last_s']:.2f} | "
             f"{d['rank0_own_s'] / d['timeout_s']:.2f}x | {d['ratio']:.2f}x | {d['ops_rank0']} | "
-            f"{d['ops_mean']:.0f} |"
+            f"{d['ops_mean']:.0f} | {d['judge_count']} | {d['judge_ms_mean']:.2f} / "
+            f"{d['judge_ms_max']:.2f} | {d['judge_ops_max']} |"
         )
     if args.json:
         args.json.write_text(json.dumps({"collectives": rows, "detection": detections}, indent=1))

@@ -663,6 +663,57 @@ def scenario_failed_async_asked_on_one_rank(args, rank: int) -> dict[str, Any]:
     return outcomes
 
 
+class ByteCountingStore:
+    """A store client counting the bytes of every value it sets or reads (and its clones')."""
+
+    def __init__(self, store: Any, counted: list[int]) -> None:
+        self._store, self.counted = store, counted
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._store, name)
+
+        def counting(*args: Any) -> Any:
+            result = method(*args)
+            for value in [*args, *(result if isinstance(result, list) else [result])]:
+                if isinstance(value, (bytes, str)):
+                    self.counted[0] += len(value)
+            return result
+
+        return counting
+
+    def clone(self) -> ByteCountingStore:
+        return ByteCountingStore(self._store.clone(), self.counted)
+
+
+def scenario_store_bytes(args, rank: int) -> dict[str, Any]:
+    """Bytes through the store for saves mid accumulation window, small model and large."""
+    from ddpckpt.dist.store import default_group
+
+    group = default_group()
+    counted = [0]
+    group.store = ByteCountingStore(group.store, counted)
+    out: dict[str, Any] = {"store_bytes": {}, "grad_bytes": {}}
+    for width in (8, 2048):
+        model, ddp, *_ = build(seed=0, width=width)
+        accumulation = ddpckpt.GradientAccumulation(ddp, steps=2)
+        torch.manual_seed(rank)
+        with accumulation.context():  # the first micro-step: gradients differ between ranks
+            ddp(torch.randn(8, 16)).pow(2).mean().backward()
+        accumulation.step()
+        before = counted[0]
+        ddpckpt.save(f"{args.ckpt}-{width}", model=ddp, extra={"acc": accumulation})
+        out["store_bytes"][width] = counted[0] - before
+        out["grad_bytes"][width] = sum(p.grad.nbytes for p in model.parameters())
+        fresh, fresh_ddp, *_ = build(seed=1, width=width)
+        fresh_acc = ddpckpt.GradientAccumulation(fresh_ddp, steps=2)
+        ddpckpt.load(f"{args.ckpt}-{width}", model=fresh_ddp, extra={"acc": fresh_acc})
+        pairs = zip(model.parameters(), fresh.parameters(), strict=True)
+        out.setdefault("grads_restored", []).append(
+            all(torch.equal(p.grad, q.grad) for p, q in pairs)
+        )
+    return out
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()

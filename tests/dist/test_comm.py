@@ -64,6 +64,29 @@ def test_results_reach_the_ranks_that_need_them() -> None:
         assert out["from2"] == b"two"
 
 
+def test_scattered_parts_reach_only_the_ranks_that_ask_for_them() -> None:
+    def body(group: StoreGroup) -> dict:
+        r = group.rank
+        with Comm.open("ddpckpt.test", timeout=30, group=group) as comm:
+            part = comm.run_scatter(
+                "parts",
+                lambda: r * 10,
+                lambda found: {0: found[:2], 2: found[2:], 3: "never asked for"},
+                receive=r in (0, 1, 2),
+            )
+            try:
+                comm.run_scatter("broken", lambda: r, lambda found: {9: found[9]}, receive=True)
+            except RankFailureError:  # rank 0's bug, raised on every rank
+                return {"part": part, "error": True}
+            return {"part": part, "error": False}
+
+    results, stats = ranks(4, body)
+    assert [out["part"] for out in results] == [[0, 10], None, [20, 30], None]
+    assert all(out["error"] for out in results)
+    # one read more for the ranks that asked (rank 1's part is empty); none for rank 3
+    assert [s.by_op["get"] for s in stats[1:]] == [4, 4, 3]
+
+
 def test_a_reduced_answer_is_the_same_on_every_rank_and_a_failing_reduce_raises_everywhere() -> (
     None
 ):
@@ -140,7 +163,7 @@ def test_store_operations_per_rank_do_not_grow_with_the_ranks(monkeypatch) -> No
         ops = [s.ops for s in stats]  # the main connection only: heartbeats are per second
         received = [s.bytes for s in stats[1:]]
         counts[n] = (ops[0], max(ops[1:]), max(received))
-        assert server.store.num_keys() == n  # what is left: each rank's heartbeat record
+        assert server.store.num_keys() == n + 1  # what is left: the heartbeat records, their roster
     (lead3, other3, bytes3), (lead12, other12, bytes12) = counts[3], counts[12]
     assert lead12 == lead3 and other12 == other3
     assert bytes12 <= bytes3 + 64  # longer rank numbers in key names, nothing per rank

@@ -8,9 +8,10 @@ import time
 from unittest.mock import ANY
 
 from ddpckpt.dist.comm import Comm
+from ddpckpt.dist.liveness import Liveness, Watch, beat_key, roster_key
 from ddpckpt.dist.store import StoreGroup
 from ddpckpt.errors import CollectiveTimeoutError
-from thread_ranks import ranks
+from thread_ranks import ranks, sim
 
 
 def test_a_rank_that_never_calls_is_named_within_one_and_a_half_timeouts() -> None:
@@ -78,3 +79,26 @@ def test_a_slow_rank_that_heartbeats_is_waited_for() -> None:
 
     results, _ = ranks(3, body)
     assert results == [7, 7, 7]
+
+
+def test_a_rank_silent_since_the_wait_began_is_judged_at_its_deadline_not_a_period_later() -> None:
+    live = Liveness(StoreGroup(None, 0, 2), 0, "ddpckpt.save", 8.0, "failed")
+    assert live.period == 1.0 and live._pause(None) == 1.0
+    now = time.monotonic()
+    due_soon = Watch("enter", {1: "key"}, 1, gather=True, started=now - 7.5)
+    assert live._pause(due_soon) < 0.52  # wakes at the deadline, 0.5 s on, not in 1 s
+    overdue = Watch("enter", {1: "key"}, 1, gather=True, started=now - 9.0)
+    assert live._pause(overdue) == 1.0  # judged already: back to one beat a period
+
+
+def test_ranks_with_a_heartbeat_are_found_in_one_read_however_many_are_missing() -> None:
+    server = sim.Server()
+    stats = sim.StoreStats()
+    client = sim.CountingStore(server.client(), stats)
+    for rank in range(1, 64, 2):  # half the ranks have started heartbeating
+        client.set(beat_key(rank), b"0 1 1 0 0 0")
+        client.append(roster_key(), f"{rank} ".encode())
+    live = Liveness(StoreGroup(client, 0, 64), 0, "ddpckpt.save", 8.0, "failed")
+    before = stats.ops
+    assert live._present(client, list(range(64))) == list(range(1, 64, 2))
+    assert stats.ops - before == 2  # check the roster, read it: not a search per missing rank

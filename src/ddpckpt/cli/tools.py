@@ -24,6 +24,7 @@ from ddpckpt.errors import (
 )
 from ddpckpt.format.codec import JSON
 from ddpckpt.format.manifest import Manifest, read_manifest
+from ddpckpt.format.rankparts import fill_rank_parts
 from ddpckpt.format.tensorwrite import write_file
 from ddpckpt.io.reader import FileSource, find_problems, load_state_dict
 from ddpckpt.run.rundir import describe_path
@@ -37,12 +38,16 @@ def open_manifest(path: str) -> Manifest:
     """The manifest of the checkpoint at ``path``; a path that is no checkpoint at all gets
     a :class:`CheckpointNotFoundError` naming what it is instead of "did not finish"."""
     try:
-        return read_manifest(path)
+        manifest = read_manifest(path)
     except IncompleteCheckpointError:
         what = describe_path(path)
         if what is None:
             raise
         raise CheckpointNotFoundError(what) from None
+    problems = fill_rank_parts(manifest, path)  # every rank's state, for showing it
+    if problems:
+        raise CorruptCheckpointError(f"{path}: " + "; ".join(problems))
+    return manifest
 
 
 def summary(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -19,9 +19,9 @@ training process group:
   rank failed, every rank raises the same error with a per-rank report (the local
   exception chained; see :mod:`ddpckpt.dist.failures`).
 
-Small messages (statuses, plans, file records, per-rank state) travel through the store;
-tensors, when they must move between ranks, use :meth:`Comm.tensor_group` (a gloo group
-made once, or the default group for CUDA tensors under NCCL).
+Only small messages (statuses, plans, file records) travel through the store, by
+:mod:`ddpckpt.dist.exchange`; bulk bytes (rank files, tensors) move point to point over a
+gloo group of ddpckpt's own (:mod:`ddpckpt.dist.copies`, :meth:`Comm.tensor_group`).
 
 Calls are matched across ranks by order: the n-th ddpckpt collective on one rank meets
 the n-th on every other, so calls must be opened from the training thread (a background
@@ -29,7 +29,8 @@ save keeps using the call its ``save`` opened). The first exchange of each call 
 the call names, so ``save`` on one rank and ``load`` on another fails at once instead of
 mixing messages. Every key a call writes to the store is deleted when the call is over
 (per-rank keys by their rank once rank 0 replied, shared keys by the last rank to close
-the call), except each rank's heartbeat record, one per rank for the job.
+the call), except each rank's heartbeat record, one per rank for the job, and the roster
+of the ranks that have one.
 """
 
 from __future__ import annotations
@@ -38,20 +39,18 @@ import json
 import os
 import uuid
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from ddpckpt._log import get_logger
-from ddpckpt.dist.failures import combine, describe, encode_error, timeout_error, unwrap
-from ddpckpt.dist.liveness import Liveness, Watch
+from ddpckpt.dist.copies import tensor_group
+from ddpckpt.dist.exchange import LEADER, Exchanges
+from ddpckpt.dist.failures import combine, describe, encode_error
+from ddpckpt.dist.liveness import Liveness
 from ddpckpt.dist.store import (
     StoreGroup,
     default_group,
-    multi_get,
-    namespace,
     pack,
     unpack,
 )
@@ -65,8 +64,6 @@ R = TypeVar("R")
 _log = get_logger(__name__)
 
 DEFAULT_TIMEOUT = 600.0
-_LEADER = 0
-_tensor_groups: dict[int, Any] = {}
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -86,7 +83,7 @@ def resolve_timeout(timeout: float | None) -> float:
     return float(timeout)
 
 
-class Comm:
+class Comm(Exchanges):
     """The collective context of one ddpckpt call on this rank.
 
     Create it with :meth:`open` on every rank, in the same order; use it from one thread
@@ -243,35 +240,6 @@ class Comm:
 
     # ------------------------------------------------------------------ primitives
 
-    def all_gather(self, tag: str, payload: bytes) -> list[bytes]:
-        """Every rank's ``payload``, in rank order, on every rank.
-
-        Every rank receives ``world_size`` payloads: prefer :meth:`run` or
-        :meth:`run_gather` where only rank 0 needs them.
-        """
-        if self.world_size == 1:
-            return [payload]
-        payloads = self._collect(tag, payload)
-        if payloads is not None:
-            self._publish(tag, b"K" + pack(payloads))
-            return payloads
-        return unpack(self._receive(tag))
-
-    def broadcast(self, tag: str, payload: bytes | None, src: int = 0) -> bytes:
-        """``src``'s payload on every rank (other ranks pass ``None``)."""
-        if self.rank == src and payload is None:
-            raise ValueError("the broadcasting rank must pass a payload")
-        if self.world_size == 1:
-            return payload  # type: ignore[return-value]
-        self._exchanges += 1
-        key = self._key(tag, f"from{src}")
-        self._share(key)
-        if self.rank == src:
-            self._store.set(key, b"K" + payload)  # type: ignore[operator]
-            return payload  # type: ignore[return-value]
-        self._live.wait(Watch(tag, {src: key}, self._exchanges, gather=False))
-        return unwrap(self._store.get(key))
-
     def barrier(self, tag: str) -> None:
         """Return once every rank has reached this barrier."""
         self.run(tag, lambda: None)
@@ -321,6 +289,28 @@ class Comm:
         answer, _ = self._run(tag, step, share=False, keep=True, reduce=reduce)
         return answer  # type: ignore[no-any-return]
 
+    def run_scatter(
+        self,
+        tag: str,
+        step: Callable[[], Any],
+        split: Callable[[list[Any]], dict[int, Any]],
+        *,
+        receive: bool,
+    ) -> Any:
+        """Like :meth:`run_gather`, then rank 0 sends each rank that passes ``receive=True``
+        its own part of ``split(results)`` (``None`` if it has none); returns this rank's
+        part (``None`` where ``receive`` is false).
+
+        A rank receives only its part: what the first rank of each storage domain needs
+        to write its copy's manifest, say. ``split`` runs on rank 0 only; if it raises,
+        every rank raises the combined error.
+        """
+        if self.world_size == 1:
+            part = json.loads(json.dumps(split([step()]).get(0)))
+            return part if receive else None
+        part, _ = self._run(tag, step, share=False, keep=True, split=split, receive=receive)
+        return part if receive else None
+
     def _run(
         self,
         tag: str,
@@ -328,12 +318,17 @@ class Comm:
         share: bool,
         keep: bool = False,
         reduce: Callable[[list[Any]], Any] | None = None,
+        split: Callable[[list[Any]], dict[int, Any]] | None = None,
+        receive: bool = False,
     ) -> tuple[Any, list[Any] | None]:
         local: BaseException | None = None
         result: Any = None
         try:
             result = step()
-            payload = json.dumps({"ok": result if share or keep else None}).encode()
+            sent: dict[str, Any] = {"ok": result if share or keep else None}
+            if receive:
+                sent["receive"] = True
+            payload = json.dumps(sent).encode()
         except Exception as exc:
             local = exc
             payload = json.dumps({"error": describe(exc)}).encode()
@@ -345,6 +340,8 @@ class Comm:
                 raise exc from local
             if reduce is not None:
                 return json.loads(reply), None
+            if split is not None:
+                return self._receive_part(tag) if receive else None, None
             return result, [json.loads(b)["ok"] for b in unpack(reply)] if share else None
         outcomes = [json.loads(b) for b in gathered]
         failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
@@ -353,14 +350,24 @@ class Comm:
             self._publish(tag, encode_error(error))
             raise error from local
         results = [o["ok"] for o in outcomes]
-        if reduce is not None:
+        if reduce is not None or split is not None:
             try:
-                answer = reduce(results)
-                reply = json.dumps(answer).encode()
+                if split is not None:
+                    parts = split(results)
+                    receivers = [r for r, o in enumerate(outcomes) if r and o.get("receive")]
+                    encoded = {r: json.dumps(parts.get(r)).encode() for r in receivers}
+                    mine = json.loads(json.dumps(parts.get(LEADER)))
+                else:
+                    reply = json.dumps(reduce(results)).encode()  # type: ignore[misc]
             except Exception as exc:
-                error = combine(self.call, {_LEADER: describe(exc)})
+                error = combine(self.call, {LEADER: describe(exc)})
                 self._publish(tag, encode_error(error))
                 raise error from exc
+            if split is not None:
+                for r, blob in encoded.items():  # before the reply: a receiver reads it at once
+                    self._store.set(self._key(tag, f"to{r}"), blob)
+                self._publish(tag, b"K")
+                return mine, None
             self._publish(tag, b"K" + reply)
             return json.loads(reply), None  # exactly what the other ranks decode
         self._publish(tag, b"K" + (pack(gathered) if share else b""))
@@ -370,77 +377,4 @@ class Comm:
 
     def tensor_group(self, device: torch.device) -> Any:
         """The process group to move tensors on ``device`` with (all ranks must ask together)."""
-        if device.type != "cpu" and dist.get_backend() != "gloo":
-            return None  # the default (e.g. NCCL) group carries device tensors
-        key = id(dist.distributed_c10d._get_default_group())
-        if key not in _tensor_groups:
-            _tensor_groups[key] = dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=self.timeout)
-            )
-        return _tensor_groups[key]
-
-    # ------------------------------------------------------------------ exchanges
-
-    def _collect(
-        self, tag: str, payload: bytes, cause: BaseException | None = None
-    ) -> list[bytes] | None:
-        """Every rank's ``payload`` on rank 0 (``None`` on the others, which post theirs).
-
-        Rank 0 blocks until every rank has posted, or its heartbeat thread has marked the
-        silent ranks (then it publishes a timeout naming them and raises it).
-        """
-        self._exchanges += 1
-        if self.rank != _LEADER:
-            self._store.set(self._key(tag, self.rank), b"K" + payload)
-            self._live.posted(self._exchanges, tag)
-            return None
-        keys = {r: self._key(tag, r) for r in range(1, self.world_size)}
-        self._live.wait(Watch(tag, keys, self._exchanges, gather=True))
-        blobs = multi_get(self._store, list(keys.values()))
-        silent = [r for r, blob in zip(keys, blobs, strict=True) if blob[:1] == b"T"]
-        if silent:
-            for r, blob in zip(keys, blobs, strict=True):
-                if blob[:1] in (b"T", b"P"):  # markers: the ranks that posted delete their own
-                    self._store.delete_key(keys[r])
-            error = timeout_error(self.call, self.timeout, silent, tag)
-            self._fail(tag, error)
-            raise error from cause
-        return [payload, *(blob[1:] for blob in blobs)]
-
-    def _publish(self, tag: str, reply: bytes) -> None:
-        """Rank 0 answers the exchange ``tag``: ``b"K"`` and data, or an encoded error."""
-        key = self._key(tag, "reply")
-        self._share(key)
-        self._store.set(key, reply)
-
-    def _receive(self, tag: str) -> bytes:
-        """Rank 0's answer to the exchange ``tag``; raises the error it sent."""
-        key = self._key(tag, "reply")
-        self._share(key)
-        self._live.wait(Watch(tag, {_LEADER: key}, self._exchanges, gather=False))
-        reply = self._store.get(key)
-        self._store.delete_key(self._key(tag, self.rank))  # rank 0 has read it
-        return unwrap(reply)
-
-    def _fail(self, tag: str, error: CheckpointError) -> None:
-        """Rank 0 timed out: tell every rank, also those waiting in another exchange."""
-        blob = encode_error(error)
-        self._store.set(self._key("failed", "all"), blob)
-        self._live.mark_failed()
-        self._publish(tag, blob)
-
-    # ------------------------------------------------------------------ keys
-
-    @property
-    def _live(self) -> Liveness:
-        """The call's heartbeat: every call with several ranks has one once opened."""
-        assert self._liveness is not None, "exchanges need a Comm made by Comm.open"
-        return self._liveness
-
-    def _share(self, key: str) -> None:
-        """Record a key every rank reads (the same list on every rank), for :meth:`close`."""
-        if self._shared_keys is not None and key not in self._shared_keys:
-            self._shared_keys.append(key)
-
-    def _key(self, tag: str, who: int | str) -> str:
-        return f"{namespace()}/{self._op}/{tag}/{who}"
+        return tensor_group(device, self.timeout)

@@ -10,7 +10,8 @@ A rank that makes no progress for ``timeout`` seconds is named: the judging thre
 a marker into the key its main thread waits on, which wakes it. So a slow but alive
 writer is never timed out, while a killed one (or ranks waiting for each other in
 different exchanges) is, within ``timeout`` plus two heartbeat periods (a period is
-``min(1 s, timeout / 8)``: at most 1.25x).
+``min(1 s, timeout / 8)``: at most 1.25x); a rank silent since the wait began (one that
+never arrived) is judged right at its deadline, ``timeout`` after the wait began.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ __all__ = ["Beat", "Liveness", "Watch", "beat_key"]
 
 _log = get_logger(__name__)
 MAX_PERIOD = 1.0  # seconds between heartbeats (and liveness checks) at most
+_SLACK = 0.01  # seconds past a deadline at which to judge it
+_FEW = 8  # ranks whose heartbeat records are looked for by halving rather than the roster
 
 
 @dataclass
@@ -135,16 +138,27 @@ class Liveness:
                     if not self._waiting.is_set():
                         self.beat.work += 1
                     client.set(beat_key(self.group.rank), self.group.beat_record())
+                    if not self.group._enrolled:
+                        self._enroll(client)
                     watch = self._watch
                     if watch is not None:
                         self._judge(client, watch)
-                    if self._stop.wait(self.period):
+                    if self._stop.wait(self._pause(watch)):
                         return
             except RuntimeError as exc:  # the store went away: the waiting main thread sees it
                 _log.warning("ddpckpt heartbeat of rank %d stopped: %s", self.group.rank, exc)
 
         self._thread = threading.Thread(target=beat, name="ddpckpt-heartbeat", daemon=True)
         self._thread.start()
+
+    def _pause(self, watch: Watch | None) -> float:
+        """Seconds until the next beat: a period, or less if a rank that has made no
+        progress since the wait began would be silent sooner (so it is named at the
+        timeout, not up to a period later)."""
+        if watch is None:
+            return self.period
+        due = watch.started + self.timeout + _SLACK - time.monotonic()
+        return min(self.period, due) if due > 0 else self.period
 
     def stop(self) -> None:
         """End the heartbeat thread and take the call out of the rank's record."""
@@ -220,8 +234,8 @@ class Liveness:
         """The heartbeats in this call of those of ``ranks`` that have one, in one read.
 
         Ranks whose record was never seen are looked for together (``multi_get`` would
-        block on a missing one): one ``check``, or about 2 log2(n) per rank that never
-        made a ddpckpt call.
+        block on a missing one): in the roster of ranks with a record (one read), or for a
+        few ranks with one ``check``, about 2 log2(n) per rank that never made a ddpckpt call.
         """
         beating = self.group._beating
         unknown = [r for r in ranks if r not in beating]
@@ -237,14 +251,35 @@ class Liveness:
         }
         return {r: beat for r, beat in found.items() if beat is not None}
 
+    def _enroll(self, client: Any) -> None:
+        """Add this rank to the roster of ranks with a heartbeat record (once per job)."""
+        try:
+            client.append(roster_key(), f"{self.group.rank} ".encode())
+        except (AttributeError, NotImplementedError) as exc:  # readers find records by halving
+            _log.debug("the store cannot append (%s): no heartbeat roster", exc)
+        self.group._enrolled = True
+
     def _present(self, client: Any, ranks: list[int]) -> list[int]:
+        """Those of ``ranks`` that have a heartbeat record: from the roster when many are
+        sought (one read, O(ranks) bytes), else (or without a roster) by halving."""
+        if len(ranks) > _FEW and client.check([roster_key()]):
+            enrolled = {int(r) for r in client.get(roster_key()).split()}
+            return [r for r in ranks if r in enrolled]
+        return self._halve(client, ranks)
+
+    def _halve(self, client: Any, ranks: list[int]) -> list[int]:
         """Those of ``ranks`` that have a heartbeat record, found by halving."""
         if client.check([beat_key(r) for r in ranks]):
             return ranks
         if len(ranks) == 1:
             return []
         half = len(ranks) // 2
-        return self._present(client, ranks[:half]) + self._present(client, ranks[half:])
+        return self._halve(client, ranks[:half]) + self._halve(client, ranks[half:])
+
+
+def roster_key() -> str:
+    """The store key listing the ranks that have a heartbeat record (appended to, never deleted)."""
+    return f"{namespace()}/beat/roster"
 
 
 def beat_key(rank: int) -> str:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection, Mapping, Sequence
 
+from ddpckpt.format.rankparts import rank_file_name
+
 __all__ = ["assign", "file_names", "plan_owners"]
 
 
@@ -48,5 +50,5 @@ def file_names(rank: int) -> dict[str, str]:
     return {
         "model": f"model-{rank:05d}.safetensors",
         "state": f"state-{rank:05d}.safetensors",
-        "rank": f"rank-{rank:05d}.safetensors",
+        "rank": rank_file_name(rank),
     }

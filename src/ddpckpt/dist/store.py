@@ -67,6 +67,7 @@ class StoreGroup:
     _spare: list[Any] = field(default_factory=list, repr=False)  # connections for waits
     _clonable: bool = field(default=True, repr=False)
     _beating: set[int] = field(default_factory=set, repr=False)  # ranks with a record
+    _enrolled: bool = field(default=False, repr=False)  # this rank is in the beat roster
     _open: dict[int, Beat] = field(default_factory=dict, repr=False)  # calls open here
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

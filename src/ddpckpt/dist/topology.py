@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from ddpckpt.errors import CheckpointError
 from ddpckpt.storage import storage_for
@@ -148,21 +148,25 @@ def storage_domains(comm: Comm, directory: str, mode: str | None = None) -> list
             return None
         return [r for r in probers if store.exists(_probe_name(directory, comm.token, r))]
 
-    def by_prober(seen: list[list[int] | None]) -> dict[int, list[int]]:  # on rank 0
-        return {rank: seen[rank] or [] for rank in probers}
+    def by_prober(seen: list[list[int] | None]) -> dict[str, Any]:  # on rank 0
+        """Each node's domain number (O(nodes) for every rank), or what the nodes saw."""
+        visible = {rank: frozenset(seen[rank] or []) for rank in probers}
+        for rank, others in visible.items():
+            if rank not in others or any(visible.get(other) != others for other in others):
+                return {"inconsistent": {r: sorted(v) for r, v in visible.items()}}
+        numbers: dict[frozenset[int], int] = {}
+        return {"domain": [numbers.setdefault(visible[rank], len(numbers)) for rank in probers]}
 
-    seen = comm.run_reduce("look", look, by_prober)  # JSON: the keys come back as strings
+    verdict = comm.run_reduce("look", look, by_prober)
     if comm.rank in probers:
         store.delete(mine)
-    visible = {rank: frozenset(seen[str(rank)]) for rank in probers}
-    for rank, others in visible.items():
-        if rank not in others or any(visible[other] != others for other in others):
-            raise CheckpointError(
-                f"{directory}: nodes see inconsistent sets of each other's files "
-                f"({ {r: sorted(v) for r, v in visible.items()} }); pass storage='shared' or "
-                "storage='local' to say how this directory is shared"
-            )
-    domains: dict[frozenset[int], list[int]] = {}
-    for ranks in nodes:
-        domains.setdefault(visible[ranks[0]], []).extend(ranks)
+    if "inconsistent" in verdict:
+        raise CheckpointError(
+            f"{directory}: nodes see inconsistent sets of each other's files "
+            f"({verdict['inconsistent']}); pass storage='shared' or "
+            "storage='local' to say how this directory is shared"
+        )
+    domains: dict[int, list[int]] = {}
+    for ranks, number in zip(nodes, verdict["domain"], strict=True):
+        domains.setdefault(number, []).extend(ranks)
     return sorted((sorted(d) for d in domains.values()), key=lambda d: d[0])

@@ -5,12 +5,13 @@ A checkpoint is a directory::
     manifest.json                       this file
     model-00000.safetensors ...         model weights (canonical keys), one file per writer
     state-00000.safetensors ...         optimizer, scheduler, scaler and extra tensors
-    rank-00000.safetensors ...          per-rank tensors (RNG state), one file per rank
+    rank-00000.safetensors ...          per-rank state and tensors (RNG ...), one file per rank
 
 The manifest holds the format version, the library and torch versions, step, epoch and
-metrics, the encoded non-tensor state (see :mod:`ddpckpt.format.codec`), per-rank state, and for
-every tensor its file, byte range, dtype, shape and digest, and for every file its size,
-digest and the rank that wrote it.
+metrics, the encoded non-tensor state (see :mod:`ddpckpt.format.codec`), the sections of
+per-rank state (the state itself is in the rank files: :mod:`ddpckpt.format.rankparts`),
+and for every shared tensor its file, byte range, dtype, shape and digest, and for every
+file its size, digest and the rank that wrote it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from ddpckpt.storage.base import MANIFEST
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "read_manifest"]
 
 FORMAT_NAME = "ddpckpt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: per-rank state in the rank files (ddpckpt.format.rankparts)
 MANIFEST_NAME = MANIFEST
 
 
@@ -53,7 +54,9 @@ class Manifest:
     metrics: dict[str, Any] = field(default_factory=dict)
     world_size: int = 1
     state: dict[str, JSON] = field(default_factory=dict)
-    ranks: list[dict[str, JSON]] = field(default_factory=list)
+    ranks: list[dict[str, JSON]] = field(default_factory=list)  # format 2: every rank's state
+    rank_keys: list[str] | None = None  # format 3: the sections in the rank files (rankparts)
+    rank_parts: dict[int, dict[str, JSON]] = field(default_factory=dict, repr=False, compare=False)
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     files: dict[str, FileEntry] = field(default_factory=dict)
     copy: dict[str, Any] = field(default_factory=dict)
@@ -82,7 +85,8 @@ class Manifest:
             "world_size": self.world_size,
             "copy": self.copy,
             "state": self.state,
-            "ranks": self.ranks,
+            "ranks": self.ranks if self.rank_keys is None else [],
+            **({} if self.rank_keys is None else {"rank_keys": self.rank_keys}),
             "files": {name: file_to_json(f) for name, f in sorted(self.files.items())},
             "tensors": {name: tensor_to_json(t) for name, t in self.tensors.items()},
         }
@@ -154,6 +158,7 @@ def _parse(doc: Any, where: str) -> Manifest:
             world_size=int(doc["world_size"]),
             state=dict(doc["state"]),
             ranks=list(doc["ranks"]),
+            rank_keys=None if doc.get("rank_keys") is None else list(doc["rank_keys"]),
             tensors=tensors,
             files=files,
             copy=dict(doc.get("copy") or {}),

@@ -28,6 +28,7 @@ from ddpckpt.errors import (
 )
 from ddpckpt.format.codec import decode
 from ddpckpt.format.manifest import Manifest, read_manifest
+from ddpckpt.format.rankparts import rank_has, rank_part
 from ddpckpt.io.async_saver import DEFAULT_SAVER
 from ddpckpt.io.progress import Progress
 from ddpckpt.io.reader import CheckpointInfo, FileSource
@@ -90,7 +91,7 @@ def load(
         objects = _Objects(model, optimizer, scheduler, scaler, extra)
         with Progress(f"loading {os.path.basename(path)}", manifest.nbytes) as bar:
             source = FileSource(path, manifest, progress=bar)
-            source.own = own_tensors(manifest, comm.rank, path)
+            source.own = comm.run("rank part", lambda: own_tensors(manifest, comm.rank, path))
             comm.run("check", lambda: _check(manifest, source, objects, strict, path))
             return comm.run(
                 "restore", lambda: _restore(manifest, source, objects, strict, rng, path, comm.rank)
@@ -116,38 +117,53 @@ def locate(comm: Comm, path: str) -> Manifest:
             return {"error": type(exc).__name__, "message": str(exc)}
         return {"id": found["manifest"].id}
 
-    statuses = comm.run_all("locate", read)
+    verdict = comm.run_reduce("locate", read, lambda statuses: _verdict(statuses, path))
+    if "error" in verdict:
+        raise error_class(verdict["error"])(verdict["message"])
+    if not verdict["lacking"]:
+        return found["manifest"]
+    from ddpckpt.dist.replicate import repair_copies
+
+    lacking = set(verdict["lacking"])
+    repair_copies(comm, path, [r not in lacking for r in range(comm.world_size)])
+    return comm.run("reread", lambda: read_manifest(path))
+
+
+def _verdict(statuses: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    """Rank 0's decision from every rank's ``locate`` status: an error, or the ranks that lack
+    the checkpoint (usually none: every rank then receives a few bytes)."""
     ids = [s.get("id") for s in statuses]
     present = [i for i in ids if i is not None]
     if not present:
         errors = [s for s in statuses if "error" in s]
         if errors:
-            raise error_class(errors[0]["error"])(errors[0]["message"])
-        raise CheckpointNotFoundError(f"{path}: no checkpoint at this path")
+            return errors[0]
+        return {
+            "error": "CheckpointNotFoundError",
+            "message": f"{path}: no checkpoint at this path",
+        }
     if len(set(present)) > 1:
         listing = ", ".join(f"rank {r}: {i}" for r, i in enumerate(ids) if i is not None)
-        raise CorruptCheckpointError(
-            f"{path}: ranks see different checkpoints under this name ({listing}); node-local "
-            "copies from different runs? Remove the stale ones"
-        )
-    if all(i is not None for i in ids):
-        return found["manifest"]
-    from ddpckpt.dist.replicate import repair_copies
-
-    repair_copies(comm, path, [i is not None for i in ids])
-    return comm.run("reread", lambda: read_manifest(path))
+        return {
+            "error": "CorruptCheckpointError",
+            "message": f"{path}: ranks see different checkpoints under this name ({listing}); "
+            "node-local copies from different runs? Remove the stale ones",
+        }
+    return {"lacking": [r for r, i in enumerate(ids) if i is None]}
 
 
 def own_tensors(manifest: Manifest, rank: int, path: str) -> dict[str, str]:
     """Where ``rank``'s own values are of the shared tensors that differed between ranks at
     save time (parameters DDP ignores, a model without DDP ...): shared name -> stored name.
 
-    A rank that did not exist at save time gets none: it loads rank 0's, with a warning.
+    Reads ``rank``'s part of the checkpoint (its rank file, nobody else's). A rank that
+    did not exist at save time gets none: it loads rank 0's, with a warning.
     """
     if rank < manifest.world_size:
-        own = manifest.ranks[rank].get("own", {})
+        own = rank_part(manifest, path, rank).get("own", {})
         return {name: f"rank{rank}/{stored}" for name, stored in own.items()}
-    if any("own" in r for r in manifest.ranks):
+    rank_part(manifest, path, 0)  # what this rank starts from (RNG, per-rank extras)
+    if rank_has(manifest, "own"):
         _log.warning(
             "%s: saved with %d ranks, some state per rank (it differed between ranks); rank %d "
             "has none stored and starts from rank 0's",
@@ -214,9 +230,10 @@ def _restore(
 ) -> CheckpointInfo:
     state = manifest.state
     restore_model(objects.model, state["model"], source, path, strict)
-    if any("model_buffers" in r for r in manifest.ranks):
-        if rank < manifest.world_size and "model_buffers" in manifest.ranks[rank]:
-            encoded = manifest.ranks[rank]["model_buffers"]
+    if rank_has(manifest, "model_buffers"):
+        mine = rank_part(manifest, path, rank) if rank < manifest.world_size else {}
+        if "model_buffers" in mine:
+            encoded = mine["model_buffers"]
             restore_rank_buffers(objects.model, encoded, source.for_rank(rank), path)
         else:
             _log.warning(
@@ -241,7 +258,7 @@ def _restore(
             restore_stateful(obj, entry, source, path)
         elif entry["kind"] == "per_rank":
             owner = _per_rank_owner(manifest, name, rank, path)
-            own = {"state": manifest.ranks[owner]["extra"][name]}
+            own = {"state": rank_part(manifest, path, owner)["extra"][name]}
             restore_stateful(obj, own, source.for_rank(owner), path)
         else:
             objects.extra[name] = values[name]  # type: ignore[index]
@@ -254,7 +271,7 @@ def _restore(
 def _per_rank_owner(manifest: Manifest, name: str, rank: int, path: str) -> int:
     """Whose saved per-rank state ``rank`` loads: its own, or rank 0's if it has none."""
     if rank < manifest.world_size:
-        if name not in manifest.ranks[rank].get("extra", {}):
+        if name not in rank_part(manifest, path, rank).get("extra", {}):
             raise CorruptCheckpointError(
                 f"{path}: no per-rank state of extra[{name!r}] for rank {rank}"
             )
@@ -270,29 +287,35 @@ def _per_rank_owner(manifest: Manifest, name: str, rank: int, path: str) -> int:
 
 
 def _restore_rng(manifest: Manifest, source: FileSource, path: str, rank: int) -> None:
-    with_rng = [r for r, s in enumerate(manifest.ranks) if "rng" in s]
-    if not with_rng:
+    if not rank_has(manifest, "rng"):
         _log.warning(
             "%s: the checkpoint holds no RNG state; random generators left as they are", path
         )
         return
     if rank < manifest.world_size:
-        if "rng" not in manifest.ranks[rank]:
+        mine = rank_part(manifest, path, rank)
+        if "rng" not in mine:
             raise CorruptCheckpointError(f"{path}: no RNG state stored for rank {rank}")
         rank_source = source.for_rank(rank)
-        state = decode(
-            manifest.ranks[rank]["rng"], lambda n: rank_source.get(n).clone(), where=path
-        )
+        state = decode(mine["rng"], lambda n: rank_source.get(n).clone(), where=path)
         restore_rng(state, f"{path} (rank {rank})")
         return
-    rank0 = source.for_rank(with_rng[0])
-    base = decode(manifest.ranks[with_rng[0]]["rng"], lambda n: rank0.get(n).clone(), where=path)
+    first = 0 if "rng" in rank_part(manifest, path, 0) else _first_with_rng(manifest, path)
+    rank0 = source.for_rank(first)
+    base = decode(
+        rank_part(manifest, path, first)["rng"], lambda n: rank0.get(n).clone(), where=path
+    )
     _log.warning(
         "%s: saved with %d ranks, so rank %d has no stored RNG state; seeding its generators "
         "deterministically from rank %d's state and its rank number",
         path,
         manifest.world_size,
         rank,
-        with_rng[0],
+        first,
     )
     restore_rng(derive_rng(base, rank), f"{path} (derived for rank {rank})")
+
+
+def _first_with_rng(manifest: Manifest, path: str) -> int:
+    """The first rank that stored RNG state (rank 0 did not: only in old checkpoints)."""
+    return next(r for r in range(manifest.world_size) if "rng" in rank_part(manifest, path, r))

@@ -18,6 +18,7 @@ import torch
 from ddpckpt.errors import CheckpointError, CorruptCheckpointError
 from ddpckpt.format.codec import decode
 from ddpckpt.format.manifest import Manifest, read_manifest
+from ddpckpt.format.rankparts import fill_rank_parts
 from ddpckpt.format.tensorfile import TensorEntry, can_read_into, dtype_from_name
 from ddpckpt.format.tensorread import TensorFile
 from ddpckpt.io.progress import Progress
@@ -145,7 +146,7 @@ def find_problems(path: str | os.PathLike[str]) -> list[str]:
 
 
 def _file_problems(path: str, manifest: Manifest) -> list[str]:
-    problems: list[str] = []
+    problems = fill_rank_parts(manifest, path)  # the rank files' tensors join the index
     by_file = _entries_by_file(manifest)
     for name, file in sorted(manifest.files.items()):
         try:

@@ -29,7 +29,9 @@ import torch
 from ddpckpt._log import get_logger
 from ddpckpt.dist.comm import Comm
 from ddpckpt.dist.consistency import check_replicated
+from ddpckpt.dist.copies import send_to_leaders
 from ddpckpt.dist.plan import file_names, plan_owners
+from ddpckpt.dist.store import pack, unpack
 from ddpckpt.dist.topology import storage_domains
 from ddpckpt.errors import (
     CheckpointError,
@@ -48,7 +50,8 @@ from ddpckpt.format.manifest import (
     tensor_from_json,
     tensor_to_json,
 )
-from ddpckpt.format.tensorfile import FileEntry, TensorEntry, deserialize, tensor_nbytes
+from ddpckpt.format.rankparts import RANK_STATE_KEY, rank_keys
+from ddpckpt.format.tensorfile import FileEntry, deserialize, tensor_nbytes
 from ddpckpt.format.tensorwrite import serialize, write_file
 from ddpckpt.io.progress import Progress
 from ddpckpt.state.capture import Snapshot
@@ -93,10 +96,9 @@ class WritePlan:
     order: list[str]  # every shared tensor name, in state order
     needed: int  # bytes of one complete copy
     shared_state: dict[str, Any]
-    rank_state: dict[str, Any]
-    rank_blob: bytes
+    rank_keys: list[str]  # the sections of this rank's state in its rank file
+    rank_blob: bytes  # this rank's file: its per-rank tensors, its state in the metadata
     rank_file: FileEntry
-    rank_entries: list[TensorEntry]
     foreign: dict[int, bytes] = field(default_factory=dict)
 
     @property
@@ -132,20 +134,22 @@ def plan_write(
     sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
     owners = plan_owners(sizes, domains, snapshot.balanced)[domains.index(domain)]
     rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
-    rank_blob, rank_file, rank_entries = serialize(
-        file_names(comm.rank)["rank"], rank_items, writer=comm.rank, metadata=_FILE_METADATA
+    rank_metadata = {**_FILE_METADATA, RANK_STATE_KEY: json.dumps(snapshot.rank_state)}
+    rank_blob, rank_file, _ = serialize(
+        file_names(comm.rank)["rank"], rank_items, writer=comm.rank, metadata=rank_metadata
     )
     values, shared_state, foreign = snapshot.tensors, snapshot.state, {}
     if len(domains) > 1:  # every domain gets a full copy of rank 0's state and all rank files
-        blobs = comm.all_gather("rank-files", rank_blob)
-        if comm.rank == domain[0]:
-            foreign = {r: b for r, b in enumerate(blobs) if r not in domain}
-        state_json = json.dumps(snapshot.state).encode() if comm.rank == 0 else None
-        shared_state = json.loads(comm.broadcast("state", state_json))
-        pinned = [(n, t) for n, t in snapshot.tensors.items() if n not in snapshot.balanced]
-        blob = serialize("rank0", pinned, writer=0, metadata={})[0] if comm.rank == 0 else None
-        rank0 = comm.broadcast("rank0-tensors", blob)
-        if comm.rank == domain[0]:
+        bundle = [rank_blob]
+        if comm.rank == 0:
+            pinned = [(n, t) for n, t in snapshot.tensors.items() if n not in snapshot.balanced]
+            state_json = json.dumps(snapshot.state).encode()
+            bundle += [state_json, serialize("rank0", pinned, writer=0, metadata={})[0]]
+        received = comm.run("copies", lambda: send_to_leaders(comm, domains, pack(bundle)))
+        foreign = {r: unpack(b)[0] for r, b in received.items()}
+        if 0 in received:  # this rank leads a domain without rank 0: it writes rank 0's part
+            _, state_json, rank0 = unpack(received[0])
+            shared_state = json.loads(state_json)
             values = {**snapshot.tensors, **deserialize(rank0, path)}
     return WritePlan(
         comm=comm,
@@ -158,10 +162,9 @@ def plan_write(
         needed=sum(tensor_nbytes(t) for t in snapshot.tensors.values())
         + comm.world_size * (len(rank_blob) + 4096),
         shared_state=shared_state,
-        rank_state=snapshot.rank_state,
+        rank_keys=rank_keys(snapshot.rank_state),
         rank_blob=rank_blob,
         rank_file=rank_file,
-        rank_entries=rank_entries,
         foreign=foreign,
     )
 
@@ -193,16 +196,38 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
         )
         if done:  # a previous attempt committed, then failed
             return path
-        # The leader of each copy writes its manifest from every rank's result. With one copy
-        # that is rank 0 alone: the other ranks need not receive every rank's result.
-        exchange = comm.run_gather if len(plan.domains) == 1 else comm.run_all
-        results = exchange(f"write.{attempt}", lambda: _write(plan, tmp))
+        # The leader of each copy writes its manifest: it receives its own ranks' results
+        # and the other ranks' rank files; no other rank receives any.
+        results = comm.run_scatter(
+            f"write.{attempt}",
+            lambda: _write(plan, tmp),
+            lambda found: _results_by_leader(found, plan.domains),
+            receive=plan.leader,
+        )
         comm.run(f"commit.{attempt}", lambda: _commit(plan, tmp, results))
     except BaseException:
         if plan.leader:
             store.commit.abort(store, tmp, path)
         raise
     return path
+
+
+def _results_by_leader(
+    results: list[dict[str, Any]], domains: list[list[int]]
+) -> dict[int, list[dict[str, Any]]]:
+    """For each copy's leader, every rank's write result, of other copies' ranks only the
+    parts of their rank file (the leader wrote those files too)."""
+    parts = {}
+    for domain in domains:
+        mine = set(domain)
+        parts[domain[0]] = [
+            found if rank in mine else {k: found[k] for k in _RANK_PARTS}
+            for rank, found in enumerate(results)
+        ]
+    return parts
+
+
+_RANK_PARTS = ("rank_keys", "rank_file")
 
 
 def _committed_by(plan: WritePlan) -> bool:
@@ -270,9 +295,8 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
     return {
         "files": files,
         "tensors": tensors,
-        "rank_state": plan.rank_state,
+        "rank_keys": plan.rank_keys,
         "rank_file": {"name": plan.rank_file.name, **file_to_json(plan.rank_file)},
-        "rank_tensors": {e.key: tensor_to_json(e) for e in plan.rank_entries},
     }
 
 
@@ -288,7 +312,7 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
         metrics=header["metrics"],
         world_size=comm.world_size,
         state=plan.shared_state,
-        ranks=[r["rank_state"] for r in results],
+        rank_keys=sorted({key for r in results for key in r["rank_keys"]}),
         copy={"index": plan.domains.index(domain), "count": len(plan.domains), "ranks": domain},
     )
     for rank, result in enumerate(results):
@@ -297,7 +321,7 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
             manifest.files[doc["name"]] = file_from_json(
                 doc["name"], {**doc, "writer": doc["writer"] if mine else domain[0]}
             )
-        for name, doc in {**(result["tensors"] if mine else {}), **result["rank_tensors"]}.items():
+        for name, doc in (result["tensors"] if mine else {}).items():
             manifest.tensors[name] = tensor_from_json(doc)
     order = {name: i for i, name in enumerate(plan.order)}
     manifest.tensors = dict(
