@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# Test files run in parallel worker processes (pytest-xdist); most tests wait on other
+# processes (torchrun jobs, servers), so two workers fit a 2-core machine.
+TEST_WORKERS ?= 2
 
 .PHONY: demo bench test lint clean
 
@@ -26,7 +29,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check src tests examples benchmarks
 
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) demo-output bench-output .pytest_cache

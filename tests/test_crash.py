@@ -155,7 +155,8 @@ def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
     rng = random.Random(SEED)
     specs = []
     for rank, phases in (
-        (0, ("data", "manifest", "commit", "latest", "delete", "fsync")),
+        # rank 0's kills while deleting or syncing are the one-process suite's (8 each)
+        (0, ("data", "manifest", "commit", "latest")),
         (1, ("data", "fsync")),
     ):
         for phase in phases:
@@ -195,5 +196,5 @@ def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
             found = [{"error": f"ranks resumed differently: {found}"}]
         results.append({**spec, "oracle": read_oracle(Path(f"{oracle}.rank0")), "found": found[0]})
     failures = report("crash suite, torchrun 2 ranks", results, capsys)
-    assert len(results) >= 9
+    assert len(results) >= 7
     assert not failures, "\n".join(failures)
