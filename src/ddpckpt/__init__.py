@@ -32,6 +32,7 @@ from ddpckpt.run.catalog import latest
 from ddpckpt.run.checkpointer import Checkpointer
 from ddpckpt.run.preemption import Preemption
 from ddpckpt.state.objects import PerRank
+from ddpckpt.state.training_state import TrainingState
 from ddpckpt.training.accumulation import GradientAccumulation
 from ddpckpt.training.data import ResumableDistributedSampler, SampleIndex, SeededDataset
 from ddpckpt.training.loader import resumable_loader, track_loader
@@ -60,6 +61,7 @@ __all__ = [
     "SampleIndex",
     "SeededDataset",
     "StateMismatchError",
+    "TrainingState",
     "UnsafeCheckpointError",
     "UnsupportedValueError",
     "__version__",

@@ -32,6 +32,7 @@ from ddpckpt.errors import (
     IncompleteCheckpointError,
 )
 from ddpckpt.format.codec import JSON
+from ddpckpt.format.sections import layout_version
 from ddpckpt.format.tensorfile import FileEntry, TensorEntry
 from ddpckpt.storage import storage_for
 from ddpckpt.storage.base import MANIFEST
@@ -39,7 +40,7 @@ from ddpckpt.storage.base import MANIFEST
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "read_manifest"]
 
 FORMAT_NAME = "ddpckpt"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # the newest version this library reads; see format.sections
 MANIFEST_NAME = MANIFEST
 
 
@@ -61,7 +62,11 @@ class Manifest:
     library_version: str = __version__
     torch_version: str = torch.__version__
     host: str = field(default_factory=platform.node)
-    format_version: int = FORMAT_VERSION
+    format_version: int = 0  # 0: the oldest version that describes ``state``
+
+    def __post_init__(self) -> None:
+        if not self.format_version:
+            self.format_version = layout_version(self.state)
 
     @property
     def nbytes(self) -> int:

@@ -70,6 +70,7 @@ from ddpckpt.run.rundir import (
 )
 from ddpckpt.run.runlock import RunLock
 from ddpckpt.state.capture import Snapshot, capture
+from ddpckpt.state.training_state import ROLES, TrainingState
 from ddpckpt.storage import new_token, storage_for
 from ddpckpt.training.loader import adopt_loaders
 
@@ -83,8 +84,9 @@ _READER_LISTINGS = 3  # times a read-only resume lists the directory before givi
 class Checkpointer:
     """Saves a run's checkpoints under ``directory`` and resumes from the newest good one.
 
-    Objects: ``model`` (required; plain, DDP or compiled), ``optimizer``, ``scheduler``,
-    ``scaler``, ``extra`` (as for :func:`ddpckpt.save`).
+    Objects: a :class:`~ddpckpt.TrainingState` as ``state``, or its shorthand ``model``
+    (plain, DDP or compiled), ``optimizer``, ``scheduler``, ``scaler``, ``extra``, ``rng``
+    (as for :func:`ddpckpt.save`).
 
     When to save: ``every_steps`` and/or ``every_seconds`` (rank 0's clock decides), or a
     :class:`~ddpckpt.policies.SavePolicy` as ``save_policy``.
@@ -124,8 +126,9 @@ class Checkpointer:
     def __init__(
         self,
         directory: str | os.PathLike[str],
+        state: TrainingState | None = None,
         *,
-        model: nn.Module,
+        model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
         scaler: Any = None,
@@ -141,7 +144,7 @@ class Checkpointer:
         on_error: str = "warn",
         retries: int = 2,
         retry_backoff: float = 1.0,
-        rng: bool = True,
+        rng: bool | None = None,
         async_save: bool | str = False,
         storage: str | None = None,
         timeout: float | None = None,
@@ -155,20 +158,21 @@ class Checkpointer:
         if monitor is not None and keep_best is None and retention is None:
             raise ValueError("monitor= only matters with keep_best=; pass keep_best=K as well")
         self.directory = _resume_check.redirect(os.fspath(directory), read_only=read_only)
-        self.model, self.optimizer, self.scheduler, self.scaler = (
-            model,
-            optimizer,
-            scheduler,
-            scaler,
-        )
-        self.extra = extra
-        adopt_loaders(extra)  # a DataLoader must be tracked before it iterates
+        self.state = TrainingState.coerce(
+            state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+            extra=extra, rng=rng,
+        )  # fmt: skip
+        first = {role: next(iter(getattr(self.state, role).values()), None) for role in ROLES}
+        self.model, self.optimizer = first["models"], first["optimizers"]
+        self.scheduler, self.scaler = first["schedulers"], first["scalers"]
+        self.extra = self.state.extra
+        adopt_loaders(self.extra)  # a DataLoader must be tracked before it iterates
         self.save_policy = save_policy or schedule(every_steps, every_seconds)
         self.retention = retention or keeping(keep_last, keep_best, monitor, mode)
         self.mode = mode
         self.read_only = read_only
-        self.rng, self.storage, self.timeout = rng, storage, timeout
-        self.overlap = async_mode(async_save, optimizer)
+        self.rng, self.storage, self.timeout = self.state.rng, storage, timeout
+        self.overlap = async_mode(async_save, self.state)
         self.async_save = bool(async_save)
         self._saver = AsyncSaver()  # this run's own host buffer and background writer
         self._reserved = False  # whether the buffer was sized ahead of the first save
@@ -247,7 +251,7 @@ class Checkpointer:
         damaged or, for a reader, gone."""
         path = self._path(step)
         try:
-            return load(path, **self._objects(), rng=self.rng, timeout=self.timeout)
+            return load(path, state=self.state, timeout=self.timeout)
         except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
             if isinstance(exc, CheckpointNotFoundError) and not self.read_only:
                 raise  # listed a moment ago under this job's lock: not a race
@@ -336,7 +340,7 @@ class Checkpointer:
         if self._saver.latest is not None:
             return  # a save already sized the buffer, and may still be copying into it
         try:
-            snapshot = capture(**self._objects(), rng=False)
+            snapshot = capture(self.state, rng=False)
         except Exception as exc:  # the save itself raises it; nothing to size until then
             _log.debug("%s: not sizing the staging buffer ahead: %r", self.directory, exc)
             return
@@ -511,16 +515,6 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ internals
 
-    def _objects(self) -> dict[str, Any]:
-        """The objects saved and restored, as :func:`ddpckpt.save` and ``load`` take them."""
-        return {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "scaler": self.scaler,
-            "extra": self.extra,
-        }
-
     def _comm(self, call: str, path: str | None = None) -> Comm:
         return Comm.open(call, path=path or self.directory, timeout=self.timeout)
 
@@ -557,7 +551,7 @@ class Checkpointer:
 
     def _capture(self) -> Snapshot:
         self._lock.check()  # never write into a directory another job has taken over
-        return capture(**self._objects(), rng=self.rng)
+        return capture(self.state)
 
     def _persist(self, plan: WritePlan) -> None:
         """Write and commit ``plan`` (retrying transient storage errors), then retention.

@@ -37,11 +37,12 @@ def is_stateful(obj: object) -> bool:
     )
 
 
-def capture_stateful(kind: str, obj: Any, snapshot: Snapshot) -> None:
-    """Add the section ``kind`` (``"scheduler"``, ``"scaler"``): ``obj``'s type and state."""
-    snapshot.state[kind] = {
+def capture_stateful(prefix: str, obj: Any, snapshot: Snapshot) -> dict[str, JSON]:
+    """The section of a scheduler or scaler: ``obj``'s type and state, whose tensors are
+    added to ``snapshot`` under ``prefix``."""
+    return {
         "type": type(obj).__qualname__,
-        "state": encode(obj.state_dict(), kind, snapshot.tensors),
+        "state": encode(obj.state_dict(), prefix, snapshot.tensors),
     }
 
 

@@ -1,0 +1,72 @@
+"""The two layouts of a manifest's state: single-model (format 2) and named (format 3)."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import os
+
+import torch
+from test_codec import assert_same
+from torch import nn
+
+import ddpckpt
+from conftest import make_mlp
+from ddpckpt.format.manifest import read_manifest
+from ddpckpt.format.sections import layout_of
+
+V2_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "format-v2")
+
+
+def _trained_v2_objects() -> tuple[nn.Module, torch.optim.Optimizer, object]:
+    """The objects the format-v2 fixture was saved from (same seed, same steps)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.8, 0.9))
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, [1, 2], gamma=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 3)).pow(2).mean().backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def test_checkpoint_of_format_version_2_still_loads() -> None:
+    """Saved by ddpckpt before named layouts existed: model, optimizer, MultiStepLR,
+    GradScaler, a Counter and a module in extra."""
+    model, opt, sched = _trained_v2_objects()
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    ema = nn.Linear(2, 2)  # drawn after training, as when the fixture was made
+    fresh = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1, betas=(0.8, 0.9))
+    fresh_sched = torch.optim.lr_scheduler.MultiStepLR(fresh_opt, [1, 2], gamma=0.5)
+    fresh_scaler = torch.amp.GradScaler("cpu")
+    extra = {"counts": None, "ema": nn.Linear(2, 2)}
+    info = ddpckpt.load(
+        V2_CHECKPOINT, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched,
+        scaler=fresh_scaler, extra=extra, rng=False,
+    )  # fmt: skip
+    assert read_manifest(V2_CHECKPOINT).format_version == 2 and (info.step, info.epoch) == (3, 1)
+    assert_same(dict(fresh.state_dict()), dict(model.state_dict()))
+    assert_same(fresh_opt.state_dict(), opt.state_dict())
+    assert fresh_sched.state_dict() == sched.state_dict()
+    assert fresh_scaler.state_dict() == scaler.state_dict()
+    assert extra["counts"] == collections.Counter("abca")
+    assert_same(dict(extra["ema"].state_dict()), dict(ema.state_dict()))
+
+
+def test_the_shorthand_still_writes_format_version_2(ckpt_dir) -> None:
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt, extra={"opt2": copy.copy(opt)})
+    manifest = read_manifest(ckpt_dir)
+    assert manifest.format_version == 2 and not layout_of(manifest.state).named
+    assert {"model", "optimizer", "extra"} <= set(manifest.state)
+
+
+def test_several_models_write_format_version_3(ckpt_dir) -> None:
+    ddpckpt.save(ckpt_dir, ddpckpt.TrainingState(a=make_mlp(), b=make_mlp(seed=1)))
+    manifest = read_manifest(ckpt_dir)
+    assert manifest.format_version == 3 and sorted(manifest.state["models"]) == ["a", "b"]
+    assert "model/b/0.weight" in manifest.tensors
