@@ -640,6 +640,51 @@ def scenario_failed_async_asked_on_one_rank(args, rank: int) -> dict[str, Any]:
     return outcomes
 
 
+def _ddp_gan(seed: int) -> ddpckpt.TrainingState:
+    torch.manual_seed(seed)
+    gen = DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)))
+    disc = DDP(
+        nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.LeakyReLU(0.2), nn.Linear(8, 1)),
+        broadcast_buffers=False,  # each rank keeps its own BatchNorm statistics
+    )
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-2, momentum=0.9)
+    return ddpckpt.TrainingState(
+        G=gen, D=disc, opt_G=opt_g, opt_D=opt_d,
+        sched_G=torch.optim.lr_scheduler.StepLR(opt_g, 2, gamma=0.5),
+        sched_D=torch.optim.lr_scheduler.MultiStepLR(opt_d, [1, 3], gamma=0.1),
+    )  # fmt: skip
+
+
+def _ddp_gan_steps(state: ddpckpt.TrainingState, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        real, noise = torch.randn(6, 4), torch.randn(6, 4)
+        state["opt_D"].zero_grad()
+        d_loss = state["D"](real).mean() - state["D"](state["G"](noise).detach()).mean()
+        d_loss.backward()
+        state["opt_D"].step()
+        state["opt_G"].zero_grad()
+        g_loss = state["D"](state["G"](noise)).mean()
+        g_loss.backward()
+        state["opt_G"].step()
+        state["sched_G"].step()
+        state["sched_D"].step()
+        losses.append(g_loss.item())
+    return losses
+
+
+def scenario_gan(args, rank: int) -> dict[str, Any]:
+    """A DDP GAN saved as a TrainingState, resumed into fresh objects: same losses."""
+    trained = _ddp_gan(seed=rank)  # DDP broadcasts rank 0's weights
+    _ddp_gan_steps(trained, 3)
+    path = ddpckpt.save(args.ckpt, trained, step=3)
+    uninterrupted = _ddp_gan_steps(trained, 2)
+    resumed = _ddp_gan(seed=10 + rank)
+    ddpckpt.load(path, resumed)
+    return {"same": _ddp_gan_steps(resumed, 2) == uninterrupted, "losses": uninterrupted}
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()
