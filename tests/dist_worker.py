@@ -685,6 +685,61 @@ def scenario_gan(args, rank: int) -> dict[str, Any]:
     return {"same": _ddp_gan_steps(resumed, 2) == uninterrupted, "losses": uninterrupted}
 
 
+def lightning_checkpoint() -> dict[str, Any]:
+    """A dict shaped as Lightning's checkpoint, from a few real training steps (seeded)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.9))
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, [2, 4], gamma=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        sched.step()
+    return {
+        "epoch": 2,
+        "global_step": 40,
+        "pytorch-lightning_version": "2.5.0",
+        "state_dict": model.state_dict(),
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 3, "completed": 2}}}},
+        "callbacks": {
+            "ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min'}": {
+                "best_model_score": torch.tensor(0.25),
+                "best_model_path": "checkpoints/epoch=1.ckpt",
+                "best_k_models": {"checkpoints/epoch=1.ckpt": torch.tensor(0.25)},
+            }
+        },
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [sched.state_dict()],
+        "hparams_name": "kwargs",
+        "hyper_parameters": {"lr": 1e-2, "betas": (0.8, 0.9), "layers": [8, 2]},
+    }
+
+
+def same_tree(a: Any, b: Any) -> bool:
+    """Equal values of equal types; tensors bit for bit, with dtype."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def scenario_dict_rank0(args, rank: int) -> dict[str, Any]:
+    """Rank 0 alone saves a Lightning-shaped dict (as a CheckpointIO is called); every rank
+    reads it back after a barrier."""
+    expected = lightning_checkpoint()
+    if rank == 0:
+        ddpckpt.save_dict(args.ckpt, expected, step=expected["global_step"])
+    dist.barrier()
+    loaded = ddpckpt.load_dict(args.ckpt, map_location="cpu")
+    return {"same": same_tree(loaded, expected), "keys": list(loaded)}
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()

@@ -25,6 +25,7 @@ from ddpckpt.errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
+from ddpckpt.io.dict_checkpoint import load_dict, remove_checkpoint, save_dict
 from ddpckpt.io.load import load
 from ddpckpt.io.reader import CheckpointInfo, load_state_dict, verify
 from ddpckpt.io.save import PendingSave, release_async_buffers, save
@@ -67,10 +68,13 @@ __all__ = [
     "__version__",
     "latest",
     "load",
+    "load_dict",
     "load_state_dict",
     "release_async_buffers",
+    "remove_checkpoint",
     "resumable_loader",
     "save",
+    "save_dict",
     "track_loader",
     "verify",
 ]

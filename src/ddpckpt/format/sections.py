@@ -12,7 +12,9 @@
   ``ranks[r]["models_buffers"][<name>]``.
 
 ``state["extra"]`` is the same in both. The name a single-model section reads back
-under is the shorthand's (``"model"``, ``"optimizer"`` ...).
+under is the shorthand's (``"model"``, ``"optimizer"`` ...). A checkpoint of one nested dict
+(:mod:`ddpckpt.io.dict_checkpoint`, format version 3) holds only ``state["dict"]``: the
+encoded tree and the device each tensor was saved from.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ ROLE_KEYS = {
     "schedulers": ("scheduler", "schedulers"),
     "scalers": ("scaler", "scalers"),
 }
+DICT_KEY = "dict"
 SINGLE_VERSION = 2
 NAMED_VERSION = 3
 
@@ -107,7 +110,7 @@ def layout_version(state: Mapping[str, Any]) -> int:
     """The format version a manifest with this ``state`` is written with: the oldest that
     describes it, so that checkpoints in the single-model layout stay readable by
     versions of ddpckpt that know nothing of the named one."""
-    return layout_of(state).version
+    return NAMED_VERSION if DICT_KEY in state else layout_of(state).version
 
 
 def named_sections(state: Mapping[str, Any], role: str) -> dict[str, Any]:

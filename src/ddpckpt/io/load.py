@@ -27,7 +27,7 @@ from ddpckpt.errors import (
 )
 from ddpckpt.format.codec import decode
 from ddpckpt.format.manifest import Manifest, read_manifest
-from ddpckpt.format.sections import ROLE_KEYS, Layout, layout_of, named_sections
+from ddpckpt.format.sections import DICT_KEY, ROLE_KEYS, Layout, layout_of, named_sections
 from ddpckpt.io.async_saver import DEFAULT_SAVER
 from ddpckpt.io.progress import Progress
 from ddpckpt.io.reader import CheckpointInfo, FileSource
@@ -178,6 +178,11 @@ def _label(layout: Layout, role: str, name: str) -> str:
 def _check(
     manifest: Manifest, source: FileSource, state: TrainingState, strict: bool, path: str
 ) -> None:
+    if DICT_KEY in manifest.state:
+        raise StateMismatchError(
+            f"{path}: holds a dict saved by ddpckpt.save_dict, not a training state; read "
+            "it with ddpckpt.load_dict(path)"
+        )
     layout, stored = layout_of(manifest.state), _stored(manifest)
     for role in ROLE_KEYS:
         for name in getattr(state, role):
