@@ -6,14 +6,16 @@ import collections
 import copy
 import os
 
+import pytest
 import torch
 from test_codec import assert_same
 from torch import nn
 
 import ddpckpt
 from conftest import make_mlp
+from ddpckpt.errors import CorruptCheckpointError
 from ddpckpt.format.manifest import read_manifest
-from ddpckpt.format.sections import layout_of
+from ddpckpt.format.sections import ModelSection, OptimizerSection, StateSections, layout_of
 
 V2_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "format-v2")
 
@@ -70,3 +72,35 @@ def test_several_models_write_format_version_3(ckpt_dir) -> None:
     manifest = read_manifest(ckpt_dir)
     assert manifest.format_version == 3 and sorted(manifest.state["models"]) == ["a", "b"]
     assert "model/b/0.weight" in manifest.tensors
+
+
+V1_CHECKPOINT = os.path.join(os.path.dirname(V2_CHECKPOINT), "format-v1")
+
+
+def test_typed_sections_read_and_write_every_stored_manifest_unchanged(tmp_path) -> None:
+    ddpckpt.save(str(tmp_path / "named"), ddpckpt.TrainingState(a=make_mlp(), v=[1]))
+    for path in (V1_CHECKPOINT, V2_CHECKPOINT, str(tmp_path / "named")):
+        state = read_manifest(path).state
+        assert StateSections.from_json(state, path).to_json() == state, path
+
+
+def test_sections_are_typed_in_both_layouts() -> None:
+    single = StateSections.from_json(read_manifest(V2_CHECKPOINT).state, "v2")
+    assert not single.layout.named and list(single.models) == ["model"]
+    assert isinstance(single.models["model"], ModelSection)
+    assert single.models["model"].keys == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    optimizer = single.optimizers["optimizer"]
+    assert isinstance(optimizer, OptimizerSection) and optimizer.type == "AdamW"
+    assert optimizer.groups[0].params == single.models["model"].keys
+    assert single.schedulers["scheduler"].type == "MultiStepLR"
+    assert {n: e.kind for n, e in single.extra.items()} == {"counts": "value", "ema": "stateful"}
+
+
+def test_a_malformed_section_is_a_corrupt_checkpoint_naming_it() -> None:
+    state = copy.deepcopy(read_manifest(V2_CHECKPOINT).state)
+    del state["model"]["keys"]
+    with pytest.raises(CorruptCheckpointError, match=r"ckpt: model 'model'.*no 'keys'"):
+        StateSections.from_json(state, "ckpt")
+    state = {"models": {}, "extra": {"e": {"kind": "pickle"}}}
+    with pytest.raises(CorruptCheckpointError, match=r"extra\['e'\].*unknown kind 'pickle'"):
+        StateSections.from_json(state, "ckpt")

@@ -23,7 +23,7 @@ from ddpckpt.dist.comm import Comm
 from ddpckpt.errors import CheckpointNotFoundError, StateMismatchError
 from ddpckpt.format.codec import decode, encode
 from ddpckpt.format.manifest import MANIFEST_NAME, read_manifest
-from ddpckpt.format.sections import DICT_KEY
+from ddpckpt.format.sections import DICT_KEY, DictSection, StateSections
 from ddpckpt.io.reader import FileSource
 from ddpckpt.io.writing import header_fields, plan_write, write_and_commit
 from ddpckpt.state.snapshot import Snapshot
@@ -65,7 +65,7 @@ def save_dict(
     snapshot = Snapshot()
     tree = encode(dict(checkpoint), DICT_KEY, snapshot.tensors)
     devices = {n: str(t.device) for n, t in snapshot.tensors.items() if t.device.type != "cpu"}
-    snapshot.state[DICT_KEY] = {"tree": tree, "devices": devices}
+    snapshot.state = StateSections(saved_dict=DictSection(tree, devices)).to_json()
     snapshot.balanced.update(snapshot.tensors)
     comm = Comm.local("ddpckpt.save_dict", os.fspath(path))
     header = header_fields(step, epoch, metrics)
@@ -87,14 +87,14 @@ def load_dict(path: str | os.PathLike[str], map_location: MapLocation = "cpu") -
     """
     path = os.fspath(path)
     manifest = read_manifest(path)
-    section = manifest.state.get(DICT_KEY)
+    section = StateSections.from_json(manifest.state, path).saved_dict
     if section is None:
         raise StateMismatchError(
             f"{path}: holds a training state saved by ddpckpt.save, not a dict saved by "
             "save_dict; load it with ddpckpt.load(path, ...) or ddpckpt.load_state_dict(path)"
         )
     source = FileSource(path, manifest)
-    devices: Mapping[str, str] = section["devices"]
+    devices = section.devices
 
     def tensor(name: str) -> torch.Tensor:
         saved = devices.get(name, "cpu")
@@ -108,7 +108,7 @@ def load_dict(path: str | os.PathLike[str], map_location: MapLocation = "cpu") -
         got = source.get(name, like=into)
         return into if got is into else into.copy_(got)
 
-    return decode(section["tree"], tensor, where=path)
+    return decode(section.tree, tensor, where=path)
 
 
 def _target(map_location: MapLocation, saved: str) -> torch.device:

@@ -27,7 +27,7 @@ from ddpckpt.errors import (
 )
 from ddpckpt.format.codec import decode
 from ddpckpt.format.manifest import Manifest, read_manifest
-from ddpckpt.format.sections import DICT_KEY, ROLE_KEYS, Layout, layout_of, named_sections
+from ddpckpt.format.sections import ROLE_KEYS, Layout, StateSections
 from ddpckpt.io.async_saver import DEFAULT_SAVER
 from ddpckpt.io.progress import Progress
 from ddpckpt.io.reader import CheckpointInfo, FileSource
@@ -162,11 +162,6 @@ def own_tensors(manifest: Manifest, rank: int, path: str) -> dict[str, str]:
     return {}
 
 
-def _stored(manifest: Manifest) -> dict[str, dict[str, Any]]:
-    """The manifest's sections of each role, by name (either layout)."""
-    return {role: named_sections(manifest.state, role) for role in ROLE_KEYS}
-
-
 def _label(layout: Layout, role: str, name: str) -> str:
     """How messages call the object ``name`` of ``role``."""
     single = ROLE_KEYS[role][0]
@@ -178,32 +173,33 @@ def _label(layout: Layout, role: str, name: str) -> str:
 def _check(
     manifest: Manifest, source: FileSource, state: TrainingState, strict: bool, path: str
 ) -> None:
-    if DICT_KEY in manifest.state:
+    stored = StateSections.from_json(manifest.state, path)
+    if stored.saved_dict is not None:
         raise StateMismatchError(
             f"{path}: holds a dict saved by ddpckpt.save_dict, not a training state; read "
             "it with ddpckpt.load_dict(path)"
         )
-    layout, stored = layout_of(manifest.state), _stored(manifest)
+    layout = stored.layout
     for role in ROLE_KEYS:
         for name in getattr(state, role):
-            if name not in stored[role]:
-                raise StateMismatchError(_absent(path, role, name, stored, layout))
+            if name not in getattr(stored, role):
+                raise StateMismatchError(_absent(path, role, name, stored))
     names = param_names(state.models, layout)
     for name, model in state.models.items():
         label = _label(layout, "models", name)
         prefix = layout.model_prefix(name)
-        check_model(model, stored["models"][name], source, path, strict, prefix, label)
+        check_model(model, stored.models[name], source, path, strict, prefix, label)
     for name, optimizer in state.optimizers.items():
         label = _label(layout, "optimizers", name)
-        check_optimizer(optimizer, names, stored["optimizers"][name], path, label)
-    stored_extra = manifest.state.get("extra", {})
+        check_optimizer(optimizer, names, stored.optimizers[name], path, label)
+    stored_extra = stored.extra
     for name, obj in state.extra.items():
         if name not in stored_extra:
             raise StateMismatchError(
                 f"{path}: extra[{name!r}] is not in the checkpoint (it has: "
                 f"{', '.join(sorted(stored_extra)) or 'no extra state'})"
             )
-        kind, now = stored_extra[name]["kind"], extra_kind(obj)
+        kind, now = stored_extra[name].kind, extra_kind(obj)
         if kind != now:
             raise StateMismatchError(
                 f"{path}: extra[{name!r}] was saved as {_KINDS[kind]}, but the object passed "
@@ -211,18 +207,19 @@ def _check(
             )
 
 
-def _absent(
-    path: str, role: str, name: str, stored: dict[str, dict[str, Any]], layout: Layout
-) -> str:
+def _absent(path: str, role: str, name: str, stored: StateSections) -> str:
     """The message for an object passed whose section the checkpoint lacks."""
     single = ROLE_KEYS[role][0]
+    layout = stored.layout
     if not layout.named and name == single:  # the shorthand's object
-        present = [r for r in ("model", "optimizer", "scheduler", "scaler") if stored[f"{r}s"]]
+        present = [
+            r for r in ("model", "optimizer", "scheduler", "scaler") if getattr(stored, f"{r}s")
+        ]
         return (
             f"{path}: you passed {single}= but the checkpoint has no {single} state (it holds: "
             f"{', '.join(present)}); leave {single}= out or load a checkpoint saved with one"
         )
-    held = ", ".join(repr(n) for n in stored[role]) or "none"
+    held = ", ".join(repr(n) for n in getattr(stored, role)) or "none"
     hint = (
         " It was saved with the keyword shorthand: its objects are called 'model', "
         "'optimizer', 'scheduler' and 'scaler'."
@@ -251,30 +248,28 @@ def _restore(
     path: str,
     rank: int,
 ) -> CheckpointInfo:
-    layout, stored = layout_of(manifest.state), _stored(manifest)
+    stored = StateSections.from_json(manifest.state, path)
+    layout = stored.layout
     for name, model in state.models.items():
-        restore_model(
-            model, stored["models"][name], source, path, strict, layout.model_prefix(name)
-        )
+        restore_model(model, stored.models[name], source, path, strict, layout.model_prefix(name))
         _restore_rank_buffers(manifest, layout, name, model, source, path, rank)
     names = param_names(state.models, layout)
     for name, optimizer in state.optimizers.items():
-        restore_optimizer(optimizer, names, stored["optimizers"][name], source, path)
+        restore_optimizer(optimizer, names, stored.optimizers[name], source, path)
     for role in ("schedulers", "scalers"):
         for name, obj in getattr(state, role).items():
-            restore_stateful(obj, stored[role][name], source, path)
+            restore_stateful(obj, getattr(stored, role)[name].state, source, path)
     values: dict[str, Any] = {}
-    stored_extra = manifest.state.get("extra", {})
-    for name, entry in stored_extra.items():
-        if entry["kind"] == "value":
-            values[name] = decode(entry["state"], lambda n: source.get(n).clone(), where=path)
+    for name, entry in stored.extra.items():
+        if entry.kind == "value":
+            values[name] = decode(entry.state, lambda n: source.get(n).clone(), where=path)
     for name, obj in list(state.extra.items()):
-        entry = stored_extra[name]
-        if entry["kind"] == "stateful":
-            restore_stateful(obj, entry, source, path)
-        elif entry["kind"] == "per_rank":
+        entry = stored.extra[name]
+        if entry.kind == "stateful":
+            restore_stateful(obj, entry.state, source, path)
+        elif entry.kind == "per_rank":
             owner = _per_rank_owner(manifest, name, rank, path)
-            own = {"state": manifest.ranks[owner]["extra"][name]}
+            own = manifest.ranks[owner]["extra"][name]
             restore_stateful(obj, own, source.for_rank(owner), path)
         else:
             state.set_value(name, values[name])

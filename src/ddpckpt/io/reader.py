@@ -18,7 +18,7 @@ import torch
 from ddpckpt.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ddpckpt.format.codec import decode
 from ddpckpt.format.manifest import Manifest, read_manifest
-from ddpckpt.format.sections import layout_of, named_sections
+from ddpckpt.format.sections import StateSections
 from ddpckpt.format.tensorfile import TensorEntry, can_read_into, dtype_from_name
 from ddpckpt.format.tensorread import TensorFile
 from ddpckpt.io.progress import Progress
@@ -127,8 +127,8 @@ def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> d
     """
     path = os.fspath(path)
     manifest = read_manifest(path)
-    layout = layout_of(manifest.state)
-    models = named_sections(manifest.state, "models")
+    stored = StateSections.from_json(manifest.state, path)
+    models = stored.models
     if model is None and len(models) == 1:
         model = next(iter(models))
     if model not in models:
@@ -138,13 +138,13 @@ def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> d
             if model is None
             else f"{path}: has no model {model!r} (its models: {names})"
         )
-    section, prefix = models[model], layout.model_prefix(model)
+    section, prefix = models[model], stored.layout.model_prefix(model)
     source = FileSource(path, manifest)
-    weights: dict[str, Any] = {key: source.get(prefix + key).clone() for key in section["keys"]}
-    for alias, key in section["aliases"].items():
+    weights: dict[str, Any] = {key: source.get(prefix + key).clone() for key in section.keys}
+    for alias, key in section.aliases.items():
         weights[alias] = weights[key]
-    if "extra_state" in section:
-        weights.update(decode(section["extra_state"], lambda n: source.get(n).clone(), where=path))
+    if section.extra_state is not None:
+        weights.update(decode(section.extra_state, lambda n: source.get(n).clone(), where=path))
     return weights
 
 

@@ -20,7 +20,7 @@ or several by name).
 from __future__ import annotations
 
 from ddpckpt.format.codec import encode
-from ddpckpt.format.sections import NAMED, SINGLE, Layout
+from ddpckpt.format.sections import NAMED, SINGLE, Layout, StateSections
 from ddpckpt.state.model import (
     Replication,
     capture_model,
@@ -68,12 +68,11 @@ def capture(state: TrainingState, *, rng: bool | None = None) -> Snapshot:
     """
     layout = layout_for(state)
     snapshot = Snapshot()
-    if layout.named:  # present even when empty: it marks the layout
-        snapshot.state["models"] = {}
+    sections = StateSections(layout)
     replication = Replication()
     for name, model in state.models.items():
         captured = capture_model(model, snapshot, name, layout)
-        layout.place(snapshot.state, "models", name, captured.section)
+        sections.models[name] = captured.section
         replication.synced |= captured.replication.synced
         replication.ignored |= captured.replication.ignored
         if captured.rank_buffers is not None:
@@ -87,14 +86,15 @@ def capture(state: TrainingState, *, rng: bool | None = None) -> Snapshot:
         prefix = layout.prefix("optimizers", name)
         label = f"optimizer {name!r}" if layout.named else None
         section = capture_optimizer(optimizer, names, replication, snapshot, prefix, label)
-        layout.place(snapshot.state, "optimizers", name, section)
+        sections.optimizers[name] = section
     for role in ("schedulers", "scalers"):
         for name, obj in getattr(state, role).items():
             section = capture_stateful(layout.prefix(role, name), obj, snapshot)
-            layout.place(snapshot.state, role, name, section)
+            sections.place(role, name, section)
     if state.extra:
-        capture_extra(state.extra, snapshot)
+        sections.extra = capture_extra(state.extra, snapshot)
     if state.rng if rng is None else rng:
         snapshot.rank_state["rng"] = encode(capture_rng(), "rng", snapshot.rank_tensors)
     record_steppers(state.all_optimizers(), snapshot)
+    snapshot.state = sections.to_json()
     return snapshot

@@ -25,7 +25,7 @@ from torch import nn
 from ddpckpt._log import get_logger
 from ddpckpt.errors import StateMismatchError
 from ddpckpt.format.codec import JSON, decode, encode
-from ddpckpt.format.sections import SINGLE, Layout
+from ddpckpt.format.sections import SINGLE, Layout, ModelSection
 from ddpckpt.state.snapshot import Snapshot, TensorSource
 
 __all__ = [
@@ -172,7 +172,7 @@ def _replication(model: nn.Module) -> Replication:
 class CapturedModel:
     """What capturing one model adds besides its tensors (see :func:`capture_model`)."""
 
-    section: dict[str, JSON]
+    section: ModelSection
     root: nn.Module  # the unwrapped module, which names the parameters
     replication: Replication  # what DDP keeps replicated (the optimizer's state follows it)
     rank_buffers: JSON | None  # this rank's own buffers under broadcast_buffers=False
@@ -220,17 +220,11 @@ def capture_model(
             key: snapshot.tensors[prefix + key] for key in keys if prefix + key not in elsewhere
         }
         rank_buffers = encode(buffers, layout.buffers_prefix(name), snapshot.rank_tensors)
-    section: dict[str, JSON] = {
-        "type": type(view.root).__qualname__,
-        "keys": keys,
-        "aliases": aliases,
-        "versions": view.versions,
-        "extra_keys": list(extra_state),
-    }
+    section = ModelSection(type(view.root).__qualname__, keys, aliases, view.versions,
+                           list(extra_state))  # fmt: skip
     if extra_state:
-        section["extra_state"] = encode(
-            extra_state, layout.model_extra_prefix(name), snapshot.tensors
-        )
+        prefix = layout.model_extra_prefix(name)
+        section.extra_state = encode(extra_state, prefix, snapshot.tensors)
     return CapturedModel(section, view.root, replication, rank_buffers)
 
 
@@ -254,7 +248,7 @@ def mismatch_report(missing: list[str], unexpected: list[str], shapes: list[str]
 
 def check_model(
     model: nn.Module,
-    section: Mapping[str, Any],
+    section: ModelSection,
     source: TensorSource,
     where: str,
     strict: bool,
@@ -267,13 +261,13 @@ def check_model(
     them; otherwise the differences are logged as a warning and skipped on load.
     """
     live = model_view(model).entries
-    shapes = {key: source.meta(prefix + key)[1] for key in section["keys"]}
-    stored = [*section["keys"], *section["aliases"], *section["extra_keys"]]
+    shapes = {key: source.meta(prefix + key)[1] for key in section.keys}
+    stored = [*section.keys, *section.aliases, *section.extra_keys]
     missing = [k for k in live if k not in set(stored)]
     unexpected = [k for k in stored if k not in live]
     wrong = [
         f"{key}: checkpoint {list(shapes[key])}, model {list(live[key].shape)}"
-        for key in section["keys"]
+        for key in section.keys
         if isinstance(live.get(key), torch.Tensor) and tuple(live[key].shape) != shapes[key]
     ]
     if not (missing or unexpected or wrong):
@@ -293,7 +287,7 @@ def check_model(
 
 def restore_model(
     model: nn.Module,
-    section: Mapping[str, Any],
+    section: ModelSection,
     source: TensorSource,
     where: str,
     strict: bool,
@@ -305,7 +299,7 @@ def restore_model(
     """
     view = model_view(model)
     state: dict[str, Any] = {}
-    for key in section["keys"]:
+    for key in section.keys:
         target = view.entries.get(key)
         name = prefix + key
         if isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
@@ -314,14 +308,14 @@ def restore_model(
             # (pinned, pipelined) rather than mapped then copied from pageable memory.
             like = torch.empty_like(target) if target.is_cuda else None
             state[view.live_key[key]] = source.get(name, like=like)
-    for alias, key in section["aliases"].items():
+    for alias, key in section.aliases.items():
         if alias in view.live_key and key in view.live_key and view.live_key[key] in state:
             state[view.live_key[alias]] = state[view.live_key[key]]
-    if "extra_state" in section:
-        extra = decode(section["extra_state"], lambda n: source.get(n).clone(), where=where)
+    if section.extra_state is not None:
+        extra = decode(section.extra_state, lambda n: source.get(n).clone(), where=where)
         state.update({view.live_key[k]: v for k, v in extra.items() if k in view.live_key})
     root = view.root
-    root.load_state_dict(_with_versions(state, root, section["versions"]), strict=strict)
+    root.load_state_dict(_with_versions(state, root, section.versions), strict=strict)
 
 
 def restore_rank_buffers(model: nn.Module, encoded: JSON, source: TensorSource, where: str) -> None:

@@ -22,8 +22,8 @@ from torch import nn
 
 from ddpckpt._log import get_logger
 from ddpckpt.errors import StateMismatchError
-from ddpckpt.format.codec import JSON, decode, encode
-from ddpckpt.format.sections import SINGLE, Layout
+from ddpckpt.format.codec import decode, encode
+from ddpckpt.format.sections import SINGLE, Layout, OptimizerSection
 from ddpckpt.state.model import (
     Replication,
     canonical_key,
@@ -92,15 +92,15 @@ def _param_names(
 
 
 def _live_names(
-    section: Mapping[str, Any], names: ParamNames, optimizer: torch.optim.Optimizer
+    section: OptimizerSection, names: ParamNames, optimizer: torch.optim.Optimizer
 ) -> list[list[str]]:
     """Names to match stored state against: parameter names, or positions for imports."""
-    if section.get("by_position"):
+    if section.by_position:
         return [
             [f"@group{g}.{i}" for i in range(len(group["params"]))]
             for g, group in enumerate(optimizer.param_groups)
         ]
-    stored = [set(group["params"]) for group in section["groups"]]
+    stored = [set(group.params) for group in section.groups]
     return _param_names(names, optimizer, stored)
 
 
@@ -111,9 +111,9 @@ def capture_optimizer(
     snapshot: Snapshot,
     prefix: str = "optimizer",
     label: str | None = None,
-) -> JSON:
+) -> OptimizerSection:
     """Add ``optimizer``'s state tensors to ``snapshot`` under ``prefix``; returns its
-    encoded section.
+    section.
 
     ``names`` (from :func:`param_names`) names the parameters; ``replication`` (from
     :func:`~ddpckpt.state.model.capture_model`) sorts each state tensor as its parameter.
@@ -124,7 +124,7 @@ def capture_optimizer(
     added = set(snapshot.tensors) - before
     snapshot.balanced.update(added)
     _sort_optimizer_state(optimizer, added, replication, snapshot)
-    return encoded
+    return OptimizerSection.from_json(encoded, prefix)
 
 
 def _section(
@@ -230,16 +230,15 @@ def record_steppers(optimizers: list[torch.optim.Optimizer], snapshot: Snapshot)
 def check_optimizer(
     optimizer: torch.optim.Optimizer,
     names: ParamNames,
-    encoded: JSON,
+    section: OptimizerSection,
     where: str,
     label: str = "optimizer",
 ) -> None:
     """Raise :class:`StateMismatchError` unless the stored state fits ``optimizer`` by name
     (``names`` from :func:`param_names`; ``label`` names the optimizer in messages)."""
-    section = decode(encoded, _LazyTensor, where=where)
-    shapes = section["shapes"]
+    shapes = section.shapes
     live_names = _live_names(section, names, optimizer)
-    stored_groups = section["groups"]
+    stored_groups = section.groups
     if len(stored_groups) != len(live_names):
         raise StateMismatchError(
             f"{where}: the checkpoint's {label} has {len(stored_groups)} param group(s), "
@@ -250,18 +249,18 @@ def check_optimizer(
         zip(stored_groups, live_names, optimizer.param_groups, strict=True)
     ):
         live_shapes = {n: list(p.shape) for n, p in zip(names, group["params"], strict=True)}
-        missing = [n for n in names if n not in stored["params"]]
-        unexpected = [n for n in stored["params"] if n not in live_shapes]
+        missing = [n for n in names if n not in stored.params]
+        unexpected = [n for n in stored.params if n not in live_shapes]
         wrong = [
             f"{n}: checkpoint {shapes[n]}, model {live_shapes[n]}"
-            for n in stored["params"]
+            for n in stored.params
             if n in live_shapes and shapes[n] is not None and list(shapes[n]) != live_shapes[n]
         ]
         if missing or unexpected or wrong:
             problems.append(f" param group {g}:\n{mismatch_report(missing, unexpected, wrong)}")
     if problems:
         outside = [n for names in live_names for n in names if n.startswith("@")]
-        if outside and not section.get("by_position"):
+        if outside and not section.by_position:
             problems.append(
                 f" {len(outside)} of the {label}'s parameters are not parameters of the model "
                 "passed; pass the model the optimizer was built over"
@@ -276,14 +275,14 @@ def check_optimizer(
 def restore_optimizer(
     optimizer: torch.optim.Optimizer,
     names: ParamNames,
-    encoded: JSON,
+    section: OptimizerSection,
     source: TensorSource,
     where: str,
 ) -> None:
     """Load optimizer state matched by parameter name (call :func:`check_optimizer` first)."""
-    section = decode(encoded, _LazyTensor, where=where)
     live_names = _live_names(section, names, optimizer)
-    if section.get("by_position"):
+    stored_state = decode(section.state, _LazyTensor, where=where)
+    if section.by_position:
         _log.warning(
             "%s: optimizer state was imported from a torch.save file, which keys it by "
             "position: it is matched to the live parameters in order (shapes checked)",
@@ -291,20 +290,21 @@ def restore_optimizer(
         )
     param_groups, state, index = [], {}, 0
     for stored, names, group in zip(
-        section["groups"], live_names, optimizer.param_groups, strict=True
+        section.groups, live_names, optimizer.param_groups, strict=True
     ):
         indices = []
-        fused = bool(stored["hyper"].get("fused")) or bool(stored["hyper"].get("capturable"))
-        kept = _Kept(fused, section.get("placement", {}), set(section.get("own_dtype", ())))
+        hyper = decode(stored.hyper, _LazyTensor, where=where)
+        fused = bool(hyper.get("fused")) or bool(hyper.get("capturable"))
+        kept = _Kept(fused, section.placement or {}, set(section.own_dtype or ()))
         for name, param in zip(names, group["params"], strict=True):
-            if name in section["state"]:
+            if name in stored_state:
                 state[index] = {
                     key: _materialize(value, key, param, kept, source)
-                    for key, value in section["state"][name].items()
+                    for key, value in stored_state[name].items()
                 }
             indices.append(index)
             index += 1
-        param_groups.append({**_cloned(stored["hyper"], source), "params": indices})
+        param_groups.append({**_cloned(hyper, source), "params": indices})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
     # load_state_dict moves every value beside its parameter; put back those kept elsewhere.
     params = [param for group in optimizer.param_groups for param in group["params"]]
