@@ -656,7 +656,8 @@ def _ddp_gan(seed: int) -> ddpckpt.TrainingState:
     )  # fmt: skip
 
 
-def _ddp_gan_steps(state: ddpckpt.TrainingState, steps: int) -> list[float]:
+def gan_steps(state: ddpckpt.TrainingState, steps: int) -> list[float]:
+    """Train the GAN ``state`` (G, D, opt_G, opt_D, sched_G, sched_D); its generator losses."""
     losses = []
     for _ in range(steps):
         real, noise = torch.randn(6, 4), torch.randn(6, 4)
@@ -677,12 +678,12 @@ def _ddp_gan_steps(state: ddpckpt.TrainingState, steps: int) -> list[float]:
 def scenario_gan(args, rank: int) -> dict[str, Any]:
     """A DDP GAN saved as a TrainingState, resumed into fresh objects: same losses."""
     trained = _ddp_gan(seed=rank)  # DDP broadcasts rank 0's weights
-    _ddp_gan_steps(trained, 3)
+    gan_steps(trained, 3)
     path = ddpckpt.save(args.ckpt, trained, step=3)
-    uninterrupted = _ddp_gan_steps(trained, 2)
+    uninterrupted = gan_steps(trained, 2)
     resumed = _ddp_gan(seed=10 + rank)
     ddpckpt.load(path, resumed)
-    return {"same": _ddp_gan_steps(resumed, 2) == uninterrupted, "losses": uninterrupted}
+    return {"same": gan_steps(resumed, 2) == uninterrupted, "losses": uninterrupted}
 
 
 def lightning_checkpoint() -> dict[str, Any]:

@@ -13,6 +13,7 @@ from conftest import make_mlp
 from ddpckpt import StateMismatchError, TrainingState
 from ddpckpt.format.manifest import read_manifest
 from ddpckpt.state.capture import capture
+from dist_worker import gan_steps
 from launch import torchrun
 
 
@@ -93,25 +94,6 @@ def _gan(seed: int = 0) -> TrainingState:
     )  # fmt: skip
 
 
-def _gan_steps(state: TrainingState, steps: int) -> list[float]:
-    gen, disc = state["G"], state["D"]
-    losses = []
-    for _ in range(steps):
-        real, noise = torch.randn(6, 4), torch.randn(6, 4)
-        state["opt_D"].zero_grad()
-        d_loss = disc(real).sigmoid().log().neg().mean() + disc(gen(noise).detach()).mean()
-        d_loss.backward()
-        state["opt_D"].step()
-        state["opt_G"].zero_grad()
-        g_loss = -disc(gen(noise)).mean()
-        g_loss.backward()
-        state["opt_G"].step()
-        state["sched_G"].step()
-        state["sched_D"].step()
-        losses.append(g_loss.item())
-    return losses
-
-
 def _same_state(a: TrainingState, b: TrainingState) -> None:
     for name in a:
         x, y = a[name].state_dict(), b[name].state_dict()
@@ -120,19 +102,19 @@ def _same_state(a: TrainingState, b: TrainingState) -> None:
 
 def test_a_gan_round_trips_bit_for_bit_and_resumes_exactly(ckpt_dir) -> None:
     trained = _gan()
-    _gan_steps(trained, 3)
+    gan_steps(trained, 3)
     ddpckpt.save(ckpt_dir, trained, step=3)
-    uninterrupted = _gan_steps(trained, 2)
+    uninterrupted = gan_steps(trained, 2)
 
     resumed = _gan(seed=1)
     ddpckpt.load(ckpt_dir, resumed)
-    assert _gan_steps(resumed, 2) == uninterrupted  # RNG restored too
+    assert gan_steps(resumed, 2) == uninterrupted  # RNG restored too
     _same_state(trained, resumed)
 
 
 def test_each_optimizer_is_keyed_by_model_and_parameter_name(ckpt_dir) -> None:
     state = _gan()
-    _gan_steps(state, 1)
+    gan_steps(state, 1)
     snapshot = capture(state)
     groups = snapshot.state["optimizers"]["opt_D"]["groups"]
     assert groups[0]["params"] == ["D/0.weight", "D/0.bias", "D/2.weight", "D/2.bias"]
@@ -181,3 +163,17 @@ def test_a_ddp_gan_on_two_ranks_resumes_exactly(tmp_path) -> None:
     manifest = read_manifest(str(tmp_path / "ckpt"))
     assert manifest.format_version == 3
     assert all(list(rank["models_buffers"]) == ["D"] for rank in manifest.ranks)
+
+
+def test_a_checkpointer_saves_and_resumes_a_training_state(tmp_path) -> None:
+    trained = _gan()
+    with ddpckpt.Checkpointer(tmp_path / "run", trained, keep_last=1) as ckpt:
+        for step in range(4):
+            gan_steps(trained, 1)
+            ckpt.save(step)
+    resumed = _gan(seed=1)
+    with ddpckpt.Checkpointer(tmp_path / "run", state=resumed) as ckpt:
+        assert ckpt.resume().step == 3 and ckpt.steps() == [3]
+    _same_state(trained, resumed)
+    with pytest.raises(TypeError, match="not both"):
+        ddpckpt.Checkpointer(tmp_path / "run", resumed, model=make_mlp())
