@@ -714,6 +714,107 @@ def scenario_store_bytes(args, rank: int) -> dict[str, Any]:
     return out
 
 
+def _ddp_gan(seed: int) -> ddpckpt.TrainingState:
+    torch.manual_seed(seed)
+    gen = DDP(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)))
+    disc = DDP(
+        nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.LeakyReLU(0.2), nn.Linear(8, 1)),
+        broadcast_buffers=False,  # each rank keeps its own BatchNorm statistics
+    )
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-2, betas=(0.5, 0.999))
+    opt_d = torch.optim.SGD(disc.parameters(), lr=1e-2, momentum=0.9)
+    return ddpckpt.TrainingState(
+        G=gen, D=disc, opt_G=opt_g, opt_D=opt_d,
+        sched_G=torch.optim.lr_scheduler.StepLR(opt_g, 2, gamma=0.5),
+        sched_D=torch.optim.lr_scheduler.MultiStepLR(opt_d, [1, 3], gamma=0.1),
+    )  # fmt: skip
+
+
+def gan_steps(state: ddpckpt.TrainingState, steps: int) -> list[float]:
+    """Train the GAN ``state`` (G, D, opt_G, opt_D, sched_G, sched_D); its generator losses."""
+    losses = []
+    for _ in range(steps):
+        real, noise = torch.randn(6, 4), torch.randn(6, 4)
+        state["opt_D"].zero_grad()
+        d_loss = state["D"](real).mean() - state["D"](state["G"](noise).detach()).mean()
+        d_loss.backward()
+        state["opt_D"].step()
+        state["opt_G"].zero_grad()
+        g_loss = state["D"](state["G"](noise)).mean()
+        g_loss.backward()
+        state["opt_G"].step()
+        state["sched_G"].step()
+        state["sched_D"].step()
+        losses.append(g_loss.item())
+    return losses
+
+
+def scenario_gan(args, rank: int) -> dict[str, Any]:
+    """A DDP GAN saved as a TrainingState, resumed into fresh objects: same losses."""
+    trained = _ddp_gan(seed=rank)  # DDP broadcasts rank 0's weights
+    gan_steps(trained, 3)
+    path = ddpckpt.save(args.ckpt, trained, step=3)
+    uninterrupted = gan_steps(trained, 2)
+    resumed = _ddp_gan(seed=10 + rank)
+    ddpckpt.load(path, resumed)
+    return {"same": gan_steps(resumed, 2) == uninterrupted, "losses": uninterrupted}
+
+
+def lightning_checkpoint() -> dict[str, Any]:
+    """A dict shaped as Lightning's checkpoint, from a few real training steps (seeded)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.9))
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, [2, 4], gamma=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(5, 4)).square().mean().backward()
+        opt.step()
+        sched.step()
+    return {
+        "epoch": 2,
+        "global_step": 40,
+        "pytorch-lightning_version": "2.5.0",
+        "state_dict": model.state_dict(),
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": 3, "completed": 2}}}},
+        "callbacks": {
+            "ModelCheckpoint{'monitor': 'val_loss', 'mode': 'min'}": {
+                "best_model_score": torch.tensor(0.25),
+                "best_model_path": "checkpoints/epoch=1.ckpt",
+                "best_k_models": {"checkpoints/epoch=1.ckpt": torch.tensor(0.25)},
+            }
+        },
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [sched.state_dict()],
+        "hparams_name": "kwargs",
+        "hyper_parameters": {"lr": 1e-2, "betas": (0.8, 0.9), "layers": [8, 2]},
+    }
+
+
+def same_tree(a: Any, b: Any) -> bool:
+    """Equal values of equal types; tensors bit for bit, with dtype."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def scenario_dict_rank0(args, rank: int) -> dict[str, Any]:
+    """Rank 0 alone saves a Lightning-shaped dict (as a CheckpointIO is called); every rank
+    reads it back after a barrier."""
+    expected = lightning_checkpoint()
+    if rank == 0:
+        ddpckpt.save_dict(args.ckpt, expected, step=expected["global_step"])
+    dist.barrier()
+    loaded = ddpckpt.load_dict(args.ckpt, map_location="cpu")
+    return {"same": same_tree(loaded, expected), "keys": list(loaded)}
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()

@@ -25,6 +25,7 @@ from ddpckpt.errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
+from ddpckpt.io.dict_checkpoint import load_dict, remove_checkpoint, save_dict
 from ddpckpt.io.load import load
 from ddpckpt.io.reader import CheckpointInfo, load_state_dict, verify
 from ddpckpt.io.save import PendingSave, release_async_buffers, save
@@ -32,6 +33,7 @@ from ddpckpt.run.catalog import latest
 from ddpckpt.run.checkpointer import Checkpointer
 from ddpckpt.run.preemption import Preemption
 from ddpckpt.state.objects import PerRank
+from ddpckpt.state.training_state import TrainingState
 from ddpckpt.training.accumulation import GradientAccumulation
 from ddpckpt.training.data import ResumableDistributedSampler, SampleIndex, SeededDataset
 from ddpckpt.training.loader import resumable_loader, track_loader
@@ -60,15 +62,19 @@ __all__ = [
     "SampleIndex",
     "SeededDataset",
     "StateMismatchError",
+    "TrainingState",
     "UnsafeCheckpointError",
     "UnsupportedValueError",
     "__version__",
     "latest",
     "load",
+    "load_dict",
     "load_state_dict",
     "release_async_buffers",
+    "remove_checkpoint",
     "resumable_loader",
     "save",
+    "save_dict",
     "track_loader",
     "verify",
 ]

@@ -15,7 +15,7 @@ from ddpckpt import GradientAccumulation
 from ddpckpt.errors import CorruptCheckpointError
 from ddpckpt.format.manifest import read_manifest
 
-V2_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "format-v2")
+V2_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "format-v2-ranks")
 
 
 class History:

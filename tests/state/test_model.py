@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import TiedLM, make_mlp, train_steps
-from ddpckpt.state.capture import capture
+from ddpckpt.state.capture import TrainingState, capture
 from ddpckpt.state.model import canonical_state_dict, unwrap_model
 
 PLAIN_KEYS = ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
@@ -54,7 +54,7 @@ def test_user_modules_named_module_keep_their_name() -> None:
 
 
 def test_tied_weights_are_stored_once_and_recorded_as_alias() -> None:
-    snapshot = capture(model=TiedLM())
+    snapshot = capture(TrainingState.of(model=TiedLM()))
     section = snapshot.state["model"]
     assert section["aliases"] == {"head.weight": "embed.weight"}
     assert "model/head.weight" not in snapshot.tensors
@@ -66,7 +66,7 @@ def test_parameters_ddp_ignores_and_their_moments_are_kept_per_rank(process_grou
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters())
     train_steps(ddp, opt, steps=1)
-    snapshot = capture(model=ddp, optimizer=opt, rng=False)
+    snapshot = capture(TrainingState.of(model=ddp, optimizer=opt, rng=False))
     ignored_state = opt.state[model[3].weight].values()
     moments = {n for n, t in snapshot.tensors.items() if any(t is v for v in ignored_state)}
     assert len(moments) == 3  # exp_avg, exp_avg_sq, step
@@ -79,6 +79,6 @@ def test_a_model_without_ddp_is_verified_not_assumed_replicated() -> None:
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     train_steps(model, opt, steps=1)
-    snapshot = capture(model=model, optimizer=opt, rng=False)
+    snapshot = capture(TrainingState.of(model=model, optimizer=opt, rng=False))
     assert not snapshot.balanced and not snapshot.per_rank
     assert snapshot.unverified == set(snapshot.tensors)  # buffers too: nothing broadcasts them

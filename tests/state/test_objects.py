@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import make_mlp
 from ddpckpt.errors import UnsupportedValueError
-from ddpckpt.state.capture import capture
+from ddpckpt.state.capture import TrainingState, capture
 
 
 def test_unstorable_scheduler_state_names_the_key() -> None:
@@ -23,14 +23,14 @@ def test_unstorable_scheduler_state_names_the_key() -> None:
             pass
 
     with pytest.raises(UnsupportedValueError, match="extra/odd/fn"):
-        capture(model=model, optimizer=opt, extra={"odd": Odd()})
+        capture(TrainingState.of(model=model, optimizer=opt, extra={"odd": Odd()}))
 
 
 def test_a_module_valued_extra_is_verified_not_assumed_replicated(process_group) -> None:
     model = make_mlp()
     ddp = DDP(model)
     ema = torch.optim.swa_utils.AveragedModel(model)
-    snapshot = capture(model=ddp, extra={"ema": ema}, rng=False)
+    snapshot = capture(TrainingState.of(model=ddp, extra={"ema": ema}, rng=False))
     ema_names = {n for n in snapshot.tensors if n.startswith("extra/ema/")}
     assert "extra/ema/module.0.weight" in snapshot.unverified
     assert "extra/ema/n_averaged" in snapshot.unverified  # buffers too: no DDP broadcasts them
@@ -42,4 +42,4 @@ def test_a_torch_sampler_in_extra_points_at_its_loader() -> None:
     dataset = torch.utils.data.TensorDataset(torch.arange(8.0))
     sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=2, rank=0)
     with pytest.raises(UnsupportedValueError, match=r"extra=\{'loader': loader\}"):
-        capture(model=make_mlp(), extra={"sampler": sampler}, rng=False)
+        capture(TrainingState.of(model=make_mlp(), extra={"sampler": sampler}, rng=False))

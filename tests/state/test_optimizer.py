@@ -10,14 +10,14 @@ from torch import nn
 
 import ddpckpt
 from conftest import make_mlp
-from ddpckpt.state.capture import capture
+from ddpckpt.state.capture import TrainingState, capture
 
 
 def test_optimizer_params_outside_the_model_are_named_by_position() -> None:
     model = make_mlp()
     extra_param = nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([{"params": model.parameters()}, {"params": [extra_param]}], lr=0.1)
-    snapshot = capture(model=model, optimizer=opt, rng=False)
+    snapshot = capture(TrainingState.of(model=model, optimizer=opt, rng=False))
     groups = snapshot.state["optimizer"]["groups"]
     assert groups[1]["params"] == ["@group1.0"]
 
@@ -103,7 +103,9 @@ def test_optimizer_names_of_a_compiled_submodule_are_canonical() -> None:
     model = nn.Sequential(make_mlp())
     model[0][3] = torch.compile(model[0][3], backend="eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    groups = capture(model=model, optimizer=opt, rng=False).state["optimizer"]["groups"]
+    groups = capture(TrainingState.of(model=model, optimizer=opt, rng=False)).state["optimizer"][
+        "groups"
+    ]
     assert "0.3.weight" in groups[0]["params"]
 
 
@@ -114,7 +116,9 @@ def test_each_tensor_knows_which_optimizers_step_it() -> None:
     gan["D"](gan["G"](torch.randn(2, 3))).sum().backward()
     opt_g.step()
     opt_d.step()
-    snapshot = capture(model=gan, optimizer=opt_g, extra={"opt_d": opt_d}, rng=False)
+    snapshot = capture(
+        TrainingState.of(model=gan, optimizer=opt_g, extra={"opt_d": opt_d}, rng=False)
+    )
     assert snapshot.stepped_by["model/G.weight"] == [opt_g]
     assert snapshot.stepped_by["model/D.weight"] == [opt_d]
     assert snapshot.stepped_by["optimizer/state/G.weight/exp_avg"] == [opt_g]

@@ -40,10 +40,11 @@ def _inspect(args: argparse.Namespace) -> int:
         f"size        {size(info['bytes'])} in {info['files']} files, {len(info['tensors'])} tensors"
     )
     for name, kind in info["sections"].items():
-        if name == "optimizer_groups":
+        if name.startswith("optimizer_groups"):  # "optimizer_groups NAME" for named ones
+            owner = name.removeprefix("optimizer_groups").strip()
             for i, group in enumerate(kind):
                 hyper = ", ".join(f"{k}={v}" for k, v in group.items())
-                print(f"  param group {i}: {hyper}")
+                print(f"  {owner + ' ' if owner else ''}param group {i}: {hyper}")
         elif name == "extra":
             print(f"  extra: {', '.join(f'{k} ({v})' for k, v in kind.items())}")
         else:

@@ -25,6 +25,7 @@ from ddpckpt.errors import (
 from ddpckpt.format.codec import JSON
 from ddpckpt.format.manifest import Manifest, read_manifest
 from ddpckpt.format.rankparts import fill_rank_parts
+from ddpckpt.format.sections import ROLE_KEYS, StateSections
 from ddpckpt.format.tensorwrite import write_file
 from ddpckpt.io.reader import FileSource, find_problems, load_state_dict
 from ddpckpt.run.rundir import describe_path
@@ -54,17 +55,7 @@ def summary(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A JSON-able description of a checkpoint: metadata, sections and every tensor."""
     path = os.fspath(path)
     manifest = open_manifest(path)
-    sections: dict[str, Any] = {}
-    for name, section in manifest.state.items():
-        if name == "extra":
-            sections[name] = {k: v.get("type", v["kind"]) for k, v in section.items()}
-        else:
-            sections[name] = section.get("type", "") if isinstance(section, dict) else ""
-    if "optimizer" in manifest.state:
-        groups = manifest.state["optimizer"].get("groups", [])
-        sections["optimizer_groups"] = [
-            {k: _plain(v) for k, v in g.get("hyper", {}).items()} for g in groups
-        ]
+    sections = _section_types(StateSections.from_json(manifest.state, path))
     return {
         "path": path,
         "id": manifest.id,
@@ -92,6 +83,22 @@ def summary(path: str | os.PathLike[str]) -> dict[str, Any]:
             for name, t in manifest.tensors.items()
         ],
     }
+
+
+def _section_types(stored: StateSections) -> dict[str, Any]:
+    """Each section's type by name (as ``summary`` reports them), and the param groups."""
+    found: dict[str, Any] = {}
+    for role, (single, _) in ROLE_KEYS.items():
+        for name, section in getattr(stored, role).items():
+            found[single if not stored.layout.named else f"{single} {name}"] = section.type
+    if stored.saved_dict is not None:
+        found["dict"] = "save_dict"
+    if stored.extra:
+        found["extra"] = {k: v.type or v.kind for k, v in stored.extra.items()}
+    for name, optimizer in stored.optimizers.items():
+        key = "optimizer_groups" if not stored.layout.named else f"optimizer_groups {name}"
+        found[key] = [{k: _plain(v) for k, v in g.hyper.items()} for g in optimizer.groups]
+    return found
 
 
 def _plain(value: JSON) -> Any:
@@ -352,13 +359,20 @@ class _TorchSink:
 
 
 def _export_safetensors(path: str, manifest: Manifest, tmp: str) -> None:
-    section = manifest.state["model"]
-    if section.get("extra_keys"):
+    stored = StateSections.from_json(manifest.state, path)
+    if len(stored.models) != 1:
         raise UnsupportedValueError(
-            f"{path}: the model has non-tensor extra state ({', '.join(section['extra_keys'])}), "
+            f"{path}: holds {len(stored.models)} models ({', '.join(stored.models)}); export "
+            "writes one model's weights: read one with ddpckpt.load_state_dict(path, model=NAME)"
+        )
+    ((name, section),) = stored.models.items()
+    prefix = stored.layout.model_prefix(name)
+    if section.extra_keys:
+        raise UnsupportedValueError(
+            f"{path}: the model has non-tensor extra state ({', '.join(section.extra_keys)}), "
             "which safetensors cannot hold; export to .pt instead"
         )
     source = FileSource(path, manifest)
-    items = [(key, source.get(f"model/{key}")) for key in section["keys"]]
-    items += [(alias, source.get(f"model/{key}")) for alias, key in section["aliases"].items()]
+    items = [(key, source.get(prefix + key)) for key in section.keys]
+    items += [(alias, source.get(prefix + key)) for alias, key in section.aliases.items()]
     write_file(tmp, items, writer=0, metadata={"format": "pt", "exported_by": "ddpckpt"})

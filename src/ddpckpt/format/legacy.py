@@ -33,6 +33,13 @@ from ddpckpt._log import get_logger
 from ddpckpt.dist.comm import Comm
 from ddpckpt.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
 from ddpckpt.format.codec import encode
+from ddpckpt.format.sections import (
+    ExtraEntry,
+    ModelSection,
+    OptimizerSection,
+    StatefulSection,
+    StateSections,
+)
 from ddpckpt.io.writing import header_fields, plan_write, write_and_commit
 from ddpckpt.state.capture import Snapshot
 from ddpckpt.storage.posix import load_torch_file
@@ -149,7 +156,7 @@ def _is_state_dict(value: Any) -> bool:
     )
 
 
-def _model_section(weights: Mapping[str, Any], snapshot: Snapshot) -> None:
+def _model_section(weights: Mapping[str, Any], snapshot: Snapshot) -> ModelSection:
     keys: list[str] = []
     aliases: dict[str, str] = {}
     seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
@@ -165,19 +172,15 @@ def _model_section(weights: Mapping[str, Any], snapshot: Snapshot) -> None:
         seen[identity] = key
         keys.append(key)
         snapshot.tensors[f"model/{key}"] = value
-    section: dict[str, Any] = {
-        "type": "imported",
-        "keys": keys,
-        "aliases": aliases,
-        "versions": {},
-        "extra_keys": list(extra_state),
-    }
+    section = ModelSection("imported", keys, aliases, {}, list(extra_state))
     if extra_state:
-        section["extra_state"] = encode(extra_state, "model_extra_state", snapshot.tensors)
-    snapshot.state["model"] = section
+        section.extra_state = encode(extra_state, "model_extra_state", snapshot.tensors)
+    return section
 
 
-def _optimizer_section(optimizer: Mapping[str, Any], snapshot: Snapshot, where: str) -> None:
+def _optimizer_section(
+    optimizer: Mapping[str, Any], snapshot: Snapshot, where: str
+) -> OptimizerSection:
     try:
         groups_in, state_in = optimizer["param_groups"], optimizer["state"]
     except (KeyError, TypeError):
@@ -201,14 +204,14 @@ def _optimizer_section(optimizer: Mapping[str, Any], snapshot: Snapshot, where: 
         "shapes": shapes,
         "by_position": True,
     }
-    snapshot.state["optimizer"] = encode(section, "optimizer", snapshot.tensors)
+    return OptimizerSection.from_json(encode(section, "optimizer", snapshot.tensors), where)
 
 
 def _classify(
     obj: Any, where: str, model_key: str | None
 ) -> tuple[Snapshot, dict[str, Any], list[str]]:
     """Split a loaded legacy object into a snapshot, header fields and dropped keys."""
-    snapshot = Snapshot()
+    snapshot, sections = Snapshot(), StateSections()
     header: dict[str, Any] = {"step": None, "epoch": None, "metrics": {}}
     if not isinstance(obj, Mapping):
         raise CorruptCheckpointError(f"{where}: holds a {type(obj).__qualname__}, not a dict")
@@ -229,8 +232,9 @@ def _classify(
                     f"{', '.join(map(str, doc))}); name it with --model-key"
                 )
             key, weights = None, doc
-    _model_section(_strip_wrappers(weights), snapshot)
+    sections.models["model"] = _model_section(_strip_wrappers(weights), snapshot)
     if key is None:
+        snapshot.state = sections.to_json()
         return snapshot, header, []
     del doc[key]
     if lightning and doc.get("optimizer_states"):
@@ -245,28 +249,25 @@ def _classify(
             doc["lr_schedulers[1:]"] = schedulers[1:]
     name, optimizer = _pick(doc, _OPTIMIZER_KEYS)
     if name is not None and optimizer:
-        _optimizer_section(doc.pop(name), snapshot, where)
+        sections.optimizers["optimizer"] = _optimizer_section(doc.pop(name), snapshot, where)
     for kind, names in (("scheduler", _SCHEDULER_KEYS), ("scaler", _SCALER_KEYS)):
         name, value = _pick(doc, names)
         if name is not None and isinstance(value, Mapping) and value:
-            snapshot.state[kind] = {
-                "type": "imported",
-                "state": encode(dict(doc.pop(name)), kind, snapshot.tensors),
-            }
+            state = encode(dict(doc.pop(name)), kind, snapshot.tensors)
+            sections.place(f"{kind}s", kind, StatefulSection("imported", state))
     for field_name, names in (("step", _STEP_KEYS), ("epoch", _EPOCH_KEYS)):
         name, value = _pick(doc, names)
         if name is not None and type(value) is int and value >= 0:
             header[field_name] = doc.pop(name)
-    extra, dropped = {}, []
+    dropped = []
     for name, value in doc.items():
         try:
             state = encode(value, f"extra/{name}", snapshot.tensors)
         except UnsupportedValueError as exc:
             dropped.append(f"{name} ({exc})")
             continue
-        extra[str(name)] = {"kind": "value", "state": state}
-    if extra:
-        snapshot.state["extra"] = extra
+        sections.extra[str(name)] = ExtraEntry("value", None, state)
+    snapshot.state = sections.to_json()
     return snapshot, header, dropped
 
 

@@ -33,6 +33,7 @@ from ddpckpt.errors import (
     IncompleteCheckpointError,
 )
 from ddpckpt.format.codec import JSON
+from ddpckpt.format.sections import layout_version
 from ddpckpt.format.tensorfile import FileEntry, TensorEntry
 from ddpckpt.storage import storage_for
 from ddpckpt.storage.base import MANIFEST
@@ -40,7 +41,11 @@ from ddpckpt.storage.base import MANIFEST
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "MANIFEST_NAME", "Manifest", "read_manifest"]
 
 FORMAT_NAME = "ddpckpt"
-FORMAT_VERSION = 3  # 3: per-rank state in the rank files (ddpckpt.format.rankparts)
+# The newest version this library reads. A checkpoint is written with the oldest version that
+# describes it: 3 puts per-rank state in the rank files (ddpckpt.format.rankparts), 4 the
+# named layout of several models and optimizers (ddpckpt.format.sections).
+FORMAT_VERSION = 4
+RANK_FILES_VERSION = 3
 MANIFEST_NAME = MANIFEST
 
 
@@ -64,7 +69,12 @@ class Manifest:
     library_version: str = __version__
     torch_version: str = torch.__version__
     host: str = field(default_factory=platform.node)
-    format_version: int = FORMAT_VERSION
+    format_version: int = 0  # 0 until written or read: then the version it was written with
+
+    def oldest_version(self) -> int:
+        """The oldest format version that describes this manifest (what it is written with)."""
+        rank_files = RANK_FILES_VERSION if self.rank_keys is not None else 0
+        return max(layout_version(self.state), rank_files)
 
     @property
     def nbytes(self) -> int:
@@ -73,7 +83,7 @@ class Manifest:
     def to_json(self) -> str:
         doc = {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": self.format_version or self.oldest_version(),
             "id": self.id,
             "library_version": self.library_version,
             "torch_version": self.torch_version,

@@ -30,6 +30,7 @@ from ddpckpt.storage import storage_for
 __all__ = ["RANK_STATE_KEY", "fill_rank_parts", "rank_has", "rank_keys", "rank_part"]
 
 RANK_STATE_KEY = "ddpckpt.rank_state"
+_NAMED = ("extra", "models_buffers")  # per-rank sections keyed by object name
 
 
 def rank_file_name(rank: int) -> str:
@@ -39,7 +40,8 @@ def rank_file_name(rank: int) -> str:
 
 def rank_keys(state: dict[str, Any]) -> list[str]:
     """The sections of one rank's per-rank ``state``, as the manifest's ``rank_keys`` lists them."""
-    return sorted({*state, *(f"extra/{name}" for name in state.get("extra", {}))})
+    named = (f"{section}/{name}" for section in _NAMED for name in state.get(section, {}))
+    return sorted({*state, *named})
 
 
 def rank_has(manifest: Manifest, key: str) -> bool:

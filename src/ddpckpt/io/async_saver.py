@@ -20,18 +20,19 @@ import torch
 from ddpckpt.io.background import Completion, Persister
 from ddpckpt.io.staging import Fence, StagingPool
 from ddpckpt.io.writing import WritePlan, write_and_commit
-from ddpckpt.state.capture import Snapshot
+from ddpckpt.state.capture import Snapshot, TrainingState
 
 __all__ = ["DEFAULT_SAVER", "AsyncSaver", "async_mode"]
 
 
-def async_mode(async_save: bool | str, optimizer: torch.optim.Optimizer | None) -> bool:
-    """Validate ``async_save``; True for the overlap mode."""
+def async_mode(async_save: bool | str, state: TrainingState) -> bool:
+    """Validate ``async_save`` for ``state``; True for the overlap mode."""
     if async_save not in (False, True, "overlap"):
         raise ValueError(f"async_save must be False, True or 'overlap', got {async_save!r}")
-    if async_save == "overlap" and optimizer is None:
+    if async_save == "overlap" and not state.optimizers:
         raise ValueError(
-            "async_save='overlap' needs optimizer=, whose step() waits for the snapshot"
+            "async_save='overlap' needs optimizer= (or an optimizer in the TrainingState), "
+            "whose step() waits for the snapshot"
         )
     return async_save == "overlap"
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,10 +28,12 @@ from ddpckpt.errors import (
 from ddpckpt.format.codec import decode
 from ddpckpt.format.manifest import Manifest, read_manifest
 from ddpckpt.format.rankparts import rank_has, rank_part
+from ddpckpt.format.sections import ROLE_KEYS, Layout, StateSections
 from ddpckpt.io.async_saver import DEFAULT_SAVER
 from ddpckpt.io.progress import Progress
 from ddpckpt.io.reader import CheckpointInfo, FileSource
 from ddpckpt.state.capture import (
+    TrainingState,
     check_model,
     check_optimizer,
     extra_kind,
@@ -41,6 +42,7 @@ from ddpckpt.state.capture import (
     restore_rank_buffers,
     restore_stateful,
 )
+from ddpckpt.state.optimizer import param_names
 from ddpckpt.state.rng import derive_rng, restore_rng
 from ddpckpt.storage import configure
 
@@ -51,27 +53,29 @@ _log = get_logger(__name__)
 
 def load(
     path: str | os.PathLike[str],
+    state: TrainingState | None = None,
     *,
-    model: nn.Module,
+    model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     scaler: Any = None,
     extra: MutableMapping[str, Any] | None = None,
     strict: bool = True,
-    rng: bool = True,
+    rng: bool | None = None,
     timeout: float | None = None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> CheckpointInfo:
     """Restore the checkpoint at ``path`` into the live objects; collective.
 
     Every rank calls it after building its model, optimizer etc. (before or after
-    wrapping in DDP or torch.compile). Tensors are read from memory-mapped files and
+    wrapping in DDP or torch.compile), passed as a :class:`TrainingState` or its keyword
+    shorthand, as to :func:`ddpckpt.save`. Tensors are read from memory-mapped files and
     copied into the live tensors, so they land on each rank's own devices. Every byte
     read is verified against its checksum.
 
     Objects not passed are left alone; an object passed but absent from the checkpoint
     is an error naming it. Stateful ``extra`` objects get ``load_state_dict``; plain
-    values are written back into the ``extra`` mapping and returned in
+    values are written back into the ``extra`` mapping (or the TrainingState) and returned in
     :attr:`CheckpointInfo.extra`. With ``rng`` each rank's random generators are restored
     (ranks the checkpoint has no state for get a deterministic derived state and a
     warning). ``strict=False`` loads the model keys that match and warns about the rest.
@@ -83,18 +87,21 @@ def load(
     """
     path = os.fspath(path)
     configure(path, storage_options)  # an s3:// URL's client (ddpckpt.storage.configure)
+    state = TrainingState.coerce(
+        state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        extra=extra, rng=rng,
+    )  # fmt: skip
     DEFAULT_SAVER.join()
     with Comm.open("ddpckpt.load", path=path, timeout=timeout) as comm:
         comm.run("previous save", DEFAULT_SAVER.raise_unseen)  # every rank raises if one does
         path = comm.path or path
         manifest = locate(comm, path)
-        objects = _Objects(model, optimizer, scheduler, scaler, extra)
         with Progress(f"loading {os.path.basename(path)}", manifest.nbytes) as bar:
             source = FileSource(path, manifest, progress=bar)
             source.own = comm.run("rank part", lambda: own_tensors(manifest, comm.rank, path))
-            comm.run("check", lambda: _check(manifest, source, objects, strict, path))
+            comm.run("check", lambda: _check(manifest, source, state, strict, path))
             return comm.run(
-                "restore", lambda: _restore(manifest, source, objects, strict, rng, path, comm.rank)
+                "restore", lambda: _restore(manifest, source, state, strict, path, comm.rank)
             )
 
 
@@ -174,42 +181,75 @@ def own_tensors(manifest: Manifest, rank: int, path: str) -> dict[str, str]:
     return {}
 
 
-@dataclass
-class _Objects:
-    model: nn.Module
-    optimizer: torch.optim.Optimizer | None
-    scheduler: Any
-    scaler: Any
-    extra: MutableMapping[str, Any] | None
+def _label(layout: Layout, role: str, name: str) -> str:
+    """How messages call the object ``name`` of ``role``."""
+    single = ROLE_KEYS[role][0]
+    if layout.named:
+        return f"{single} {name!r}"
+    return "the model" if role == "models" else single
 
 
 def _check(
-    manifest: Manifest, source: FileSource, objects: _Objects, strict: bool, path: str
+    manifest: Manifest, source: FileSource, state: TrainingState, strict: bool, path: str
 ) -> None:
-    state = manifest.state
-    present = [k for k in ("model", "optimizer", "scheduler", "scaler") if k in state]
-    for name in ("optimizer", "scheduler", "scaler"):
-        if getattr(objects, name) is not None and name not in state:
-            raise StateMismatchError(
-                f"{path}: you passed {name}= but the checkpoint has no {name} state (it holds: "
-                f"{', '.join(present)}); leave {name}= out or load a checkpoint saved with one"
-            )
-    check_model(objects.model, state["model"], source, path, strict)
-    if objects.optimizer is not None:
-        check_optimizer(objects.optimizer, objects.model, state["optimizer"], path)
-    stored_extra = state.get("extra", {})
-    for name, obj in (objects.extra or {}).items():
+    stored = StateSections.from_json(manifest.state, path)
+    if stored.saved_dict is not None:
+        raise StateMismatchError(
+            f"{path}: holds a dict saved by ddpckpt.save_dict, not a training state; read "
+            "it with ddpckpt.load_dict(path)"
+        )
+    layout = stored.layout
+    for role in ROLE_KEYS:
+        for name in getattr(state, role):
+            if name not in getattr(stored, role):
+                raise StateMismatchError(_absent(path, role, name, stored))
+    names = param_names(state.models, layout)
+    for name, model in state.models.items():
+        label = _label(layout, "models", name)
+        prefix = layout.model_prefix(name)
+        check_model(model, stored.models[name], source, path, strict, prefix, label)
+    for name, optimizer in state.optimizers.items():
+        label = _label(layout, "optimizers", name)
+        check_optimizer(optimizer, names, stored.optimizers[name], path, label)
+    stored_extra = stored.extra
+    for name, obj in state.extra.items():
         if name not in stored_extra:
             raise StateMismatchError(
                 f"{path}: extra[{name!r}] is not in the checkpoint (it has: "
                 f"{', '.join(sorted(stored_extra)) or 'no extra state'})"
             )
-        stored, now = stored_extra[name]["kind"], extra_kind(obj)
-        if stored != now:
+        kind, now = stored_extra[name].kind, extra_kind(obj)
+        if kind != now:
             raise StateMismatchError(
-                f"{path}: extra[{name!r}] was saved as {_KINDS[stored]}, but the object passed "
+                f"{path}: extra[{name!r}] was saved as {_KINDS[kind]}, but the object passed "
                 f"now ({type(obj).__qualname__}) is {_KINDS[now]}"
             )
+
+
+def _absent(path: str, role: str, name: str, stored: StateSections) -> str:
+    """The message for an object passed whose section the checkpoint lacks."""
+    single = ROLE_KEYS[role][0]
+    layout = stored.layout
+    if not layout.named and name == single:  # the shorthand's object
+        present = [
+            r for r in ("model", "optimizer", "scheduler", "scaler") if getattr(stored, f"{r}s")
+        ]
+        return (
+            f"{path}: you passed {single}= but the checkpoint has no {single} state (it holds: "
+            f"{', '.join(present)}); leave {single}= out or load a checkpoint saved with one"
+        )
+    held = ", ".join(repr(n) for n in getattr(stored, role)) or "none"
+    hint = (
+        " It was saved with the keyword shorthand: its objects are called 'model', "
+        "'optimizer', 'scheduler' and 'scaler'."
+        if not layout.named
+        else ""
+    )
+    return (
+        f"{path}: the TrainingState has {single} {name!r}, but the checkpoint has no "
+        f"{single} of that name (its {role}: {held}); name the objects as when saving, or "
+        f"leave {name!r} out.{hint}"
+    )
 
 
 _KINDS = {
@@ -222,50 +262,67 @@ _KINDS = {
 def _restore(
     manifest: Manifest,
     source: FileSource,
-    objects: _Objects,
+    state: TrainingState,
     strict: bool,
-    rng: bool,
     path: str,
     rank: int,
 ) -> CheckpointInfo:
-    state = manifest.state
-    restore_model(objects.model, state["model"], source, path, strict)
-    if rank_has(manifest, "model_buffers"):
-        mine = rank_part(manifest, path, rank) if rank < manifest.world_size else {}
-        if "model_buffers" in mine:
-            encoded = mine["model_buffers"]
-            restore_rank_buffers(objects.model, encoded, source.for_rank(rank), path)
-        else:
-            _log.warning(
-                "%s: saved with %d ranks and per-rank buffers (broadcast_buffers=False); rank %d "
-                "has none stored and starts from rank 0's buffers",
-                path,
-                manifest.world_size,
-                rank,
-            )
-    if objects.optimizer is not None:
-        restore_optimizer(objects.optimizer, objects.model, state["optimizer"], source, path)
-    for name in ("scheduler", "scaler"):
-        if getattr(objects, name) is not None:
-            restore_stateful(getattr(objects, name), state[name], source, path)
+    stored = StateSections.from_json(manifest.state, path)
+    layout = stored.layout
+    for name, model in state.models.items():
+        restore_model(model, stored.models[name], source, path, strict, layout.model_prefix(name))
+        _restore_rank_buffers(manifest, layout, name, model, source, path, rank)
+    names = param_names(state.models, layout)
+    for name, optimizer in state.optimizers.items():
+        restore_optimizer(optimizer, names, stored.optimizers[name], source, path)
+    for role in ("schedulers", "scalers"):
+        for name, obj in getattr(state, role).items():
+            restore_stateful(obj, getattr(stored, role)[name].state, source, path)
     values: dict[str, Any] = {}
-    for name, entry in state.get("extra", {}).items():
-        if entry["kind"] == "value":
-            values[name] = decode(entry["state"], lambda n: source.get(n).clone(), where=path)
-    for name, obj in (objects.extra or {}).items():
-        entry = state["extra"][name]
-        if entry["kind"] == "stateful":
-            restore_stateful(obj, entry, source, path)
-        elif entry["kind"] == "per_rank":
+    for name, entry in stored.extra.items():
+        if entry.kind == "value":
+            values[name] = decode(entry.state, lambda n: source.get(n).clone(), where=path)
+    for name, obj in list(state.extra.items()):
+        entry = stored.extra[name]
+        if entry.kind == "stateful":
+            restore_stateful(obj, entry.state, source, path)
+        elif entry.kind == "per_rank":
             owner = _per_rank_owner(manifest, name, rank, path)
-            own = {"state": rank_part(manifest, path, owner)["extra"][name]}
+            own = rank_part(manifest, path, owner)["extra"][name]
             restore_stateful(obj, own, source.for_rank(owner), path)
         else:
-            objects.extra[name] = values[name]  # type: ignore[index]
-    if rng:
+            state.set_value(name, values[name])
+    if state.rng:
         _restore_rng(manifest, source, path, rank)
     _log.info("loaded checkpoint %s (step %s)", path, manifest.step)
     return CheckpointInfo.from_manifest(path, manifest, values)
+
+
+def _restore_rank_buffers(
+    manifest: Manifest,
+    layout: Layout,
+    name: str,
+    model: nn.Module,
+    source: FileSource,
+    path: str,
+    rank: int,
+) -> None:
+    """This rank's own buffers of model ``name``, saved under ``broadcast_buffers=False``."""
+    key = layout.buffers_key + (f"/{name}" if layout.named else "")
+    if not rank_has(manifest, key):
+        return
+    if rank < manifest.world_size:
+        encoded = layout.rank_buffers(rank_part(manifest, path, rank), name)
+        if encoded is not None:
+            restore_rank_buffers(model, encoded, source.for_rank(rank), path)
+            return
+    _log.warning(
+        "%s: saved with %d ranks and per-rank buffers (broadcast_buffers=False); rank %d "
+        "has none stored and starts from rank 0's buffers",
+        path,
+        manifest.world_size,
+        rank,
+    )
 
 
 def _per_rank_owner(manifest: Manifest, name: str, rank: int, path: str) -> int:

@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
-from ddpckpt.errors import CheckpointError, CorruptCheckpointError
+from ddpckpt.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 from ddpckpt.format.codec import decode
 from ddpckpt.format.manifest import Manifest, read_manifest
 from ddpckpt.format.rankparts import fill_rank_parts
+from ddpckpt.format.sections import StateSections
 from ddpckpt.format.tensorfile import TensorEntry, can_read_into, dtype_from_name
 from ddpckpt.format.tensorread import TensorFile
 from ddpckpt.io.progress import Progress
@@ -116,22 +117,35 @@ class FileSource:
         return tensor
 
 
-def load_state_dict(path: str | os.PathLike[str]) -> dict[str, Any]:
+def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> dict[str, Any]:
     """The model weights of a checkpoint as plain CPU tensors under canonical keys.
 
     Not collective: any process may call it, e.g. inference code without an optimizer.
     The tensors are private copies (verified while read); tied weights stay the same
-    tensor object. Works with ``model.load_state_dict`` of the unwrapped model.
+    tensor object. Works with ``model.load_state_dict`` of the unwrapped model. A
+    checkpoint of several models (a :class:`~ddpckpt.TrainingState`) needs ``model``,
+    the name of the one to read.
     """
     path = os.fspath(path)
     manifest = read_manifest(path)
+    stored = StateSections.from_json(manifest.state, path)
+    models = stored.models
+    if model is None and len(models) == 1:
+        model = next(iter(models))
+    if model not in models:
+        names = ", ".join(repr(n) for n in models) or "none"
+        raise StateMismatchError(
+            f"{path}: pass model=NAME to choose the weights to read (its models: {names})"
+            if model is None
+            else f"{path}: has no model {model!r} (its models: {names})"
+        )
+    section, prefix = models[model], stored.layout.model_prefix(model)
     source = FileSource(path, manifest)
-    section = manifest.state["model"]
-    weights: dict[str, Any] = {key: source.get(f"model/{key}").clone() for key in section["keys"]}
-    for alias, key in section["aliases"].items():
+    weights: dict[str, Any] = {key: source.get(prefix + key).clone() for key in section.keys}
+    for alias, key in section.aliases.items():
         weights[alias] = weights[key]
-    if "extra_state" in section:
-        weights.update(decode(section["extra_state"], lambda n: source.get(n).clone(), where=path))
+    if section.extra_state is not None:
+        weights.update(decode(section.extra_state, lambda n: source.get(n).clone(), where=path))
     return weights
 
 

@@ -11,7 +11,7 @@ nothing committed earlier is touched.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from ddpckpt.dist.comm import Comm
 from ddpckpt.io.async_saver import DEFAULT_SAVER, async_mode
 from ddpckpt.io.background import PendingSave
 from ddpckpt.io.writing import header_fields, plan_write, write_and_commit
-from ddpckpt.state.capture import Snapshot, capture
+from ddpckpt.state.capture import Snapshot, TrainingState, capture
 from ddpckpt.storage import configure
 
 __all__ = ["PendingSave", "release_async_buffers", "save"]
@@ -29,17 +29,18 @@ __all__ = ["PendingSave", "release_async_buffers", "save"]
 
 def save(
     path: str | os.PathLike[str],
+    state: TrainingState | None = None,
     *,
-    model: nn.Module,
+    model: nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
     scaler: Any = None,
-    extra: Mapping[str, Any] | None = None,
+    extra: MutableMapping[str, Any] | None = None,
     step: int | None = None,
     epoch: int | None = None,
     metrics: Mapping[str, Any] | None = None,
     overwrite: bool = False,
-    rng: bool = True,
+    rng: bool | None = None,
     async_save: bool | str = False,
     storage: str | None = None,
     timeout: float | None = None,
@@ -47,10 +48,12 @@ def save(
 ) -> str | PendingSave:
     """Write the whole training state to the checkpoint directory ``path``; collective.
 
-    Every rank calls it. ``model`` may be wrapped in DDP, DataParallel or torch.compile;
-    ``extra`` maps names to objects with ``state_dict()``/``load_state_dict()`` or to plain
-    values (numbers, strings, lists, dicts, tensors). ``metrics`` are scalars (numbers,
-    0-d tensors, strings). With ``rng`` every rank's random generators are stored.
+    Every rank calls it. What to save is a :class:`TrainingState` (several models,
+    optimizers, schedulers by name) or its keyword shorthand: ``model`` may be wrapped in
+    DDP, DataParallel or torch.compile; ``extra`` maps names to objects with
+    ``state_dict()``/``load_state_dict()`` or to plain values (numbers, strings, lists,
+    dicts, tensors); with ``rng`` (default) every rank's random generators are stored.
+    ``metrics`` are scalars (numbers, 0-d tensors, strings).
     ``storage`` is ``"auto"`` (detect), ``"shared"`` or ``"local"``; see
     :mod:`ddpckpt.dist.topology`. ``timeout`` bounds how long a rank waits for a silent one.
     ``storage_options`` configures an ``s3://`` URL's client (:func:`ddpckpt.storage.configure`).
@@ -59,7 +62,7 @@ def save(
     memory (:mod:`ddpckpt.io.staging`); writing and committing go on in the background and the
     returned :class:`PendingSave` waits for them. ``async_save="overlap"`` returns sooner:
     parameters and optimizer state are copied while the next forward and backward run,
-    and the ``step()`` of ``optimizer`` (required) and of every optimizer in ``extra``
+    and the ``step()`` of every optimizer of the state (one at least) and in ``extra``
     waits for that copy. Either way the checkpoint holds the state as of this call. The
     returned handle reports this save's own outcome (``done()``, ``wait()``,
     ``exception()``). The next save or load waits for the previous asynchronous save and
@@ -71,7 +74,11 @@ def save(
     when storage fails. Returns the checkpoint's path (rank 0's).
     """
     configure(path, storage_options)
-    overlap = async_mode(async_save, optimizer)
+    state = TrainingState.coerce(
+        state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        extra=extra, rng=rng,
+    )  # fmt: skip
+    overlap = async_mode(async_save, state)
     saver = DEFAULT_SAVER
     saver.join()
     header = header_fields(step, epoch, metrics)
@@ -80,10 +87,7 @@ def save(
 
     def settle_then_capture() -> Snapshot:
         saver.raise_unseen()  # in a collective step: every rank raises if one does
-        return capture(
-            model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, extra=extra,
-            rng=rng,
-        )  # fmt: skip
+        return capture(state)
 
     try:
         snapshot = comm.run("capture", settle_then_capture)

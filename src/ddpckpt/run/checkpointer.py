@@ -49,6 +49,7 @@ from ddpckpt.run.preemption import Preemption, PreemptionWatch
 from ddpckpt.run.resume import READER_LISTINGS, list_candidates, load_first, nothing_loads
 from ddpckpt.run.saving import RunSaves
 from ddpckpt.state.capture import Snapshot, capture
+from ddpckpt.state.training_state import ROLES, TrainingState
 from ddpckpt.storage import configure
 from ddpckpt.training.loader import adopt_loaders
 
@@ -60,8 +61,9 @@ _log = get_logger(__name__)
 class Checkpointer:
     """Saves a run's checkpoints under ``directory`` and resumes from the newest good one.
 
-    Objects: ``model`` (required; plain, DDP or compiled), ``optimizer``, ``scheduler``,
-    ``scaler``, ``extra`` (as for :func:`ddpckpt.save`).
+    Objects: a :class:`~ddpckpt.TrainingState` as ``state``, or its shorthand ``model``
+    (plain, DDP or compiled), ``optimizer``, ``scheduler``, ``scaler``, ``extra``, ``rng``
+    (as for :func:`ddpckpt.save`).
 
     Options (keyword arguments, grouped and checked by :mod:`ddpckpt.run.options`, read
     back as :attr:`options`): when to save (``every_steps``, ``every_seconds``,
@@ -85,8 +87,9 @@ class Checkpointer:
     def __init__(
         self,
         directory: str | os.PathLike[str],
+        state: TrainingState | None = None,
         *,
-        model: nn.Module,
+        model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scheduler: Any = None,
         scaler: Any = None,
@@ -102,7 +105,7 @@ class Checkpointer:
         on_error: str = "warn",
         retries: int = 2,
         retry_backoff: float = 1.0,
-        rng: bool = True,
+        rng: bool | None = None,
         async_save: bool | str = False,
         storage: str | None = None,
         timeout: float | None = None,
@@ -112,8 +115,12 @@ class Checkpointer:
         storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         configure(directory, storage_options)  # an s3:// URL's client (ddpckpt.storage)
+        self.state = TrainingState.coerce(
+            state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+            extra=extra, rng=rng,
+        )  # fmt: skip
         self.options = resolve(
-            optimizer=optimizer,
+            state=self.state,
             keep_last=keep_last,
             keep_best=keep_best,
             monitor=monitor,
@@ -134,10 +141,11 @@ class Checkpointer:
         )
         self.read_only = read_only
         self.directory = _resume_check.redirect(os.fspath(directory), read_only=read_only)
-        self.model, self.optimizer = model, optimizer
-        self.scheduler, self.scaler, self.extra = scheduler, scaler, extra
-        self.rng = rng
-        adopt_loaders(extra)  # a DataLoader must be tracked before it iterates
+        first = {role: next(iter(getattr(self.state, role).values()), None) for role in ROLES}
+        self.model, self.optimizer = first["models"], first["optimizers"]
+        self.scheduler, self.scaler = first["schedulers"], first["scalers"]
+        self.extra, self.rng = self.state.extra, self.state.rng
+        adopt_loaders(self.extra)  # a DataLoader must be tracked before it iterates
         self._saver = AsyncSaver()  # this run's own host buffer and background writer
         self._saves = RunSaves(self.directory, self.options, self._saver)
         self._reserved = False  # whether the buffer was sized ahead of the first save
@@ -198,7 +206,7 @@ class Checkpointer:
     def _load(self, step: int) -> CheckpointInfo:
         """Restore checkpoint ``step`` into the objects; collective."""
         path, timeout = self._saves.path(step), self.options.storage.timeout
-        return load(path, **self._objects(), rng=self.rng, timeout=timeout)
+        return load(path, state=self.state, timeout=timeout)
 
     def should_save(self, step: int) -> bool:
         """Whether the policy asks for a save at ``step``; identical on every rank.
@@ -252,7 +260,7 @@ class Checkpointer:
         if self._saver.latest is not None:
             return  # a save already sized the buffer, and may still be copying into it
         try:
-            snapshot = capture(**self._objects(), rng=False)
+            snapshot = capture(self.state, rng=False)
         except Exception as exc:  # the save itself raises it; nothing to size until then
             _log.debug("%s: not sizing the staging buffer ahead: %r", self.directory, exc)
             return
@@ -385,20 +393,10 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ internals
 
-    def _objects(self) -> dict[str, Any]:
-        """The objects saved and restored, as :func:`ddpckpt.save` and ``load`` take them."""
-        return {
-            "model": self.model,
-            "optimizer": self.optimizer,
-            "scheduler": self.scheduler,
-            "scaler": self.scaler,
-            "extra": self.extra,
-        }
-
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"Checkpointer({self.directory!r}) is closed")
 
     def _capture(self) -> Snapshot:
         self._saves.lock.check()  # never write into a directory another job has taken over
-        return capture(**self._objects(), rng=self.rng)
+        return capture(self.state)

@@ -37,11 +37,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ddpckpt.io.async_saver import async_mode
 from ddpckpt.policies import Retention, SavePolicy, keeping, schedule
 from ddpckpt.run.signals import Preemption, grace_period
+from ddpckpt.state.training_state import TrainingState
 
 __all__ = [
     "Asynchronous",
@@ -110,7 +109,7 @@ class CheckpointerOptions:
 
 def resolve(
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    state: TrainingState | None = None,
     keep_last: int | None = 3,
     keep_best: int | None = None,
     monitor: str | None = None,
@@ -131,7 +130,7 @@ def resolve(
 ) -> CheckpointerOptions:
     """The grouped options of ``Checkpointer(**arguments)``; raises ``ValueError`` or
     ``TypeError`` naming the argument for anything it cannot honour. Local, no side effects.
-    ``optimizer``: the one saved, if any (``async_save="overlap"`` needs one)."""
+    ``state``: the objects saved (``async_save="overlap"`` needs an optimizer in it)."""
     if on_error not in ("warn", "raise"):
         raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
     if type(retries) is not int or retries < 0:
@@ -144,7 +143,7 @@ def resolve(
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     if monitor is not None and keep_best is None and retention is None:
         raise ValueError("monitor= only matters with keep_best=; pass keep_best=K as well")
-    overlap = async_mode(async_save, optimizer)
+    overlap = async_mode(async_save, state if state is not None else TrainingState())
     watched = Preemption.of(preemption)
     if watched is not None:
         if read_only:

@@ -1,8 +1,12 @@
 """What a checkpoint holds, taken from live training objects and put back into them.
 
-The entry points :mod:`ddpckpt.io` uses. Capture is local to a process;
+The entry points :mod:`ddpckpt.io` uses: :func:`capture` takes a
+:class:`~ddpckpt.state.training_state.TrainingState`. Capture is local to a process;
 :mod:`ddpckpt.io.writing` decides which rank writes what, :mod:`ddpckpt.io.load` restores
 each part through the functions re-exported here:
+
+Each object is stored in the layout :mod:`ddpckpt.format.sections` describes (one model,
+or several by name).
 
 * **Model** (:mod:`ddpckpt.state.model`): canonical keys, tied weights, what DDP keeps
   replicated; restored through the module's own ``load_state_dict``.
@@ -15,30 +19,35 @@ each part through the functions re-exported here:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
-import torch
-from torch import nn
-
 from ddpckpt.format.codec import encode
-from ddpckpt.state.model import capture_model, check_model, restore_model, restore_rank_buffers
+from ddpckpt.format.sections import NAMED, SINGLE, Layout, StateSections
+from ddpckpt.state.model import (
+    Replication,
+    capture_model,
+    check_model,
+    restore_model,
+    restore_rank_buffers,
+)
 from ddpckpt.state.objects import capture_extra, capture_stateful, extra_kind, restore_stateful
 from ddpckpt.state.optimizer import (
     capture_optimizer,
     check_optimizer,
+    param_names,
     record_steppers,
     restore_optimizer,
 )
 from ddpckpt.state.rng import capture_rng
 from ddpckpt.state.snapshot import Snapshot
+from ddpckpt.state.training_state import TrainingState
 
 __all__ = [
     "Snapshot",
+    "TrainingState",
     "capture",
     "check_model",
     "check_optimizer",
     "extra_kind",
+    "layout_for",
     "restore_model",
     "restore_optimizer",
     "restore_rank_buffers",
@@ -46,32 +55,46 @@ __all__ = [
 ]
 
 
-def capture(
-    *,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    extra: Mapping[str, Any] | None = None,
-    rng: bool = True,
-) -> Snapshot:
+def layout_for(state: TrainingState) -> Layout:
+    """The layout ``state`` is written in: the single-model one when it fits."""
+    return SINGLE if state.single_model_layout else NAMED
+
+
+def capture(state: TrainingState, *, rng: bool | None = None) -> Snapshot:
     """Capture the training state of this process (no I/O, no communication).
 
     Tensors in the snapshot are the live tensors themselves (detached), not copies.
+    ``rng`` overrides ``state.rng`` (sizing buffers ahead needs no RNG state).
     """
+    layout = layout_for(state)
     snapshot = Snapshot()
-    root, replication = capture_model(model, snapshot)
-    if optimizer is not None:
-        capture_optimizer(optimizer, root, replication, snapshot)
-    if scheduler is not None:
-        capture_stateful("scheduler", scheduler, snapshot)
-    if scaler is not None:
-        capture_stateful("scaler", scaler, snapshot)
-    if extra:
-        capture_extra(extra, snapshot)
-    if rng:
+    sections = StateSections(layout)
+    replication = Replication()
+    for name, model in state.models.items():
+        captured = capture_model(model, snapshot, name, layout)
+        sections.models[name] = captured.section
+        replication.synced |= captured.replication.synced
+        replication.ignored |= captured.replication.ignored
+        if captured.rank_buffers is not None:
+            if layout.named:
+                buffers = snapshot.rank_state.setdefault(layout.buffers_key, {})
+                buffers[name] = captured.rank_buffers  # type: ignore[index]
+            else:
+                snapshot.rank_state[layout.buffers_key] = captured.rank_buffers
+    names = param_names(state.models, layout)
+    for name, optimizer in state.optimizers.items():
+        prefix = layout.prefix("optimizers", name)
+        label = f"optimizer {name!r}" if layout.named else None
+        section = capture_optimizer(optimizer, names, replication, snapshot, prefix, label)
+        sections.optimizers[name] = section
+    for role in ("schedulers", "scalers"):
+        for name, obj in getattr(state, role).items():
+            section = capture_stateful(layout.prefix(role, name), obj, snapshot)
+            sections.place(role, name, section)
+    if state.extra:
+        sections.extra = capture_extra(state.extra, snapshot)
+    if state.rng if rng is None else rng:
         snapshot.rank_state["rng"] = encode(capture_rng(), "rng", snapshot.rank_tensors)
-    candidates = [optimizer, *(extra or {}).values()]
-    optimizers = [o for o in candidates if isinstance(o, torch.optim.Optimizer)]
-    record_steppers(optimizers, snapshot)
+    record_steppers(state.all_optimizers(), snapshot)
+    snapshot.state = sections.to_json()
     return snapshot

@@ -25,9 +25,11 @@ from torch import nn
 from ddpckpt._log import get_logger
 from ddpckpt.errors import StateMismatchError
 from ddpckpt.format.codec import JSON, decode, encode
+from ddpckpt.format.sections import SINGLE, Layout, ModelSection
 from ddpckpt.state.snapshot import Snapshot, TensorSource
 
 __all__ = [
+    "CapturedModel",
     "ModelView",
     "Replication",
     "canonical_key",
@@ -166,9 +168,25 @@ def _replication(model: nn.Module) -> Replication:
     return found
 
 
-def capture_model(model: nn.Module, snapshot: Snapshot) -> tuple[nn.Module, Replication]:
-    """Add ``model``'s section and tensors to ``snapshot``; returns the unwrapped module and
-    what DDP keeps replicated (which the optimizer's state follows)."""
+@dataclass
+class CapturedModel:
+    """What capturing one model adds besides its tensors (see :func:`capture_model`)."""
+
+    section: ModelSection
+    root: nn.Module  # the unwrapped module, which names the parameters
+    replication: Replication  # what DDP keeps replicated (the optimizer's state follows it)
+    rank_buffers: JSON | None  # this rank's own buffers under broadcast_buffers=False
+
+
+def capture_model(
+    model: nn.Module, snapshot: Snapshot, name: str = "model", layout: Layout = SINGLE
+) -> CapturedModel:
+    """Add the tensors of ``model`` (called ``name``) to ``snapshot``; returns its section.
+
+    Tensors are sorted by what keeps them identical on every rank (see
+    :class:`~ddpckpt.state.snapshot.Snapshot`) and named as ``layout`` says.
+    """
+    prefix = layout.model_prefix(name)
     view = model_view(model)
     replication = _replication(model)
     parameters = {id(p) for p in view.root.parameters()}
@@ -187,33 +205,27 @@ def capture_model(model: nn.Module, snapshot: Snapshot) -> tuple[nn.Module, Repl
         if identity is not None:
             seen[identity] = key
         keys.append(key)
-        name = f"model/{key}"
-        snapshot.tensors[name] = value.detach()
+        stored = prefix + key
+        snapshot.tensors[stored] = value.detach()
         if id(value) in replication.ignored:
-            snapshot.per_rank.add(name)
+            snapshot.per_rank.add(stored)
         elif id(value) in replication.synced:
-            snapshot.balanced.add(name)
+            snapshot.balanced.add(stored)
         elif id(value) in parameters or not replication.wrapped:
-            snapshot.unverified.add(name)  # no DDP keeps it identical: compared before writing
+            snapshot.unverified.add(stored)  # no DDP keeps it identical: compared before writing
+    rank_buffers = None
     if replication.rank_buffers:
         elsewhere = snapshot.balanced | snapshot.per_rank | snapshot.unverified
         buffers = {
-            key: snapshot.tensors[f"model/{key}"] for key in keys if f"model/{key}" not in elsewhere
+            key: snapshot.tensors[prefix + key] for key in keys if prefix + key not in elsewhere
         }
-        snapshot.rank_state["model_buffers"] = encode(
-            buffers, "model_buffers", snapshot.rank_tensors
-        )
-    section: dict[str, JSON] = {
-        "type": type(view.root).__qualname__,
-        "keys": keys,
-        "aliases": aliases,
-        "versions": view.versions,
-        "extra_keys": list(extra_state),
-    }
+        rank_buffers = encode(buffers, layout.buffers_prefix(name), snapshot.rank_tensors)
+    section = ModelSection(type(view.root).__qualname__, keys, aliases, view.versions,
+                           list(extra_state))  # fmt: skip
     if extra_state:
-        section["extra_state"] = encode(extra_state, "model_extra_state", snapshot.tensors)
-    snapshot.state["model"] = section
-    return view.root, replication
+        prefix = layout.model_extra_prefix(name)
+        section.extra_state = encode(extra_state, prefix, snapshot.tensors)
+    return CapturedModel(section, view.root, replication, rank_buffers)
 
 
 def _limited(items: list[str]) -> str:
@@ -235,7 +247,13 @@ def mismatch_report(missing: list[str], unexpected: list[str], shapes: list[str]
 
 
 def check_model(
-    model: nn.Module, section: Mapping[str, Any], source: TensorSource, where: str, strict: bool
+    model: nn.Module,
+    section: ModelSection,
+    source: TensorSource,
+    where: str,
+    strict: bool,
+    prefix: str = "model/",
+    label: str = "the model",
 ) -> None:
     """Compare the checkpoint's model keys and shapes with the live model's (reads nothing).
 
@@ -243,13 +261,13 @@ def check_model(
     them; otherwise the differences are logged as a warning and skipped on load.
     """
     live = model_view(model).entries
-    shapes = {key: source.meta(f"model/{key}")[1] for key in section["keys"]}
-    stored = [*section["keys"], *section["aliases"], *section["extra_keys"]]
+    shapes = {key: source.meta(prefix + key)[1] for key in section.keys}
+    stored = [*section.keys, *section.aliases, *section.extra_keys]
     missing = [k for k in live if k not in set(stored)]
     unexpected = [k for k in stored if k not in live]
     wrong = [
         f"{key}: checkpoint {list(shapes[key])}, model {list(live[key].shape)}"
-        for key in section["keys"]
+        for key in section.keys
         if isinstance(live.get(key), torch.Tensor) and tuple(live[key].shape) != shapes[key]
     ]
     if not (missing or unexpected or wrong):
@@ -257,16 +275,23 @@ def check_model(
     report = mismatch_report(missing, unexpected, wrong)
     if strict:
         raise StateMismatchError(
-            f"{where}: checkpoint does not match the model "
+            f"{where}: checkpoint does not match {label} "
             f"({type(unwrap_model(model)).__qualname__}):\n{report}\n"
             "Keys are compared without 'module.'/'_orig_mod.' wrapper prefixes. "
             "Pass strict=False to load only the matching keys."
         )
-    _log.warning("%s: loading with strict=False; skipping what does not match:\n%s", where, report)
+    _log.warning(
+        "%s: loading %s with strict=False; skipping what does not match:\n%s", where, label, report
+    )
 
 
 def restore_model(
-    model: nn.Module, section: Mapping[str, Any], source: TensorSource, where: str, strict: bool
+    model: nn.Module,
+    section: ModelSection,
+    source: TensorSource,
+    where: str,
+    strict: bool,
+    prefix: str = "model/",
 ) -> None:
     """Load the weights into ``model`` through its own ``load_state_dict`` (hooks run).
 
@@ -274,23 +299,23 @@ def restore_model(
     """
     view = model_view(model)
     state: dict[str, Any] = {}
-    for key in section["keys"]:
+    for key in section.keys:
         target = view.entries.get(key)
-        name = f"model/{key}"
+        name = prefix + key
         if isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
             # Not read straight into the parameter: the module's load hooks must see the
             # incoming value apart from the current one. A GPU copy is read onto the GPU
             # (pinned, pipelined) rather than mapped then copied from pageable memory.
             like = torch.empty_like(target) if target.is_cuda else None
             state[view.live_key[key]] = source.get(name, like=like)
-    for alias, key in section["aliases"].items():
+    for alias, key in section.aliases.items():
         if alias in view.live_key and key in view.live_key and view.live_key[key] in state:
             state[view.live_key[alias]] = state[view.live_key[key]]
-    if "extra_state" in section:
-        extra = decode(section["extra_state"], lambda n: source.get(n).clone(), where=where)
+    if section.extra_state is not None:
+        extra = decode(section.extra_state, lambda n: source.get(n).clone(), where=where)
         state.update({view.live_key[k]: v for k, v in extra.items() if k in view.live_key})
     root = view.root
-    root.load_state_dict(_with_versions(state, root, section["versions"]), strict=strict)
+    root.load_state_dict(_with_versions(state, root, section.versions), strict=strict)
 
 
 def restore_rank_buffers(model: nn.Module, encoded: JSON, source: TensorSource, where: str) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 
 from ddpckpt.errors import UnsupportedValueError
 from ddpckpt.format.codec import JSON, decode, encode
+from ddpckpt.format.sections import ExtraEntry, StatefulSection
 from ddpckpt.state.snapshot import Snapshot, TensorSource
 
 __all__ = [
@@ -37,23 +38,21 @@ def is_stateful(obj: object) -> bool:
     )
 
 
-def capture_stateful(kind: str, obj: Any, snapshot: Snapshot) -> None:
-    """Add the section ``kind`` (``"scheduler"``, ``"scaler"``): ``obj``'s type and state."""
-    snapshot.state[kind] = {
-        "type": type(obj).__qualname__,
-        "state": encode(obj.state_dict(), kind, snapshot.tensors),
-    }
+def capture_stateful(prefix: str, obj: Any, snapshot: Snapshot) -> StatefulSection:
+    """The section of a scheduler or scaler: ``obj``'s type and state, whose tensors are
+    added to ``snapshot`` under ``prefix``."""
+    return StatefulSection(
+        type(obj).__qualname__, encode(obj.state_dict(), prefix, snapshot.tensors)
+    )
 
 
-def restore_stateful(
-    obj: Any, section: Mapping[str, Any], source: TensorSource, where: str
-) -> None:
-    """``obj.load_state_dict`` with the stored state; modules get zero-copy views."""
+def restore_stateful(obj: Any, encoded: JSON, source: TensorSource, where: str) -> None:
+    """``obj.load_state_dict`` with the stored state ``encoded``; modules get zero-copy views."""
     # Module.load_state_dict copies into its own tensors; other objects may keep what they get.
     copies_in = isinstance(obj, nn.Module)
     obj.load_state_dict(
         decode(
-            section["state"],
+            encoded,
             lambda n: source.get(n) if copies_in else source.get(n).clone(),
             where=where,
         )
@@ -99,8 +98,9 @@ def extra_kind(obj: Any) -> str:
     return "stateful"
 
 
-def capture_extra(extra: Mapping[str, Any], snapshot: Snapshot) -> None:
-    """Add the ``extra`` section; raises for what a resume could not restore exactly.
+def capture_extra(extra: Mapping[str, Any], snapshot: Snapshot) -> dict[str, ExtraEntry]:
+    """The ``extra`` entries, their tensors added to ``snapshot``; raises for what a resume
+    could not restore exactly.
 
     A module-valued entry (e.g. an EMA copy) is stored once, but nothing keeps it identical
     on every rank: its tensors are verified before writing, never assumed replicated.
@@ -108,23 +108,20 @@ def capture_extra(extra: Mapping[str, Any], snapshot: Snapshot) -> None:
     from ddpckpt.training.loader import check_data_extra
 
     check_data_extra(extra)
-    section: dict[str, JSON] = {}
+    section: dict[str, ExtraEntry] = {}
     for name, obj in extra.items():
         if not isinstance(name, str) or not name:
             raise TypeError(f"extra keys must be non-empty strings, got {name!r}")
         prefix = f"extra/{name}"
         kind = extra_kind(obj)
         if kind == "per_rank":
-            section[name] = {"kind": kind, "type": type(obj).__qualname__}
+            section[name] = ExtraEntry(kind, type(obj).__qualname__)
             own = snapshot.rank_state.setdefault("extra", {})
             own[name] = encode(obj.state_dict(), prefix, snapshot.rank_tensors)
         elif kind == "stateful":
             before = set(snapshot.tensors)
-            section[name] = {
-                "kind": "stateful",
-                "type": type(obj).__qualname__,
-                "state": encode(obj.state_dict(), prefix, snapshot.tensors),
-            }
+            state = encode(obj.state_dict(), prefix, snapshot.tensors)
+            section[name] = ExtraEntry(kind, type(obj).__qualname__, state)
             if isinstance(obj, nn.Module):
                 snapshot.unverified |= set(snapshot.tensors) - before
         elif isinstance(obj, torch.utils.data.Sampler):
@@ -135,5 +132,5 @@ def capture_extra(extra: Mapping[str, Any], snapshot: Snapshot) -> None:
                 "restores its position exactly"
             )
         else:
-            section[name] = {"kind": "value", "state": encode(obj, prefix, snapshot.tensors)}
-    snapshot.state["extra"] = section
+            section[name] = ExtraEntry("value", None, encode(obj, prefix, snapshot.tensors))
+    return section

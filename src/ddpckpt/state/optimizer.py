@@ -2,8 +2,10 @@
 
 State is keyed by the *canonical name* of each parameter (a tied one by whichever of its
 names the checkpoint knows), with shapes, so reordered module definitions restore the
-right moments or fail with a clear error. Parameters outside the model are named by
-position. Each state tensor is replicated, per rank or to be verified as its parameter
+right moments or fail with a clear error. In the single-model layout parameters outside
+the model are named by position; in the named layout (several models, see
+:mod:`ddpckpt.format.sections`) names are ``<model>/<parameter>`` and a parameter outside
+every model is an error. Each state tensor is replicated, per rank or to be verified as its parameter
 is, and restoring puts every tensor back on the device and in the dtype it had when saved.
 
 Every function here is local to the calling rank.
@@ -20,7 +22,8 @@ from torch import nn
 
 from ddpckpt._log import get_logger
 from ddpckpt.errors import StateMismatchError
-from ddpckpt.format.codec import JSON, decode, encode
+from ddpckpt.format.codec import decode, encode
+from ddpckpt.format.sections import SINGLE, Layout, OptimizerSection
 from ddpckpt.state.model import (
     Replication,
     canonical_key,
@@ -30,9 +33,13 @@ from ddpckpt.state.model import (
 )
 from ddpckpt.state.snapshot import Snapshot, TensorSource
 
+ParamNames = dict[int, list[str]]  # id(parameter) -> every name it has in the models
+
 __all__ = [
+    "ParamNames",
     "capture_optimizer",
     "check_optimizer",
+    "param_names",
     "record_steppers",
     "restore_optimizer",
 ]
@@ -40,93 +47,111 @@ __all__ = [
 _log = get_logger(__name__)
 
 
-def _all_param_names(root: nn.Module) -> dict[int, list[str]]:
-    """Every canonical name of each parameter, by ``id``: tied weights have several."""
-    names: dict[int, list[str]] = {}
-    for name, param in root.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(canonical_key(root, name))
+def param_names(models: Mapping[str, nn.Module], layout: Layout = SINGLE) -> ParamNames:
+    """Every name of each parameter of ``models``, by ``id`` (tied weights have several),
+    as optimizer state in ``layout`` names it."""
+    names: ParamNames = {}
+    for model_name, model in models.items():
+        root = unwrap_model(model)
+        for name, param in root.named_parameters(remove_duplicate=False):
+            key = layout.param_name(model_name, canonical_key(root, name))
+            names.setdefault(id(param), []).append(key)
     return names
 
 
 def _param_names(
-    root: nn.Module,
+    names: ParamNames,
     optimizer: torch.optim.Optimizer,
     stored: list[set[str]] | None = None,
+    label: str | None = None,
 ) -> list[list[str]]:
-    """Each param group's parameter names; parameters outside the model are named by position.
+    """Each param group's parameter names.
 
     A tied parameter has several names: it takes whichever of them ``stored`` lists for
     its group (so state saved as ``emb.weight`` reaches a model that now defines ``head``
-    first), else its first name in the module's definition order.
+    first), else its first name in the module's definition order. A parameter outside
+    the models is named by its position, or, given the optimizer's ``label`` (the named
+    layout), is an error.
     """
-    names = _all_param_names(root)
     result = []
     for g, group in enumerate(optimizer.param_groups):
         known = stored[g] if stored is not None and g < len(stored) else set()
-        result.append(
-            [
-                next((n for n in names[id(p)] if n in known), names[id(p)][0])
-                if id(p) in names
-                else f"@group{g}.{i}"
-                for i, p in enumerate(group["params"])
-            ]
-        )
+        group_names = []
+        for i, p in enumerate(group["params"]):
+            if id(p) in names:
+                group_names.append(next((n for n in names[id(p)] if n in known), names[id(p)][0]))
+            elif label is None:
+                group_names.append(f"@group{g}.{i}")
+            else:
+                raise StateMismatchError(
+                    f"{label}: parameter {i} of param group {g} (shape {list(p.shape)}) belongs "
+                    "to no model of the TrainingState; add the module that owns it to the state"
+                )
+        result.append(group_names)
     return result
 
 
 def _live_names(
-    section: Mapping[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer
+    section: OptimizerSection, names: ParamNames, optimizer: torch.optim.Optimizer
 ) -> list[list[str]]:
     """Names to match stored state against: parameter names, or positions for imports."""
-    if section.get("by_position"):
+    if section.by_position:
         return [
             [f"@group{g}.{i}" for i in range(len(group["params"]))]
             for g, group in enumerate(optimizer.param_groups)
         ]
-    stored = [set(group["params"]) for group in section["groups"]]
-    return _param_names(unwrap_model(model), optimizer, stored)
+    stored = [set(group.params) for group in section.groups]
+    return _param_names(names, optimizer, stored)
 
 
 def capture_optimizer(
     optimizer: torch.optim.Optimizer,
-    root: nn.Module,
+    names: ParamNames,
     replication: Replication,
     snapshot: Snapshot,
-) -> None:
-    """Add ``optimizer``'s section and state tensors to ``snapshot``.
+    prefix: str = "optimizer",
+    label: str | None = None,
+) -> OptimizerSection:
+    """Add ``optimizer``'s state tensors to ``snapshot`` under ``prefix``; returns its
+    section.
 
-    ``root`` is the unwrapped model that names the parameters; ``replication`` (from
+    ``names`` (from :func:`param_names`) names the parameters; ``replication`` (from
     :func:`~ddpckpt.state.model.capture_model`) sorts each state tensor as its parameter.
+    With ``label`` a parameter in no model is an error naming the optimizer so.
     """
     before = set(snapshot.tensors)
-    section = _section(optimizer, root)
-    snapshot.state["optimizer"] = encode(section, "optimizer", snapshot.tensors)
-    names = set(snapshot.tensors) - before
-    snapshot.balanced.update(names)
-    _sort_optimizer_state(optimizer, names, replication, snapshot)
+    encoded = encode(_section(optimizer, names, label), prefix, snapshot.tensors)
+    added = set(snapshot.tensors) - before
+    snapshot.balanced.update(added)
+    _sort_optimizer_state(optimizer, added, replication, snapshot)
+    return OptimizerSection.from_json(encoded, prefix)
 
 
-def _section(optimizer: torch.optim.Optimizer, root: nn.Module) -> dict[str, Any]:
+def _section(
+    optimizer: torch.optim.Optimizer, names: ParamNames, label: str | None
+) -> dict[str, Any]:
     """The optimizer's ``state_dict()`` keyed by parameter name, with shapes and placement."""
-    names = _param_names(root, optimizer)
+    group_names = _param_names(names, optimizer, label=label)
     saved = optimizer.state_dict()
     groups, state, shapes = [], {}, {}
     placement: dict[str, str] = {}
     own_dtype: set[str] = set()
-    for g, (saved_group, group_names, live_group) in enumerate(
-        zip(saved["param_groups"], names, optimizer.param_groups, strict=True)
+    for g, (saved_group, names_in_group, live_group) in enumerate(
+        zip(saved["param_groups"], group_names, optimizer.param_groups, strict=True)
     ):
         for index, name, param in zip(
-            saved_group["params"], group_names, live_group["params"], strict=True
+            saved_group["params"], names_in_group, live_group["params"], strict=True
         ):
             shapes[name] = list(param.shape)
             if index in saved["state"]:
                 state[name] = saved["state"][index]
                 _note_placement(state[name], param, placement, own_dtype)
         hyper = {k: v for k, v in saved_group.items() if k != "params"}
-        groups.append({"params": group_names, "hyper": hyper})
-        if len(set(group_names)) != len(group_names):
-            raise StateMismatchError(f"optimizer param group {g} lists a parameter twice")
+        groups.append({"params": names_in_group, "hyper": hyper})
+        if len(set(names_in_group)) != len(names_in_group):
+            raise StateMismatchError(
+                f"{label or 'optimizer'} param group {g} lists a parameter twice"
+            )
     return {
         "type": type(optimizer).__qualname__,
         "groups": groups,
@@ -203,16 +228,20 @@ def record_steppers(optimizers: list[torch.optim.Optimizer], snapshot: Snapshot)
 
 
 def check_optimizer(
-    optimizer: torch.optim.Optimizer, model: nn.Module, encoded: JSON, where: str
+    optimizer: torch.optim.Optimizer,
+    names: ParamNames,
+    section: OptimizerSection,
+    where: str,
+    label: str = "optimizer",
 ) -> None:
-    """Raise :class:`StateMismatchError` unless the stored state fits ``optimizer`` by name."""
-    section = decode(encoded, _LazyTensor, where=where)
-    shapes = section["shapes"]
-    live_names = _live_names(section, model, optimizer)
-    stored_groups = section["groups"]
+    """Raise :class:`StateMismatchError` unless the stored state fits ``optimizer`` by name
+    (``names`` from :func:`param_names`; ``label`` names the optimizer in messages)."""
+    shapes = section.shapes
+    live_names = _live_names(section, names, optimizer)
+    stored_groups = section.groups
     if len(stored_groups) != len(live_names):
         raise StateMismatchError(
-            f"{where}: the checkpoint's optimizer has {len(stored_groups)} param group(s), "
+            f"{where}: the checkpoint's {label} has {len(stored_groups)} param group(s), "
             f"the live {type(optimizer).__qualname__} has {len(live_names)}"
         )
     problems = []
@@ -220,24 +249,24 @@ def check_optimizer(
         zip(stored_groups, live_names, optimizer.param_groups, strict=True)
     ):
         live_shapes = {n: list(p.shape) for n, p in zip(names, group["params"], strict=True)}
-        missing = [n for n in names if n not in stored["params"]]
-        unexpected = [n for n in stored["params"] if n not in live_shapes]
+        missing = [n for n in names if n not in stored.params]
+        unexpected = [n for n in stored.params if n not in live_shapes]
         wrong = [
             f"{n}: checkpoint {shapes[n]}, model {live_shapes[n]}"
-            for n in stored["params"]
+            for n in stored.params
             if n in live_shapes and shapes[n] is not None and list(shapes[n]) != live_shapes[n]
         ]
         if missing or unexpected or wrong:
             problems.append(f" param group {g}:\n{mismatch_report(missing, unexpected, wrong)}")
     if problems:
         outside = [n for names in live_names for n in names if n.startswith("@")]
-        if outside and not section.get("by_position"):
+        if outside and not section.by_position:
             problems.append(
-                f" {len(outside)} of the optimizer's parameters are not parameters of the model "
+                f" {len(outside)} of the {label}'s parameters are not parameters of the model "
                 "passed; pass the model the optimizer was built over"
             )
         raise StateMismatchError(
-            f"{where}: the checkpoint's optimizer state does not match the live "
+            f"{where}: the checkpoint's {label} state does not match the live "
             f"{type(optimizer).__qualname__}'s parameters (matched by name):\n"
             + "\n".join(problems)
         )
@@ -245,15 +274,15 @@ def check_optimizer(
 
 def restore_optimizer(
     optimizer: torch.optim.Optimizer,
-    model: nn.Module,
-    encoded: JSON,
+    names: ParamNames,
+    section: OptimizerSection,
     source: TensorSource,
     where: str,
 ) -> None:
     """Load optimizer state matched by parameter name (call :func:`check_optimizer` first)."""
-    section = decode(encoded, _LazyTensor, where=where)
-    live_names = _live_names(section, model, optimizer)
-    if section.get("by_position"):
+    live_names = _live_names(section, names, optimizer)
+    stored_state = decode(section.state, _LazyTensor, where=where)
+    if section.by_position:
         _log.warning(
             "%s: optimizer state was imported from a torch.save file, which keys it by "
             "position: it is matched to the live parameters in order (shapes checked)",
@@ -261,20 +290,21 @@ def restore_optimizer(
         )
     param_groups, state, index = [], {}, 0
     for stored, names, group in zip(
-        section["groups"], live_names, optimizer.param_groups, strict=True
+        section.groups, live_names, optimizer.param_groups, strict=True
     ):
         indices = []
-        fused = bool(stored["hyper"].get("fused")) or bool(stored["hyper"].get("capturable"))
-        kept = _Kept(fused, section.get("placement", {}), set(section.get("own_dtype", ())))
+        hyper = decode(stored.hyper, _LazyTensor, where=where)
+        fused = bool(hyper.get("fused")) or bool(hyper.get("capturable"))
+        kept = _Kept(fused, section.placement or {}, set(section.own_dtype or ()))
         for name, param in zip(names, group["params"], strict=True):
-            if name in section["state"]:
+            if name in stored_state:
                 state[index] = {
                     key: _materialize(value, key, param, kept, source)
-                    for key, value in section["state"][name].items()
+                    for key, value in stored_state[name].items()
                 }
             indices.append(index)
             index += 1
-        param_groups.append({**_cloned(stored["hyper"], source), "params": indices})
+        param_groups.append({**_cloned(hyper, source), "params": indices})
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
     # load_state_dict moves every value beside its parameter; put back those kept elsewhere.
     params = [param for group in optimizer.param_groups for param in group["params"]]
