@@ -558,14 +558,15 @@ class Checkpointer:
         self._latest = self._committed = newest
 
     def _capture(self) -> Snapshot:
-        self._lock.check()  # never write into a directory another job has taken over
         return capture(**self._objects(), rng=self.rng)
 
     def _persist(self, plan: WritePlan) -> None:
         """Write and commit ``plan`` (retrying transient storage errors), then retention.
 
-        Runs on the training thread, or on the background thread for async saves.
+        Runs on the training thread, or on the background thread for async saves (so the
+        lock check, a request on object stores, never stalls training).
         """
+        plan.comm.run("lock", self._lock.check)  # never write where another job took over
         self._failures.retrying(plan.path, lambda attempt: write_and_commit(plan, attempt))
         self._committed = plan.header["step"]
         try:
