@@ -568,3 +568,47 @@ def test_an_async_save_into_a_run_another_job_took_over_writes_nothing(s3_root) 
     assert json.loads((run / ".lock").read_text())["host"] == "another-node"  # left alone
     with pytest.raises(ddpckpt.CheckpointLockedError):  # the failed save, reported once more
         checkpointer.close()
+
+
+def test_a_missing_bucket_and_missing_credentials_are_named_errors_saying_what_to_do(
+    s3_endpoint, monkeypatch
+) -> None:
+    from ddpckpt.storage.s3 import S3Storage
+
+    with pytest.raises(FileNotFoundError, match=r"NoSuchBucket.*create it"):
+        storage_for(f"s3://{s3server.BUCKET}/x").read(f"s3://no-such-bucket-{os.getpid()}/x")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to ask
+    anonymous = S3Storage(endpoint_url=s3_endpoint, max_attempts=0)
+    with pytest.raises(PermissionError, match="AWS_ACCESS_KEY_ID") as caught:
+        anonymous.read(f"s3://{s3server.BUCKET}/x")
+    assert caught.value.filename == f"s3://{s3server.BUCKET}/x"
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "kind", "says"),
+    [
+        ("ExpiredToken", 400, PermissionError, "expired: renew them"),
+        ("AccessDenied", 403, PermissionError, "may use this bucket"),
+        ("InvalidAccessKeyId", 403, PermissionError, "check the credentials"),
+        ("PermanentRedirect", 301, OSError, "region_name"),
+        ("AuthorizationHeaderMalformed", 400, OSError, "AWS_REGION"),
+    ],
+)
+def test_errors_a_real_s3_answers_name_their_cause_and_remedy(code, status, kind, says) -> None:
+    """Answers moto does not give (it checks no credentials and has one region), as AWS
+    sends them."""
+    import botocore.exceptions
+
+    from ddpckpt.storage.s3client import os_error
+
+    answer = {
+        "Error": {"Code": code, "Message": "as AWS says it"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    error = os_error(botocore.exceptions.ClientError(answer, "PutObject"), "s3://b/run/x")
+    assert type(error) is kind and error.filename == "s3://b/run/x"
+    assert code in str(error) and says in str(error)
