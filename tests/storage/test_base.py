@@ -340,3 +340,49 @@ def test_an_overwrite_failing_at_any_step_leaves_the_old_or_the_new_checkpoint(
     if isinstance(storage.commit, ManifestLastCommit):  # the replaced objects are gone
         manifest = json.loads(storage.read(f"{path}/{MANIFEST}"))
         assert sorted(storage.walk(path)) == sorted([MANIFEST, *manifest["files"]])
+
+
+@pytest.mark.parametrize("remove", ["resume", "clean"])
+def test_an_overwrite_killed_before_its_commit_is_a_leftover_ls_lists_and_resume_or_clean_removes(
+    store, monkeypatch, capsys, remove
+) -> None:
+    """On object stores an overwrite writes under ``step-N/.next-<token>/`` while the old
+    checkpoint stays committed; a process killed before the manifest switch never runs its
+    cleanup, so those objects stay inside ``step-N``."""
+    storage, root = store
+    if not isinstance(storage.commit, ManifestLastCommit):
+        pytest.skip("a rename commit leaves temporaries beside the run's checkpoints")
+    from ddpckpt.cli.main import main
+    from ddpckpt.run.rundir import find_leftovers
+
+    run = f"{root}/run"
+    model = torch.nn.Linear(3, 2)
+    with ddpckpt.Checkpointer(run, model=model) as checkpointer:
+        checkpointer.save(step=1)
+    step = f"{run}/step-00000001"
+
+    def killed(*args, **kwargs) -> None:
+        raise OSError(errno.EIO, "the process dies here", step)
+
+    with monkeypatch.context() as patch:  # a kill: the switch and the cleanup never run
+        patch.setattr(ManifestLastCommit, "publish", killed)
+        patch.setattr(ManifestLastCommit, "_remove_leftovers", lambda *args: None)
+        with pytest.raises(ddpckpt.CheckpointWriteError):
+            ddpckpt.save(step, model=torch.nn.Linear(3, 2), step=1, overwrite=True)
+    [part] = [name for name in storage.list(step) if name.startswith(".next-")]
+    [leftover] = find_leftovers(run)
+    assert (leftover.name, leftover.kind) == (f"step-00000001/{part}", "temporary")
+    assert leftover.nbytes == storage.tree_bytes(f"{step}/{part}") > 0
+    capsys.readouterr()
+    main(["ls", run])
+    assert f"step-00000001/{part}" in capsys.readouterr().out
+    if remove == "resume":
+        with ddpckpt.Checkpointer(run, model=torch.nn.Linear(3, 2)) as checkpointer:
+            assert checkpointer.resume().step == 1
+    else:
+        assert main(["clean", run]) == 0
+    assert not [name for name in storage.list(step) if name.startswith(".next-")]
+    assert find_leftovers(run) == []
+    loaded = torch.nn.Linear(3, 2)
+    ddpckpt.load(step, model=loaded)  # the committed checkpoint is whole
+    assert torch.equal(loaded.weight, model.weight)

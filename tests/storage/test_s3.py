@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -513,3 +514,101 @@ def test_parts_grow_every_thousand_parts(mounted, monkeypatch) -> None:
     ]
     assert sizes == [5 * MiB, 5 * MiB, 10 * MiB, 7 * MiB]
     assert storage.read(f"{root}/growing") == data
+
+
+def test_an_async_save_makes_no_request_on_the_training_thread(s3_root, monkeypatch) -> None:
+    """The design property behind "the async stall is the local disk's": every HTTP request
+    of an ``async_save`` (lock, listing, uploads, manifest, ``latest``, retention) is sent
+    from a background thread; the training thread only copies tensors. Recorded where
+    botocore sends a request, so a request added anywhere on the training thread fails it."""
+    import botocore.endpoint
+
+    senders: list[tuple[int, str]] = []
+    send = botocore.endpoint.Endpoint._send
+
+    def recorded(endpoint, request):
+        senders.append((threading.get_ident(), f"{request.method} {request.url}"))
+        return send(endpoint, request)
+
+    monkeypatch.setattr(botocore.endpoint.Endpoint, "_send", recorded)
+    training = threading.get_ident()
+    run = s3_root / "run"
+    model = make_mlp()
+    with Checkpointer(run, model=model, async_save=True, keep_last=1) as checkpointer:
+        checkpointer.resume()  # nothing yet: the one synchronous call, outside training
+        for step in (1, 2, 3):
+            train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), 1)
+            senders.clear()
+            checkpointer.save(step=step)
+            on_training_thread = [what for thread, what in senders if thread == training]
+            assert on_training_thread == [], f"save(step={step}) made requests on the caller"
+            checkpointer.wait()
+            assert any(thread != training for thread, _ in senders)  # the seam sees them
+        senders.clear()
+        pending = ddpckpt.save(f"{s3_root}/single", model=model, async_save=True)
+        assert [what for thread, what in senders if thread == training] == []
+        pending.wait()
+    assert ddpckpt.latest(run) == f"{run}/step-00000003"
+
+
+def test_an_async_save_into_a_run_another_job_took_over_writes_nothing(s3_root) -> None:
+    """The lock check moved off the training thread still comes before any write."""
+    import json
+
+    run = s3_root / "run"
+    checkpointer = Checkpointer(run, model=make_mlp(), async_save=True)
+    checkpointer.save(step=1)
+    checkpointer.wait()
+    taker = {"host": "another-node", "pid": 1, "job": "job-9", "since": 0}
+    (run / ".lock").write_text(json.dumps(taker))
+    checkpointer.save(step=2)  # returns at once; the background save refuses to write
+    with pytest.raises(ddpckpt.CheckpointLockedError, match="took this directory's lock over"):
+        checkpointer.save(step=3)
+    assert not (run / "step-00000002").exists() and not (run / "step-00000003").exists()
+    assert json.loads((run / ".lock").read_text())["host"] == "another-node"  # left alone
+    with pytest.raises(ddpckpt.CheckpointLockedError):  # the failed save, reported once more
+        checkpointer.close()
+
+
+def test_a_missing_bucket_and_missing_credentials_are_named_errors_saying_what_to_do(
+    s3_endpoint, monkeypatch
+) -> None:
+    from ddpckpt.storage.s3 import S3Storage
+
+    with pytest.raises(FileNotFoundError, match=r"NoSuchBucket.*create it"):
+        storage_for(f"s3://{s3server.BUCKET}/x").read(f"s3://no-such-bucket-{os.getpid()}/x")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to ask
+    anonymous = S3Storage(endpoint_url=s3_endpoint, max_attempts=0)
+    with pytest.raises(PermissionError, match="AWS_ACCESS_KEY_ID") as caught:
+        anonymous.read(f"s3://{s3server.BUCKET}/x")
+    assert caught.value.filename == f"s3://{s3server.BUCKET}/x"
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "kind", "says"),
+    [
+        ("ExpiredToken", 400, PermissionError, "expired: renew them"),
+        ("AccessDenied", 403, PermissionError, "may use this bucket"),
+        ("InvalidAccessKeyId", 403, PermissionError, "check the credentials"),
+        ("PermanentRedirect", 301, OSError, "region_name"),
+        ("AuthorizationHeaderMalformed", 400, OSError, "AWS_REGION"),
+    ],
+)
+def test_errors_a_real_s3_answers_name_their_cause_and_remedy(code, status, kind, says) -> None:
+    """Answers moto does not give (it checks no credentials and has one region), as AWS
+    sends them."""
+    import botocore.exceptions
+
+    from ddpckpt.storage.s3client import os_error
+
+    answer = {
+        "Error": {"Code": code, "Message": "as AWS says it"},
+        "ResponseMetadata": {"HTTPStatusCode": status},
+    }
+    error = os_error(botocore.exceptions.ClientError(answer, "PutObject"), "s3://b/run/x")
+    assert type(error) is kind and error.filename == "s3://b/run/x"
+    assert code in str(error) and says in str(error)

@@ -181,7 +181,22 @@ def clean_temporaries(directory: str) -> list[str]:
         if is_temp_name(name):
             store.delete_tree(os.path.join(directory, name))
             removed.append(name)
+    for name, path in _unfinished_overwrites(directory):
+        store.delete_tree(path)
+        removed.append(name)
     return removed
+
+
+def _unfinished_overwrites(directory: str) -> list[tuple[str, str]]:
+    """``(step-N/part, path)`` for what interrupted overwrites left inside committed
+    checkpoints (``step-N/.next-<token>/`` on object stores)."""
+    store = storage_for(directory)
+    found = []
+    for name in sorted(store.list(directory)):
+        if parse_step(name) is not None:
+            for path in store.commit.unfinished(store, os.path.join(directory, name)):
+                found.append((f"{name}/{os.path.basename(path)}", path))
+    return found
 
 
 @dataclass
@@ -189,7 +204,7 @@ class Leftover:
     """Something in a run directory that is no checkpoint and takes space.
 
     ``kind`` is ``temporary`` (a save in progress, or left by a crash or an interrupted
-    deletion) or ``corrupt`` (a checkpoint ``resume()`` moved aside).
+    deletion; also an interrupted overwrite's ``step-N/.next-<token>``) or ``corrupt`` (a checkpoint ``resume()`` moved aside).
     """
 
     name: str
@@ -216,6 +231,8 @@ def find_leftovers(directory: str) -> list[Leftover]:
             continue
         path = os.path.join(directory, name)
         found.append(Leftover(name, path, kind, tree_bytes(path)))
+    for name, path in _unfinished_overwrites(directory):
+        found.append(Leftover(name, path, "temporary", tree_bytes(path)))
     return found
 
 

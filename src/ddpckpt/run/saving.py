@@ -219,8 +219,10 @@ class RunSaves:
     def _persist(self, plan: WritePlan) -> None:
         """Write and commit ``plan`` (retrying transient storage errors), then retention.
 
-        Runs on the training thread, or on the background thread for async saves.
+        Runs on the training thread, or on the background thread for async saves (so the
+        lock check, a request on object stores, never stalls training).
         """
+        plan.comm.run("lock", self.lock.check)  # never write where another job took over
         self.failures.retrying(plan.path, lambda attempt: write_and_commit(plan, attempt))
         self.committed = plan.header["step"]
         try:

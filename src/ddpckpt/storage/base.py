@@ -315,6 +315,11 @@ class CommitStrategy(abc.ABC):
     def set_aside(self, storage: Storage, final: str, target: str) -> None:
         """Move a (broken) checkpoint to ``target``, where it is never loaded."""
 
+    def unfinished(self, storage: Storage, final: str) -> list[str]:
+        """What interrupted saves left inside the committed checkpoint ``final``: no part of
+        it, safe to delete once no save to ``final`` is in flight."""
+        return []
+
 
 class RenameCommit(CommitStrategy):
     """Write into a temporary sibling ``.D.tmp-<token>``, manifest last, sync, then rename
@@ -417,7 +422,9 @@ class ManifestLastCommit(CommitStrategy):
 
     def _remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
         if staging != final:
-            if staging[len(final) + 1 :] not in _prefixes(storage, final):  # not committed
+            if staging[len(final) + 1 :] not in _committed_prefixes(
+                storage, final
+            ):  # not committed
                 storage.delete_tree(staging)
         elif not self.exists(storage, final):
             storage.delete_tree(final)
@@ -426,6 +433,20 @@ class ManifestLastCommit(CommitStrategy):
         with contextlib.suppress(FileNotFoundError):
             storage.delete(f"{final}/{MANIFEST}")
         storage.delete_tree(final)
+
+    def unfinished(self, storage: Storage, final: str) -> list[str]:
+        """The ``.next-<token>/`` prefixes of overwrites that never switched the manifest
+        (the process died first); the one the committed manifest names is the checkpoint."""
+        try:  # listed before the manifest is read, so that a commit meanwhile is seen
+            names = storage.list(final)
+            committed = _prefixes(_listed(storage.read(f"{final}/{MANIFEST}")))
+        except FileNotFoundError:
+            return []  # no checkpoint: the whole prefix is an interrupted save's leftover
+        return [
+            f"{final}/{name}"
+            for name in names
+            if name.startswith(_NEXT_MARK) and name not in committed
+        ]
 
     def set_aside(self, storage: Storage, final: str, target: str) -> None:
         names = storage.walk(final)
@@ -446,12 +467,15 @@ def _listed(manifest: bytes) -> list[str]:
         return []
 
 
-def _prefixes(storage: Storage, final: str) -> set[str]:
+def _committed_prefixes(storage: Storage, final: str) -> set[str]:
     """The first components of the names the committed manifest at ``final`` lists."""
     try:
-        names = _listed(storage.read(f"{final}/{MANIFEST}"))
+        return _prefixes(_listed(storage.read(f"{final}/{MANIFEST}")))
     except FileNotFoundError:
         return set()
+
+
+def _prefixes(names: list[str]) -> set[str]:
     return {name.split("/", 1)[0] for name in names if "/" in name}
 
 

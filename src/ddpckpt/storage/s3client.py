@@ -92,24 +92,71 @@ def settings(options: Mapping[str, Any]) -> dict[str, Any]:
     return arguments
 
 
+_DENIED = {  # error code: what to do
+    "AccessDenied": "check that these credentials may use this bucket (its policy, the IAM role)",
+    "AllAccessDisabled": "access to this bucket is disabled: use another bucket",
+    "AccountProblem": "the account behind these credentials has a problem: see its console",
+    "InvalidAccessKeyId": "the access key is unknown to this endpoint: check the credentials "
+    "(AWS_ACCESS_KEY_ID, storage_options key=) and that the endpoint is the intended one",
+    "SignatureDoesNotMatch": "the secret key does not match the access key: check the credentials",
+    "ExpiredToken": "the session credentials have expired: renew them (aws sso login, a new "
+    "STS token) and start again",
+    "InvalidToken": "the session token is invalid: renew the credentials",
+    "TokenRefreshRequired": "the session credentials have expired: renew them",
+}
+_ELSEWHERE = (  # the bucket lives in another region than the one the request was signed for
+    "PermanentRedirect",
+    "AuthorizationHeaderMalformed",
+    "IllegalLocationConstraintException",
+)
+_REGION_HINT = "the bucket is in another region: set storage_options region_name= or AWS_REGION"
+_ENDPOINT_HINT = (
+    "check the endpoint (storage_options endpoint_url=, AWS_ENDPOINT_URL) and that the server runs"
+)
+_CREDENTIALS_HINT = (
+    "give credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile "
+    "(AWS_PROFILE, storage_options profile=), an instance role, or storage_options key=/secret="
+)
+
+
 def os_error(exc: Exception, location: str) -> OSError:
-    """The :class:`OSError` a caller can classify, for a client exception on ``location``."""
+    """The :class:`OSError` a caller can classify, for a client exception on ``location``;
+    its message names the S3 error and says what to do."""
     if isinstance(exc, botocore.exceptions.ClientError):
         error = exc.response.get("Error", {})
         code = str(error.get("Code", ""))
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         text = f"{code or status}: {error.get('Message', '') or exc}"
-        if code in ("NoSuchKey", "NoSuchBucket", "NotFound", "404") or status == 404:
+        if code == "NoSuchBucket":
+            return FileNotFoundError(
+                errno.ENOENT, f"{text} (create it, or correct the bucket's name)", location
+            )
+        if code in ("NoSuchKey", "NotFound", "404") or status == 404:
             return FileNotFoundError(errno.ENOENT, text, location)
-        if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
-            return PermissionError(errno.EACCES, text, location)
+        if code in _DENIED or code == "403" or status == 403:
+            hint = _DENIED.get(code, _DENIED["AccessDenied"])
+            return PermissionError(errno.EACCES, f"{text} ({hint})", location)
+        if code in _ELSEWHERE or status == 301:
+            return OSError(errno.EIO, f"{text} ({_REGION_HINT})", location)
         return OSError(errno.EIO, text, location)
+    if isinstance(
+        exc, botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError
+    ):
+        return PermissionError(
+            errno.EACCES, f"no usable S3 credentials ({exc}): {_CREDENTIALS_HINT}", location
+        )
     if isinstance(
         exc, (botocore.exceptions.ConnectTimeoutError, botocore.exceptions.ReadTimeoutError)
     ):
-        return TimeoutError(errno.ETIMEDOUT, f"S3 request timed out ({exc})", location)
-    if isinstance(exc, botocore.exceptions.EndpointConnectionError):
-        return ConnectionError(errno.ECONNREFUSED, f"S3 endpoint unreachable ({exc})", location)
+        return TimeoutError(
+            errno.ETIMEDOUT, f"S3 request timed out ({exc}); {_ENDPOINT_HINT}", location
+        )
+    if isinstance(
+        exc, botocore.exceptions.EndpointConnectionError | botocore.exceptions.ConnectionClosedError
+    ):
+        return ConnectionError(
+            errno.ECONNREFUSED, f"S3 endpoint unreachable ({exc}); {_ENDPOINT_HINT}", location
+        )
     return OSError(errno.EIO, f"S3 request failed ({type(exc).__name__}: {exc})", location)
 
 
