@@ -83,7 +83,10 @@ def application_handler(out: str, rank: int) -> None:
 
 
 def pause(out: str, rank: int) -> None:
-    Path(out, f"paused-rank{rank}.json").write_text(json.dumps({"pid": os.getpid()}))
+    ready = Path(out, f"paused-rank{rank}.json")
+    partial = ready.with_suffix(".partial")  # the test polls for the file: never half-written
+    partial.write_text(json.dumps({"pid": os.getpid()}))
+    partial.replace(ready)
     deadline = time.monotonic() + 120
     while not Path(out, "go").exists():
         if time.monotonic() > deadline:
