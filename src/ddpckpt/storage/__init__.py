@@ -18,16 +18,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ddpckpt.storage.base import (
-    CommitStrategy,
-    ManifestLastCommit,
-    Reader,
-    RenameCommit,
-    Storage,
-    Writer,
-    is_temp_name,
-    new_token,
-)
+from ddpckpt.storage.base import Reader, Storage, Writer, is_temp_name, new_token
+from ddpckpt.storage.commit import CommitStrategy, ManifestLastCommit, RenameCommit
 from ddpckpt.storage.memory import MemoryStorage
 from ddpckpt.storage.posix import PosixStorage
 

@@ -3,7 +3,7 @@
 It behaves like an object store, not a file system: objects are whole byte strings
 published when their writer syncs, directories are only prefixes of object keys (a
 directory exists while it holds an object), and a checkpoint commits with
-:class:`~ddpckpt.storage.base.ManifestLastCommit`. It serves tests and experiments: the
+:class:`~ddpckpt.storage.commit.ManifestLastCommit`. It serves tests and experiments: the
 save/load/resume suite runs on it to keep the storage seam honest, and code meant for
 object storage can be tried without a server. Nothing survives the process; other
 processes (other ranks) see nothing of it. Thread-safe.
@@ -16,7 +16,8 @@ import threading
 import time
 from typing import Any
 
-from ddpckpt.storage.base import ManifestLastCommit, Reader, Storage, Writer
+from ddpckpt.storage.base import Reader, Storage, Writer
+from ddpckpt.storage.commit import ManifestLastCommit
 
 __all__ = ["SCHEME", "MemoryStorage"]
 

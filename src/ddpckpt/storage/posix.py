@@ -3,7 +3,7 @@
 Locations are ordinary paths. Objects are created with ``O_EXCL`` and fsynced; streamed
 writes hand finished pages to the disk early (``posix_fadvise``) so the final fsync waits
 for less; reads are ``preadv`` into the caller's buffer or a copy-on-write ``mmap``.
-Checkpoints commit with :class:`~ddpckpt.storage.base.RenameCommit`: a temporary sibling
+Checkpoints commit with :class:`~ddpckpt.storage.commit.RenameCommit`: a temporary sibling
 directory, fsynced, renamed into place (exchanged atomically with an old one through Linux
 ``renameat2`` when overwriting), and the parent directory fsynced.
 """
@@ -21,7 +21,8 @@ import time
 from typing import Any
 
 from ddpckpt._log import get_logger
-from ddpckpt.storage.base import Reader, RenameCommit, Storage, Writer, new_token, temp_name
+from ddpckpt.storage.base import Reader, Storage, Writer, new_token, temp_name
+from ddpckpt.storage.commit import RenameCommit
 
 __all__ = ["PosixStorage", "load_torch_file"]
 
