@@ -37,6 +37,8 @@ def transfer_group(
     Its rendezvous and operations time out after ``timeout`` seconds; it is shut down on
     leaving, also on failure.
     """
+    if not isinstance(store, dist.Store):  # a client of another kind (a wrapper): adapt it
+        store = _Delegating(store)
     prefixed = dist.PrefixStore(f"{namespace()}/copies/{key}", store)
     group = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout))
     try:
@@ -74,3 +76,35 @@ def _exchange(
     works += [group.recv([t], sender, 0) for t, sender in receives]
     for work in works:
         work.wait()
+
+
+class _Delegating(dist.Store):
+    """A torch store over any client with the store's methods (gloo's rendezvous needs one)."""
+
+    def __init__(self, client: Any) -> None:
+        super().__init__()
+        self._client = client
+
+    def set(self, key: str, value: Any) -> None:
+        self._client.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        return self._client.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._client.add(key, amount)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._client.compare_set(key, expected, desired)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._client.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._client.delete_key(key)
+
+    def wait(self, keys: list[str], *timeout: timedelta) -> None:
+        self._client.wait(keys, *timeout)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._client.set_timeout(timeout)
