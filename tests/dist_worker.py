@@ -815,6 +815,51 @@ def scenario_dict_rank0(args, rank: int) -> dict[str, Any]:
     return {"same": same_tree(loaded, expected), "keys": list(loaded)}
 
 
+def scenario_copies_after_failure(args, rank: int) -> dict[str, Any]:
+    """Node-local storage (memory:// is per process): rank 1 fails inside the copies step of
+    save 1 (``--mode first``) or save 2 (``--mode second``); then every later save, a load
+    and the user's own ``dist.new_group`` must still work."""
+    import ddpckpt.io.writing as writing
+
+    model = build(seed=args.seed)[0]
+    real_send = writing.send_to_leaders
+    calls = []
+
+    def failing_send(comm, domains, bundle):
+        calls.append(1)
+        if comm.rank == 1 and len(calls) == (1 if args.mode == "first" else 2):
+            raise RuntimeError("rank 1 fails before its send (simulated)")
+        return real_send(comm, domains, bundle)
+
+    writing.send_to_leaders = failing_send
+    outcomes = []
+    for step in (1, 2, 3):
+        try:
+            ddpckpt.save(
+                f"memory://copies/step-{step}", model=model, step=step, timeout=args.timeout
+            )
+            outcomes.append("ok")
+        except Exception as exc:
+            outcomes.append(type(exc).__name__)
+    try:
+        fresh = build(seed=args.seed + 1)[0]
+        ddpckpt.load("memory://copies/step-3", model=fresh, timeout=args.timeout)
+        exact = all(
+            torch.equal(a, b)
+            for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
+        )
+    except Exception as exc:
+        exact = type(exc).__name__
+    try:
+        group = dist.new_group(timeout=timedelta(seconds=args.timeout))
+        total = torch.ones(1)
+        dist.all_reduce(total, group=group)
+        user_group = float(total)
+    except Exception as exc:
+        user_group = type(exc).__name__
+    return {"outcomes": outcomes, "exact": exact, "user_group": user_group}
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()

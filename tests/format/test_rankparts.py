@@ -115,3 +115,52 @@ def test_format_2_checkpoints_with_per_rank_state_in_the_manifest_still_load() -
 def make_v2_fixture(path: str) -> None:  # run once with the format-2 code to make the fixture
     model, opt, accumulation = mid_window(2)
     ddpckpt.save(path, model=model, optimizer=opt, extra={"acc": accumulation}, overwrite=True)
+
+
+def _overwritten_twice(model, opt, target: str) -> dict:
+    """Save at ``target``, change the weights, save the same step there again; returns them."""
+    ddpckpt.save(target, model=model, optimizer=opt, step=1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.5)
+    ddpckpt.save(target, model=model, optimizer=opt, step=1, overwrite=True)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_an_overwritten_checkpoint_loads_its_rank_file(ckpt_root):
+    """On an object store an overwrite commits its files under a prefix: the rank file is
+    found there, and the second save's weights come back bit for bit."""
+    model = make_mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    target = str(ckpt_root / "step-1")
+    saved = _overwritten_twice(model, opt, target)
+    fresh = make_mlp(seed=5)
+    ddpckpt.load(target, model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1))
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+
+
+def test_a_checkpointer_resumes_a_step_it_saved_twice(run_root):
+    """Saving at the step a run resumed from overwrites it; the next resume takes that step,
+    with its newest weights, and sets nothing aside as corrupt."""
+    from ddpckpt.storage import storage_for
+
+    root = str(run_root)
+    model = make_mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ddpckpt.Checkpointer(root, model=model, optimizer=opt) as ckpt:
+        ckpt.resume()
+        ckpt.save(1)
+        ckpt.save(2)
+        with torch.no_grad():
+            model[0].weight.fill_(7.0)
+        ckpt.save(2)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh = make_mlp(seed=5)
+    with ddpckpt.Checkpointer(
+        root, model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1)
+    ) as ckpt:
+        assert ckpt.resume().step == 2
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    assert not [n for n in storage_for(root).walk(root) if ".corrupt-" in n]

@@ -21,7 +21,7 @@ training process group:
 
 Only small messages (statuses, plans, file records) travel through the store, by
 :mod:`ddpckpt.dist.exchange`; bulk bytes (rank files, tensors) move point to point over a
-gloo group of ddpckpt's own (:mod:`ddpckpt.dist.copies`, :meth:`Comm.tensor_group`).
+gloo group of ddpckpt's own (:mod:`ddpckpt.dist.copies`, :meth:`Comm.transfer_group`).
 
 Calls are matched across ranks by order: the n-th ddpckpt collective on one rank meets
 the n-th on every other, so calls must be opened from the training thread (a background
@@ -39,12 +39,11 @@ import json
 import os
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-import torch
-
 from ddpckpt._log import get_logger
-from ddpckpt.dist.copies import tensor_group
+from ddpckpt.dist.copies import transfer_group
 from ddpckpt.dist.exchange import LEADER, Exchanges
 from ddpckpt.dist.failures import combine, describe, encode_error
 from ddpckpt.dist.liveness import Liveness
@@ -375,6 +374,9 @@ class Comm(Exchanges):
 
     # ------------------------------------------------------------------ tensors
 
-    def tensor_group(self, device: torch.device) -> Any:
-        """The process group to move tensors on ``device`` with (all ranks must ask together)."""
-        return tensor_group(device, self.timeout)
+    def transfer_group(self, purpose: str) -> AbstractContextManager[Any]:
+        """A gloo group of this call's ranks for one transfer (``purpose`` names it within the
+        call), shut down on leaving; every rank enters it together, inside a step."""
+        return transfer_group(
+            self._store, f"{self.token}/{purpose}", self.rank, self.world_size, self.timeout
+        )

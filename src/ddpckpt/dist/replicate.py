@@ -14,9 +14,9 @@ receive only take part in the bookkeeping.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import xxhash
 
 from ddpckpt._log import get_logger
@@ -54,19 +54,19 @@ def repair_copies(comm: Comm, path: str, have: list[bool]) -> None:
     )
     manifest = Manifest.from_json(text, path)
     owners = assign({name: f.size for name, f in manifest.files.items()}, source)
-    group = comm.tensor_group(torch.device("cpu"))
     tmp = store.commit.staging(store, path, comm.token)
 
     def transfer() -> None:
         if comm.rank in receivers:
             store.commit.begin(store, path, tmp, overwrite=True)
-        for name in sorted(manifest.files):
-            sender = owners[name]
-            for receiver in receivers:
-                if comm.rank == sender:
-                    _send(os.path.join(path, name), manifest.files[name].size, receiver, group)
-                elif comm.rank == receiver:
-                    _receive(os.path.join(tmp, name), manifest, name, sender, group)
+        with comm.transfer_group("repair") as group:
+            for name in sorted(manifest.files):
+                sender = owners[name]
+                for receiver in receivers:
+                    if comm.rank == sender:
+                        _send(os.path.join(path, name), manifest.files[name].size, receiver, group)
+                    elif comm.rank == receiver:
+                        _receive(os.path.join(tmp, name), manifest, name, sender, group)
         if comm.rank in receivers:
             store.write_new(os.path.join(tmp, MANIFEST_NAME), text)
             store.commit.publish(store, tmp, path, overwrite=True)
@@ -92,7 +92,7 @@ def _read_text(path: str) -> bytes:
     return storage_for(path).read(os.path.join(path, MANIFEST_NAME))
 
 
-def _send(path: str, size: int, receiver: int, group: object) -> None:
+def _send(path: str, size: int, receiver: int, group: Any) -> None:
     """Send the file in chunks of exactly the sizes :func:`_receive` expects."""
     reader = storage_for(path).open(path)
     try:
@@ -108,13 +108,13 @@ def _send(path: str, size: int, receiver: int, group: object) -> None:
                 if not got:
                     raise CorruptCheckpointError(f"{path}: ended early while being sent")
                 filled += got
-            dist.send(chunk[:n], dst=receiver, group=group)
+            group.send([chunk[:n]], receiver, 0).wait()
             sent += n
     finally:
         reader.close()
 
 
-def _receive(path: str, manifest: Manifest, name: str, sender: int, group: object) -> None:
+def _receive(path: str, manifest: Manifest, name: str, sender: int, group: Any) -> None:
     entry = manifest.files[name]
     hasher = xxhash.xxh3_64()
     chunk = torch.empty(_CHUNK, dtype=torch.uint8)
@@ -122,7 +122,7 @@ def _receive(path: str, manifest: Manifest, name: str, sender: int, group: objec
         remaining = entry.size
         while remaining:
             n = min(remaining, _CHUNK)
-            dist.recv(chunk[:n], src=sender, group=group)
+            group.recv([chunk[:n]], sender, 0).wait()
             data = byte_view(chunk)[:n]
             hasher.update(data)
             out.write(data)

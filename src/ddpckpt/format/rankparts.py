@@ -84,12 +84,23 @@ def fill_rank_parts(manifest: Manifest, path: str) -> list[str]:
     return problems
 
 
+def _listed_name(manifest: Manifest, base: str) -> str | None:
+    """The name under which the manifest lists the file ``base``: ``base`` itself, or
+    ``<prefix>/<base>`` where an overwrite on an object store committed the replacement
+    under a prefix (:mod:`ddpckpt.storage.base`); ``None`` if it lists neither."""
+    if base in manifest.files:
+        return base
+    return next((n for n in manifest.files if n.endswith(f"/{base}")), None)
+
+
 def _read_rank_file(manifest: Manifest, path: str, rank: int) -> tuple[dict, list[TensorEntry]]:
-    name = rank_file_name(rank)
+    name = _listed_name(manifest, rank_file_name(rank))
+    if name is None:
+        raise CorruptCheckpointError(
+            f"{path}: the manifest lists no file {rank_file_name(rank)} for rank {rank}"
+        )
     where = os.path.join(path, name)
-    listed = manifest.files.get(name)
-    if listed is None:
-        raise CorruptCheckpointError(f"{path}: the manifest lists no file {name} for rank {rank}")
+    listed = manifest.files[name]
     try:
         data = storage_for(where).read(where)
     except FileNotFoundError:
