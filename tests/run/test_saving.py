@@ -12,7 +12,7 @@ from ddpckpt.io.async_saver import AsyncSaver
 from ddpckpt.io.writing import header_fields
 from ddpckpt.run.options import resolve
 from ddpckpt.run.saving import RunSaves
-from ddpckpt.state.capture import capture
+from ddpckpt.state.capture import TrainingState, capture
 
 
 def test_saves_commit_retain_and_refuse_going_back(tmp_path) -> None:
@@ -22,7 +22,12 @@ def test_saves_commit_retain_and_refuse_going_back(tmp_path) -> None:
     assert saves.newest() == "nothing (this run has no committed checkpoint)"
 
     def save(step: int) -> str | None:
-        return saves.save(step, header_fields(step, None, None), lambda: capture(model=model), True)
+        return saves.save(
+            step,
+            header_fields(step, None, None),
+            lambda: capture(TrainingState.of(model=model)),
+            True,
+        )
 
     assert save(1) == str(run / "step-00000001")
     assert (run / ".lock").exists()  # taken at the first save

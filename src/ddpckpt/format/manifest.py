@@ -69,7 +69,8 @@ class Manifest:
     library_version: str = __version__
     torch_version: str = torch.__version__
     host: str = field(default_factory=platform.node)
-    format_version: int = 0  # 0 until written or read: then the version it was written with
+    # 0 until written or read: then the version it was written with (derived, not compared)
+    format_version: int = field(default=0, compare=False)
 
     def oldest_version(self) -> int:
         """The oldest format version that describes this manifest (what it is written with)."""
