@@ -42,6 +42,7 @@ class StoreStats:
     ops: int = 0
     bytes: int = 0
     by_op: dict[str, int] = field(default_factory=dict)
+    bytes_by_op: dict[str, int] = field(default_factory=dict)
     heartbeat: StoreStats | None = None  # what heartbeat threads did (per period, not per call)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -53,6 +54,7 @@ class StoreStats:
             self.ops += 1
             self.bytes += nbytes
             self.by_op[name] = self.by_op.get(name, 0) + 1
+            self.bytes_by_op[name] = self.bytes_by_op.get(name, 0) + nbytes
 
     def snapshot(self) -> tuple[int, int]:
         """Operations and bytes so far, the heartbeat threads' included."""

@@ -148,6 +148,7 @@ def read_oracle(path: Path) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # about ten torchrun launches, each bounded on its own
 def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
     code, out = torchrun_crash("train", str(tmp_path / "calibration"), str(tmp_path / "cal-oracle"))
     assert code == 0, out[-4000:]
