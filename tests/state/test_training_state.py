@@ -145,6 +145,19 @@ def test_an_optimizer_over_a_model_left_out_of_the_state_fails_at_save(ckpt_dir)
     assert not os.path.exists(ckpt_dir)
 
 
+def test_a_scheduler_whose_optimizer_is_left_out_is_refused(ckpt_dir) -> None:
+    # Its learning rates live in the optimizer: the resume would keep the initial lr.
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    with pytest.raises(ddpckpt.InexactResumeError, match="scheduler 'sched' adjusts a SGD"):
+        TrainingState(model=model, sched=sched)
+    with pytest.raises(ddpckpt.InexactResumeError, match="scheduler 'scheduler'"):
+        ddpckpt.save(os.path.join(ckpt_dir, "a"), model=model, scheduler=sched)
+    TrainingState.of(model=model, scheduler=sched, extra={"opt": opt})  # an extra optimizer
+    TrainingState(model=model, opt=opt, sched=sched)
+
+
 def test_weights_of_one_model_read_by_name(ckpt_dir) -> None:
     gan = _gan()
     ddpckpt.save(ckpt_dir, gan)

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpckpt.errors import InexactResumeError
+
 __all__ = ["ROLES", "TrainingState", "role_of"]
 
 ROLES = ("models", "optimizers", "schedulers", "scalers", "extra")
@@ -85,6 +87,7 @@ class TrainingState(Mapping[str, Any]):
             _check_name(name)
             getattr(self, role_of(obj))[name] = obj
         self._check_distinct_models()
+        self._check_schedulers()
 
     @classmethod
     def of(
@@ -114,6 +117,7 @@ class TrainingState(Mapping[str, Any]):
         if extra is not None:
             state.extra = extra
         state._check_distinct_models()
+        state._check_schedulers()
         return state
 
     @classmethod
@@ -172,6 +176,20 @@ class TrainingState(Mapping[str, Any]):
                     "(one may wrap the other); keep one of them"
                 )
             seen[root] = name
+
+    def _check_schedulers(self) -> None:
+        """A scheduler's learning rates live in its optimizer's param groups: without that
+        optimizer a resume restores the scheduler's position but not the rates it set."""
+        groups = {id(g) for opt in self.all_optimizers() for g in opt.param_groups}
+        for name, scheduler in self.schedulers.items():
+            optimizer = getattr(scheduler, "optimizer", None)
+            if optimizer is None or all(id(g) in groups for g in optimizer.param_groups):
+                continue
+            raise InexactResumeError(
+                f"TrainingState: scheduler {name!r} adjusts a {type(optimizer).__qualname__} "
+                "that is not in the state, so a resume would restore the scheduler but not the "
+                "learning rates it set; add that optimizer (optimizer=..., or a named entry)"
+            )
 
     def _items(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
