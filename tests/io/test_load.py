@@ -20,6 +20,7 @@ from conftest import TiedLM, make_mlp, train_steps
 from ddpckpt import (
     CorruptCheckpointError,
     StateMismatchError,
+    TrainingState,
 )
 from ddpckpt.storage import storage_for
 
@@ -284,6 +285,18 @@ def test_grad_scaler_state_is_exact(ckpt_dir) -> None:
     ddpckpt.load(ckpt_dir, model=make_mlp(), scaler=target)
     assert target.state_dict() == scaler.state_dict()
     assert target.state_dict()["_growth_tracker"] == 3
+
+
+def test_a_scaler_saved_disabled_into_an_enabled_one_fails_before_any_change(ckpt_dir) -> None:
+    model, scaler = make_mlp(), torch.amp.GradScaler("cpu", enabled=False)
+    ddpckpt.save(ckpt_dir, TrainingState(net=model, amp=scaler))
+    live = make_mlp(seed=1)
+    before = copy.deepcopy(live.state_dict())
+    live_scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(StateMismatchError, match="scaler 'amp' was saved disabled"):
+        ddpckpt.load(ckpt_dir, TrainingState(net=live, amp=live_scaler))
+    assert_state_equal(live.state_dict(), before)
+    ddpckpt.load(ckpt_dir, TrainingState(net=live, amp=torch.amp.GradScaler("cpu", enabled=False)))
 
 
 def test_rng_streams_continue_exactly(ckpt_dir) -> None:

@@ -211,6 +211,13 @@ def _check(
     for name, optimizer in state.optimizers.items():
         label = _label(layout, "optimizers", name)
         check_optimizer(optimizer, names, stored.optimizers[name], path, label)
+    for name, scaler in state.scalers.items():
+        if not stored.scalers[name].state and scaler.is_enabled():
+            raise StateMismatchError(
+                f"{path}: {_label(layout, 'scalers', name)} was saved disabled "
+                "(GradScaler(enabled=False) has no state), the live one is enabled; disable it "
+                "as when saving, or leave it out of the load to start from its initial scale"
+            )
     stored_extra = stored.extra
     for name, obj in state.extra.items():
         if name not in stored_extra:
