@@ -183,6 +183,20 @@ def test_a_loader_tracked_by_the_checkpointer_saves_what_was_consumed(tmp_path) 
     assert len(first) == 3
 
 
+def test_a_checkpointer_built_while_its_loader_iterates_refuses_to_save(tmp_path) -> None:
+    """Tracking a loader partway through its pass would save a position that leaves out
+    the batches already yielded (the resume replayed them): the save says so instead."""
+    loader = DataLoader(Numbers(20), batch_size=2, shuffle=True, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    ckpt = ddpckpt.Checkpointer(tmp_path / "run", model=torch.nn.Linear(1, 1),
+                                extra={"loader": loader}, on_error="raise")  # fmt: skip
+    with pytest.raises(ddpckpt.InexactResumeError, match=r"extra\['loader'\]"):
+        ckpt.save(1)
+    ckpt.close()
+    assert ckpt.steps() == []
+
+
 def test_an_untrackable_iterable_dataset_is_refused() -> None:
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):

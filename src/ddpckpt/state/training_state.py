@@ -7,7 +7,8 @@ gets the role its type says (a module is a model, an optimizer an optimizer ...)
 keyword shorthand of those functions (``model=``, ``optimizer=``, ``scheduler=``,
 ``scaler=``, ``extra=``, ``rng=``) builds one with :meth:`TrainingState.of`.
 
-Constructing one is local and touches no tensor.
+Constructing one is local and touches no tensor; a DataLoader in it is tracked from then on
+(:mod:`ddpckpt.training.loader`), so build it before the training loop.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ class TrainingState(Mapping[str, Any]):
             getattr(self, role_of(obj))[name] = obj
         self._check_distinct_models()
         self._check_schedulers()
+        _adopt_loaders(self.extra)
 
     @classmethod
     def of(
@@ -118,6 +120,7 @@ class TrainingState(Mapping[str, Any]):
             state.extra = extra
         state._check_distinct_models()
         state._check_schedulers()
+        _adopt_loaders(state.extra)
         return state
 
     @classmethod
@@ -219,3 +222,11 @@ class TrainingState(Mapping[str, Any]):
 def _check_name(name: object) -> None:
     if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"TrainingState names must be non-empty strings without '/', got {name!r}")
+
+
+def _adopt_loaders(extra: Mapping[str, Any]) -> None:
+    """Track the DataLoaders of ``extra`` now, before the loop iterates them (see
+    :mod:`ddpckpt.training.loader`); one already partway through a pass makes its save raise."""
+    from ddpckpt.training.loader import adopt_loaders
+
+    adopt_loaders(extra, idle_only=True)

@@ -329,11 +329,16 @@ def track_loader(loader: DataLoader) -> DataLoader:
     return loader
 
 
-def adopt_loaders(extra: Mapping[str, Any] | None) -> None:
-    """Track every plain DataLoader in ``extra`` (before a loop: a Checkpointer, a load)."""
+def adopt_loaders(extra: Mapping[str, Any] | None, *, idle_only: bool = False) -> None:
+    """Track every plain DataLoader in ``extra`` (before a loop: a TrainingState, a load).
+
+    With ``idle_only`` a loader partway through a pass stays untracked: its position would
+    leave out the batches already yielded, so its save raises instead (:func:`check_data_extra`).
+    """
     for obj in (extra or {}).values():
         if _is_plain_loader(obj):
-            track_loader(obj)
+            if not (idle_only and not is_tracked(obj) and _iterating(obj)):
+                track_loader(obj)
         elif _is_torchdata_loader(obj) and not is_tracked(obj):
             _swap_class(obj, _FinishedPass)
 
@@ -358,7 +363,8 @@ def check_data_extra(extra: Mapping[str, Any]) -> None:
                     f"extra[{name!r}]: ddpckpt first sees this DataLoader at this save, while "
                     "it is being iterated, so it cannot know which batches training consumed. "
                     "Create it with ddpckpt.resumable_loader(...), or call "
-                    "ddpckpt.track_loader(loader) (or pass it to the Checkpointer) before the loop"
+                    "ddpckpt.track_loader(loader) (or put it in the TrainingState or Checkpointer) "
+                    "before the loop"
                 )
             track_loader(obj)
         elif _is_torchdata_loader(obj) and not is_tracked(obj):
