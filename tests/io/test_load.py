@@ -344,6 +344,20 @@ def test_objects_passed_but_not_stored_are_errors_naming_them(ckpt_dir) -> None:
         ddpckpt.load(ckpt_dir, model=model, extra={"n": Counter()})
 
 
+def test_an_object_saved_in_extra_and_loaded_by_its_role_says_how_to_load_it(ckpt_dir) -> None:
+    # Moving from the keyword shorthand to a TrainingState: an EMA module saved in extra=.
+    model = make_mlp()
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    ddpckpt.save(ckpt_dir, model=model, extra={"ema": ema})
+    with pytest.raises(StateMismatchError, match=r"'ema' for its model.*extra=\{'ema': \.\.\.\}"):
+        ddpckpt.load(ckpt_dir, TrainingState(model=model, ema=ema))
+    ddpckpt.load(ckpt_dir, TrainingState.of(model=model, extra={"ema": ema}))
+    named = os.path.join(ckpt_dir, "named")
+    ddpckpt.save(named, TrainingState(model=model, ema=ema))
+    with pytest.raises(StateMismatchError, match=r"holds 'ema' as a model .*TrainingState"):
+        ddpckpt.load(named, model=model, extra={"ema": ema})
+
+
 def test_a_failed_load_leaves_the_optimizer_as_it_was(ckpt_dir) -> None:
     model = make_mlp()
     opt = torch.optim.Adam(model.parameters())

@@ -221,9 +221,14 @@ def _check(
     stored_extra = stored.extra
     for name, obj in state.extra.items():
         if name not in stored_extra:
+            role = next((r for r in ROLE_KEYS if name in getattr(stored, r)), None)
+            saved_as = "" if role is None else (
+                f"; it holds {name!r} as a {ROLE_KEYS[role][0]} of a TrainingState: load it "
+                f"with ddpckpt.TrainingState({name}=...)"
+            )  # fmt: skip
             raise StateMismatchError(
                 f"{path}: extra[{name!r}] is not in the checkpoint (it has: "
-                f"{', '.join(sorted(stored_extra)) or 'no extra state'})"
+                f"{', '.join(sorted(stored_extra)) or 'no extra state'}){saved_as}"
             )
         kind, now = stored_extra[name].kind, extra_kind(obj)
         if kind != now:
@@ -237,6 +242,13 @@ def _absent(path: str, role: str, name: str, stored: StateSections) -> str:
     """The message for an object passed whose section the checkpoint lacks."""
     single = ROLE_KEYS[role][0]
     layout = stored.layout
+    if name in stored.extra:  # e.g. an EMA module or a second optimizer saved in extra=
+        return (
+            f"{path}: the TrainingState takes {name!r} for its {single} (by its type), but the "
+            f"checkpoint holds it as an extra object (saved in extra=); load it the same way: "
+            f"TrainingState.of(model=..., extra={{{name!r}: ...}}) or ddpckpt.load(path, "
+            f"model=..., extra={{{name!r}: ...}})"
+        )
     if not layout.named and name == single:  # the shorthand's object
         present = [
             r for r in ("model", "optimizer", "scheduler", "scaler") if getattr(stored, f"{r}s")
