@@ -358,6 +358,26 @@ def test_an_object_saved_in_extra_and_loaded_by_its_role_says_how_to_load_it(ckp
         ddpckpt.load(named, model=model, extra={"ema": ema})
 
 
+def test_an_optimizer_or_scheduler_of_another_type_is_a_mismatch(ckpt_dir) -> None:
+    # Adam's moments and betas loaded into an SGD, StepLR's gamma into a cosine schedule.
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    train_steps(model, opt, scheduler=sched)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt, scheduler=sched)
+    live = make_mlp()
+    sgd = torch.optim.SGD(live.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(
+        StateMismatchError, match="optimizer is of type Adam, the live one of type SGD"
+    ):
+        ddpckpt.load(ckpt_dir, model=live, optimizer=sgd)
+    adam = torch.optim.Adam(live.parameters())
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(adam, 10)
+    with pytest.raises(StateMismatchError, match="type StepLR, the live one of type Cosine"):
+        ddpckpt.load(ckpt_dir, model=live, optimizer=adam, scheduler=cosine)
+    assert "step_size" not in vars(cosine) and not adam.state  # nothing changed
+
+
 def test_a_failed_load_leaves_the_optimizer_as_it_was(ckpt_dir) -> None:
     model = make_mlp()
     opt = torch.optim.Adam(model.parameters())

@@ -203,6 +203,15 @@ def _check(
         for name in getattr(state, role):
             if name not in getattr(stored, role):
                 raise StateMismatchError(_absent(path, role, name, stored))
+    for role in ("optimizers", "schedulers", "scalers"):
+        for name, obj in getattr(state, role).items():
+            saved, live = getattr(stored, role)[name].type, type(obj).__qualname__
+            if saved not in (live, _IMPORTED):
+                raise StateMismatchError(
+                    f"{path}: the checkpoint's {_label(layout, role, name)} is of type {saved}, "
+                    f"the live one of type {live}; pass a {saved}, or leave it out of the load "
+                    "to start it fresh"
+                )
     names = param_names(state.models, layout)
     for name, model in state.models.items():
         label = _label(layout, "models", name)
@@ -270,6 +279,8 @@ def _absent(path: str, role: str, name: str, stored: StateSections) -> str:
         f"leave {name!r} out.{hint}"
     )
 
+
+_IMPORTED = "imported"  # the type of sections imported from a torch.save file
 
 _KINDS = {
     "value": "a plain value",
