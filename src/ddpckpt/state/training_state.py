@@ -186,7 +186,9 @@ class TrainingState(Mapping[str, Any]):
         groups = {id(g) for opt in self.all_optimizers() for g in opt.param_groups}
         for name, scheduler in self.schedulers.items():
             optimizer = getattr(scheduler, "optimizer", None)
-            if optimizer is None or all(id(g) in groups for g in optimizer.param_groups):
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                continue  # another library's scheduler may keep something else there
+            if all(id(g) in groups for g in optimizer.param_groups):
                 continue
             raise InexactResumeError(
                 f"TrainingState: scheduler {name!r} adjusts a {type(optimizer).__qualname__} "
