@@ -16,8 +16,8 @@ so until the next pass. A :class:`~ddpckpt.ResumableDistributedSampler` keeps th
 itself; the loader sets it from the batches it yielded.
 
 Any DataLoader is tracked once ddpckpt sees it before it iterates: created by
-:func:`~ddpckpt.resumable_loader`, passed to :func:`track_loader`, to a
-:class:`~ddpckpt.Checkpointer`'s ``extra`` or to :func:`ddpckpt.load`'s ``extra``. Its class
+:func:`~ddpckpt.resumable_loader`, passed to :func:`track_loader`, put in a
+:class:`~ddpckpt.TrainingState` or a :class:`~ddpckpt.Checkpointer`'s ``extra`` or to :func:`ddpckpt.load`'s ``extra``. Its class
 is swapped for a subclass that adds the bookkeeping (nothing else changes). A loader first
 seen at a save cannot say what it already consumed: that save raises.
 """
