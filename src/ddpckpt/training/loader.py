@@ -349,8 +349,8 @@ def _iterating(loader: DataLoader) -> bool:
     if getattr(loader, "_iterator", None) is not None:
         return True
     index_sampler = loader._index_sampler
-    return any(
-        isinstance(obj, _BaseDataLoaderIter) and obj._index_sampler is index_sampler
+    return any(  # by type: isinstance() on a dead weakref.proxy raises ReferenceError
+        issubclass(type(obj), _BaseDataLoaderIter) and obj._index_sampler is index_sampler
         for obj in gc.get_objects()
     )
 
