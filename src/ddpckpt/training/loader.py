@@ -19,8 +19,8 @@ Any DataLoader is tracked once ddpckpt sees it before it iterates: created by
 :func:`~ddpckpt.resumable_loader`, passed to :func:`track_loader`, put in a
 :class:`~ddpckpt.TrainingState`, a :class:`~ddpckpt.Checkpointer`'s ``extra`` or
 :func:`ddpckpt.load`'s ``extra``. Its class is swapped for a subclass that adds the
-bookkeeping (nothing else changes). A loader first
-seen at a save cannot say what it already consumed: that save raises.
+bookkeeping (nothing else changes). A loader first seen at a save cannot say what it
+already consumed: that save raises.
 """
 
 from __future__ import annotations
