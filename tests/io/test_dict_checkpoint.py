@@ -60,6 +60,29 @@ def test_map_location_as_torch_load_takes_it(ckpt_dir) -> None:
         ddpckpt.load_dict(ckpt_dir, map_location=3)
 
 
+def test_numpy_arrays_stay_arrays_wherever_tensors_go(ckpt_dir) -> None:
+    # An HF-style RNG state: numpy's state tuple holds an array; torch.load keeps it numpy.
+    np = pytest.importorskip("numpy")
+    state = np.random.RandomState(3).get_state()
+    ddpckpt.save_dict(ckpt_dir, {"numpy": state, "w": torch.ones(2)})
+    loaded = ddpckpt.load_dict(ckpt_dir, map_location=lambda tensor, saved: tensor.to("meta"))
+    assert loaded["w"].device.type == "meta"
+    assert isinstance(loaded["numpy"][1], np.ndarray) and (loaded["numpy"][1] == state[1]).all()
+
+
+def test_a_map_location_function_returning_none_keeps_the_saved_device(ckpt_dir) -> None:
+    ddpckpt.save_dict(ckpt_dir, {"w": torch.arange(3.0)})
+    loaded = ddpckpt.load_dict(ckpt_dir, map_location=lambda tensor, saved: None)
+    assert torch.equal(loaded["w"], torch.arange(3.0))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_device_this_machine_lacks_is_an_error_naming_map_location(ckpt_dir) -> None:
+    ddpckpt.save_dict(ckpt_dir, {"w": torch.ones(2)})
+    with pytest.raises(RuntimeError, match=r"'w' would go to cuda:0.*map_location='cpu'"):
+        ddpckpt.load_dict(ckpt_dir, map_location={"cpu": "cuda:0"})
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensors_remember_their_device(ckpt_dir) -> None:
     ddpckpt.save_dict(ckpt_dir, {"w": torch.ones(3, device="cuda"), "c": torch.ones(1)})

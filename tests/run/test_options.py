@@ -74,6 +74,15 @@ def test_defaults_and_policy_objects_are_kept() -> None:
         ({"read_only": True, "preemption": True}, "read_only"),
         ({"preemption": Preemption(signals=[signal.SIGKILL])}, "SIGKILL cannot be caught"),
         ({"preemption": Preemption(grace_seconds=0)}, "positive"),
+        ({"storage": "nfs"}, "storage must be one of"),
+        ({"timeout": -1}, "timeout must be a positive"),
+        ({"timeout": "30"}, "timeout must be a positive"),
+        ({"lock_stale_after": 0}, "lock_stale_after must be a positive"),
+        ({"lock_stale_after": "600"}, "lock_stale_after must be a positive"),
+        ({"every_seconds": "60"}, "every_seconds must be a positive"),
+        ({"retry_backoff": "1"}, "retry_backoff must be a non-negative"),
+        ({"save_policy": EverySteps(3), "every_steps": 5}, "save_policy= replaces every_steps="),
+        ({"retention": KeepAll(), "keep_best": 1, "monitor": "loss"}, "replaces keep_best="),
     ],
 )
 def test_bad_options_are_refused_before_anything_is_touched(
@@ -83,3 +92,9 @@ def test_bad_options_are_refused_before_anything_is_touched(
         Checkpointer(tmp_path / "run", model=make_mlp(), **arguments)
     assert not (tmp_path / "run").exists()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # no handler left installed
+
+
+@pytest.mark.parametrize(("name", "value"), [("save_policy", 5), ("retention", "all")])
+def test_policies_of_the_wrong_type_are_refused_before_the_first_save(tmp_path, name, value):
+    with pytest.raises(TypeError, match=f"{name} must be a ddpckpt.policies"):
+        Checkpointer(tmp_path / "run", model=make_mlp(), **{name: value})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,3 +115,13 @@ def test_why_kept_reads_the_retention_the_saving_job_recorded(tmp_path) -> None:
         (2, "committed"),
         (3, "committed"),
     ]
+
+
+def test_a_step_or_metric_of_the_wrong_type_says_so(run) -> None:
+    directory = str(run)
+    for ask in (lambda: query.info(directory, "4"), lambda: query.resume_step(directory, "4")):
+        with pytest.raises(TypeError, match="step must be an int, got '4'"):
+            ask()
+    with pytest.raises(TypeError, match="metric is named by a string"):
+        query.best_step(directory, 4)
+    assert query.info(directory, np.int64(4)).epoch == 2

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 import ddpckpt
 from conftest import make_mlp
@@ -15,6 +16,7 @@ from ddpckpt.format.manifest import read_manifest
 from ddpckpt.state.capture import capture
 from dist_worker import gan_steps
 from launch import torchrun
+from toy_data import Numbers
 
 
 def test_each_object_gets_the_role_its_type_says() -> None:
@@ -143,6 +145,31 @@ def test_an_optimizer_over_a_model_left_out_of_the_state_fails_at_save(ckpt_dir)
     with pytest.raises(StateMismatchError, match=r"optimizer 'opt'.*no model of the Training"):
         ddpckpt.save(ckpt_dir, TrainingState(G=gan["G"], opt=joint))
     assert not os.path.exists(ckpt_dir)
+
+
+def test_a_scheduler_whose_optimizer_is_left_out_is_refused(ckpt_dir) -> None:
+    # Its learning rates live in the optimizer: the resume would keep the initial lr.
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    with pytest.raises(ddpckpt.InexactResumeError, match="scheduler 'sched' adjusts a SGD"):
+        TrainingState(model=model, sched=sched)
+    with pytest.raises(ddpckpt.InexactResumeError, match="scheduler 'scheduler'"):
+        ddpckpt.save(os.path.join(ckpt_dir, "a"), model=model, scheduler=sched)
+    TrainingState.of(model=model, scheduler=sched, extra={"opt": opt})  # an extra optimizer
+    TrainingState(model=model, opt=opt, sched=sched)
+
+
+def test_a_loader_in_a_state_built_before_the_loop_resumes_mid_epoch(ckpt_dir) -> None:
+    loader = DataLoader(Numbers(20), batch_size=2, shuffle=True, num_workers=2)
+    state = TrainingState(model=make_mlp(), loader=loader)
+    iterator = iter(loader)
+    consumed = [next(iterator).tolist() for _ in range(3)]
+    ddpckpt.save(ckpt_dir, state, step=3)  # a mid-epoch save, the state built before the loop
+    rest = [batch.tolist() for batch in iterator]
+    resumed = DataLoader(Numbers(20), batch_size=2, shuffle=True, num_workers=2)
+    ddpckpt.load(ckpt_dir, TrainingState(model=make_mlp(), loader=resumed))
+    assert [batch.tolist() for batch in resumed] == rest and len(consumed + rest) == 10
 
 
 def test_weights_of_one_model_read_by_name(ckpt_dir) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -181,6 +182,35 @@ def test_a_loader_tracked_by_the_checkpointer_saves_what_was_consumed(tmp_path) 
         assert len(loader2) == len(rest) == 13
         assert [b.tolist() for b in loader2] == rest, extra
     assert len(first) == 3
+
+
+def test_a_checkpointer_built_while_its_loader_iterates_refuses_to_save(tmp_path) -> None:
+    """Tracking a loader partway through its pass would save a position that leaves out
+    the batches already yielded (the resume replayed them): the save says so instead."""
+    loader = DataLoader(Numbers(20), batch_size=2, shuffle=True, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    ckpt = ddpckpt.Checkpointer(tmp_path / "run", model=torch.nn.Linear(1, 1),
+                                extra={"loader": loader}, on_error="raise")  # fmt: skip
+    with pytest.raises(ddpckpt.InexactResumeError, match=r"extra\['loader'\]"):
+        ckpt.save(1)
+    ckpt.close()
+    assert ckpt.steps() == []
+
+
+def test_a_dead_weak_proxy_elsewhere_does_not_break_a_save(tmp_path) -> None:
+    """Whether a loader is being iterated is found among all live objects; a weakref.proxy
+    whose object is gone (libraries keep them) must not make that search raise."""
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    proxies = [weakref.proxy(owner)]
+    del owner
+    loader = DataLoader(Numbers(8), batch_size=2)
+    ddpckpt.save(tmp_path / "c", model=torch.nn.Linear(1, 1), extra={"loader": loader})
+    assert len(proxies) == 1
 
 
 def test_an_untrackable_iterable_dataset_is_refused() -> None:

@@ -80,7 +80,9 @@ def load_dict(path: str | os.PathLike[str], map_location: MapLocation = "cpu") -
     default, or ``"cuda:1"``, ``torch.device(...)``) for every tensor; ``None`` for the
     device each was saved from; a dict from saved device to device (``{"cuda:0":
     "cuda:1"}``; others stay where they were saved); or a function ``(tensor, saved
-    device) -> tensor`` given each tensor on the CPU. Tensors are private copies.
+    device) -> tensor`` given each tensor on the CPU (``None`` back keeps the saved device).
+    Tensors are private copies; numpy arrays stay numpy arrays. A device this machine
+    lacks raises ``RuntimeError``.
     Raises :class:`CheckpointNotFoundError`, :class:`CorruptCheckpointError` (naming the
     file), and :class:`StateMismatchError` for a checkpoint of a training state (load
     those with :func:`ddpckpt.load` or :func:`ddpckpt.load_state_dict`).
@@ -95,20 +97,47 @@ def load_dict(path: str | os.PathLike[str], map_location: MapLocation = "cpu") -
         )
     source = FileSource(path, manifest)
     devices = section.devices
+    arrays = _array_names(section.tree)
 
     def tensor(name: str) -> torch.Tensor:
+        if name in arrays:  # a numpy array stays one, in host memory (as torch.load keeps it)
+            return source.get(name).clone()
         saved = devices.get(name, "cpu")
         if callable(map_location):
-            return map_location(source.get(name).clone(), saved)
-        target = _target(map_location, saved)
-        if target.type == "cpu":
-            return source.get(name).clone()
-        dtype, shape = source.meta(name)
-        into = torch.empty(shape, dtype=dtype, device=target)
-        got = source.get(name, like=into)
-        return into if got is into else into.copy_(got)
+            moved = map_location(source.get(name).clone(), saved)
+            if moved is not None:  # as for torch.load, None keeps the saved device
+                return moved
+            return _read(source, name, torch.device(saved), path)
+        return _read(source, name, _target(map_location, saved), path)
 
     return decode(section.tree, tensor, where=path)
+
+
+def _read(source: FileSource, name: str, target: torch.device, path: str) -> torch.Tensor:
+    """A private copy of the stored tensor ``name`` on ``target``."""
+    if target.type == "cpu":
+        return source.get(name).clone()
+    backend = getattr(torch, target.type, None)
+    if not getattr(backend, "is_available", lambda: True)():
+        raise RuntimeError(
+            f"{path}: tensor {name.removeprefix(DICT_KEY + '/')!r} would go to {target}, which this machine does not have; "
+            "pass map_location='cpu' (or a device it has)"
+        )
+    dtype, shape = source.meta(name)
+    into = torch.empty(shape, dtype=dtype, device=target)
+    got = source.get(name, like=into)
+    return into if got is into else into.copy_(got)
+
+
+def _array_names(tree: Any) -> set[str]:
+    """The stored names of the numpy arrays in an encoded tree."""
+    if isinstance(tree, list):
+        return set().union(*(_array_names(v) for v in tree))
+    if not isinstance(tree, dict):
+        return set()
+    if len(tree) == 1 and isinstance(tree.get("$ndarray"), str):
+        return {tree["$ndarray"]}
+    return set().union(*(_array_names(v) for v in tree.values()))
 
 
 def _target(map_location: MapLocation, saved: str) -> torch.device:

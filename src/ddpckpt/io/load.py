@@ -203,6 +203,15 @@ def _check(
         for name in getattr(state, role):
             if name not in getattr(stored, role):
                 raise StateMismatchError(_absent(path, role, name, stored))
+    for role in ("optimizers", "schedulers", "scalers"):
+        for name, obj in getattr(state, role).items():
+            saved, live = getattr(stored, role)[name].type, type(obj).__qualname__
+            if saved not in (live, _IMPORTED):
+                raise StateMismatchError(
+                    f"{path}: the checkpoint's {_label(layout, role, name)} is of type {saved}, "
+                    f"the live one of type {live}; pass a {saved}, or leave it out of the load "
+                    "to start it fresh"
+                )
     names = param_names(state.models, layout)
     for name, model in state.models.items():
         label = _label(layout, "models", name)
@@ -211,12 +220,24 @@ def _check(
     for name, optimizer in state.optimizers.items():
         label = _label(layout, "optimizers", name)
         check_optimizer(optimizer, names, stored.optimizers[name], path, label)
+    for name, scaler in state.scalers.items():
+        if not stored.scalers[name].state and scaler.is_enabled():
+            raise StateMismatchError(
+                f"{path}: {_label(layout, 'scalers', name)} was saved disabled "
+                "(GradScaler(enabled=False) has no state), the live one is enabled; disable it "
+                "as when saving, or leave it out of the load to start from its initial scale"
+            )
     stored_extra = stored.extra
     for name, obj in state.extra.items():
         if name not in stored_extra:
+            role = next((r for r in ROLE_KEYS if name in getattr(stored, r)), None)
+            saved_as = "" if role is None else (
+                f"; it holds {name!r} as a {ROLE_KEYS[role][0]} of a TrainingState: load it "
+                f"with ddpckpt.TrainingState({name}=...)"
+            )  # fmt: skip
             raise StateMismatchError(
                 f"{path}: extra[{name!r}] is not in the checkpoint (it has: "
-                f"{', '.join(sorted(stored_extra)) or 'no extra state'})"
+                f"{', '.join(sorted(stored_extra)) or 'no extra state'}){saved_as}"
             )
         kind, now = stored_extra[name].kind, extra_kind(obj)
         if kind != now:
@@ -230,6 +251,13 @@ def _absent(path: str, role: str, name: str, stored: StateSections) -> str:
     """The message for an object passed whose section the checkpoint lacks."""
     single = ROLE_KEYS[role][0]
     layout = stored.layout
+    if name in stored.extra:  # e.g. an EMA module or a second optimizer saved in extra=
+        return (
+            f"{path}: the TrainingState takes {name!r} for its {single} (by its type), but the "
+            f"checkpoint holds it as an extra object (saved in extra=); load it the same way: "
+            f"TrainingState.of(model=..., extra={{{name!r}: ...}}) or ddpckpt.load(path, "
+            f"model=..., extra={{{name!r}: ...}})"
+        )
     if not layout.named and name == single:  # the shorthand's object
         present = [
             r for r in ("model", "optimizer", "scheduler", "scaler") if getattr(stored, f"{r}s")
@@ -251,6 +279,8 @@ def _absent(path: str, role: str, name: str, stored: StateSections) -> str:
         f"leave {name!r} out.{hint}"
     )
 
+
+_IMPORTED = "imported"  # the type of sections imported from a torch.save file
 
 _KINDS = {
     "value": "a plain value",

@@ -51,7 +51,6 @@ from ddpckpt.run.saving import RunSaves
 from ddpckpt.state.capture import Snapshot, capture
 from ddpckpt.state.training_state import ROLES, TrainingState
 from ddpckpt.storage import configure
-from ddpckpt.training.loader import adopt_loaders
 
 __all__ = ["Checkpointer"]
 
@@ -145,7 +144,6 @@ class Checkpointer:
         self.model, self.optimizer = first["models"], first["optimizers"]
         self.scheduler, self.scaler = first["schedulers"], first["scalers"]
         self.extra, self.rng = self.state.extra, self.state.rng
-        adopt_loaders(self.extra)  # a DataLoader must be tracked before it iterates
         self._saver = AsyncSaver()  # this run's own host buffer and background writer
         self._saves = RunSaves(self.directory, self.options, self._saver)
         self._reserved = False  # whether the buffer was sized ahead of the first save

@@ -35,8 +35,11 @@ another job writes: no lock, nothing cleaned, moved or written.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
+from ddpckpt.dist.comm import resolve_timeout
+from ddpckpt.dist.topology import resolve_storage_mode
 from ddpckpt.io.async_saver import async_mode
 from ddpckpt.policies import Retention, SavePolicy, keeping, schedule
 from ddpckpt.run.signals import Preemption, grace_period
@@ -135,10 +138,15 @@ def resolve(
         raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
     if type(retries) is not int or retries < 0:
         raise ValueError(f"retries must be a non-negative int, got {retries!r}")
-    if not retry_backoff >= 0:
-        raise ValueError(
-            f"retry_backoff must be a non-negative number of seconds, got {retry_backoff!r}"
-        )
+    _check_seconds("retry_backoff", retry_backoff, zero=True)
+    _check_seconds("every_seconds", every_seconds)
+    _check_seconds("timeout", timeout)
+    _check_seconds("lock_stale_after", lock_stale_after)
+    resolve_storage_mode(storage)  # "auto", "shared", "local" (or $DDPCKPT_STORAGE)
+    resolve_timeout(timeout)  # or $DDPCKPT_TIMEOUT
+    _check_policy("save_policy", save_policy, SavePolicy, every_steps=every_steps,
+                  every_seconds=every_seconds)  # fmt: skip
+    _check_policy("retention", retention, Retention, keep_best=keep_best, monitor=monitor)
     if mode not in ("min", "max"):
         raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
     if monitor is not None and keep_best is None and retention is None:
@@ -157,3 +165,26 @@ def resolve(
         asynchronous=Asynchronous(bool(async_save), overlap),
         storage=Storage(storage, timeout, lock_stale_after, read_only),
     )
+
+
+def _check_seconds(name: str, value: object, zero: bool = False) -> None:
+    """Refuse a ``name=`` that is not ``None`` nor a positive (or zero) number of seconds."""
+    if value is None:
+        return
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not number or not (value >= 0 if zero else value > 0):  # type: ignore[operator]
+        kind = "non-negative" if zero else "positive"
+        raise ValueError(f"{name} must be a {kind} number of seconds, got {value!r}")
+
+
+def _check_policy(name: str, policy: object, kind: type, **replaced: object) -> None:
+    """Refuse a policy object of the wrong type, or one given with the arguments it replaces."""
+    if policy is None:
+        return
+    if not isinstance(policy, kind):
+        raise TypeError(
+            f"{name} must be a ddpckpt.policies.{kind.__name__}, got {type(policy).__qualname__}"
+        )
+    given = [f"{k}=" for k, v in replaced.items() if v is not None]
+    if given:
+        raise ValueError(f"{name}= replaces {', '.join(given)}; pass one or the other")

@@ -12,6 +12,7 @@ Committed means the manifest is in place and verifies; the data is verified when
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -76,6 +77,8 @@ def latest_step(directory: str) -> int | None:
 def best_step(directory: str, metric: str, mode: str = "min") -> int | None:
     """The committed step with the best finite ``metric`` (``mode`` ``"min"`` or ``"max"``;
     ties go to the newer), or ``None``."""
+    if not isinstance(metric, str):
+        raise TypeError(f"the metric is named by a string, got {metric!r}")
     ranked = best_first(committed(directory), metric, mode)
     return ranked[0] if ranked else None
 
@@ -83,7 +86,7 @@ def best_step(directory: str, metric: str, mode: str = "min") -> int | None:
 def info(directory: str, step: int) -> CheckpointInfo:
     """The metadata of checkpoint ``step`` (epoch, metrics, world size, when saved) without
     loading it. Raises :class:`CheckpointNotFoundError` or :class:`CorruptCheckpointError`."""
-    path = os.path.join(directory, step_dirname(step))
+    path = os.path.join(directory, step_dirname(_as_step(step)))
     return CheckpointInfo.from_manifest(path, read_manifest(path), {})
 
 
@@ -103,6 +106,7 @@ def choose(
     if step is not None and best is not None:
         raise ValueError("pass step= or best=, not both")
     if step is not None:
+        step = _as_step(step)
         if step not in found:
             raise CheckpointNotFoundError(
                 f"{os.path.join(directory, step_dirname(step))}: no committed checkpoint for "
@@ -128,3 +132,11 @@ def resume_step(
     falls back to the next candidate (see :func:`choose`) if this one is damaged."""
     candidates = choose(directory, committed(directory), step, best, mode)
     return candidates[0] if candidates else None
+
+
+def _as_step(step: object) -> int:
+    """``step`` as the int it must be (a numpy integer is one too)."""
+    try:
+        return operator.index(step)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"step must be an int, got {step!r}") from None

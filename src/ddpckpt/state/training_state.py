@@ -7,7 +7,8 @@ gets the role its type says (a module is a model, an optimizer an optimizer ...)
 keyword shorthand of those functions (``model=``, ``optimizer=``, ``scheduler=``,
 ``scaler=``, ``extra=``, ``rng=``) builds one with :meth:`TrainingState.of`.
 
-Constructing one is local and touches no tensor.
+Constructing one is local and touches no tensor; a DataLoader in it is tracked from then on
+(:mod:`ddpckpt.training.loader`), so build it before the training loop.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ddpckpt.errors import InexactResumeError
 
 __all__ = ["ROLES", "TrainingState", "role_of"]
 
@@ -85,6 +88,8 @@ class TrainingState(Mapping[str, Any]):
             _check_name(name)
             getattr(self, role_of(obj))[name] = obj
         self._check_distinct_models()
+        self._check_schedulers()
+        _adopt_loaders(self.extra)
 
     @classmethod
     def of(
@@ -114,6 +119,8 @@ class TrainingState(Mapping[str, Any]):
         if extra is not None:
             state.extra = extra
         state._check_distinct_models()
+        state._check_schedulers()
+        _adopt_loaders(state.extra)
         return state
 
     @classmethod
@@ -173,6 +180,22 @@ class TrainingState(Mapping[str, Any]):
                 )
             seen[root] = name
 
+    def _check_schedulers(self) -> None:
+        """A scheduler's learning rates live in its optimizer's param groups: without that
+        optimizer a resume restores the scheduler's position but not the rates it set."""
+        groups = {id(g) for opt in self.all_optimizers() for g in opt.param_groups}
+        for name, scheduler in self.schedulers.items():
+            optimizer = getattr(scheduler, "optimizer", None)
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                continue  # another library's scheduler may keep something else there
+            if all(id(g) in groups for g in optimizer.param_groups):
+                continue
+            raise InexactResumeError(
+                f"TrainingState: scheduler {name!r} adjusts a {type(optimizer).__qualname__} "
+                "that is not in the state, so a resume would restore the scheduler but not the "
+                "learning rates it set; add that optimizer (optimizer=..., or a named entry)"
+            )
+
     def _items(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for role in ROLES:
@@ -201,3 +224,11 @@ class TrainingState(Mapping[str, Any]):
 def _check_name(name: object) -> None:
     if not isinstance(name, str) or not name or "/" in name:
         raise ValueError(f"TrainingState names must be non-empty strings without '/', got {name!r}")
+
+
+def _adopt_loaders(extra: Mapping[str, Any]) -> None:
+    """Track the DataLoaders of ``extra`` now, before the loop iterates them (see
+    :mod:`ddpckpt.training.loader`); one already partway through a pass makes its save raise."""
+    from ddpckpt.training.loader import adopt_loaders
+
+    adopt_loaders(extra, idle_only=True)

@@ -16,10 +16,11 @@ so until the next pass. A :class:`~ddpckpt.ResumableDistributedSampler` keeps th
 itself; the loader sets it from the batches it yielded.
 
 Any DataLoader is tracked once ddpckpt sees it before it iterates: created by
-:func:`~ddpckpt.resumable_loader`, passed to :func:`track_loader`, to a
-:class:`~ddpckpt.Checkpointer`'s ``extra`` or to :func:`ddpckpt.load`'s ``extra``. Its class
-is swapped for a subclass that adds the bookkeeping (nothing else changes). A loader first
-seen at a save cannot say what it already consumed: that save raises.
+:func:`~ddpckpt.resumable_loader`, passed to :func:`track_loader`, put in a
+:class:`~ddpckpt.TrainingState`, a :class:`~ddpckpt.Checkpointer`'s ``extra`` or
+:func:`ddpckpt.load`'s ``extra``. Its class is swapped for a subclass that adds the
+bookkeeping (nothing else changes). A loader first seen at a save cannot say what it
+already consumed: that save raises.
 """
 
 from __future__ import annotations
@@ -329,11 +330,16 @@ def track_loader(loader: DataLoader) -> DataLoader:
     return loader
 
 
-def adopt_loaders(extra: Mapping[str, Any] | None) -> None:
-    """Track every plain DataLoader in ``extra`` (before a loop: a Checkpointer, a load)."""
+def adopt_loaders(extra: Mapping[str, Any] | None, *, idle_only: bool = False) -> None:
+    """Track every plain DataLoader in ``extra`` (before a loop: a TrainingState, a load).
+
+    With ``idle_only`` a loader partway through a pass stays untracked: its position would
+    leave out the batches already yielded, so its save raises instead (:func:`check_data_extra`).
+    """
     for obj in (extra or {}).values():
         if _is_plain_loader(obj):
-            track_loader(obj)
+            if not (idle_only and not is_tracked(obj) and _iterating(obj)):
+                track_loader(obj)
         elif _is_torchdata_loader(obj) and not is_tracked(obj):
             _swap_class(obj, _FinishedPass)
 
@@ -343,8 +349,8 @@ def _iterating(loader: DataLoader) -> bool:
     if getattr(loader, "_iterator", None) is not None:
         return True
     index_sampler = loader._index_sampler
-    return any(
-        isinstance(obj, _BaseDataLoaderIter) and obj._index_sampler is index_sampler
+    return any(  # by type: isinstance() on a dead weakref.proxy raises ReferenceError
+        issubclass(type(obj), _BaseDataLoaderIter) and obj._index_sampler is index_sampler
         for obj in gc.get_objects()
     )
 
@@ -358,7 +364,8 @@ def check_data_extra(extra: Mapping[str, Any]) -> None:
                     f"extra[{name!r}]: ddpckpt first sees this DataLoader at this save, while "
                     "it is being iterated, so it cannot know which batches training consumed. "
                     "Create it with ddpckpt.resumable_loader(...), or call "
-                    "ddpckpt.track_loader(loader) (or pass it to the Checkpointer) before the loop"
+                    "ddpckpt.track_loader(loader) (or put it in the TrainingState or Checkpointer) "
+                    "before the loop"
                 )
             track_loader(obj)
         elif _is_torchdata_loader(obj) and not is_tracked(obj):
