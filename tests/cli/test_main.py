@@ -62,6 +62,11 @@ def test_diff_export_import_commands(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "step: 5 -> 6" in out and "model/0.weight" in out
     assert main(["export", a, os.fspath(tmp_path / "w.safetensors")]) == 0
+    gan = os.fspath(tmp_path / "gan")
+    ddpckpt.save(gan, ddpckpt.TrainingState(G=make_mlp(), D=make_mlp()))
+    assert main(["export", gan, os.fspath(tmp_path / "g.pt")]) == 2
+    assert "--model NAME" in capsys.readouterr().err
+    assert main(["export", gan, os.fspath(tmp_path / "g.pt"), "--model", "G"]) == 0
     torch.save({"model": make_mlp().state_dict(), "epoch": 2}, tmp_path / "old.pth")
     assert main(["import", os.fspath(tmp_path / "old.pth"), os.fspath(tmp_path / "imported")]) == 0
     assert ddpckpt.verify(tmp_path / "imported").epoch == 2

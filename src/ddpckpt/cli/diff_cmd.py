@@ -18,7 +18,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SECTION",
-        help="only count differences in SECTION (repeatable or comma-separated): rng, step, "
+        help="leave SECTION out of the comparison (repeatable or comma-separated): rng, step, "
         "epoch, metrics, world_size, model, optimizer, scheduler, scaler, extra, extra/NAME",
     )
     p.add_argument(
