@@ -312,3 +312,42 @@ def test_a_position_without_a_resumable_sampler_is_refused_on_another_world_size
     resumed.load_state_dict(state)
     with pytest.raises(ddpckpt.InexactResumeError, match="ResumableDistributedSampler"):
         iter(resumed)
+
+
+@pytest.mark.parametrize("kind", ["distributed", "random", "shuffle"])
+def test_persistent_workers_resumed_after_an_epoch_end_do_not_shift_the_random_streams(
+    kind,
+) -> None:
+    """Persistent workers keep their base seed across epochs: the resumed run's new workers
+    must not draw one from the main random stream (dropout) or the loader's generator."""
+
+    def make():
+        if kind == "shuffle":
+            generator = torch.Generator().manual_seed(5)
+            loader = DataLoader(SeededDataset(Augmented(40), 1), batch_size=3, shuffle=True,
+                                num_workers=2, persistent_workers=True, generator=generator)  # fmt: skip
+            return None, ddpckpt.track_loader(loader)
+        sampler = SAMPLERS[kind]()
+        return sampler, ddpckpt.track_loader(plain(sampler, 2, persistent_workers=True))
+
+    def epoch(sampler, loader, number):
+        if sampler is not None and hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(number)
+        batches = list(loader)
+        generator = loader.generator
+        return batches, torch.randn(4), None if generator is None else generator.get_state()
+
+    torch.manual_seed(0)
+    sampler, loader = make()
+    epoch(sampler, loader, 0)
+    state, rng = loader.state_dict(), torch.get_rng_state()
+    expected = epoch(sampler, loader, 1)
+    torch.manual_seed(1)  # a new process
+    sampler, resumed = make()
+    torch.set_rng_state(rng)
+    resumed.load_state_dict(state)
+    got = epoch(sampler, resumed, 1)
+    assert same(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])  # the main stream continues as it would have
+    if kind == "shuffle":
+        assert torch.equal(got[2], expected[2])

@@ -41,6 +41,7 @@ from ddpckpt.training.replay import (
     IndexStream,
     capture_draw,
     check_same_pass,
+    iter_with_saved_workers_seed,
     pass_length,
     refuse_uncapturable_samplers,
     replay_iter,
@@ -133,6 +134,7 @@ class _Tracking:
         applies = self._resume_applies()
         record = self._ddpckpt_resume if applies else None
         resuming = self._ddpckpt_resume is not None
+        ended = self._ddpckpt_resume if resuming and self._ddpckpt_resume["finished"] else None
         if resuming and not applies:
             _warn_epoch_gap(self._ddpckpt_resume, getattr(user_sampler(self), "epoch", None))
         self._ddpckpt_stream.skip = self._planned_skip() if resuming else 0
@@ -152,7 +154,10 @@ class _Tracking:
         # A new iterator draws the workers' base seed; persistent workers keep theirs.
         new_iterator = self._iterator is None or not self.persistent_workers
         try:
-            if record is None:
+            keep_workers_seed = self.persistent_workers and new_iterator and ended is not None
+            if record is None and keep_workers_seed and ended.get("seed_draw") is not None:
+                inner = iter_with_saved_workers_seed(self, ended["seed_draw"])
+            elif record is None:
                 if new_iterator:
                     self._ddpckpt_seed_draw = capture_draw(self, samplers=False)
                 inner = super(type(self), self).__iter__()  # the loader class that was tracked
