@@ -58,6 +58,8 @@ def test_diff_export_import_commands(tmp_path, capsys) -> None:
     a = saved(os.fspath(tmp_path / "a"), seed=0)
     b = saved(os.fspath(tmp_path / "b"), seed=1, step=6)
     assert main(["diff", a, a]) == 0
+    assert main(["diff", "--quick", a, a]) == 0  # a corrupt copy would compare the same
+    assert "damage since the save is not detected" in capsys.readouterr().out
     assert main(["diff", a, b]) == 1
     out = capsys.readouterr().out
     assert "step: 5 -> 6" in out and "model/0.weight" in out

@@ -46,7 +46,12 @@ def _diff(args: argparse.Namespace) -> int:
         print(table(("tensor", "difference", "detail"), rows))
         if len(report.tensors) > args.limit:
             print(f"... and {len(report.tensors) - args.limit} more tensors differ")
-    how = "every byte verified" if report.verified else "by recorded checksum; data not read"
+    how = (
+        "every byte verified"
+        if report.verified
+        else "by recorded checksum; data not read, so damage since the save is not detected: "
+        "drop --quick to verify"
+    )
     print(
         f"{report.identical_tensors} tensors identical ({how}), {len(report.tensors)} differ, "
         f"{len(report.state) + len(report.header)} other differences"
