@@ -295,3 +295,25 @@ def test_diff_ignore_rng_compares_runs_that_differ_only_in_unseeded_generators(
     assert "0 differ, 0 other differences" in out and "ignored: rng" in out
     assert main(["diff", "--ignore", "rgn", a, b]) == 2
     assert "nothing called rgn to ignore" in capsys.readouterr().err
+
+
+def test_a_run_directorys_own_files_are_named_for_what_they_are(tmp_path, capsys) -> None:
+    """`ddpckpt inspect run/latest` names the checkpoint `latest` points at, not "a file: run
+    ddpckpt import" (the message for a torch.save file)."""
+    run = tmp_path / "run"
+    with ddpckpt.Checkpointer(run, model=make_mlp()) as ckpt:
+        ckpt.save(3)
+    newest = os.fspath(run / "step-00000003")
+    for command in ("inspect", "export"):
+        args = [command, os.fspath(run / "latest")] + (
+            [os.fspath(tmp_path / "w.pt")] if command == "export" else []
+        )
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"pointer to its newest checkpoint, not a checkpoint: name that checkpoint, {newest}"
+            in err
+        )
+        assert "ddpckpt import" not in err
+    assert main(["verify", os.fspath(run / "run.json")]) == 2
+    assert f"a file of the run directory {run}, not a checkpoint" in capsys.readouterr().out

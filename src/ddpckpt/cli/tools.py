@@ -41,7 +41,7 @@ def open_manifest(path: str) -> Manifest:
     a :class:`CheckpointNotFoundError` naming what it is instead of "did not finish"."""
     try:
         manifest = read_manifest(path)
-    except IncompleteCheckpointError:
+    except (IncompleteCheckpointError, CheckpointNotFoundError):
         what = describe_path(path)
         if what is None:
             raise
