@@ -20,7 +20,6 @@ from ddpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
-    StateMismatchError,
     UnsupportedValueError,
 )
 from ddpckpt.format.codec import JSON
@@ -28,7 +27,7 @@ from ddpckpt.format.manifest import Manifest, read_manifest
 from ddpckpt.format.rankparts import fill_rank_parts
 from ddpckpt.format.sections import ROLE_KEYS, StateSections
 from ddpckpt.format.tensorwrite import write_file
-from ddpckpt.io.reader import FileSource, find_problems, load_state_dict
+from ddpckpt.io.reader import FileSource, chosen_model, find_problems, load_state_dict
 from ddpckpt.run.rundir import describe_path
 from ddpckpt.storage import Writer, new_token, storage_for
 from ddpckpt.storage.base import temp_name
@@ -332,17 +331,7 @@ def export(
     if not out.endswith((".safetensors", ".pt", ".pth")):
         raise ValueError(f"{out}: name the output *.safetensors or *.pt")
     manifest = open_manifest(path)
-    models = StateSections.from_json(manifest.state, path).models
-    if model is None and len(models) == 1:
-        model = next(iter(models))
-    if model not in models:
-        names = ", ".join(repr(n) for n in models) or "none"
-        raise StateMismatchError(
-            f"{path}: holds several models ({names}); choose the one to export with "
-            "--model NAME (export(..., model=NAME))"
-            if model is None
-            else f"{path}: has no model {model!r} (its models: {names})"
-        )
+    model = chosen_model(path, StateSections.from_json(manifest.state, path), model)
     store = storage_for(out)
     if store.exists(out) and not overwrite:
         raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
