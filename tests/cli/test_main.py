@@ -58,10 +58,17 @@ def test_diff_export_import_commands(tmp_path, capsys) -> None:
     a = saved(os.fspath(tmp_path / "a"), seed=0)
     b = saved(os.fspath(tmp_path / "b"), seed=1, step=6)
     assert main(["diff", a, a]) == 0
+    assert main(["diff", "--quick", a, a]) == 0  # a corrupt copy would compare the same
+    assert "damage since the save is not detected" in capsys.readouterr().out
     assert main(["diff", a, b]) == 1
     out = capsys.readouterr().out
     assert "step: 5 -> 6" in out and "model/0.weight" in out
     assert main(["export", a, os.fspath(tmp_path / "w.safetensors")]) == 0
+    gan = os.fspath(tmp_path / "gan")
+    ddpckpt.save(gan, ddpckpt.TrainingState(G=make_mlp(), D=make_mlp()))
+    assert main(["export", gan, os.fspath(tmp_path / "g.pt")]) == 2
+    assert "--model NAME" in capsys.readouterr().err
+    assert main(["export", gan, os.fspath(tmp_path / "g.pt"), "--model", "G"]) == 0
     torch.save({"model": make_mlp().state_dict(), "epoch": 2}, tmp_path / "old.pth")
     assert main(["import", os.fspath(tmp_path / "old.pth"), os.fspath(tmp_path / "imported")]) == 0
     assert ddpckpt.verify(tmp_path / "imported").epoch == 2
@@ -288,3 +295,25 @@ def test_diff_ignore_rng_compares_runs_that_differ_only_in_unseeded_generators(
     assert "0 differ, 0 other differences" in out and "ignored: rng" in out
     assert main(["diff", "--ignore", "rgn", a, b]) == 2
     assert "nothing called rgn to ignore" in capsys.readouterr().err
+
+
+def test_a_run_directorys_own_files_are_named_for_what_they_are(tmp_path, capsys) -> None:
+    """`ddpckpt inspect run/latest` names the checkpoint `latest` points at, not "a file: run
+    ddpckpt import" (the message for a torch.save file)."""
+    run = tmp_path / "run"
+    with ddpckpt.Checkpointer(run, model=make_mlp()) as ckpt:
+        ckpt.save(3)
+    newest = os.fspath(run / "step-00000003")
+    for command in ("inspect", "export"):
+        args = [command, os.fspath(run / "latest")] + (
+            [os.fspath(tmp_path / "w.pt")] if command == "export" else []
+        )
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"pointer to its newest checkpoint, not a checkpoint: name that checkpoint, {newest}"
+            in err
+        )
+        assert "ddpckpt import" not in err
+    assert main(["verify", os.fspath(run / "run.json")]) == 2
+    assert f"a file of the run directory {run}, not a checkpoint" in capsys.readouterr().out

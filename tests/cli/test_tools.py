@@ -12,7 +12,7 @@ import torch
 import ddpckpt
 from conftest import TiedLM, make_mlp, train_steps
 from ddpckpt.cli.tools import diff, export, summary
-from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 
 
 def test_summary_describes_sections_and_tensors(ckpt_dir) -> None:
@@ -74,6 +74,25 @@ def test_export_plain_weights_for_inference(ckpt_dir, tmp_path, suffix) -> None:
         export(ckpt_dir, out)
     with pytest.raises(ValueError, match="safetensors or"):
         export(ckpt_dir, os.fspath(tmp_path / "weights.bin"))
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_export_chooses_one_model_of_a_training_state(ckpt_dir, tmp_path, suffix) -> None:
+    generator, critic = TiedLM(), make_mlp()
+    ddpckpt.save(ckpt_dir, ddpckpt.TrainingState(G=generator, D=critic))
+    out = os.fspath(tmp_path / f"g{suffix}")
+    with pytest.raises(StateMismatchError, match="--model NAME"):
+        export(ckpt_dir, out)
+    with pytest.raises(StateMismatchError, match="no model 'E'"):
+        export(ckpt_dir, out, model="E")
+    export(ckpt_dir, out, model="G")
+    if suffix == ".pt":
+        weights = torch.load(out, weights_only=True)
+    else:
+        weights = safetensors.torch.load_file(out)
+    fresh = TiedLM()
+    fresh.load_state_dict(weights)
+    assert torch.equal(fresh.embed.weight, generator.embed.weight)
 
 
 def test_diff_verifies_both_sides_before_trusting_checksums(tmp_path) -> None:

@@ -149,3 +149,7 @@ def test_tied_weights_and_unknown_layouts(tmp_path) -> None:
     (tmp_path / "garbage.pt").write_bytes(b"\x00not a checkpoint")
     with pytest.raises(CorruptCheckpointError, match=r"not a readable torch\.save file"):
         import_checkpoint(tmp_path / "garbage.pt", tmp_path / "g")
+    (tmp_path / "run.json").write_text('{"keep_last": 3}')  # a JSON file given by mistake
+    with pytest.raises(CorruptCheckpointError, match="Unsupported operand") as raised:
+        import_checkpoint(tmp_path / "run.json", tmp_path / "j")
+    assert "weights_only" not in str(raised.value)  # torch's advice to unpickle anyway is dropped

@@ -116,3 +116,18 @@ def test_a_bug_from_the_start_is_named_with_its_component_and_step(
     assert (divergence["step"], divergence["phase"]) == (FIRST, phase), divergence
     assert divergence["component"] == component, divergence
     assert fix in divergence["fix"]
+
+
+def test_a_script_given_without_its_launcher_is_named_with_the_command_to_give(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`ddpckpt check-resume train.py` said "No such file or directory: 'train.py'" of a
+    file that is there: it is run as a command, which needs its launcher."""
+    from ddpckpt.cli.main import main
+
+    (tmp_path / "train.py").write_text("print('hello')\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["check-resume", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot start 'train.py'" in err
+    assert "ddpckpt check-resume -- torchrun --nproc-per-node 2 train.py" in err

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
+import pytest
 import torch
 
 import ddpckpt
 from conftest import make_mlp, train_steps
 
 
-def test_the_newest_committed_checkpoint_of_a_save_loop(ckpt_root) -> None:
+def test_the_newest_committed_checkpoint_of_a_save_loop(ckpt_root, caplog) -> None:
     ckpt = ckpt_root / "ckpt"
     assert ddpckpt.latest(ckpt) is None  # nothing yet (not even the directory)
     model = make_mlp()
@@ -27,8 +29,11 @@ def test_the_newest_committed_checkpoint_of_a_save_loop(ckpt_root) -> None:
     (ckpt / "notes.txt").write_text("not a checkpoint")
     damaged = ckpt / "step-10" / "model-00000.safetensors"
     damaged.write_bytes(damaged.read_bytes()[:100])  # a damaged copy
-    found = ddpckpt.latest(ckpt)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        found = ddpckpt.latest(ckpt)
     assert found == os.path.join(ckpt, "step-9")
+    (warning,) = caplog.messages  # the damaged copy is said; no manifest, no checkpoint
+    assert os.path.join(ckpt, "step-10") in warning and "model-00000.safetensors has 100" in warning
     fresh = make_mlp(seed=1)
     assert ddpckpt.load(found, model=fresh).step == 9
 
@@ -48,3 +53,11 @@ def test_a_checkpointer_run_directory_works_too(ckpt_root) -> None:
         for step in (5, 50, 500):
             ckpt.save(step)
     assert ddpckpt.latest(run) == os.path.join(run, "step-00000500")
+
+
+def test_a_checkpoint_given_as_the_directory_is_an_error_not_a_fresh_start(ckpt_root) -> None:
+    """latest("ckpt/last") used to answer None, so a script resuming from it started over."""
+    ddpckpt.save(ckpt_root / "last", model=make_mlp(), step=3)
+    assert ddpckpt.latest(ckpt_root) == os.path.join(ckpt_root, "last")
+    with pytest.raises(ValueError, match=f"pass the directory that holds it \\({ckpt_root}\\)"):
+        ddpckpt.latest(ckpt_root / "last")

@@ -18,10 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 import ddpckpt
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
+from ddpckpt.dist.store import StoreGroup
+from ddpckpt.run import preemption
 from ddpckpt.run.preemption import PreemptionWatch
 from ddpckpt.run.signals import Preemption
 from ddpckpt.training.worker_signals import IgnoringPreemptionSignals
@@ -149,6 +152,36 @@ def test_a_signal_makes_the_next_step_a_synchronous_save_then_preempted(
     assert "SIGUSR1 received (rank 0 first): every rank saves step 4" in err
     assert "preemption checkpoint" in err and "exit with Checkpointer.exit_code (138)" in err
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # removed by close()
+
+
+def test_rank_0s_listener_blocks_in_the_store_and_follows_each_round(
+    monkeypatch, restore_signals, capfd
+) -> None:
+    """Rank 0's listener waits for other ranks' posts without timing out once a second
+    (torch's store client prints two c10d warnings at each timed-out wait: a README user
+    saw two lines a second on stderr for the whole run), and after an agreement it waits
+    for the next round's post."""
+    server = TCPStore("127.0.0.1", 0, 1, True)
+    group = StoreGroup(server, 0, 2)
+    monkeypatch.setattr(preemption, "default_group", lambda: group)
+    watch = PreemptionWatch(Preemption(signals=[signal.SIGUSR1]), lambda: "step-1")
+    try:
+        assert watch.requested() is None  # starts the listener
+        time.sleep(2.5)  # two steps' time with no signal anywhere
+        deliver(signal.SIGUSR1)  # rank 0's own signal: agreed without any post
+        decision = watch.requested()
+        assert decision == b"P%d,0" % signal.SIGUSR1
+        watch.agree(1, decision)
+        watch.run_save(lambda: "step-1")
+        post = {"rank": 1, "signal": int(signal.SIGUSR2)}
+        server.set(watch._key(), json.dumps(post).encode())  # rank 1, in the next round
+        deadline = time.monotonic() + 60
+        while (decision := watch.requested()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert decision == b"P%d,1" % signal.SIGUSR2
+    finally:
+        watch.close()
+    assert "waitForInput" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("async_save", [True, "overlap"])

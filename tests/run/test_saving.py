@@ -7,6 +7,7 @@ import errno
 import pytest
 
 from conftest import make_mlp
+from ddpckpt import Checkpointer
 from ddpckpt.errors import CheckpointStepError, CheckpointWriteError
 from ddpckpt.io.async_saver import AsyncSaver
 from ddpckpt.io.writing import header_fields
@@ -48,3 +49,30 @@ def test_a_failed_save_falls_back_to_the_newest_committed(tmp_path, caplog) -> N
     saves.failed(5, CheckpointWriteError(errno.ENOSPC, "disk full"))
     assert saves.latest == 4 and saves.failures.failed_saves == 1
     assert "step-00000004 (step 4)" in caplog.text
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_lock_that_cannot_be_read_fails_that_save_and_training_goes_on(
+    tmp_path, caplog, async_save
+) -> None:
+    """The lock check before writing is storage I/O too: an error reading the lock (here a
+    directory where the lock file was, as EIO on a flaky NFS) is a failed save, logged under
+    on_error="warn", not an OSError that ends the run at the next save."""
+    run = tmp_path / "run"
+    model = make_mlp()
+    ckpt = Checkpointer(run, model=model, async_save=async_save)
+    try:
+        assert ckpt.save(1) is not None
+        ckpt.wait()
+        (run / ".lock").rename(run / "lock.kept")
+        (run / ".lock").mkdir()
+        ckpt.save(2)
+        ckpt.wait()
+        (run / ".lock").rmdir()
+        (run / "lock.kept").rename(run / ".lock")
+        assert ckpt.save(3) is not None  # handles step 2's failure first when it was async
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    assert ".lock: Is a directory" in caplog.text and "training goes on" in caplog.text
+    assert ckpt.steps() == [1, 3]

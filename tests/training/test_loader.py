@@ -3,6 +3,7 @@ checkpoints (ddpckpt.training.loader)."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import weakref
@@ -142,6 +143,52 @@ def test_a_finished_epoch_is_neither_replayed_nor_skipped(kind, workers) -> None
             sampler.set_epoch(epoch)
             seen += list(resumed)
         assert same(seen, epoch1), restart
+
+
+def resumed_at(saved_at, restart) -> DataLoader:
+    """A loader saved in epoch 1 after ``saved_at`` batches (None: at its end), loaded into a
+    new one whose sampler is then set to epoch ``restart``."""
+    sampler = SAMPLERS["distributed"]()
+    loader = ddpckpt.track_loader(plain(sampler, 0))
+    sampler.set_epoch(1)
+    iterator = iter(loader)
+    for _ in range(len(loader) if saved_at is None else saved_at):
+        next(iterator)
+    if saved_at is None:
+        assert next(iterator, None) is None  # the pass ended
+    state = loader.state_dict()
+    sampler = SAMPLERS["distributed"]()
+    resumed = ddpckpt.track_loader(plain(sampler, 0))
+    resumed.load_state_dict(state)
+    sampler.set_epoch(restart)
+    return resumed
+
+
+@pytest.mark.parametrize(
+    ("saved_at", "restart", "message"),
+    [
+        (4, 2, "the remaining 3 batches of epoch 1 are skipped"),  # mid-epoch, restart at E + 1
+        (4, 0, "epoch 0 is run again and epoch 1 from its start"),
+        (None, 3, "epoch 2 is skipped"),  # saved at the epoch's end, restart at E + 2
+        (None, 0, "epochs 0 to 1 are run again"),
+    ],
+)
+def test_a_restart_at_another_epoch_than_the_saved_one_warns(
+    saved_at, restart, message, caplog
+) -> None:
+    """The loop's epoch after a resume skips or repeats data: said on stderr, not silent."""
+    resumed = resumed_at(saved_at, restart)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        iter(resumed)
+    assert message in caplog.text and f"first epoch after the resume is {restart}" in caplog.text
+
+
+@pytest.mark.parametrize(("saved_at", "restart"), [(4, 1), (None, 1), (None, 2)])
+def test_a_restart_that_continues_the_saved_epoch_does_not_warn(saved_at, restart, caplog) -> None:
+    resumed = resumed_at(saved_at, restart)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        list(resumed)
+    assert "DataLoader" not in caplog.text
 
 
 def test_a_sampler_saved_without_its_prefetching_loader_is_refused(tmp_path) -> None:
@@ -295,3 +342,42 @@ def test_a_position_without_a_resumable_sampler_is_refused_on_another_world_size
     resumed.load_state_dict(state)
     with pytest.raises(ddpckpt.InexactResumeError, match="ResumableDistributedSampler"):
         iter(resumed)
+
+
+@pytest.mark.parametrize("kind", ["distributed", "random", "shuffle"])
+def test_persistent_workers_resumed_after_an_epoch_end_do_not_shift_the_random_streams(
+    kind,
+) -> None:
+    """Persistent workers keep their base seed across epochs: the resumed run's new workers
+    must not draw one from the main random stream (dropout) or the loader's generator."""
+
+    def make():
+        if kind == "shuffle":
+            generator = torch.Generator().manual_seed(5)
+            loader = DataLoader(SeededDataset(Augmented(40), 1), batch_size=3, shuffle=True,
+                                num_workers=2, persistent_workers=True, generator=generator)  # fmt: skip
+            return None, ddpckpt.track_loader(loader)
+        sampler = SAMPLERS[kind]()
+        return sampler, ddpckpt.track_loader(plain(sampler, 2, persistent_workers=True))
+
+    def epoch(sampler, loader, number):
+        if sampler is not None and hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(number)
+        batches = list(loader)
+        generator = loader.generator
+        return batches, torch.randn(4), None if generator is None else generator.get_state()
+
+    torch.manual_seed(0)
+    sampler, loader = make()
+    epoch(sampler, loader, 0)
+    state, rng = loader.state_dict(), torch.get_rng_state()
+    expected = epoch(sampler, loader, 1)
+    torch.manual_seed(1)  # a new process
+    sampler, resumed = make()
+    torch.set_rng_state(rng)
+    resumed.load_state_dict(state)
+    got = epoch(sampler, resumed, 1)
+    assert same(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])  # the main stream continues as it would have
+    if kind == "shuffle":
+        assert torch.equal(got[2], expected[2])

@@ -93,13 +93,14 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint")
     p.add_argument("out")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--model", help="the model to export, of a checkpoint of several")
 
 
 def _export(args: argparse.Namespace) -> int:
     from ddpckpt.cli.tools import export
 
     try:
-        out = export(args.checkpoint, args.out, overwrite=args.overwrite)
+        out = export(args.checkpoint, args.out, overwrite=args.overwrite, model=args.model)
     except FileExistsError:
         raise CannotRun(f"{args.out} exists; pass --overwrite to replace it") from None
     print(f"wrote {out}")

@@ -18,7 +18,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SECTION",
-        help="only count differences in SECTION (repeatable or comma-separated): rng, step, "
+        help="leave SECTION out of the comparison (repeatable or comma-separated): rng, step, "
         "epoch, metrics, world_size, model, optimizer, scheduler, scaler, extra, extra/NAME",
     )
     p.add_argument(
@@ -46,7 +46,12 @@ def _diff(args: argparse.Namespace) -> int:
         print(table(("tensor", "difference", "detail"), rows))
         if len(report.tensors) > args.limit:
             print(f"... and {len(report.tensors) - args.limit} more tensors differ")
-    how = "every byte verified" if report.verified else "by recorded checksum; data not read"
+    how = (
+        "every byte verified"
+        if report.verified
+        else "by recorded checksum; data not read, so damage since the save is not detected: "
+        "drop --quick to verify"
+    )
     print(
         f"{report.identical_tensors} tensors identical ({how}), {len(report.tensors)} differ, "
         f"{len(report.state) + len(report.header)} other differences"

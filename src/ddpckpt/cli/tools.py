@@ -27,7 +27,7 @@ from ddpckpt.format.manifest import Manifest, read_manifest
 from ddpckpt.format.rankparts import fill_rank_parts
 from ddpckpt.format.sections import ROLE_KEYS, StateSections
 from ddpckpt.format.tensorwrite import write_file
-from ddpckpt.io.reader import FileSource, find_problems, load_state_dict
+from ddpckpt.io.reader import FileSource, chosen_model, find_problems, load_state_dict
 from ddpckpt.run.rundir import describe_path
 from ddpckpt.storage import Writer, new_token, storage_for
 from ddpckpt.storage.base import temp_name
@@ -40,7 +40,7 @@ def open_manifest(path: str) -> Manifest:
     a :class:`CheckpointNotFoundError` naming what it is instead of "did not finish"."""
     try:
         manifest = read_manifest(path)
-    except IncompleteCheckpointError:
+    except (IncompleteCheckpointError, CheckpointNotFoundError):
         what = describe_path(path)
         if what is None:
             raise
@@ -314,28 +314,34 @@ def _tree_diff(path: str, a: JSON, b: JSON) -> Iterator[tuple[str, Any, Any]]:
 
 
 def export(
-    path: str | os.PathLike[str], out: str | os.PathLike[str], *, overwrite: bool = False
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    model: str | None = None,
 ) -> str:
     """Write a checkpoint's model weights to ``out`` (``.safetensors`` or ``.pt``).
 
     The result is a plain state dict under canonical keys, for inference code:
     ``safetensors.torch.load_file`` / ``torch.load(weights_only=True)`` read it. The file
-    is written to a temporary name and renamed into place. Returns ``out``.
+    is written to a temporary name and renamed into place. Returns ``out``. A checkpoint
+    of several models (a ``TrainingState``) needs ``model``, the name of the one to write.
     """
     path, out = os.fspath(path), os.fspath(out)
     if not out.endswith((".safetensors", ".pt", ".pth")):
         raise ValueError(f"{out}: name the output *.safetensors or *.pt")
     manifest = open_manifest(path)
+    model = chosen_model(path, StateSections.from_json(manifest.state, path), model)
     store = storage_for(out)
     if store.exists(out) and not overwrite:
         raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
     tmp = temp_name(out, new_token())
     try:
         if out.endswith(".safetensors"):
-            _export_safetensors(path, manifest, tmp)
+            _export_safetensors(path, manifest, tmp, model)
         else:
             with store.create(tmp) as writer:
-                torch.save(load_state_dict(path), _TorchSink(writer))
+                torch.save(load_state_dict(path, model=model), _TorchSink(writer))
                 writer.sync()
         store.rename(tmp, out)
     finally:
@@ -358,15 +364,9 @@ class _TorchSink:
         """Nothing buffered here; the writer syncs when the export is complete."""
 
 
-def _export_safetensors(path: str, manifest: Manifest, tmp: str) -> None:
+def _export_safetensors(path: str, manifest: Manifest, tmp: str, name: str) -> None:
     stored = StateSections.from_json(manifest.state, path)
-    if len(stored.models) != 1:
-        raise UnsupportedValueError(
-            f"{path}: holds {len(stored.models)} models ({', '.join(stored.models)}); export "
-            "writes one model's weights: read one with ddpckpt.load_state_dict(path, model=NAME)"
-        )
-    ((name, section),) = stored.models.items()
-    prefix = stored.layout.model_prefix(name)
+    section, prefix = stored.models[name], stored.layout.model_prefix(name)
     if section.extra_keys:
         raise UnsupportedValueError(
             f"{path}: the model has non-tensor extra state ({', '.join(section.extra_keys)}), "

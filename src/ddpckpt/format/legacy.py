@@ -105,7 +105,15 @@ def read_legacy(
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
         if found is None:
-            raise CorruptCheckpointError(f"{path}: not a readable torch.save file ({exc})") from exc
+            # torch's text goes on to suggest weights_only=False: only the reason is kept
+            reason = (
+                str(exc).rpartition("WeightsUnpickler error:")[2].strip().split("\n")[0]
+                or type(exc).__name__
+            )
+            raise CorruptCheckpointError(
+                f"{path}: not a readable torch.save file ({reason}); `import` reads files "
+                "written by torch.save or Lightning"
+            ) from exc
         raise UnsafeCheckpointError(
             f"{path}: refusing to load it: unpickling would call {found.group(1)}, and a pickle can run "
             "any code that way. If that is a plain data class you trust (not a function), "

@@ -117,6 +117,22 @@ class FileSource:
         return tensor
 
 
+def chosen_model(path: str, stored: StateSections, model: str | None) -> str:
+    """The name of the model to read: ``model``, or the only one; else an error naming them."""
+    models = stored.models
+    if model is None and len(models) == 1:
+        return next(iter(models))
+    if model not in models:
+        names = ", ".join(repr(n) for n in models) or "none"
+        raise StateMismatchError(
+            f"{path}: pass model=NAME to choose the weights to read (its models: {names}; "
+            "with ddpckpt export: --model NAME)"
+            if model is None
+            else f"{path}: has no model {model!r} (its models: {names})"
+        )
+    return model
+
+
 def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> dict[str, Any]:
     """The model weights of a checkpoint as plain CPU tensors under canonical keys.
 
@@ -129,17 +145,8 @@ def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> d
     path = os.fspath(path)
     manifest = read_manifest(path)
     stored = StateSections.from_json(manifest.state, path)
-    models = stored.models
-    if model is None and len(models) == 1:
-        model = next(iter(models))
-    if model not in models:
-        names = ", ".join(repr(n) for n in models) or "none"
-        raise StateMismatchError(
-            f"{path}: pass model=NAME to choose the weights to read (its models: {names})"
-            if model is None
-            else f"{path}: has no model {model!r} (its models: {names})"
-        )
-    section, prefix = models[model], stored.layout.model_prefix(model)
+    model = chosen_model(path, stored, model)
+    section, prefix = stored.models[model], stored.layout.model_prefix(model)
     source = FileSource(path, manifest)
     weights: dict[str, Any] = {key: source.get(prefix + key).clone() for key in section.keys}
     for alias, key in section.aliases.items():

@@ -153,6 +153,19 @@ def explain(
                 "pass the DataLoader to the Checkpointer: extra={'loader': loader} (created "
                 "before resume(); any torch DataLoader), and seed only before resume()",
             )
+        if first_step_after_resume and component == "rng.torch":
+            return (
+                f"{name} differs {after}, {on}",
+                f"the script seeds it after resume() ({seed} after ckpt.resume()), which "
+                "overwrites the state resume() restored; or the loop restarted at another "
+                "epoch than the one the checkpoint was saved in, so the DataLoader began a new "
+                "pass (its iter() draws a seed from torch's generator) and skipped or repeated "
+                "data: the restarted run's log then has a DataLoader WARNING naming the epochs",
+                f"seed before resume() (or only on a fresh start: if info is None: {seed}); "
+                "restart the epoch loop at the epoch the checkpoint was saved in (a save inside "
+                "an epoch records that epoch: epoch=epoch inside the loop, epoch=epoch + 1 "
+                "after it, restart at info.epoch)",
+            )
         if first_step_after_resume:
             return (
                 f"{name} differs {after}, {on}",

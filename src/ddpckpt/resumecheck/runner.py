@@ -91,10 +91,16 @@ def _launch(
 ) -> dict[str, Any]:
     started = time.perf_counter()
     with open(log, "wb") as out:
-        process = subprocess.Popen(
-            list(command), env=dict(env), stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+        try:
+            process = subprocess.Popen(
+                list(command), env=dict(env), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        except (FileNotFoundError, PermissionError) as exc:  # "train.py" given as the command
+            raise type(exc)(
+                f"cannot start {command[0]!r} ({exc.strerror}): give the whole launch command "
+                "after --, e.g. ddpckpt check-resume -- torchrun --nproc-per-node 2 train.py"
+            ) from exc
         try:
             code = process.wait(timeout=timeout)
             timed_out = False

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import os
 
-from ddpckpt.errors import CheckpointError
-from ddpckpt.format.manifest import Manifest, read_manifest
+from ddpckpt._log import get_logger
+from ddpckpt.errors import CheckpointError, IncompleteCheckpointError
+from ddpckpt.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt.storage import is_temp_name, storage_for
 
 __all__ = ["latest"]
+
+_log = get_logger(__name__)
 
 SET_ASIDE_MARK = ".corrupt-"  # step-N.corrupt-<token>: moved aside by Checkpointer.resume
 
@@ -39,6 +42,12 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
         names = storage_for(directory).list(directory)
     except FileNotFoundError:
         return None
+    if MANIFEST_NAME in names:  # None here would start the run afresh
+        raise ValueError(
+            f"{directory}: is a checkpoint itself, and latest() looks for checkpoints inside a "
+            f"directory: pass the directory that holds it ({os.path.dirname(directory) or '.'}) "
+            "or load this checkpoint directly"
+        )
     found: list[tuple[tuple[bool, int, float], str]] = []
     for name in names:
         if is_temp_name(name) or SET_ASIDE_MARK in name:
@@ -58,12 +67,20 @@ def _committed(path: str) -> Manifest | None:
         return None
     try:
         manifest = read_manifest(path)
-    except CheckpointError:
-        return None
+    except IncompleteCheckpointError:
+        return None  # no manifest: an unfinished save, or no checkpoint at all
+    except CheckpointError as exc:
+        return _skipped(path, str(exc))
     for name, file in manifest.files.items():
         try:
-            if store.size(os.path.join(path, name)) != file.size:
-                return None
-        except OSError:
-            return None
+            size = store.size(os.path.join(path, name))
+        except OSError as exc:
+            return _skipped(path, f"{name}: {exc}")
+        if size != file.size:
+            return _skipped(path, f"{name} has {size} bytes, its manifest says {file.size}")
     return manifest
+
+
+def _skipped(path: str, why: str) -> None:
+    _log.warning("latest(): skipping the damaged checkpoint %s (%s); it is not loaded", path, why)
+    return None

@@ -16,7 +16,7 @@ its next ``should_save``; one that reached only other ranks is posted at their n
 ``should_save`` and agreed at rank 0's following one (usually one step later).
 
 Per-step cost with preemption on: rank 0 one ``set`` on the store (a helper thread of rank
-0 blocks in the store until a post appears, waking once a second); every other rank one
+0 blocks in the store until a post appears, or an agreement or ``close()`` wakes it); every other rank one
 ``wait``, one ``get`` and one ``add`` (and the last reader two deletes): the cost of
 ``every_seconds``. Without it nothing changes (``every_steps`` is decided locally).
 
@@ -81,6 +81,10 @@ __all__ = ["Preemption", "PreemptionWatch"]  # Preemption: the options, from run
 _log = get_logger(__name__)
 
 _serials = itertools.count()  # preemption-enabled Checkpointers made in this process
+# How long the listener blocks in one store wait. Long, because torch's store client prints
+# two warnings on stderr at every timed-out wait; an agreement and close() wake it instead.
+_LISTEN_SLICE = timedelta(minutes=5)
+_WAKE = b"{}"  # a value the listener reads as no post
 
 
 @dataclass
@@ -168,8 +172,8 @@ class PreemptionWatch:
     def _listen(self, group: Any) -> None:
         """Rank 0's helper thread: blocks in the store until a rank posts a signal.
 
-        So rank 0's step pays nothing to learn of other ranks' signals; the thread wakes
-        once a second to see whether the Checkpointer was closed.
+        So rank 0's step pays nothing to learn of other ranks' signals. An agreement wakes
+        it to move on to the next round's key, ``close()`` to stop.
         """
         client, own = group.borrow()
         try:
@@ -177,7 +181,7 @@ class PreemptionWatch:
                 current = self._round
                 key = self._key(current)
                 try:
-                    client.wait([key], timedelta(seconds=1))
+                    client.wait([key], _LISTEN_SLICE)
                 except StoreTimeout:
                     continue
                 value = client.get(key)
@@ -200,6 +204,8 @@ class PreemptionWatch:
         grace, source = grace_period(self.options.grace_seconds)
         since = own[1] if own is not None else time.monotonic()
         self._signal = None
+        if self._listener is not None and (self._remote is None or self._remote[0] != self._round):
+            self._group.store.set(self._key(), _WAKE)  # it waits for this round's post
         self._round += 1
         self.agreed = _Agreed(step, signum, origin, since, grace, source)
         remaining = since + grace - time.monotonic()

@@ -288,7 +288,7 @@ def describe_path(path: str) -> str | None:
     expected; ``None`` when it is a checkpoint (complete or not) or does not exist."""
     store = storage_for(path)
     if not store.is_dir(path):
-        return None
+        return _describe_run_file(path) if store.exists(path) else None
     names = store.list(path)
     if MANIFEST_NAME in names or any(_DATA_FILE.match(n) for n in names):
         return None
@@ -317,3 +317,17 @@ def describe_path(path: str) -> str | None:
         f"{path}: not a ddpckpt checkpoint: it has no {MANIFEST_NAME} and no checkpoint "
         "files (expected a directory written by ddpckpt.save or a Checkpointer's step-N)"
     )
+
+
+def _describe_run_file(path: str) -> str | None:
+    """The message for a file of a run directory (``latest``, ``run.json``, ``.lock``)."""
+    run, base = os.path.split(path.rstrip("/"))
+    if base not in (LATEST, RUN_FILE, LOCK_NAME):
+        return None
+    newest = read_latest(run or ".") if base == LATEST else None
+    if newest:
+        return (
+            f"{path}: the run's pointer to its newest checkpoint, not a checkpoint: name that "
+            f"checkpoint, {os.path.join(run, newest)}"
+        )
+    return f"{path}: a file of the run directory {run or '.'}, not a checkpoint: try `ddpckpt ls {run or '.'}`"

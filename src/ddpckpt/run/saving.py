@@ -222,7 +222,8 @@ class RunSaves:
         Runs on the training thread, or on the background thread for async saves (so the
         lock check, a request on object stores, never stalls training).
         """
-        plan.comm.run("lock", self.lock.check)  # never write where another job took over
+        # never write where another job took over; a lock that cannot be read fails the save
+        plan.comm.run("lock", lambda: self._storage(self.lock.check))
         self.failures.retrying(plan.path, lambda attempt: write_and_commit(plan, attempt))
         self.committed = plan.header["step"]
         try:

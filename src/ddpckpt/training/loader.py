@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from ddpckpt._log import get_logger
 from ddpckpt.errors import InexactResumeError, StateMismatchError
 from ddpckpt.resumecheck import record as _resume_check
 from ddpckpt.state.objects import is_stateful
@@ -41,6 +42,7 @@ from ddpckpt.training.replay import (
     IndexStream,
     capture_draw,
     check_same_pass,
+    iter_with_saved_workers_seed,
     pass_length,
     refuse_uncapturable_samplers,
     replay_iter,
@@ -51,6 +53,8 @@ from ddpckpt.training.replay import (
 from ddpckpt.training.worker_signals import IgnoringPreemptionSignals
 
 __all__ = ["resumable_loader", "track_loader"]
+
+_log = get_logger(__name__)
 
 
 class _TrackedIterator:
@@ -131,6 +135,9 @@ class _Tracking:
         applies = self._resume_applies()
         record = self._ddpckpt_resume if applies else None
         resuming = self._ddpckpt_resume is not None
+        ended = self._ddpckpt_resume if resuming and self._ddpckpt_resume["finished"] else None
+        if resuming and not applies:
+            _warn_epoch_gap(self._ddpckpt_resume, getattr(user_sampler(self), "epoch", None))
         self._ddpckpt_stream.skip = self._planned_skip() if resuming else 0
         self._ddpckpt_resume = None
         self._ddpckpt_pass += 1
@@ -148,7 +155,10 @@ class _Tracking:
         # A new iterator draws the workers' base seed; persistent workers keep theirs.
         new_iterator = self._iterator is None or not self.persistent_workers
         try:
-            if record is None:
+            keep_workers_seed = self.persistent_workers and new_iterator and ended is not None
+            if record is None and keep_workers_seed and ended.get("seed_draw") is not None:
+                inner = iter_with_saved_workers_seed(self, ended["seed_draw"])
+            elif record is None:
                 if new_iterator:
                     self._ddpckpt_seed_draw = capture_draw(self, samplers=False)
                 inner = super(type(self), self).__iter__()  # the loader class that was tracked
@@ -235,6 +245,44 @@ class _Tracking:
             self.dataset.load_state_dict(state["dataset"])
         self._ddpckpt_resume = dict(state) if state["started"] else None
         self._ddpckpt_stream.skip = 0
+
+
+def _warn_epoch_gap(record: Mapping[str, Any], epoch: Any) -> None:
+    """Say so when the first epoch after a resume skips or repeats data of the saved run."""
+    saved = record.get("epoch")
+    if not record["started"] or saved is None or epoch is None:
+        return
+    if not record["finished"]:
+        where = f"inside epoch {saved} (after {record['position']} batches)"
+        fix = (
+            f"restart the loop at epoch {saved}: a checkpoint saved inside an epoch records that "
+            "epoch (save epoch=epoch inside the loop and epoch=epoch + 1 after it; restart at "
+            "info.epoch)"
+        )
+        if epoch > saved:
+            left = (record.get("batches") or 0) - int(record["position"])
+            what = f"the remaining {left} batches of epoch {saved} are skipped"
+        else:
+            what = f"{_epochs(epoch, saved - 1)} run again and epoch {saved} from its start"
+    elif epoch > saved + 1 or epoch < saved:
+        where = f"after epoch {saved} ended"
+        fix = f"restart the loop at epoch {saved + 1}"
+        gap = _epochs(saved + 1, epoch - 1) if epoch > saved else _epochs(epoch, saved)
+        what = f"{gap} {'skipped' if epoch > saved else 'run again'}"
+    else:
+        return
+    _log.warning(
+        "DataLoader: the checkpoint was saved %s, but the loop's first epoch after the "
+        "resume is %s (sampler.set_epoch), so %s and the resume is not exact: %s",
+        where,
+        epoch,
+        what,
+        fix,
+    )
+
+
+def _epochs(first: int, last: int) -> str:
+    return f"epoch {first} is" if first == last else f"epochs {first} to {last} are"
 
 
 class _FinishedPass:

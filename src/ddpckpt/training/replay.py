@@ -29,6 +29,7 @@ __all__ = [
     "IndexStream",
     "capture_draw",
     "check_same_pass",
+    "iter_with_saved_workers_seed",
     "pass_length",
     "refuse_uncapturable_samplers",
     "replay_iter",
@@ -65,6 +66,7 @@ class IndexStream:
         self.sizes: deque[int] = deque()  # indices per batch handed out, not yet yielded
         self.replay: Mapping[str, Any] | None = None  # the saved order draw, for the next pass
         self.draws = 0  # order draws so far (the sampler's first index of a pass)
+        self.before_draw: Any = None  # called once at the next pass's first index
         # the index batches handed out, not yet yielded: only under ddpckpt check-resume
         self.handed: deque[Any] | None = deque() if _resume_check.active() else None
 
@@ -82,6 +84,9 @@ class IndexStream:
     ) -> Iterator[Any]:
         # Everything happens at the first index taken: that is when the sampler draws its
         # order in the saved run, whatever the DataLoader's iterator drew before it.
+        hook, self.before_draw = self.before_draw, None
+        if hook is not None:
+            hook()
         if skip and skip >= len(self.inner):
             return  # nothing left: the saved run drew nothing more here
         self.draws += 1
@@ -183,6 +188,33 @@ def restore_draw(loader: Any, draw: Mapping[str, Any]) -> None:
     saved = draw["sampler_generators"]  # none for a base seed draw
     for generator, state in zip(sampler_generators(loader) if saved else [], saved, strict=True):
         generator.set_state(state)
+
+
+def iter_with_saved_workers_seed(loader: Any, seed_draw: Mapping[str, Any]) -> Any:
+    """``iter()`` whose new workers get the saved base seed, drawn from nothing live.
+
+    For persistent workers after a pass that ended: the saved run's workers lived on into
+    the next pass without drawing a seed, so neither may the resumed run's new ones; the
+    sampler's order is then drawn from the live random states, as in the saved run.
+    """
+    generator = loader.generator
+    live_rng = torch.get_rng_state()
+    live_generator = None if generator is None else generator.get_state()
+
+    def back_to_live() -> None:
+        torch.set_rng_state(live_rng)
+        if live_generator is not None:
+            generator.set_state(live_generator)
+
+    restore_draw(loader, seed_draw)
+    loader._ddpckpt_seed_draw = seed_draw
+    loader._ddpckpt_stream.before_draw = back_to_live
+    try:
+        return super(type(loader), loader).__iter__()
+    finally:
+        if loader._ddpckpt_stream.before_draw is back_to_live:  # no index taken yet
+            loader._ddpckpt_stream.before_draw = None
+            back_to_live()
 
 
 def replay_iter(loader: Any, record: Mapping[str, Any], new_iterator: bool) -> Any:

@@ -1,0 +1,37 @@
+"""The likely cause and fix named for a divergence (ddpckpt.resumecheck.explain)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from ddpckpt.resumecheck.explain import explain
+
+
+def _first_step_after_resume(component: str) -> tuple[str, str, str]:
+    differences = [
+        SimpleNamespace(component=component, rank=rank, expected="a", got="b") for rank in (0, 1)
+    ]
+    return explain(
+        phase="start",
+        component=component,
+        step=21,
+        resumed_from=20,
+        differences=differences,
+        world=2,
+        first_step_after_resume=True,
+        loader_saved=True,
+    )
+
+
+def test_torch_generator_after_resume_names_a_restart_at_another_epoch_too() -> None:
+    """A mid-epoch checkpoint resumed at info.epoch + 1 shifts torch's generator through the
+    DataLoader's new pass: the report must not blame seeding alone."""
+    _, cause, fix = _first_step_after_resume("rng.torch")
+    assert "seeds it after resume()" in cause and "another epoch" in cause
+    assert "DataLoader WARNING" in cause and "restart at info.epoch" in fix
+
+
+def test_numpy_generator_after_resume_is_blamed_on_seeding() -> None:
+    _, cause, fix = _first_step_after_resume("rng.numpy")
+    assert "seeds it after resume()" in cause and "epoch" not in cause
+    assert "np.random.seed" in fix
