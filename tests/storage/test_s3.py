@@ -612,3 +612,22 @@ def test_errors_a_real_s3_answers_name_their_cause_and_remedy(code, status, kind
     error = os_error(botocore.exceptions.ClientError(answer, "PutObject"), "s3://b/run/x")
     assert type(error) is kind and error.filename == "s3://b/run/x"
     assert code in str(error) and says in str(error)
+
+
+def test_a_profile_that_is_not_there_is_one_line_saying_where_profiles_come_from(
+    s3_root, tmp_path, monkeypatch, capsys, no_mounts
+) -> None:
+    """``AWS_PROFILE`` naming no profile (a typo): the CLI prints one error line, not
+    botocore's traceback, and ``storage_options`` profile= is a ValueError saying so."""
+    import ddpckpt.storage.s3
+
+    saved_run(s3_root / "run")
+    monkeypatch.setattr(ddpckpt.storage.s3, "_default", None)  # reads AWS_PROFILE anew
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.fspath(tmp_path / "none"))
+    monkeypatch.setenv("AWS_PROFILE", "trainnig")
+    assert main(["ls", os.fspath(s3_root / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "ddpckpt ls: error:" in err and "trainnig" in err and "AWS_PROFILE" in err
+    monkeypatch.delenv("AWS_PROFILE")
+    with pytest.raises(ValueError, match=r"\(trainnig\).*profile="):
+        ddpckpt.load(f"{s3_root}/run", model=make_mlp(), storage_options={"profile": "trainnig"})

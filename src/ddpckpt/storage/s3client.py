@@ -113,6 +113,10 @@ _REGION_HINT = "the bucket is in another region: set storage_options region_name
 _ENDPOINT_HINT = (
     "check the endpoint (storage_options endpoint_url=, AWS_ENDPOINT_URL) and that the server runs"
 )
+_PROFILE_HINT = (
+    "name a profile of ~/.aws/config or ~/.aws/credentials (AWS_PROFILE, storage_options "
+    "profile=), or unset AWS_PROFILE to use the other usual places"
+)
 _CREDENTIALS_HINT = (
     "give credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile "
     "(AWS_PROFILE, storage_options profile=), an instance role, or storage_options key=/secret="
@@ -210,16 +214,18 @@ class S3Requests:
         connections: int = 18,
     ) -> None:
         self._connections = connections
-        self._session = boto3.session.Session(profile_name=profile_name)
-        self._client_options = {  # holds credentials: never logged, never in repr
-            "endpoint_url": endpoint_url,
-            "region_name": region_name or self._session.region_name or "us-east-1",
-            "aws_access_key_id": aws_access_key_id,
-            "aws_secret_access_key": aws_secret_access_key,
-            "aws_session_token": aws_session_token,
-        }
-        try:
+        try:  # a profile that is not there (AWS_PROFILE, profile=) fails here
+            self._session = boto3.session.Session(profile_name=profile_name)
+            self._client_options = {  # holds credentials: never logged, never in repr
+                "endpoint_url": endpoint_url,
+                "region_name": region_name or self._session.region_name or "us-east-1",
+                "aws_access_key_id": aws_access_key_id,
+                "aws_secret_access_key": aws_secret_access_key,
+                "aws_session_token": aws_session_token,
+            }
             self.client = self._make_client(max_attempts, connect_timeout, read_timeout)
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise ValueError(f"S3 client settings: {exc}: {_PROFILE_HINT}") from None
         except botocore.exceptions.BotoCoreError as exc:  # e.g. a key without its secret
             raise ValueError(f"S3 client settings: {exc}") from None
         self.conditional_writes = True
