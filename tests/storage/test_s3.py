@@ -18,6 +18,7 @@ import s3server
 from conftest import StoredPath, make_mlp, train_steps
 from ddpckpt import Checkpointer
 from ddpckpt.cli.main import main
+from ddpckpt.errors import CheckpointWriteError
 from ddpckpt.storage import ManifestLastCommit, mount, resolve, storage_for
 from launch import torchrun
 
@@ -586,6 +587,16 @@ def test_a_missing_bucket_and_missing_credentials_are_named_errors_saying_what_t
     with pytest.raises(PermissionError, match="AWS_ACCESS_KEY_ID") as caught:
         anonymous.read(f"s3://{s3server.BUCKET}/x")
     assert caught.value.filename == f"s3://{s3server.BUCKET}/x"
+
+
+def test_a_checkpointer_in_a_missing_bucket_says_the_bucket_is_missing(s3_endpoint) -> None:
+    """The run lock is the first write: its failure is the error the user sees, not the
+    cleanup's (there is no half-written lock object to delete)."""
+    run = f"s3://no-such-bucket-{os.getpid()}/runs/exp1"
+    expected = pytest.raises(CheckpointWriteError, match=r"NoSuchBucket.*create it")
+    with Checkpointer(run, model=make_mlp()) as ckpt, expected as caught:
+        ckpt.resume()
+    assert caught.value.errno == errno.ENOENT
 
 
 @pytest.mark.parametrize(
