@@ -642,3 +642,23 @@ def test_a_profile_that_is_not_there_is_one_line_saying_where_profiles_come_from
     monkeypatch.delenv("AWS_PROFILE")
     with pytest.raises(ValueError, match=r"\(trainnig\).*profile="):
         ddpckpt.load(f"{s3_root}/run", model=make_mlp(), storage_options={"profile": "trainnig"})
+
+
+def test_a_server_that_stops_answering_is_reported_at_its_first_timeout(
+    s3_endpoint, caplog
+) -> None:
+    """A hung server (it accepts connections, never answers) holds a request for up to
+    (retries + 1) x read_timeout: the first timeout says so at once, with the settings that
+    shorten it, instead of silence until the last attempt."""
+    import socket
+
+    from ddpckpt.storage.s3 import S3Storage
+
+    with socket.create_server(("127.0.0.1", 0)) as hung:  # listens, never accepts
+        endpoint = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        storage = S3Storage(endpoint_url=endpoint, read_timeout=1, max_attempts=1)
+        with caplog.at_level(logging.WARNING, logger="ddpckpt"), pytest.raises(TimeoutError):
+            storage.read(f"s3://{s3server.BUCKET}/x")
+    warnings = [r.getMessage() for r in caplog.records if "got no answer" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "retrying up to 1 times" in warnings[0] and "read_timeout=" in warnings[0]

@@ -164,6 +164,44 @@ def os_error(exc: Exception, location: str) -> OSError:
     return OSError(errno.EIO, f"S3 request failed ({type(exc).__name__}: {exc})", location)
 
 
+_UNANSWERED = (
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectionClosedError,
+)
+
+
+class _UnansweredWarning:
+    """Says at once, on stderr, that the server does not answer and how long the retries
+    may hold the caller (a sync save holds training), instead of silence until the last
+    attempt fails. Once until a request succeeds again."""
+
+    def __init__(self, retries: int, connect_timeout: float, read_timeout: float) -> None:
+        self._retries, self._timeouts = retries, (connect_timeout, read_timeout)
+        self._warned = False
+
+    def __call__(self, attempts: int, caught_exception: Exception | None = None, **kwargs: Any):
+        if caught_exception is None:
+            self._warned = False
+        elif isinstance(caught_exception, _UNANSWERED) and not self._warned:
+            self._warned = True
+            endpoint, operation = kwargs.get("endpoint"), kwargs.get("operation")
+            connect, read = self._timeouts
+            _log.warning(
+                "S3 %s at %s got no answer (%s); retrying up to %d times, each attempt "
+                "waiting up to %.0f s to connect and %.0f s for the answer (storage_options "
+                "connect_timeout=, read_timeout=, max_attempts= shorten this)",
+                getattr(operation, "name", "request"),
+                getattr(endpoint, "host", "the endpoint"),
+                type(caught_exception).__name__,
+                self._retries,
+                connect,
+                read,
+            )
+        return None  # the retry handler decides
+
+
 class EmptyObject(Exception):
     """A ranged GET of an object without bytes (HTTP 416)."""
 
@@ -237,7 +275,11 @@ class S3Requests:
             retries={"total_max_attempts": retries + 1, "mode": "standard"},
             max_pool_connections=self._connections,
         )
-        return self._session.client("s3", config=config, **self._client_options)
+        client = self._session.client("s3", config=config, **self._client_options)
+        if retries:
+            warn = _UnansweredWarning(retries, connect_timeout, read_timeout)
+            client.meta.events.register("needs-retry.s3", warn)
+        return client
 
     def best_effort(self) -> S3Requests:
         """These requests tried once, with 2 s to connect and 5 s to answer."""
