@@ -18,6 +18,7 @@ import s3server
 from conftest import StoredPath, make_mlp, train_steps
 from ddpckpt import Checkpointer
 from ddpckpt.cli.main import main
+from ddpckpt.errors import CheckpointWriteError
 from ddpckpt.storage import ManifestLastCommit, mount, resolve, storage_for
 from launch import torchrun
 
@@ -588,6 +589,16 @@ def test_a_missing_bucket_and_missing_credentials_are_named_errors_saying_what_t
     assert caught.value.filename == f"s3://{s3server.BUCKET}/x"
 
 
+def test_a_checkpointer_in_a_missing_bucket_says_the_bucket_is_missing(s3_endpoint) -> None:
+    """The run lock is the first write: its failure is the error the user sees, not the
+    cleanup's (there is no half-written lock object to delete)."""
+    run = f"s3://no-such-bucket-{os.getpid()}/runs/exp1"
+    expected = pytest.raises(CheckpointWriteError, match=r"NoSuchBucket.*create it")
+    with Checkpointer(run, model=make_mlp()) as ckpt, expected as caught:
+        ckpt.resume()
+    assert caught.value.errno == errno.ENOENT
+
+
 @pytest.mark.parametrize(
     ("code", "status", "kind", "says"),
     [
@@ -612,3 +623,42 @@ def test_errors_a_real_s3_answers_name_their_cause_and_remedy(code, status, kind
     error = os_error(botocore.exceptions.ClientError(answer, "PutObject"), "s3://b/run/x")
     assert type(error) is kind and error.filename == "s3://b/run/x"
     assert code in str(error) and says in str(error)
+
+
+def test_a_profile_that_is_not_there_is_one_line_saying_where_profiles_come_from(
+    s3_root, tmp_path, monkeypatch, capsys, no_mounts
+) -> None:
+    """``AWS_PROFILE`` naming no profile (a typo): the CLI prints one error line, not
+    botocore's traceback, and ``storage_options`` profile= is a ValueError saying so."""
+    import ddpckpt.storage.s3
+
+    saved_run(s3_root / "run")
+    monkeypatch.setattr(ddpckpt.storage.s3, "_default", None)  # reads AWS_PROFILE anew
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.fspath(tmp_path / "none"))
+    monkeypatch.setenv("AWS_PROFILE", "trainnig")
+    assert main(["ls", os.fspath(s3_root / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "ddpckpt ls: error:" in err and "trainnig" in err and "AWS_PROFILE" in err
+    monkeypatch.delenv("AWS_PROFILE")
+    with pytest.raises(ValueError, match=r"\(trainnig\).*profile="):
+        ddpckpt.load(f"{s3_root}/run", model=make_mlp(), storage_options={"profile": "trainnig"})
+
+
+def test_a_server_that_stops_answering_is_reported_at_its_first_timeout(
+    s3_endpoint, caplog
+) -> None:
+    """A hung server (it accepts connections, never answers) holds a request for up to
+    (retries + 1) x read_timeout: the first timeout says so at once, with the settings that
+    shorten it, instead of silence until the last attempt."""
+    import socket
+
+    from ddpckpt.storage.s3 import S3Storage
+
+    with socket.create_server(("127.0.0.1", 0)) as hung:  # listens, never accepts
+        endpoint = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        storage = S3Storage(endpoint_url=endpoint, read_timeout=1, max_attempts=1)
+        with caplog.at_level(logging.WARNING, logger="ddpckpt"), pytest.raises(TimeoutError):
+            storage.read(f"s3://{s3server.BUCKET}/x")
+    warnings = [r.getMessage() for r in caplog.records if "got no answer" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "retrying up to 1 times" in warnings[0] and "read_timeout=" in warnings[0]

@@ -18,6 +18,7 @@ costs one WARNING line, not the retries of a running job.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import os
@@ -146,7 +147,8 @@ class RunLock:
                     writer.write(document)
                     writer.sync()
             except OSError:  # e.g. a full disk: leave no empty lock behind to block the next job
-                self._storage.delete(self.path)
+                with contextlib.suppress(FileNotFoundError):  # S3: nothing was written
+                    self._storage.delete(self.path)
                 raise
             self._hold()
             return

@@ -113,6 +113,10 @@ _REGION_HINT = "the bucket is in another region: set storage_options region_name
 _ENDPOINT_HINT = (
     "check the endpoint (storage_options endpoint_url=, AWS_ENDPOINT_URL) and that the server runs"
 )
+_PROFILE_HINT = (
+    "name a profile of ~/.aws/config or ~/.aws/credentials (AWS_PROFILE, storage_options "
+    "profile=), or unset AWS_PROFILE to use the other usual places"
+)
 _CREDENTIALS_HINT = (
     "give credentials: AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile "
     "(AWS_PROFILE, storage_options profile=), an instance role, or storage_options key=/secret="
@@ -158,6 +162,44 @@ def os_error(exc: Exception, location: str) -> OSError:
             errno.ECONNREFUSED, f"S3 endpoint unreachable ({exc}); {_ENDPOINT_HINT}", location
         )
     return OSError(errno.EIO, f"S3 request failed ({type(exc).__name__}: {exc})", location)
+
+
+_UNANSWERED = (
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectionClosedError,
+)
+
+
+class _UnansweredWarning:
+    """Says at once, on stderr, that the server does not answer and how long the retries
+    may hold the caller (a sync save holds training), instead of silence until the last
+    attempt fails. Once until a request succeeds again."""
+
+    def __init__(self, retries: int, connect_timeout: float, read_timeout: float) -> None:
+        self._retries, self._timeouts = retries, (connect_timeout, read_timeout)
+        self._warned = False
+
+    def __call__(self, attempts: int, caught_exception: Exception | None = None, **kwargs: Any):
+        if caught_exception is None:
+            self._warned = False
+        elif isinstance(caught_exception, _UNANSWERED) and not self._warned:
+            self._warned = True
+            endpoint, operation = kwargs.get("endpoint"), kwargs.get("operation")
+            connect, read = self._timeouts
+            _log.warning(
+                "S3 %s at %s got no answer (%s); retrying up to %d times, each attempt "
+                "waiting up to %.0f s to connect and %.0f s for the answer (storage_options "
+                "connect_timeout=, read_timeout=, max_attempts= shorten this)",
+                getattr(operation, "name", "request"),
+                getattr(endpoint, "host", "the endpoint"),
+                type(caught_exception).__name__,
+                self._retries,
+                connect,
+                read,
+            )
+        return None  # the retry handler decides
 
 
 class EmptyObject(Exception):
@@ -210,16 +252,18 @@ class S3Requests:
         connections: int = 18,
     ) -> None:
         self._connections = connections
-        self._session = boto3.session.Session(profile_name=profile_name)
-        self._client_options = {  # holds credentials: never logged, never in repr
-            "endpoint_url": endpoint_url,
-            "region_name": region_name or self._session.region_name or "us-east-1",
-            "aws_access_key_id": aws_access_key_id,
-            "aws_secret_access_key": aws_secret_access_key,
-            "aws_session_token": aws_session_token,
-        }
-        try:
+        try:  # a profile that is not there (AWS_PROFILE, profile=) fails here
+            self._session = boto3.session.Session(profile_name=profile_name)
+            self._client_options = {  # holds credentials: never logged, never in repr
+                "endpoint_url": endpoint_url,
+                "region_name": region_name or self._session.region_name or "us-east-1",
+                "aws_access_key_id": aws_access_key_id,
+                "aws_secret_access_key": aws_secret_access_key,
+                "aws_session_token": aws_session_token,
+            }
             self.client = self._make_client(max_attempts, connect_timeout, read_timeout)
+        except botocore.exceptions.ProfileNotFound as exc:
+            raise ValueError(f"S3 client settings: {exc}: {_PROFILE_HINT}") from None
         except botocore.exceptions.BotoCoreError as exc:  # e.g. a key without its secret
             raise ValueError(f"S3 client settings: {exc}") from None
         self.conditional_writes = True
@@ -231,7 +275,11 @@ class S3Requests:
             retries={"total_max_attempts": retries + 1, "mode": "standard"},
             max_pool_connections=self._connections,
         )
-        return self._session.client("s3", config=config, **self._client_options)
+        client = self._session.client("s3", config=config, **self._client_options)
+        if retries:
+            warn = _UnansweredWarning(retries, connect_timeout, read_timeout)
+            client.meta.events.register("needs-retry.s3", warn)
+        return client
 
     def best_effort(self) -> S3Requests:
         """These requests tried once, with 2 s to connect and 5 s to answer."""
