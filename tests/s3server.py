@@ -131,6 +131,10 @@ class Outage:
     def up(self) -> None:
         self.tripped.clear()
 
+    def arm(self, trip: bytes) -> None:
+        """Go down at the next request holding ``trip`` instead."""
+        self._trip = trip
+
     def close(self) -> None:
         self._listener.close()
         self._cut()

@@ -162,7 +162,9 @@ def test_store_operations_per_rank_do_not_grow_with_the_ranks(monkeypatch) -> No
         assert results == [None] * n
         # The last rank to leave a call deletes its keys: which rank that is depends on timing.
         deletes = [s.by_op.get("delete_key", 0) for s in stats]
-        ops = [s.ops - d for s, d in zip(stats, deletes)]  # main connection only: heartbeats
+        ops = [
+            s.ops - d for s, d in zip(stats, deletes, strict=True)
+        ]  # main connection only: heartbeats
         received = [s.bytes - s.bytes_by_op.get("delete_key", 0) for s in stats[1:]]
         counts[n] = (ops[0], max(ops[1:]), max(received), max(deletes))
         assert server.store.num_keys() == n + 1  # what is left: the heartbeat records, their roster

@@ -205,6 +205,35 @@ def test_the_server_stopped_mid_save_is_a_bounded_error_and_training_goes_on(cap
         s3server.stop(process)
 
 
+def test_a_server_gone_at_the_lock_check_is_a_failed_save_not_a_crash(
+    s3_endpoint, s3_root, caplog, no_mounts
+) -> None:
+    """The lock read before a save's writes is a request too: a server that stops answering
+    there fails that save (logged, training goes on), and the next save, with the server
+    back, commits."""
+    outage = s3server.Outage(s3_endpoint, trip=b"never sent")
+    run = f"{s3_root}/run"
+    options = {"endpoint_url": outage.endpoint, "connect_timeout": 2, "read_timeout": 2}
+    options["max_attempts"] = 1
+    model = make_mlp()
+    ckpt = Checkpointer(run, model=model, storage_options=options, retries=0)
+    try:
+        assert ckpt.save(1) is not None
+        outage.arm(f"/{run.split('/', 2)[2]}/.lock ".encode())  # the lock's read, not its write
+        with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+            assert ckpt.save(2) is None
+        assert outage.tripped.is_set()
+        assert isinstance(ckpt.last_error, CheckpointWriteError)
+        assert "training goes on" in caplog.text
+        outage.arm(b"never sent")
+        outage.up()
+        assert ckpt.save(3) is not None
+        assert ckpt.steps() == [1, 3]
+    finally:
+        ckpt.close()
+        outage.close()
+
+
 def test_retention_on_s3_deletes_manifest_first_and_keeps_the_newest(s3_root, monkeypatch) -> None:
     from ddpckpt.storage.s3 import S3Storage
 
