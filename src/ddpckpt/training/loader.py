@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from ddpckpt._log import get_logger
+from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt.errors import InexactResumeError, StateMismatchError
 from ddpckpt.resumecheck import record as _resume_check
 from ddpckpt.state.objects import is_stateful
@@ -278,6 +278,7 @@ def _warn_epoch_gap(record: Mapping[str, Any], epoch: Any) -> None:
         epoch,
         what,
         fix,
+        extra=same_on_every_rank(),  # every rank restarts at the same epoch: say it once
     )
 
 
