@@ -3,7 +3,6 @@ checkpoints (ddpckpt.training.loader)."""
 
 from __future__ import annotations
 
-import logging
 import subprocess
 import sys
 import weakref
@@ -145,52 +144,6 @@ def test_a_finished_epoch_is_neither_replayed_nor_skipped(kind, workers) -> None
         assert same(seen, epoch1), restart
 
 
-def resumed_at(saved_at, restart) -> DataLoader:
-    """A loader saved in epoch 1 after ``saved_at`` batches (None: at its end), loaded into a
-    new one whose sampler is then set to epoch ``restart``."""
-    sampler = SAMPLERS["distributed"]()
-    loader = ddpckpt.track_loader(plain(sampler, 0))
-    sampler.set_epoch(1)
-    iterator = iter(loader)
-    for _ in range(len(loader) if saved_at is None else saved_at):
-        next(iterator)
-    if saved_at is None:
-        assert next(iterator, None) is None  # the pass ended
-    state = loader.state_dict()
-    sampler = SAMPLERS["distributed"]()
-    resumed = ddpckpt.track_loader(plain(sampler, 0))
-    resumed.load_state_dict(state)
-    sampler.set_epoch(restart)
-    return resumed
-
-
-@pytest.mark.parametrize(
-    ("saved_at", "restart", "message"),
-    [
-        (4, 2, "the remaining 3 batches of epoch 1 are skipped"),  # mid-epoch, restart at E + 1
-        (4, 0, "epoch 0 is run again and epoch 1 from its start"),
-        (None, 3, "epoch 2 is skipped"),  # saved at the epoch's end, restart at E + 2
-        (None, 0, "epochs 0 to 1 are run again"),
-    ],
-)
-def test_a_restart_at_another_epoch_than_the_saved_one_warns(
-    saved_at, restart, message, caplog
-) -> None:
-    """The loop's epoch after a resume skips or repeats data: said on stderr, not silent."""
-    resumed = resumed_at(saved_at, restart)
-    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
-        iter(resumed)
-    assert message in caplog.text and f"first epoch after the resume is {restart}" in caplog.text
-
-
-@pytest.mark.parametrize(("saved_at", "restart"), [(4, 1), (None, 1), (None, 2)])
-def test_a_restart_that_continues_the_saved_epoch_does_not_warn(saved_at, restart, caplog) -> None:
-    resumed = resumed_at(saved_at, restart)
-    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
-        list(resumed)
-    assert "DataLoader" not in caplog.text
-
-
 def test_a_sampler_saved_without_its_prefetching_loader_is_refused(tmp_path) -> None:
     sampler = ResumableDistributedSampler(Numbers(16), 1, 0)
     loader = DataLoader(Numbers(16), sampler=sampler, batch_size=2, num_workers=2)
@@ -258,15 +211,6 @@ def test_a_dead_weak_proxy_elsewhere_does_not_break_a_save(tmp_path) -> None:
     loader = DataLoader(Numbers(8), batch_size=2)
     ddpckpt.save(tmp_path / "c", model=torch.nn.Linear(1, 1), extra={"loader": loader})
     assert len(proxies) == 1
-
-
-def test_an_untrackable_iterable_dataset_is_refused() -> None:
-    class Stream(torch.utils.data.IterableDataset):
-        def __iter__(self):
-            return iter(range(10))
-
-    with pytest.raises(ddpckpt.InexactResumeError, match="IterableDataset"):
-        ddpckpt.track_loader(DataLoader(Stream(), batch_size=2))
 
 
 def test_a_stateful_iterable_dataset_resumes_with_num_workers_0() -> None:

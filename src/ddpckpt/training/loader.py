@@ -33,11 +33,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt.errors import InexactResumeError, StateMismatchError
 from ddpckpt.resumecheck import record as _resume_check
 from ddpckpt.state.objects import is_stateful
 from ddpckpt.training.data import ResumableDistributedSampler, SeededDataset
+from ddpckpt.training.loader_checks import refuse_untrackable, warn_epoch_gap
 from ddpckpt.training.replay import (
     IndexStream,
     capture_draw,
@@ -53,8 +53,6 @@ from ddpckpt.training.replay import (
 from ddpckpt.training.worker_signals import IgnoringPreemptionSignals
 
 __all__ = ["resumable_loader", "track_loader"]
-
-_log = get_logger(__name__)
 
 
 class _TrackedIterator:
@@ -131,13 +129,13 @@ class _Tracking:
         return inner if record["finished"] else min(inner, int(record["position"]))
 
     def __iter__(self: Any) -> Any:
-        _refuse_untrackable(self)
+        refuse_untrackable(self)
         applies = self._resume_applies()
         record = self._ddpckpt_resume if applies else None
         resuming = self._ddpckpt_resume is not None
         ended = self._ddpckpt_resume if resuming and self._ddpckpt_resume["finished"] else None
         if resuming and not applies:
-            _warn_epoch_gap(self._ddpckpt_resume, getattr(user_sampler(self), "epoch", None))
+            warn_epoch_gap(self._ddpckpt_resume, getattr(user_sampler(self), "epoch", None))
         self._ddpckpt_stream.skip = self._planned_skip() if resuming else 0
         self._ddpckpt_resume = None
         self._ddpckpt_pass += 1
@@ -194,7 +192,7 @@ class _Tracking:
 
     def state_dict(self: Any) -> dict[str, Any]:
         """This rank's position: the record of the current pass (or of the one loaded)."""
-        _refuse_untrackable(self)
+        refuse_untrackable(self)
         refuse_uncapturable_samplers(self)
         record = self._ddpckpt_resume or self._ddpckpt_now
         state: dict[str, Any] = {"started": record is not None}
@@ -247,45 +245,6 @@ class _Tracking:
         self._ddpckpt_stream.skip = 0
 
 
-def _warn_epoch_gap(record: Mapping[str, Any], epoch: Any) -> None:
-    """Say so when the first epoch after a resume skips or repeats data of the saved run."""
-    saved = record.get("epoch")
-    if not record["started"] or saved is None or epoch is None:
-        return
-    if not record["finished"]:
-        where = f"inside epoch {saved} (after {record['position']} batches)"
-        fix = (
-            f"restart the loop at epoch {saved}: a checkpoint saved inside an epoch records that "
-            "epoch (save epoch=epoch inside the loop and epoch=epoch + 1 after it; restart at "
-            "info.epoch)"
-        )
-        if epoch > saved:
-            left = (record.get("batches") or 0) - int(record["position"])
-            what = f"the remaining {left} batches of epoch {saved} are skipped"
-        else:
-            what = f"{_epochs(epoch, saved - 1)} run again and epoch {saved} from its start"
-    elif epoch > saved + 1 or epoch < saved:
-        where = f"after epoch {saved} ended"
-        fix = f"restart the loop at epoch {saved + 1}"
-        gap = _epochs(saved + 1, epoch - 1) if epoch > saved else _epochs(epoch, saved)
-        what = f"{gap} {'skipped' if epoch > saved else 'run again'}"
-    else:
-        return
-    _log.warning(
-        "DataLoader: the checkpoint was saved %s, but the loop's first epoch after the "
-        "resume is %s (sampler.set_epoch), so %s and the resume is not exact: %s",
-        where,
-        epoch,
-        what,
-        fix,
-        extra=same_on_every_rank(),  # every rank restarts at the same epoch: say it once
-    )
-
-
-def _epochs(first: int, last: int) -> str:
-    return f"epoch {first} is" if first == last else f"epochs {first} to {last} are"
-
-
 class _FinishedPass:
     """Mixed into a torchdata ``StatefulDataLoader``: a finished pass is saved as finished.
 
@@ -317,23 +276,6 @@ class _FinishedPass:
             sampler.load_state_dict(state["sampler"])
         if self.generator is not None and state.get("generator") is not None:
             self.generator.set_state(state["generator"])
-
-
-def _refuse_untrackable(loader: Any) -> None:
-    iterable = isinstance(loader.dataset, IterableDataset)
-    if iterable and (not is_stateful(loader.dataset) or loader.num_workers > 0):
-        raise InexactResumeError(
-            f"a DataLoader over the IterableDataset {type(loader.dataset).__qualname__} "
-            "cannot resume exactly: its position lives in the dataset's iterator"
-            + (" in each worker" if loader.num_workers else "")
-            + ". Give the dataset state_dict()/load_state_dict() and use num_workers=0, "
-            "or use torchdata's StatefulDataLoader (which snapshots each worker)"
-        )
-    if not getattr(loader, "in_order", True):
-        raise InexactResumeError(
-            "a DataLoader with in_order=False yields batches out of order, so the batches "
-            "training consumed are not a prefix of the epoch: use in_order=True (the default)"
-        )
 
 
 _SUBCLASSES: dict[type, type] = {}
@@ -372,7 +314,7 @@ def track_loader(loader: DataLoader) -> DataLoader:
         return loader
     if not _is_plain_loader(loader):
         raise TypeError(f"track_loader needs a torch DataLoader, got {type(loader).__qualname__}")
-    _refuse_untrackable(loader)
+    refuse_untrackable(loader)
     _swap_class(loader, _Tracking)
     loader._ddpckpt_init()
     loader.worker_init_fn = IgnoringPreemptionSignals(loader.worker_init_fn)
