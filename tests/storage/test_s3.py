@@ -607,6 +607,10 @@ def test_a_missing_bucket_and_missing_credentials_are_named_errors_saying_what_t
 
     with pytest.raises(FileNotFoundError, match=r"NoSuchBucket.*create it"):
         storage_for(f"s3://{s3server.BUCKET}/x").read(f"s3://no-such-bucket-{os.getpid()}/x")
+    # "nothing saved yet" would have a script start over, and an evaluator wait, forever
+    with pytest.raises(FileNotFoundError, match=r"NoSuchBucket.*create it"):
+        ddpckpt.latest(f"s3://no-such-bucket-{os.getpid()}/run")
+    assert ddpckpt.latest(f"s3://{s3server.BUCKET}/no-run-here-{os.getpid()}") is None
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)

@@ -14,6 +14,7 @@ from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointError, IncompleteCheckpointError
 from ddpckpt.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt.storage import is_temp_name, storage_for
+from ddpckpt.storage.base import BucketNotFoundError
 
 __all__ = ["latest"]
 
@@ -29,7 +30,8 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
     without a step count as older than any with one and are ordered by when they were
     saved. Temporaries of unfinished saves, checkpoints moved aside as corrupt, and
     directories whose manifest is missing, damaged or lists a file that is missing or of
-    the wrong size are skipped. The tensor data is verified when loaded (or by
+    the wrong size are skipped. A directory that does not exist has none (``None``); an
+    object store's bucket that does not exist raises ``FileNotFoundError``. The tensor data is verified when loaded (or by
     :func:`ddpckpt.verify`). Local: call it on every rank before a collective ``load``,
     or on rank 0 and broadcast the answer::
 
@@ -40,6 +42,8 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
     directory = os.fspath(directory)
     try:
         names = storage_for(directory).list(directory)
+    except BucketNotFoundError:
+        raise  # None would start a run afresh that can never save there
     except FileNotFoundError:
         return None
     if MANIFEST_NAME in names:  # None here would start the run afresh

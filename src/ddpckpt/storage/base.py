@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ddpckpt.storage.commit import CommitStrategy
 
 __all__ = [
+    "BucketNotFoundError",
     "RangedReader",
     "Reader",
     "Storage",
@@ -44,6 +45,11 @@ __all__ = [
 MANIFEST = "manifest.json"  # the commit marker both strategies rely on
 _TEMP_MARK = ".tmp-"
 _log = get_logger(__name__)
+
+
+class BucketNotFoundError(FileNotFoundError):
+    """The bucket a location names does not exist: unlike a missing directory, no run can be
+    started there, so callers that take "not found" for "nothing saved yet" must not."""
 
 
 def new_token() -> str:

@@ -21,6 +21,7 @@ except ImportError as _missing:  # pragma: no cover - depends on the installatio
     raise ImportError("s3:// locations need boto3: pip install 'ddpckpt[s3]'") from _missing
 
 from ddpckpt._log import get_logger
+from ddpckpt.storage.base import BucketNotFoundError
 
 __all__ = [
     "CLIENT_ERRORS",
@@ -132,7 +133,7 @@ def os_error(exc: Exception, location: str) -> OSError:
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
         text = f"{code or status}: {error.get('Message', '') or exc}"
         if code == "NoSuchBucket":
-            return FileNotFoundError(
+            return BucketNotFoundError(
                 errno.ENOENT, f"{text} (create it, or correct the bucket's name)", location
             )
         if code in ("NoSuchKey", "NotFound", "404") or status == 404:
