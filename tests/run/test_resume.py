@@ -44,14 +44,21 @@ def test_a_checkpoint_gone_is_a_race_for_a_reader_only() -> None:
 
 
 def test_nothing_loads_names_every_failure() -> None:
-    error = nothing_loads("run", ["run/step-00000002: bad", "run/step-00000001: bad"], [])
+    error = nothing_loads("run", ["run/step-00000002: bad", "run/step-00000001: bad"], {})
     assert isinstance(error, CorruptCheckpointError) and "step-00000001: bad" in str(error)
-    assert "only incomplete checkpoints ([3])" in str(nothing_loads("run", [], [3]))
+    error = nothing_loads("run", [], {3: "run/step-00000003: no manifest.json"})
+    assert "only incomplete checkpoints" in str(error) and "step-00000003: no manifest" in str(
+        error
+    )
 
 
 def test_a_step_committed_on_any_rank_counts_as_committed() -> None:
-    views = [{"4": ("incomplete", {})}, {"4": ("committed", {"loss": 1.0})}, {"4": ("corrupt", {})}]
-    assert _merged(views) == {"4": ("committed", {"loss": 1.0})}
+    views = [
+        {"4": ("incomplete", {}, "no manifest")},
+        {"4": ("committed", {"loss": 1.0}, "")},
+        {"4": ("corrupt", {}, "bad JSON")},
+    ]
+    assert _merged(views) == {"4": ("committed", {"loss": 1.0}, "")}
 
 
 def test_set_aside_and_point_latest(tmp_path) -> None:
@@ -59,7 +66,7 @@ def test_set_aside_and_point_latest(tmp_path) -> None:
     with Checkpointer(run, model=make_mlp()) as ckpt:
         ckpt.save(1)
         ckpt.save(2)
-    set_aside(str(run), [2, 5])  # 5 does not exist: skipped
+    set_aside(str(run), {2: "why 2", 5: "why 5"})  # 5 does not exist: skipped
     assert sorted(p.name.split(".corrupt-")[0] for p in run.glob("step-*")) == [
         "step-00000001",
         "step-00000002",
@@ -70,3 +77,16 @@ def test_set_aside_and_point_latest(tmp_path) -> None:
     mtime = (run / "latest").stat().st_mtime_ns
     point_latest(str(run), 1)  # already so: not rewritten
     assert (run / "latest").stat().st_mtime_ns == mtime
+
+
+def test_a_checkpoint_moved_aside_at_resume_says_what_is_wrong_with_it(tmp_path, caplog) -> None:
+    run = tmp_path / "run"
+    with Checkpointer(run, model=make_mlp()) as ckpt:
+        ckpt.save(1)
+        ckpt.save(2)
+    (run / "step-00000002" / "manifest.json").write_text("{ not json")
+    with Checkpointer(run, model=make_mlp()) as ckpt:
+        assert ckpt.resume().step == 1
+    moved = [r.getMessage() for r in caplog.records if "aside" in r.getMessage()]
+    assert len(moved) == 1 and "step-00000002" in moved[0]
+    assert "manifest is not valid JSON" in moved[0]

@@ -39,14 +39,18 @@ __all__ = [
 
 _log = get_logger(__name__)
 READER_LISTINGS = 3  # times a read-only resume lists the directory before giving up
-_Listing = dict[str, tuple[str, dict[str, Any]]]
+_Listing = dict[str, tuple[str, dict[str, Any], str]]  # step: status, metrics, problem
 
 
-def list_candidates(comm: Comm, directory: str) -> tuple[dict[int, dict[str, Any]], list[int]]:
-    """Collective: the committed checkpoints (metrics by step) and the broken steps."""
+def list_candidates(comm: Comm, directory: str) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
+    """Collective: the committed checkpoints (metrics by step) and the broken ones (what is
+    wrong with each, by step)."""
     listed = comm.run_reduce("list", lambda: _listing(directory), _merged)
-    committed = {int(s): m for s, (status, m) in listed.items() if status == "committed"}
-    return committed, sorted({int(s) for s in listed} - set(committed))
+    committed = {int(s): m for s, (status, m, _) in listed.items() if status == "committed"}
+    broken = {
+        int(s): problem for s, (status, _, problem) in listed.items() if status != "committed"
+    }
+    return committed, dict(sorted(broken.items()))
 
 
 def load_first(
@@ -84,27 +88,31 @@ def load_first(
     return None
 
 
-def nothing_loads(directory: str, failures: list[str], broken: list[int]) -> CorruptCheckpointError:
+def nothing_loads(
+    directory: str, failures: list[str], broken: dict[int, str]
+) -> CorruptCheckpointError:
     """The error when checkpoints exist but none loads."""
     if failures:
         return CorruptCheckpointError(
             f"{directory}: holds checkpoints but none can be loaded:\n  " + "\n  ".join(failures)
         )
     return CorruptCheckpointError(
-        f"{directory}: holds only incomplete checkpoints ({broken}); nothing to resume"
+        f"{directory}: holds only incomplete checkpoints; nothing to resume:\n  "
+        + "\n  ".join(broken.values())
     )
 
 
-def set_aside(directory: str, steps: list[int]) -> None:
-    """Rename the checkpoints of ``steps`` to ``step-N.corrupt-<token>``; local, one rank
-    per storage domain. One already gone (another domain's rank, same storage) is skipped."""
+def set_aside(directory: str, reasons: dict[int, str]) -> None:
+    """Rename the checkpoints of the steps in ``reasons`` (what is wrong with each) to
+    ``step-N.corrupt-<token>``; local, one rank per storage domain. One already gone
+    (another domain's rank, same storage) is skipped."""
     store = storage_for(directory)
-    for step in steps:
+    for step, reason in sorted(reasons.items()):
         source = os.path.join(directory, step_dirname(step))
         if store.exists(source):
             target = f"{source}{SET_ASIDE_MARK}{new_token()}"
             store.commit.set_aside(store, source, target)
-            _log.warning("moved %s aside to %s; it is never loaded", source, target)
+            _log.warning("moved %s aside to %s; it is never loaded (%s)", source, target, reason)
 
 
 def point_latest(directory: str, step: int) -> None:
@@ -115,14 +123,14 @@ def point_latest(directory: str, step: int) -> None:
 
 def _listing(directory: str) -> _Listing:
     """Every checkpoint of ``directory``: its status and metrics, by step (JSON-able)."""
-    return {str(e.step): (e.status, e.metrics) for e in scan(directory)}
+    return {str(e.step): (e.status, e.metrics, e.problem) for e in scan(directory)}
 
 
 def _merged(views: list[_Listing]) -> _Listing:
     """Every rank's listing in one (rank 0 reduces them): committed wins over broken."""
     merged: _Listing = {}
     for view in views:
-        for step, (status, metrics) in view.items():
+        for step, (status, metrics, problem) in view.items():
             if step not in merged or status == "committed":
-                merged[step] = (status, metrics)
+                merged[step] = (status, metrics, problem)
     return merged

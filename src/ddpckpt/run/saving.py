@@ -159,13 +159,14 @@ class RunSaves:
         self.saver.reserve(staging_share(snapshot, self.domains, rank))
 
     def resumed(
-        self, step: int, committed: dict[int, Any], broken: list[int], failed: list[int]
+        self, step: int, committed: dict[int, Any], broken: dict[int, str], failed: list[int]
     ) -> None:
         """Collective, after checkpoint ``step`` was loaded: move aside the broken ones newer
         than it (and those that failed to load); point ``latest`` at the newest committed
         one left. Later saves must be newer than it (after ``resume(step=N)`` too, so no
         branch can mix with the abandoned one)."""
-        moved = sorted({b for b in broken if b > step} | set(failed))
+        moved = {b: problem for b, problem in broken.items() if b > step}
+        moved.update((f, "it failed to load, as said above") for f in failed)
         newest = max(c for c in committed if c not in moved)
 
         def tidy() -> None:
