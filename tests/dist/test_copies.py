@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from ddpckpt.dist.comm import Comm
+from ddpckpt.dist.copies import send_to_leaders
+from ddpckpt.dist.store import StoreGroup
 from launch import torchrun_nodes
+from thread_ranks import ranks, sim
 
 
 @pytest.mark.parametrize("failing_save", ["first", "second"])
@@ -27,3 +31,19 @@ def test_saves_and_user_groups_work_after_a_failed_copy(tmp_path, failing_save) 
         assert result["outcomes"] == expected, (rank, result)
         assert result["exact"] is True, (rank, result)
         assert result["user_group"] == 2.0, (rank, result)
+
+
+def test_a_transfer_leaves_no_keys_in_the_store() -> None:
+    """gloo's rendezvous writes each rank's address into the store; a save on node-local
+    storage makes a transfer group each time, so what it leaves would pile up for the job."""
+
+    def body(group: StoreGroup) -> dict[int, bytes]:
+        with Comm.open("ddpckpt.save", timeout=60, group=group) as comm:
+            return comm.run(
+                "copies", lambda: send_to_leaders(comm, [[0, 1], [2]], b"r%d" % group.rank)
+            )
+
+    server = sim.Server()
+    results, _ = ranks(3, body, server)
+    assert results == [{2: b"r2"}, {}, {0: b"r0", 1: b"r1"}]
+    assert server.store.num_keys() == 3 + 1  # the heartbeat records and their roster only

@@ -43,7 +43,7 @@ from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 from ddpckpt._log import get_logger
-from ddpckpt.dist.copies import transfer_group
+from ddpckpt.dist.copies import rendezvous_keys, transfer_group
 from ddpckpt.dist.exchange import LEADER, Exchanges
 from ddpckpt.dist.failures import combine, describe, encode_error
 from ddpckpt.dist.liveness import Liveness
@@ -107,6 +107,7 @@ class Comm(Exchanges):
         self._op = -1
         self._exchanges = 0
         self._shared_keys: list[str] | None = []
+        self._own_keys: list[str] = []  # this rank's, deleted by it when the call closes
         self._liveness: Liveness | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -181,11 +182,14 @@ class Comm(Exchanges):
         self.close()
 
     def close(self) -> None:
-        """Leave the call. The last rank to leave deletes the call's keys from the store."""
+        """Leave the call: this rank deletes its own keys (its transfer groups' addresses); the
+        last rank to leave deletes the keys the ranks shared."""
         if self._liveness is not None:
             self._liveness.stop()
         if self._store is not None and self._shared_keys is not None:
             keys, self._shared_keys = self._shared_keys, None
+            for key in self._own_keys:  # every rank is past the steps that read them
+                self._store.delete_key(key)
             closed = self._key("closed", "count")
             if self._store.add(closed, 1) == self.world_size:  # nobody reads them any more
                 for key in [*keys, closed]:
@@ -377,6 +381,6 @@ class Comm(Exchanges):
     def transfer_group(self, purpose: str) -> AbstractContextManager[Any]:
         """A gloo group of this call's ranks for one transfer (``purpose`` names it within the
         call), shut down on leaving; every rank enters it together, inside a step."""
-        return transfer_group(
-            self._store, f"{self.token}/{purpose}", self.rank, self.world_size, self.timeout
-        )
+        key = f"{self.token}/{purpose}"
+        self._own_keys += rendezvous_keys(key, self.rank)
+        return transfer_group(self._store, key, self.rank, self.world_size, self.timeout)

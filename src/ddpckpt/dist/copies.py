@@ -6,8 +6,8 @@ of every other domain (:func:`send_to_leaders`), on a gloo group made for that t
 alone (:func:`transfer_group`), so the store carries only small messages whatever the
 model's size.
 
-The group is built directly on the store, under keys of its own, and shut down when the
-transfer ends: a transfer that failed (a rank that raised, a peer that timed out and closed
+The group is built directly on the store, under keys of its own (deleted when the call
+closes), and shut down when the transfer ends: a transfer that failed (a rank that raised, a peer that timed out and closed
 its connections) leaves nothing behind for the next one, and torch's own count of the
 groups made with ``dist.new_group`` never moves, so the user's groups still match.
 """
@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ddpckpt.dist.store import namespace
 
-__all__ = ["send_to_leaders", "transfer_group"]
+__all__ = ["rendezvous_keys", "send_to_leaders", "transfer_group"]
 
 
 @contextmanager
@@ -39,12 +39,24 @@ def transfer_group(
     """
     if not isinstance(store, dist.Store):  # a client of another kind (a wrapper): adapt it
         store = _Delegating(store)
-    prefixed = dist.PrefixStore(f"{namespace()}/copies/{key}", store)
+    prefixed = dist.PrefixStore(_prefix(key), store)
     group = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout))
     try:
         yield group
     finally:
         group.shutdown()
+
+
+def rendezvous_keys(key: str, rank: int) -> list[str]:
+    """The store keys that transfer ``key``'s rendezvous leaves behind for ``rank``: its
+    address, which every other rank reads while its group is made (torch writes
+    ``<prefix>/<device>/<rank>``; the group has one device). Delete them once every rank is
+    past the transfer's step."""
+    return [f"{_prefix(key)}/0/{rank}"]
+
+
+def _prefix(key: str) -> str:
+    return f"{namespace()}/copies/{key}"
 
 
 def send_to_leaders(comm: Any, domains: list[list[int]], bundle: bytes) -> dict[int, bytes]:
