@@ -11,8 +11,8 @@ through :mod:`ddpckpt.state`. A failure on any rank raises the same error on eve
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
-from typing import Any
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from ddpckpt.errors import (
     error_class,
 )
 from ddpckpt.format.codec import decode
-from ddpckpt.format.manifest import Manifest, read_manifest
+from ddpckpt.format.manifest import Manifest, manifest_path, read_manifest
 from ddpckpt.format.rankparts import rank_has, rank_part
 from ddpckpt.format.sections import ROLE_KEYS, Layout, StateSections
 from ddpckpt.io.async_saver import DEFAULT_SAVER
@@ -44,11 +44,13 @@ from ddpckpt.state.capture import (
 )
 from ddpckpt.state.optimizer import param_names
 from ddpckpt.state.rng import derive_rng, restore_rng
-from ddpckpt.storage import configure
+from ddpckpt.storage import configure, storage_for
 
 __all__ = ["load", "locate", "own_tensors"]
 
 _log = get_logger(__name__)
+
+T = TypeVar("T")
 
 
 def load(
@@ -98,11 +100,38 @@ def load(
         manifest = locate(comm, path)
         with Progress(f"loading {os.path.basename(path)}", manifest.nbytes) as bar:
             source = FileSource(path, manifest, progress=bar)
-            source.own = comm.run("rank part", lambda: own_tensors(manifest, comm.rank, path))
-            comm.run("check", lambda: _check(manifest, source, state, strict, path))
-            return comm.run(
-                "restore", lambda: _restore(manifest, source, state, strict, path, comm.rank)
+            source.own = comm.run(
+                "rank part", _unless_deleted(path, lambda: own_tensors(manifest, comm.rank, path))
             )
+            comm.run(
+                "check",
+                _unless_deleted(path, lambda: _check(manifest, source, state, strict, path)),
+            )
+            restore = _unless_deleted(
+                path, lambda: _restore(manifest, source, state, strict, path, comm.rank)
+            )
+            return comm.run("restore", restore)
+
+
+def _unless_deleted(path: str, step: Callable[[], T]) -> Callable[[], T]:
+    """``step``, whose missing or damaged file is reported as :class:`CheckpointNotFoundError`
+    if the checkpoint itself is gone by then: the job saving into that directory deleted it
+    (its retention) while this process read it, which is no corruption."""
+
+    def run() -> T:
+        try:
+            return step()
+        except CorruptCheckpointError as exc:
+            if storage_for(path).exists(manifest_path(path)):
+                raise
+            raise CheckpointNotFoundError(
+                f"{path}: the checkpoint was deleted while it was being loaded (by the job "
+                "saving there, e.g. its retention); the objects passed may be partly restored: "
+                "load the newest checkpoint again (ddpckpt.latest), or read a live run with "
+                "Checkpointer(directory, read_only=True).resume(), which moves on by itself"
+            ) from exc
+
+    return run
 
 
 def locate(comm: Comm, path: str) -> Manifest:
