@@ -127,8 +127,7 @@ def _unless_deleted(path: str, step: Callable[[], T]) -> Callable[[], T]:
             raise CheckpointNotFoundError(
                 f"{path}: the checkpoint was deleted while it was being loaded (by the job "
                 "saving there, e.g. its retention); the objects passed may be partly restored: "
-                "load the newest checkpoint again (ddpckpt.latest), or read a live run with "
-                "Checkpointer(directory, read_only=True).resume(), which moves on by itself"
+                "load the newest checkpoint again"
             ) from exc
 
     return run
