@@ -421,6 +421,30 @@ def test_a_checkpoint_deleted_while_it_is_loaded_is_not_found_not_corrupt(
         ddpckpt.load(path, model=make_mlp(seed=1), optimizer=opt)
 
 
+def test_a_checkpoint_saved_again_while_it_is_loaded_is_not_called_corrupt(
+    ckpt_root, monkeypatch
+) -> None:
+    """A Checkpointer saving one step twice (every-N and epoch end) replaces it atomically;
+    a reader between the two saw the new files against the old manifest, and load() said
+    "checksum mismatch ... the file is corrupt"."""
+    path = str(ckpt_root / "step-3")
+    ddpckpt.save(path, model=make_mlp(seed=0), step=3)
+    store = storage_for(path)
+    real_read = type(store).read
+    replaced = []
+
+    def read_after_a_new_save(self, location: str) -> bytes:
+        if not replaced and location.startswith(path) and not location.endswith(".json"):
+            replaced.append(location)
+            ddpckpt.save(path, model=make_mlp(seed=1), step=3, overwrite=True)
+        return real_read(self, location)
+
+    monkeypatch.setattr(type(store), "read", read_after_a_new_save)
+    with pytest.raises(CheckpointNotFoundError, match=r"replaced .* while it was being loaded"):
+        ddpckpt.load(path, model=make_mlp(seed=2))
+    assert replaced
+
+
 def test_loading_never_unpickles(ckpt_dir, monkeypatch) -> None:
     model = make_mlp()
     opt = torch.optim.AdamW(model.parameters())

@@ -22,11 +22,12 @@ from ddpckpt.dist.comm import Comm
 from ddpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    IncompleteCheckpointError,
     StateMismatchError,
     error_class,
 )
 from ddpckpt.format.codec import decode
-from ddpckpt.format.manifest import Manifest, manifest_path, read_manifest
+from ddpckpt.format.manifest import Manifest, read_manifest
 from ddpckpt.format.rankparts import rank_has, rank_part
 from ddpckpt.format.sections import ROLE_KEYS, Layout, StateSections
 from ddpckpt.io.async_saver import DEFAULT_SAVER
@@ -44,7 +45,7 @@ from ddpckpt.state.capture import (
 )
 from ddpckpt.state.optimizer import param_names
 from ddpckpt.state.rng import derive_rng, restore_rng
-from ddpckpt.storage import configure, storage_for
+from ddpckpt.storage import configure
 
 __all__ = ["load", "locate", "own_tensors"]
 
@@ -100,34 +101,41 @@ def load(
         manifest = locate(comm, path)
         with Progress(f"loading {os.path.basename(path)}", manifest.nbytes) as bar:
             source = FileSource(path, manifest, progress=bar)
-            source.own = comm.run(
-                "rank part", _unless_deleted(path, lambda: own_tensors(manifest, comm.rank, path))
+            own = _unless_changed(path, manifest, lambda: own_tensors(manifest, comm.rank, path))
+            source.own = comm.run("rank part", own)
+            check = _unless_changed(
+                path, manifest, lambda: _check(manifest, source, state, strict, path)
             )
-            comm.run(
-                "check",
-                _unless_deleted(path, lambda: _check(manifest, source, state, strict, path)),
-            )
-            restore = _unless_deleted(
-                path, lambda: _restore(manifest, source, state, strict, path, comm.rank)
+            comm.run("check", check)
+            restore = _unless_changed(
+                path, manifest, lambda: _restore(manifest, source, state, strict, path, comm.rank)
             )
             return comm.run("restore", restore)
 
 
-def _unless_deleted(path: str, step: Callable[[], T]) -> Callable[[], T]:
+def _unless_changed(path: str, manifest: Manifest, step: Callable[[], T]) -> Callable[[], T]:
     """``step``, whose missing or damaged file is reported as :class:`CheckpointNotFoundError`
-    if the checkpoint itself is gone by then: the job saving into that directory deleted it
-    (its retention) while this process read it, which is no corruption."""
+    if the checkpoint at ``path`` is gone or another one by then: the job saving into that
+    directory deleted it (its retention) or saved that step again while this process read
+    it, which is no corruption."""
 
     def run() -> T:
         try:
             return step()
         except CorruptCheckpointError as exc:
-            if storage_for(path).exists(manifest_path(path)):
+            try:
+                now = read_manifest(path).id
+            except (CheckpointNotFoundError, IncompleteCheckpointError):
+                now = None  # deleted (an object store's retention removes the manifest first)
+            except CorruptCheckpointError:
+                now = manifest.id  # the manifest itself is damaged now: the first error stands
+            if now == manifest.id:
                 raise
+            what = "deleted" if now is None else "replaced (that step saved again)"
             raise CheckpointNotFoundError(
-                f"{path}: the checkpoint was deleted while it was being loaded (by the job "
-                "saving there, e.g. its retention); the objects passed may be partly restored: "
-                "load the newest checkpoint again"
+                f"{path}: the checkpoint was {what} while it was being loaded, by the job "
+                "saving there; the objects passed may be partly restored: load the newest "
+                "checkpoint again"
             ) from exc
 
     return run
