@@ -45,6 +45,28 @@ def test_names_are_non_empty_strings_without_a_slash(name) -> None:
         TrainingState({name: make_mlp()})
 
 
+@pytest.mark.parametrize("keyword", ["optimizer", "scheduler"])
+def test_a_list_for_a_keyword_says_to_name_each_object_in_a_training_state(
+    ckpt_dir, keyword
+) -> None:
+    """Two optimizers passed as optimizer=[body, head] (as Lightning returns them) failed with
+    "'list' object has no attribute 'param_groups'", which does not say what to do."""
+    model = make_mlp()
+    body = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    head = torch.optim.SGD(model[3].parameters(), lr=0.1)
+    several = {
+        "optimizer": [body, head],
+        "scheduler": (
+            torch.optim.lr_scheduler.StepLR(body, 2),
+            torch.optim.lr_scheduler.StepLR(head, 2),
+        ),
+    }
+    given = {"optimizer": body, keyword: several[keyword]}
+    with pytest.raises(TypeError, match=f"{keyword}= takes one object.*TrainingState"):
+        ddpckpt.save(ckpt_dir, model=model, **given)
+    assert not os.path.exists(ckpt_dir)
+
+
 def test_the_same_module_twice_is_an_error() -> None:
     model = make_mlp()
     with pytest.raises(ValueError, match="'a' and 'b' are the same module"):
