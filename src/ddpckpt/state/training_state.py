@@ -185,7 +185,8 @@ class TrainingState(Mapping[str, Any]):
         """A scheduler's learning rates live in its optimizer's param groups: without that
         optimizer a resume restores the scheduler's position but not the rates it set."""
         groups = {id(g) for opt in self.all_optimizers() for g in opt.param_groups}
-        for name, scheduler in self.schedulers.items():
+        in_extra = {n: o for n, o in self.extra.items() if role_of(o) == "schedulers"}
+        for name, scheduler in {**self.schedulers, **in_extra}.items():
             optimizer = getattr(scheduler, "optimizer", None)
             if not isinstance(optimizer, torch.optim.Optimizer):
                 continue  # another library's scheduler may keep something else there
