@@ -111,6 +111,22 @@ def test_diff_verifies_both_sides_before_trusting_checksums(tmp_path) -> None:
     assert trusted.same and not trusted.verified
 
 
+def test_a_quick_diff_still_catches_a_truncated_or_missing_file(tmp_path) -> None:
+    """`diff --quick` reads no data, but a file's size costs nothing: a truncated copy used
+    to be reported as identical (exit 0) while `ls --quick` called it INCOMPLETE."""
+    a, b = os.fspath(tmp_path / "a"), os.fspath(tmp_path / "b")
+    ddpckpt.save(a, model=make_mlp(), optimizer=torch.optim.SGD(make_mlp().parameters()), step=1)
+    shutil.copytree(a, b)
+    truncated = os.path.join(b, "model-00000.safetensors")
+    os.truncate(truncated, os.path.getsize(truncated) - 8)
+    with pytest.raises(CorruptCheckpointError, match=f"{b} is corrupt") as caught:
+        diff(a, b, verify=False)
+    assert f"{truncated}: file is" in str(caught.value)
+    os.remove(truncated)
+    with pytest.raises(CorruptCheckpointError, match="listed in the manifest is missing"):
+        diff(b, a, verify=False)
+
+
 def test_diff_ignores_named_sections_but_counts_them(tmp_path) -> None:
     model = make_mlp()
     a, b = os.fspath(tmp_path / "a"), os.fspath(tmp_path / "b")

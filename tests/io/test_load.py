@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpckpt
 from conftest import TiedLM, make_mlp, train_steps
 from ddpckpt import (
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     StateMismatchError,
     TrainingState,
@@ -394,6 +395,54 @@ def test_a_failed_load_leaves_the_optimizer_as_it_was(ckpt_dir) -> None:
     for (i, k), value in before.items():
         assert torch.equal(after[i][k], value), (i, k)
         assert torch.equal(kept["state"][i][k], value), (i, k)
+
+
+def test_a_checkpoint_deleted_while_it_is_loaded_is_not_found_not_corrupt(
+    ckpt_root, monkeypatch
+) -> None:
+    """An evaluator's latest() + load() on a live run: the writer's retention deletes the
+    checkpoint after latest() chose it. The load used to raise CorruptCheckpointError ("rank
+    0's file is missing"), telling the user their checkpoint was damaged."""
+    path = str(ckpt_root / "step-3")
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    ddpckpt.save(path, model=model, optimizer=opt, step=3)
+    store = storage_for(path)
+    real_read = type(store).read
+
+    def read_after_retention(self, location: str) -> bytes:
+        if location.startswith(path) and not location.endswith("manifest.json"):
+            self.delete_tree(path)
+        return real_read(self, location)
+
+    monkeypatch.setattr(type(store), "read", read_after_retention)
+    with pytest.raises(CheckpointNotFoundError, match="deleted while it was being loaded"):
+        ddpckpt.load(path, model=make_mlp(seed=1), optimizer=opt)
+
+
+def test_a_checkpoint_saved_again_while_it_is_loaded_is_not_called_corrupt(
+    ckpt_root, monkeypatch
+) -> None:
+    """A Checkpointer saving one step twice (every-N and epoch end) replaces it atomically;
+    a reader between the two saw the new files against the old manifest, and load() said
+    "checksum mismatch ... the file is corrupt"."""
+    path = str(ckpt_root / "step-3")
+    ddpckpt.save(path, model=make_mlp(seed=0), step=3)
+    store = storage_for(path)
+    real_read = type(store).read
+    replaced = []
+
+    def read_after_a_new_save(self, location: str) -> bytes:
+        if not replaced and location.startswith(path) and not location.endswith(".json"):
+            replaced.append(location)
+            ddpckpt.save(path, model=make_mlp(seed=1), step=3, overwrite=True)
+        return real_read(self, location)
+
+    monkeypatch.setattr(type(store), "read", read_after_a_new_save)
+    with pytest.raises(CheckpointNotFoundError, match=r"replaced .* while it was being loaded"):
+        ddpckpt.load(path, model=make_mlp(seed=2))
+    assert replaced
 
 
 def test_loading_never_unpickles(ckpt_dir, monkeypatch) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import pytest
@@ -10,7 +11,7 @@ from io_helpers import names_in, parent_of
 
 import ddpckpt
 from conftest import make_mlp, train_steps
-from ddpckpt import CheckpointExistsError, UnsupportedValueError
+from ddpckpt import CheckpointExistsError, CheckpointWriteError, UnsupportedValueError
 from ddpckpt.storage import storage_for
 
 
@@ -36,6 +37,21 @@ def test_unstorable_value_fails_the_save_naming_key_and_leaves_nothing(ckpt_dir)
     with pytest.raises(UnsupportedValueError, match="extra/hook/fn"):
         ddpckpt.save(ckpt_dir, model=make_mlp(), extra={"hook": {"fn": len}})
     assert names_in(parent_of(ckpt_dir)) == []
+
+
+def test_a_parent_directory_that_cannot_be_created_is_a_write_error(tmp_path, monkeypatch) -> None:
+    """save() into a directory that cannot be created (a read-only mount) raised mkdir's bare
+    OSError, not the CheckpointWriteError naming the checkpoint that every other storage
+    failure of a save raises."""
+    from ddpckpt.storage.posix import PosixStorage
+
+    def read_only(self, location: str) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", location)
+
+    monkeypatch.setattr(PosixStorage, "make_dirs", read_only)
+    path = os.fspath(tmp_path / "new" / "step-1")
+    with pytest.raises(CheckpointWriteError, match=f"{path}: writing the checkpoint failed"):
+        ddpckpt.save(path, model=make_mlp())
 
 
 def test_failed_write_leaves_no_checkpoint_and_no_temporary(ckpt_dir, monkeypatch) -> None:

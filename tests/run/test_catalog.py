@@ -10,6 +10,7 @@ import torch
 
 import ddpckpt
 from conftest import make_mlp, train_steps
+from ddpckpt.storage import storage_for
 
 
 def test_the_newest_committed_checkpoint_of_a_save_loop(ckpt_root, caplog) -> None:
@@ -36,6 +37,31 @@ def test_the_newest_committed_checkpoint_of_a_save_loop(ckpt_root, caplog) -> No
     assert os.path.join(ckpt, "step-10") in warning and "model-00000.safetensors has 100" in warning
     fresh = make_mlp(seed=1)
     assert ddpckpt.load(found, model=fresh).step == 9
+
+
+def test_a_checkpoint_deleted_while_it_is_checked_is_skipped_without_calling_it_damaged(
+    ckpt_root, caplog, monkeypatch
+) -> None:
+    """An evaluator polling a live run: the writer's retention removes a checkpoint (by
+    renaming it first) between latest()'s listing and its size checks. latest() used to warn
+    that the checkpoint was damaged."""
+    ckpt = ckpt_root / "ckpt"
+    model = make_mlp()
+    for step in (1, 2):
+        ddpckpt.save(f"{ckpt}/step-{step}", model=model, step=step)
+    store = storage_for(str(ckpt))
+    real_size = type(store).size
+
+    def size_after_retention(self, location: str) -> int:
+        checkpoint = os.path.dirname(location)
+        if os.path.basename(checkpoint) == "step-2":
+            self.rename(checkpoint, os.path.join(ckpt, ".deleting-step-2"))
+        return real_size(self, location)
+
+    monkeypatch.setattr(type(store), "size", size_after_retention)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert ddpckpt.latest(ckpt) == os.path.join(ckpt, "step-1")
+    assert caplog.messages == []
 
 
 def test_checkpoints_saved_without_a_step_go_by_time(ckpt_root) -> None:

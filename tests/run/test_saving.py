@@ -76,3 +76,25 @@ def test_a_lock_that_cannot_be_read_fails_that_save_and_training_goes_on(
         ckpt.close()
     assert ".lock: Is a directory" in caplog.text and "training goes on" in caplog.text
     assert ckpt.steps() == [1, 3]
+
+
+def test_a_run_directory_that_cannot_be_created_fails_that_save_and_training_goes_on(
+    tmp_path, caplog, monkeypatch
+) -> None:
+    """A first save into a run directory that cannot be created (a read-only mount, a path
+    without permission) raised the bare OSError of mkdir, ending the run despite
+    on_error="warn", while the same failure one directory deeper was logged."""
+    from ddpckpt.storage.posix import PosixStorage
+
+    def read_only(self, location: str) -> None:
+        raise OSError(errno.EROFS, "Read-only file system", location)
+
+    monkeypatch.setattr(PosixStorage, "make_dirs", read_only)
+    ckpt = Checkpointer(tmp_path / "run", model=make_mlp())
+    try:
+        assert ckpt.save(1) is None
+        assert isinstance(ckpt.last_error, CheckpointWriteError)
+        assert ckpt.last_error.errno == errno.EROFS
+    finally:
+        ckpt.close()
+    assert "saving step 1 failed" in caplog.text and "training goes on" in caplog.text

@@ -45,6 +45,43 @@ def test_names_are_non_empty_strings_without_a_slash(name) -> None:
         TrainingState({name: make_mlp()})
 
 
+@pytest.mark.parametrize("keyword", ["optimizer", "scheduler"])
+def test_a_list_for_a_keyword_says_to_name_each_object_in_a_training_state(
+    ckpt_dir, keyword
+) -> None:
+    """Two optimizers passed as optimizer=[body, head] (as Lightning returns them) failed with
+    "'list' object has no attribute 'param_groups'", which does not say what to do."""
+    model = make_mlp()
+    body = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    head = torch.optim.SGD(model[3].parameters(), lr=0.1)
+    several = {
+        "optimizer": [body, head],
+        "scheduler": (
+            torch.optim.lr_scheduler.StepLR(body, 2),
+            torch.optim.lr_scheduler.StepLR(head, 2),
+        ),
+    }
+    given = {"optimizer": body, keyword: several[keyword]}
+    with pytest.raises(TypeError, match=f"{keyword}= takes one object.*TrainingState"):
+        ddpckpt.save(ckpt_dir, model=model, **given)
+    assert not os.path.exists(ckpt_dir)
+
+
+def test_a_scheduler_in_extra_without_its_optimizer_is_refused_as_scheduler_is(ckpt_dir) -> None:
+    """A second optimizer's scheduler put in extra while that optimizer was not passed was
+    saved and restored, but the learning rate it had set was not: the resumed run trained
+    the head at the initial rate, silently."""
+    model = make_mlp()
+    body = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    head = torch.optim.SGD(model[3].parameters(), lr=0.1)
+    head_schedule = torch.optim.lr_scheduler.StepLR(head, step_size=1, gamma=0.5)
+    with pytest.raises(ddpckpt.InexactResumeError, match="'head_sched' adjusts a SGD"):
+        ddpckpt.save(ckpt_dir, model=model, optimizer=body, extra={"head_sched": head_schedule})
+    ddpckpt.save(
+        ckpt_dir, model=model, optimizer=body, extra={"head": head, "head_sched": head_schedule}
+    )
+
+
 def test_the_same_module_twice_is_an_error() -> None:
     model = make_mlp()
     with pytest.raises(ValueError, match="'a' and 'b' are the same module"):

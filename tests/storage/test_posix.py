@@ -82,3 +82,17 @@ def test_relative_paths_keep_their_spelling(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     assert storage.commit.staging(storage, "ckpt", "t").startswith(".ckpt.tmp-")
     assert storage.parent("ckpt") == os.fspath(tmp_path)
+
+
+def test_deleting_what_does_not_exist_on_a_read_only_file_system_is_no_error(
+    tmp_path, monkeypatch
+) -> None:
+    """A save that failed on a read-only file system made no temporary directory, yet its
+    clean-up warned that it "could not remove what the failed save left": the kernel
+    answers unlink of a missing path there with EROFS, not ENOENT."""
+
+    def read_only_unlink(path, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), path)
+
+    monkeypatch.setattr(os, "unlink", read_only_unlink)
+    storage.delete_tree(os.fspath(tmp_path / ".step-00000001.tmp-0a1b2c3d4e5f-0"))

@@ -24,8 +24,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quick",
         action="store_true",
-        help="trust the recorded checksums instead of verifying both (reads less; a file "
-        "damaged since it was written can compare as identical)",
+        help="trust the recorded checksums instead of verifying both (reads no data, checks "
+        "file sizes: a file altered in place since it was written can compare as identical)",
     )
     p.add_argument("--limit", type=int, default=50, help="rows to show per kind (default 50)")
 

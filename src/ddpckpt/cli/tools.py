@@ -28,7 +28,7 @@ from ddpckpt.format.rankparts import fill_rank_parts
 from ddpckpt.format.sections import ROLE_KEYS, StateSections
 from ddpckpt.format.tensorwrite import write_file
 from ddpckpt.io.reader import FileSource, chosen_model, find_problems, load_state_dict
-from ddpckpt.run.rundir import describe_path
+from ddpckpt.run.rundir import describe_path, size_problems
 from ddpckpt.storage import Writer, new_token, storage_for
 from ddpckpt.storage.base import temp_name
 
@@ -159,6 +159,8 @@ class DiffReport:
 
 _HEADER_FIELDS = ("step", "epoch", "metrics", "world_size")
 _RANK_TENSOR = re.compile(r"^rank\d+$")
+_CHECKSUMS_FAIL = "its bytes no longer match its checksums"
+_SIZES_WRONG = "files are missing or not the size its manifest records (the data was not read)"
 
 
 def section_of(where: str) -> str:
@@ -188,15 +190,15 @@ def _sections(manifest: Manifest) -> set[str]:
     return found
 
 
-def _check_intact(*paths: str) -> None:
-    problems = [(path, find_problems(path)) for path in paths]
+def _check_intact(problems: list[tuple[str, list[str]]], what: str) -> None:
+    """Raise if any checkpoint of ``problems`` (path, its problems) has one; ``what`` says
+    what the problems are."""
     bad = [(path, found) for path, found in problems if found]
     if bad:
         lines = [problem for _, found in bad for problem in found]
         raise CorruptCheckpointError(
             f"cannot compare: {' and '.join(path for path, _ in bad)} "
-            f"{'is' if len(bad) == 1 else 'are'} corrupt; its bytes no longer match its "
-            "checksums:\n  " + "\n  ".join(lines)
+            f"{'is' if len(bad) == 1 else 'are'} corrupt; {what}:\n  " + "\n  ".join(lines)
         )
 
 
@@ -212,7 +214,8 @@ def diff(
     With ``verify`` (the default) every byte of both is checked against its checksums first
     and a corrupt side raises :class:`CorruptCheckpointError`; tensors with equal checksums
     are then equal. Without it, the recorded checksums are trusted (nothing is read for equal
-    ones), so a file damaged since it was written can compare as identical. Differing
+    ones) and only the files' sizes are checked, so a file altered in place since it was
+    written can compare as identical (a missing or truncated one raises). Differing
     tensors are compared element-wise (count of differing elements, max absolute difference).
 
     ``ignore`` names sections whose differences are only counted: header fields (``step``,
@@ -231,7 +234,9 @@ def diff(
             f"{', '.join(sorted(known))}"
         )
     if verify:
-        _check_intact(a, b)
+        _check_intact([(a, find_problems(a)), (b, find_problems(b))], _CHECKSUMS_FAIL)
+    else:  # no data read, but a missing or truncated file is one size away
+        _check_intact([(a, size_problems(a, ma)), (b, size_problems(b, mb))], _SIZES_WRONG)
     report = DiffReport(a, b, verified=verify)
 
     def kept(where: str) -> bool:

@@ -11,8 +11,8 @@ through :mod:`ddpckpt.state`. A failure on any rank raises the same error on eve
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
-from typing import Any
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from ddpckpt.dist.comm import Comm
 from ddpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    IncompleteCheckpointError,
     StateMismatchError,
     error_class,
 )
@@ -49,6 +50,8 @@ from ddpckpt.storage import configure
 __all__ = ["load", "locate", "own_tensors"]
 
 _log = get_logger(__name__)
+
+T = TypeVar("T")
 
 
 def load(
@@ -98,11 +101,44 @@ def load(
         manifest = locate(comm, path)
         with Progress(f"loading {os.path.basename(path)}", manifest.nbytes) as bar:
             source = FileSource(path, manifest, progress=bar)
-            source.own = comm.run("rank part", lambda: own_tensors(manifest, comm.rank, path))
-            comm.run("check", lambda: _check(manifest, source, state, strict, path))
-            return comm.run(
-                "restore", lambda: _restore(manifest, source, state, strict, path, comm.rank)
+            own = _unless_changed(path, manifest, lambda: own_tensors(manifest, comm.rank, path))
+            source.own = comm.run("rank part", own)
+            check = _unless_changed(
+                path, manifest, lambda: _check(manifest, source, state, strict, path)
             )
+            comm.run("check", check)
+            restore = _unless_changed(
+                path, manifest, lambda: _restore(manifest, source, state, strict, path, comm.rank)
+            )
+            return comm.run("restore", restore)
+
+
+def _unless_changed(path: str, manifest: Manifest, step: Callable[[], T]) -> Callable[[], T]:
+    """``step``, whose missing or damaged file is reported as :class:`CheckpointNotFoundError`
+    if the checkpoint at ``path`` is gone or another one by then: the job saving into that
+    directory deleted it (its retention) or saved that step again while this process read
+    it, which is no corruption."""
+
+    def run() -> T:
+        try:
+            return step()
+        except CorruptCheckpointError as exc:
+            try:
+                now = read_manifest(path).id
+            except (CheckpointNotFoundError, IncompleteCheckpointError):
+                now = None  # deleted (an object store's retention removes the manifest first)
+            except CorruptCheckpointError:
+                now = manifest.id  # the manifest itself is damaged now: the first error stands
+            if now == manifest.id:
+                raise
+            what = "deleted" if now is None else "replaced (that step saved again)"
+            raise CheckpointNotFoundError(
+                f"{path}: the checkpoint was {what} while it was being loaded, by the job "
+                "saving there; the objects passed may be partly restored: load the newest "
+                "checkpoint again"
+            ) from exc
+
+    return run
 
 
 def locate(comm: Comm, path: str) -> Manifest:

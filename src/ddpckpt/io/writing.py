@@ -129,7 +129,8 @@ def plan_write(
     path = comm.path
     check_replicated(comm, snapshot)
     if domains is None:
-        domains = storage_domains(comm, storage_for(path).parent(path), storage)
+        with storage_errors(path):  # creating the parent directory may fail
+            domains = storage_domains(comm, storage_for(path).parent(path), storage)
     domain = next(d for d in domains if comm.rank in d)
     sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
     owners = plan_owners(sizes, domains, snapshot.balanced)[domains.index(domain)]

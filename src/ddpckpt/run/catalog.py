@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ddpckpt._log import get_logger
-from ddpckpt.errors import CheckpointError, IncompleteCheckpointError
+from ddpckpt.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from ddpckpt.format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt.storage import is_temp_name, storage_for
 from ddpckpt.storage.base import BucketNotFoundError
@@ -71,14 +71,16 @@ def _committed(path: str) -> Manifest | None:
         return None
     try:
         manifest = read_manifest(path)
-    except IncompleteCheckpointError:
-        return None  # no manifest: an unfinished save, or no checkpoint at all
+    except (IncompleteCheckpointError, CheckpointNotFoundError):
+        return None  # no manifest: an unfinished save, no checkpoint at all, or just deleted
     except CheckpointError as exc:
         return _skipped(path, str(exc))
     for name, file in manifest.files.items():
         try:
             size = store.size(os.path.join(path, name))
         except OSError as exc:
+            if not store.is_dir(path):
+                return None  # deleted meanwhile (the retention of a job saving there): not damaged
             return _skipped(path, f"{name}: {exc}")
         if size != file.size:
             return _skipped(path, f"{name} has {size} bytes, its manifest says {file.size}")

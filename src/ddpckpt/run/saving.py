@@ -77,7 +77,8 @@ class RunSaves:
     def prepare(self, comm: Comm) -> None:
         """Collective: find the storage domains, take the lock, clear leftovers, learn the
         newest step."""
-        domains = storage_domains(comm, self.directory, self.options.storage.sharing)
+        sharing = self.options.storage.sharing  # creating the directory may fail
+        domains = self._storage(lambda: storage_domains(comm, self.directory, sharing))
         self._leader = any(d[0] == comm.rank for d in domains)
 
         def setup() -> list[int]:

@@ -110,6 +110,7 @@ class TrainingState(Mapping[str, Any]):
         """
         if model is None:
             raise TypeError("model= is required (or pass a TrainingState)")
+        _refuse_several(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
         state = cls(rng=rng)
         state.models["model"] = model
         for role, obj in (("optimizers", optimizer), ("schedulers", scheduler),
@@ -184,7 +185,8 @@ class TrainingState(Mapping[str, Any]):
         """A scheduler's learning rates live in its optimizer's param groups: without that
         optimizer a resume restores the scheduler's position but not the rates it set."""
         groups = {id(g) for opt in self.all_optimizers() for g in opt.param_groups}
-        for name, scheduler in self.schedulers.items():
+        in_extra = {n: o for n, o in self.extra.items() if role_of(o) == "schedulers"}
+        for name, scheduler in {**self.schedulers, **in_extra}.items():
             optimizer = getattr(scheduler, "optimizer", None)
             if not isinstance(optimizer, torch.optim.Optimizer):
                 continue  # another library's scheduler may keep something else there
@@ -232,3 +234,16 @@ def _adopt_loaders(extra: Mapping[str, Any]) -> None:
     from ddpckpt.training.loader import adopt_loaders
 
     adopt_loaders(extra, idle_only=True)
+
+
+def _refuse_several(**shorthand: Any) -> None:
+    """Each keyword of the shorthand names one object: a list of them (two optimizers) would
+    otherwise fail later as an AttributeError that does not say what to do."""
+    for keyword, obj in shorthand.items():
+        if isinstance(obj, (list, tuple)):
+            raise TypeError(
+                f"{keyword}= takes one object, got a {type(obj).__name__} of {len(obj)}; name "
+                "each one in a ddpckpt.TrainingState instead, e.g. TrainingState(model=model, "
+                "opt_body=opt_body, opt_head=opt_head, sched_body=..., sched_head=...), and "
+                "pass it where the keywords went"
+            )

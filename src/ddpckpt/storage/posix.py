@@ -166,7 +166,7 @@ class PosixStorage(Storage):
         if os.path.isdir(location) and not os.path.islink(location):
             with contextlib.suppress(FileNotFoundError):
                 shutil.rmtree(location)
-        else:
+        elif os.path.lexists(location):  # on a read-only file system unlink says EROFS, not ENOENT
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(location)
 
