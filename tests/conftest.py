@@ -80,13 +80,6 @@ def pytest_configure(config) -> None:
     )
 
 
-def pytest_collection_modifyitems(items) -> None:
-    # With --dist loadfile the workers take whole files in this order: files with slow tests
-    # first, so the workers finish together rather than one running the longest file alone.
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
-
-
 class StoredPath(str):
     """A location in a storage that is no file system (``memory://...``, ``s3://...``), with the few
     ``pathlib`` methods the suites use, so that one test body runs on disk and in memory."""
