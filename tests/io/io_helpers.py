@@ -36,3 +36,17 @@ def assert_state_equal(a: dict, b: dict) -> None:
             assert_state_equal(x, y)
         else:
             assert x == y, key
+
+
+class Counter:
+    """A user object with state_dict/load_state_dict (e.g. a data position)."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.history: list[int] = []
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen, "history": list(self.history)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen, self.history = state["seen"], list(state["history"])

@@ -11,7 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from io_helpers import assert_state_equal, flip_byte
+from io_helpers import Counter, assert_state_equal, flip_byte
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -29,20 +29,6 @@ from ddpckpt.storage import storage_for
 def ckpt_dir(ckpt_root) -> str:
     """Where each test saves: on disk, then in memory (``ckpt_root``)."""
     return os.fspath(ckpt_root / "ckpt")
-
-
-class Counter:
-    """A user object with state_dict/load_state_dict (e.g. a data position)."""
-
-    def __init__(self) -> None:
-        self.seen = 0
-        self.history: list[int] = []
-
-    def state_dict(self) -> dict:
-        return {"seen": self.seen, "history": list(self.history)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.seen, self.history = state["seen"], list(state["history"])
 
 
 def training_state(seed: int = 0):

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from io_helpers import assert_state_equal
+from io_helpers import Counter, assert_state_equal
 
 import ddpckpt
 from conftest import make_mlp, train_steps
@@ -19,19 +19,6 @@ from ddpckpt import StateMismatchError, TrainingState
 def ckpt_dir(ckpt_root) -> str:
     """Where each test saves: on disk, then in memory (``ckpt_root``)."""
     return os.fspath(ckpt_root / "ckpt")
-
-
-class Counter:
-    """A user object with state_dict/load_state_dict."""
-
-    def __init__(self) -> None:
-        self.seen = 0
-
-    def state_dict(self) -> dict:
-        return {"seen": self.seen}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.seen = state["seen"]
 
 
 def test_a_scaler_saved_disabled_into_an_enabled_one_fails_before_any_change(ckpt_dir) -> None:
