@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import ddpckpt
-from ddpckpt.format.tensorwrite import write_file
+from ddpckpt._format.tensorwrite import write_file
 
 _CHUNK = 8 << 20
 
@@ -136,11 +136,11 @@ def pinned_peak() -> float:
     """Peak bytes of pinned memory torch's host allocator held since the last reset, plus
     the buffer ddpckpt's asynchronous saves page-locked themselves (held until released)."""
     try:
-        from ddpckpt.io.async_saver import DEFAULT_SAVER
+        from ddpckpt._io.async_saver import DEFAULT_SAVER
 
         staging = DEFAULT_SAVER.pool
     except ImportError:  # versions before the AsyncSaver
-        from ddpckpt.io.checkpoint import _POOL as staging
+        from ddpckpt._io.checkpoint import _POOL as staging
 
     pool = getattr(staging, "_unpin", None) is not None and staging.nbytes  # old versions: no
     try:

@@ -69,7 +69,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python benchmarks/bench.py [options]``: the options of ``ddpckpt bench``."""
-    from ddpckpt.cli.bench_cmd import add_arguments
+    from ddpckpt._cli.bench_cmd import add_arguments
 
     parser = argparse.ArgumentParser(
         prog="python benchmarks/bench.py",

@@ -2,7 +2,7 @@
 
 Each rank is a thread with its own TCPStore client (plus the second connection a call's
 heartbeat uses), all talking to one TCPStore server on 127.0.0.1, running ddpckpt's
-collectives through :class:`ddpckpt.dist.comm.StoreGroup` (no ``torch.distributed`` set up).
+collectives through :class:`ddpckpt._coord.comm.StoreGroup` (no ``torch.distributed`` set up).
 Every store operation is counted per rank, with the bytes it moves through the server.
 
 For each N it reports, per collective: store operations per rank (mean, and the busiest
@@ -264,15 +264,15 @@ class Version:
 
 
 def load_version(revision: str | None) -> Version:
-    """The current ``ddpckpt.dist.comm``, or ``comm.py`` as of git ``revision`` (as a sibling module)."""
-    import ddpckpt.dist.comm
+    """The current ``ddpckpt._coord.comm``, or ``comm.py`` as of git ``revision`` (as a sibling module)."""
+    import ddpckpt._coord.comm
 
     if revision is None:
-        return Version("current", ddpckpt.dist.comm)
+        return Version("current", ddpckpt._coord.comm)
     root = Path(__file__).resolve().parents[1]
-    # The module moved into ddpckpt/dist/ (split into store, liveness, failures and comm);
+    # The module moved into ddpckpt/_coord/ (split into store, liveness, failures and comm);
     # a revision of that layout imports the current siblings of comm.py, not its own.
-    for path in ("src/ddpckpt/dist/comm.py", "src/ddpckpt/comm.py"):
+    for path in ("src/ddpckpt/_coord/comm.py", "src/ddpckpt/comm.py"):
         shown = subprocess.run(
             ["git", "show", f"{revision}:{path}"], cwd=root, capture_output=True, text=True
         )
@@ -300,7 +300,7 @@ _TENSORS = 24  # shared tensors each rank writes in the simulated save (balanced
 
 
 def _write_result(rank: int) -> dict[str, Any]:
-    """A rank's result of the write step as ``ddpckpt.io.writing`` makes it (sizes alike)."""
+    """A rank's result of the write step as ``ddpckpt._io.writing`` makes it (sizes alike)."""
     entry = {"file": f"model-{rank:05d}.safetensors", "key": "", "dtype": "F32",
              "shape": [1024, 1024], "offsets": [0, 4194304], "xxh3_64": "0123456789abcdef"}  # fmt: skip
     files = [{"name": f"model-{rank:05d}.safetensors", "size": 4194304 * _TENSORS,

@@ -6,13 +6,19 @@ import contextlib
 import os
 import random
 import socket
+import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+
+# Helpers shared by the tests (launchers, worker scripts, servers) live in tests/support and
+# are imported by module name, as the worker scripts import each other.
+sys.path.insert(0, str(Path(__file__).with_name("support")))
 
 
 class TiedLM(nn.Module):
@@ -155,7 +161,7 @@ def s3_endpoint() -> Iterator[str]:
 def closing_checkpointers() -> Iterator[None]:
     """Close the Checkpointers created inside when it ends: one left open keeps refreshing
     its lock on a server that the session stops before the process exits."""
-    from ddpckpt.run.checkpointer import Checkpointer
+    from ddpckpt._run.checkpointer import Checkpointer
 
     opened = []
     real = Checkpointer.__init__

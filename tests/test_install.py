@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddpckpt.cli.bench_cmd import NOT_INSTALLED
+from ddpckpt._cli.bench_cmd import NOT_INSTALLED
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(900)]
 

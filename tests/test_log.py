@@ -15,7 +15,7 @@ from ddpckpt import _log
 
 FAILING_RUN = """
 import errno, os, torch, ddpckpt
-import ddpckpt.io.writing as writing
+import ddpckpt._io.writing as writing
 {setup}
 def full(path, *args, **kwargs):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)

@@ -6,6 +6,18 @@ no pickle, every byte checksummed, committed atomically. ``save`` and ``load`` a
 collective under ``torch.distributed`` and work the same in a single process.
 """
 
+from ddpckpt._io.dict_checkpoint import load_dict, remove_checkpoint, save_dict
+from ddpckpt._io.load import load
+from ddpckpt._io.reader import CheckpointInfo, load_state_dict, verify
+from ddpckpt._io.save import PendingSave, release_async_buffers, save
+from ddpckpt._run.catalog import latest
+from ddpckpt._run.checkpointer import Checkpointer
+from ddpckpt._run.preemption import Preemption
+from ddpckpt._state.objects import PerRank
+from ddpckpt._state.training_state import TrainingState
+from ddpckpt._training.accumulation import GradientAccumulation
+from ddpckpt._training.data import ResumableDistributedSampler, SampleIndex, SeededDataset
+from ddpckpt._training.loader import resumable_loader, track_loader
 from ddpckpt._version import __version__
 from ddpckpt.errors import (
     CheckpointError,
@@ -25,18 +37,6 @@ from ddpckpt.errors import (
     UnsafeCheckpointError,
     UnsupportedValueError,
 )
-from ddpckpt.io.dict_checkpoint import load_dict, remove_checkpoint, save_dict
-from ddpckpt.io.load import load
-from ddpckpt.io.reader import CheckpointInfo, load_state_dict, verify
-from ddpckpt.io.save import PendingSave, release_async_buffers, save
-from ddpckpt.run.catalog import latest
-from ddpckpt.run.checkpointer import Checkpointer
-from ddpckpt.run.preemption import Preemption
-from ddpckpt.state.objects import PerRank
-from ddpckpt.state.training_state import TrainingState
-from ddpckpt.training.accumulation import GradientAccumulation
-from ddpckpt.training.data import ResumableDistributedSampler, SampleIndex, SeededDataset
-from ddpckpt.training.loader import resumable_loader, track_loader
 
 __all__ = [
     "CheckpointError",

@@ -1,3 +1,3 @@
-from ddpckpt.cli.main import main
+from ddpckpt._cli.main import main
 
 raise SystemExit(main())

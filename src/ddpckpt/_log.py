@@ -32,8 +32,6 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["current_rank", "get_logger", "same_on_every_rank"]
-
 _PACKAGE = "ddpckpt"
 _SAME_EVERYWHERE = "ddpckpt_same_on_every_rank"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpckpt.cli.bench_cmd import NOT_INSTALLED, harness_path, load_harness
+from ddpckpt._cli.bench_cmd import NOT_INSTALLED, harness_path, load_harness
 
 ROOT = Path(__file__).resolve().parents[2]
 

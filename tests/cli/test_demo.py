@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from ddpckpt.cli.demo import SCRIPT
+from ddpckpt._cli.demo import SCRIPT
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ import torch
 
 import ddpckpt
 from conftest import make_mlp, train_steps
-from ddpckpt.cli.main import main
+from ddpckpt._cli.main import main
 
 
 def saved(path: str, seed: int = 0, step: int = 5) -> str:
@@ -242,7 +242,7 @@ def test_clean_refuses_while_a_live_job_holds_the_lock(
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the trainer's job
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from ddpckpt.run.runlock import RunLock; "
+        [sys.executable, "-c", "import sys; from ddpckpt._run.runlock import RunLock; "
          f"lock = RunLock({run!r}); lock.acquire(); print('held', flush=True); "
          "sys.stdin.read(); lock.release()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

@@ -11,7 +11,7 @@ import torch
 
 import ddpckpt
 from conftest import TiedLM, make_mlp, train_steps
-from ddpckpt.cli.tools import diff, export, summary
+from ddpckpt._cli.tools import diff, export, summary
 from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 
 

@@ -12,8 +12,8 @@ from torch import nn
 
 import ddpckpt
 from conftest import TiedLM, make_mlp, train_steps
+from ddpckpt._format.legacy import import_checkpoint
 from ddpckpt.errors import CorruptCheckpointError, StateMismatchError, UnsafeCheckpointError
-from ddpckpt.format.legacy import import_checkpoint
 
 
 def prefixed(state: dict, prefix: str) -> OrderedDict:

@@ -7,13 +7,13 @@ import os
 
 import pytest
 
+from ddpckpt._format.manifest import FORMAT_VERSION, Manifest, read_manifest
+from ddpckpt._format.tensorfile import FileEntry, TensorEntry
 from ddpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ddpckpt.format.manifest import FORMAT_VERSION, Manifest, read_manifest
-from ddpckpt.format.tensorfile import FileEntry, TensorEntry
 
 
 def sample() -> Manifest:

@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tensor_files import write
 
+from ddpckpt._format import pinned_ring
+from ddpckpt._format.tensorfile import can_read_into
+from ddpckpt._format.tensorread import TensorFile
 from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
-from ddpckpt.format import pinned_ring
-from ddpckpt.format.tensorfile import can_read_into
-from ddpckpt.format.tensorread import TensorFile
+from tensor_files import write
 
 # Tensors on a GPU pass through two pinned buffers (the copy of one piece runs while the
 # other is hashed and written). On CPU the same code runs with the ring forced on.

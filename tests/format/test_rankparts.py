@@ -1,4 +1,4 @@
-"""Per-rank state in the rank files (ddpckpt.format.rankparts): a manifest that does not grow
+"""Per-rank state in the rank files (ddpckpt._format.rankparts): a manifest that does not grow
 with it, each rank reading its own part, and format-2 checkpoints still loading."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch
 import ddpckpt
 from conftest import make_mlp
 from ddpckpt import GradientAccumulation
+from ddpckpt._format.manifest import read_manifest
 from ddpckpt.errors import CorruptCheckpointError
-from ddpckpt.format.manifest import read_manifest
+from stored import assert_loaded_as_stored, assert_near_optimizer, stored_tensors
 
 V2_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "format-v2-ranks")
 
@@ -109,7 +110,19 @@ def test_format_2_checkpoints_with_per_rank_state_in_the_manifest_still_load() -
     assert read_manifest(V2_CHECKPOINT).format_version == 2
     loaded = fresh()
     ddpckpt.load(V2_CHECKPOINT, model=loaded[0], optimizer=loaded[1], extra={"acc": loaded[2]})
-    assert_resumed(loaded, mid_window(2))
+    model, opt, accumulation = loaded
+    assert_loaded_as_stored(model, opt, V2_CHECKPOINT)
+    stored = stored_tensors(V2_CHECKPOINT)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.grad, stored[f"rank0/extra/acc/grads/{name}"]), name
+    e_model, e_opt, e_accumulation = mid_window(2)  # what the fixture was made from
+    assert accumulation.micro == e_accumulation.micro
+    torch.testing.assert_close(model.state_dict(), e_model.state_dict())
+    torch.testing.assert_close(
+        [p.grad for p in model.parameters()], [p.grad for p in e_model.parameters()]
+    )
+    assert_near_optimizer(opt, e_opt)
+    assert torch.rand(3).tolist() == (torch.manual_seed(1234), torch.rand(3).tolist())[1]
 
 
 def make_v2_fixture(path: str) -> None:  # run once with the format-2 code to make the fixture

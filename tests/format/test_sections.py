@@ -13,9 +13,10 @@ from torch import nn
 
 import ddpckpt
 from conftest import make_mlp
+from ddpckpt._format.manifest import read_manifest
+from ddpckpt._format.sections import ModelSection, OptimizerSection, StateSections, layout_of
 from ddpckpt.errors import CorruptCheckpointError
-from ddpckpt.format.manifest import read_manifest
-from ddpckpt.format.sections import ModelSection, OptimizerSection, StateSections, layout_of
+from stored import assert_loaded_as_stored, assert_near_optimizer
 
 V2_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "format-v2")
 
@@ -50,8 +51,9 @@ def test_checkpoint_of_format_version_2_still_loads() -> None:
         scaler=fresh_scaler, extra=extra, rng=False,
     )  # fmt: skip
     assert read_manifest(V2_CHECKPOINT).format_version == 2 and (info.step, info.epoch) == (3, 1)
-    assert_same(dict(fresh.state_dict()), dict(model.state_dict()))
-    assert_same(fresh_opt.state_dict(), opt.state_dict())
+    assert_loaded_as_stored(fresh, fresh_opt, V2_CHECKPOINT)
+    torch.testing.assert_close(dict(fresh.state_dict()), dict(model.state_dict()))
+    assert_near_optimizer(fresh_opt, opt)
     assert fresh_sched.state_dict() == sched.state_dict()
     assert fresh_scaler.state_dict() == scaler.state_dict()
     assert extra["counts"] == collections.Counter("abca")

@@ -7,11 +7,11 @@ import os
 import pytest
 import safetensors.torch
 import torch
-from tensor_files import write
 
+from ddpckpt._format.tensorread import TensorFile
+from ddpckpt._format.tensorwrite import write_file
 from ddpckpt.errors import UnsupportedValueError
-from ddpckpt.format.tensorread import TensorFile
-from ddpckpt.format.tensorwrite import write_file
+from tensor_files import write
 
 STORABLE = [
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,

@@ -6,11 +6,11 @@ import os
 
 import pytest
 import torch
-from tensor_files import write
 
+from ddpckpt._format.tensorfile import can_read_into
+from ddpckpt._format.tensorread import TensorFile
 from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
-from ddpckpt.format.tensorfile import can_read_into
-from ddpckpt.format.tensorread import TensorFile
+from tensor_files import write
 
 
 def test_flipped_bit_is_found_and_named(tmp_path) -> None:

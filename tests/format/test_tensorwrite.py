@@ -6,10 +6,10 @@ import os
 
 import pytest
 import torch
-from tensor_files import write
 
-from ddpckpt.format.tensorread import TensorFile
-from ddpckpt.format.tensorwrite import serialize, write_file
+from ddpckpt._format.tensorread import TensorFile
+from ddpckpt._format.tensorwrite import serialize, write_file
+from tensor_files import write
 
 
 def test_digests_match_a_second_read(tmp_path) -> None:

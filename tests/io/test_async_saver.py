@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import ddpckpt
-import ddpckpt.io.writing as writing
+import ddpckpt._io.writing as writing
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
-from ddpckpt.io.staging import StagingPool
+from ddpckpt._io.staging import StagingPool
 
 
 def objects():
@@ -61,7 +61,7 @@ def test_overlap_makes_optimizer_step_wait_for_the_snapshot(ckpt_dir, monkeypatc
     model, opt = objects()
     before = model[0].weight.detach().clone()
     release, copied = threading.Event(), threading.Event()
-    import ddpckpt.io.staging as staging
+    import ddpckpt._io.staging as staging
 
     real_copy = staging._copy
 
@@ -211,7 +211,7 @@ def test_host_buffers_are_reused_not_reallocated() -> None:
 
 
 def test_host_buffers_are_freed_on_request_and_by_close(tmp_path) -> None:
-    from ddpckpt.io.async_saver import DEFAULT_SAVER
+    from ddpckpt._io.async_saver import DEFAULT_SAVER
 
     model, opt = objects()
     ddpckpt.save(tmp_path / "a", model=model, optimizer=opt, async_save=True)
@@ -230,7 +230,7 @@ def test_host_buffers_are_freed_on_request_and_by_close(tmp_path) -> None:
 
 
 def test_save_and_each_checkpointer_have_their_own_buffer(tmp_path) -> None:
-    from ddpckpt.io.async_saver import DEFAULT_SAVER
+    from ddpckpt._io.async_saver import DEFAULT_SAVER
 
     model, opt = objects()
     ddpckpt.save(tmp_path / "a", model=model, optimizer=opt, async_save=True).wait()
@@ -259,7 +259,7 @@ def test_a_save_in_flight_when_the_program_ends_is_completed(tmp_path) -> None:
 
 
 def test_a_failed_background_save_is_logged_even_if_nobody_waits(caplog) -> None:
-    from ddpckpt.io.background import Persister
+    from ddpckpt._io.background import Persister
 
     persister = Persister()
 
@@ -291,7 +291,7 @@ def test_overlap_fences_a_second_optimizer_passed_in_extra(ckpt_dir, monkeypatch
     before = {k: v.clone() for k, v in gan.state_dict().items()}
     moments = opt_d.state[gan["D"].weight]["exp_avg"].clone()
     release = threading.Event()
-    import ddpckpt.io.staging as staging
+    import ddpckpt._io.staging as staging
 
     real_copy = staging._copy
 

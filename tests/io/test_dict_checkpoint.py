@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-from io_helpers import flip_byte
 
 import ddpckpt
 from conftest import make_mlp
@@ -18,8 +17,9 @@ from ddpckpt import (
     StateMismatchError,
     UnsupportedValueError,
 )
-from ddpckpt.format.manifest import read_manifest
+from ddpckpt._format.manifest import read_manifest
 from dist_worker import lightning_checkpoint, same_tree
+from io_helpers import flip_byte
 from launch import torchrun
 
 

@@ -11,7 +11,6 @@ import random
 import numpy as np
 import pytest
 import torch
-from io_helpers import Counter, assert_state_equal, flip_byte
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -23,6 +22,7 @@ from ddpckpt import (
     StateMismatchError,
 )
 from ddpckpt.storage import storage_for
+from io_helpers import Counter, assert_state_equal, flip_byte
 
 
 @pytest.fixture
@@ -431,12 +431,12 @@ def test_user_journey_compiled_ddp_to_plain_cpu_export_and_import(process_group,
     assert_state_equal(plain.state_dict(), model.state_dict())
     assert plain_sched.get_last_lr() == sched.get_last_lr()
 
-    from ddpckpt.cli.tools import export
+    from ddpckpt._cli.tools import export
 
     weights = torch.load(export(path, os.fspath(tmp_path / "model.pt")), weights_only=True)
     assert_state_equal(weights, model.state_dict())
 
-    from ddpckpt.format.legacy import import_checkpoint
+    from ddpckpt._format.legacy import import_checkpoint
 
     torch.save(
         {"state_dict": wrapped.state_dict(), "optimizer": opt.state_dict(), "epoch": 1},

@@ -1,5 +1,5 @@
 """Objects that do not fit the checkpoint are refused before anything changes, naming the
-object and what to do (ddpckpt.io.load_checks)."""
+object and what to do (ddpckpt._io.load_checks)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import os
 
 import pytest
 import torch
-from io_helpers import Counter, assert_state_equal
 
 import ddpckpt
 from conftest import make_mlp, train_steps
 from ddpckpt import StateMismatchError, TrainingState
+from io_helpers import Counter, assert_state_equal
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ def ckpt_dir(ckpt_root) -> str:
 
 
 def test_progress_counts_every_byte_saved_and_loaded(ckpt_dir, monkeypatch) -> None:
-    import ddpckpt.io.load as loading
+    import ddpckpt._io.load as loading
 
     seen: dict[str, list[int]] = {}
 
@@ -36,7 +36,7 @@ def test_progress_counts_every_byte_saved_and_loaded(ckpt_dir, monkeypatch) -> N
         def __exit__(self, *exc) -> None:
             pass
 
-    import ddpckpt.io.writing as writing
+    import ddpckpt._io.writing as writing
 
     monkeypatch.setattr(loading, "Progress", Recorder)
     monkeypatch.setattr(writing, "Progress", Recorder)
@@ -50,7 +50,7 @@ def test_progress_counts_every_byte_saved_and_loaded(ckpt_dir, monkeypatch) -> N
 
 
 def test_progress_bar_only_on_a_terminal_and_not_when_disabled(monkeypatch) -> None:
-    from ddpckpt.io import progress
+    from ddpckpt._io import progress
 
     monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: True, raising=False)
     assert progress._wanted()

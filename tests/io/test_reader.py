@@ -6,7 +6,6 @@ import os
 
 import pytest
 import torch
-from io_helpers import assert_state_equal, flip_byte
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
@@ -16,6 +15,7 @@ from ddpckpt import (
     IncompleteCheckpointError,
 )
 from ddpckpt.storage import storage_for
+from io_helpers import assert_state_equal, flip_byte
 
 
 @pytest.fixture

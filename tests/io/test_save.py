@@ -7,12 +7,12 @@ import os
 
 import pytest
 import torch
-from io_helpers import names_in, parent_of
 
 import ddpckpt
 from conftest import make_mlp, train_steps
 from ddpckpt import CheckpointExistsError, CheckpointWriteError, UnsupportedValueError
 from ddpckpt.storage import storage_for
+from io_helpers import names_in, parent_of
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_a_parent_directory_that_cannot_be_created_is_a_write_error(tmp_path, mo
     """save() into a directory that cannot be created (a read-only mount) raised mkdir's bare
     OSError, not the CheckpointWriteError naming the checkpoint that every other storage
     failure of a save raises."""
-    from ddpckpt.storage.posix import PosixStorage
+    from ddpckpt.storage._posix import PosixStorage
 
     def read_only(self, location: str) -> None:
         raise OSError(errno.EROFS, "Read-only file system", location)
@@ -55,7 +55,7 @@ def test_a_parent_directory_that_cannot_be_created_is_a_write_error(tmp_path, mo
 
 
 def test_failed_write_leaves_no_checkpoint_and_no_temporary(ckpt_dir, monkeypatch) -> None:
-    import ddpckpt.io.writing as checkpoint
+    import ddpckpt._io.writing as checkpoint
 
     real = checkpoint.write_file
     calls = []

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import ddpckpt
-import ddpckpt.io.staging as staging
+import ddpckpt._io.staging as staging
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
-from ddpckpt.io.staging import Fence, StagingPool, by_device, staged_nbytes
+from ddpckpt._io.staging import Fence, StagingPool, by_device, staged_nbytes
 
 
 class FakeCuda:
@@ -322,7 +322,7 @@ def test_a_save_in_flight_keeps_its_buffer_when_a_later_step_would_size_one(
 ) -> None:
     """Saved at step 0, before Adam has moments: the state grows by step 1, but sizing the
     buffer ahead must not replace (and unpin) the one the background save is writing from."""
-    import ddpckpt.io.writing as writing
+    import ddpckpt._io.writing as writing
 
     model = make_mlp()
     optimizer = torch.optim.AdamW(model.parameters())

@@ -1,4 +1,4 @@
-"""Writing collectively (ddpckpt.io.writing): what travels through the store, with real ranks."""
+"""Writing collectively (ddpckpt._io.writing): what travels through the store, with real ranks."""
 
 from __future__ import annotations
 

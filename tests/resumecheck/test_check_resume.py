@@ -13,7 +13,7 @@ import pytest
 from launch import _env, _finish, _start, free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-SCRIPT = Path(__file__).with_name("tiny_train.py")
+SCRIPT = Path(__file__).parents[1] / "support" / "tiny_train.py"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 # tiny_train.py: 6 steps an epoch, 2 epochs; saves at 4, 6 (epoch end), 8, 12 (and epoch end).
 # Killed at step 10, the restarted run resumes from 8 and its first step is 9.
@@ -123,7 +123,7 @@ def test_a_script_given_without_its_launcher_is_named_with_the_command_to_give(
 ) -> None:
     """`ddpckpt check-resume train.py` said "No such file or directory: 'train.py'" of a
     file that is there: it is run as a command, which needs its launcher."""
-    from ddpckpt.cli.main import main
+    from ddpckpt._cli.main import main
 
     (tmp_path / "train.py").write_text("print('hello')\n")
     monkeypatch.chdir(tmp_path)

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from ddpckpt.resumecheck.check import default_kill_points
-from ddpckpt.resumecheck.compare import compare_point
-from ddpckpt.resumecheck.runner import KillPoint, parse_kill
+from ddpckpt._resumecheck.check import default_kill_points
+from ddpckpt._resumecheck.compare import compare_point
+from ddpckpt._resumecheck.runner import KillPoint, parse_kill
 
 
 def _state(step: int) -> dict[str, Any]:

@@ -1,10 +1,10 @@
-"""The likely cause and fix named for a divergence (ddpckpt.resumecheck.explain)."""
+"""The likely cause and fix named for a divergence (ddpckpt._resumecheck.explain)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from ddpckpt.resumecheck.explain import explain
+from ddpckpt._resumecheck.explain import explain
 
 
 def _first_step_after_resume(component: str) -> tuple[str, str, str]:

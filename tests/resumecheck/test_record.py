@@ -16,7 +16,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddpckpt
-from ddpckpt.resumecheck import record
+from ddpckpt._resumecheck import record
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def test_with_the_variable_every_step_save_and_resume_is_recorded(
 def test_a_command_that_never_creates_a_checkpointer_is_an_error_naming_what_is_needed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ddpckpt.cli import main
+    from ddpckpt._cli import main
 
     code = main(["check-resume", "--out", str(tmp_path), "--", sys.executable, "-c", "pass"])
     assert code == 2

@@ -17,7 +17,7 @@ import torch
 import ddpckpt
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer, CheckpointLockedError, CheckpointStepError
-from ddpckpt.cli.main import main
+from ddpckpt._cli.main import main
 from ddpckpt.errors import CorruptCheckpointError, InsufficientSpaceError, StateMismatchError
 
 
@@ -230,7 +230,7 @@ def test_an_elastic_restart_of_the_same_job_takes_the_lock_over(run_root, monkey
 
 def failing_writes(monkeypatch, errors: list[int]) -> list[int]:
     """Make the next writes fail with the given errnos, then work again."""
-    import ddpckpt.io.writing as checkpoint
+    import ddpckpt._io.writing as checkpoint
 
     real = checkpoint.write_file
     seen: list[int] = []
@@ -418,7 +418,7 @@ def test_a_retry_after_a_failure_following_the_commit_finds_it_committed(
 
 
 def test_a_retention_failure_in_one_process_only_warns(run_root, monkeypatch, caplog) -> None:
-    import ddpckpt.run.rundir as rundir
+    import ddpckpt._run.rundir as rundir
 
     def refuse(path):
         raise IsADirectoryError(21, "Is a directory", path)
@@ -484,8 +484,8 @@ def test_a_read_only_reader_loads_while_changing_nothing(run_root, caplog) -> No
 
 
 def test_a_reader_that_loses_a_race_with_retention_loads_the_next(run_root, monkeypatch, caplog):
-    import ddpckpt.run.checkpointer as checkpointer
-    from ddpckpt.run.rundir import remove_checkpoint
+    import ddpckpt._run.checkpointer as checkpointer
+    from ddpckpt._run.rundir import remove_checkpoint
 
     run = run_root / "run"
     model, opt = objects()
@@ -578,7 +578,7 @@ def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(run_root)
 def test_a_lock_that_cannot_be_written_is_not_left_behind(run_root, monkeypatch) -> None:
     """A full disk while taking the lock must not leave an empty .lock that blocks the
     next start of the job."""
-    import ddpckpt.run.runlock as runlock
+    import ddpckpt._run.runlock as runlock
 
     run = run_root / "run"
     real_write = os.write

@@ -10,8 +10,8 @@ import torch
 
 from conftest import make_mlp
 from ddpckpt import Checkpointer, Preemption
+from ddpckpt._run.options import resolve
 from ddpckpt.policies import EverySteps, KeepAll, KeepBest, KeepLast, Never, Union
-from ddpckpt.run.options import resolve
 
 
 def test_flat_arguments_land_in_their_groups(tmp_path) -> None:

@@ -23,11 +23,11 @@ from torch.distributed import TCPStore
 import ddpckpt
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
-from ddpckpt.dist.store import StoreGroup
-from ddpckpt.run import preemption
-from ddpckpt.run.preemption import PreemptionWatch
-from ddpckpt.run.signals import Preemption
-from ddpckpt.training.worker_signals import IgnoringPreemptionSignals
+from ddpckpt._coord.store import StoreGroup
+from ddpckpt._run import preemption
+from ddpckpt._run.preemption import PreemptionWatch
+from ddpckpt._run.signals import Preemption
+from ddpckpt._training.worker_signals import IgnoringPreemptionSignals
 from launch import _env, _finish, _start, free_port
 from test_exact_resume import EXACT, compare, launch
 

@@ -10,10 +10,10 @@ import torch
 
 from conftest import make_mlp
 from ddpckpt import Checkpointer
-from ddpckpt.dist.comm import Comm
+from ddpckpt._coord.comm import Comm
+from ddpckpt._run import query
+from ddpckpt._run.runlock import RunLock
 from ddpckpt.errors import CheckpointNotFoundError
-from ddpckpt.run import query
-from ddpckpt.run.runlock import RunLock
 
 
 def tree(root) -> dict[str, tuple[int, int]]:

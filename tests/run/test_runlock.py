@@ -12,7 +12,7 @@ import pytest
 
 import s3server
 
-_TESTS = os.fspath(Path(__file__).resolve().parent.parent)
+_TESTS = os.fspath(Path(__file__).resolve().parents[1] / "support")
 
 _LEFT_OPEN = """
 import sys, torch, ddpckpt
@@ -48,7 +48,7 @@ sys.path.insert(0, sys.argv[1])
 import s3server, torch, ddpckpt
 from ddpckpt.storage import mount
 from ddpckpt.storage.s3 import S3Storage
-from ddpckpt.storage.s3client import S3Requests
+from ddpckpt.storage._s3client import S3Requests
 
 process, endpoint = s3server.start()
 s3server.make_bucket(endpoint, "gone")

@@ -6,9 +6,9 @@ import errno
 
 import pytest
 
+from ddpckpt._run.options import FailureHandling
+from ddpckpt._run.save_failures import SaveFailures
 from ddpckpt.errors import CheckpointWriteError, InsufficientSpaceError
-from ddpckpt.run.options import FailureHandling
-from ddpckpt.run.save_failures import SaveFailures
 
 
 def failing(errors: list[CheckpointWriteError]):

@@ -8,12 +8,12 @@ import pytest
 
 from conftest import make_mlp
 from ddpckpt import Checkpointer
+from ddpckpt._io.async_saver import AsyncSaver
+from ddpckpt._io.writing import header_fields
+from ddpckpt._run.options import resolve
+from ddpckpt._run.saving import RunSaves
+from ddpckpt._state.capture import TrainingState, capture
 from ddpckpt.errors import CheckpointStepError, CheckpointWriteError
-from ddpckpt.io.async_saver import AsyncSaver
-from ddpckpt.io.writing import header_fields
-from ddpckpt.run.options import resolve
-from ddpckpt.run.saving import RunSaves
-from ddpckpt.state.capture import TrainingState, capture
 
 
 def test_saves_commit_retain_and_refuse_going_back(tmp_path) -> None:
@@ -84,7 +84,7 @@ def test_a_run_directory_that_cannot_be_created_fails_that_save_and_training_goe
     """A first save into a run directory that cannot be created (a read-only mount, a path
     without permission) raised the bare OSError of mkdir, ending the run despite
     on_error="warn", while the same failure one directory deeper was logged."""
-    from ddpckpt.storage.posix import PosixStorage
+    from ddpckpt.storage._posix import PosixStorage
 
     def read_only(self, location: str) -> None:
         raise OSError(errno.EROFS, "Read-only file system", location)

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from ddpckpt.run.signals import Preemption, SignalHandlers, grace_period, signal_name
+from ddpckpt._run.signals import Preemption, SignalHandlers, grace_period, signal_name
 
 
 @pytest.fixture

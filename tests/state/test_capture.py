@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from conftest import make_mlp
-from ddpckpt.state.capture import TrainingState, capture
+from ddpckpt._state.capture import TrainingState, capture
 
 
 def test_snapshot_shares_memory_with_live_tensors() -> None:

@@ -8,8 +8,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import TiedLM, make_mlp, train_steps
-from ddpckpt.state.capture import TrainingState, capture
-from ddpckpt.state.model import canonical_state_dict, unwrap_model
+from ddpckpt._state.capture import TrainingState, capture
+from ddpckpt._state.model import canonical_state_dict, unwrap_model
 
 PLAIN_KEYS = ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
               "1.num_batches_tracked", "3.weight", "3.bias"]  # fmt: skip

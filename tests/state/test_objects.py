@@ -7,8 +7,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import make_mlp
+from ddpckpt._state.capture import TrainingState, capture
 from ddpckpt.errors import UnsupportedValueError
-from ddpckpt.state.capture import TrainingState, capture
 
 
 def test_unstorable_scheduler_state_names_the_key() -> None:

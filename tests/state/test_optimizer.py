@@ -10,7 +10,7 @@ from torch import nn
 
 import ddpckpt
 from conftest import make_mlp
-from ddpckpt.state.capture import TrainingState, capture
+from ddpckpt._state.capture import TrainingState, capture
 
 
 def test_optimizer_params_outside_the_model_are_named_by_position() -> None:

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 import ddpckpt
 from conftest import make_mlp
 from ddpckpt import StateMismatchError, TrainingState
-from ddpckpt.format.manifest import read_manifest
-from ddpckpt.state.capture import capture
+from ddpckpt._format.manifest import read_manifest
+from ddpckpt._state.capture import capture
 from dist_worker import gan_steps
 from launch import torchrun
 from toy_data import Numbers

@@ -22,8 +22,8 @@ from ddpckpt.storage import (
     new_token,
     resolve,
 )
-from ddpckpt.storage.base import MANIFEST, temp_name
-from ddpckpt.storage.memory import SCHEME
+from ddpckpt.storage._base import MANIFEST, temp_name
+from ddpckpt.storage._memory import SCHEME
 
 
 @pytest.fixture(params=["posix", "memory", "s3", "fsspec"])
@@ -252,8 +252,8 @@ def test_a_save_without_manifest_is_no_checkpoint_and_is_replaced(store) -> None
 
 def test_resolve_picks_the_storage_by_scheme() -> None:
     from ddpckpt.storage import mount
-    from ddpckpt.storage.memory import MemoryStorage
-    from ddpckpt.storage.posix import PosixStorage
+    from ddpckpt.storage._memory import MemoryStorage
+    from ddpckpt.storage._posix import PosixStorage
 
     assert isinstance(resolve("/tmp/x")[0], PosixStorage)
     assert isinstance(resolve("relative/x")[0], PosixStorage)
@@ -352,8 +352,8 @@ def test_an_overwrite_killed_before_its_commit_is_a_leftover_ls_lists_and_resume
     storage, root = store
     if not isinstance(storage.commit, ManifestLastCommit):
         pytest.skip("a rename commit leaves temporaries beside the run's checkpoints")
-    from ddpckpt.cli.main import main
-    from ddpckpt.run.rundir import find_leftovers
+    from ddpckpt._cli.main import main
+    from ddpckpt._run.rundir import find_leftovers
 
     run = f"{root}/run"
     model = torch.nn.Linear(3, 2)

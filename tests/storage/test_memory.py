@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from ddpckpt.storage import ManifestLastCommit, resolve
-from ddpckpt.storage.memory import MemoryStorage
+from ddpckpt.storage._memory import MemoryStorage
 
 
 def test_each_name_is_its_own_store_and_clear_forgets_one() -> None:

@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from ddpckpt.storage import RenameCommit, is_temp_name
-from ddpckpt.storage.posix import PosixStorage
+from ddpckpt.storage._posix import PosixStorage
 
 storage = PosixStorage()
 

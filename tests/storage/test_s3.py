@@ -17,7 +17,7 @@ import ddpckpt
 import s3server
 from conftest import StoredPath, make_mlp, train_steps
 from ddpckpt import Checkpointer
-from ddpckpt.cli.main import main
+from ddpckpt._cli.main import main
 from ddpckpt.errors import CheckpointWriteError
 from ddpckpt.storage import ManifestLastCommit, mount, resolve, storage_for
 from launch import torchrun
@@ -529,7 +529,7 @@ def test_two_ranks_whose_server_stops_mid_upload_are_told_alike_and_train_on(
 
 
 def test_parts_grow_every_thousand_parts(mounted, monkeypatch) -> None:
-    import ddpckpt.storage.s3io as s3io
+    import ddpckpt.storage._s3io as s3io
 
     monkeypatch.setattr(s3io, "_PARTS_PER_SIZE", 2)  # 1000 parts would take 5 GB here
     storage, root = mounted
@@ -647,7 +647,7 @@ def test_errors_a_real_s3_answers_name_their_cause_and_remedy(code, status, kind
     sends them."""
     import botocore.exceptions
 
-    from ddpckpt.storage.s3client import os_error
+    from ddpckpt.storage._s3client import os_error
 
     answer = {
         "Error": {"Code": code, "Message": "as AWS says it"},

@@ -1,4 +1,4 @@
-"""The resumable sampler and per-sample randomness survive a resume exactly (ddpckpt.training.data)."""
+"""The resumable sampler and per-sample randomness survive a resume exactly (ddpckpt._training.data)."""
 
 from __future__ import annotations
 

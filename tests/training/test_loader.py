@@ -1,5 +1,5 @@
 """A tracked DataLoader's position is what training consumed, through workers, epochs and
-checkpoints (ddpckpt.training.loader)."""
+checkpoints (ddpckpt._training.loader)."""
 
 from __future__ import annotations
 

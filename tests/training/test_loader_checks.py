@@ -1,5 +1,5 @@
 """What makes a tracked loader's resume inexact is refused or said, never silent
-(ddpckpt.training.loader_checks)."""
+(ddpckpt._training.loader_checks)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A tracked DataLoader resumes in the saved order whatever draws its order (ddpckpt.training.replay)."""
+"""A tracked DataLoader resumes in the saved order whatever draws its order (ddpckpt._training.replay)."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ import pickle
 import signal
 from pathlib import Path
 
-import ddpckpt.training
-from ddpckpt.training import worker_signals
-from ddpckpt.training.worker_signals import IgnoringPreemptionSignals
+import ddpckpt._training
+from ddpckpt._training import worker_signals
+from ddpckpt._training.worker_signals import IgnoringPreemptionSignals
 
 
 def test_published_signals_are_the_union_of_the_live_watches() -> None:
@@ -48,7 +48,7 @@ def test_the_worker_init_ignores_the_signals_then_calls_the_users_init() -> None
 
 def test_training_imports_nothing_from_run() -> None:
     """The loader's workers learn the signals from here; training never reaches up to run."""
-    package = Path(ddpckpt.training.__file__).parent
+    package = Path(ddpckpt._training.__file__).parent
     upward = []
     for module in sorted(package.glob("*.py")):
         for node in ast.walk(ast.parse(module.read_text())):
@@ -57,5 +57,5 @@ def test_training_imports_nothing_from_run() -> None:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            upward += [f"{module.name}: {n}" for n in names if n.startswith("ddpckpt.run")]
+            upward += [f"{module.name}: {n}" for n in names if n.startswith("ddpckpt._run")]
     assert upward == []

@@ -18,10 +18,10 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ddpckpt.storage.base import Reader, Storage, Writer, is_temp_name, new_token
-from ddpckpt.storage.commit import CommitStrategy, ManifestLastCommit, RenameCommit
-from ddpckpt.storage.memory import MemoryStorage
-from ddpckpt.storage.posix import PosixStorage
+from ddpckpt.storage._base import Reader, Storage, Writer, is_temp_name, new_token
+from ddpckpt.storage._commit import CommitStrategy, ManifestLastCommit, RenameCommit
+from ddpckpt.storage._memory import MemoryStorage
+from ddpckpt.storage._posix import PosixStorage
 
 __all__ = [
     "CommitStrategy",

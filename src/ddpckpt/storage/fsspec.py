@@ -4,7 +4,7 @@
     ddpckpt.storage.fsspec.use("gs")                  # gs:// URLs through gcsfs
     ddpckpt.storage.fsspec.use("team", fs=my_fs)      # team://... through a configured instance
 
-A checkpoint commits with :class:`~ddpckpt.storage.commit.ManifestLastCommit`, as on S3: the
+A checkpoint commits with :class:`~ddpckpt.storage._commit.ManifestLastCommit`, as on S3: the
 data objects are written under the checkpoint's prefix, the manifest last, and only a
 prefix with a valid manifest is a checkpoint, so it needs no rename from the file system.
 What it does need: ``pipe_file`` writes an object whole (one PUT on object stores; on a
@@ -33,8 +33,8 @@ except ImportError as _missing:  # pragma: no cover - depends on the installatio
     ) from _missing
 
 from ddpckpt.storage import register
-from ddpckpt.storage.base import RangedReader, Reader, Storage, Writer
-from ddpckpt.storage.commit import ManifestLastCommit
+from ddpckpt.storage._base import RangedReader, Reader, Storage, Writer
+from ddpckpt.storage._commit import ManifestLastCommit
 
 __all__ = ["FsspecStorage", "use"]
 

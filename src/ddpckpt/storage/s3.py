@@ -1,6 +1,6 @@
 """S3-compatible object storage: ``s3://bucket/prefix`` (extra ``ddpckpt[s3]``).
 
-A checkpoint commits with :class:`~ddpckpt.storage.commit.ManifestLastCommit`: every rank
+A checkpoint commits with :class:`~ddpckpt.storage._commit.ManifestLastCommit`: every rank
 uploads its data objects under the checkpoint's prefix, the leader uploads the manifest
 last, and only a prefix whose manifest exists (and whose objects match its sizes and
 checksums on load) is a checkpoint. ``latest`` is replaced after the manifest's upload has
@@ -37,9 +37,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ddpckpt._log import get_logger
-from ddpckpt.storage.base import Reader, Storage, Writer
-from ddpckpt.storage.commit import ManifestLastCommit
-from ddpckpt.storage.s3client import (
+from ddpckpt.storage._base import Reader, Storage, Writer
+from ddpckpt.storage._commit import ManifestLastCommit
+from ddpckpt.storage._s3client import (
     CLIENT_ERRORS,
     SCHEME,
     S3Requests,
@@ -48,7 +48,7 @@ from ddpckpt.storage.s3client import (
     settings,
     split,
 )
-from ddpckpt.storage.s3io import S3Reader, S3Writer
+from ddpckpt.storage._s3io import S3Reader, S3Writer
 
 __all__ = ["SCHEME", "S3Storage", "default_storage", "reset_default"]
 

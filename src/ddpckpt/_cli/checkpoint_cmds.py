@@ -1,0 +1,164 @@
+"""Commands on one checkpoint: ``inspect``, ``verify``, ``export``, ``import``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ddpckpt._cli._format import size, table, when
+from ddpckpt._cli.command import CannotRun, Command
+from ddpckpt.errors import CheckpointError, CheckpointExistsError
+
+
+def _inspect_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-tensors", action="store_true", help="omit the tensor table")
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from ddpckpt._cli.tools import summary
+
+    info = summary(args.checkpoint)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    metrics = ", ".join(f"{k}={v}" for k, v in info["metrics"].items()) or "-"
+    print(f"checkpoint  {info['path']}")
+    print(f"step        {info['step']}    epoch {info['epoch']}    metrics {metrics}")
+    print(f"created     {when(info['created'])} on {info['host']}")
+    print(
+        f"written by  ddpckpt {info['library_version']} (format {info['format_version']}), "
+        f"torch {info['torch_version']}, {info['world_size']} rank(s)"
+    )
+    copy = info["copy"]
+    if copy.get("count", 1) > 1:
+        print(f"copy        {copy['index'] + 1} of {copy['count']} (node-local storage)")
+    print(
+        f"size        {size(info['bytes'])} in {info['files']} files, {len(info['tensors'])} tensors"
+    )
+    for name, kind in info["sections"].items():
+        if name.startswith("optimizer_groups"):  # "optimizer_groups NAME" for named ones
+            owner = name.removeprefix("optimizer_groups").strip()
+            for i, group in enumerate(kind):
+                hyper = ", ".join(f"{k}={v}" for k, v in group.items())
+                print(f"  {owner + ' ' if owner else ''}param group {i}: {hyper}")
+        elif name == "extra":
+            print(f"  extra: {', '.join(f'{k} ({v})' for k, v in kind.items())}")
+        else:
+            print(f"  {name}: {kind}")
+    if not args.no_tensors:
+        print()
+        rows = [
+            (t["name"], t["dtype"], list(t["shape"]), size(t["bytes"]), t["file"])
+            for t in info["tensors"]
+        ]
+        print(table(("tensor", "dtype", "shape", "size", "file"), rows))
+    return 0
+
+
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoints", nargs="+")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from ddpckpt._cli.tools import open_manifest
+    from ddpckpt._io.reader import find_problems
+    from ddpckpt.errors import CheckpointNotFoundError
+
+    status = 0
+    for path in args.checkpoints:
+        try:
+            open_manifest(path)
+        except CheckpointNotFoundError as exc:  # not a checkpoint at all: nothing to verify
+            status = 2
+            print(f"ERROR {path}\n      {exc}")
+            continue
+        except CheckpointError:
+            pass  # incomplete or corrupt: find_problems says how
+        problems = find_problems(path)
+        if problems:
+            status = max(status, 1)
+            print(f"BAD   {path}")
+            for problem in problems:
+                print(f"      {problem}")
+        else:
+            print(f"OK    {path}")
+    return status
+
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--model", help="the model to export, of a checkpoint of several")
+
+
+def _export(args: argparse.Namespace) -> int:
+    from ddpckpt._cli.tools import export
+
+    try:
+        out = export(args.checkpoint, args.out, overwrite=args.overwrite, model=args.model)
+    except FileExistsError:
+        raise CannotRun(f"{args.out} exists; pass --overwrite to replace it") from None
+    print(f"wrote {out}")
+    return 0
+
+
+def _import_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("legacy")
+    p.add_argument("outdir")
+    p.add_argument("--model-key", help="the entry holding the model weights, if not detected")
+    p.add_argument(
+        "--trust-global",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME",
+        help="allow unpickling this plain data class (repeatable); never a function",
+    )
+    p.add_argument(
+        "--trusted-source",
+        action="store_true",
+        help="allow importing with a torch whose weights_only loader has known bypasses",
+    )
+    p.add_argument("--overwrite", action="store_true")
+
+
+def _import(args: argparse.Namespace) -> int:
+    from ddpckpt._format.legacy import import_checkpoint
+
+    try:
+        path, dropped = import_checkpoint(
+            args.legacy,
+            args.outdir,
+            model_key=args.model_key,
+            trusted_globals=args.trust_global,
+            trusted_source=args.trusted_source,
+            overwrite=args.overwrite,
+        )
+    except CheckpointExistsError:
+        raise CannotRun(
+            f"{args.outdir}: a checkpoint already exists here; pass --overwrite to replace it, "
+            "or name another output directory"
+        ) from None
+    print(f"imported {args.legacy} -> {path}")
+    for item in dropped:
+        print(f"  left out: {item}")
+    return 0
+
+
+INSPECT = Command(
+    "inspect", "show a checkpoint's metadata and tensors", _inspect_arguments, _inspect
+)
+VERIFY = Command(
+    "verify", "check every file against its checksums (exit 1 if bad)", _verify_arguments, _verify
+)
+EXPORT = Command(
+    "export", "write the model weights to OUT.safetensors or OUT.pt", _export_arguments, _export
+)
+IMPORT = Command(
+    "import",
+    "convert a torch.save / Lightning file (no pickle code runs)",
+    _import_arguments,
+    _import,
+)

@@ -1,0 +1,215 @@
+"""Commands on a run directory (a ``Checkpointer``'s): ``ls`` and ``clean``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ddpckpt._cli._format import size, table, when
+from ddpckpt._cli.command import CannotRun, Command
+from ddpckpt.errors import CheckpointLockedError
+
+
+def _not_a_run_directory(directory: str) -> str | None:
+    """Why ``directory`` cannot be listed as a run directory, or ``None`` if it can."""
+    from ddpckpt._format.manifest import MANIFEST_NAME
+    from ddpckpt.storage import storage_for
+
+    storage = storage_for(directory)
+    if not storage.exists(directory):
+        return f"{directory}: no such directory"
+    if not storage.is_dir(directory):
+        return f"{directory}: a file, not a run directory"
+    if storage.exists(os.path.join(directory, MANIFEST_NAME)):
+        parent = storage.parent(directory)
+        return (
+            f"{directory}: a checkpoint, not a run directory: try `ddpckpt inspect {directory}`, "
+            f"or `ddpckpt ls {parent}` for the run it belongs to"
+        )
+    return None
+
+
+def _ls_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="check manifests and file sizes only: the data is not verified",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output (numbers)")
+
+
+def _ls_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from ddpckpt._io.reader import find_problems
+    from ddpckpt._run import query
+    from ddpckpt._run.rundir import size_problems
+
+    latest = query.latest_name(args.directory)
+    why_kept = query.why_kept(args.directory)
+    rows = []
+    for entry in query.entries(args.directory):
+        manifest = entry.manifest
+        if manifest is None:
+            status, problems = entry.status, [entry.problem]
+        elif args.quick:
+            problems = size_problems(entry.path, manifest)
+            status = "incomplete" if problems else "not verified"
+        else:
+            problems = find_problems(entry.path)
+            status = "corrupt" if problems else "verified"
+        notes = []
+        if os.path.basename(entry.path) == latest:
+            notes.append("latest")
+        if entry.step in why_kept:
+            notes.append(why_kept[entry.step])
+        rows.append(
+            {
+                "step": entry.step,
+                "path": entry.path,
+                "created": manifest.created if manifest else None,
+                "bytes": manifest.nbytes if manifest else None,
+                "status": status,
+                "problems": problems,
+                "metrics": entry.metrics,
+                "notes": notes,
+            }
+        )
+    return rows
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from ddpckpt._run.rundir import find_leftovers
+
+    wrong = _not_a_run_directory(args.directory)
+    if wrong:
+        raise CannotRun(wrong)
+    rows = _ls_rows(args)
+    leftovers = find_leftovers(args.directory)
+    if not rows and not leftovers and _looks_unrelated(args.directory):
+        raise CannotRun(
+            f"{args.directory}: not a run directory: it has no step-N checkpoints, no `latest` "
+            "and no run.json (a Checkpointer's directory has them)"
+        )
+    bad = any(row["status"] in ("corrupt", "incomplete") for row in rows)
+    if args.json:
+        doc = {
+            "directory": args.directory,
+            "verified": not args.quick,
+            "checkpoints": rows,
+            "leftovers": [{"name": x.name, "kind": x.kind, "bytes": x.nbytes} for x in leftovers],
+        }
+        print(json.dumps(doc, indent=1))
+        return 1 if bad else 0
+    lines = []
+    for row in rows:
+        status = row["status"]
+        if row["problems"]:
+            status = f"{status.upper()}: {row['problems'][0]}"
+        metrics = ", ".join(
+            f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in row["metrics"].items()
+        )
+        created, nbytes = row["created"], row["bytes"]
+        lines.append(
+            (
+                row["step"],
+                when(created) if created is not None else "-",
+                size(nbytes) if nbytes is not None else "-",
+                status,
+                metrics or "-",
+                ", ".join(row["notes"]),
+            )
+        )
+    if lines:
+        print(table(("step", "created", "size", "status", "metrics", "notes"), lines))
+        if args.quick:
+            print(
+                "not verified: --quick checked manifests and file sizes only, not the data; "
+                f"`ddpckpt ls {args.directory}` checks every byte"
+            )
+    else:
+        print(f"no checkpoints in {args.directory}")
+    if leftovers:
+        _print_leftovers(args.directory, leftovers)
+    return 1 if bad else 0
+
+
+def _looks_unrelated(directory: str) -> bool:
+    from ddpckpt._run.rundir import LATEST, RUN_FILE
+    from ddpckpt._run.runlock import LOCK_NAME
+    from ddpckpt.storage import storage_for
+
+    names = set(storage_for(directory).list(directory))
+    return bool(names) and not names & {LATEST, RUN_FILE, LOCK_NAME}
+
+
+def _print_leftovers(directory: str, leftovers: Sequence[Any]) -> None:
+    what = {
+        "temporary": "temporary: a save in progress, or left by a crash",
+        "corrupt": "moved aside as corrupt by resume(); never loaded",
+    }
+    total = sum(x.nbytes for x in leftovers)
+    print(f"\nleftovers, not checkpoints ({size(total)}):")
+    print(
+        table(("name", "size", "what"), [(x.name, size(x.nbytes), what[x.kind]) for x in leftovers])
+    )
+    hint = f"`ddpckpt clean {directory}` removes the temporaries once no job writes here"
+    if any(x.kind == "corrupt" for x in leftovers):
+        hint += "; add --corrupt to remove the moved-aside checkpoints too"
+    print(hint)
+
+
+def _clean_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory")
+    p.add_argument(
+        "--corrupt", action="store_true", help="also remove checkpoints moved aside as corrupt"
+    )
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+
+
+def _clean(args: argparse.Namespace) -> int:
+    from ddpckpt._run.rundir import clean_leftovers, find_leftovers
+
+    wrong = _not_a_run_directory(args.directory)
+    if wrong:
+        raise CannotRun(wrong)
+    if args.dry_run:
+        doomed = [
+            x for x in find_leftovers(args.directory) if x.kind == "temporary" or args.corrupt
+        ]
+    else:
+        try:
+            doomed = clean_leftovers(args.directory, corrupt=args.corrupt)
+        except CheckpointLockedError as exc:
+            raise CannotRun(
+                f"{exc}. Its temporaries may be saves in progress: run `ddpckpt clean` after "
+                "that job has ended"
+            ) from None
+    verb = "would remove" if args.dry_run else "removed"
+    for leftover in doomed:
+        print(f"{verb} {leftover.name} ({size(leftover.nbytes)})")
+    kept = [x for x in find_leftovers(args.directory) if x.kind == "corrupt" and not args.corrupt]
+    if not doomed:
+        print(f"nothing to clean in {args.directory}")
+    else:
+        print(f"{verb} {len(doomed)} leftover(s), {size(sum(x.nbytes for x in doomed))}")
+    if kept:
+        print(f"left {len(kept)} checkpoint(s) moved aside as corrupt; --corrupt removes them")
+    return 0
+
+
+LS = Command(
+    "ls",
+    "list a run directory's checkpoints and leftovers (exit 1 if any is bad)",
+    _ls_arguments,
+    _ls,
+)
+CLEAN = Command(
+    "clean",
+    "remove a run's leftover temporaries (refused while a job holds its lock)",
+    _clean_arguments,
+    _clean,
+)

@@ -1,0 +1,381 @@
+"""Read-only tools over checkpoints: summarise, compare, export. All local (one process).
+
+Each takes a checkpoint directory; given anything else (a run directory, an empty or
+unrelated directory) it raises :class:`~ddpckpt.errors.CheckpointNotFoundError` saying what
+the path is and what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddpckpt._format.codec import JSON
+from ddpckpt._format.manifest import Manifest, read_manifest
+from ddpckpt._format.rankparts import fill_rank_parts
+from ddpckpt._format.sections import ROLE_KEYS, StateSections
+from ddpckpt._format.tensorwrite import write_file
+from ddpckpt._io.reader import FileSource, chosen_model, find_problems, load_state_dict
+from ddpckpt._run.rundir import describe_path, size_problems
+from ddpckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    UnsupportedValueError,
+)
+from ddpckpt.storage import Writer, new_token, storage_for
+from ddpckpt.storage._base import temp_name
+
+
+def open_manifest(path: str) -> Manifest:
+    """The manifest of the checkpoint at ``path``; a path that is no checkpoint at all gets
+    a :class:`CheckpointNotFoundError` naming what it is instead of "did not finish"."""
+    try:
+        manifest = read_manifest(path)
+    except (IncompleteCheckpointError, CheckpointNotFoundError):
+        what = describe_path(path)
+        if what is None:
+            raise
+        raise CheckpointNotFoundError(what) from None
+    problems = fill_rank_parts(manifest, path)  # every rank's state, for showing it
+    if problems:
+        raise CorruptCheckpointError(f"{path}: " + "; ".join(problems))
+    return manifest
+
+
+def summary(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON-able description of a checkpoint: metadata, sections and every tensor."""
+    path = os.fspath(path)
+    manifest = open_manifest(path)
+    sections = _section_types(StateSections.from_json(manifest.state, path))
+    return {
+        "path": path,
+        "id": manifest.id,
+        "step": manifest.step,
+        "epoch": manifest.epoch,
+        "metrics": {k: _plain(v) for k, v in manifest.metrics.items()},
+        "created": manifest.created,
+        "host": manifest.host,
+        "library_version": manifest.library_version,
+        "torch_version": manifest.torch_version,
+        "format_version": manifest.format_version,
+        "world_size": manifest.world_size,
+        "copy": manifest.copy,
+        "bytes": manifest.nbytes,
+        "files": len(manifest.files),
+        "sections": sections,
+        "tensors": [
+            {
+                "name": name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "bytes": t.nbytes,
+                "file": t.file,
+            }
+            for name, t in manifest.tensors.items()
+        ],
+    }
+
+
+def _section_types(stored: StateSections) -> dict[str, Any]:
+    """Each section's type by name (as ``summary`` reports them), and the param groups."""
+    found: dict[str, Any] = {}
+    for role, (single, _) in ROLE_KEYS.items():
+        for name, section in getattr(stored, role).items():
+            found[single if not stored.layout.named else f"{single} {name}"] = section.type
+    if stored.saved_dict is not None:
+        found["dict"] = "save_dict"
+    if stored.extra:
+        found["extra"] = {k: v.type or v.kind for k, v in stored.extra.items()}
+    for name, optimizer in stored.optimizers.items():
+        key = "optimizer_groups" if not stored.layout.named else f"optimizer_groups {name}"
+        found[key] = [{k: _plain(v) for k, v in g.hyper.items()} for g in optimizer.groups]
+    return found
+
+
+def _plain(value: JSON) -> Any:
+    """A tagged tree value made readable (tuples as lists, nan as a string)."""
+    if isinstance(value, dict) and len(value) == 1:
+        ((tag, arg),) = value.items()
+        if tag == "$tuple":
+            return [_plain(v) for v in arg]
+        if tag == "$float":
+            return arg
+        if tag == "$tensor":
+            return f"<tensor {arg}>"
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+@dataclass
+class TensorDiff:
+    """How one tensor differs between two checkpoints."""
+
+    name: str
+    status: str  # "only in A", "only in B", "shape", "dtype", "values"
+    detail: str = ""
+    max_abs: float | None = None
+    mismatched: int | None = None
+
+
+@dataclass
+class DiffReport:
+    """What :func:`diff` found. ``header``/``state`` hold ``(where, a, b)``; differences in
+    ignored sections are only counted, in ``ignored`` (section -> count)."""
+
+    a: str
+    b: str
+    header: list[tuple[str, Any, Any]] = field(default_factory=list)
+    tensors: list[TensorDiff] = field(default_factory=list)
+    state: list[tuple[str, Any, Any]] = field(default_factory=list)
+    identical_tensors: int = 0
+    verified: bool = False
+    ignored: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def same(self) -> bool:
+        return not (self.header or self.tensors or self.state)
+
+    def by_section(self) -> dict[str, int]:
+        """How many differences each section has (``step``, ``optimizer``, ``rng``, ...)."""
+        counts: dict[str, int] = {}
+        wheres = [w for w, _, _ in self.header + self.state] + [t.name for t in self.tensors]
+        for where in wheres:
+            section = section_of(where)
+            counts[section] = counts.get(section, 0) + 1
+        return counts
+
+
+_HEADER_FIELDS = ("step", "epoch", "metrics", "world_size")
+_RANK_TENSOR = re.compile(r"^rank\d+$")
+_CHECKSUMS_FAIL = "its bytes no longer match its checksums"
+_SIZES_WRONG = "files are missing or not the size its manifest records (the data was not read)"
+
+
+def section_of(where: str) -> str:
+    """The section a difference lies in: a header field (``step``), a state section
+    (``model``, ``optimizer``, ``extra/ema``, ...) or a per-rank one (``rng``)."""
+    parts = where.split("/")
+    if parts[0] == "state":  # state/<section>/...
+        parts = parts[1:]
+    elif parts[0] == "ranks":  # ranks/<rank>/<section>/...
+        parts = parts[2:]
+    elif _RANK_TENSOR.match(parts[0]):  # the tensor rank<r>/<section>/...
+        parts = parts[1:]
+    if not parts:
+        return where
+    if parts[0] == "extra" and len(parts) > 1:
+        return f"extra/{parts[1]}"
+    return parts[0]
+
+
+def _sections(manifest: Manifest) -> set[str]:
+    found = {"rng", *_HEADER_FIELDS, *(section_of(f"state/{name}") for name in manifest.state)}
+    found |= {f"extra/{name}" for name in manifest.state.get("extra", {})}
+    found |= {section_of(name) for name in manifest.tensors}
+    for rank in manifest.ranks:
+        found |= {section_of(f"ranks/0/{key}") for key in rank}
+        found |= {f"extra/{name}" for name in rank.get("extra", {})}
+    return found
+
+
+def _check_intact(problems: list[tuple[str, list[str]]], what: str) -> None:
+    """Raise if any checkpoint of ``problems`` (path, its problems) has one; ``what`` says
+    what the problems are."""
+    bad = [(path, found) for path, found in problems if found]
+    if bad:
+        lines = [problem for _, found in bad for problem in found]
+        raise CorruptCheckpointError(
+            f"cannot compare: {' and '.join(path for path, _ in bad)} "
+            f"{'is' if len(bad) == 1 else 'are'} corrupt; {what}:\n  " + "\n  ".join(lines)
+        )
+
+
+def diff(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    ignore: Iterable[str] = (),
+    verify: bool = True,
+) -> DiffReport:
+    """Compare two checkpoints: metadata, non-tensor state, and every tensor's values.
+
+    With ``verify`` (the default) every byte of both is checked against its checksums first
+    and a corrupt side raises :class:`CorruptCheckpointError`; tensors with equal checksums
+    are then equal. Without it, the recorded checksums are trusted (nothing is read for equal
+    ones) and only the files' sizes are checked, so a file altered in place since it was
+    written can compare as identical (a missing or truncated one raises). Differing
+    tensors are compared element-wise (count of differing elements, max absolute difference).
+
+    ``ignore`` names sections whose differences are only counted: header fields (``step``,
+    ``epoch``, ``metrics``, ``world_size``), state sections (``model``, ``optimizer``,
+    ``scheduler``, ``scaler``, ``extra`` or ``extra/NAME``) and ``rng`` (every rank's
+    generators). An unknown name raises :class:`ValueError` listing the known ones.
+    """
+    a, b = os.fspath(a), os.fspath(b)
+    ma, mb = open_manifest(a), open_manifest(b)
+    ignore = set(ignore)
+    known = _sections(ma) | _sections(mb)
+    unknown = ignore - known - {k.split("/")[0] for k in known}
+    if unknown:
+        raise ValueError(
+            f"nothing called {', '.join(sorted(unknown))} to ignore; these checkpoints have: "
+            f"{', '.join(sorted(known))}"
+        )
+    if verify:
+        _check_intact([(a, find_problems(a)), (b, find_problems(b))], _CHECKSUMS_FAIL)
+    else:  # no data read, but a missing or truncated file is one size away
+        _check_intact([(a, size_problems(a, ma)), (b, size_problems(b, mb))], _SIZES_WRONG)
+    report = DiffReport(a, b, verified=verify)
+
+    def kept(where: str) -> bool:
+        section = section_of(where)
+        if any(section == name or section.startswith(f"{name}/") for name in ignore):
+            report.ignored[section] = report.ignored.get(section, 0) + 1
+            return False
+        return True
+
+    for name in _HEADER_FIELDS:
+        va, vb = getattr(ma, name), getattr(mb, name)
+        if va != vb and kept(name):
+            report.header.append((name, va, vb))
+    state = list(_tree_diff("state", ma.state, mb.state))
+    state += list(_tree_diff("ranks", ma.ranks, mb.ranks))
+    report.state = [item for item in state if kept(item[0])]
+    sa, sb = FileSource(a, ma), FileSource(b, mb)
+    for name in sorted(set(ma.tensors) | set(mb.tensors)):
+        ta, tb = ma.tensors.get(name), mb.tensors.get(name)
+        if (
+            ta is not None
+            and tb is not None
+            and (ta.digest, ta.shape, ta.dtype)
+            == (
+                tb.digest,
+                tb.shape,
+                tb.dtype,
+            )
+        ):
+            report.identical_tensors += 1
+            continue
+        if not kept(name):
+            continue
+        if ta is None or tb is None:
+            report.tensors.append(TensorDiff(name, "only in B" if ta is None else "only in A"))
+        elif ta.shape != tb.shape:
+            report.tensors.append(
+                TensorDiff(name, "shape", f"{list(ta.shape)} vs {list(tb.shape)}")
+            )
+        elif ta.dtype != tb.dtype:
+            report.tensors.append(TensorDiff(name, "dtype", f"{ta.dtype} vs {tb.dtype}"))
+        else:
+            report.tensors.append(_value_diff(name, sa.get(name), sb.get(name)))
+    return report
+
+
+def _value_diff(name: str, x: torch.Tensor, y: torch.Tensor) -> TensorDiff:
+    differs = x != y
+    if x.is_floating_point() or x.is_complex():
+        differs &= ~(torch.isnan(x) & torch.isnan(y))
+    mismatched = int(differs.sum())
+    if mismatched == 0:  # equal values, different bits (e.g. -0.0 and 0.0, nan payloads)
+        return TensorDiff(name, "bits", "equal values, different bytes", 0.0, 0)
+    max_abs = None
+    if x.is_floating_point():
+        delta = (x.double() - y.double()).abs()
+        finite = delta[torch.isfinite(delta)]
+        max_abs = float(finite.max()) if finite.numel() else math.inf
+    detail = f"{mismatched} of {x.numel()} elements differ"
+    if max_abs is not None:
+        detail += f", max |A-B| = {max_abs:.6g}"
+    return TensorDiff(name, "values", detail, max_abs, mismatched)
+
+
+def _tree_diff(path: str, a: JSON, b: JSON) -> Iterator[tuple[str, Any, Any]]:
+    """Paths where two encoded trees differ, ignoring tensor references (compared apart)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if "$tensor" in a and "$tensor" in b:
+            return
+        for key in list(a) + [k for k in b if k not in a]:
+            if key not in a or key not in b:
+                yield f"{path}/{key}", a.get(key, "<absent>"), b.get(key, "<absent>")
+            else:
+                yield from _tree_diff(f"{path}/{key}", a[key], b[key])
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            yield from _tree_diff(f"{path}/{i}", x, y)
+    elif a != b:
+        yield path, _plain(a), _plain(b)
+
+
+def export(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    model: str | None = None,
+) -> str:
+    """Write a checkpoint's model weights to ``out`` (``.safetensors`` or ``.pt``).
+
+    The result is a plain state dict under canonical keys, for inference code:
+    ``safetensors.torch.load_file`` / ``torch.load(weights_only=True)`` read it. The file
+    is written to a temporary name and renamed into place. Returns ``out``. A checkpoint
+    of several models (a ``TrainingState``) needs ``model``, the name of the one to write.
+    """
+    path, out = os.fspath(path), os.fspath(out)
+    if not out.endswith((".safetensors", ".pt", ".pth")):
+        raise ValueError(f"{out}: name the output *.safetensors or *.pt")
+    manifest = open_manifest(path)
+    model = chosen_model(path, StateSections.from_json(manifest.state, path), model)
+    store = storage_for(out)
+    if store.exists(out) and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
+    tmp = temp_name(out, new_token())
+    try:
+        if out.endswith(".safetensors"):
+            _export_safetensors(path, manifest, tmp, model)
+        else:
+            with store.create(tmp) as writer:
+                torch.save(load_state_dict(path, model=model), _TorchSink(writer))
+                writer.sync()
+        store.rename(tmp, out)
+    finally:
+        if store.exists(tmp):
+            store.delete(tmp)
+    return out
+
+
+class _TorchSink:
+    """The file-like object ``torch.save`` writes to, over a storage writer."""
+
+    def __init__(self, writer: Writer) -> None:
+        self._writer = writer
+
+    def write(self, data: bytes) -> int:
+        self._writer.write(data)
+        return len(data)
+
+    def flush(self) -> None:
+        """Nothing buffered here; the writer syncs when the export is complete."""
+
+
+def _export_safetensors(path: str, manifest: Manifest, tmp: str, name: str) -> None:
+    stored = StateSections.from_json(manifest.state, path)
+    section, prefix = stored.models[name], stored.layout.model_prefix(name)
+    if section.extra_keys:
+        raise UnsupportedValueError(
+            f"{path}: the model has non-tensor extra state ({', '.join(section.extra_keys)}), "
+            "which safetensors cannot hold; export to .pt instead"
+        )
+    source = FileSource(path, manifest)
+    items = [(key, source.get(prefix + key)) for key in section.keys]
+    items += [(alias, source.get(prefix + key)) for alias, key in section.aliases.items()]
+    write_file(tmp, items, writer=0, metadata={"format": "pt", "exported_by": "ddpckpt"})

@@ -1,0 +1,384 @@
+"""Collectives for ddpckpt calls: bounded waits, named missing ranks, one error on every rank.
+
+Every collective ddpckpt call (``save``, ``load``, ``Checkpointer.resume`` ...) opens a
+:class:`Comm`. Outside ``torch.distributed`` (or with one rank) every operation is local.
+Under ``torch.distributed`` the coordination runs over the default process group's
+key-value *store* (or any :class:`~ddpckpt._coord.store.StoreGroup`), not over the
+training process group:
+
+* no collective of the training group (NCCL or gloo) is ever entered, so a slow write on
+  one rank never trips the training group's watchdog, and a call made on only some ranks
+  cannot deadlock the training group;
+* exchanges go through rank 0 (the leader): every rank posts one key, rank 0 reads them
+  all in one ``multi_get`` and posts one reply, which carries only what the others need
+  ("all ok" for :meth:`Comm.run`). A rank's store traffic per exchange is constant in the
+  number of ranks, except rank 0's and that of exchanges whose result every rank needs;
+* waits block in the store (``wait``), never poll; a heartbeat thread per call names a
+  rank that makes no progress for ``timeout`` seconds (:mod:`ddpckpt._coord.liveness`);
+* :meth:`Comm.run` runs a step on every rank and gathers the outcome at rank 0: if any
+  rank failed, every rank raises the same error with a per-rank report (the local
+  exception chained; see :mod:`ddpckpt._coord.failures`).
+
+Only small messages (statuses, plans, file records) travel through the store, by
+:mod:`ddpckpt._coord.exchange`; bulk bytes (rank files, tensors) move point to point over a
+gloo group of ddpckpt's own (:mod:`ddpckpt._coord.copies`, :meth:`Comm.transfer_group`).
+
+Calls are matched across ranks by order: the n-th ddpckpt collective on one rank meets
+the n-th on every other, so calls must be opened from the training thread (a background
+save keeps using the call its ``save`` opened). The first exchange of each call compares
+the call names, so ``save`` on one rank and ``load`` on another fails at once instead of
+mixing messages. Every key a call writes to the store is deleted when the call is over
+(per-rank keys by their rank once rank 0 replied, shared keys by the last rank to close
+the call), except each rank's heartbeat record, one per rank for the job, and the roster
+of the ranks that have one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
+
+from ddpckpt._coord.copies import rendezvous_keys, transfer_group
+from ddpckpt._coord.exchange import LEADER, Exchanges
+from ddpckpt._coord.failures import combine, describe, encode_error
+from ddpckpt._coord.liveness import Liveness
+from ddpckpt._coord.store import (
+    StoreGroup,
+    default_group,
+    pack,
+    unpack,
+)
+from ddpckpt._coord.topology import node_id
+from ddpckpt._log import get_logger
+from ddpckpt.errors import CheckpointError, CollectiveMismatchError
+
+T = TypeVar("T")
+R = TypeVar("R")
+_log = get_logger(__name__)
+
+DEFAULT_TIMEOUT = 600.0
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """The effective timeout: ``timeout``, else ``$DDPCKPT_TIMEOUT``, else 600 seconds."""
+    source = "timeout"
+    if timeout is None:
+        env = os.environ.get("DDPCKPT_TIMEOUT", "").strip()
+        if not env:
+            return DEFAULT_TIMEOUT
+        source = "DDPCKPT_TIMEOUT"
+        try:
+            timeout = float(env)
+        except ValueError:
+            raise ValueError(f"DDPCKPT_TIMEOUT={env!r} is not a number of seconds") from None
+    if not timeout > 0:
+        raise ValueError(f"{source} must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+class Comm(Exchanges):
+    """The collective context of one ddpckpt call on this rank.
+
+    Create it with :meth:`open` on every rank, in the same order; use it from one thread
+    at a time; :meth:`close` it (or use ``with``) on every rank.
+    """
+
+    def __init__(
+        self, call: str, timeout: float, *, local: bool = False, group: StoreGroup | None = None
+    ) -> None:
+        self.call = call
+        self.timeout = timeout
+        if group is None and not local:
+            group = default_group()
+        self._group = None if local or group is None or group.world_size < 2 else group
+        self.rank = self._group.rank if self._group else 0
+        self.world_size = self._group.world_size if self._group else 1
+        self.path: str | None = None
+        self.token = uuid.uuid4().hex[:12]
+        self._nodes: list[str] | None = [node_id()]
+        self._store: Any = None
+        self._own_connection = False
+        self._op = -1
+        self._exchanges = 0
+        self._shared_keys: list[str] | None = []
+        self._own_keys: list[str] = []  # this rank's, deleted by it when the call closes
+        self._liveness: Liveness | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def open(
+        cls,
+        call: str,
+        *,
+        path: str | None = None,
+        timeout: float | None = None,
+        group: StoreGroup | None = None,
+    ) -> Comm:
+        """Enter the collective ``call`` (e.g. ``"ddpckpt.save"``); every rank must call it.
+
+        Agrees on ``path``: rank 0's is used everywhere, and a rank that passed another
+        logs a warning. Raises :class:`CollectiveTimeoutError` naming the ranks that did
+        not arrive, or :class:`CollectiveMismatchError` if ranks entered different calls.
+        ``group`` replaces the default process group (see :class:`StoreGroup`).
+        """
+        comm = cls(call, resolve_timeout(timeout), group=group)
+        comm.path = path
+        if comm._group is None:
+            return comm
+        comm._store, comm._own_connection = comm._group.borrow()
+        watcher = comm._group.watch_client()
+        comm._op = next(comm._group._calls)
+        failed = comm._key("failed", "all")
+        comm._liveness = Liveness(comm._group, comm._op, call, comm.timeout, failed)
+        comm._share(failed)
+        comm._liveness.start(comm._store, watcher, comm._own_connection)
+        try:
+            comm._enter(path)
+        except BaseException:
+            comm.close()
+            raise
+        return comm
+
+    @classmethod
+    def local(cls, call: str, path: str | None = None) -> Comm:
+        """A context for work this process does alone, even inside a distributed job."""
+        comm = cls(call, DEFAULT_TIMEOUT, local=True)
+        comm.path = path
+        return comm
+
+    @classmethod
+    def from_leader(
+        cls,
+        call: str,
+        decide: Callable[[], bytes],
+        *,
+        timeout: float | None = None,
+        group: StoreGroup | None = None,
+    ) -> bytes:
+        """Rank 0's ``decide()`` on every rank, for one key of store traffic; every rank calls it.
+
+        Not a full call: no heartbeat, no per-rank report. Rank 0 publishes its answer and
+        returns at once; every other rank waits for it up to ``timeout`` and raises
+        :class:`CollectiveTimeoutError` naming rank 0 if it does not come. Calls are matched
+        by order, like :meth:`open`.
+        """
+        limit = resolve_timeout(timeout)
+        group = group or default_group()
+        if group is None or group.world_size < 2:
+            return decide()
+        return group.leader_value(call, decide, limit)
+
+    def __enter__(self) -> Comm:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Leave the call: this rank deletes its own keys (its transfer groups' addresses); the
+        last rank to leave deletes the keys the ranks shared."""
+        if self._liveness is not None:
+            self._liveness.stop()
+        if self._store is not None and self._shared_keys is not None:
+            keys, self._shared_keys = self._shared_keys, None
+            for key in self._own_keys:  # every rank is past the steps that read them
+                self._store.delete_key(key)
+            closed = self._key("closed", "count")
+            if self._store.add(closed, 1) == self.world_size:  # nobody reads them any more
+                for key in [*keys, closed]:
+                    self._store.delete_key(key)
+            self._group.give_back(self._store, self._own_connection)  # type: ignore[union-attr]
+
+    @property
+    def nodes(self) -> list[str]:
+        """Every rank's :func:`node_id`, in rank order (fetched from the store when first asked)."""
+        if self._nodes is None or len(self._nodes) != self.world_size:
+            table = json.loads(self._store.get(self._key("nodes", "all")))
+            self._nodes = [table["names"][i] for i in table["index"]]
+        return self._nodes
+
+    def _enter(self, path: str | None) -> None:
+        """Rank 0 checks that every rank entered the same call, then sends its path and token."""
+        mine = json.dumps({"call": self.call, "path": path, "node": node_id()}).encode()
+        nodes_key = self._key("nodes", "all")
+        self._share(nodes_key)
+        infos = self._collect("enter", mine)
+        if infos is not None:
+            docs = [json.loads(b) for b in infos]
+            calls = {doc["call"] for doc in docs}
+            if len(calls) > 1:
+                listing = ", ".join(f"rank {r}: {doc['call']}" for r, doc in enumerate(docs))
+                error = CollectiveMismatchError(
+                    f"ranks entered different ddpckpt calls ({listing}); every rank must make "
+                    "the same ddpckpt calls in the same order"
+                )
+                self._publish("enter", encode_error(error))
+                raise error
+            self._nodes = [doc["node"] for doc in docs]
+            names = sorted(set(self._nodes))
+            index = {name: i for i, name in enumerate(names)}
+            table = {"names": names, "index": [index[n] for n in self._nodes]}
+            self._store.set(nodes_key, json.dumps(table).encode())
+            agreed = {"path": path, "token": self.token}
+            self._publish("enter", b"K" + json.dumps(agreed).encode())
+        else:
+            agreed = json.loads(self._receive("enter"))
+            self._nodes = None
+        self.token = agreed["token"]
+        if path != agreed["path"]:
+            _log.warning(
+                "rank %d passed path %r but rank 0 passed %r; using rank 0's path on every rank",
+                self.rank,
+                path,
+                agreed["path"],
+            )
+        self.path = agreed["path"]
+
+    # ------------------------------------------------------------------ primitives
+
+    def barrier(self, tag: str) -> None:
+        """Return once every rank has reached this barrier."""
+        self.run(tag, lambda: None)
+
+    def run(self, tag: str, step: Callable[[], T]) -> T:
+        """Run ``step`` on every rank; if it failed anywhere, raise the same error everywhere.
+
+        With one process the step's own exception propagates unchanged. With several,
+        rank 0 gathers every rank's outcome and sends back only "all ok" or one error
+        whose ``failures`` maps each failing rank to its error; every rank raises it, on a
+        failing rank with the local exception chained as ``__cause__``. Returns this
+        rank's result.
+        """
+        if self.world_size == 1:
+            return step()
+        result, _ = self._run(tag, step, share=False)
+        return result
+
+    def run_all(self, tag: str, step: Callable[[], Any]) -> list[Any]:
+        """Like :meth:`run`, but returns every rank's result (which must be JSON-able).
+
+        Every rank receives every result: use :meth:`run_gather` if only rank 0 needs them.
+        """
+        if self.world_size == 1:
+            return [step()]
+        _, results = self._run(tag, step, share=True)
+        return results  # type: ignore[return-value]
+
+    def run_gather(self, tag: str, step: Callable[[], Any]) -> list[Any] | None:
+        """Like :meth:`run_all`, but only rank 0 receives the results; other ranks get ``None``."""
+        if self.world_size == 1:
+            return [step()]
+        _, results = self._run(tag, step, share=False, keep=True)
+        return results
+
+    def run_reduce(self, tag: str, step: Callable[[], Any], reduce: Callable[[list[Any]], R]) -> R:
+        """Like :meth:`run_all`, but rank 0 turns every rank's result into one JSON-able
+        answer, ``reduce(results)``, and every rank receives only that answer.
+
+        What each rank receives is the size of the answer, not ``world_size`` results: use
+        it whenever the ranks need a decision (a union, a maximum, the ranks that differ)
+        rather than each other's data. ``reduce`` runs on rank 0 only; if it raises, every
+        rank raises the combined error.
+        """
+        if self.world_size == 1:
+            return json.loads(json.dumps(reduce([step()])))  # the same value as with ranks
+        answer, _ = self._run(tag, step, share=False, keep=True, reduce=reduce)
+        return answer  # type: ignore[no-any-return]
+
+    def run_scatter(
+        self,
+        tag: str,
+        step: Callable[[], Any],
+        split: Callable[[list[Any]], dict[int, Any]],
+        *,
+        receive: bool,
+    ) -> Any:
+        """Like :meth:`run_gather`, then rank 0 sends each rank that passes ``receive=True``
+        its own part of ``split(results)`` (``None`` if it has none); returns this rank's
+        part (``None`` where ``receive`` is false).
+
+        A rank receives only its part: what the first rank of each storage domain needs
+        to write its copy's manifest, say. ``split`` runs on rank 0 only; if it raises,
+        every rank raises the combined error.
+        """
+        if self.world_size == 1:
+            part = json.loads(json.dumps(split([step()]).get(0)))
+            return part if receive else None
+        part, _ = self._run(tag, step, share=False, keep=True, split=split, receive=receive)
+        return part if receive else None
+
+    def _run(
+        self,
+        tag: str,
+        step: Callable[[], Any],
+        share: bool,
+        keep: bool = False,
+        reduce: Callable[[list[Any]], Any] | None = None,
+        split: Callable[[list[Any]], dict[int, Any]] | None = None,
+        receive: bool = False,
+    ) -> tuple[Any, list[Any] | None]:
+        local: BaseException | None = None
+        result: Any = None
+        try:
+            result = step()
+            sent: dict[str, Any] = {"ok": result if share or keep else None}
+            if receive:
+                sent["receive"] = True
+            payload = json.dumps(sent).encode()
+        except Exception as exc:
+            local = exc
+            payload = json.dumps({"error": describe(exc)}).encode()
+        gathered = self._collect(tag, payload, cause=local)
+        if gathered is None:  # not the leader: rank 0 sends "all ok", every result or the error
+            try:
+                reply = self._receive(tag)
+            except CheckpointError as exc:
+                raise exc from local
+            if reduce is not None:
+                return json.loads(reply), None
+            if split is not None:
+                return self._receive_part(tag) if receive else None, None
+            return result, [json.loads(b)["ok"] for b in unpack(reply)] if share else None
+        outcomes = [json.loads(b) for b in gathered]
+        failures = {r: o["error"] for r, o in enumerate(outcomes) if "error" in o}
+        if failures:
+            error = combine(self.call, failures)
+            self._publish(tag, encode_error(error))
+            raise error from local
+        results = [o["ok"] for o in outcomes]
+        if reduce is not None or split is not None:
+            try:
+                if split is not None:
+                    parts = split(results)
+                    receivers = [r for r, o in enumerate(outcomes) if r and o.get("receive")]
+                    encoded = {r: json.dumps(parts.get(r)).encode() for r in receivers}
+                    mine = json.loads(json.dumps(parts.get(LEADER)))
+                else:
+                    reply = json.dumps(reduce(results)).encode()  # type: ignore[misc]
+            except Exception as exc:
+                error = combine(self.call, {LEADER: describe(exc)})
+                self._publish(tag, encode_error(error))
+                raise error from exc
+            if split is not None:
+                for r, blob in encoded.items():  # before the reply: a receiver reads it at once
+                    self._store.set(self._key(tag, f"to{r}"), blob)
+                self._publish(tag, b"K")
+                return mine, None
+            self._publish(tag, b"K" + reply)
+            return json.loads(reply), None  # exactly what the other ranks decode
+        self._publish(tag, b"K" + (pack(gathered) if share else b""))
+        return result, results if share or keep else None
+
+    # ------------------------------------------------------------------ tensors
+
+    def transfer_group(self, purpose: str) -> AbstractContextManager[Any]:
+        """A gloo group of this call's ranks for one transfer (``purpose`` names it within the
+        call), shut down on leaving; every rank enters it together, inside a step."""
+        key = f"{self.token}/{purpose}"
+        self._own_keys += rendezvous_keys(key, self.rank)
+        return transfer_group(self._store, key, self.rank, self.world_size, self.timeout)

@@ -1,0 +1,131 @@
+"""Checking, before a save writes anything, that state stored once is the same on every rank.
+
+ddpckpt writes a replicated tensor once, from one rank. That is right only if every rank
+holds the same bytes, so :func:`check_replicated` (collective, every rank calls it from
+:func:`ddpckpt._io.writing.plan_write`) compares xxh3 digests across ranks, one small list
+per rank through the store:
+
+* tensors nothing keeps identical (``Snapshot.unverified``: a model without DDP, a
+  module-valued extra such as an EMA copy, optimizer state of parameters outside DDP) are
+  hashed on every rank;
+* of the tensors DDP keeps identical (``Snapshot.balanced``) only the smallest are hashed,
+  up to :data:`CANARY_BYTES` in all: a desynchronized DDP run (a rank whose updates went
+  astray) differs in every parameter, biases and norms included. If one of them differs,
+  every replicated tensor is hashed and compared.
+
+Tensors that differ are stored per rank (``Snapshot.keep_per_rank``), with a warning on
+rank 0, rather than refused: every rank's resume stays exact whatever the cause (ranks
+training their own models, an EMA updated on rank 0 only), while the warning says what
+to fix. Refusing would turn a save into a crash for set-ups that are legitimate.
+Tensors that differ by design (``Snapshot.per_rank``: what DDP ignores) are stored per
+rank without a check.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import xxhash
+
+from ddpckpt._coord.comm import Comm
+from ddpckpt._format.tensorfile import byte_view, host_contiguous, tensor_nbytes
+from ddpckpt._log import get_logger
+from ddpckpt._state.snapshot import Snapshot
+from ddpckpt.errors import StateMismatchError
+
+_log = get_logger(__name__)
+CANARY_BYTES = 1 << 20
+_warned: set[tuple[str, ...]] = set()
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """The xxh3-64 digest of a tensor's bytes (copied off its device first)."""
+    host = host_contiguous(tensor)  # kept alive: byte_view does not hold it
+    return xxhash.xxh3_64(byte_view(host)).hexdigest()
+
+
+def _canaries(snapshot: Snapshot) -> list[str]:
+    """The smallest replicated tensors, up to ``CANARY_BYTES`` (at least one)."""
+    chosen, total = [], 0
+    for name in sorted(snapshot.balanced, key=lambda n: (tensor_nbytes(snapshot.tensors[n]), n)):
+        total += tensor_nbytes(snapshot.tensors[name])
+        if chosen and total > CANARY_BYTES:
+            break
+        chosen.append(name)
+    return sorted(chosen)
+
+
+def _differing(comm: Comm, snapshot: Snapshot, call: str, names: list[str]) -> set[str]:
+    """The ``names`` whose digests are not the same on every rank; collective."""
+
+    def differing(gathered: list[list[str]]) -> list[int]:  # on rank 0
+        return [i for i in range(len(names)) if len({g[i] for g in gathered}) > 1]
+
+    digests = lambda: [tensor_digest(snapshot.tensors[n]) for n in names]  # noqa: E731
+    return {names[i] for i in comm.run_reduce(call, digests, differing)}
+
+
+def check_replicated(comm: Comm, snapshot: Snapshot) -> None:
+    """Decide, the same way on every rank, which shared tensors are stored once; collective.
+
+    Raises :class:`StateMismatchError` if the ranks' shared tensors differ in names,
+    shapes or dtypes. Afterwards ``snapshot.balanced`` holds the tensors any rank may write
+    and the rest of the differing ones are in this rank's own state.
+    """
+    if comm.world_size == 1:
+        snapshot.balanced |= snapshot.unverified | snapshot.per_rank
+        snapshot.unverified.clear()
+        snapshot.per_rank.clear()
+        return
+    layout = sorted((n, str(t.dtype), list(t.shape)) for n, t in snapshot.tensors.items())
+    mine = [sorted(snapshot.unverified), sorted(snapshot.per_rank), _canaries(snapshot)]
+    fingerprint = xxhash.xxh3_64(json.dumps([layout, mine]).encode()).hexdigest()
+    mismatched = comm.run_reduce(
+        "layout", lambda: fingerprint, lambda fps: [r for r, f in enumerate(fps) if f != fps[0]]
+    )
+    if mismatched:
+        raise StateMismatchError(
+            f"ranks {mismatched} hold training state whose tensors differ (names, shapes, "
+            "dtypes or how DDP wraps the model) from rank 0's. ddpckpt.save stores "
+            "replicated state once, so the model, optimizer, scheduler, scaler and extra "
+            "objects must be the same on every rank; sharded state (FSDP, ZeRO) is not supported"
+        )
+    unverified, _, canaries = mine
+    apart = _differing(comm, snapshot, "digests", unverified + canaries)
+    diverged = apart & snapshot.balanced
+    if diverged:  # DDP's replicas went apart: find every tensor that did
+        diverged = _differing(comm, snapshot, "all-digests", sorted(snapshot.balanced))
+        _warn(comm, sorted(diverged), diverged=True)
+    if apart - diverged:
+        _warn(comm, sorted(apart - diverged), diverged=False)
+    snapshot.balanced |= snapshot.unverified
+    snapshot.unverified.clear()
+    snapshot.keep_per_rank(sorted(apart | diverged | snapshot.per_rank))
+    snapshot.per_rank.clear()
+
+
+def _warn(comm: Comm, names: list[str], *, diverged: bool) -> None:
+    """Warn on rank 0, once per set of tensors, that state stored once would be wrong."""
+    if comm.rank != 0 or tuple(names) in _warned:
+        return
+    _warned.add(tuple(names))
+    shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+    if diverged:
+        advice = (
+            "DistributedDataParallel should keep them identical: the ranks' replicas have "
+            "diverged (a rank that skipped a step, or changed weights outside the optimizer)"
+        )
+    else:
+        advice = (
+            "if the model should be replicated, wrap it in DistributedDataParallel (an EMA "
+            "copy: update it on every rank)"
+        )
+    _log.warning(
+        "%s: %d tensor(s) stored once for all ranks differ between ranks: %s. They are "
+        "stored per rank and each rank loads its own; %s",
+        comm.path,
+        len(names),
+        shown,
+        advice,
+    )

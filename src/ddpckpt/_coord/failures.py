@@ -1,0 +1,132 @@
+"""Failures that cross ranks: one rank's exception described, every rank's combined.
+
+:meth:`~ddpckpt._coord.comm.Comm.run` sends each rank's outcome to rank 0, which combines
+the failures into one error, identical on every rank: the ranks' common error type where
+they share one, with a per-rank report in ``failures``. Errors travel through the store
+encoded as JSON (``b"E"`` and the document), never pickled, and are rebuilt by type name.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import platform
+from collections.abc import Sequence
+from typing import Any
+
+from ddpckpt.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    CollectiveTimeoutError,
+    RankFailureError,
+    error_class,
+)
+
+
+def timeout_error(
+    call: str, timeout: float, ranks: Sequence[int], tag: str
+) -> CollectiveTimeoutError:
+    """The error naming ``ranks``, silent for ``timeout`` seconds in step ``tag`` of ``call``."""
+    names = ", ".join(str(r) for r in ranks)
+    plural = "s" if len(ranks) > 1 else ""
+    if tag == "enter":
+        why = (
+            f"rank{plural} {names} did not call {call} within {timeout:g} s. "
+            f"{call} is collective: call it on every rank (not inside `if rank == 0`)"
+        )
+    else:
+        why = (
+            f"rank{plural} {names} stopped responding during {call} (step "
+            f"'{tag}') for {timeout:g} s: the process died or hangs"
+        )
+    error = CollectiveTimeoutError(
+        f"{why}. Raise the limit with timeout= or DDPCKPT_TIMEOUT if it is only slow."
+    )
+    error.failures = {r: f"CollectiveTimeoutError: no response in step '{tag}'" for r in ranks}
+    return error
+
+
+def unwrap(blob: bytes) -> bytes:
+    """The data of a reply (``b"K"`` and data), or raise the error it carries (``b"E"``)."""
+    if blob[:1] == b"E":
+        doc = json.loads(blob[1:])
+        cls = error_class(doc["type"])
+        errno = doc.get("errno")
+        error = cls(errno, doc["message"]) if errno is not None else cls(doc["message"])
+        error.failures = {int(r): f for r, f in doc["failures"].items()}
+        raise error
+    return blob[1:]
+
+
+def encode_error(exc: CheckpointError) -> bytes:
+    """``exc`` as a reply that :func:`unwrap` raises again on another rank."""
+    doc: dict[str, Any] = {"type": type(exc).__name__, "failures": exc.failures}
+    if isinstance(exc, OSError) and exc.errno is not None:  # rebuilt as cls(errno, strerror)
+        doc.update(errno=exc.errno, message=exc.strerror)
+    else:
+        doc["message"] = str(exc)
+    return b"E" + json.dumps(doc).encode()
+
+
+def describe(exc: BaseException) -> dict[str, Any]:
+    """What rank 0 needs to know of this rank's failure: type, message, errno, host."""
+    message = str(exc) or repr(exc)
+    if isinstance(exc, OSError) and exc.strerror is not None:  # without the "[Errno N]" prefix
+        message = exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    return {
+        "type": type(exc).__name__,
+        "message": message,
+        "errno": getattr(exc, "errno", None),
+        "host": platform.node(),
+    }
+
+
+def combine(call: str, failures: dict[int, dict[str, Any]]) -> CheckpointError:
+    """One error describing every rank's failure, identical on every rank."""
+    kinds = {f["type"] for f in failures.values()}
+    messages = {f["message"] for f in failures.values()}
+    ranks = sorted(failures)
+    on = ", ".join(str(r) for r in ranks)
+    if len(messages) == 1:
+        text = f"{messages.pop()} (on rank{'s' if len(ranks) > 1 else ''} {on})"
+    else:
+        lines = [
+            f"  rank {r} ({failures[r]['host']}): {failures[r]['type']}: {failures[r]['message']}"
+            for r in ranks
+        ]
+        text = f"{call} failed on {len(ranks)} rank(s):\n" + "\n".join(lines)
+    if len(kinds) > 1:  # e.g. incomplete on one rank, corrupt on another: both are corrupt
+        common = _common_error(kinds)
+        kinds = {common.__name__} if common is not None else kinds
+    if len(kinds) == 1:
+        kind = kinds.pop()
+        cls = error_class(kind)
+        errnos = {f.get("errno") for f in failures.values()}
+        if cls is RankFailureError and _is_os_error(kind):
+            cls = CheckpointWriteError
+        if issubclass(cls, OSError) and len(errnos) == 1 and errnos != {None}:
+            error: CheckpointError = cls(errnos.pop(), text)
+        else:
+            error = cls(text)
+    else:
+        error = RankFailureError(text)
+    error.failures = {r: f"{f['type']}: {f['message']}" for r, f in failures.items()}
+    return error
+
+
+def _common_error(kinds: set[str]) -> type[CheckpointError] | None:
+    """The most specific ddpckpt error class all ``kinds`` share, if more specific than the base."""
+    classes = [error_class(k) for k in kinds]
+    if any(c is RankFailureError for c in classes):
+        return None
+    for candidate in classes[0].__mro__:
+        if candidate is CheckpointError:
+            return None
+        if isinstance(candidate, type) and all(issubclass(c, candidate) for c in classes):
+            return candidate  # type: ignore[return-value]
+    return None
+
+
+def _is_os_error(name: str) -> bool:
+    builtin = getattr(builtins, name, None)
+    return isinstance(builtin, type) and issubclass(builtin, OSError)

@@ -1,0 +1,132 @@
+"""Copy a checkpoint to the nodes whose storage lacks it.
+
+With node-local storage every node keeps its own copy; a node that was replaced (or whose
+disk was wiped) has none. Before loading, :func:`repair_copies` sends the files from one
+node that has the checkpoint to the first rank of every storage domain that lacks it, over
+a gloo process group, point to point. Each received file is hashed while written and
+checked against the manifest; the copy is committed atomically like any checkpoint. The
+node then loads its own copy, and keeps it for the next restart.
+
+Every rank calls :func:`repair_copies` (it is collective); ranks with nothing to send or
+receive only take part in the bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import xxhash
+
+from ddpckpt._coord.comm import Comm
+from ddpckpt._coord.plan import assign
+from ddpckpt._coord.topology import storage_domains
+from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from ddpckpt._format.tensorfile import byte_view
+from ddpckpt._log import get_logger
+from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage import storage_for
+
+_log = get_logger(__name__)
+_CHUNK = 16 << 20
+
+
+def repair_copies(comm: Comm, path: str, have: list[bool]) -> None:
+    """Give every storage domain lacking the checkpoint at ``path`` a verified copy.
+
+    ``have[r]`` says whether rank ``r`` can read a good copy (all with the same id).
+    """
+    store = storage_for(path)
+    domains = storage_domains(comm, store.parent(path))
+    complete = [d for d in domains if all(have[r] for r in d)]
+    if not complete or any(any(have[r] for r in d) and d not in complete for d in domains):
+        raise CorruptCheckpointError(
+            f"{path}: ranks that share storage disagree on whether the checkpoint exists "
+            f"(ranks with it: {[r for r, h in enumerate(have) if h]}; storage domains: {domains})"
+        )
+    source = complete[0]
+    receivers = [d[0] for d in domains if not any(have[r] for r in d)]
+    text = comm.broadcast(
+        "manifest", _read_text(path) if comm.rank == source[0] else None, src=source[0]
+    )
+    manifest = Manifest.from_json(text, path)
+    owners = assign({name: f.size for name, f in manifest.files.items()}, source)
+    tmp = store.commit.staging(store, path, comm.token)
+
+    def transfer() -> None:
+        if comm.rank in receivers:
+            store.commit.begin(store, path, tmp, overwrite=True)
+        with comm.transfer_group("repair") as group:
+            for name in sorted(manifest.files):
+                sender = owners[name]
+                for receiver in receivers:
+                    if comm.rank == sender:
+                        _send(os.path.join(path, name), manifest.files[name].size, receiver, group)
+                    elif comm.rank == receiver:
+                        _receive(os.path.join(tmp, name), manifest, name, sender, group)
+        if comm.rank in receivers:
+            store.write_new(os.path.join(tmp, MANIFEST_NAME), text)
+            store.commit.publish(store, tmp, path, overwrite=True)
+            _log.warning(
+                "%s: this node had no copy of the checkpoint; received %d files (%d bytes) "
+                "from rank %d",
+                path,
+                len(manifest.files),
+                manifest.nbytes,
+                source[0],
+            )
+
+    try:
+        comm.run("repair", transfer)
+    except BaseException:
+        if comm.rank in receivers:
+            store.commit.abort(store, tmp, path)
+        raise
+
+
+def _read_text(path: str) -> bytes:
+    read_manifest(path)  # validate before sending
+    return storage_for(path).read(os.path.join(path, MANIFEST_NAME))
+
+
+def _send(path: str, size: int, receiver: int, group: Any) -> None:
+    """Send the file in chunks of exactly the sizes :func:`_receive` expects."""
+    reader = storage_for(path).open(path)
+    try:
+        if reader.size != size:
+            raise CorruptCheckpointError(f"{path}: size differs from the manifest's {size} bytes")
+        chunk = torch.empty(_CHUNK, dtype=torch.uint8)
+        sent = 0
+        while sent < size:
+            n = min(size - sent, _CHUNK)
+            view, filled = byte_view(chunk)[:n], 0
+            while filled < n:  # short reads happen on network file systems
+                got = reader.read_into(view[filled:], sent + filled)
+                if not got:
+                    raise CorruptCheckpointError(f"{path}: ended early while being sent")
+                filled += got
+            group.send([chunk[:n]], receiver, 0).wait()
+            sent += n
+    finally:
+        reader.close()
+
+
+def _receive(path: str, manifest: Manifest, name: str, sender: int, group: Any) -> None:
+    entry = manifest.files[name]
+    hasher = xxhash.xxh3_64()
+    chunk = torch.empty(_CHUNK, dtype=torch.uint8)
+    with storage_for(path).create(path) as out:
+        remaining = entry.size
+        while remaining:
+            n = min(remaining, _CHUNK)
+            group.recv([chunk[:n]], sender, 0).wait()
+            data = byte_view(chunk)[:n]
+            hasher.update(data)
+            out.write(data)
+            remaining -= n
+        out.sync()
+    if hasher.hexdigest() != entry.digest:
+        raise CorruptCheckpointError(
+            f"{path}: received copy of {name} does not match its checksum (sent by rank {sender})"
+        )

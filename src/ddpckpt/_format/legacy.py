@@ -1,0 +1,303 @@
+"""Import checkpoints written with ``torch.save`` by the usual recipes, without running them.
+
+Understood layouts:
+
+* a bare model ``state_dict``;
+* a dict holding the model under ``model``/``state_dict``/``model_state_dict``/``net`` ...,
+  and optionally ``optimizer``, ``scheduler``/``lr_scheduler``, ``scaler``, ``epoch``,
+  ``step``/``global_step``/``iteration`` and anything else plain;
+* a PyTorch Lightning ``.ckpt`` (``state_dict``, ``optimizer_states``, ``lr_schedulers``,
+  ``epoch``, ``global_step``, precision-plugin scaler state, loops, callbacks ...).
+
+``module.`` (DDP/DataParallel) and ``_orig_mod.`` (torch.compile) prefixes are removed.
+The file is read with ``torch.load(weights_only=True)`` only: a pickle that names any
+other global is refused before it can run, unless that global is explicitly trusted.
+
+Optimizer state in such files is keyed by position, not by parameter name; it is stored
+that way and matched by position (with shape checks) when loaded, as ``torch`` does.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import re
+import zipfile
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from ddpckpt._coord.comm import Comm
+from ddpckpt._format.codec import encode
+from ddpckpt._format.sections import (
+    ExtraEntry,
+    ModelSection,
+    OptimizerSection,
+    StatefulSection,
+    StateSections,
+)
+from ddpckpt._io.writing import header_fields, plan_write, write_and_commit
+from ddpckpt._log import get_logger
+from ddpckpt._state.capture import Snapshot
+from ddpckpt.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
+from ddpckpt.storage._posix import load_torch_file
+
+_log = get_logger(__name__)
+
+_MODEL_KEYS = (
+    "state_dict",
+    "model",
+    "model_state_dict",
+    "model_state",
+    "net",
+    "network",
+    "module",
+    "weights",
+)
+_OPTIMIZER_KEYS = ("optimizer", "optimizer_state_dict", "optimizer_state", "optim", "opt")
+_SCHEDULER_KEYS = ("scheduler", "lr_scheduler", "scheduler_state_dict", "sched")
+_SCALER_KEYS = (
+    "scaler",
+    "grad_scaler",
+    "scaler_state_dict",
+    "amp_scaler",
+    "MixedPrecision",
+    "native_amp_scaling_state",
+)
+_STEP_KEYS = ("global_step", "step", "iteration", "iter", "steps")
+_EPOCH_KEYS = ("epoch",)
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+# weights_only has known bypasses before these versions (CVE-2025-32434, CVE-2026-24747).
+_SAFE_TORCH = (2, 10)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()  # type: ignore[union-attr]
+    return int(major), int(minor)
+
+
+def _resolve_global(name: str) -> Any:
+    module, _, attr = name.rpartition(".")
+    if not module:
+        raise ValueError(f"trusted global {name!r} must be 'module.Name'")
+    return getattr(importlib.import_module(module), attr)
+
+
+def read_legacy(
+    path: str, trusted_globals: Iterable[str] = (), trusted_source: bool = False
+) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU, memory-mapped where possible."""
+    if _torch_version() < _SAFE_TORCH and not trusted_source:
+        raise UnsafeCheckpointError(
+            f"torch {torch.__version__}'s weights_only loader has known ways to run code "
+            "(CVE-2025-32434 before 2.6, CVE-2026-24747 before 2.10). Upgrade torch to "
+            "import files you did not write; pass trusted_source=True (--trusted-source) "
+            "only for files you made yourself"
+        )
+    extra = [_resolve_global(name) for name in trusted_globals]
+    try:
+        with torch.serialization.safe_globals(extra):
+            return load_torch_file(path)
+    except pickle.UnpicklingError as exc:
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if found is None:
+            # torch's text goes on to suggest weights_only=False: only the reason is kept
+            reason = (
+                str(exc).rpartition("WeightsUnpickler error:")[2].strip().split("\n")[0]
+                or type(exc).__name__
+            )
+            raise CorruptCheckpointError(
+                f"{path}: not a readable torch.save file ({reason}); `import` reads files "
+                "written by torch.save or Lightning"
+            ) from exc
+        raise UnsafeCheckpointError(
+            f"{path}: refusing to load it: unpickling would call {found.group(1)}, and a pickle can run "
+            "any code that way. If that is a plain data class you trust (not a function), "
+            "name it with --trust-global MODULE.NAME; otherwise export the state from the "
+            "code that wrote the file"
+        ) from exc
+    except (
+        RuntimeError, EOFError, zipfile.BadZipFile, KeyError, IndexError, ValueError, TypeError,
+        AttributeError,
+    ) as exc:  # fmt: skip
+        # The weights-only unpickler meets bytes that are no pickle with whatever error the
+        # opcode it misreads leads to (a text file gives ``KeyError: 101``).
+        raise CorruptCheckpointError(
+            f"{path}: not a torch.save file ({type(exc).__name__}: {exc}); "
+            "`import` reads files written by torch.save or Lightning"
+        ) from exc
+
+
+def _strip_wrappers(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop ``module.``/``_orig_mod.`` from every key, leading or nested."""
+    keys = list(state)
+    changed = True
+    while changed and keys:
+        changed = False
+        for prefix in _WRAPPER_PREFIXES:
+            if all(k.startswith(prefix) for k in keys):
+                keys = [k[len(prefix) :] for k in keys]
+                changed = True
+    keys = [k.replace("._orig_mod.", ".") for k in keys]
+    if len(set(keys)) != len(keys):
+        raise CorruptCheckpointError("removing wrapper prefixes made two model keys equal")
+    return dict(zip(keys, state.values(), strict=True))
+
+
+def _pick(doc: dict[str, Any], names: Iterable[str]) -> tuple[str | None, Any]:
+    for name in names:
+        if name in doc:
+            return name, doc[name]
+    return None, None
+
+
+def _is_state_dict(value: Any) -> bool:
+    return (
+        isinstance(value, Mapping)
+        and bool(value)
+        and all(isinstance(k, str) for k in value)
+        and any(isinstance(v, torch.Tensor) for v in value.values())
+    )
+
+
+def _model_section(weights: Mapping[str, Any], snapshot: Snapshot) -> ModelSection:
+    keys: list[str] = []
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    extra_state: dict[str, Any] = {}
+    for key, value in weights.items():
+        if not isinstance(value, torch.Tensor):
+            extra_state[key] = value
+            continue
+        identity = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        if value.numel() and identity in seen:
+            aliases[key] = seen[identity]
+            continue
+        seen[identity] = key
+        keys.append(key)
+        snapshot.tensors[f"model/{key}"] = value
+    section = ModelSection("imported", keys, aliases, {}, list(extra_state))
+    if extra_state:
+        section.extra_state = encode(extra_state, "model_extra_state", snapshot.tensors)
+    return section
+
+
+def _optimizer_section(
+    optimizer: Mapping[str, Any], snapshot: Snapshot, where: str
+) -> OptimizerSection:
+    try:
+        groups_in, state_in = optimizer["param_groups"], optimizer["state"]
+    except (KeyError, TypeError):
+        raise CorruptCheckpointError(
+            f"{where}: the optimizer entry is not an optimizer state_dict"
+        ) from None
+    groups, state, shapes = [], {}, {}
+    for g, group in enumerate(groups_in):
+        names = [f"@group{g}.{i}" for i in range(len(group["params"]))]
+        for name, index in zip(names, group["params"], strict=True):
+            per_param = state_in.get(index, {})
+            if per_param:
+                state[name] = per_param
+            shaped = [v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+            shapes[name] = list(shaped[0].shape) if shaped else None
+        groups.append({"params": names, "hyper": {k: v for k, v in group.items() if k != "params"}})
+    section = {
+        "type": "imported",
+        "groups": groups,
+        "state": state,
+        "shapes": shapes,
+        "by_position": True,
+    }
+    return OptimizerSection.from_json(encode(section, "optimizer", snapshot.tensors), where)
+
+
+def _classify(
+    obj: Any, where: str, model_key: str | None
+) -> tuple[Snapshot, dict[str, Any], list[str]]:
+    """Split a loaded legacy object into a snapshot, header fields and dropped keys."""
+    snapshot, sections = Snapshot(), StateSections()
+    header: dict[str, Any] = {"step": None, "epoch": None, "metrics": {}}
+    if not isinstance(obj, Mapping):
+        raise CorruptCheckpointError(f"{where}: holds a {type(obj).__qualname__}, not a dict")
+    doc = dict(obj)
+    lightning = "pytorch-lightning_version" in doc or "optimizer_states" in doc
+    if model_key is not None:
+        if model_key not in doc:
+            raise CorruptCheckpointError(
+                f"{where}: has no entry {model_key!r} (has: {', '.join(map(str, doc))})"
+            )
+        key, weights = model_key, doc[model_key]
+    else:
+        key, weights = _pick(doc, _MODEL_KEYS)
+        if key is None or not _is_state_dict(weights):
+            if not _is_state_dict(doc):
+                raise CorruptCheckpointError(
+                    f"{where}: cannot tell which entry holds the model weights (top-level keys: "
+                    f"{', '.join(map(str, doc))}); name it with --model-key"
+                )
+            key, weights = None, doc
+    sections.models["model"] = _model_section(_strip_wrappers(weights), snapshot)
+    if key is None:
+        snapshot.state = sections.to_json()
+        return snapshot, header, []
+    del doc[key]
+    if lightning and doc.get("optimizer_states"):
+        states = doc.pop("optimizer_states")
+        doc["optimizer"] = states[0]
+        if len(states) > 1:
+            doc["optimizer_states[1:]"] = states[1:]
+    if lightning and doc.get("lr_schedulers"):
+        schedulers = doc.pop("lr_schedulers")
+        doc["scheduler"] = schedulers[0]
+        if len(schedulers) > 1:
+            doc["lr_schedulers[1:]"] = schedulers[1:]
+    name, optimizer = _pick(doc, _OPTIMIZER_KEYS)
+    if name is not None and optimizer:
+        sections.optimizers["optimizer"] = _optimizer_section(doc.pop(name), snapshot, where)
+    for kind, names in (("scheduler", _SCHEDULER_KEYS), ("scaler", _SCALER_KEYS)):
+        name, value = _pick(doc, names)
+        if name is not None and isinstance(value, Mapping) and value:
+            state = encode(dict(doc.pop(name)), kind, snapshot.tensors)
+            sections.place(f"{kind}s", kind, StatefulSection("imported", state))
+    for field_name, names in (("step", _STEP_KEYS), ("epoch", _EPOCH_KEYS)):
+        name, value = _pick(doc, names)
+        if name is not None and type(value) is int and value >= 0:
+            header[field_name] = doc.pop(name)
+    dropped = []
+    for name, value in doc.items():
+        try:
+            state = encode(value, f"extra/{name}", snapshot.tensors)
+        except UnsupportedValueError as exc:
+            dropped.append(f"{name} ({exc})")
+            continue
+        sections.extra[str(name)] = ExtraEntry("value", None, state)
+    snapshot.state = sections.to_json()
+    return snapshot, header, dropped
+
+
+def import_checkpoint(
+    source: str | os.PathLike[str],
+    destination: str | os.PathLike[str],
+    *,
+    model_key: str | None = None,
+    trusted_globals: Iterable[str] = (),
+    trusted_source: bool = False,
+    overwrite: bool = False,
+) -> tuple[str, list[str]]:
+    """Convert the ``torch.save`` file ``source`` into a ddpckpt checkpoint at ``destination``.
+
+    Local (one process). Returns the checkpoint path and the top-level entries that were
+    left out because they hold values that cannot be stored without pickle (each is also
+    logged as a warning).
+    """
+    source, destination = os.fspath(source), os.fspath(destination)
+    obj = read_legacy(source, trusted_globals, trusted_source)
+    snapshot, header, dropped = _classify(obj, source, model_key)
+    for item in dropped:
+        _log.warning("%s: left out of the import: %s", source, item)
+    fields = header_fields(header["step"], header["epoch"], None)
+    comm = Comm.local("ddpckpt.import", destination)
+    plan = plan_write(comm, snapshot, fields, overwrite=overwrite, storage="shared")
+    return write_and_commit(plan), dropped

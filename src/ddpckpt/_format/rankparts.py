@@ -1,0 +1,129 @@
+"""Per-rank state in each rank's own file, so the manifest does not grow with it (format 3).
+
+Every rank writes ``rank-<rank>.safetensors``: its per-rank tensors (RNG state, per-rank
+extras, its own copies of state that differed between ranks) and, in the file's
+safetensors metadata under :data:`RANK_STATE_KEY`, its encoded per-rank state. The
+manifest lists the file (size and checksum, like every file) and ``rank_keys``, the union
+of the sections any rank stored (``rng``, ``own``, ``extra/<name>`` ...): a constant-size
+summary whatever the number of ranks. A loading rank reads only its own rank file
+(:func:`rank_part`), checks it against the manifest's checksum, and adds its tensors to
+the manifest's index.
+
+Checkpoints of format 2 and older hold every rank's state in the manifest's ``ranks``;
+:func:`rank_part` reads them from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Any
+
+import xxhash
+
+from ddpckpt._format.manifest import Manifest
+from ddpckpt._format.tensorfile import TensorEntry
+from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage import storage_for
+
+RANK_STATE_KEY = "ddpckpt.rank_state"
+_NAMED = ("extra", "models_buffers")  # per-rank sections keyed by object name
+
+
+def rank_file_name(rank: int) -> str:
+    """The name of ``rank``'s file in a checkpoint directory."""
+    return f"rank-{rank:05d}.safetensors"
+
+
+def rank_keys(state: dict[str, Any]) -> list[str]:
+    """The sections of one rank's per-rank ``state``, as the manifest's ``rank_keys`` lists them."""
+    named = (f"{section}/{name}" for section in _NAMED for name in state.get(section, {}))
+    return sorted({*state, *named})
+
+
+def rank_has(manifest: Manifest, key: str) -> bool:
+    """Whether any rank stored the per-rank section ``key`` (``"rng"``, ``"extra/<name>"`` ...)."""
+    if manifest.rank_keys is not None:
+        return key in manifest.rank_keys
+    section, _, name = key.partition("/")
+    return any(section in r and (not name or name in r[section]) for r in manifest.ranks)
+
+
+def rank_part(manifest: Manifest, path: str, rank: int) -> dict[str, Any]:
+    """``rank``'s per-rank state in the checkpoint at ``path`` (``rank`` < its world size).
+
+    With per-rank files, reads ``rank``'s file once (verified against the manifest's
+    checksum) and adds its tensors to ``manifest.tensors``. Raises
+    :class:`CorruptCheckpointError` naming the file if it is missing or damaged.
+    """
+    if manifest.rank_keys is None:
+        return manifest.ranks[rank]
+    if rank not in manifest.rank_parts:
+        state, entries = _read_rank_file(manifest, path, rank)
+        manifest.tensors.update((e.key, e) for e in entries)
+        manifest.rank_parts[rank] = state
+    return manifest.rank_parts[rank]
+
+
+def fill_rank_parts(manifest: Manifest, path: str) -> list[str]:
+    """Read every rank's part into ``manifest.ranks`` and ``manifest.tensors`` (tools that
+    show or compare whole checkpoints); returns the problems found instead of raising."""
+    if manifest.rank_keys is None:
+        return []
+    problems, parts = [], []
+    for rank in range(manifest.world_size):
+        try:
+            parts.append(rank_part(manifest, path, rank))
+        except CorruptCheckpointError as exc:
+            problems.append(str(exc))
+            parts.append({})
+    manifest.ranks = parts
+    return problems
+
+
+def _listed_name(manifest: Manifest, base: str) -> str | None:
+    """The name under which the manifest lists the file ``base``: ``base`` itself, or
+    ``<prefix>/<base>`` where an overwrite on an object store committed the replacement
+    under a prefix (:mod:`ddpckpt.storage._base`); ``None`` if it lists neither."""
+    if base in manifest.files:
+        return base
+    return next((n for n in manifest.files if n.endswith(f"/{base}")), None)
+
+
+def _read_rank_file(manifest: Manifest, path: str, rank: int) -> tuple[dict, list[TensorEntry]]:
+    name = _listed_name(manifest, rank_file_name(rank))
+    if name is None:
+        raise CorruptCheckpointError(
+            f"{path}: the manifest lists no file {rank_file_name(rank)} for rank {rank}"
+        )
+    where = os.path.join(path, name)
+    listed = manifest.files[name]
+    try:
+        data = storage_for(where).read(where)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where}: rank {rank}'s file is missing") from None
+    if len(data) != listed.size or xxhash.xxh3_64(data).hexdigest() != listed.digest:
+        raise CorruptCheckpointError(f"{where}: file checksum mismatch (corrupt)")
+    try:
+        (length,) = struct.unpack_from("<Q", data)
+        header = json.loads(data[8 : 8 + length])
+        state = json.loads(header.pop("__metadata__")[RANK_STATE_KEY])
+    except (struct.error, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(f"{where}: damaged rank file header ({exc})") from exc
+    start = 8 + length
+    entries = []
+    for key, doc in header.items():
+        begin, end = (start + int(x) for x in doc["data_offsets"])
+        entries.append(
+            TensorEntry(
+                file=name,
+                key=key,
+                dtype=str(doc["dtype"]),
+                shape=tuple(int(d) for d in doc["shape"]),
+                begin=begin,
+                end=end,
+                digest=xxhash.xxh3_64(data[begin:end]).hexdigest(),  # the file's checksum holds
+            )
+        )
+    return state, entries

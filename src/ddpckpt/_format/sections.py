@@ -1,0 +1,333 @@
+"""Where each part of the training state sits in a manifest's ``state``, in both layouts.
+
+* **Single-model layout** (format versions 1 to 3, and what the keyword shorthand still
+  writes): one section per role, ``state["model"]``, ``state["optimizer"]``,
+  ``state["scheduler"]``, ``state["scaler"]``; model tensors are ``model/<key>``,
+  optimizer state ``optimizer/...``; optimizer state is keyed by the model's parameter
+  names; per-rank buffers are ``ranks[r]["model_buffers"]`` (from format 3 in rank ``r``'s file).
+* **Named layout** (format version 4): ``state["models"]``, ``state["optimizers"]``,
+  ``state["schedulers"]``, ``state["scalers"]`` map each object's name to its section;
+  model tensors are ``model/<name>/<key>``, an optimizer's ``optimizer/<name>/...``;
+  optimizer state is keyed by ``<model name>/<parameter name>``; per-rank buffers are
+  ``ranks[r]["models_buffers"][<name>]``.
+
+``state["extra"]`` is the same in both. The name a single-model section reads back
+under is the shorthand's (``"model"``, ``"optimizer"`` ...). A checkpoint of one nested dict
+(:mod:`ddpckpt._io.dict_checkpoint`, format version 4) holds only ``state["dict"]``: the
+encoded tree and the device each tensor was saved from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpckpt._format.codec import JSON
+from ddpckpt.errors import CorruptCheckpointError
+
+# role -> (single-model section key and name, named-layout section key)
+ROLE_KEYS = {
+    "models": ("model", "models"),
+    "optimizers": ("optimizer", "optimizers"),
+    "schedulers": ("scheduler", "schedulers"),
+    "scalers": ("scaler", "scalers"),
+}
+DICT_KEY = "dict"
+_REQUIRED = object()
+SINGLE_VERSION = 2
+NAMED_VERSION = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How names become section keys and tensor names (see the module docstring)."""
+
+    named: bool
+
+    @property
+    def version(self) -> int:
+        return NAMED_VERSION if self.named else SINGLE_VERSION
+
+    def model_prefix(self, name: str) -> str:
+        """What a model's tensor names start with (the model file holds what follows
+        ``model/``)."""
+        return f"model/{name}/" if self.named else "model/"
+
+    def model_extra_prefix(self, name: str) -> str:
+        """The tensor prefix of a model's non-tensor extra state."""
+        return f"model_extra_state/{name}" if self.named else "model_extra_state"
+
+    def prefix(self, role: str, name: str) -> str:
+        """The tensor prefix of an optimizer's, scheduler's or scaler's state."""
+        single = ROLE_KEYS[role][0]
+        return f"{single}/{name}" if self.named else single
+
+    def param_name(self, model: str, key: str) -> str:
+        """How optimizer state names a parameter of ``model`` under the canonical ``key``."""
+        return f"{model}/{key}" if self.named else key
+
+    def buffers_prefix(self, name: str) -> str:
+        """The per-rank tensor prefix of a model's buffers kept per rank."""
+        return f"model_buffers/{name}" if self.named else "model_buffers"
+
+    @property
+    def buffers_key(self) -> str:
+        """The per-rank key of buffers kept per rank (``broadcast_buffers=False``)."""
+        return "models_buffers" if self.named else "model_buffers"
+
+    def rank_buffers(self, rank_state: Mapping[str, Any], name: str) -> Any:
+        """The encoded per-rank buffers of model ``name`` in ``rank_state``, or ``None``."""
+        if self.named:
+            return rank_state.get(self.buffers_key, {}).get(name)
+        return rank_state.get(self.buffers_key)
+
+
+SINGLE = Layout(named=False)
+NAMED = Layout(named=True)
+
+
+def layout_of(state: Mapping[str, Any]) -> Layout:
+    """The layout of a manifest's ``state``."""
+    return NAMED if any(named in state for _, named in ROLE_KEYS.values()) else SINGLE
+
+
+def layout_version(state: Mapping[str, Any]) -> int:
+    """The format version a manifest with this ``state`` is written with: the oldest that
+    describes it, so that checkpoints in the single-model layout stay readable by
+    versions of ddpckpt that know nothing of the named one."""
+    return NAMED_VERSION if DICT_KEY in state else layout_of(state).version
+
+
+def named_sections(state: Mapping[str, Any], role: str) -> dict[str, Any]:
+    """The sections of ``role`` by name, in either layout."""
+    single, named = ROLE_KEYS[role]
+    if named in state:
+        return dict(state[named])
+    return {single: state[single]} if single in state else {}
+
+
+# ---------------------------------------------------------------- typed sections
+
+
+class _Reader:
+    """Reads fields of a section, raising :class:`CorruptCheckpointError` naming where."""
+
+    def __init__(self, doc: Any, where: str) -> None:
+        if not isinstance(doc, dict):
+            raise CorruptCheckpointError(f"{where}: malformed manifest: not a JSON object")
+        self.doc, self.where = doc, where
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any = _REQUIRED) -> Any:
+        if key not in self.doc:
+            if default is _REQUIRED:
+                raise CorruptCheckpointError(f"{self.where}: malformed manifest: no {key!r}")
+            return default
+        value = self.doc[key]
+        if not isinstance(value, kind):
+            raise CorruptCheckpointError(
+                f"{self.where}: malformed manifest: {key!r} is a {type(value).__name__}"
+            )
+        return value
+
+
+@dataclass
+class ModelSection:
+    """A model: its stored keys, tied aliases, module versions and non-tensor extra state."""
+
+    type: str
+    keys: list[str]
+    aliases: dict[str, str] = field(default_factory=dict)  # alias -> key stored
+    versions: dict[str, int] = field(default_factory=dict)  # module path -> version
+    extra_keys: list[str] = field(default_factory=list)
+    extra_state: JSON | None = None  # the encoded values of ``extra_keys``
+
+    def to_json(self) -> dict[str, JSON]:
+        doc: dict[str, JSON] = {"type": self.type, "keys": self.keys, "aliases": self.aliases,
+                                "versions": self.versions, "extra_keys": self.extra_keys}  # fmt: skip
+        if self.extra_state is not None:
+            doc["extra_state"] = self.extra_state
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: JSON, where: str) -> ModelSection:
+        r = _Reader(doc, where)
+        return cls(r.get("type", str), list(r.get("keys", list)), dict(r.get("aliases", dict)),
+                   dict(r.get("versions", dict)), list(r.get("extra_keys", list)),
+                   r.get("extra_state", object, None))  # fmt: skip
+
+
+@dataclass
+class ParamGroup:
+    """One optimizer param group: its parameters' names and its encoded hyperparameters."""
+
+    params: list[str]
+    hyper: JSON
+
+
+@dataclass
+class OptimizerSection:
+    """An optimizer: param groups and per-parameter state, keyed by parameter name.
+
+    ``state`` is encoded (:mod:`ddpckpt._format.codec`); ``placement`` and ``own_dtype``
+    say where its tensors lived (absent before format 2); ``by_position`` marks state
+    imported from a ``torch.save`` file, keyed by position.
+    """
+
+    type: str
+    groups: list[ParamGroup]
+    state: JSON
+    shapes: dict[str, list[int] | None]
+    placement: dict[str, str] | None = None
+    own_dtype: list[str] | None = None
+    by_position: bool = False
+
+    def to_json(self) -> dict[str, JSON]:
+        doc: dict[str, JSON] = {
+            "type": self.type,
+            "groups": [{"params": g.params, "hyper": g.hyper} for g in self.groups],
+            "state": self.state,
+            "shapes": self.shapes,  # type: ignore[dict-item]
+        }
+        if self.placement is not None:
+            doc["placement"] = self.placement
+        if self.own_dtype is not None:
+            doc["own_dtype"] = self.own_dtype
+        if self.by_position:
+            doc["by_position"] = True
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: JSON, where: str) -> OptimizerSection:
+        r = _Reader(doc, where)
+        groups = []
+        for g, group in enumerate(r.get("groups", list)):
+            gr = _Reader(group, f"{where} (param group {g})")
+            groups.append(ParamGroup(list(gr.get("params", list)), gr.get("hyper", dict)))
+        return cls(r.get("type", str), groups, r.get("state", dict), dict(r.get("shapes", dict)),
+                   r.get("placement", dict, None), r.get("own_dtype", list, None),
+                   bool(r.get("by_position", bool, False)))  # fmt: skip
+
+
+@dataclass
+class StatefulSection:
+    """A scheduler or scaler: its type and encoded ``state_dict()``."""
+
+    type: str
+    state: JSON
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"type": self.type, "state": self.state}
+
+    @classmethod
+    def from_json(cls, doc: JSON, where: str) -> StatefulSection:
+        r = _Reader(doc, where)
+        return cls(r.get("type", str), r.get("state", object))
+
+
+EXTRA_KINDS = ("value", "stateful", "per_rank")
+
+
+@dataclass
+class ExtraEntry:
+    """One ``extra`` entry: a plain value, a shared stateful object, or per-rank state
+    (whose state is in each rank's part of the manifest)."""
+
+    kind: str  # one of EXTRA_KINDS
+    type: str | None = None  # the object's type; a plain value has none
+    state: JSON = None  # the encoded value or state_dict(); none for per_rank
+
+    def to_json(self) -> dict[str, JSON]:
+        doc: dict[str, JSON] = {"kind": self.kind}
+        if self.type is not None:
+            doc["type"] = self.type
+        if self.kind != "per_rank":
+            doc["state"] = self.state
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: JSON, where: str) -> ExtraEntry:
+        r = _Reader(doc, where)
+        kind = r.get("kind", str)
+        if kind not in EXTRA_KINDS:
+            raise CorruptCheckpointError(f"{where}: malformed manifest: unknown kind {kind!r}")
+        state = None if kind == "per_rank" else r.get("state", object)
+        return cls(kind, r.get("type", str, None), state)
+
+
+@dataclass
+class DictSection:
+    """A dict saved by :func:`ddpckpt.save_dict`: the encoded tree and the device each
+    tensor was saved from (only those not on the CPU)."""
+
+    tree: JSON
+    devices: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"tree": self.tree, "devices": self.devices}
+
+    @classmethod
+    def from_json(cls, doc: JSON, where: str) -> DictSection:
+        r = _Reader(doc, where)
+        return cls(r.get("tree", object), dict(r.get("devices", dict)))
+
+
+_TYPES: dict[str, Any] = {"models": ModelSection, "optimizers": OptimizerSection,
+                          "schedulers": StatefulSection, "scalers": StatefulSection}  # fmt: skip
+
+
+@dataclass
+class StateSections:
+    """A manifest's ``state``, typed: each role's sections by name, ``extra`` entries, or
+    the one dict of :func:`ddpckpt.save_dict`; ``layout`` says how it is written."""
+
+    layout: Layout = SINGLE
+    models: dict[str, ModelSection] = field(default_factory=dict)
+    optimizers: dict[str, OptimizerSection] = field(default_factory=dict)
+    schedulers: dict[str, StatefulSection] = field(default_factory=dict)
+    scalers: dict[str, StatefulSection] = field(default_factory=dict)
+    extra: dict[str, ExtraEntry] = field(default_factory=dict)
+    saved_dict: DictSection | None = None
+
+    def to_json(self) -> dict[str, JSON]:
+        """The manifest's ``state`` (see the module docstring for both layouts)."""
+        doc: dict[str, JSON] = {}
+        if self.saved_dict is not None:
+            doc[DICT_KEY] = self.saved_dict.to_json()
+        if self.layout.named:
+            doc["models"] = {}  # present even when empty: it marks the layout
+        for role, (single, named) in ROLE_KEYS.items():
+            for name, section in getattr(self, role).items():
+                if self.layout.named:
+                    doc.setdefault(named, {})[name] = section.to_json()  # type: ignore[index]
+                else:
+                    doc[single] = section.to_json()
+        if self.extra:
+            doc["extra"] = {name: entry.to_json() for name, entry in self.extra.items()}
+        return doc
+
+    @classmethod
+    def from_json(cls, state: Mapping[str, Any], where: str) -> StateSections:
+        """Parse a manifest's ``state``; raises :class:`CorruptCheckpointError` naming the
+        malformed section."""
+        layout = layout_of(state)
+        sections = cls(layout)
+        for role, (single, named) in ROLE_KEYS.items():
+            parse = _TYPES[role].from_json
+            if layout.named and not isinstance(state.get(named, {}), dict):
+                raise CorruptCheckpointError(f"{where}: malformed manifest: {named} not a dict")
+            found = named_sections(state, role)
+            parsed = {n: parse(doc, f"{where}: {single} {n!r}") for n, doc in found.items()}
+            setattr(sections, role, parsed)
+        extra = state.get("extra", {})
+        if not isinstance(extra, dict):
+            raise CorruptCheckpointError(f"{where}: malformed manifest: extra not a dict")
+        sections.extra = {n: ExtraEntry.from_json(e, f"{where}: extra[{n!r}]")
+                          for n, e in extra.items()}  # fmt: skip
+        if DICT_KEY in state:
+            sections.saved_dict = DictSection.from_json(state[DICT_KEY], f"{where}: dict")
+        return sections
+
+    def place(self, role: str, name: str, section: Any) -> None:
+        """Add the section of the object ``name`` of ``role``."""
+        getattr(self, role)[name] = section

@@ -1,0 +1,138 @@
+"""Asynchronous saves: an :class:`AsyncSaver` owns the host buffer, the background writer
+and the optimizer fences of one stream of saves.
+
+:func:`ddpckpt.save` uses one default instance (:data:`DEFAULT_SAVER`); every
+:class:`~ddpckpt.Checkpointer` has its own, so a run's saves never wait for, or reuse the
+buffer of, saves made elsewhere. A save stages this rank's tensors into the pool
+(:mod:`ddpckpt._io.staging`) and hands writing and committing to the persister
+(:mod:`ddpckpt._io.background`), which runs one save at a time and reports each save's
+outcome to its handle and to the next collective call.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ddpckpt._io.background import Completion, Persister
+from ddpckpt._io.staging import Fence, StagingPool
+from ddpckpt._io.writing import WritePlan, write_and_commit
+from ddpckpt._state.capture import Snapshot, TrainingState
+
+
+def async_mode(async_save: bool | str, state: TrainingState) -> bool:
+    """Validate ``async_save`` for ``state``; True for the overlap mode."""
+    if async_save not in (False, True, "overlap"):
+        raise ValueError(f"async_save must be False, True or 'overlap', got {async_save!r}")
+    if async_save == "overlap" and not state.optimizers:
+        raise ValueError(
+            "async_save='overlap' needs optimizer= (or an optimizer in the TrainingState), "
+            "whose step() waits for the snapshot"
+        )
+    return async_save == "overlap"
+
+
+class AsyncSaver:
+    """The staging pool, background persister and optimizer fences of one stream of saves.
+
+    The methods that settle a previous save's failure (:meth:`raise_unseen`) belong inside
+    a step of a collective call, so that every rank raises together; the others are local.
+    """
+
+    def __init__(self) -> None:
+        self.pool = StagingPool()
+        self.persister = Persister()
+        self._fences: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Fence]] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @property
+    def latest(self) -> Completion | None:
+        """The outcome of the most recently started save, if any."""
+        return self.persister.latest
+
+    def join(self) -> None:
+        """Block until the save in flight is done; local, raises nothing."""
+        self.persister.join()
+
+    def raise_unseen(self) -> None:
+        """Raise the last save's error if this rank was not given it yet (see
+        :meth:`Persister.raise_unseen`); call it inside a collective step."""
+        self.persister.raise_unseen()
+
+    def outcome(self) -> BaseException | None:
+        """Wait for the save in flight; the last save's error or ``None``; local."""
+        return self.persister.outcome()
+
+    def reserve(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Size the host buffer for ``tensors`` ahead of the first save, on a helper
+        thread (see :meth:`StagingPool.reserve`)."""
+        return self.pool.reserve(tensors)
+
+    def release(self) -> None:
+        """Wait for the save in flight, then free the host buffer; local."""
+        self.persister.join()
+        self.pool.release()
+
+    def start(
+        self,
+        plan: WritePlan,
+        snapshot: Snapshot,
+        *,
+        overlap: bool,
+        persist: Callable[[WritePlan], object] = write_and_commit,
+    ) -> Completion:
+        """Stage ``plan``'s tensors and persist them in the background; closes ``plan.comm``.
+
+        Call :meth:`join` before: the pool's previous copies must be written. With
+        ``overlap`` the tensors that only known optimizers' ``step()`` writes (parameters
+        and moments of the save's optimizers, ``snapshot.stepped_by``) are copied in the
+        background too, and each of those optimizers' next ``step()`` waits for the copies;
+        everything else (buffers, an EMA copy, parameters no known optimizer steps) is
+        copied before returning. Returns the save's completion.
+        """
+        deferred = _changes_only_in_step(snapshot) if overlap else None
+        steppers = {
+            id(o): o
+            for n, _ in plan.items
+            if deferred and deferred(n)
+            for o in snapshot.stepped_by[n]
+        }
+        plan.items, fence = self.pool.stage(plan.items, defer=deferred)
+        for stepper in steppers.values():
+            self._fence_before_step(stepper, fence)
+
+        def job() -> None:
+            try:
+                fence.wait()
+                persist(plan)
+            finally:
+                plan.comm.close()
+
+        return self.persister.submit(job, os.path.basename(plan.path))
+
+    def _fence_before_step(self, optimizer: torch.optim.Optimizer, fence: Fence) -> None:
+        """Make ``optimizer.step()`` wait for ``fence`` (a hook registered once per
+        optimizer and saver)."""
+        if optimizer not in self._fences:
+            pending: list[Fence] = []
+            self._fences[optimizer] = pending
+
+            def wait_for_snapshot(*_: object) -> None:
+                while pending:
+                    pending.pop().wait()
+
+            optimizer.register_step_pre_hook(wait_for_snapshot)
+        self._fences[optimizer].append(fence)
+
+
+def _changes_only_in_step(snapshot: Snapshot) -> Callable[[str], bool]:
+    """Tensors that nothing but the ``step()`` of optimizers we can fence writes."""
+    return lambda name: bool(snapshot.stepped_by.get(name))
+
+
+DEFAULT_SAVER = AsyncSaver()
+"""The saver of :func:`ddpckpt.save`; :func:`ddpckpt.release_async_buffers` frees its buffer."""

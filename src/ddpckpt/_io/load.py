@@ -1,0 +1,327 @@
+"""The collective :func:`load`: find the checkpoint on every rank, check, then restore.
+
+``load`` is collective under ``torch.distributed``: every rank calls it, in the same order,
+with the same arguments (rank 0's path is used everywhere); it works unchanged in a single
+process. It finds the checkpoint on every rank (repairing node-local copies,
+:mod:`ddpckpt._coord.replicate`), checks every object against it, then copies memory-mapped,
+checksum-verified tensors (:class:`~ddpckpt._io.reader.FileSource`) into the live objects
+through :mod:`ddpckpt._state`. A failure on any rank raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from ddpckpt._coord.comm import Comm
+from ddpckpt._format.codec import decode
+from ddpckpt._format.manifest import Manifest, read_manifest
+from ddpckpt._format.rankparts import rank_has, rank_part
+from ddpckpt._format.sections import Layout, StateSections
+from ddpckpt._io.async_saver import DEFAULT_SAVER
+from ddpckpt._io.load_checks import check_state
+from ddpckpt._io.progress import Progress
+from ddpckpt._io.reader import CheckpointInfo, FileSource
+from ddpckpt._log import get_logger
+from ddpckpt._state.capture import TrainingState
+from ddpckpt._state.model import restore_model, restore_rank_buffers
+from ddpckpt._state.objects import restore_stateful
+from ddpckpt._state.optimizer import param_names, restore_optimizer
+from ddpckpt._state.rng import derive_rng, restore_rng
+from ddpckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    error_class,
+)
+from ddpckpt.storage import configure
+
+_log = get_logger(__name__)
+
+T = TypeVar("T")
+
+
+def load(
+    path: str | os.PathLike[str],
+    state: TrainingState | None = None,
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    extra: MutableMapping[str, Any] | None = None,
+    strict: bool = True,
+    rng: bool | None = None,
+    timeout: float | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> CheckpointInfo:
+    """Restore the checkpoint at ``path`` into the live objects; collective.
+
+    Every rank calls it after building its model, optimizer etc. (before or after
+    wrapping in DDP or torch.compile), passed as a :class:`TrainingState` or its keyword
+    shorthand, as to :func:`ddpckpt.save`. Tensors are read from memory-mapped files and
+    copied into the live tensors, so they land on each rank's own devices. Every byte
+    read is verified against its checksum.
+
+    Objects not passed are left alone; an object passed but absent from the checkpoint
+    is an error naming it. Stateful ``extra`` objects get ``load_state_dict``; plain
+    values are written back into the ``extra`` mapping (or the TrainingState) and returned in
+    :attr:`CheckpointInfo.extra`. With ``rng`` each rank's random generators are restored
+    (ranks the checkpoint has no state for get a deterministic derived state and a
+    warning). ``strict=False`` loads the model keys that match and warns about the rest.
+
+    Every check runs before anything is modified. Raises
+    :class:`CheckpointNotFoundError`, :class:`StateMismatchError` (listing every
+    difference), :class:`CorruptCheckpointError` (naming the file); a checksum error found
+    while copying may leave the objects partly updated: load another checkpoint.
+    """
+    path = os.fspath(path)
+    configure(path, storage_options)  # an s3:// URL's client (ddpckpt.storage.configure)
+    state = TrainingState.coerce(
+        state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        extra=extra, rng=rng,
+    )  # fmt: skip
+    DEFAULT_SAVER.join()
+    with Comm.open("ddpckpt.load", path=path, timeout=timeout) as comm:
+        comm.run("previous save", DEFAULT_SAVER.raise_unseen)  # every rank raises if one does
+        path = comm.path or path
+        manifest = locate(comm, path)
+        with Progress(f"loading {os.path.basename(path)}", manifest.nbytes) as bar:
+            source = FileSource(path, manifest, progress=bar)
+            own = _unless_changed(path, manifest, lambda: own_tensors(manifest, comm.rank, path))
+            source.own = comm.run("rank part", own)
+            check = _unless_changed(
+                path, manifest, lambda: check_state(manifest, source, state, strict, path)
+            )
+            comm.run("check", check)
+            restore = _unless_changed(
+                path, manifest, lambda: _restore(manifest, source, state, strict, path, comm.rank)
+            )
+            return comm.run("restore", restore)
+
+
+def _unless_changed(path: str, manifest: Manifest, step: Callable[[], T]) -> Callable[[], T]:
+    """``step``, whose missing or damaged file is reported as :class:`CheckpointNotFoundError`
+    if the checkpoint at ``path`` is gone or another one by then: the job saving into that
+    directory deleted it (its retention) or saved that step again while this process read
+    it, which is no corruption."""
+
+    def run() -> T:
+        try:
+            return step()
+        except CorruptCheckpointError as exc:
+            try:
+                now = read_manifest(path).id
+            except (CheckpointNotFoundError, IncompleteCheckpointError):
+                now = None  # deleted (an object store's retention removes the manifest first)
+            except CorruptCheckpointError:
+                now = manifest.id  # the manifest itself is damaged now: the first error stands
+            if now == manifest.id:
+                raise
+            what = "deleted" if now is None else "replaced (that step saved again)"
+            raise CheckpointNotFoundError(
+                f"{path}: the checkpoint was {what} while it was being loaded, by the job "
+                "saving there; the objects passed may be partly restored: load the newest "
+                "checkpoint again"
+            ) from exc
+
+    return run
+
+
+def locate(comm: Comm, path: str) -> Manifest:
+    """Read the manifest at ``path`` on every rank; collective.
+
+    The decision is the same on every rank: if no rank has a committed checkpoint there,
+    :class:`CheckpointNotFoundError` (or the error of an incomplete or corrupt one); if
+    some storage domains lack it (node-local disks, a replaced node), they receive a copy
+    first (:mod:`ddpckpt._coord.replicate`). Returns this rank's manifest.
+    """
+    found: dict[str, Manifest] = {}
+
+    def read() -> dict[str, Any]:
+        try:
+            found["manifest"] = read_manifest(path)
+        except CheckpointNotFoundError:
+            return {"missing": True}
+        except CorruptCheckpointError as exc:
+            return {"error": type(exc).__name__, "message": str(exc)}
+        return {"id": found["manifest"].id}
+
+    verdict = comm.run_reduce("locate", read, lambda statuses: _verdict(statuses, path))
+    if "error" in verdict:
+        raise error_class(verdict["error"])(verdict["message"])
+    if not verdict["lacking"]:
+        return found["manifest"]
+    from ddpckpt._coord.replicate import repair_copies
+
+    lacking = set(verdict["lacking"])
+    repair_copies(comm, path, [r not in lacking for r in range(comm.world_size)])
+    return comm.run("reread", lambda: read_manifest(path))
+
+
+def _verdict(statuses: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    """Rank 0's decision from every rank's ``locate`` status: an error, or the ranks that lack
+    the checkpoint (usually none: every rank then receives a few bytes)."""
+    ids = [s.get("id") for s in statuses]
+    present = [i for i in ids if i is not None]
+    if not present:
+        errors = [s for s in statuses if "error" in s]
+        if errors:
+            return errors[0]
+        return {
+            "error": "CheckpointNotFoundError",
+            "message": f"{path}: no checkpoint at this path",
+        }
+    if len(set(present)) > 1:
+        listing = ", ".join(f"rank {r}: {i}" for r, i in enumerate(ids) if i is not None)
+        return {
+            "error": "CorruptCheckpointError",
+            "message": f"{path}: ranks see different checkpoints under this name ({listing}); "
+            "node-local copies from different runs? Remove the stale ones",
+        }
+    return {"lacking": [r for r, i in enumerate(ids) if i is None]}
+
+
+def own_tensors(manifest: Manifest, rank: int, path: str) -> dict[str, str]:
+    """Where ``rank``'s own values are of the shared tensors that differed between ranks at
+    save time (parameters DDP ignores, a model without DDP ...): shared name -> stored name.
+
+    Reads ``rank``'s part of the checkpoint (its rank file, nobody else's). A rank that
+    did not exist at save time gets none: it loads rank 0's, with a warning.
+    """
+    if rank < manifest.world_size:
+        own = rank_part(manifest, path, rank).get("own", {})
+        return {name: f"rank{rank}/{stored}" for name, stored in own.items()}
+    rank_part(manifest, path, 0)  # what this rank starts from (RNG, per-rank extras)
+    if rank_has(manifest, "own"):
+        _log.warning(
+            "%s: saved with %d ranks, some state per rank (it differed between ranks); rank %d "
+            "has none stored and starts from rank 0's",
+            path,
+            manifest.world_size,
+            rank,
+        )
+    return {}
+
+
+def _restore(
+    manifest: Manifest,
+    source: FileSource,
+    state: TrainingState,
+    strict: bool,
+    path: str,
+    rank: int,
+) -> CheckpointInfo:
+    stored = StateSections.from_json(manifest.state, path)
+    layout = stored.layout
+    for name, model in state.models.items():
+        restore_model(model, stored.models[name], source, path, strict, layout.model_prefix(name))
+        _restore_rank_buffers(manifest, layout, name, model, source, path, rank)
+    names = param_names(state.models, layout)
+    for name, optimizer in state.optimizers.items():
+        restore_optimizer(optimizer, names, stored.optimizers[name], source, path)
+    for role in ("schedulers", "scalers"):
+        for name, obj in getattr(state, role).items():
+            restore_stateful(obj, getattr(stored, role)[name].state, source, path)
+    values: dict[str, Any] = {}
+    for name, entry in stored.extra.items():
+        if entry.kind == "value":
+            values[name] = decode(entry.state, lambda n: source.get(n).clone(), where=path)
+    for name, obj in list(state.extra.items()):
+        entry = stored.extra[name]
+        if entry.kind == "stateful":
+            restore_stateful(obj, entry.state, source, path)
+        elif entry.kind == "per_rank":
+            owner = _per_rank_owner(manifest, name, rank, path)
+            own = rank_part(manifest, path, owner)["extra"][name]
+            restore_stateful(obj, own, source.for_rank(owner), path)
+        else:
+            state.set_value(name, values[name])
+    if state.rng:
+        _restore_rng(manifest, source, path, rank)
+    _log.info("loaded checkpoint %s (step %s)", path, manifest.step)
+    return CheckpointInfo.from_manifest(path, manifest, values)
+
+
+def _restore_rank_buffers(
+    manifest: Manifest,
+    layout: Layout,
+    name: str,
+    model: nn.Module,
+    source: FileSource,
+    path: str,
+    rank: int,
+) -> None:
+    """This rank's own buffers of model ``name``, saved under ``broadcast_buffers=False``."""
+    key = layout.buffers_key + (f"/{name}" if layout.named else "")
+    if not rank_has(manifest, key):
+        return
+    if rank < manifest.world_size:
+        encoded = layout.rank_buffers(rank_part(manifest, path, rank), name)
+        if encoded is not None:
+            restore_rank_buffers(model, encoded, source.for_rank(rank), path)
+            return
+    _log.warning(
+        "%s: saved with %d ranks and per-rank buffers (broadcast_buffers=False); rank %d "
+        "has none stored and starts from rank 0's buffers",
+        path,
+        manifest.world_size,
+        rank,
+    )
+
+
+def _per_rank_owner(manifest: Manifest, name: str, rank: int, path: str) -> int:
+    """Whose saved per-rank state ``rank`` loads: its own, or rank 0's if it has none."""
+    if rank < manifest.world_size:
+        if name not in rank_part(manifest, path, rank).get("extra", {}):
+            raise CorruptCheckpointError(
+                f"{path}: no per-rank state of extra[{name!r}] for rank {rank}"
+            )
+        return rank
+    _log.warning(
+        "%s: saved with %d ranks, so rank %d has no extra[%r] state of its own; it starts from rank 0's",
+        path,
+        manifest.world_size,
+        rank,
+        name,
+    )
+    return 0
+
+
+def _restore_rng(manifest: Manifest, source: FileSource, path: str, rank: int) -> None:
+    if not rank_has(manifest, "rng"):
+        _log.warning(
+            "%s: the checkpoint holds no RNG state; random generators left as they are", path
+        )
+        return
+    if rank < manifest.world_size:
+        mine = rank_part(manifest, path, rank)
+        if "rng" not in mine:
+            raise CorruptCheckpointError(f"{path}: no RNG state stored for rank {rank}")
+        rank_source = source.for_rank(rank)
+        state = decode(mine["rng"], lambda n: rank_source.get(n).clone(), where=path)
+        restore_rng(state, f"{path} (rank {rank})")
+        return
+    first = 0 if "rng" in rank_part(manifest, path, 0) else _first_with_rng(manifest, path)
+    rank0 = source.for_rank(first)
+    base = decode(
+        rank_part(manifest, path, first)["rng"], lambda n: rank0.get(n).clone(), where=path
+    )
+    _log.warning(
+        "%s: saved with %d ranks, so rank %d has no stored RNG state; seeding its generators "
+        "deterministically from rank %d's state and its rank number",
+        path,
+        manifest.world_size,
+        rank,
+        first,
+    )
+    restore_rng(derive_rng(base, rank), f"{path} (derived for rank {rank})")
+
+
+def _first_with_rng(manifest: Manifest, path: str) -> int:
+    """The first rank that stored RNG state (rank 0 did not: only in old checkpoints)."""
+    return next(r for r in range(manifest.world_size) if "rng" in rank_part(manifest, path, r))

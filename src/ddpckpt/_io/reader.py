@@ -1,0 +1,204 @@
+"""Reading a checkpoint on this process's storage, with no other rank involved.
+
+:class:`FileSource` hands out a checkpoint's tensors (memory-mapped, verified on read) to
+the collective :func:`ddpckpt.load` and to the restore functions of :mod:`ddpckpt._state`;
+:func:`load_state_dict`, :func:`verify` and :func:`find_problems` are local: any process
+may call them alone (inference code, the command line).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddpckpt._format.codec import decode
+from ddpckpt._format.manifest import Manifest, read_manifest
+from ddpckpt._format.rankparts import fill_rank_parts
+from ddpckpt._format.sections import StateSections
+from ddpckpt._format.tensorfile import TensorEntry, can_read_into, dtype_from_name
+from ddpckpt._format.tensorread import TensorFile
+from ddpckpt._io.progress import Progress
+from ddpckpt.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What :func:`ddpckpt.load` returns: the checkpoint's metadata and plain ``extra`` values."""
+
+    path: str
+    step: int | None
+    epoch: int | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+    created: float = 0.0
+    library_version: str = ""
+    torch_version: str = ""
+
+    @classmethod
+    def from_manifest(cls, path: str, manifest: Manifest, extra: dict[str, Any]) -> CheckpointInfo:
+        return cls(
+            path=path,
+            step=manifest.step,
+            epoch=manifest.epoch,
+            metrics=decode(manifest.metrics, _no_tensors(path), where=path),
+            extra=extra,
+            world_size=manifest.world_size,
+            created=manifest.created,
+            library_version=manifest.library_version,
+            torch_version=manifest.torch_version,
+        )
+
+
+def _no_tensors(where: str) -> Callable[[str], torch.Tensor]:
+    def fail(name: str) -> torch.Tensor:
+        raise CorruptCheckpointError(f"{where}: metrics refer to a tensor ({name})")
+
+    return fail
+
+
+class FileSource:
+    """Tensors of a checkpoint on this rank's storage: memory-mapped, verified on read."""
+
+    def __init__(
+        self, path: str, manifest: Manifest, prefix: str = "", progress: Progress | None = None
+    ) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.prefix = prefix
+        self.progress = progress
+        self._files: dict[str, TensorFile] = {}
+        self._entries_by_file: dict[str, list[TensorEntry]] | None = None
+        self.own: dict[str, str] = {}  # shared name -> this rank's own copy (see own_tensors)
+
+    def for_rank(self, rank: int) -> FileSource:
+        source = FileSource(self.path, self.manifest, f"rank{rank}/", self.progress)
+        source._files = self._files
+        return source
+
+    def _by_file(self) -> dict[str, list[TensorEntry]]:
+        if self._entries_by_file is None:
+            self._entries_by_file = _entries_by_file(self.manifest)
+        return self._entries_by_file
+
+    def entry(self, name: str) -> TensorEntry:
+        key = self.own.get(name, self.prefix + name)
+        try:
+            return self.manifest.tensors[key]
+        except KeyError:
+            raise CorruptCheckpointError(
+                f"{self.path}: the manifest refers to tensor {key!r} but does not list it"
+            ) from None
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        entry = self.entry(name)
+        return dtype_from_name(entry.dtype, self.path), entry.shape
+
+    def get(self, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
+        entry = self.entry(name)
+        if entry.file not in self._files:
+            size = self.manifest.files[entry.file].size
+            mapped = TensorFile(os.path.join(self.path, entry.file), size)
+            mapped.check_header(self._by_file()[entry.file])
+            self._files[entry.file] = mapped
+        file = self._files[entry.file]
+        if like is not None and can_read_into(like, entry):
+            tensor = file.read_into(entry, like)
+        else:
+            tensor = file.view(entry)
+        if self.progress is not None:
+            self.progress.update(entry.nbytes)
+        return tensor
+
+
+def chosen_model(path: str, stored: StateSections, model: str | None) -> str:
+    """The name of the model to read: ``model``, or the only one; else an error naming them."""
+    models = stored.models
+    if model is None and len(models) == 1:
+        return next(iter(models))
+    if model not in models:
+        names = ", ".join(repr(n) for n in models) or "none"
+        raise StateMismatchError(
+            f"{path}: pass model=NAME to choose the weights to read (its models: {names}; "
+            "with ddpckpt export: --model NAME)"
+            if model is None
+            else f"{path}: has no model {model!r} (its models: {names})"
+        )
+    return model
+
+
+def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> dict[str, Any]:
+    """The model weights of a checkpoint as plain CPU tensors under canonical keys.
+
+    Not collective: any process may call it, e.g. inference code without an optimizer.
+    The tensors are private copies (verified while read); tied weights stay the same
+    tensor object. Works with ``model.load_state_dict`` of the unwrapped model. A
+    checkpoint of several models (a :class:`~ddpckpt.TrainingState`) needs ``model``,
+    the name of the one to read.
+    """
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    stored = StateSections.from_json(manifest.state, path)
+    model = chosen_model(path, stored, model)
+    section, prefix = stored.models[model], stored.layout.model_prefix(model)
+    source = FileSource(path, manifest)
+    weights: dict[str, Any] = {key: source.get(prefix + key).clone() for key in section.keys}
+    for alias, key in section.aliases.items():
+        weights[alias] = weights[key]
+    if section.extra_state is not None:
+        weights.update(decode(section.extra_state, lambda n: source.get(n).clone(), where=path))
+    return weights
+
+
+def find_problems(path: str | os.PathLike[str]) -> list[str]:
+    """Every integrity problem of the checkpoint at ``path`` (empty if it verifies); local."""
+    path = os.fspath(path)
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as exc:
+        return [str(exc)]
+    return _file_problems(path, manifest)
+
+
+def _file_problems(path: str, manifest: Manifest) -> list[str]:
+    problems = fill_rank_parts(manifest, path)  # the rank files' tensors join the index
+    by_file = _entries_by_file(manifest)
+    for name, file in sorted(manifest.files.items()):
+        try:
+            mapped = TensorFile(os.path.join(path, name), file.size)
+            mapped.check_header(by_file.get(name, []))
+            if mapped.digest() != file.digest:
+                problems.append(f"{os.path.join(path, name)}: file checksum mismatch (corrupt)")
+            for entry in by_file.get(name, []):
+                mapped.view(entry)
+        except CheckpointError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def _entries_by_file(manifest: Manifest) -> dict[str, list[TensorEntry]]:
+    by_file: dict[str, list[TensorEntry]] = {name: [] for name in manifest.files}
+    for entry in manifest.tensors.values():
+        by_file.setdefault(entry.file, []).append(entry)
+    return by_file
+
+
+def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """Check every file and tensor of a checkpoint against its checksums; local.
+
+    Raises :class:`CheckpointNotFoundError`, :class:`IncompleteCheckpointError` or
+    :class:`CorruptCheckpointError` (listing every bad file); returns the checkpoint's
+    metadata when everything verifies.
+    """
+    path = os.fspath(path)
+    manifest = read_manifest(path)
+    problems = _file_problems(path, manifest)
+    if problems:
+        raise CorruptCheckpointError(
+            f"{path}: {len(problems)} problem(s):\n  " + "\n  ".join(problems)
+        )
+    return CheckpointInfo.from_manifest(path, manifest, {})

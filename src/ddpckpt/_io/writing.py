@@ -1,0 +1,365 @@
+"""Writing a checkpoint collectively: plan who writes what, then write and commit.
+
+Every rank calls both steps, in order:
+
+1. :func:`plan_write` checks that every rank holds the same shared tensors, finds the
+   storage domains, assigns each tensor to exactly one rank of each domain (balanced by
+   bytes; tensors that are not replicated under DDP go to rank 0's copy), and prepares
+   the small per-rank file. It returns this rank's :class:`WritePlan`.
+2. :func:`write_and_commit` has the first rank of each domain create a temporary
+   directory, every rank write its files into it, and the first rank write the manifest
+   and rename the directory into place.
+
+Between the two, an asynchronous save replaces ``plan.items`` (live tensors) with host
+copies (:mod:`ddpckpt._io.staging`) and runs step 2 in the background.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ddpckpt._coord.comm import Comm
+from ddpckpt._coord.consistency import check_replicated
+from ddpckpt._coord.copies import send_to_leaders
+from ddpckpt._coord.plan import file_names, plan_owners
+from ddpckpt._coord.store import pack, unpack
+from ddpckpt._coord.topology import storage_domains
+from ddpckpt._format.codec import encode
+from ddpckpt._format.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    file_from_json,
+    file_to_json,
+    read_manifest,
+    tensor_from_json,
+    tensor_to_json,
+)
+from ddpckpt._format.rankparts import RANK_STATE_KEY, rank_keys
+from ddpckpt._format.tensorfile import FileEntry, deserialize, tensor_nbytes
+from ddpckpt._format.tensorwrite import serialize, write_file
+from ddpckpt._io.progress import Progress
+from ddpckpt._log import get_logger
+from ddpckpt._state.capture import Snapshot
+from ddpckpt.errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointWriteError,
+    InsufficientSpaceError,
+    UnsupportedValueError,
+)
+from ddpckpt.storage import storage_for
+
+_log = get_logger(__name__)
+_FILE_METADATA = {"format": "pt", "writer": "ddpckpt"}
+
+
+def header_fields(
+    step: int | None, epoch: int | None, metrics: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """Validate and encode the checkpoint's step, epoch and metrics."""
+    for name, value in (("step", step), ("epoch", epoch)):
+        if value is not None and (type(value) is not int or value < 0):
+            raise TypeError(f"{name} must be a non-negative int or None, got {value!r}")
+    plain: dict[str, Any] = {}
+    for key, value in (metrics or {}).items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if not isinstance(key, str) or type(value) not in (int, float, bool, str, type(None)):
+            raise UnsupportedValueError(
+                f"metrics[{key!r}]: metrics must map strings to numbers, strings, bools or "
+                f"None (or one-element tensors), got {type(value).__qualname__}"
+            )
+        plain[key] = value
+    return {"step": step, "epoch": epoch, "metrics": encode(plain, "metrics", {})}
+
+
+@dataclass
+class WritePlan:
+    """What this rank writes for one checkpoint (see :func:`plan_write`)."""
+
+    comm: Comm
+    path: str
+    header: Mapping[str, Any]
+    overwrite: bool
+    domains: list[list[int]]
+    items: list[tuple[str, torch.Tensor]]  # this rank's shared tensors, by snapshot name
+    order: list[str]  # every shared tensor name, in state order
+    needed: int  # bytes of one complete copy
+    shared_state: dict[str, Any]
+    rank_keys: list[str]  # the sections of this rank's state in its rank file
+    rank_blob: bytes  # this rank's file: its per-rank tensors, its state in the metadata
+    rank_file: FileEntry
+    foreign: dict[int, bytes] = field(default_factory=dict)
+
+    @property
+    def domain(self) -> list[int]:
+        return next(d for d in self.domains if self.comm.rank in d)
+
+    @property
+    def leader(self) -> bool:
+        return self.domain[0] == self.comm.rank
+
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor_nbytes(t) for _, t in self.items)
+
+
+def plan_write(
+    comm: Comm,
+    snapshot: Snapshot,
+    header: Mapping[str, Any],
+    *,
+    overwrite: bool = False,
+    storage: str | None = None,
+    domains: list[list[int]] | None = None,
+) -> WritePlan:
+    """Decide this rank's part of writing ``snapshot`` to ``comm.path``; collective."""
+    if comm.path is None:
+        raise ValueError("plan_write needs a Comm opened with a path")
+    path = comm.path
+    check_replicated(comm, snapshot)
+    if domains is None:
+        with storage_errors(path):  # creating the parent directory may fail
+            domains = storage_domains(comm, storage_for(path).parent(path), storage)
+    domain = next(d for d in domains if comm.rank in d)
+    sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
+    owners = plan_owners(sizes, domains, snapshot.balanced)[domains.index(domain)]
+    rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
+    rank_metadata = {**_FILE_METADATA, RANK_STATE_KEY: json.dumps(snapshot.rank_state)}
+    rank_blob, rank_file, _ = serialize(
+        file_names(comm.rank)["rank"], rank_items, writer=comm.rank, metadata=rank_metadata
+    )
+    values, shared_state, foreign = snapshot.tensors, snapshot.state, {}
+    if len(domains) > 1:  # every domain gets a full copy of rank 0's state and all rank files
+        bundle = [rank_blob]
+        if comm.rank == 0:
+            pinned = [(n, t) for n, t in snapshot.tensors.items() if n not in snapshot.balanced]
+            state_json = json.dumps(snapshot.state).encode()
+            bundle += [state_json, serialize("rank0", pinned, writer=0, metadata={})[0]]
+        received = comm.run("copies", lambda: send_to_leaders(comm, domains, pack(bundle)))
+        foreign = {r: unpack(b)[0] for r, b in received.items()}
+        if 0 in received:  # this rank leads a domain without rank 0: it writes rank 0's part
+            _, state_json, rank0 = unpack(received[0])
+            shared_state = json.loads(state_json)
+            values = {**snapshot.tensors, **deserialize(rank0, path)}
+    return WritePlan(
+        comm=comm,
+        path=path,
+        header=header,
+        overwrite=overwrite,
+        domains=domains,
+        items=[(n, t) for n, t in values.items() if owners[n] == comm.rank],
+        order=list(snapshot.tensors),
+        needed=sum(tensor_nbytes(t) for t in snapshot.tensors.values())
+        + comm.world_size * (len(rank_blob) + 4096),
+        shared_state=shared_state,
+        rank_keys=rank_keys(snapshot.rank_state),
+        rank_blob=rank_blob,
+        rank_file=rank_file,
+        foreign=foreign,
+    )
+
+
+def staging_share(snapshot: Snapshot, domains: list[list[int]], rank: int) -> list[torch.Tensor]:
+    """The shared tensors ``rank`` would write for ``snapshot`` (as :func:`plan_write`
+    assigns them), for sizing its staging buffer before the first save; local."""
+    domain = next(d for d in domains if rank in d)
+    sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
+    owners = plan_owners(sizes, domains, snapshot.balanced)[domains.index(domain)]
+    return [t for n, t in snapshot.tensors.items() if owners[n] == rank]
+
+
+def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
+    """Write this rank's files and commit the checkpoint; collective. Returns its path.
+
+    On any failure anywhere every rank raises the same error, the temporary directory is
+    removed and nothing is committed. A retry of the same plan passes the next ``attempt``
+    (its messages must not meet the failed attempt's).
+    """
+    comm, path = plan.comm, plan.path
+    store = storage_for(path)
+    tmp = store.commit.staging(store, path, f"{comm.token}-{attempt}", overwrite=plan.overwrite)
+    try:
+        done = comm.run_reduce(
+            f"prepare.{attempt}",
+            lambda: _prepare(plan, tmp),
+            lambda found: all(found[d[0]] for d in plan.domains),
+        )
+        if done:  # a previous attempt committed, then failed
+            return path
+        # The leader of each copy writes its manifest: it receives its own ranks' results
+        # and the other ranks' rank files; no other rank receives any.
+        results = comm.run_scatter(
+            f"write.{attempt}",
+            lambda: _write(plan, tmp),
+            lambda found: _results_by_leader(found, plan.domains),
+            receive=plan.leader,
+        )
+        comm.run(f"commit.{attempt}", lambda: _commit(plan, tmp, results))
+    except BaseException:
+        if plan.leader:
+            store.commit.abort(store, tmp, path)
+        raise
+    return path
+
+
+def _results_by_leader(
+    results: list[dict[str, Any]], domains: list[list[int]]
+) -> dict[int, list[dict[str, Any]]]:
+    """For each copy's leader, every rank's write result, of other copies' ranks only the
+    parts of their rank file (the leader wrote those files too)."""
+    parts = {}
+    for domain in domains:
+        mine = set(domain)
+        parts[domain[0]] = [
+            found if rank in mine else {k: found[k] for k in _RANK_PARTS}
+            for rank, found in enumerate(results)
+        ]
+    return parts
+
+
+_RANK_PARTS = ("rank_keys", "rank_file")
+
+
+def _committed_by(plan: WritePlan) -> bool:
+    """Whether ``plan.path`` holds the checkpoint this very save committed."""
+    try:
+        return read_manifest(plan.path).id == plan.comm.token
+    except CheckpointError:
+        return False
+
+
+def _prepare(plan: WritePlan, tmp: str) -> bool:
+    """Check the target and make the temporary directory; True if already committed."""
+    if not plan.leader:
+        return False
+    path = plan.path
+    if _committed_by(plan):
+        return True
+    store = storage_for(path)
+    with storage_errors(path):
+        if store.commit.exists(store, path) and not plan.overwrite:
+            raise CheckpointExistsError(
+                f"{path}: a checkpoint already exists here; pass overwrite=True to replace it, "
+                "or save under a new name"
+            )
+        free = store.free_bytes(store.parent(path))
+        needed = plan.needed + (1 << 20)
+        if free is not None and free < needed:
+            raise InsufficientSpaceError(
+                errno.ENOSPC,
+                f"{path}: the checkpoint needs about {_readable(needed)} (with 1 MiB to "
+                f"spare) but only {_readable(free)} are free there; free space (e.g. keep "
+                "fewer checkpoints) or save elsewhere. Nothing was written",
+            )
+        store.commit.begin(store, path, tmp, overwrite=plan.overwrite)
+    return False
+
+
+def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
+    names = file_names(plan.comm.rank)
+    files: list[dict[str, Any]] = []
+    tensors: dict[str, dict[str, Any]] = {}
+    model = [(n.removeprefix("model/"), t) for n, t in plan.items if n.startswith("model/")]
+    state = [(n, t) for n, t in plan.items if not n.startswith("model/")]
+    with (
+        storage_errors(plan.path),
+        Progress(f"saving {os.path.basename(plan.path)}", plan.nbytes) as bar,
+    ):
+        for kind, items in (("model", model), ("state", state)):
+            if not items:
+                continue
+            entry, entries = write_file(
+                os.path.join(tmp, names[kind]),
+                items,
+                writer=plan.comm.rank,
+                metadata=_FILE_METADATA,
+                progress=bar.update,
+            )
+            files.append({"name": entry.name, **file_to_json(entry)})
+            prefix = "model/" if kind == "model" else ""
+            tensors.update({prefix + e.key: tensor_to_json(e) for e in entries})
+        store = storage_for(tmp)
+        store.write_new(os.path.join(tmp, names["rank"]), plan.rank_blob)
+        for other, blob in plan.foreign.items():
+            store.write_new(os.path.join(tmp, file_names(other)["rank"]), blob)
+    return {
+        "files": files,
+        "tensors": tensors,
+        "rank_keys": plan.rank_keys,
+        "rank_file": {"name": plan.rank_file.name, **file_to_json(plan.rank_file)},
+    }
+
+
+def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> None:
+    if not plan.leader:
+        return
+    assert results is not None, "every copy's leader receives every rank's result"
+    comm, domain, header = plan.comm, plan.domain, plan.header
+    manifest = Manifest(
+        id=comm.token,
+        step=header["step"],
+        epoch=header["epoch"],
+        metrics=header["metrics"],
+        world_size=comm.world_size,
+        state=plan.shared_state,
+        rank_keys=sorted({key for r in results for key in r["rank_keys"]}),
+        copy={"index": plan.domains.index(domain), "count": len(plan.domains), "ranks": domain},
+    )
+    for rank, result in enumerate(results):
+        mine = rank in domain
+        for doc in [*(result["files"] if mine else []), result["rank_file"]]:
+            manifest.files[doc["name"]] = file_from_json(
+                doc["name"], {**doc, "writer": doc["writer"] if mine else domain[0]}
+            )
+        for name, doc in (result["tensors"] if mine else {}).items():
+            manifest.tensors[name] = tensor_from_json(doc)
+    order = {name: i for i, name in enumerate(plan.order)}
+    manifest.tensors = dict(
+        sorted(manifest.tensors.items(), key=lambda kv: order.get(kv[0], len(order)))
+    )
+    store = storage_for(plan.path)
+    with storage_errors(plan.path):
+        store.write_new(os.path.join(tmp, MANIFEST_NAME), manifest.to_json().encode())
+    try:
+        store.commit.publish(store, tmp, plan.path, overwrite=plan.overwrite)
+    except OSError as exc:
+        if _committed_by(plan):  # renamed into place; what failed came after
+            raise CheckpointWriteError(
+                exc.errno,
+                f"{plan.path}: the checkpoint is committed, but syncing the directory afterwards "
+                f"failed ({exc.strerror or exc}); it may not survive a power loss",
+            ) from exc
+        if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise CheckpointExistsError(f"{plan.path}: another save committed here first") from exc
+        with storage_errors(plan.path):
+            raise
+    _log.info("saved checkpoint %s (step %s, %d bytes)", plan.path, header["step"], manifest.nbytes)
+
+
+@contextmanager
+def storage_errors(path: str) -> Iterator[None]:
+    """Report file-system failures as :class:`CheckpointWriteError` naming the checkpoint."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        where = exc.filename or path
+        raise CheckpointWriteError(
+            exc.errno,
+            f"{path}: writing the checkpoint failed at {where}: {exc.strerror or exc}. Nothing "
+            "was committed; earlier checkpoints are untouched",
+        ) from exc
+
+
+def _readable(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"

@@ -1,0 +1,183 @@
+"""The whole check: the reference run, the kill points, one killed run per point, the verdict."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpckpt._resumecheck.compare import PointResult, compare_point
+from ddpckpt._resumecheck.runner import KillPoint, read_records, run
+
+
+@dataclass
+class CheckReport:
+    command: list[str]
+    out: str
+    world: int = 0
+    steps: list[int] = field(default_factory=list)
+    saves: list[dict[str, Any]] = field(default_factory=list)  # step, epoch_end
+    reference_seconds: float = 0.0
+    reference_reused: str | None = None
+    victim: int = 0
+    points: list[PointResult] = field(default_factory=list)
+    killed_runs: list[str] = field(default_factory=list)  # the directory of each point's run
+    notes: list[str] = field(default_factory=list)
+    plot: str = ""
+    # the killed rank's loss per step (log_step): {"rank", "reference": [[step, loss]],
+    # "killed": per kill point, per process started, [[step, loss]]}; empty without losses
+    losses: dict[str, Any] = field(default_factory=dict)
+    loss_plot: str = ""
+
+    @property
+    def identical(self) -> bool:
+        return bool(self.points) and all(p.identical for p in self.points)
+
+
+def _reference_events(records: dict[int, list[list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    if 0 not in records or not records[0]:
+        raise RuntimeError("the uninterrupted run recorded nothing on rank 0")
+    return records[0][0]
+
+
+def _loss_curve(events: list[dict[str, Any]]) -> list[list[Any]]:
+    """``[step, loss]`` of each step that logged one number as its last loss."""
+    curve = []
+    for event in events:
+        losses = (event.get("end") or {}).get("loss") if event["event"] == "step" else None
+        if losses and isinstance(losses[-1], (int, float)):
+            curve.append([event["step"], losses[-1]])
+    return curve
+
+
+def _saves(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {"step": e["step"], "n": e["n"], "epoch_end": e.get("epoch_end")}
+        for e in events
+        if e["event"] == "save"
+    ]
+
+
+def default_kill_points(events: list[dict[str, Any]]) -> tuple[list[KillPoint], list[str]]:
+    """A mid-epoch step after a mid-epoch save, and right after the first epoch-end save
+    that more steps follow; and notes on what could not be chosen."""
+    steps = [e["step"] for e in events if e["event"] == "step"]
+    if not steps:
+        raise RuntimeError(
+            "the uninterrupted run never called should_save(step): check-resume records each "
+            "step when the script calls ckpt.should_save(step), as in every Checkpointer loop"
+        )
+    last = steps[-1]
+    saves = _saves(events)
+    save_steps = sorted({s["step"] for s in saves})
+    before_last = [s for s in save_steps if s < last]
+    if not before_last:
+        raise RuntimeError(
+            f"the uninterrupted run saved no checkpoint before its last step ({last}), so a "
+            "killed run has nothing to resume from: save more often (every_steps=) or run longer"
+        )
+    ends = sorted({s["step"] for s in saves if s["epoch_end"]})
+    notes: list[str] = []
+    middle = [s for s in before_last if s not in ends]
+    base = middle[len(middle) // 2] if middle else before_last[0]
+    following = next((s for s in save_steps if s > base), last + 1)
+    points = [KillPoint(min(last, base + max(1, (following - base) // 2)))]
+    ends_before_last = [s for s in ends if s < last]
+    if ends_before_last:
+        end = ends_before_last[0]
+        count = max(s["n"] for s in saves if s["step"] == end)
+        points.append(KillPoint(end, after_save=True, saves=count))
+    else:
+        notes.append(
+            "no epoch-end save with steps after it was found (an epoch-end save is one made "
+            "while a DataLoader passed in extra has finished its epoch), so only a kill "
+            "inside an epoch was checked"
+        )
+    return points, notes
+
+
+def _user_point(point: KillPoint, events: list[dict[str, Any]]) -> KillPoint:
+    if not point.after_save:
+        return point
+    counts = [s["n"] for s in _saves(events) if s["step"] == point.step]
+    if not counts:
+        saved = sorted({s["step"] for s in _saves(events)})
+        raise ValueError(
+            f"--kill-at {point.label()}: the uninterrupted run did not save step {point.step} "
+            f"(it saved steps {saved})"
+        )
+    return KillPoint(point.step, after_save=True, saves=max(counts))
+
+
+def check_resume(
+    command: Sequence[str],
+    out: str,
+    *,
+    kill_at: Sequence[KillPoint] = (),
+    rank: int | None = None,
+    resume_args: Sequence[str] = (),
+    reference: str | None = None,
+    timeout: float = 1800.0,
+    progress: Any = None,
+) -> CheckReport:
+    """Run the check (see :mod:`ddpckpt._resumecheck`); ``progress(line)`` hears each stage."""
+    say = progress or (lambda line: None)
+    out = os.path.abspath(out)
+    report = CheckReport(command=list(command), out=out)
+    if reference is not None:
+        reference_dir = os.path.join(os.path.abspath(reference), "runs", "reference")
+        if not os.path.isdir(os.path.join(reference_dir, "records")):
+            raise ValueError(
+                f"--reference {reference}: holds no uninterrupted run of an earlier "
+                "check-resume (give the --out directory of that check)"
+            )
+        report.reference_reused = reference_dir
+        say(f"uninterrupted run: reusing {reference_dir}")
+    else:
+        say(f"uninterrupted run: {shlex.join(command)} ...")
+        started = time.perf_counter()
+        reference_dir = run("reference", command, out, timeout=timeout).dir
+        report.reference_seconds = time.perf_counter() - started
+    ref_records = read_records(reference_dir)
+    events = _reference_events(ref_records)
+    report.world = next(e["world"] for e in events if e["event"] == "start")
+    report.steps = [e["step"] for e in events if e["event"] == "step"]
+    report.saves = [{k: s[k] for k in ("step", "epoch_end")} for s in _saves(events)]
+    report.victim = report.world - 1 if rank is None else rank
+    if not 0 <= report.victim < report.world:
+        raise ValueError(
+            f"--rank {rank}: the script runs {report.world} ranks (0 to {report.world - 1})"
+        )
+    if kill_at:
+        points = [_user_point(p, events) for p in kill_at]
+    else:
+        points, notes = default_kill_points(events)
+        report.notes += notes
+    victim_reference = _loss_curve((ref_records.get(report.victim) or [[]])[0])
+    if victim_reference:
+        report.losses = {"rank": report.victim, "reference": victim_reference, "killed": []}
+    for point in points:
+        say(f"killing rank {report.victim} {point.describe()}, then restarting ...")
+        killed = run(
+            f"kill-{point.label().replace(':', '-')}", command, out, kill=point,
+            rank=report.victim, resume_args=resume_args, timeout=timeout,
+        )  # fmt: skip
+        report.killed_runs.append(killed.dir)
+        killed_records = read_records(killed.dir)
+        result = compare_point(
+            ref_records, killed_records, kill=point.describe(), victim=report.victim
+        )
+        result.seconds, result.launches = killed.seconds, killed.launches
+        report.points.append(result)
+        if report.losses:
+            processes = killed_records.get(report.victim, [])
+            report.losses["killed"].append([_loss_curve(events) for events in processes])
+    if not any("loss" in p.components for p in report.points):
+        report.notes.append(
+            "losses not compared: the script does not call ckpt.log_step(loss) (one line in "
+            "the loop; it does nothing outside a check)"
+        )
+    return report

@@ -1,0 +1,191 @@
+"""Run the user's launch command: once uninterrupted, then once per kill point.
+
+Each run gets its own directory ``OUT/runs/NAME`` (records, redirected checkpoints, the
+launch logs) and the environment variable of :mod:`.record`. A killed run whose launcher
+gave up (``torchrun --max-restarts 0``, a plain ``python``) is started again with the same
+command plus ``resume_args``; a launcher that restarts by itself needs nothing more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ddpckpt._resumecheck.record import ENV
+
+
+@dataclass(frozen=True)
+class KillPoint:
+    """Where a rank dies: at ``should_save(step)`` or right after the last save of ``step``."""
+
+    step: int
+    after_save: bool = False
+    saves: int = 1  # with after_save: the save of the step after which it dies
+
+    def label(self) -> str:
+        return f"{self.step}:after-save" if self.after_save else str(self.step)
+
+    def describe(self) -> str:
+        return (
+            f"right after the save of step {self.step}"
+            if self.after_save
+            else f"at step {self.step} (before any save of it)"
+        )
+
+
+def parse_kill(text: str) -> KillPoint:
+    """``K`` or ``K:after-save``; raises :class:`ValueError` naming the accepted forms."""
+    step, _, where = text.partition(":")
+    if not step.isdigit() or where not in ("", "after-save"):
+        raise ValueError(
+            f"--kill-at {text}: give a step number K (killed when it calls should_save(K)) "
+            "or K:after-save (killed right after save(K) returns)"
+        )
+    return KillPoint(int(step), after_save=bool(where))
+
+
+@dataclass
+class Run:
+    name: str
+    dir: str
+    seconds: float = 0.0
+    launches: list[dict[str, Any]] = field(default_factory=list)
+    killed: dict[str, Any] | None = None
+
+
+def read_records(run_dir: str) -> dict[int, list[list[dict[str, Any]]]]:
+    """Each rank's records, split into the processes that wrote them (one per start)."""
+    found: dict[int, list[list[dict[str, Any]]]] = {}
+    folder = os.path.join(run_dir, "records")
+    if not os.path.isdir(folder):
+        return found
+    for name in sorted(os.listdir(folder)):
+        if not (name.startswith("rank") and name.endswith(".jsonl")):
+            continue
+        processes: list[list[dict[str, Any]]] = []
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # the last line of a process killed while writing it
+                if record["event"] == "start" or not processes:
+                    processes.append([])
+                processes[-1].append(record)
+        found[int(name[4:-6])] = processes
+    return found
+
+
+def _launch(
+    command: Sequence[str], env: Mapping[str, str], log: str, timeout: float
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    with open(log, "wb") as out:
+        try:
+            process = subprocess.Popen(
+                list(command), env=dict(env), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        except (FileNotFoundError, PermissionError) as exc:  # "train.py" given as the command
+            raise type(exc)(
+                f"cannot start {command[0]!r} ({exc.strerror}): give the whole launch command "
+                "after --, e.g. ddpckpt check-resume -- torchrun --nproc-per-node 2 train.py"
+            ) from exc
+        try:
+            code = process.wait(timeout=timeout)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            code = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # what the launcher left behind
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return {
+        "command": list(command),
+        "exit": code,
+        "timed_out": timed_out,
+        "seconds": time.perf_counter() - started,
+        "log": log,
+    }
+
+
+def _tail(path: str, lines: int = 25) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
+def run(
+    name: str,
+    command: Sequence[str],
+    out: str,
+    *,
+    kill: KillPoint | None = None,
+    rank: int = 0,
+    resume_args: Sequence[str] = (),
+    timeout: float = 1800.0,
+) -> Run:
+    """Run ``command`` as check run ``name`` (killing ``rank`` at ``kill``); raises
+    :class:`RuntimeError` (naming the log) when the script fails other than by the kill."""
+    run_dir = os.path.join(os.path.abspath(out), "runs", name)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    spec: dict[str, Any] = {"dir": run_dir, "kill": None}
+    if kill is not None:
+        spec["kill"] = {
+            "rank": rank,
+            "step": kill.step,
+            "event": "save" if kill.after_save else "step",
+            "saves": kill.saves,
+        }
+    env = {
+        **os.environ,
+        ENV: json.dumps(spec),
+        "PYTHONUNBUFFERED": "1",
+        # torchrun restarting workers by itself otherwise hands them the dead workers'
+        # store addresses (pytorch/pytorch#135712)
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
+    result = Run(name, run_dir)
+    started = time.perf_counter()
+    launch = _launch(command, env, os.path.join(run_dir, "launch-1.log"), timeout)
+    result.launches.append(launch)
+    marker = os.path.join(run_dir, "killed")
+    if kill is not None and os.path.exists(marker):
+        with open(marker) as f:
+            result.killed = json.load(f)
+        if launch["exit"] != 0:  # the launcher gave up: start it again, as a user would
+            again = [*command, *resume_args]
+            launch = _launch(again, env, os.path.join(run_dir, "launch-2.log"), timeout)
+            result.launches.append(launch)
+    result.seconds = time.perf_counter() - started
+    if launch["timed_out"]:
+        raise RuntimeError(
+            f"{name}: the script did not finish within {timeout:.0f} s (--timeout); "
+            f"log: {launch['log']}\n{_tail(launch['log'])}"
+        )
+    if launch["exit"] != 0:
+        raise RuntimeError(
+            f"{name}: the script failed (exit {launch['exit']}); log: {launch['log']}\n"
+            f"{_tail(launch['log'])}"
+        )
+    if kill is not None and result.killed is None:
+        raise RuntimeError(
+            f"{name}: rank {rank} never reached the kill point ({kill.describe()}); the run "
+            "ended without it. Choose a --kill-at inside the run"
+        )
+    if not read_records(run_dir):
+        raise RuntimeError(
+            f"{name}: the script recorded nothing: check-resume needs a script that uses "
+            "ddpckpt.Checkpointer (and calls should_save(step) every step) and is started by "
+            f"the command after '--'; log: {launch['log']}"
+        )
+    return result

@@ -1,0 +1,317 @@
+"""The layout of a run directory, as :class:`~ddpckpt.Checkpointer` keeps it::
+
+    run/
+      step-00000100/      a committed checkpoint (it has its manifest.json)
+      step-00000200/
+      latest              "step-00000200": moved only after that checkpoint is durable
+      run.json            the retention policy, so `ddpckpt ls` can mark the best ones
+      .lock               the job writing here (host, pid, job id)
+      .step-00000300.tmp-1a2b3c/   a save in progress, or left by a crash: never loaded
+      step-00000300.corrupt-4d5e6f/ moved aside by ``resume()``: never loaded
+
+Local operations only; :mod:`ddpckpt._run.checkpointer` decides which rank calls them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ddpckpt._format.codec import decode
+from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from ddpckpt._run.runlock import LOCK_NAME, RunLock
+from ddpckpt.errors import CheckpointError, CheckpointLockedError, IncompleteCheckpointError
+from ddpckpt.policies import Record, Retention
+from ddpckpt.storage import is_temp_name, storage_for
+
+LATEST = "latest"
+RUN_FILE = "run.json"
+_STEP = re.compile(r"^step-(\d+)$")
+_CORRUPT_MARK = ".corrupt-"
+_DATA_FILE = re.compile(r"^(model|state|rank)-\d+\.safetensors$")
+
+
+def step_dirname(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    match = _STEP.match(name)
+    return int(match.group(1)) if match else None
+
+
+@dataclass
+class Entry:
+    """A checkpoint directory of a run: ``status`` is ``committed``, ``incomplete`` or ``corrupt``."""
+
+    step: int
+    path: str
+    status: str
+    manifest: Manifest | None = None
+    problem: str = ""
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The metrics saved with it (empty unless committed)."""
+        if self.manifest is None:
+            return {}
+
+        def no_tensor(name: str) -> Any:
+            raise CheckpointError(f"{self.path}: metrics refer to a tensor ({name})")
+
+        return decode(self.manifest.metrics, no_tensor, where=self.path)
+
+
+def scan(directory: str) -> list[Entry]:
+    """Every ``step-N`` directory, oldest first, with its manifest read (not its data)."""
+    store = storage_for(directory)
+    if not store.is_dir(directory):
+        return []
+    entries = []
+    for name in store.list(directory):
+        step = parse_step(name)
+        if step is None:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            entries.append(Entry(step, path, "committed", read_manifest(path)))
+        except IncompleteCheckpointError as exc:
+            entries.append(Entry(step, path, "incomplete", problem=str(exc)))
+        except CheckpointError as exc:
+            entries.append(Entry(step, path, "corrupt", problem=str(exc)))
+    return sorted(entries, key=lambda e: e.step)
+
+
+def size_problems(path: str, manifest: Manifest) -> list[str]:
+    """Files of a checkpoint that are missing or not the size its manifest records: the
+    cheap check (no data read) that catches a truncated copy, never a bit flip."""
+    store = storage_for(path)
+    problems = []
+    for name, file in sorted(manifest.files.items()):
+        try:
+            actual = store.size(os.path.join(path, name))
+        except FileNotFoundError:
+            problems.append(
+                f"{os.path.join(path, name)}: data file listed in the manifest is missing"
+            )
+            continue
+        if actual != file.size:
+            problems.append(
+                f"{os.path.join(path, name)}: file is {actual} bytes, the manifest records {file.size}"
+            )
+    return problems
+
+
+def read_latest(directory: str) -> str | None:
+    try:
+        return storage_for(directory).read(os.path.join(directory, LATEST)).decode().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def write_latest(directory: str, name: str) -> None:
+    """Point ``latest`` at ``name``, atomically and durably."""
+    storage_for(directory).replace(os.path.join(directory, LATEST), f"{name}\n".encode())
+
+
+def write_run_file(directory: str, policy: dict[str, object]) -> None:
+    document = json.dumps(policy, indent=1).encode()
+    storage_for(directory).replace(os.path.join(directory, RUN_FILE), document)
+
+
+def read_run_file(directory: str) -> dict[str, object]:
+    try:
+        return json.loads(storage_for(directory).read(os.path.join(directory, RUN_FILE)))
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint so that a crash midway can never leave a damaged ``step-N``.
+
+    On a file system it is first renamed to a temporary name (atomic), which a later
+    cleanup removes if this process dies before finishing; on an object store its manifest
+    is deleted first.
+    """
+    store = storage_for(path)
+    store.commit.discard(store, path)
+
+
+def apply_retention(directory: str, retention: Retention) -> list[str]:
+    """Delete the committed checkpoints ``retention`` does not keep (never the newest);
+    returns their paths. Call it only while holding the run's lock."""
+    committed = [e for e in scan(directory) if e.status == "committed"]
+    records = [Record(e.step, e.metrics) for e in committed]
+    keep = retention.keep(records) | {max((r.step for r in records), default=-1)}
+    deleted = [e.path for e in committed if e.step not in keep]
+    for path in deleted:
+        remove_checkpoint(path)
+    return deleted
+
+
+def clean_temporaries(directory: str) -> list[str]:
+    """Remove what interrupted saves and deletions left behind; returns the names removed.
+
+    Call it only while holding the run's lock, when no save of this job is in flight.
+    """
+    store = storage_for(directory)
+    removed = []
+    if not store.is_dir(directory):
+        return removed
+    for name in store.list(directory):
+        if is_temp_name(name):
+            store.delete_tree(os.path.join(directory, name))
+            removed.append(name)
+    for name, path in _unfinished_overwrites(directory):
+        store.delete_tree(path)
+        removed.append(name)
+    return removed
+
+
+def _unfinished_overwrites(directory: str) -> list[tuple[str, str]]:
+    """``(step-N/part, path)`` for what interrupted overwrites left inside committed
+    checkpoints (``step-N/.next-<token>/`` on object stores)."""
+    store = storage_for(directory)
+    found = []
+    for name in sorted(store.list(directory)):
+        if parse_step(name) is not None:
+            for path in store.commit.unfinished(store, os.path.join(directory, name)):
+                found.append((f"{name}/{os.path.basename(path)}", path))
+    return found
+
+
+@dataclass
+class Leftover:
+    """Something in a run directory that is no checkpoint and takes space.
+
+    ``kind`` is ``temporary`` (a save in progress, or left by a crash or an interrupted
+    deletion; also an interrupted overwrite's ``step-N/.next-<token>``) or ``corrupt`` (a checkpoint ``resume()`` moved aside).
+    """
+
+    name: str
+    path: str
+    kind: str
+    nbytes: int
+
+
+def tree_bytes(path: str) -> int:
+    """Bytes of the files under ``path`` (a file or a directory); files vanishing meanwhile
+    (a save finishing or being cleaned) count as empty."""
+    return storage_for(path).tree_bytes(path)
+
+
+def find_leftovers(directory: str) -> list[Leftover]:
+    """The temporaries and moved-aside corrupt checkpoints of a run directory, by name."""
+    found = []
+    for name in sorted(storage_for(directory).list(directory)):
+        if is_temp_name(name):
+            kind = "temporary"
+        elif parse_step(name.split(_CORRUPT_MARK)[0]) is not None and _CORRUPT_MARK in name:
+            kind = "corrupt"
+        else:
+            continue
+        path = os.path.join(directory, name)
+        found.append(Leftover(name, path, kind, tree_bytes(path)))
+    for name, path in _unfinished_overwrites(directory):
+        found.append(Leftover(name, path, "temporary", tree_bytes(path)))
+    return found
+
+
+def clean_leftovers(directory: str, *, corrupt: bool = False) -> list[Leftover]:
+    """Delete a run directory's temporaries (and, with ``corrupt``, the checkpoints moved
+    aside as corrupt); returns what was removed. Local; one process.
+
+    Takes the run's lock for the duration, so it raises
+    :class:`~ddpckpt.errors.CheckpointLockedError` while a live job holds it (a temporary
+    may then be a save in progress). Committed checkpoints are never touched.
+    """
+    store = storage_for(directory)
+    if not store.is_dir(directory):
+        raise FileNotFoundError(f"{directory}: no such directory")
+    _refuse_own_jobs_lock(directory)
+    lock = RunLock(directory)
+    lock.acquire()
+    try:
+        doomed = [
+            leftover
+            for leftover in find_leftovers(directory)
+            if leftover.kind == "temporary" or corrupt
+        ]
+        for leftover in doomed:
+            store.delete_tree(leftover.path)
+        return doomed
+    finally:
+        lock.release()
+
+
+def _refuse_own_jobs_lock(directory: str) -> None:
+    """Raise :class:`CheckpointLockedError` if the lock names this process's own job.
+
+    :class:`RunLock` takes such a lock over (it is an elastic restart's); a cleaner started
+    inside the trainer's job (a shell in the same SLURM allocation) must not.
+    """
+    ours = [os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")]
+    try:
+        holder = json.loads(storage_for(directory).read(os.path.join(directory, LOCK_NAME)))
+    except (FileNotFoundError, ValueError):
+        return
+    job = holder.get("job") if isinstance(holder, dict) else None
+    if job and job != "none" and job in ours:
+        raise CheckpointLockedError(
+            f"{directory} is in use by another job: pid {holder.get('pid')} on "
+            f"{holder.get('host')} holds its lock, and it belongs to this same job ({job}), so "
+            "it may be writing here now. If that job is over, delete the .lock file"
+        )
+
+
+def describe_path(path: str) -> str | None:
+    """What ``path`` is, when it is not a checkpoint directory, as a message saying what was
+    expected; ``None`` when it is a checkpoint (complete or not) or does not exist."""
+    store = storage_for(path)
+    if not store.is_dir(path):
+        return _describe_run_file(path) if store.exists(path) else None
+    names = store.list(path)
+    if MANIFEST_NAME in names or any(_DATA_FILE.match(n) for n in names):
+        return None
+    base = os.path.basename(path.rstrip("/"))
+    if parse_step(base) is not None or is_temp_name(base) or _CORRUPT_MARK in base:
+        return None  # a checkpoint directory whose save never wrote anything
+    steps = sorted(n for n in names if parse_step(n) is not None)
+    if steps or {LATEST, RUN_FILE, LOCK_NAME} & set(names):
+        latest = read_latest(path) or (steps[-1] if steps else None)
+        example = (
+            f", or name one of its checkpoints, e.g. {os.path.join(path, latest)}"
+            if latest
+            else " (it holds no checkpoint yet)"
+        )
+        return f"{path}: a run directory, not a checkpoint: try `ddpckpt ls {path}`{example}"
+    inner = sorted(n for n in names if store.exists(os.path.join(path, n, MANIFEST_NAME)))
+    if inner:
+        shown = ", ".join(inner[:3]) + (", ..." if len(inner) > 3 else "")
+        return (
+            f"{path}: a directory holding checkpoints ({shown}), not a checkpoint itself: "
+            f"name one of them, e.g. {os.path.join(path, inner[0])}"
+        )
+    if not names:
+        return f"{path}: an empty directory, not a checkpoint"
+    return (
+        f"{path}: not a ddpckpt checkpoint: it has no {MANIFEST_NAME} and no checkpoint "
+        "files (expected a directory written by ddpckpt.save or a Checkpointer's step-N)"
+    )
+
+
+def _describe_run_file(path: str) -> str | None:
+    """The message for a file of a run directory (``latest``, ``run.json``, ``.lock``)."""
+    run, base = os.path.split(path.rstrip("/"))
+    if base not in (LATEST, RUN_FILE, LOCK_NAME):
+        return None
+    newest = read_latest(run or ".") if base == LATEST else None
+    if newest:
+        return (
+            f"{path}: the run's pointer to its newest checkpoint, not a checkpoint: name that "
+            f"checkpoint, {os.path.join(run, newest)}"
+        )
+    return f"{path}: a file of the run directory {run or '.'}, not a checkpoint: try `ddpckpt ls {run or '.'}`"

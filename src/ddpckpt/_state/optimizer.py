@@ -1,0 +1,367 @@
+"""An optimizer's part of a checkpoint: state and param groups keyed by parameter name.
+
+State is keyed by the *canonical name* of each parameter (a tied one by whichever of its
+names the checkpoint knows), with shapes, so reordered module definitions restore the
+right moments or fail with a clear error. In the single-model layout parameters outside
+the model are named by position; in the named layout (several models, see
+:mod:`ddpckpt._format.sections`) names are ``<model>/<parameter>`` and a parameter outside
+every model is an error. Each state tensor is replicated, per rank or to be verified as its parameter
+is, and restoring puts every tensor back on the device and in the dtype it had when saved.
+
+Every function here is local to the calling rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpckpt._format.codec import decode, encode
+from ddpckpt._format.sections import SINGLE, Layout, OptimizerSection
+from ddpckpt._log import get_logger
+from ddpckpt._state.model import (
+    Replication,
+    canonical_key,
+    mismatch_report,
+    tensor_identity,
+    unwrap_model,
+)
+from ddpckpt._state.snapshot import Snapshot, TensorSource
+from ddpckpt.errors import StateMismatchError
+
+ParamNames = dict[int, list[str]]  # id(parameter) -> every name it has in the models
+
+_log = get_logger(__name__)
+
+
+def param_names(models: Mapping[str, nn.Module], layout: Layout = SINGLE) -> ParamNames:
+    """Every name of each parameter of ``models``, by ``id`` (tied weights have several),
+    as optimizer state in ``layout`` names it."""
+    names: ParamNames = {}
+    for model_name, model in models.items():
+        root = unwrap_model(model)
+        for name, param in root.named_parameters(remove_duplicate=False):
+            key = layout.param_name(model_name, canonical_key(root, name))
+            names.setdefault(id(param), []).append(key)
+    return names
+
+
+def _param_names(
+    names: ParamNames,
+    optimizer: torch.optim.Optimizer,
+    stored: list[set[str]] | None = None,
+    label: str | None = None,
+) -> list[list[str]]:
+    """Each param group's parameter names.
+
+    A tied parameter has several names: it takes whichever of them ``stored`` lists for
+    its group (so state saved as ``emb.weight`` reaches a model that now defines ``head``
+    first), else its first name in the module's definition order. A parameter outside
+    the models is named by its position, or, given the optimizer's ``label`` (the named
+    layout), is an error.
+    """
+    result = []
+    for g, group in enumerate(optimizer.param_groups):
+        known = stored[g] if stored is not None and g < len(stored) else set()
+        group_names = []
+        for i, p in enumerate(group["params"]):
+            if id(p) in names:
+                group_names.append(next((n for n in names[id(p)] if n in known), names[id(p)][0]))
+            elif label is None:
+                group_names.append(f"@group{g}.{i}")
+            else:
+                raise StateMismatchError(
+                    f"{label}: parameter {i} of param group {g} (shape {list(p.shape)}) belongs "
+                    "to no model of the TrainingState; add the module that owns it to the state"
+                )
+        result.append(group_names)
+    return result
+
+
+def _live_names(
+    section: OptimizerSection, names: ParamNames, optimizer: torch.optim.Optimizer
+) -> list[list[str]]:
+    """Names to match stored state against: parameter names, or positions for imports."""
+    if section.by_position:
+        return [
+            [f"@group{g}.{i}" for i in range(len(group["params"]))]
+            for g, group in enumerate(optimizer.param_groups)
+        ]
+    stored = [set(group.params) for group in section.groups]
+    return _param_names(names, optimizer, stored)
+
+
+def capture_optimizer(
+    optimizer: torch.optim.Optimizer,
+    names: ParamNames,
+    replication: Replication,
+    snapshot: Snapshot,
+    prefix: str = "optimizer",
+    label: str | None = None,
+) -> OptimizerSection:
+    """Add ``optimizer``'s state tensors to ``snapshot`` under ``prefix``; returns its
+    section.
+
+    ``names`` (from :func:`param_names`) names the parameters; ``replication`` (from
+    :func:`~ddpckpt._state.model.capture_model`) sorts each state tensor as its parameter.
+    With ``label`` a parameter in no model is an error naming the optimizer so.
+    """
+    before = set(snapshot.tensors)
+    encoded = encode(_section(optimizer, names, label), prefix, snapshot.tensors)
+    added = set(snapshot.tensors) - before
+    snapshot.balanced.update(added)
+    _sort_optimizer_state(optimizer, added, replication, snapshot)
+    return OptimizerSection.from_json(encoded, prefix)
+
+
+def _section(
+    optimizer: torch.optim.Optimizer, names: ParamNames, label: str | None
+) -> dict[str, Any]:
+    """The optimizer's ``state_dict()`` keyed by parameter name, with shapes and placement."""
+    group_names = _param_names(names, optimizer, label=label)
+    saved = optimizer.state_dict()
+    groups, state, shapes = [], {}, {}
+    placement: dict[str, str] = {}
+    own_dtype: set[str] = set()
+    for g, (saved_group, names_in_group, live_group) in enumerate(
+        zip(saved["param_groups"], group_names, optimizer.param_groups, strict=True)
+    ):
+        for index, name, param in zip(
+            saved_group["params"], names_in_group, live_group["params"], strict=True
+        ):
+            shapes[name] = list(param.shape)
+            if index in saved["state"]:
+                state[name] = saved["state"][index]
+                _note_placement(state[name], param, placement, own_dtype)
+        hyper = {k: v for k, v in saved_group.items() if k != "params"}
+        groups.append({"params": names_in_group, "hyper": hyper})
+        if len(set(names_in_group)) != len(names_in_group):
+            raise StateMismatchError(
+                f"{label or 'optimizer'} param group {g} lists a parameter twice"
+            )
+    return {
+        "type": type(optimizer).__qualname__,
+        "groups": groups,
+        "state": state,
+        "shapes": shapes,
+        "placement": placement,
+        "own_dtype": sorted(own_dtype),
+    }
+
+
+def _note_placement(
+    state: Mapping[str, Any], param: torch.Tensor, placement: dict[str, str], own_dtype: set[str]
+) -> None:
+    """Record where the optimizer keeps each state tensor, relative to its parameter.
+
+    Optimizers keep some scalars apart from the parameter (NAdam's ``mu_product`` on the
+    host, ASGD's ``step`` on the device, float32 steps beside bfloat16 weights), which
+    torch's own ``load_state_dict`` policy does not know: restoring them where they were
+    keeps a resumed step identical. Only a parameter off the CPU tells host from device.
+    """
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            continue
+        if param.device.type != "cpu":
+            placement.setdefault(key, "param" if value.device == param.device else "host")
+        if param.is_floating_point() and value.dtype != param.dtype:
+            own_dtype.add(key)
+
+
+def _sort_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    names: set[str],
+    replication: Replication,
+    snapshot: Snapshot,
+) -> None:
+    """Replicated, per rank or to be verified: each state tensor follows its parameter.
+
+    Only the state of parameters DDP synchronizes stays ``balanced``; state that cannot be
+    traced to a parameter is verified too (never assumed).
+    """
+    by_id = {id(snapshot.tensors[n]): n for n in names}
+    synced: set[str] = set()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for value in optimizer.state.get(param, {}).values():
+                name = by_id.get(id(value))
+                if name is None:
+                    continue
+                if id(param) in replication.synced:
+                    synced.add(name)
+                elif id(param) in replication.ignored:
+                    snapshot.per_rank.add(name)
+    snapshot.balanced -= names - synced
+    snapshot.unverified |= names - synced - snapshot.per_rank
+
+
+def record_steppers(optimizers: list[torch.optim.Optimizer], snapshot: Snapshot) -> None:
+    """Note which optimizers' ``step()`` writes which captured tensor: their parameters
+    and their per-parameter state (moments, step counts)."""
+    by_identity: dict[tuple[Any, ...], list[torch.optim.Optimizer]] = {}
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param, {}).values()
+                for tensor in [param, *(v for v in state if isinstance(v, torch.Tensor))]:
+                    writers = by_identity.setdefault(tensor_identity(tensor) or (), [])
+                    if optimizer not in writers:
+                        writers.append(optimizer)
+    by_identity.pop((), None)
+    for name, tensor in snapshot.tensors.items():
+        writers = by_identity.get(tensor_identity(tensor) or ())
+        if writers:
+            snapshot.stepped_by[name] = writers
+
+
+def check_optimizer(
+    optimizer: torch.optim.Optimizer,
+    names: ParamNames,
+    section: OptimizerSection,
+    where: str,
+    label: str = "optimizer",
+) -> None:
+    """Raise :class:`StateMismatchError` unless the stored state fits ``optimizer`` by name
+    (``names`` from :func:`param_names`; ``label`` names the optimizer in messages)."""
+    shapes = section.shapes
+    live_names = _live_names(section, names, optimizer)
+    stored_groups = section.groups
+    if len(stored_groups) != len(live_names):
+        raise StateMismatchError(
+            f"{where}: the checkpoint's {label} has {len(stored_groups)} param group(s), "
+            f"the live {type(optimizer).__qualname__} has {len(live_names)}"
+        )
+    problems = []
+    for g, (stored, names, group) in enumerate(
+        zip(stored_groups, live_names, optimizer.param_groups, strict=True)
+    ):
+        live_shapes = {n: list(p.shape) for n, p in zip(names, group["params"], strict=True)}
+        missing = [n for n in names if n not in stored.params]
+        unexpected = [n for n in stored.params if n not in live_shapes]
+        wrong = [
+            f"{n}: checkpoint {shapes[n]}, model {live_shapes[n]}"
+            for n in stored.params
+            if n in live_shapes and shapes[n] is not None and list(shapes[n]) != live_shapes[n]
+        ]
+        if missing or unexpected or wrong:
+            problems.append(f" param group {g}:\n{mismatch_report(missing, unexpected, wrong)}")
+    if problems:
+        outside = [n for names in live_names for n in names if n.startswith("@")]
+        if outside and not section.by_position:
+            problems.append(
+                f" {len(outside)} of the {label}'s parameters are not parameters of the model "
+                "passed; pass the model the optimizer was built over"
+            )
+        raise StateMismatchError(
+            f"{where}: the checkpoint's {label} state does not match the live "
+            f"{type(optimizer).__qualname__}'s parameters (matched by name):\n"
+            + "\n".join(problems)
+        )
+
+
+def restore_optimizer(
+    optimizer: torch.optim.Optimizer,
+    names: ParamNames,
+    section: OptimizerSection,
+    source: TensorSource,
+    where: str,
+) -> None:
+    """Load optimizer state matched by parameter name (call :func:`check_optimizer` first)."""
+    live_names = _live_names(section, names, optimizer)
+    stored_state = decode(section.state, _LazyTensor, where=where)
+    if section.by_position:
+        _log.warning(
+            "%s: optimizer state was imported from a torch.save file, which keys it by "
+            "position: it is matched to the live parameters in order (shapes checked)",
+            where,
+        )
+    param_groups, state, index = [], {}, 0
+    for stored, names, group in zip(
+        section.groups, live_names, optimizer.param_groups, strict=True
+    ):
+        indices = []
+        hyper = decode(stored.hyper, _LazyTensor, where=where)
+        fused = bool(hyper.get("fused")) or bool(hyper.get("capturable"))
+        kept = _Kept(fused, section.placement or {}, set(section.own_dtype or ()))
+        for name, param in zip(names, group["params"], strict=True):
+            if name in stored_state:
+                state[index] = {
+                    key: _materialize(value, key, param, kept, source)
+                    for key, value in stored_state[name].items()
+                }
+            indices.append(index)
+            index += 1
+        param_groups.append({**_cloned(hyper, source), "params": indices})
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    # load_state_dict moves every value beside its parameter; put back those kept elsewhere.
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    for index, values in state.items():
+        optimizer.state[params[index]].update(values)
+
+
+class _LazyTensor(str):
+    """A tensor reference decoded but not yet read (read once its destination is known)."""
+
+
+@dataclass
+class _Kept:
+    """Where a param group's optimizer state goes: its flags and what the save recorded."""
+
+    fused: bool  # fused or capturable: torch wants ``step`` as float32 beside the parameter
+    placement: Mapping[str, str]  # key -> "param" or "host", from a save off the CPU
+    own_dtype: set[str]  # keys whose dtype differed from their parameter's
+
+    def target(self, key: str, param: torch.Tensor, stored: torch.dtype) -> tuple[Any, Any]:
+        """Device and dtype of the state tensor ``key`` of ``param``."""
+        where = self.placement.get(key)
+        if key == "step":
+            if self.fused:
+                return param.device, torch.float32
+            return (param.device if where == "param" else torch.device("cpu")), stored
+        if where == "host":
+            return torch.device("cpu"), stored
+        keep = key in self.own_dtype or not param.is_floating_point()
+        return param.device, (stored if keep else param.dtype)
+
+
+def _materialize(
+    value: Any, key: str, param: torch.Tensor, kept: _Kept, source: TensorSource
+) -> Any:
+    """Read a stored optimizer value straight onto the device and dtype it had when saved.
+
+    Follows ``Optimizer._process_value_according_to_param_policy`` (state beside its
+    parameter, in its dtype; ``step`` on the host unless fused or capturable), corrected by
+    what the save recorded (see :func:`_note_placement`), so that ``load_state_dict`` has
+    nothing left to copy and the state never shares memory with the checkpoint file. New
+    tensors, never the optimizer's current ones: a load that fails a checksum halfway leaves
+    the optimizer as it was, and tensors that others still hold (a ``state_dict()`` kept
+    aside, a snapshot being copied) are not overwritten.
+    """
+    if isinstance(value, _LazyTensor):
+        stored_dtype, shape = source.meta(str(value))
+        device, dtype = kept.target(key, param, stored_dtype)
+        target = torch.empty(shape, dtype=dtype, device=device)
+        got = source.get(str(value), like=target)
+        if got is not target:
+            target.copy_(got)
+        return target
+    if isinstance(value, dict):
+        return {k: _materialize(v, k, param, kept, source) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialize(v, key, param, kept, source) for v in value)
+    return value
+
+
+def _cloned(value: Any, source: TensorSource) -> Any:
+    """``value`` with every unread tensor reference replaced by a private CPU copy."""
+    if isinstance(value, _LazyTensor):
+        return source.get(str(value)).clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v, source) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cloned(v, source) for v in value)
+    return value

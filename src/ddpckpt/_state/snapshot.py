@@ -1,0 +1,82 @@
+"""The record of one rank's captured training state, and what restoring reads tensors from.
+
+:mod:`ddpckpt._state.capture` fills a :class:`Snapshot` from live objects (its model,
+optimizer and object parts live in :mod:`~ddpckpt._state.model`,
+:mod:`~ddpckpt._state.optimizer` and :mod:`~ddpckpt._state.objects`); :mod:`ddpckpt._io`
+plans, writes and reads it. Restoring takes tensors from a :class:`TensorSource`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from ddpckpt._format.codec import JSON
+
+
+class TensorSource(Protocol):
+    """Supplies verified tensors by name while restoring."""
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The stored dtype and shape of ``name``, without reading it."""
+        ...
+
+    def get(self, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor called ``name``, on the CPU (or already in ``like``).
+
+        The result may share memory with the checkpoint file: callers copy from it and
+        never keep it or write to it. ``like`` is a tensor the caller will copy into; a
+        source may fill it directly and return it.
+        """
+        ...
+
+
+@dataclass
+class Snapshot:
+    """One rank's captured training state.
+
+    ``state`` and ``tensors`` are the shared training state (model, optimizer, scheduler,
+    scaler, extras): stored once. Only the tensors named in ``balanced`` are identical on
+    every rank, so only they may be written by any rank: parameters DDP synchronizes and
+    their optimizer state. Tensors in ``unverified`` are assumed identical on every rank
+    but nothing guarantees it (a model without DDP, module-valued extras such as an EMA
+    copy, optimizer state of parameters outside DDP): :mod:`ddpckpt._coord.consistency`
+    compares their digests across ranks, treats the identical ones as ``balanced`` and
+    stores the others per rank. Tensors in ``per_rank`` differ between ranks by design
+    (parameters and buffers DDP ignores, and their optimizer state): stored per rank
+    whenever there are several ranks. Every other shared tensor (buffers such as BatchNorm
+    statistics, which each rank updates with its own batch until DDP broadcasts rank 0's
+    at the next forward) is stored as rank 0 holds it.
+
+    ``rank_state`` and ``rank_tensors`` are this rank's own (RNG, buffers under
+    ``broadcast_buffers=False``, and, under ``rank_state["own"]``, this rank's values of
+    shared tensors that differ between ranks; see :meth:`keep_per_rank`): stored per rank.
+    ``stepped_by`` maps a shared tensor to the optimizers whose ``step()`` writes it (for
+    the overlap mode, which may copy such tensors until the first of those steps).
+    Tensors are referenced from the trees by name.
+    """
+
+    state: dict[str, JSON] = field(default_factory=dict)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    balanced: set[str] = field(default_factory=set)
+    unverified: set[str] = field(default_factory=set)
+    per_rank: set[str] = field(default_factory=set)
+    rank_state: dict[str, JSON] = field(default_factory=dict)
+    rank_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    stepped_by: dict[str, list[torch.optim.Optimizer]] = field(default_factory=dict)
+
+    def keep_per_rank(self, names: Iterable[str]) -> None:
+        """Store this rank's values of the shared tensors ``names`` in its own file too.
+
+        The shared copy keeps rank 0's values (what a rank that did not exist at save time
+        loads); :func:`ddpckpt._io.load.load` gives every other rank its own.
+        """
+        own = self.rank_state.setdefault("own", {})
+        for name in names:
+            self.balanced.discard(name)
+            self.unverified.discard(name)
+            self.rank_tensors[f"own/{name}"] = self.tensors[name]
+            own[name] = f"own/{name}"  # type: ignore[index]

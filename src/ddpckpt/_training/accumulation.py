@@ -1,0 +1,91 @@
+"""Gradient accumulation whose position survives a checkpoint.
+
+::
+
+    accumulation = ddpckpt.GradientAccumulation(ddp_model, steps=4)
+    ckpt = ddpckpt.Checkpointer(..., extra={"accumulation": accumulation})
+    for batch in loader:
+        with accumulation.context():          # DDP's no_sync() except on the window's last micro-step
+            scaler.scale(loss_fn(ddp_model(batch)) / accumulation.steps).backward()
+        if accumulation.step():               # True once per window: time to step the optimizer
+            scaler.step(optimizer); scaler.update(); optimizer.zero_grad(); scheduler.step()
+
+Its state is the micro-step within the window and, when a checkpoint is taken in the
+middle of a window, the gradients accumulated so far (they differ between ranks until the
+window's last backward synchronises them, so the state is saved per rank). A resumed run
+therefore takes the very same next optimizer step. Restoring into a different number of
+``steps`` drops the partial window with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ddpckpt._log import get_logger
+from ddpckpt._state.model import unwrap_model
+
+_log = get_logger(__name__)
+
+
+class GradientAccumulation:
+    """Counts micro-steps of an accumulation window of ``steps`` backward passes."""
+
+    ddpckpt_per_rank = True  # saved per rank (see ddpckpt.PerRank)
+
+    def __init__(self, model: nn.Module, steps: int) -> None:
+        if type(steps) is not int or steps < 1:
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        self.model = model
+        self.steps = steps
+        self.micro = 0
+
+    @property
+    def last(self) -> bool:
+        """Whether the next backward completes the window."""
+        return self.micro == self.steps - 1
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """Skip DDP's gradient all-reduce except on the window's last micro-step."""
+        no_sync = getattr(self.model, "no_sync", None)
+        with no_sync() if (no_sync is not None and not self.last) else contextlib.nullcontext():
+            yield
+
+    def step(self) -> bool:
+        """Count one micro-step; True when the window is complete (step the optimizer now)."""
+        self.micro += 1
+        if self.micro == self.steps:
+            self.micro = 0
+            return True
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        grads = {}
+        if self.micro:
+            for name, param in unwrap_model(self.model).named_parameters():
+                if param.grad is not None:
+                    grads[name] = param.grad.detach()
+        return {"steps": self.steps, "micro": self.micro, "grads": grads}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["steps"] != self.steps:
+            _log.warning(
+                "gradient accumulation changed from %d to %d micro-steps per optimizer step; "
+                "the partial window saved in the checkpoint (%d micro-steps) is dropped",
+                state["steps"],
+                self.steps,
+                state["micro"],
+            )
+            self.micro = 0
+            return
+        self.micro = int(state["micro"])
+        params = dict(unwrap_model(self.model).named_parameters())
+        with torch.no_grad():
+            for name, grad in state["grads"].items():
+                param = params[name]
+                param.grad = grad.to(device=param.device, dtype=param.dtype).clone()

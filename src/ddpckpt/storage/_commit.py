@@ -1,0 +1,255 @@
+"""How a checkpoint becomes visible all at once: the commit strategies of a storage.
+
+:class:`RenameCommit` writes under a temporary directory and renames it (file systems);
+:class:`ManifestLastCommit` writes the data objects first and the manifest last, the manifest
+being the commit (object stores, which have no rename). One rank per storage domain (the
+leader) calls ``begin``/``publish``/``abort``; see :mod:`ddpckpt.storage._base`.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import errno
+import json
+
+from ddpckpt._log import get_logger
+from ddpckpt.storage._base import MANIFEST, Storage, new_token, temp_name
+
+_log = get_logger(__name__)
+
+
+class CommitStrategy(abc.ABC):
+    """How a checkpoint at location ``final`` becomes visible, all at once.
+
+    The leader of each storage domain calls :meth:`begin` before any rank writes, every
+    rank then writes its objects under :meth:`staging`, the leader writes the manifest
+    there last, then calls :meth:`publish`; on failure it calls :meth:`abort`.
+    """
+
+    @abc.abstractmethod
+    def staging(self, storage: Storage, final: str, token: str, *, overwrite: bool = False) -> str:
+        """Where the objects of the checkpoint ``final`` are written before publishing
+        (``overwrite``: the save may replace a committed checkpoint there)."""
+
+    @abc.abstractmethod
+    def exists(self, storage: Storage, final: str) -> bool:
+        """Whether a save to ``final`` without ``overwrite`` must be refused."""
+
+    @abc.abstractmethod
+    def begin(self, storage: Storage, final: str, staging: str, *, overwrite: bool) -> None:
+        """Prepare ``staging`` for the writers."""
+
+    @abc.abstractmethod
+    def publish(self, storage: Storage, staging: str, final: str, *, overwrite: bool) -> None:
+        """Make the finished checkpoint visible at ``final`` (its manifest is written).
+        Raises ``FileExistsError`` if ``final`` exists and ``overwrite`` is false."""
+
+    def abort(self, storage: Storage, staging: str, final: str) -> None:
+        """Remove what a failed save left; never a committed checkpoint. Called while the
+        save's own error propagates, so a storage failure here (the store that just failed
+        the save is often still down) is logged, not raised: the leftovers are no
+        checkpoint, and the next save there or ``ddpckpt clean`` removes them."""
+        try:
+            self._remove_leftovers(storage, staging, final)
+        except OSError as exc:
+            _log.warning(
+                "%s: could not remove what the failed save left (%s); it is no checkpoint, "
+                "and the next save there or `ddpckpt clean` removes it",
+                staging,
+                exc,
+            )
+
+    @abc.abstractmethod
+    def _remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
+        """What :meth:`abort` does."""
+
+    @abc.abstractmethod
+    def discard(self, storage: Storage, final: str) -> None:
+        """Delete a committed checkpoint so that a crash midway never leaves a damaged one
+        that still looks committed."""
+
+    @abc.abstractmethod
+    def set_aside(self, storage: Storage, final: str, target: str) -> None:
+        """Move a (broken) checkpoint to ``target``, where it is never loaded."""
+
+    def unfinished(self, storage: Storage, final: str) -> list[str]:
+        """What interrupted saves left inside the committed checkpoint ``final``: no part of
+        it, safe to delete once no save to ``final`` is in flight."""
+        return []
+
+
+class RenameCommit(CommitStrategy):
+    """Write into a temporary sibling ``.D.tmp-<token>``, manifest last, sync, then rename
+    it to ``D``: readers see no ``D`` or a complete one; a crash leaves only a temporary,
+    which :func:`is_temp_name` recognises. Overwriting exchanges the two directories where
+    the store can (``renameat2`` on Linux); elsewhere the old one is renamed aside first."""
+
+    def staging(self, storage: Storage, final: str, token: str, *, overwrite: bool = False) -> str:
+        return temp_name(final, token)
+
+    def exists(self, storage: Storage, final: str) -> bool:
+        return storage.exists(final)
+
+    def begin(self, storage: Storage, final: str, staging: str, *, overwrite: bool) -> None:
+        storage.make_dirs(staging)
+
+    def publish(self, storage: Storage, staging: str, final: str, *, overwrite: bool) -> None:
+        storage.sync_dir(staging)
+        old: str | None = None
+        if not storage.exists(final):
+            storage.rename(staging, final)  # ENOTEMPTY/EEXIST if another process won a race
+        elif not overwrite:
+            raise FileExistsError(errno.EEXIST, "checkpoint already exists", final)
+        elif self._exchange(storage, staging, final):
+            old = staging  # now holds the previous checkpoint
+        else:
+            old = self.staging(storage, final, new_token())
+            storage.rename(final, old)
+            storage.rename(staging, final)
+        storage.sync_dir(storage.parent(final))
+        if old is not None:
+            storage.delete_tree(old)
+
+    def _exchange(self, storage: Storage, a: str, b: str) -> bool:
+        exchange = getattr(storage, "exchange", None)
+        return bool(exchange is not None and exchange(a, b))
+
+    def _remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
+        storage.delete_tree(staging)
+
+    def discard(self, storage: Storage, final: str) -> None:
+        doomed = self.staging(storage, final, new_token())
+        storage.rename(final, doomed)
+        storage.sync_dir(storage.parent(final))
+        storage.delete_tree(doomed)
+
+    def set_aside(self, storage: Storage, final: str, target: str) -> None:
+        storage.rename(final, target)
+
+
+class ManifestLastCommit(CommitStrategy):
+    """For stores without rename: data objects are written under ``D`` itself and the
+    manifest, written last, is the commit. A prefix without a valid manifest is never a
+    checkpoint. Deleting removes the manifest first.
+
+    Overwriting never leaves a moment without a committed checkpoint at ``D``: the new one
+    is written under ``D/.next-<token>/``, manifest last; the commit replaces ``D``'s
+    manifest in one write with that manifest, its object names prefixed by
+    ``.next-<token>/``; only then are the old objects deleted. A failure before that write
+    leaves the old checkpoint (and removes the new objects); one after it, the new one.
+    """
+
+    def staging(self, storage: Storage, final: str, token: str, *, overwrite: bool = False) -> str:
+        return f"{final}/{_NEXT_MARK}{token}" if overwrite else final
+
+    def exists(self, storage: Storage, final: str) -> bool:
+        return storage.exists(f"{final}/{MANIFEST}")
+
+    def begin(self, storage: Storage, final: str, staging: str, *, overwrite: bool) -> None:
+        if self.exists(storage, final):
+            if not overwrite:
+                raise FileExistsError(errno.EEXIST, "checkpoint already exists", final)
+            if staging != final:
+                storage.make_dirs(staging)  # the old checkpoint stays committed meanwhile
+                return
+            self.discard(storage, final)
+        storage.delete_tree(final)  # an interrupted save's leftovers: no checkpoint
+        storage.make_dirs(staging)
+
+    def publish(self, storage: Storage, staging: str, final: str, *, overwrite: bool) -> None:
+        """Nothing left to do for a new checkpoint: the manifest the leader wrote last is
+        the commit. For a replacement, the switch of manifests described above."""
+        if staging == final:
+            return
+        prefix = staging[len(final) + 1 :]
+        manifest = _relocated(storage.read(f"{staging}/{MANIFEST}"), prefix, final)
+        storage.replace(f"{final}/{MANIFEST}", manifest)
+        try:  # committed: what follows only frees space
+            keep = {MANIFEST, *_listed(manifest)}
+            for name in storage.walk(final):
+                if name not in keep:
+                    storage.delete(f"{final}/{name}")
+        except OSError as exc:
+            _log.warning(
+                "%s: replaced, but deleting the objects of the previous save failed (%s); "
+                "they are no part of the checkpoint and go when it is deleted or replaced",
+                final,
+                exc,
+            )
+
+    def _remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
+        if staging != final:
+            if staging[len(final) + 1 :] not in _committed_prefixes(
+                storage, final
+            ):  # not committed
+                storage.delete_tree(staging)
+        elif not self.exists(storage, final):
+            storage.delete_tree(final)
+
+    def discard(self, storage: Storage, final: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            storage.delete(f"{final}/{MANIFEST}")
+        storage.delete_tree(final)
+
+    def unfinished(self, storage: Storage, final: str) -> list[str]:
+        """The ``.next-<token>/`` prefixes of overwrites that never switched the manifest
+        (the process died first); the one the committed manifest names is the checkpoint."""
+        try:  # listed before the manifest is read, so that a commit meanwhile is seen
+            names = storage.list(final)
+            committed = _prefixes(_listed(storage.read(f"{final}/{MANIFEST}")))
+        except FileNotFoundError:
+            return []  # no checkpoint: the whole prefix is an interrupted save's leftover
+        return [
+            f"{final}/{name}"
+            for name in names
+            if name.startswith(_NEXT_MARK) and name not in committed
+        ]
+
+    def set_aside(self, storage: Storage, final: str, target: str) -> None:
+        names = storage.walk(final)
+        for name in sorted(names, key=lambda n: n == MANIFEST):  # the manifest last
+            storage.make_dirs(storage.parent(f"{target}/{name}"))
+            storage.copy(f"{final}/{name}", f"{target}/{name}")
+        self.discard(storage, final)
+
+
+_NEXT_MARK = ".next-"
+
+
+def _listed(manifest: bytes) -> list[str]:
+    """The object names a manifest lists (read without verifying: a cleanup's question)."""
+    try:
+        return list(json.loads(manifest)["files"])
+    except (ValueError, KeyError, TypeError):
+        return []
+
+
+def _committed_prefixes(storage: Storage, final: str) -> set[str]:
+    """The first components of the names the committed manifest at ``final`` lists."""
+    try:
+        return _prefixes(_listed(storage.read(f"{final}/{MANIFEST}")))
+    except FileNotFoundError:
+        return set()
+
+
+def _prefixes(names: list[str]) -> set[str]:
+    return {name.split("/", 1)[0] for name in names if "/" in name}
+
+
+def _relocated(manifest: bytes, prefix: str, where: str) -> bytes:
+    """``manifest`` with every object name under ``prefix/``: what a replacement written
+    under ``D/prefix`` commits as ``D``'s manifest."""
+    from ddpckpt._format.manifest import Manifest  # the format builds on storage, not back
+
+    parsed = Manifest.from_json(manifest, where)
+    parsed.files = {
+        f"{prefix}/{name}": dataclasses.replace(entry, name=f"{prefix}/{name}")
+        for name, entry in parsed.files.items()
+    }
+    parsed.tensors = {
+        key: dataclasses.replace(entry, file=f"{prefix}/{entry.file}")
+        for key, entry in parsed.tensors.items()
+    }
+    return parsed.to_json().encode()

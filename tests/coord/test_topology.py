@@ -1,0 +1,80 @@
+"""Which ranks share storage: node identity, explicit modes, colliding host names."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import ddpckpt._coord.topology as topology
+from ddpckpt._coord.topology import colliding_nodes, node_id, storage_domains
+from ddpckpt.errors import CheckpointError
+
+
+class RankView:
+    """One rank's side of a collective, with the other ranks' answers given up front."""
+
+    def __init__(self, nodes: list[str], local_sizes: list[str | None]) -> None:
+        self.rank, self.world_size, self.token = 0, len(nodes), "t"
+        self.nodes = nodes
+        self.answers = {"local-world": local_sizes}
+
+    def run(self, name: str, fn: Callable[[], Any]) -> Any:
+        return fn()
+
+    def run_reduce(
+        self, name: str, fn: Callable[[], Any], reduce: Callable[[list[Any]], Any]
+    ) -> Any:
+        return reduce(self.answers[name])
+
+
+def machine(monkeypatch, tmp_path, host: str, boot_id: str | None) -> str:
+    monkeypatch.setattr(topology.platform, "node", lambda: host)
+    files = []
+    if boot_id is not None:
+        (tmp_path / "boot_id").write_text(boot_id + "\n")
+        files.append(str(tmp_path / "boot_id"))
+    monkeypatch.setattr(topology, "_MACHINE_FILES", (*files, str(tmp_path / "absent")))
+    return node_id()
+
+
+def test_machines_whose_host_names_collide_are_told_apart(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    one = machine(monkeypatch, tmp_path, "localhost", "e9ab0b37-396d-43e3-8672-126a230cf701")
+    other = machine(monkeypatch, tmp_path, "localhost", "0c4f8a21-5e55-4b1e-9a0e-3f1d2c7b9e44")
+    assert one != other and one.startswith("localhost/")
+    assert machine(monkeypatch, tmp_path, "localhost", "0c4f8a21-5e55-4b1e-9a0e-3f1d2c7b9e44") == (
+        other
+    )  # stable on one machine
+    monkeypatch.setenv("GROUP_RANK", "1")  # torchrun's node rank: simulated nodes on one host
+    assert node_id() == f"{other}/1"
+
+
+def test_node_identity_without_any_machine_file_is_the_host_name(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv("GROUP_RANK", raising=False)
+    assert machine(monkeypatch, tmp_path, "node7", None) == "node7/?"
+
+
+def test_explicit_local_storage_makes_one_domain_per_node(tmp_path) -> None:
+    view = RankView(["a", "a", "b", "b"], ["2"] * 4)
+    assert storage_domains(view, str(tmp_path / "d"), "local") == [[0, 1], [2, 3]]
+    assert storage_domains(view, str(tmp_path / "d"), "shared") == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("mode", ["local", "auto"])
+def test_colliding_node_identities_are_refused_not_merged(tmp_path, mode) -> None:
+    """Four ranks claim one machine that runs two: an explicit "local" used to become one
+    domain, so half the files went to each machine's disk."""
+    view = RankView(["localhost/?"] * 4, ["2"] * 4)
+    with pytest.raises(CheckpointError, match=r"ranks \[0, 1, 2, 3\] report the same machine"):
+        storage_domains(view, str(tmp_path / "d"), mode)
+    assert storage_domains(view, str(tmp_path / "d"), "shared") == [[0, 1, 2, 3]]  # as given
+
+
+def test_collisions_are_found_from_each_machines_rank_count() -> None:
+    assert colliding_nodes([[0, 1, 2, 3]], ["2"] * 4) == [[0, 1, 2, 3]]
+    assert colliding_nodes([[0, 1], [2, 3]], ["2"] * 4) == []
+    assert colliding_nodes([[0, 1, 2, 3]], ["4"] * 4) == []
+    assert colliding_nodes([[0, 1, 2, 3]], [None] * 4) == []  # unknown: nothing to compare
+    assert colliding_nodes([[0, 1, 2], [3]], ["2", "2", "2", "1"]) == [[0, 1, 2]]
