@@ -27,6 +27,7 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/ruff format --check src tests examples benchmarks
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile

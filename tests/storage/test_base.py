@@ -18,11 +18,9 @@ from ddpckpt.storage import (
     ManifestLastCommit,
     RenameCommit,
     Storage,
-    is_temp_name,
-    new_token,
     resolve,
 )
-from ddpckpt.storage._base import MANIFEST, temp_name
+from ddpckpt.storage._base import MANIFEST, is_temp_name, new_token, temp_name
 from ddpckpt.storage._memory import SCHEME
 
 

@@ -8,7 +8,8 @@ import stat
 
 import pytest
 
-from ddpckpt.storage import RenameCommit, is_temp_name
+from ddpckpt.storage import RenameCommit
+from ddpckpt.storage._base import is_temp_name
 from ddpckpt.storage._posix import PosixStorage
 
 storage = PosixStorage()

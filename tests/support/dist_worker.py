@@ -150,7 +150,7 @@ def scenario_train_save(args, rank: int) -> dict[str, Any]:
     random.seed(100 + rank)
     train(ddp, opt, sched, scaler, counter, args.steps)
     path = ddpckpt.save(args.ckpt, model=ddp, optimizer=opt, scheduler=sched, scaler=scaler,
-                        extra={"counter": counter}, step=args.steps, storage=args.storage)  # fmt: skip
+                        extra={"counter": counter}, step=args.steps, sharing=args.storage)  # fmt: skip
     with open(os.path.join(args.ckpt, "manifest.json")) as f:
         manifest = json.load(f)
     return {

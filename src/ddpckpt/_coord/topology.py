@@ -6,7 +6,7 @@ cannot tell, so :func:`storage_domains` asks the file system: one rank per node 
 probe file, every such rank looks for the others', and ranks that see the same probes
 form one *storage domain*. ddpckpt writes one complete copy of a checkpoint per domain.
 
-``storage="shared"`` or ``"local"`` (or ``$DDPCKPT_STORAGE``) skips the probe and is
+``sharing="shared"`` or ``"local"`` (or ``$DDPCKPT_STORAGE``) skips the probe and is
 honoured as given: ``"shared"`` puts all ranks in one domain, ``"local"`` makes one
 domain per node. Nodes are told apart by :func:`node_id` (host name and
 boot id); if that identity still collides (more ranks claim one machine than its
@@ -31,7 +31,7 @@ _MODES = ("auto", "shared", "local")
 
 def resolve_storage_mode(mode: str | None) -> StorageMode:
     """``mode``, else ``$DDPCKPT_STORAGE``, else ``"auto"``; validated."""
-    source = "storage"
+    source = "sharing"
     if mode is None:
         mode = os.environ.get("DDPCKPT_STORAGE", "").strip() or "auto"
         source = "DDPCKPT_STORAGE"
@@ -106,7 +106,7 @@ def _check_nodes(comm: Comm, nodes: list[list[int]], directory: str) -> None:
             f"LOCAL_WORLD_SIZE says each machine runs {size}: several machines "
             "share this identity (same host name, no boot id), so ddpckpt cannot tell which "
             "ranks share a disk. Give the machines distinct host names, or pass "
-            "storage='shared' if this directory is one file system that every machine mounts"
+            "sharing='shared' if this directory is one file system that every machine mounts"
         )
 
 
@@ -161,8 +161,8 @@ def storage_domains(comm: Comm, directory: str, mode: str | None = None) -> list
     if "inconsistent" in verdict:
         raise CheckpointError(
             f"{directory}: nodes see inconsistent sets of each other's files "
-            f"({verdict['inconsistent']}); pass storage='shared' or "
-            "storage='local' to say how this directory is shared"
+            f"({verdict['inconsistent']}); pass sharing='shared' or "
+            "sharing='local' to say how this directory is shared"
         )
     domains: dict[int, list[int]] = {}
     for ranks, number in zip(nodes, verdict["domain"], strict=True):

@@ -13,8 +13,8 @@ import os
 from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from ddpckpt.storage import is_temp_name, storage_for
-from ddpckpt.storage._base import BucketNotFoundError
+from ddpckpt.storage import storage_for
+from ddpckpt.storage._base import BucketNotFoundError, is_temp_name
 
 _log = get_logger(__name__)
 

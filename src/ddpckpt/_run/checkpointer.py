@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ddpckpt._coord.comm import Comm
+from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import AsyncSaver
 from ddpckpt._io.load import load
 from ddpckpt._io.reader import CheckpointInfo
@@ -66,7 +67,7 @@ class Checkpointer:
     back as :attr:`options`): when to save (``every_steps``, ``every_seconds``,
     ``save_policy``, ``preemption``), what to keep (``keep_last``, ``keep_best``, ``monitor``,
     ``mode``, ``retention``), failures (``on_error``, ``retries``, ``retry_backoff``),
-    ``async_save``, and storage (``storage``, ``timeout``, ``lock_stale_after``,
+    ``async_save``, and storage (``sharing``, ``timeout``, ``lock_stale_after``,
     ``read_only``). A failed save logs an ERROR naming the newest good checkpoint (see
     :attr:`last_error`, :attr:`failed_saves`).
 
@@ -104,13 +105,15 @@ class Checkpointer:
         retry_backoff: float = 1.0,
         rng: bool | None = None,
         async_save: bool | str = False,
-        storage: str | None = None,
+        sharing: str | None = None,
         timeout: float | None = None,
         lock_stale_after: float = 600.0,
         read_only: bool = False,
         preemption: bool | Preemption = False,
         storage_options: Mapping[str, Any] | None = None,
+        storage: str | None = None,
     ) -> None:
+        sharing = renamed_argument("Checkpointer", "storage", storage, "sharing", sharing)
         configure(directory, storage_options)  # an s3:// URL's client (ddpckpt.storage)
         self.state = TrainingState.coerce(
             state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
@@ -130,7 +133,7 @@ class Checkpointer:
             retries=retries,
             retry_backoff=retry_backoff,
             async_save=async_save,
-            storage=storage,
+            sharing=sharing,
             timeout=timeout,
             lock_stale_after=lock_stale_after,
             read_only=read_only,

@@ -25,7 +25,8 @@ from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt._run.runlock import LOCK_NAME, RunLock
 from ddpckpt.errors import CheckpointError, CheckpointLockedError, IncompleteCheckpointError
 from ddpckpt.policies import Record, Retention
-from ddpckpt.storage import is_temp_name, storage_for
+from ddpckpt.storage import storage_for
+from ddpckpt.storage._base import is_temp_name
 
 LATEST = "latest"
 RUN_FILE = "run.json"
