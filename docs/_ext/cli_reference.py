@@ -26,13 +26,13 @@ class CliReference(Directive):
         subparsers = next(
             a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
         )
-        out: list[nodes.Node] = [nodes.literal_block(text=parser.format_help().rstrip())]
+        out: list[nodes.Node] = [nodes.literal_block(text=parser.format_help().rstrip(), language="text")]
         for command in COMMANDS:
             section = nodes.section(ids=[f"ddpckpt-{command.name}"])
             section += nodes.title(text=f"ddpckpt {command.name}")
             section += nodes.paragraph(text=command.help[:1].upper() + command.help[1:] + ".")
             help_text = subparsers.choices[command.name].format_help().rstrip()
-            section += nodes.literal_block(text=help_text)
+            section += nodes.literal_block(text=help_text, language="text")
             out.append(section)
         return out
 
