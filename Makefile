@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 # processes (torchrun jobs, servers), so two workers fit a 2-core machine.
 TEST_WORKERS ?= 2
 
-.PHONY: demo bench docs test lint clean
+.PHONY: demo bench docs test test-fast lint clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# The quick loop while developing: one process, no multi-process or slow tests (about a
+# minute); `make test` (what CI runs) is the whole suite.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow and not distributed" -q
 
 clean:
 	rm -rf $(VENV) demo-output bench-output .pytest_cache docs/_build
