@@ -45,6 +45,7 @@ from ddpckpt._run import query
 from ddpckpt._run.options import resolve
 from ddpckpt._run.preemption import Preemption, PreemptionWatch
 from ddpckpt._run.resume import READER_LISTINGS, list_candidates, load_first, nothing_loads
+from ddpckpt._run.rundir import checkpoint_path
 from ddpckpt._run.saving import RunSaves
 from ddpckpt._state.capture import Snapshot, capture
 from ddpckpt._state.training_state import ROLES, TrainingState
@@ -201,7 +202,7 @@ class Checkpointer:
 
     def _load(self, step: int) -> CheckpointInfo:
         """Restore checkpoint ``step`` into the objects; collective."""
-        path, timeout = self._saves.path(step), self.options.storage.timeout
+        path, timeout = checkpoint_path(self.directory, step), self.options.storage.timeout
         return load(path, state=self.state, timeout=timeout)
 
     def should_save(self, step: int) -> bool:

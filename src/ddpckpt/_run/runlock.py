@@ -189,6 +189,12 @@ class RunLock:
             "stops writing here"
         )
 
+    def held_live(self) -> bool:
+        """Whether a live process (this one included) holds the lock now, or is taking it;
+        reads only."""
+        holder = self._read()
+        return holder is not None and self._why_stale(holder) in (None, "ours")
+
     def refresh(self) -> None:
         """Touch the lock, if it is still ours (never another job's)."""
         if self.held:
