@@ -49,7 +49,7 @@ from ddpckpt._run.rundir import checkpoint_path
 from ddpckpt._run.saving import RunSaves
 from ddpckpt._state.capture import Snapshot, capture
 from ddpckpt._state.training_state import ROLES, TrainingState
-from ddpckpt.errors import CheckpointWriteError
+from ddpckpt.errors import CheckpointError
 from ddpckpt.policies import Retention, SavePolicy
 from ddpckpt.storage import configure
 
@@ -314,8 +314,10 @@ class Checkpointer:
         return self._preemption.exit_code if self._preemption is not None else 0
 
     @property
-    def last_error(self) -> CheckpointWriteError | None:
-        """The error of the most recent failed save; ``None`` once a save succeeds."""
+    def last_error(self) -> CheckpointError | None:
+        """The error of the most recent failed save (a :class:`CheckpointWriteError`, or a
+        :class:`CheckpointLockedError` once this job lost the run's lock); ``None`` once a
+        save succeeds."""
         return self._saves.failures.last_error
 
     @property
