@@ -192,6 +192,12 @@ def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
     ]
     specs.append({"action": "enospc", "phase": "data@rank1", "at": rng.choice(writes), "rank": 1})
     specs.append({"action": "flip", "seed": rng.randrange(1 << 30)})
+    # no RENAME_EXCHANGE: rank 0 dies between the two renames replacing step 1 (second
+    # commit rename onto it); the restarted job puts it back on every rank
+    specs.append(
+        {"action": "kill", "phase": "overwrite/commit@rank0", "rank": 0, "at": 1, "keep": 1,
+         "scenario": "overwrite", "match": r"rename \.step-00000001\.tmp-\S+ step-00000001"}
+    )  # fmt: skip
     results = []
     for i, spec in enumerate(specs):
         run, oracle = tmp_path / f"t{i}" / "run", tmp_path / f"t{i}" / "oracle"
@@ -200,9 +206,7 @@ def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
             torchrun_crash("train", str(run), str(oracle))
             spec["note"] = corrupt(str(run), "flip", random.Random(spec["seed"]))
         else:
-            torchrun_crash(
-                "train", str(run), str(oracle), str(spec["at"]), str(spec["rank"]), spec["action"]
-            )
+            torchrun_crash("train", str(run), str(oracle), json.dumps(spec))
         code, out = torchrun_crash("resume", str(run), str(tmp_path / f"t{i}" / "found"))
         found = (
             [json.loads((tmp_path / f"t{i}" / f"found.rank{r}").read_text()) for r in (0, 1)]
@@ -213,5 +217,6 @@ def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
             found = [{"error": f"ranks resumed differently: {found}"}]
         results.append({**spec, "oracle": read_oracle(f"{oracle}.rank0"), "found": found[0]})
     failures = report("crash suite, torchrun 2 ranks", results, capsys)
-    assert len(results) >= 7
+    assert len(results) >= 8
+    assert results[-1]["oracle"]["committed"] == [1]  # died replacing step 1, as planned
     assert not failures, "\n".join(failures)

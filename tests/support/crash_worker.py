@@ -2,7 +2,7 @@
 
     python crash_worker.py calibrate BASE OUT.json       # the events of clean runs, by scenario
     python crash_worker.py trials BASE SPEC.json OUT.json
-    (under torchrun) python crash_worker.py train RUN ORACLE [--at N --action kill] / resume RUN OUT
+    (under torchrun) python crash_worker.py train RUN ORACLE [SPEC-JSON] / resume RUN OUT
 
 Single-process trials fork one child per attempt from this server, which imports torch
 once and never computes itself (so forking is safe): child 1 trains and saves with a
@@ -270,11 +270,18 @@ def main() -> None:
             json.dump(results, f)
     elif mode == "train":  # under torchrun
         dist.init_process_group("gloo")
-        at = int(sys.argv[4]) if len(sys.argv) > 4 and dist.get_rank() == int(sys.argv[5]) else None
-        action = sys.argv[6] if len(sys.argv) > 6 else "kill"
-        faults = Faults(sys.argv[3] + f".rank{dist.get_rank()}", at=at, action=action)
+        spec = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+        mine = spec.get("rank") == dist.get_rank()
+        faults = Faults(
+            sys.argv[3] + f".rank{dist.get_rank()}",
+            at=spec["at"] if mine else None,
+            action=spec.get("action", "kill"),
+            match=spec.get("match"),
+        )
         faults.install()
-        train(sys.argv[2], faults)
+        scenario = spec.get("scenario", "save")
+        in_scenario(scenario)
+        train(sys.argv[2], faults, **SCENARIOS[scenario])
         with open(f"{sys.argv[3]}.events.rank{dist.get_rank()}", "w") as f:
             json.dump(faults.events, f)
         dist.destroy_process_group()

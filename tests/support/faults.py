@@ -43,10 +43,17 @@ def category(kind: str, name: str, target: str = "") -> str:
 
 
 class Faults:
-    def __init__(self, oracle: str, at: int | None = None, action: str = "kill") -> None:
+    """``at``: the number of the event to fault, counting every event, or with ``match``
+    (a regular expression) only the events whose description matches it."""
+
+    def __init__(
+        self, oracle: str, at: int | None = None, action: str = "kill", match: str | None = None
+    ) -> None:
         self.oracle = oracle
         self.at = at
         self.action = action
+        self.match = re.compile(match) if match else None
+        self.matched = 0
         self.count = 0
         self.armed = False
         self.events: list[tuple[str, str]] = []
@@ -73,9 +80,14 @@ class Faults:
     def _event(self, kind: str, name: str, target: str = "") -> None:
         if not self.armed:
             return
-        self.events.append((category(kind, name, target), f"{kind} {name} {target}".strip()))
+        what = f"{kind} {name} {target}".strip()
+        self.events.append((category(kind, name, target), what))
         index = self.count
         self.count += 1
+        if self.match is not None:
+            if not self.match.fullmatch(what):
+                return
+            index, self.matched = self.matched, self.matched + 1
         if index != self.at or self.fired:
             return
         self.fired = True
