@@ -122,7 +122,7 @@ def plan_overwrite_trials(events: list, window: list[int], rng: random.Random) -
 @pytest.mark.slow
 def test_crash_consistency_single_process(tmp_path, capsys) -> None:
     """Also on a file system without RENAME_EXCHANGE: the run keeps one checkpoint and saves
-    each step twice, the second save replacing the first in two renames."""
+    a step twice, the second save replacing the first in two renames."""
     server("calibrate", str(tmp_path / "calibration"), str(tmp_path / "events.json"))
     calibration = json.loads((tmp_path / "events.json").read_text())
     events = calibration["save"]["events"]

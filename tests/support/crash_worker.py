@@ -58,10 +58,9 @@ def train(
     read_only_at: int | None = None,
     overwrite: bool = False,
 ) -> None:
-    """Train and save each step; with ``overwrite``, keep one checkpoint and save each step
-    twice (an every-N save, then an epoch-end save of the same step, after another batch):
-    the second replaces the first. ``faults.window`` is the span of event numbers of the
-    first such replacement."""
+    """Train and save each step; with ``overwrite``, keep one checkpoint and save the first
+    step twice (an every-N save, then an epoch-end save of the same step, after another
+    batch): the second replaces the first; ``faults.window`` is the span of its events."""
     model, opt = build(0)
     ckpt = ddpckpt.Checkpointer(
         run, model=model, optimizer=opt, keep_last=1 if overwrite else KEEP, retries=0, timeout=20
@@ -69,8 +68,9 @@ def train(
     info = ckpt.resume()
     faults.armed = True
     rank = dist.get_rank() if dist.is_initialized() else 0
-    for step in range((info.step + 1) if info else 1, steps + 1):
-        for again in range(2 if overwrite else 1):
+    first = (info.step + 1) if info else 1
+    for step in range(first, steps + 1):
+        for again in range(2 if overwrite and step == first else 1):
             torch.manual_seed(step * 10 + again * 5 + rank)
             opt.zero_grad()
             model(torch.randn(4, 8)).pow(2).mean().backward()
@@ -78,10 +78,10 @@ def train(
             faults.note(f"digest {step} {digest(model, opt)}")
             if step == read_only_at:  # the storage turns read-only under a running job
                 make_read_only(run, True)
-            first = faults.count
+            start = faults.count
             ckpt.save(step)
-            if again and faults.window is None:
-                faults.window = (first, faults.count)
+            if again:
+                faults.window = (start, faults.count)
     faults.armed = False
     ckpt.close()
 
@@ -168,8 +168,8 @@ def calibrate(base: str, scenario: str) -> dict[str, Any]:
     return found
 
 
-# "overwrite": each step saved twice, on a file system without RENAME_EXCHANGE (NFS,
-# Lustre), where replacing step-N takes two renames
+# "overwrite": step 1 saved twice, on a file system without RENAME_EXCHANGE (NFS, Lustre),
+# where replacing step-N takes two renames
 SCENARIOS: dict[str, dict[str, Any]] = {"save": {}, "overwrite": {"steps": 2, "overwrite": True}}
 
 

@@ -31,8 +31,9 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
     directories whose manifest is missing, damaged or lists a file that is missing or of
     the wrong size are skipped. A checkpoint that an interrupted overwrite left as
     ``.name.previous`` (on file systems without an atomic exchange) is put back as ``name``
-    first, unless a live job holds the directory's lock (then that path is returned). A directory that does not exist has none (``None``); an
-    object store's bucket that does not exist raises ``FileNotFoundError``. The tensor data is verified when loaded (or by
+    first, unless a live job holds the directory's lock (then that path is returned). A
+    directory that does not exist has none (``None``); an object store's bucket that does
+    not exist raises ``FileNotFoundError``. The tensor data is verified when loaded (or by
     :func:`ddpckpt.verify`). Local: call it on every rank before a collective ``load``,
     or on rank 0 and broadcast the answer::
 
