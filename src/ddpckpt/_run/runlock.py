@@ -186,9 +186,9 @@ class RunLock:
 
         Raises :class:`CheckpointLockedError` if another job took it over, then and at every
         later call (the lock is lost for good). A lock file that is gone is taken again with
-        a WARNING, the directory created again if it went too (then returns True: the
-        checkpoints went with it); if another job took it meanwhile, it is lost. Does
-        nothing in a process that never took the lock.
+        a WARNING, the directory created again if it went too, and returns True (whatever
+        else was deleted with it is gone); if another job took it meanwhile, it is lost.
+        Does nothing in a process that never took the lock.
         """
         if self.lost is not None:
             raise CheckpointLockedError(self.lost)
@@ -219,7 +219,7 @@ class RunLock:
         raise CheckpointLockedError(self.lost)
 
     def _take_again(self) -> bool:
-        """Take back a lock whose file is gone; True if its directory was gone too."""
+        """Take back a lock whose file is gone; True."""
         vanished = not self._storage.is_dir(self.directory)
         try:
             self.acquire()
@@ -245,7 +245,7 @@ class RunLock:
                 "again; saving goes on",
                 self.path,
             )
-        return vanished
+        return True
 
     def _stop_holding(self) -> None:
         self.held = False

@@ -221,18 +221,21 @@ class RunSaves:
         self.failures.failed(step, exc, newest)
 
     def _newest_good(self) -> str | None:
-        """:meth:`newest` for a failure's message, or ``None`` if there is none, or it is
-        gone (deleted from outside: the run directory removed?)."""
+        """:meth:`newest` for a failure's message, or ``None`` if there is none."""
+        self._forget_if_gone()
+        return None if self.committed is None else self.newest()
+
+    def _forget_if_gone(self) -> None:
+        """Forget the newest committed checkpoint if it is gone (deleted from outside: the
+        run directory removed?)."""
         if self.committed is None:
-            return None
+            return
         store, path = storage_for(self.directory), self.path(self.committed)
         try:
             if not store.commit.exists(store, path):
                 self.committed = None
-                return None
         except OSError:
-            pass  # storage cannot tell now: say what this job knows
-        return self.newest()
+            pass  # storage cannot tell now: keep what this job knows
 
     def close(self) -> None:
         """Local: wait for the save in flight, free the host buffer, release the lock."""
@@ -251,12 +254,13 @@ class RunSaves:
         """
         comm = plan.comm
         try:
-            recreated = comm.run_reduce("lock", lambda: self._check_lock(), any)
+            retaken = comm.run_reduce("lock", lambda: self._check_lock(), any)
         except CheckpointLockedError as exc:
             self.refused = exc
             raise
-        if recreated:  # the checkpoints went with the directory
-            self.committed, self._run_file_written = None, False
+        if retaken:  # deleted with the lock: maybe run.json, maybe checkpoints
+            self._run_file_written = False
+            self._forget_if_gone()
         self.failures.retrying(plan.path, lambda attempt: write_and_commit(plan, attempt))
         self.committed = plan.header["step"]
         try:
@@ -281,8 +285,7 @@ class RunSaves:
             raise CheckpointWriteError(errno.ENOENT, gone)
 
     def _check_lock(self) -> bool:
-        """On leaders: whether the run directory had to be created again (see
-        :meth:`RunLock.check`)."""
+        """On leaders: whether the lock had to be taken again (see :meth:`RunLock.check`)."""
         return self._storage(self.lock.check, "checking the run's lock") if self._leader else False
 
     def _after_commit(self, path: str) -> str | None:
@@ -292,13 +295,14 @@ class RunSaves:
         if not self._leader:
             return None
         try:
-            recreated = self.lock.check()
+            if self.lock.check():
+                self._run_file_written = False
         except CheckpointLockedError as exc:
             raise CheckpointLockedError(
                 f"{exc}. This job's checkpoint {path}, committed just before, was left there; "
                 "'latest' was not moved and nothing was deleted"
             ) from None
-        if recreated or not storage_for(path).exists(os.path.join(path, MANIFEST_NAME)):
+        if not storage_for(path).exists(os.path.join(path, MANIFEST_NAME)):
             return (
                 f"{path} was committed, then deleted from outside at once (the run directory "
                 "removed?); 'latest' was not moved. This save did not survive"
