@@ -157,9 +157,12 @@ def test_a_save_whose_directory_is_removed_under_it_never_reports_success(
     assert outcome is None or async_save  # async: only the path, before writing
     assert ckpt.failed_saves == 0 and not (run / "step-00000002").exists()
     assert "saving step 2 failed" in caplog.text or "a background save failed" in caplog.text
+    assert "(1 consecutive failed save)" in caplog.text  # async: reported by wait() as well
     if removed == "files":
         assert "vanished from" in caplog.text and ckpt.steps() == [1, 3]
+        assert "the newest good checkpoint is still" in caplog.text
     else:
+        assert "the newest good checkpoint is NONE" in caplog.text  # gone with the directory
         assert "was deleted while this job was saving into it" in caplog.text
         assert ckpt.steps() == [3]
     assert (run / "latest").read_text() == "step-00000003\n"
