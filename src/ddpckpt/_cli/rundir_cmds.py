@@ -81,11 +81,13 @@ def _ls_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from ddpckpt._run.rundir import find_leftovers
+    from ddpckpt._run.rundir import find_leftovers, restore_unless_locked
+    from ddpckpt.storage import storage_for
 
     wrong = _not_a_run_directory(args.directory)
     if wrong:
         raise CannotRun(wrong)
+    restore_unless_locked(args.directory, storage_for(args.directory).list(args.directory))
     rows = _ls_rows(args)
     leftovers = find_leftovers(args.directory)
     if not rows and not leftovers and _looks_unrelated(args.directory):

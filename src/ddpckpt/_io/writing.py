@@ -357,7 +357,7 @@ def storage_errors(path: str) -> Iterator[None]:
         raise CheckpointWriteError(
             exc.errno,
             f"{path}: writing the checkpoint failed at {where}: {exc.strerror or exc}. Nothing "
-            "was committed; earlier checkpoints are untouched",
+            "was committed, and this save changed no earlier checkpoint",
         ) from exc
 
 

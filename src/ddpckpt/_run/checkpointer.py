@@ -46,10 +46,11 @@ from ddpckpt._run import query
 from ddpckpt._run.options import resolve
 from ddpckpt._run.preemption import Preemption, PreemptionWatch
 from ddpckpt._run.resume import READER_LISTINGS, list_candidates, load_first, nothing_loads
+from ddpckpt._run.rundir import checkpoint_path
 from ddpckpt._run.saving import RunSaves
 from ddpckpt._state.capture import Snapshot, capture
 from ddpckpt._state.training_state import ROLES, TrainingState
-from ddpckpt.errors import CheckpointWriteError
+from ddpckpt.errors import CheckpointError
 from ddpckpt.policies import Retention, SavePolicy
 from ddpckpt.storage import configure
 
@@ -204,7 +205,7 @@ class Checkpointer:
 
     def _load(self, step: int) -> CheckpointInfo:
         """Restore checkpoint ``step`` into the objects; collective."""
-        path, timeout = self._saves.path(step), self.options.storage.timeout
+        path, timeout = checkpoint_path(self.directory, step), self.options.storage.timeout
         return load(path, state=self.state, timeout=timeout)
 
     def should_save(self, step: int) -> bool:
@@ -316,8 +317,10 @@ class Checkpointer:
         return self._preemption.exit_code if self._preemption is not None else 0
 
     @property
-    def last_error(self) -> CheckpointWriteError | None:
-        """The error of the most recent failed save; ``None`` once a save succeeds."""
+    def last_error(self) -> CheckpointError | None:
+        """The error of the most recent failed save (a :class:`CheckpointWriteError`, or a
+        :class:`CheckpointLockedError` once this job lost the run's lock); ``None`` once a
+        save succeeds."""
         return self._saves.failures.last_error
 
     @property
