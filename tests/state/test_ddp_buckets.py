@@ -184,6 +184,7 @@ def test_checkpoints_record_the_layout_and_read_without_it(process_group, ckpt_d
         (DDPBuckets("unsettled"), None, "saved in DDP's first steps"),
         (DDPBuckets("rebuilt", [["0.weight"]]), None, "do not fit the model's parameters"),
         (DDPBuckets("rebuilt", READY), "builtin hook", "a built-in communication hook"),
+        (DDPBuckets("rebuilt", READY), "other torch", "builds DDP's reducer differently"),
     ],
 )
 def test_what_cannot_be_restored_is_said_from_three_ranks_on(
@@ -192,6 +193,8 @@ def test_what_cannot_be_restored_is_said_from_three_ranks_on(
     ddp = DDP(model())
     if setup == "builtin hook":
         ddp._register_builtin_comm_hook(torch.distributed.BuiltinCommHookType.ALLREDUCE)
+    if setup == "other torch":  # a DDP that never asks for a bucket assignment
+        monkeypatch.setattr(ddp_buckets, "_ASSIGNMENT", "_DEFAULT_FIRST_BUCKET_BYTES")
     for world, warned in ((2, False), (3, True)):
         monkeypatch.setattr(ddp_buckets, "_world_size", lambda ddp, world=world: world)
         caplog.clear()

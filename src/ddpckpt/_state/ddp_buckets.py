@@ -89,11 +89,10 @@ def _reducer(ddp: DistributedDataParallel) -> Any:
 def _reducer_params(ddp: DistributedDataParallel) -> tuple[list[torch.Tensor], list[str]]:
     """The parameters as the reducer indexes them, and their canonical names."""
     params, _ = ddp._build_params_for_reducer()
-    named = {
-        id(p): f"{module_name}.{name}" if module_name else name
-        for module_name, module in ddp.module.named_modules()
-        for name, p in module.named_parameters(recurse=False)
-    }
+    named: dict[int, str] = {}
+    for module_name, module in ddp.module.named_modules():
+        for name, p in module.named_parameters(recurse=False):  # as DDP: first name of a tied one
+            named.setdefault(id(p), f"{module_name}.{name}" if module_name else name)
     return params, [canonical_key(ddp.module, named[id(p)]) for p in params]
 
 
@@ -147,7 +146,7 @@ def _live_layout(
 def _has_reduced(ddp: DistributedDataParallel) -> bool:
     """Whether ``ddp`` has run a synchronised backward: the reducer's per-parameter timings
     are set from the first one on (a static graph's first backward leaves them alone)."""
-    if ddp.static_graph and ddp._static_graph_delay_allreduce_enqueued:
+    if ddp.static_graph and getattr(ddp, "_static_graph_delay_allreduce_enqueued", False):
         return True
     return any(_reducer(ddp).get_backward_stats())
 
@@ -184,7 +183,9 @@ def _warn_inexact(ddp: DistributedDataParallel, where: str, label: str, why: str
 
 def _unsupported(ddp: DistributedDataParallel) -> str | None:
     """Why a new reducer could not be set up as the current one is, if it could not."""
-    if ddp.mixed_precision is not None:
+    if not all(hasattr(ddp, name) for name in _DDP_API) or not hasattr(dist, _ASSIGNMENT):
+        return f"this version of torch ({torch.__version__}) builds DDP's reducer differently"
+    if getattr(ddp, "mixed_precision", None) is not None:
         return "the DDP uses mixed_precision"
     if any(hasattr(p, "_in_backward_optimizers") for p in ddp._module_parameters):
         return "optimizers run in backward (apply_optimizer_in_backward)"
@@ -208,32 +209,43 @@ def _layout_indices(
     return layout
 
 
+# What _install uses of DDP besides the reducer's own methods (torch >= 2.4 has all of them).
+_DDP_API = ("_ddp_init_helper", "_build_params_for_reducer", "_build_debug_param_to_name_mapping",
+            "_comm_hooks", "_module_parameters")  # fmt: skip
+_ASSIGNMENT = "_compute_bucket_assignment_by_size"
+
+
 @contextmanager
-def _assignment(layout: list[list[int]], cap: int) -> Iterator[None]:
-    """DDP's bucket assignment at construction answers ``layout`` while this runs."""
-    original = dist._compute_bucket_assignment_by_size
+def _assignment(layout: list[list[int]], cap: int) -> Iterator[list[bool]]:
+    """DDP's bucket assignment at construction answers ``layout`` while this runs; the list
+    yielded holds True once it was asked."""
+    original = getattr(dist, _ASSIGNMENT)
+    asked: list[bool] = []
 
     def assigned(*args: Any, **kwargs: Any) -> tuple[list[list[int]], list[int]]:
+        asked.append(True)
         # _ddp_init_helper reverses what it gets, to approximate the gradient-ready order.
         return [list(b) for b in reversed(layout)], [cap] * len(layout)
 
-    dist._compute_bucket_assignment_by_size = assigned
+    setattr(dist, _ASSIGNMENT, assigned)
     try:
-        yield
+        yield asked
     finally:
-        dist._compute_bucket_assignment_by_size = original
+        setattr(dist, _ASSIGNMENT, original)
 
 
-def _install(ddp: DistributedDataParallel, layout: list[list[int]] | None) -> None:
+def _install(ddp: DistributedDataParallel, layout: list[list[int]] | None) -> bool:
     """Give ``ddp`` a new reducer laid out as ``layout`` (``None``: DDP's own construction-time
-    layout), set up like the current one. The old reducer's hooks go once the new one is built."""
+    layout), set up like the current one; False if DDP did not take the layout. The old
+    reducer's hooks go once the new one is built (both sets of buckets exist meanwhile)."""
     old = ddp.reducer
     params, expect_sparse = ddp._build_params_for_reducer()
     debug_names = ddp._build_debug_param_to_name_mapping(params)
+    asked = [True]
     if layout is None:
         ddp._ddp_init_helper(params, expect_sparse, debug_names, ddp.static_graph)
     else:
-        with _assignment(layout, ddp.bucket_bytes_cap):
+        with _assignment(layout, ddp.bucket_bytes_cap) as asked:
             ddp._ddp_init_helper(params, expect_sparse, debug_names, ddp.static_graph)
     old._remove_autograd_hooks()
     if ddp.static_graph:
@@ -245,8 +257,9 @@ def _install(ddp: DistributedDataParallel, layout: list[list[int]] | None) -> No
         dist._register_comm_hook(ddp.reducer, state, hook)
     ddp._has_rebuilt_buckets = False
     _installed.pop(ddp, None)
-    if layout is not None:
+    if layout is not None and asked:
         _installed[ddp] = _Installed(id(ddp.reducer), layout)
+    return bool(asked)
 
 
 def restore_buckets(model: nn.Module, saved: DDPBuckets, where: str, label: str) -> None:
@@ -290,5 +303,8 @@ def restore_buckets(model: nn.Module, saved: DDPBuckets, where: str, label: str)
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)  # the new reducer makes it a view
-    _install(ddp, wanted)
+    if not _install(ddp, wanted):
+        _warn_inexact(ddp, where, label, f"this version of torch ({torch.__version__}) builds "
+                      "DDP's reducer differently")  # fmt: skip
+        return
     _log.debug("%s: DDP's gradient buckets of %s restored as saved", where, label)
