@@ -51,7 +51,7 @@ STEPS, EVERY = 12, 5  # 3 optimizer steps (6 micro-batches per rank) make an epo
 KILLS = [["--kill-at=6"], ["--kill-after-epoch=1"], ["--kill-after-epoch=2", "--restart=same"], []]
 
 
-def compare(straight: Path, resumed: Path, nproc: int) -> None:
+def compare(straight: Path, resumed: Path, nproc: int = 2) -> None:
     for rank in range(nproc):
         a, b = losses(straight, rank), losses(resumed, rank)
         assert sorted(a) == list(range(1, STEPS + 1)) and a == b, rank

@@ -205,3 +205,15 @@ def test_what_cannot_be_restored_is_said_from_three_ranks_on(
         "ckpt/step-9: DDP's gradient bucket layout of the model cannot be restored" in caplog.text
     )
     assert "from 3 ranks on" in caplog.text
+
+
+def test_buckets_that_no_longer_match_the_module_are_not_recorded_and_said_so(
+    process_group, caplog
+) -> None:
+    ddp = DDP(model())
+    steps(ddp, 3)
+    ddp.module[0].bias.requires_grad_(False)  # frozen after wrapping: DDP still reduces it
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert record_buckets(ddp) == DDPBuckets("none")
+        assert record_buckets(ddp) == DDPBuckets("none")
+    assert caplog.text.count("do not hold the parameters of the module it wraps") == 1

@@ -69,6 +69,7 @@ class _Installed:
 # The reducers installed at load, per DDP: until DDP logs their rebuild, their layout is known
 # only from here.
 _installed: weakref.WeakKeyDictionary[nn.Module, _Installed] = weakref.WeakKeyDictionary()
+_misfits: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # DDPs warned about at a save
 
 
 def find_ddp(model: nn.Module) -> DistributedDataParallel | None:
@@ -99,16 +100,19 @@ def _reducer_params(ddp: DistributedDataParallel) -> tuple[list[torch.Tensor], l
 def _logged_layout(data: dict[str, Any]) -> list[list[int]] | None:
     """The rebuilt layout from DDP's logging data, once DDP has logged it there."""
     text = data.get("rebuilt_per_bucket_param_indices")
-    if not data.get("has_rebuilt_buckets") or not isinstance(text, str) or not text.strip():
+    if not data.get("has_rebuilt_buckets") or not isinstance(text, str):
         return None
-    return [[int(i) for i in bucket.split()] for bucket in text.split(",")]
+    try:
+        return [[int(i) for i in bucket.split()] for bucket in text.split(",")]
+    except ValueError:  # written otherwise by another torch: the buckets themselves say it
+        return None
 
 
 def _bucket_layout(ddp: DistributedDataParallel, params: list[torch.Tensor]) -> list[list[int]]:
     """The reducer's current buckets, read from the buckets themselves."""
     index = {id(p): i for i, p in enumerate(params)}
     buckets = _reducer(ddp)._get_zeros_like_grad_buckets()
-    return [[index[id(p)] for p in bucket.parameters()] for bucket in buckets]
+    return [[index.get(id(p), -1) for p in bucket.parameters()] for bucket in buckets]
 
 
 def _rebuilds(ddp: DistributedDataParallel) -> bool:
@@ -158,6 +162,17 @@ def record_buckets(model: nn.Module) -> DDPBuckets:
         return DDPBuckets("none")
     params, names = _reducer_params(ddp)
     state, layout = _live_layout(ddp, params)
+    if layout is not None and sorted(i for b in layout for i in b) != list(range(len(params))):
+        if ddp not in _misfits:
+            _misfits.add(ddp)
+            _log.warning(
+                "DDP's gradient buckets do not hold the parameters of the module it wraps (were "
+                "parameters added or frozen after wrapping it?): their layout is not recorded, "
+                "and from 3 ranks on a run resumed from this checkpoint sums its gradients in "
+                "another order than an uninterrupted run and differs from it in the last bits",
+                extra=same_on_every_rank(),
+            )
+        return DDPBuckets("none")
     buckets = [[names[i] for i in bucket] for bucket in layout or []]
     views = ddp.gradient_as_bucket_view and all(
         p.grad is not None and p.grad._is_view() for p in params
