@@ -261,6 +261,8 @@ def test_checkpointer_under_torchrun_agrees_on_every_rank(tmp_path) -> None:
 
 
 def test_checkpointer_on_node_local_storage_survives_losing_a_node(tmp_path) -> None:
+    """Two nodes of 2 ranks; node 1's disk is wiped and the job restarts from node 0's copy,
+    bit-identical to the first job trained on (4 ranks: DDP's bucket layout matters)."""
     nodes = [tmp_path / "node0", tmp_path / "node1"]
     for node in nodes:
         node.mkdir()
@@ -273,6 +275,8 @@ def test_checkpointer_on_node_local_storage_survives_losing_a_node(tmp_path) -> 
     second = torchrun_nodes("checkpointer_run", tmp_path / "b", args=args, cwds=nodes).ok().results
     newest = first[0]["saved"][-1]
     assert {r["started"] for r in second.values()} == {newest + 1}  # node 1 resumed too
+    for rank, result in second.items():
+        assert result["digest"] == first[rank]["continued"], rank  # as if it had never stopped
     steps = [sorted(n for n in os.listdir(node / "run") if n.startswith("step-")) for node in nodes]
     assert steps[0] == steps[1] and len(steps[0]) >= 2
     for name in steps[1]:

@@ -317,8 +317,11 @@ def scenario_roundtrip(args, rank: int) -> dict[str, Any]:
 
 
 def scenario_checkpointer_run(args, rank: int) -> dict[str, Any]:
-    """Train with a Checkpointer (time- and step-based saves), then resume in a new one."""
+    """Train with a Checkpointer (time- and step-based saves), on without saving as far as a
+    job restarted from the newest checkpoint will (``continued``: what that job's ``digest``
+    must be), then resume in a new Checkpointer."""
     model, ddp, opt, sched, scaler, counter = build(seed=args.seed)
+    torch.manual_seed(100 + rank)  # each rank its own batches (identical ones sum exactly)
     saved = []
     with ddpckpt.Checkpointer(
         args.ckpt, model=ddp, optimizer=opt, scheduler=sched, scaler=scaler,
@@ -333,6 +336,9 @@ def scenario_checkpointer_run(args, rank: int) -> dict[str, Any]:
             if ckpt.should_save(step):
                 ckpt.save(step, metrics={"loss": float(step) if saved else 0.0})  # first is best
                 saved.append(step)
+    trained = digest(model, opt)
+    train(ddp, opt, sched, scaler, counter, saved[-1] + 1 - start)
+    continued = digest(model, opt)
     fresh_model, fresh, fresh_opt, fresh_sched, fresh_scaler, fresh_counter = build(
         seed=args.seed + 1
     )
@@ -343,8 +349,9 @@ def scenario_checkpointer_run(args, rank: int) -> dict[str, Any]:
         "started": start,
         "saved": saved,
         "resumed": resumed.step,
-        "digest": digest(model, opt),
+        "digest": trained,
         "resumed_digest": digest(fresh_model, fresh_opt),
+        "continued": continued,
         "listing": listing(args.ckpt),
     }
 

@@ -9,7 +9,8 @@ Each object is stored in the layout :mod:`ddpckpt._format.sections` describes (o
 or several by name).
 
 * **Model** (:mod:`ddpckpt._state.model`): canonical keys, tied weights, what DDP keeps
-  replicated; restored through the module's own ``load_state_dict``.
+  replicated; restored through the module's own ``load_state_dict``. Its DDP's gradient
+  bucket layout (:mod:`ddpckpt._state.ddp_buckets`), which an exact resume needs.
 * **Optimizer** (:mod:`ddpckpt._state.optimizer`): state and param groups keyed by
   *parameter name*, with shapes.
 * **Scheduler, GradScaler, extras** (:mod:`ddpckpt._state.objects`): their
@@ -21,10 +22,8 @@ from __future__ import annotations
 
 from ddpckpt._format.codec import encode
 from ddpckpt._format.sections import NAMED, SINGLE, Layout, StateSections
-from ddpckpt._state.model import (
-    Replication,
-    capture_model,
-)
+from ddpckpt._state.ddp_buckets import record_buckets
+from ddpckpt._state.model import Replication, capture_model
 from ddpckpt._state.objects import capture_extra, capture_stateful
 from ddpckpt._state.optimizer import (
     capture_optimizer,
@@ -53,6 +52,7 @@ def capture(state: TrainingState, *, rng: bool | None = None) -> Snapshot:
     replication = Replication()
     for name, model in state.models.items():
         captured = capture_model(model, snapshot, name, layout)
+        captured.section.ddp_buckets = record_buckets(model)
         sections.models[name] = captured.section
         replication.synced |= captured.replication.synced
         replication.ignored |= captured.replication.ignored

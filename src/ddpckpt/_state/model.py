@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,14 @@ def _inner_attr(module: nn.Module) -> str | None:
 def _optimized_module_type() -> type | None:
     dynamo = sys.modules.get("torch._dynamo.eval_frame")
     return getattr(dynamo, "OptimizedModule", None)
+
+
+def wrappers(model: nn.Module) -> Iterator[nn.Module]:
+    """The wrappers (DDP, DataParallel, torch.compile) around the user's module in
+    ``model``, outermost first."""
+    while (attr := _inner_attr(model)) is not None:
+        yield model
+        model = getattr(model, attr)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
