@@ -17,7 +17,12 @@ training process group:
   rank that makes no progress for ``timeout`` seconds (:mod:`ddpckpt._coord.liveness`);
 * :meth:`Comm.run` runs a step on every rank and gathers the outcome at rank 0: if any
   rank failed, every rank raises the same error with a per-rank report (the local
-  exception chained; see :mod:`ddpckpt._coord.failures`).
+  exception chained; see :mod:`ddpckpt._coord.failures`);
+* a rank that fails between steps (:meth:`Comm.alone`), is interrupted inside one
+  (``KeyboardInterrupt``), or leaves the call with an error (:meth:`Comm.close`) posts its
+  failure for the ranks still in the call, which raise it within a heartbeat period;
+* while rank 0 waits for ranks that have not called yet, it says which, once, after
+  :func:`resolve_wait_notice` seconds.
 
 Only small messages (statuses, plans, file records) travel through the store, by
 :mod:`ddpckpt._coord.exchange`; bulk bytes (rank files, tensors) move point to point over a
@@ -61,6 +66,8 @@ R = TypeVar("R")
 _log = get_logger(__name__)
 
 DEFAULT_TIMEOUT = 600.0
+DEFAULT_WAIT_NOTICE = 10.0
+_ORPHANED = 1 << 32  # added to the call's count of ranks that left by a rank leaving orphans
 
 
 def resolve_timeout(timeout: float | None) -> float:
@@ -78,6 +85,21 @@ def resolve_timeout(timeout: float | None) -> float:
     if not timeout > 0:
         raise ValueError(f"{source} must be a positive number of seconds, got {timeout!r}")
     return float(timeout)
+
+
+def resolve_wait_notice() -> float:
+    """Seconds rank 0 waits for ranks that have not called before saying so:
+    ``$DDPCKPT_WAIT_NOTICE``, else 10."""
+    env = os.environ.get("DDPCKPT_WAIT_NOTICE", "").strip()
+    if not env:
+        return DEFAULT_WAIT_NOTICE
+    try:
+        notice = float(env)
+    except ValueError:
+        raise ValueError(f"DDPCKPT_WAIT_NOTICE={env!r} is not a number of seconds") from None
+    if not notice >= 0:
+        raise ValueError(f"DDPCKPT_WAIT_NOTICE must be a number of seconds >= 0, got {env!r}")
+    return notice
 
 
 class Comm(Exchanges):
@@ -107,6 +129,8 @@ class Comm(Exchanges):
         self._shared_keys: list[str] | None = []
         self._own_keys: list[str] = []  # this rank's, deleted by it when the call closes
         self._liveness: Liveness | None = None
+        self._settled = False
+        self._orphans: list[str] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -134,13 +158,15 @@ class Comm(Exchanges):
         watcher = comm._group.watch_client()
         comm._op = next(comm._group._calls)
         failed = comm._key("failed", "all")
-        comm._liveness = Liveness(comm._group, comm._op, call, comm.timeout, failed)
+        comm._liveness = Liveness(
+            comm._group, comm._op, call, comm.timeout, failed, resolve_wait_notice()
+        )
         comm._share(failed)
         comm._liveness.start(comm._store, watcher, comm._own_connection)
         try:
             comm._enter(path)
-        except BaseException:
-            comm.close()
+        except BaseException as exc:
+            comm.close(exc)
             raise
         return comm
 
@@ -176,20 +202,32 @@ class Comm(Exchanges):
     def __enter__(self) -> Comm:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        self.close(error)
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         """Leave the call: this rank deletes its own keys (its transfer groups' addresses); the
-        last rank to leave deletes the keys the ranks shared."""
+        last rank to leave deletes the keys the ranks shared.
+
+        ``error``: this rank leaves because of it. Unless it is an error every rank raises
+        (one that came through the call's exchanges), it is posted first, so that ranks
+        still waiting in the call raise it at once rather than time out (:meth:`post_failure`).
+        """
+        if error is not None and not self._settled and self._store is not None:
+            self.post_failure(error)
         if self._liveness is not None:
             self._liveness.stop()
         if self._store is not None and self._shared_keys is not None:
             keys, self._shared_keys = self._shared_keys, None
             for key in self._own_keys:  # every rank is past the steps that read them
                 self._store.delete_key(key)
-            closed = self._key("closed", "count")
-            if self._store.add(closed, 1) == self.world_size:  # nobody reads them any more
+            closed, orphans = self._key("closed", "count"), self._key("orphans", "all")
+            if self._orphans:  # listed for the last rank to leave (rank 0 may read them still)
+                self._store.append(orphans, "".join(f"{key}\n" for key in self._orphans))
+            count = self._store.add(closed, 1 + (_ORPHANED if self._orphans else 0))
+            if count % _ORPHANED == self.world_size:  # nobody reads them any more
+                if count >= _ORPHANED:
+                    keys += [*self._store.get(orphans).decode().split(), orphans]
                 for key in [*keys, closed]:
                     self._store.delete_key(key)
             self._group.give_back(self._store, self._own_connection)  # type: ignore[union-attr]
@@ -240,6 +278,28 @@ class Comm(Exchanges):
         self.path = agreed["path"]
 
     # ------------------------------------------------------------------ primitives
+
+    def alone(self, work: Callable[[], T]) -> T:
+        """Run ``work``, which this rank does on its own between collective steps (staging
+        its share, waiting for its copies).
+
+        If it fails, the ranks still in the call raise its error within a heartbeat
+        period (instead of waiting for this rank until the timeout and calling it silent),
+        and this rank raises the same error with its own exception chained, as if the
+        work had been a step of :meth:`run`. ``KeyboardInterrupt`` and the like are posted
+        to the others the same way and raised here unchanged. With one process the
+        exception propagates unchanged.
+        """
+        try:
+            return work()
+        except Exception as exc:
+            if self.world_size == 1 or self._settled:
+                raise
+            raise self.post_failure(exc) from exc
+        except BaseException as exc:
+            if self.world_size > 1 and not self._settled:
+                self.post_failure(exc)
+            raise
 
     def barrier(self, tag: str) -> None:
         """Return once every rank has reached this barrier."""
@@ -333,6 +393,9 @@ class Comm(Exchanges):
         except Exception as exc:
             local = exc
             payload = json.dumps({"error": describe(exc)}).encode()
+        except BaseException as exc:  # KeyboardInterrupt: this rank leaves the call now
+            self.post_failure(exc)
+            raise
         gathered = self._collect(tag, payload, cause=local)
         if gathered is None:  # not the leader: rank 0 sends "all ok", every result or the error
             try:

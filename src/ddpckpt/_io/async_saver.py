@@ -101,16 +101,19 @@ class AsyncSaver:
             if deferred and deferred(n)
             for o in snapshot.stepped_by[n]
         }
-        plan.items, fence = self.pool.stage(plan.items, defer=deferred)
+        comm = plan.comm  # a failure here or in the job reaches every rank at once
+        plan.items, fence = comm.alone(lambda: self.pool.stage(plan.items, defer=deferred))
         for stepper in steppers.values():
             self._fence_before_step(stepper, fence)
 
         def job() -> None:
             try:
-                fence.wait()
+                comm.alone(fence.wait)
                 persist(plan)
-            finally:
-                plan.comm.close()
+            except BaseException as exc:
+                comm.close(exc)
+                raise
+            comm.close()
 
         return self.persister.submit(job, os.path.basename(plan.path))
 

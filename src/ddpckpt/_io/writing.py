@@ -130,13 +130,18 @@ def plan_write(
         with storage_errors(path):  # creating the parent directory may fail
             domains = storage_domains(comm, storage_for(path).parent(path), storage)
     domain = next(d for d in domains if comm.rank in d)
-    sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
-    owners = plan_owners(sizes, domains, snapshot.balanced)[domains.index(domain)]
-    rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
-    rank_metadata = {**_FILE_METADATA, RANK_STATE_KEY: json.dumps(snapshot.rank_state)}
-    rank_blob, rank_file, _ = serialize(
-        file_names(comm.rank)["rank"], rank_items, writer=comm.rank, metadata=rank_metadata
-    )
+
+    def share() -> tuple[dict[str, int], bytes, FileEntry]:  # this rank's own work
+        sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
+        owners = plan_owners(sizes, domains, snapshot.balanced)[domains.index(domain)]
+        rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
+        rank_metadata = {**_FILE_METADATA, RANK_STATE_KEY: json.dumps(snapshot.rank_state)}
+        blob, entry, _ = serialize(
+            file_names(comm.rank)["rank"], rank_items, writer=comm.rank, metadata=rank_metadata
+        )
+        return owners, blob, entry
+
+    owners, rank_blob, rank_file = comm.alone(share)
     values, shared_state, foreign = snapshot.tensors, snapshot.state, {}
     if len(domains) > 1:  # every domain gets a full copy of rank 0's state and all rank files
         bundle = [rank_blob]
