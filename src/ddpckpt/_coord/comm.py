@@ -26,7 +26,7 @@ training process group:
 
 Only small messages (statuses, plans, file records) travel through the store, by
 :mod:`ddpckpt._coord.exchange`; bulk bytes (rank files, tensors) move point to point over a
-gloo group of ddpckpt's own (:mod:`ddpckpt._coord.copies`, :meth:`Comm.transfer_group`).
+gloo group of the two ranks alone (:mod:`ddpckpt._coord.copies`, :meth:`Comm.pair`).
 
 Calls are matched across ranks by order: the n-th ddpckpt collective on one rank meets
 the n-th on every other, so calls must be opened from the training thread (a background
@@ -47,7 +47,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-from ddpckpt._coord.copies import rendezvous_keys, transfer_group
+from ddpckpt._coord.copies import Pair, pair_group, rendezvous_keys
 from ddpckpt._coord.exchange import LEADER, Exchanges
 from ddpckpt._coord.failures import combine, describe, encode_error
 from ddpckpt._coord.liveness import Liveness
@@ -439,9 +439,28 @@ class Comm(Exchanges):
 
     # ------------------------------------------------------------------ tensors
 
-    def transfer_group(self, purpose: str) -> AbstractContextManager[Any]:
-        """A gloo group of this call's ranks for one transfer (``purpose`` names it within the
-        call), shut down on leaving; every rank enters it together, inside a step."""
+    def run_transfer(self, tag: str, step: Callable[[], T]) -> T:
+        """Like :meth:`run`, for a step in which ranks wait for each other point to point
+        (:meth:`pair`): a rank whose step fails posts its failure at once, so that ranks
+        blocked on it in the step stop within a fraction of a second, not at the timeout."""
+
+        def posting() -> T:
+            try:
+                return step()
+            except Exception as exc:
+                if self.world_size > 1 and not self._settled:
+                    self.post_failure(exc)
+                raise
+
+        return self.run(tag, posting)
+
+    def pair(self, purpose: str, peer: int) -> AbstractContextManager[Pair]:
+        """A gloo group of this rank and ``peer`` for one transfer (``purpose`` names it
+        within the call), shut down on leaving; ``peer`` enters it with the same
+        ``purpose``, inside a step of :meth:`run_transfer`."""
         key = f"{self.token}/{purpose}"
-        self._own_keys += rendezvous_keys(key, self.rank)
-        return transfer_group(self._store, key, self.rank, self.world_size, self.timeout)
+        self._own_keys += rendezvous_keys(key, self.rank, peer)
+        failed = self._key("failed", "all")
+        return pair_group(
+            self._store, key, self.rank, peer, self.timeout, lambda: self._store.check([failed])
+        )

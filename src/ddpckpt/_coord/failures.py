@@ -23,6 +23,11 @@ from ddpckpt.errors import (
 )
 
 
+class PeerFailure(Exception):
+    """This rank stopped a transfer because another rank of the call failed; the combined
+    error names that rank's failure, not this echo."""
+
+
 def rank_list(ranks: Sequence[int]) -> str:
     """``ranks`` for a message, runs of three or more shortened: ``"1, 2, 5-9"``."""
     parts: list[str] = []
@@ -105,7 +110,9 @@ def describe(exc: BaseException) -> dict[str, Any]:
 
 
 def combine(call: str, failures: dict[int, dict[str, Any]]) -> CheckpointError:
-    """One error describing every rank's failure, identical on every rank."""
+    """One error describing every rank's failure, identical on every rank (ranks that only
+    stopped because another failed, :class:`PeerFailure`, are left out)."""
+    failures = {r: f for r, f in failures.items() if f["type"] != "PeerFailure"} or failures
     kinds = {f["type"] for f in failures.values()}
     messages = {(f["type"], f["message"]) for f in failures.values()}
     ranks = sorted(failures)

@@ -149,7 +149,7 @@ def plan_write(
             pinned = [(n, t) for n, t in snapshot.tensors.items() if n not in snapshot.balanced]
             state_json = json.dumps(snapshot.state).encode()
             bundle += [state_json, serialize("rank0", pinned, writer=0, metadata={})[0]]
-        received = comm.run("copies", lambda: send_to_leaders(comm, domains, pack(bundle)))
+        received = comm.run_transfer("copies", lambda: send_to_leaders(comm, domains, pack(bundle)))
         foreign = {r: unpack(b)[0] for r, b in received.items()}
         if 0 in received:  # this rank leads a domain without rank 0: it writes rank 0's part
             _, state_json, rank0 = unpack(received[0])
