@@ -233,6 +233,11 @@ class Comm(Exchanges):
             self._group.give_back(self._store, self._own_connection)  # type: ignore[union-attr]
 
     @property
+    def group(self) -> StoreGroup | None:
+        """The ranks of this call and their store (``None`` with one process)."""
+        return self._group
+
+    @property
     def nodes(self) -> list[str]:
         """Every rank's :func:`node_id`, in rank order (fetched from the store when first asked)."""
         if self._nodes is None or len(self._nodes) != self.world_size:
