@@ -5,6 +5,8 @@ user's own process groups. Real processes on two simulated nodes, saving to memo
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import ddpckpt._coord.comm as comm_module
@@ -53,12 +55,19 @@ def test_a_transfer_leaves_no_keys_in_the_store() -> None:
 
 def _copies(domains: list[list[int]]):
     """Every rank sends its bundle to every other domain's first rank (a node-local save's
-    copies step) in one call."""
+    copies step) in one call, which rank 0 leaves last (it then deletes the shared keys)."""
+    others_left = threading.Barrier(sum(len(d) for d in domains))
 
     def body(group: StoreGroup) -> dict[int, bytes]:
-        with Comm.open("ddpckpt.save", timeout=120, group=group) as comm:
-            bundle = b"rank%d" % group.rank * (group.rank + 1)  # sizes differ
-            return comm.run_transfer("copies", lambda: send_to_leaders(comm, domains, bundle))
+        comm = Comm.open("ddpckpt.save", timeout=120, group=group)
+        bundle = b"rank%d" % group.rank * (group.rank + 1)  # sizes differ
+        found = comm.run_transfer("copies", lambda: send_to_leaders(comm, domains, bundle))
+        if group.rank:
+            comm.close()
+        others_left.wait()
+        if not group.rank:
+            comm.close()
+        return found
 
     return body
 
