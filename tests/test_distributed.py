@@ -365,12 +365,15 @@ def test_state_that_is_not_replicated_is_stored_and_restored_per_rank(tmp_path) 
     assert results[0]["saved"]["plain"] != results[1]["saved"]["plain"]
     for rank, result in results.items():
         assert result["loaded"] == result["saved"], rank
+        # saved asynchronously: the EMA compared across ranks on the background thread
+        assert result["ema_hashed_on"] == ["ddpckpt-persist"], result["ema_hashed_on"]
+        assert result["loaded_async"] == {k: result["saved"][k] for k in ("ddp", "ema")}
     assert results[0]["same_writers"] == [0, 1]  # identical state: stored once, both wrote
     ddp, plain = (
         [w for w in results[0]["warnings"] if f"{name}: " in w and "differ" in w]
         for name in ("ddp", "plain")
     )
-    assert len(ddp) == 1 and "extra/ema/" in ddp[0]  # the EMA, not what DDP ignores
+    assert len(ddp) == 1 and "extra/ema/" in ddp[0]  # the EMA, not what DDP ignores; once
     assert "model/2.bias" not in ddp[0] and "wrap it in DistributedDataParallel" in ddp[0]
     assert len(plain) == 1 and "model/weight" in plain[0]
     (astray,) = [w for w in results[0]["warnings"] if "diverged: " in w]

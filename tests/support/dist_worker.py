@@ -233,8 +233,11 @@ def scenario_slow_writer(args, rank: int) -> dict[str, Any]:
     if rank == 1:
         real = checkpoint_module.write_file
 
-        def slow(*a, **k):
-            time.sleep(args.sleep)
+        slept = []
+
+        def slow(*a, **k):  # the first file takes args.sleep seconds
+            if not slept:
+                slept.append(time.sleep(args.sleep))
             return real(*a, **k)
 
         checkpoint_module.write_file = slow
@@ -466,6 +469,23 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
             ema.update_parameters(model)  # a common mistake: the EMA differs between ranks
     saved = {"ddp": digest(model, opt), "ema": ema_digest(ema)}
     ddpckpt.save(os.path.join(args.ckpt, "ddp"), model=ddp, optimizer=opt, extra={"ema": ema})
+    import ddpckpt._coord.consistency as consistency
+
+    hashed_on: set[str] = set()  # the threads that compared the EMA across ranks
+    real_differing = consistency._differing
+
+    def differing(comm, tensors, call, names):
+        if any(n.startswith("extra/ema/") for n in names):
+            hashed_on.add(threading.current_thread().name.split()[0])
+        return real_differing(comm, tensors, call, names)
+
+    consistency._differing = differing
+    pending = ddpckpt.save(os.path.join(args.ckpt, "ddp-async"), model=ddp, optimizer=opt,
+                           extra={"ema": ema}, async_save=True)  # fmt: skip
+    if rank == 0:
+        ema.update_parameters(model)  # after save(): not in the checkpoint
+    pending.wait()
+    consistency._differing = real_differing
 
     torch.manual_seed(rank)  # each rank trains its own plain model
     plain = nn.Linear(4, 2)
@@ -488,6 +508,9 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
     saved_warnings = list(warnings.messages)
 
     model, ddp, opt, ema = objects(5)
+    ddpckpt.load(os.path.join(args.ckpt, "ddp-async"), model=ddp, optimizer=opt, extra={"ema": ema})
+    loaded_async = {"ddp": digest(model, opt), "ema": ema_digest(ema)}
+    model, ddp, opt, ema = objects(5)
     ddpckpt.load(os.path.join(args.ckpt, "ddp"), model=ddp, optimizer=opt, extra={"ema": ema})
     plain = nn.Linear(4, 2)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
@@ -507,6 +530,8 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
             "same": digest(same_again, torch.optim.SGD(same_again.parameters(), lr=1)),
             "diverged": digest(astray, astray_opt),
         },
+        "loaded_async": loaded_async,
+        "ema_hashed_on": sorted(hashed_on),
         "same_writers": writers,
         "warnings": saved_warnings,
     }
@@ -911,10 +936,10 @@ def scenario_copies_after_failure(args, rank: int) -> dict[str, Any]:
     """Node-local storage (memory:// is per process): rank 1 fails inside the copies step of
     save 1 (``--mode first``) or save 2 (``--mode second``); then every later save, a load
     and the user's own ``dist.new_group`` must still work."""
-    import ddpckpt._io.writing as writing
+    import ddpckpt._io.settling as settling
 
     model = build(seed=args.seed)[0]
-    real_send = writing.send_to_leaders
+    real_send = settling.send_to_leaders
     calls = []
 
     def failing_send(comm, domains, bundle):
@@ -923,7 +948,7 @@ def scenario_copies_after_failure(args, rank: int) -> dict[str, Any]:
             raise RuntimeError("rank 1 fails before its send (simulated)")
         return real_send(comm, domains, bundle)
 
-    writing.send_to_leaders = failing_send
+    settling.send_to_leaders = failing_send
     outcomes = []
     for step in (1, 2, 3):
         try:

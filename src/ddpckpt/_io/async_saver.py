@@ -97,12 +97,16 @@ class AsyncSaver:
         deferred = _changes_only_in_step(snapshot) if overlap else None
         steppers = {
             id(o): o
-            for n, _ in plan.items
+            for n, _ in plan.items + plan.checked
             if deferred and deferred(n)
             for o in snapshot.stepped_by[n]
         }
         comm = plan.comm  # a failure here or in the job reaches every rank at once
-        plan.items, fence = comm.alone(lambda: self.pool.stage(plan.items, defer=deferred))
+        parts = (len(plan.items), len(plan.checked))
+        everything = plan.items + plan.checked + plan.rank_items
+        staged, fence = comm.alone(lambda: self.pool.stage(everything, defer=deferred))
+        plan.items, plan.checked = staged[: parts[0]], staged[parts[0] : sum(parts)]
+        plan.rank_items = staged[sum(parts) :]
         for stepper in steppers.values():
             self._fence_before_step(stepper, fence)
 
