@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ddpckpt._coord import liveness
-from ddpckpt._coord.comm import Comm, node_id, resolve_timeout
+from ddpckpt._coord.comm import Comm, node_id
+from ddpckpt._coord.limits import resolve_timeout
 from ddpckpt._coord.store import StoreGroup
 from ddpckpt.errors import (
     CheckpointWriteError,

@@ -33,15 +33,14 @@ the n-th on every other, so calls must be opened from the training thread (a bac
 save keeps using the call its ``save`` opened). The first exchange of each call compares
 the call names, so ``save`` on one rank and ``load`` on another fails at once instead of
 mixing messages. Every key a call writes to the store is deleted when the call is over
-(per-rank keys by their rank once rank 0 replied, shared keys by the last rank to close
-the call), except each rank's heartbeat record, one per rank for the job, and the roster
+(per-rank keys by their rank once rank 0 replied, shared keys, and the parts of ranks
+that stopped at a posted failure, by the last rank to close the call), except each rank's heartbeat record, one per rank for the job, and the roster
 of the ranks that have one.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -50,6 +49,7 @@ from typing import Any, TypeVar
 from ddpckpt._coord.copies import Pair, pair_group, rendezvous_keys
 from ddpckpt._coord.exchange import LEADER, Exchanges
 from ddpckpt._coord.failures import combine, describe, encode_error
+from ddpckpt._coord.limits import DEFAULT_TIMEOUT, resolve_timeout, resolve_wait_notice
 from ddpckpt._coord.liveness import Liveness
 from ddpckpt._coord.store import (
     StoreGroup,
@@ -65,41 +65,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 _log = get_logger(__name__)
 
-DEFAULT_TIMEOUT = 600.0
-DEFAULT_WAIT_NOTICE = 10.0
 _ORPHANED = 1 << 32  # added to the call's count of ranks that left by a rank leaving orphans
-
-
-def resolve_timeout(timeout: float | None) -> float:
-    """The effective timeout: ``timeout``, else ``$DDPCKPT_TIMEOUT``, else 600 seconds."""
-    source = "timeout"
-    if timeout is None:
-        env = os.environ.get("DDPCKPT_TIMEOUT", "").strip()
-        if not env:
-            return DEFAULT_TIMEOUT
-        source = "DDPCKPT_TIMEOUT"
-        try:
-            timeout = float(env)
-        except ValueError:
-            raise ValueError(f"DDPCKPT_TIMEOUT={env!r} is not a number of seconds") from None
-    if not timeout > 0:
-        raise ValueError(f"{source} must be a positive number of seconds, got {timeout!r}")
-    return float(timeout)
-
-
-def resolve_wait_notice() -> float:
-    """Seconds rank 0 waits for ranks that have not called before saying so:
-    ``$DDPCKPT_WAIT_NOTICE``, else 10."""
-    env = os.environ.get("DDPCKPT_WAIT_NOTICE", "").strip()
-    if not env:
-        return DEFAULT_WAIT_NOTICE
-    try:
-        notice = float(env)
-    except ValueError:
-        raise ValueError(f"DDPCKPT_WAIT_NOTICE={env!r} is not a number of seconds") from None
-    if not notice >= 0:
-        raise ValueError(f"DDPCKPT_WAIT_NOTICE must be a number of seconds >= 0, got {env!r}")
-    return notice
 
 
 class Comm(Exchanges):
@@ -283,28 +249,6 @@ class Comm(Exchanges):
         self.path = agreed["path"]
 
     # ------------------------------------------------------------------ primitives
-
-    def alone(self, work: Callable[[], T]) -> T:
-        """Run ``work``, which this rank does on its own between collective steps (staging
-        its share, waiting for its copies).
-
-        If it fails, the ranks still in the call raise its error within a heartbeat
-        period (instead of waiting for this rank until the timeout and calling it silent),
-        and this rank raises the same error with its own exception chained, as if the
-        work had been a step of :meth:`run`. ``KeyboardInterrupt`` and the like are posted
-        to the others the same way and raised here unchanged. With one process the
-        exception propagates unchanged.
-        """
-        try:
-            return work()
-        except Exception as exc:
-            if self.world_size == 1 or self._settled:
-                raise
-            raise self.post_failure(exc) from exc
-        except BaseException as exc:
-            if self.world_size > 1 and not self._settled:
-                self.post_failure(exc)
-            raise
 
     def barrier(self, tag: str) -> None:
         """Return once every rank has reached this barrier."""

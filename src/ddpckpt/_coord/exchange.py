@@ -18,7 +18,8 @@ the whole timeout.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ddpckpt._coord.failures import (
     combine,
@@ -32,6 +33,7 @@ from ddpckpt._coord.liveness import Liveness, Watch
 from ddpckpt._coord.store import multi_get, namespace, pack, unpack
 from ddpckpt.errors import CheckpointError
 
+T = TypeVar("T")
 LEADER = 0
 _MARKERS = (b"T", b"P", b"A")  # set by rank 0's heartbeat: silent, pending, a failure posted
 
@@ -81,6 +83,28 @@ class Exchanges:
             return payload  # type: ignore[return-value]
         self._live.wait(Watch(tag, {src: key}, self._exchanges, gather=False))
         return self._unwrap(self._store.get(key))
+
+    def alone(self, work: Callable[[], T]) -> T:
+        """Run ``work``, which this rank does on its own between collective steps (staging
+        its share, waiting for its copies).
+
+        If it fails, the ranks still in the call raise its error within a heartbeat
+        period (instead of waiting for this rank until the timeout and calling it silent),
+        and this rank raises the same error with its own exception chained, as if the
+        work had been a step of :meth:`run`. ``KeyboardInterrupt`` and the like are posted
+        to the others the same way and raised here unchanged. With one process the
+        exception propagates unchanged.
+        """
+        try:
+            return work()
+        except Exception as exc:
+            if self.world_size == 1 or self._settled:
+                raise
+            raise self.post_failure(exc) from exc
+        except BaseException as exc:
+            if self.world_size > 1 and not self._settled:
+                self.post_failure(exc)
+            raise
 
     def _collect(
         self, tag: str, payload: bytes, cause: BaseException | None = None
