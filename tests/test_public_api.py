@@ -12,7 +12,17 @@ import torch
 
 import ddpckpt
 
-PUBLIC = ("ddpckpt", "ddpckpt.data", "ddpckpt.errors", "ddpckpt.policies", "ddpckpt.storage")
+PUBLIC = (
+    "ddpckpt",
+    "ddpckpt.data",
+    "ddpckpt.errors",
+    "ddpckpt.events",
+    "ddpckpt.policies",
+    "ddpckpt.storage",
+    "ddpckpt.integrations.accelerate",
+    "ddpckpt.integrations.lightning",
+    "ddpckpt.integrations.transformers",
+)
 
 
 @pytest.mark.parametrize("module", PUBLIC)
@@ -29,7 +39,7 @@ def test_internal_modules_are_private_and_export_nothing() -> None:
     for path in root.rglob("*.py"):
         parts = path.relative_to(root).with_suffix("").parts
         name = ".".join(("ddpckpt", *parts)).removesuffix(".__init__")
-        if name in PUBLIC or name in {"ddpckpt.storage.s3", "ddpckpt.storage.fsspec"}:
+        if name in PUBLIC or name in {"ddpckpt.storage.s3", "ddpckpt.storage.fsspec", "ddpckpt.integrations"}:
             continue
         assert any(p.startswith("_") for p in parts) or parts[0] == "examples", name
         assert "__all__" not in path.read_text(), f"{name} is internal but has __all__"

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ddpckpt import events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.consistency import check_replicated
 from ddpckpt._coord.copies import send_to_leaders
@@ -208,6 +209,7 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
         if plan.leader:
             store.commit.abort(store, tmp, path)
         raise
+    events.committed(path, plan.header["step"])
     return path
 
 

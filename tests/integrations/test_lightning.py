@@ -1,0 +1,113 @@
+"""ddpckpt.integrations.lightning against the real Lightning: a DDP run SIGKILLed inside an
+epoch resumes bit for bit; the CheckpointIO on its own; a missing Lightning."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddpckpt
+
+pytest.importorskip("lightning", reason="the lightning extra is not installed")
+
+from ddpckpt.integrations.lightning import DdpckptCheckpointIO
+from launch import WORKER, free_port, processes
+
+SCRIPT = WORKER.with_name("lightning_worker.py")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_run_killed_inside_an_epoch_resumes_bit_for_bit(tmp_path: Path) -> None:
+    ports = ",".join(str(free_port()) for _ in range(3))
+    run = processes("ddpckpt", tmp_path, args=["--ports", ports], script=SCRIPT, timeout=240).ok()
+    for rank in (0, 1):
+        result = run.result(rank)
+        assert result["resumed_from"] == 9  # inside the second epoch (8 steps each)
+        reference = result["reference"]["losses"]
+        assert result["losses"] == {s: v for s, v in reference.items() if int(s) > 9}
+        assert len(result["losses"]) == 7
+        assert result["weights"] == result["reference"]["weights"]
+    steps = [step for step, metrics in run.result(0)["logged"]]
+    assert steps == [12, 12, 15, 15]  # the checkpoints after the resume, and last.ckpt
+    for _, metrics in run.result(0)["logged"]:
+        assert metrics["checkpoint/size_bytes"] > 0 and metrics["checkpoint/verified"] == 1.0
+    last = tmp_path / "checkpoints-ddpckpt" / "last.ckpt"
+    assert (last / "manifest.json").is_file()
+    ddpckpt.verify(str(last))
+
+
+def test_the_checkpoint_io_round_trips_lightnings_dict(tmp_path: Path) -> None:
+    from lightning.pytorch.utilities.parsing import AttributeDict
+
+    io = DdpckptCheckpointIO()
+    checkpoint = {
+        "state_dict": {"w": torch.arange(4.0)},
+        "hyper_parameters": AttributeDict(lr=0.1, layers=[4, 2]),
+        "epoch": 1,
+        "global_step": 9,
+    }
+    path = tmp_path / "epoch=1-step=9.ckpt"
+    io.save_checkpoint(checkpoint, path)
+    io.save_checkpoint({**checkpoint, "global_step": 10}, path)  # last.ckpt: saved again
+    loaded = io.load_checkpoint(path, weights_only=True)
+    assert loaded["global_step"] == 10
+    assert loaded["hyper_parameters"] == {"lr": 0.1, "layers": [4, 2]}
+    assert torch.equal(loaded["state_dict"]["w"], torch.arange(4.0))
+    assert ddpckpt.latest(tmp_path) == str(path)
+    io.remove_checkpoint(path)
+    assert not path.exists()
+    io.remove_checkpoint(path)  # gone already: nothing to do
+
+
+def test_a_file_that_is_not_a_checkpoint_is_not_removed(tmp_path: Path, caplog) -> None:
+    path = tmp_path / "old.ckpt"
+    path.write_bytes(b"a torch.save file")
+    DdpckptCheckpointIO().remove_checkpoint(path)
+    assert path.exists()
+    assert "not a ddpckpt checkpoint" in caplog.text
+
+
+def test_it_composes_with_lightnings_async_checkpoint_io(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    io = AsyncCheckpointIO(DdpckptCheckpointIO())
+    weights = torch.ones(3)
+    io.save_checkpoint({"state_dict": {"w": weights}, "global_step": 1}, tmp_path / "a.ckpt")
+    weights.add_(1)  # training goes on while the save runs: the checkpoint keeps the old value
+    io.teardown()  # waits for the save
+    loaded = DdpckptCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
+    assert torch.equal(loaded["state_dict"]["w"], torch.ones(3))
+
+
+def test_without_lightning_the_import_names_the_extra(tmp_path: Path) -> None:
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text(
+        "import importlib.abc, sys\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'lightning':\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", "import ddpckpt.integrations.lightning"],
+        capture_output=True, text=True, env=env, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == (
+        "ImportError: ddpckpt.integrations.lightning needs PyTorch Lightning, which is not "
+        "installed: pip install 'ddpckpt[lightning]'"
+    ), done.stderr
+    assert json is not None
