@@ -3,10 +3,6 @@ epoch resumes bit for bit; the CheckpointIO on its own; a missing Lightning."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +13,8 @@ import ddpckpt
 pytest.importorskip("lightning", reason="the lightning extra is not installed")
 
 from ddpckpt.integrations.lightning import DdpckptCheckpointIO
-from launch import WORKER, free_port, processes
+from killed_run import assert_resumed_exactly, launch_killed_run
+from launch import WORKER
 
 SCRIPT = WORKER.with_name("lightning_worker.py")
 
@@ -25,15 +22,8 @@ SCRIPT = WORKER.with_name("lightning_worker.py")
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_run_killed_inside_an_epoch_resumes_bit_for_bit(tmp_path: Path) -> None:
-    ports = ",".join(str(free_port()) for _ in range(3))
-    run = processes("ddpckpt", tmp_path, args=["--ports", ports], script=SCRIPT, timeout=240).ok()
-    for rank in (0, 1):
-        result = run.result(rank)
-        assert result["resumed_from"] == 9  # inside the second epoch (8 steps each)
-        reference = result["reference"]["losses"]
-        assert result["losses"] == {s: v for s, v in reference.items() if int(s) > 9}
-        assert len(result["losses"]) == 7
-        assert result["weights"] == result["reference"]["weights"]
+    run = launch_killed_run(SCRIPT, tmp_path)
+    assert_resumed_exactly(run, resumed_from=9, steps=7)  # inside the second epoch of 8 steps
     steps = [step for step, metrics in run.result(0)["logged"]]
     assert steps == [12, 12, 15, 15]  # the checkpoints after the resume, and last.ckpt
     for _, metrics in run.result(0)["logged"]:
@@ -84,30 +74,3 @@ def test_it_composes_with_lightnings_async_checkpoint_io(tmp_path: Path) -> None
     io.teardown()  # waits for the save
     loaded = DdpckptCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
     assert torch.equal(loaded["state_dict"]["w"], torch.ones(3))
-
-
-def test_without_lightning_the_import_names_the_extra(tmp_path: Path) -> None:
-    blocker = tmp_path / "sitecustomize.py"
-    blocker.write_text(
-        "import importlib.abc, sys\n"
-        "class Block(importlib.abc.MetaPathFinder):\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] == 'lightning':\n"
-        "            raise ModuleNotFoundError(name)\n"
-        "sys.meta_path.insert(0, Block())\n"
-    )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-    }
-    done = subprocess.run(
-        [sys.executable, "-c", "import ddpckpt.integrations.lightning"],
-        capture_output=True, text=True, env=env, timeout=120, check=False,
-    )  # fmt: skip
-    assert done.returncode == 1
-    last = done.stderr.strip().splitlines()[-1]
-    assert last == (
-        "ImportError: ddpckpt.integrations.lightning needs PyTorch Lightning, which is not "
-        "installed: pip install 'ddpckpt[lightning]'"
-    ), done.stderr
-    assert json is not None

@@ -11,7 +11,6 @@ step 11, so the run resumes from step 9, inside the second epoch.
 
 from __future__ import annotations
 
-import argparse
 import time
 import warnings
 from pathlib import Path
@@ -25,7 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddpckpt.integrations.lightning import DdpckptCheckpointIO, ExactResume
-from killed_run import kill_if_due, rank, run_phases, weights_digest
+from killed_run import batch_digest, kill_if_due, main, rank, weights_digest
 
 EPOCHS, EVERY, KILL_AT = 2, 3, 11
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -57,9 +56,13 @@ class Record(pl.Callback):
     def __init__(self, kill_at: int | None) -> None:
         self.kill_at = kill_at
         self.losses: dict[int, float] = {}
+        self.batches: dict[int, str] = {}
 
-    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, *_: Any) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, *_: Any
+    ) -> None:
         self.losses[trainer.global_step] = outputs["loss"].item()
+        self.batches[trainer.global_step] = batch_digest(*batch)
         kill_if_due(trainer.global_step, self.kill_at)
 
 
@@ -98,6 +101,7 @@ def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[s
     trainer.fit(module, ckpt_path="last" if resume else None)
     return {
         "losses": record.losses,
+        "batches": record.batches,
         "weights": weights_digest(module),
         "seconds": time.monotonic() - started,
         "logged": [
@@ -106,15 +110,5 @@ def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[s
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["ddpckpt", "own", "io", "callback"])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--ports", required=True)
-    args = parser.parse_args()
-    ports = [int(p) for p in args.ports.split(",")]
-    run_phases(args.out, ports, KILL_AT, lambda *a: fit(args.mode, *a), args.mode)
-
-
 if __name__ == "__main__":
-    main()
+    main(fit, ["ddpckpt", "own", "io", "callback"], KILL_AT)
