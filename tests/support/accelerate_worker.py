@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ddpckpt
 from ddpckpt.integrations.accelerate import load_state, save_state, training_state
-from killed_run import batch_digest, kill_if_due, main, rank, weights_digest
+from killed_run import batch_digest, kill_if_due, main, rank, weights_digest, width
 
 EPOCHS, EVERY, KILL_AT, BATCHES = 2, 3, 11, 8
 
@@ -60,7 +60,10 @@ def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[s
     accelerator = Accelerator(cpu=True, log_with=[tracker])
     accelerator.init_trackers("run")
     torch.manual_seed(100 + rank())  # dropout: each process its own stream
-    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 2))
+    w = width()
+    model = nn.Sequential(
+        nn.Linear(8, w), nn.Dropout(0.3), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 2)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
     generator = torch.Generator().manual_seed(1)

@@ -64,6 +64,11 @@ def assert_resumed_exactly(run: Any, resumed_from: int, steps: int) -> None:
         assert result["weights"] == reference["weights"], rank
 
 
+def width() -> int:
+    """The models' hidden width: tiny for the tests, larger for benchmarks/integrations.py."""
+    return int(os.environ.get("KILLED_RUN_WIDTH", "16"))
+
+
 def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 

@@ -5,7 +5,8 @@
     (io: DdpckptCheckpointIO alone; callback: ExactResume with Lightning's own CheckpointIO)
 
 Two epochs of 8 steps per rank (a shuffling DistributedSampler, a loader worker, dropout
-whose random stream differs per rank), a checkpoint every 3 steps; rank 1 is killed after
+whose random stream differs per rank), a checkpoint every 3 steps, a validation after every
+step (the resumed run does not repeat the one after its checkpoint); rank 1 is killed after
 step 11, so the run resumes from step 9, inside the second epoch.
 """
 
@@ -24,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddpckpt.integrations.lightning import DdpckptCheckpointIO, ExactResume
-from killed_run import batch_digest, kill_if_due, main, rank, weights_digest
+from killed_run import batch_digest, kill_if_due, main, rank, weights_digest, width
 
 EPOCHS, EVERY, KILL_AT = 2, 3, 11
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -34,11 +35,23 @@ warnings.filterwarnings("ignore", ".*smaller than the logging interval.*")
 class Net(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 2))
+        w = width()
+        self.net = nn.Sequential(
+            nn.Linear(8, w), nn.Dropout(0.3), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, 2)
+        )
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         inputs, targets = batch
         return nn.functional.cross_entropy(self.net(inputs), targets)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        inputs, targets = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(inputs), targets))
+
+    def val_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(2)
+        data = TensorDataset(torch.randn(16, 8, generator=generator), torch.randint(0, 2, (16,)))
+        return DataLoader(data, batch_size=4)
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
@@ -96,7 +109,17 @@ def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[s
         callbacks=[record, checkpoints, *([ExactResume()] if callback else [])],
         plugins=[DdpckptCheckpointIO()] if io else None, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
+        val_check_interval=1, limit_val_batches=1,  # after every step: the resumed run skips one
     )  # fmt: skip
+    saves: list[float] = []
+    save = trainer.save_checkpoint
+
+    def timed_save(*args: Any, **kwargs: Any) -> None:
+        started = time.monotonic()
+        save(*args, **kwargs)
+        saves.append(time.monotonic() - started)
+
+    trainer.save_checkpoint = timed_save  # type: ignore[method-assign]
     started = time.monotonic()
     trainer.fit(module, ckpt_path="last" if resume else None)
     return {
@@ -104,6 +127,7 @@ def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[s
         "batches": record.batches,
         "weights": weights_digest(module),
         "seconds": time.monotonic() - started,
+        "saves": saves,
         "logged": [
             (s, m) for s, m in metrics.logged if any(k.startswith("checkpoint/") for k in m)
         ],

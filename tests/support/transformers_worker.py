@@ -21,7 +21,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from transformers.utils import logging as hf_logging
 
 from ddpckpt.integrations.transformers import DdpckptTrainer, export_pretrained
-from killed_run import batch_digest, kill_if_due, main, rank, weights_digest
+from killed_run import batch_digest, kill_if_due, main, rank, weights_digest, width
 
 KILL_AT = 11
 hf_logging.set_verbosity_error()
@@ -73,7 +73,7 @@ def recording(base: type[Trainer]) -> type[Trainer]:
 def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[str, Any]:
     """One training run (in a forked child); what to compare, and what it logged."""
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
+    config = GPT2Config(vocab_size=32, n_positions=8, n_embd=width(), n_layer=1, n_head=2)
     model = GPT2LMHeadModel(config)
     args = TrainingArguments(
         output_dir=str(directory), per_device_train_batch_size=4, num_train_epochs=2,

@@ -148,6 +148,8 @@ class ExactResume(Callback):
         self._training_streams: dict[str, Any] | None = None  # during validation
         self._events: list[SaveEvent] = []
         self._undo: list[Callable[[], None]] = []
+        self._batches_per_epoch: int | None = None  # Lightning's limit, when it has one
+        self._resumed = False  # the streams were restored for the first pass after a resume
 
     # ------------------------------------------------------------------ set-up
 
@@ -161,11 +163,14 @@ class ExactResume(Callback):
                 f"ExactResume does not know this Lightning ({pl.__version__}): its fit loop "
                 "has no _load_combined_loader_states; ddpckpt was tested with Lightning 2.6"
             )
-        load_states, run_validation = fit_loop._load_combined_loader_states, val_loop.run
+        load_states, reset = fit_loop._load_combined_loader_states, fit_loop.reset
+        run_validation = val_loop.run
         fit_loop._load_combined_loader_states = lambda: self._before_pass(trainer, load_states)
+        fit_loop.reset = lambda: self._after_pass_began(reset)
         val_loop.run = lambda: self._isolated(run_validation)
         self._undo = [
             lambda: vars(fit_loop).pop("_load_combined_loader_states", None),
+            lambda: vars(fit_loop).pop("reset", None),
             lambda: vars(val_loop).pop("run", None),
         ]
         if self.log_checkpoints:
@@ -213,7 +218,20 @@ class ExactResume(Callback):
             )
         for loader, state in zip(self._loaders, pending["loaders"], strict=True):
             loader.load_state_dict(state)
-        restore_streams(pending["rng"], "ExactResume")
+        restore_streams(pending["rng"], "ExactResume")  # what a new pass draws from, as saved
+        self._resumed = True
+
+    def _after_pass_began(self, reset: Callable[[], None]) -> None:
+        """Right after the first ``iter()`` of a resumed run: the random streams as they are
+        now are those of the saved run; what Lightning and the user's hooks draw from here
+        to the first batch (a ``val_dataloader()`` building its data, ``on_train_start``)
+        the saved run drew before its checkpoint. They are set back right before the first
+        batch is taken."""
+        if self._resumed and self._loaders:
+            self._resumed = False
+            streams = capture_streams()
+            self._loaders[0]._ddpckpt_before_next = lambda: restore_streams(streams, "ExactResume")
+        reset()
 
     def _isolated(self, run_validation: Callable[[], Any]) -> Any:
         """Validation on a copy of the random streams: training's continue as if it had not run."""
@@ -262,11 +280,8 @@ class ExactResume(Callback):
         }
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._batches_per_epoch = trainer.num_training_batches
-        if isinstance(self._batches_per_epoch, float):  # inf: no length
-            self._batches_per_epoch = None
-
-    _batches_per_epoch: int | None = None
+        batches = trainer.num_training_batches
+        self._batches_per_epoch = None if batches == float("inf") else int(batches)
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]

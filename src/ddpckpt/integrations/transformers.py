@@ -97,11 +97,13 @@ class DdpckptTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, save_options: dict[str, Any] | None = None, **kwargs: Any):
+        if (save_options or {}).get("async_save"):
+            raise ValueError(
+                "DdpckptTrainer saves synchronously: leave async_save out of save_options"
+            )
         super().__init__(*args, **kwargs)
         self._save_options = dict(save_options or {})
         self._per_rank = _PerRankRun(self)
-        self._events: list[SaveEvent] = []
-        add_listener(self._events.append)
 
     # ------------------------------------------------------------------ saving
 
@@ -141,12 +143,25 @@ class DdpckptTrainer(Trainer):
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if self.state.best_global_step == step or _is_checkpoint(best):
                 self.state.best_model_checkpoint = best
-        ddpckpt.save(output_dir, self._ddpckpt_state(), step=step, overwrite=True,
-                     **self._save_options)  # fmt: skip
+        events: list[SaveEvent] = []
+        stop_listening = add_listener(
+            events.append
+        )  # a synchronous save: reported before it returns
+        try:
+            ddpckpt.save(output_dir, self._ddpckpt_state(), step=step, overwrite=True,
+                         **self._save_options)  # fmt: skip
+        finally:
+            stop_listening()
         if self.args.should_save:
             _write_trainer_state(output_dir, _state_json(self.state))
             self._rotate(run_dir)
-        self._report()
+        for event in events:
+            self.log({
+                "checkpoint/stall_s": event.stall_seconds,
+                "checkpoint/durable_s": event.durable_seconds,
+                "checkpoint/size_bytes": event.nbytes,
+                "checkpoint/verified": int(event.verified),
+            })  # fmt: skip
 
     def _rotate(self, run_dir: str) -> None:
         """Keep ``save_total_limit`` checkpoints: the newest and the best always."""
@@ -158,16 +173,6 @@ class DdpckptTrainer(Trainer):
         extra = len(found) - max(limit, len(keep))
         for path in [c for c in found if c not in keep][: max(0, extra)]:
             ddpckpt.remove_checkpoint(path)
-
-    def _report(self) -> None:
-        while self._events:
-            event = self._events.pop(0)
-            self.log({
-                "checkpoint/stall_s": event.stall_seconds,
-                "checkpoint/durable_s": event.durable_seconds,
-                "checkpoint/size_bytes": event.nbytes,
-                "checkpoint/verified": int(event.verified),
-            })  # fmt: skip
 
     # ------------------------------------------------------------------ resuming
 
