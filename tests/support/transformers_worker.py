@@ -5,7 +5,8 @@
 
 A tiny GPT-2 (dropout, tied embeddings), two epochs of 8 steps per process (the Trainer's
 shuffled sampler), a checkpoint every 3 steps, the loss logged every 2 (so a resume from
-step 9 must restore the loss accumulated since step 8); process 1 is killed after step 11.
+step 9 must restore the loss accumulated since step 8); process 1 is killed after step 11,
+and step 9's checkpoint lost its trainer_state.json (written after the commit).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from transformers.utils import logging as hf_logging
 from ddpckpt.integrations.transformers import DdpckptTrainer, export_pretrained
 from killed_run import batch_digest, kill_if_due, main, rank, weights_digest, width
 
-KILL_AT = 11
+KILL_AT, RESUMED_FROM = 11, 9
 hf_logging.set_verbosity_error()
 logging.getLogger("ddpckpt").setLevel(logging.WARNING)
 
@@ -40,8 +41,15 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class Kill(TrainerCallback):
+    """Kills process 1 after step ``kill_at``; before, takes away the trainer_state.json of
+    the checkpoint the run will resume from (as a kill right after its commit would)."""
+
     def __init__(self, kill_at: int | None) -> None:
         self.kill_at = kill_at
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.kill_at is not None and state.global_step == RESUMED_FROM and rank() == 0:
+            Path(args.output_dir, f"checkpoint-{RESUMED_FROM}", "trainer_state.json").unlink()
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         kill_if_due(state.global_step, self.kill_at)

@@ -110,16 +110,18 @@ def own_streams(ranks: list[dict[str, Any]], where: str) -> dict[str, Any]:
     """
     if not ranks:
         raise CorruptCheckpointError(f"{where}: the saved state holds no rank's random streams")
+    world = world_size()
+    if world > len(ranks):  # every rank says it; rank 0 prints it
+        _log.warning(
+            "%s: saved on %d ranks, resumed on %d: ranks %d and up start from random streams "
+            "derived from rank 0's, so their randomness does not continue a saved stream",
+            where,
+            len(ranks),
+            world,
+            len(ranks),
+            extra=same_on_every_rank(),
+        )
     rank = current_rank()
     if rank < len(ranks):
         return ranks[rank]["rng"]
-    _log.warning(
-        "%s: saved on %d ranks, resumed on %d: ranks %d and up start from random streams "
-        "derived from rank 0's, so their randomness does not continue a saved stream",
-        where,
-        len(ranks),
-        world_size(),
-        len(ranks),
-        extra=same_on_every_rank(),
-    )
     return _numpy_key_as_tensor(derive_rng(ranks[0]["rng"], rank))
