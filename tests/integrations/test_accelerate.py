@@ -4,6 +4,7 @@ is iterated is refused."""
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -11,15 +12,12 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-pytest.importorskip("accelerate", reason="the accelerate extra is not installed")
-
-from accelerate import Accelerator
-
 import ddpckpt
-from ddpckpt.integrations.accelerate import load_state, save_state, training_state
 from killed_run import assert_resumed_exactly, launch_killed_run
 from launch import WORKER
 
+# Accelerate is imported by the tests that run, not at collection (every xdist worker collects).
+pytestmark = pytest.mark.skipif(find_spec("accelerate") is None, reason="no accelerate extra")
 SCRIPT = WORKER.with_name("accelerate_worker.py")
 
 
@@ -46,6 +44,10 @@ class Counter:
 
 
 def test_every_prepared_object_round_trips_and_the_loader_continues(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    from ddpckpt.integrations.accelerate import load_state, save_state, training_state
+
     accelerator = Accelerator(cpu=True)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -84,6 +86,10 @@ def test_every_prepared_object_round_trips_and_the_loader_continues(tmp_path: Pa
 
 
 def test_a_loader_first_seen_while_it_is_iterated_is_refused(tmp_path: Path) -> None:
+    from accelerate import Accelerator
+
+    from ddpckpt.integrations.accelerate import save_state
+
     accelerator = Accelerator(cpu=True)
     loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2))
     batches = iter(loader)

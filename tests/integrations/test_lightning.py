@@ -3,20 +3,27 @@ epoch resumes bit for bit; the CheckpointIO on its own; a missing Lightning."""
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import ddpckpt
-
-pytest.importorskip("lightning", reason="the lightning extra is not installed")
-
-from ddpckpt.integrations.lightning import DdpckptCheckpointIO
 from killed_run import assert_resumed_exactly, launch_killed_run
 from launch import WORKER
 
+# Lightning is imported by the tests that run, not at collection (every xdist worker collects).
+pytestmark = pytest.mark.skipif(find_spec("lightning") is None, reason="no lightning extra")
 SCRIPT = WORKER.with_name("lightning_worker.py")
+
+
+@pytest.fixture
+def io() -> Any:
+    from ddpckpt.integrations.lightning import DdpckptCheckpointIO
+
+    return DdpckptCheckpointIO()
 
 
 @pytest.mark.distributed
@@ -33,10 +40,9 @@ def test_a_run_killed_inside_an_epoch_resumes_bit_for_bit(tmp_path: Path) -> Non
     ddpckpt.verify(str(last))
 
 
-def test_the_checkpoint_io_round_trips_lightnings_dict(tmp_path: Path) -> None:
+def test_the_checkpoint_io_round_trips_lightnings_dict(tmp_path: Path, io: Any) -> None:
     from lightning.pytorch.utilities.parsing import AttributeDict
 
-    io = DdpckptCheckpointIO()
     checkpoint = {
         "state_dict": {"w": torch.arange(4.0)},
         "hyper_parameters": AttributeDict(lr=0.1, layers=[4, 2]),
@@ -56,21 +62,21 @@ def test_the_checkpoint_io_round_trips_lightnings_dict(tmp_path: Path) -> None:
     io.remove_checkpoint(path)  # gone already: nothing to do
 
 
-def test_a_file_that_is_not_a_checkpoint_is_not_removed(tmp_path: Path, caplog) -> None:
+def test_a_file_that_is_not_a_checkpoint_is_not_removed(tmp_path: Path, io: Any, caplog) -> None:
     path = tmp_path / "old.ckpt"
     path.write_bytes(b"a torch.save file")
-    DdpckptCheckpointIO().remove_checkpoint(path)
+    io.remove_checkpoint(path)
     assert path.exists()
     assert "not a ddpckpt checkpoint" in caplog.text
 
 
-def test_it_composes_with_lightnings_async_checkpoint_io(tmp_path: Path) -> None:
+def test_it_composes_with_lightnings_async_checkpoint_io(tmp_path: Path, io: Any) -> None:
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-    io = AsyncCheckpointIO(DdpckptCheckpointIO())
+    wrapped = AsyncCheckpointIO(io)
     weights = torch.ones(3)
-    io.save_checkpoint({"state_dict": {"w": weights}, "global_step": 1}, tmp_path / "a.ckpt")
+    wrapped.save_checkpoint({"state_dict": {"w": weights}, "global_step": 1}, tmp_path / "a.ckpt")
     weights.add_(1)  # training goes on while the save runs: the checkpoint keeps the old value
-    io.teardown()  # waits for the save
-    loaded = DdpckptCheckpointIO().load_checkpoint(tmp_path / "a.ckpt")
+    wrapped.teardown()  # waits for the save
+    loaded = io.load_checkpoint(tmp_path / "a.ckpt")
     assert torch.equal(loaded["state_dict"]["w"], torch.ones(3))

@@ -5,15 +5,16 @@ from_pretrained directory."""
 from __future__ import annotations
 
 import os
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("transformers", reason="the transformers extra is not installed")
-
 import ddpckpt
 from killed_run import assert_resumed_exactly, launch_killed_run
 from launch import WORKER
+
+pytestmark = pytest.mark.skipif(find_spec("transformers") is None, reason="no transformers extra")
 
 SCRIPT = WORKER.with_name("transformers_worker.py")
 
