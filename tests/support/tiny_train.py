@@ -71,8 +71,8 @@ def main() -> None:
         sampler = DistributedSampler(dataset, shuffle=True, seed=0)
         loader = DataLoader(dataset, sampler=sampler, batch_size=4)
     else:
-        sampler = ddpckpt.ResumableDistributedSampler(dataset, shuffle=True, seed=0)
-        data = dataset if BUG == "augment" else ddpckpt.SeededDataset(dataset, seed=0)
+        sampler = ddpckpt.data.ResumableDistributedSampler(dataset, shuffle=True, seed=0)
+        data = dataset if BUG == "augment" else ddpckpt.data.SeededDataset(dataset, seed=0)
         workers = 2 if BUG == "augment" else 0
         loader = DataLoader(data, sampler=sampler, batch_size=4, num_workers=workers)
     torch.manual_seed(100 + rank)  # each rank's own dropout

@@ -16,7 +16,7 @@ so until the next pass. A :class:`~ddpckpt.data.ResumableDistributedSampler` kee
 itself; the loader sets it from the batches it yielded.
 
 Any DataLoader is tracked once ddpckpt sees it before it iterates: created by
-:func:`~ddpckpt.resumable_loader`, passed to :func:`track_loader`, put in a
+passed to :func:`track_loader`, put in a
 :class:`~ddpckpt.TrainingState`, a :class:`~ddpckpt.Checkpointer`'s ``extra`` or
 :func:`ddpckpt.load`'s ``extra``. Its class is swapped for a subclass that adds the
 bookkeeping (nothing else changes). A loader first seen at a save cannot say what it
@@ -358,9 +358,8 @@ def check_data_extra(extra: Mapping[str, Any]) -> None:
                 raise InexactResumeError(
                     f"extra[{name!r}]: ddpckpt first sees this DataLoader at this save, while "
                     "it is being iterated, so it cannot know which batches training consumed. "
-                    "Create it with ddpckpt.resumable_loader(...), or call "
-                    "ddpckpt.data.track_loader(loader) (or put it in the TrainingState or Checkpointer) "
-                    "before the loop"
+                    "Call ddpckpt.data.track_loader(loader), or put it in the TrainingState or "
+                    "the Checkpointer's extra, before the loop"
                 )
             track_loader(obj)
         elif _is_torchdata_loader(obj) and not is_tracked(obj):
