@@ -18,7 +18,9 @@ rank 0, rather than refused: every rank's resume stays exact whatever the cause 
 training their own models, an EMA updated on rank 0 only), while the warning says what
 to fix. Refusing would turn a save into a crash for set-ups that are legitimate.
 Tensors that differ by design (``Snapshot.per_rank``: what DDP ignores) are stored per
-rank without a check.
+rank without a check; those that may (``Snapshot.may_differ``: the buffers of a module in
+``extra``, such as an EMA copy's BatchNorm statistics, which ``AveragedModel`` copies from
+each rank's own model) are checked and stored per rank where they differ, without a warning.
 """
 
 from __future__ import annotations
@@ -97,8 +99,8 @@ def check_replicated(comm: Comm, snapshot: Snapshot) -> None:
     if diverged:  # DDP's replicas went apart: find every tensor that did
         diverged = _differing(comm, snapshot, "all-digests", sorted(snapshot.balanced))
         _warn(comm, sorted(diverged), diverged=True)
-    if apart - diverged:
-        _warn(comm, sorted(apart - diverged), diverged=False)
+    if apart - diverged - snapshot.may_differ:
+        _warn(comm, sorted(apart - diverged - snapshot.may_differ), diverged=False)
     snapshot.balanced |= snapshot.unverified
     snapshot.unverified.clear()
     snapshot.keep_per_rank(sorted(apart | diverged | snapshot.per_rank))
