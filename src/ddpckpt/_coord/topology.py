@@ -15,6 +15,7 @@ boot id); if that identity still collides (more ranks claim one machine than its
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from typing import TYPE_CHECKING, Any, Literal
@@ -157,7 +158,10 @@ def storage_domains(comm: Comm, directory: str, mode: str | None = None) -> list
 
     verdict = comm.run_reduce("look", look, by_prober)
     if comm.rank in probers:
-        store.delete(mine)
+        # another node's leader, already cleaning the directory's temporaries for
+        # Checkpointer.resume, may have removed it: gone either way
+        with contextlib.suppress(FileNotFoundError):
+            store.delete(mine)
     if "inconsistent" in verdict:
         raise CheckpointError(
             f"{directory}: nodes see inconsistent sets of each other's files "
