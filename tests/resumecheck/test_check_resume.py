@@ -1,5 +1,6 @@
-"""``ddpckpt check-resume`` on real 2-rank torchrun jobs: a script that resumes exactly, and
-planted bugs, each named by the component and the step where it first shows."""
+"""``ddpckpt check-resume`` on real 2-rank jobs (torchrun, torch.multiprocessing.spawn): a
+script that resumes exactly, and planted bugs, each named by the component and the step where
+it first shows, with the cause the runs' own evidence supports."""
 
 from __future__ import annotations
 
@@ -47,35 +48,49 @@ def exact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str, dic
     """The correct script, checked at the default kill points; its uninterrupted run is
     reused by the checks of the bugs that act only after a resume."""
     tmp = tmp_path_factory.mktemp("exact")
-    return (tmp / "check", *check(tmp, elastic=False))
+    return (tmp / "check", *check(tmp))
 
 
 def test_a_correct_script_is_bit_identical_at_both_default_kill_points(exact) -> None:
     _, code, output, report = exact
     assert code == 0, output[-5000:]
-    assert report["identical"] is True
+    assert report["identical"] is True and report["verdict"] == "exact"
     points = report["points"]
     assert [p["kill"] for p in points] == [
         "at step 10 (before any save of it)",  # inside epoch 2, after the mid-epoch save at 8
         "right after the save of step 6",  # epoch 1's end
     ]
     assert [p["resumed_from"] for p in points] == [8, 6]
-    assert [p["steps_compared"] for p in points] == [2 * 4, 2 * 6]  # steps x ranks
+    assert [(p["steps_compared"], p["ranks"]) for p in points] == [(4, 2), (6, 2)]
+    assert [p["replayed"] for p in points] == [2, 0]  # steps 9, 10: the killed run's own
     assert all(p["rank"] == 1 and p["divergence"] is None for p in points)
-    assert all(len(p["launches"]) == 2 for p in points)  # torchrun gave up; started again
-    components = set(points[0]["components"])
+    assert all(len(p["launches"]) == 1 for p in points)  # torchrun restarted the killed job
+    components = points[0]["components"]
     assert {"model.parameters", "model.buffers", "optimizer", "scheduler", "rng.torch",
-            "rng.numpy", "loader.loader", "loader.loader.samples", "inputs", "loss"} <= components  # fmt: skip
-    assert (
-        "bit-identical at every step on every rank: 4 steps after the restart x 2 ranks" in output
+            "rng.numpy", "loader", "loader.samples", "inputs", "loss"} <= set(components)  # fmt: skip
+    line = (
+        "bit-identical at every step compared on every rank: 4 steps after the restart x 2 "
+        f"ranks, {len(components)} components each: "
     )
+    assert line in output
+    kinds = output.split(line)[1].split("\n")[0].split(", ")  # inputs, loader (2), ...
+    assert sum(int(k.split("(")[1][:-1]) if "(" in k else 1 for k in kinds) == len(components)
     assert "verdict: the resume is exact at every kill point" in output
+    assert "isolation: " in output and "user/ckpt (Checkpointer)" in output
+    assert not (exact[0].parent / "user").exists()  # the script's own directory: untouched
 
 
 @pytest.mark.parametrize(
     ("bug", "phase", "component", "ranks", "cause"),
     [
-        ("numpy", "start", "rng.numpy", [0, 1], "seeds it after resume()"),
+        # the seeding call itself, found in the resumed run: its file and line
+        (
+            "numpy",
+            "start",
+            "rng.numpy",
+            [0, 1],
+            "seeds it after resuming: np.random.seed(0) at tiny_train.py:",
+        ),
         ("scheduler", "start", "scheduler", [0, 1], "steps the scheduler 1 more time"),
         ("broadcast", "start", "model.buffers", [1], "broadcast_buffers=False"),
     ],
@@ -116,6 +131,60 @@ def test_a_bug_from_the_start_is_named_with_its_component_and_step(
     assert (divergence["step"], divergence["phase"]) == (FIRST, phase), divergence
     assert divergence["component"] == component, divergence
     assert fix in divergence["fix"]
+
+
+def test_a_restart_at_the_next_epoch_is_named_quoting_the_runs_own_warning(exact, tmp_path) -> None:
+    """Restarting at info.epoch + 1 (the ImageNet habit) after a checkpoint saved inside epoch
+    0: the resumed run skips the rest of that epoch, warns so, and ends two steps early."""
+    code, output, report = check(tmp_path, "--kill-at=5", bug="epoch", reference=exact[0])
+    assert code == 1, output[-5000:]
+    (point,) = report["points"]
+    divergence = point["divergence"]
+    assert point["resumed_from"] == 4 and (divergence["step"], divergence["phase"]) == (5, "start")
+    assert divergence["component"] == "rng.torch", divergence
+    assert divergence["cause"].startswith("the loop restarted at another epoch"), divergence
+    (quoted,) = divergence["quoted"]
+    assert "the remaining 2 batches of epoch 0 are skipped" in quoted
+    assert f"the run said: {quoted}" in output
+    assert "the resumed run ended at step 10; the uninterrupted run at step 12" in output
+
+
+def test_an_unseeded_script_cannot_be_judged_and_the_missing_seed_is_named(tmp_path) -> None:
+    """Two uninterrupted runs of a script that never seeds torch nor numpy differ from the
+    first step; killed right after a save, nothing the killed run did can be replayed."""
+    code, output, report = check(tmp_path, "--kill-at=6:after-save", bug="unseeded")
+    assert code == 1, output[-5000:]
+    assert report["verdict"] == "cannot-judge" and not report["identical"]
+    (point,) = report["points"]
+    found = point["nondeterminism"]
+    assert (found["step"], found["phase"]) == (1, "before-kill"), found
+    assert found["component"] in ("rng.numpy", "rng.torch"), found
+    assert "is never seeded" in found["cause"] and "seed(" in found["fix"]
+    assert "CANNOT JUDGE: two uninterrupted runs of the script differ, first at step 1" in output
+    assert "verdict: cannot judge" in output
+
+
+def test_a_spawn_script_with_tcp_init_is_checked_on_its_real_world_size(tmp_path) -> None:
+    """torch.multiprocessing.spawn with init_method="tcp://..." sets no WORLD_SIZE: the world
+    size comes from the process group. Two models and two optimizers, a plain latest() +
+    load() + save() loop, --rank 1 honoured."""
+    out = tmp_path / "check"
+    argv = [sys.executable, "-m", "ddpckpt", "check-resume", "--out", str(out), "--timeout=150",
+            "--rank", "1", "--", sys.executable, str(SCRIPT.with_name("spawn_train.py")),
+            "--dir", "gan", "--port", str(free_port())]  # fmt: skip
+    env = _env({"PYTHONWARNINGS": "ignore::FutureWarning"})
+    ((code, output),) = _finish([_start(argv, env, tmp_path)], 600)
+    assert code == 0, output[-5000:]
+    report = json.loads((out / "report.json").read_text())
+    assert (report["world"], report["victim"], report["mode"]) == (2, 1, "plain")
+    (point,) = report["points"]
+    assert point["kill"] == "at step 9 (before any save of it)" and point["resumed_from"] == 7
+    assert (point["steps_compared"], point["ranks"]) == (4, 2)  # steps 8 to 11 on both ranks
+    assert {"model:G.parameters", "model:D.parameters", "optimizer:opt_G",
+            "optimizer:opt_D"} <= set(point["components"])  # fmt: skip
+    assert "uninterrupted run: 12 steps on 2 ranks" in output
+    assert "kill 1: rank 1 SIGKILLed at step 9" in output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["check"]  # no gan/ left behind
 
 
 def test_a_script_given_without_its_launcher_is_named_with_the_command_to_give(

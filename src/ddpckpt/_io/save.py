@@ -21,6 +21,8 @@ from ddpckpt._coord.comm import Comm
 from ddpckpt._io.async_saver import DEFAULT_SAVER, async_mode
 from ddpckpt._io.background import PendingSave
 from ddpckpt._io.writing import header_fields, plan_write, write_and_commit
+from ddpckpt._resumecheck import isolate
+from ddpckpt._resumecheck import record as _resume_check
 from ddpckpt._state.capture import Snapshot, TrainingState, capture
 from ddpckpt.storage import configure
 
@@ -72,6 +74,7 @@ def save(
     when storage fails. Returns the checkpoint's path (rank 0's).
     """
     configure(path, storage_options)
+    path = isolate.for_write(path, "save")  # under ddpckpt check-resume: its own directory
     state = TrainingState.coerce(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         extra=extra, rng=rng,
@@ -91,10 +94,14 @@ def save(
         snapshot = comm.run("capture", settle_then_capture)
         plan = plan_write(comm, snapshot, header, overwrite=overwrite, storage=storage)
         if not async_save:
-            return write_and_commit(plan)
-        completion = saver.start(plan, snapshot, overlap=overlap)
-        handed_off = True
-        return PendingSave(plan.path, completion)
+            written: str | PendingSave = write_and_commit(plan)
+        else:
+            completion = saver.start(plan, snapshot, overlap=overlap)
+            handed_off = True
+            written = PendingSave(plan.path, completion)
+        if (recorder := _resume_check.active()) is not None:
+            recorder.saved_plain(plan.path, state, step, epoch)
+        return written
     finally:
         if not handed_off:
             comm.close()
