@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import ddpckpt
+from ddpckpt._resumecheck.check import remove_created
 from ddpckpt.storage import storage_for
 
 
@@ -49,7 +50,11 @@ def test_a_plain_loop_saves_looks_up_and_loads_only_its_own_copy(user_run, under
     assert {k: v for k, v in _files(user_run).items() if not k.startswith("check")} == before
 
 
-def test_a_checkpointer_directory_is_mapped_and_never_created(user_run, under_check) -> None:
+def test_a_checkpointer_directory_is_mapped_and_made_empty_until_the_check_ends(
+    user_run, under_check
+) -> None:
+    """The script may write its own files next to its checkpoints, as without a check: the
+    directory exists (empty) while the runs go on; the check removes it at its end."""
     run = user_run / "check" / "runs" / "reference"
     under_check(run)
     ckpt = ddpckpt.Checkpointer("runs/exp", model=nn.Linear(2, 2))
@@ -57,7 +62,10 @@ def test_a_checkpointer_directory_is_mapped_and_never_created(user_run, under_ch
     ckpt.save(1)
     ckpt.close()
     assert Path(ckpt.directory).is_relative_to(run / "checkpoints")
-    assert not (user_run / "runs").exists()
+    assert list((user_run / "runs" / "exp").iterdir()) == []
+    (user_run / "runs" / "notes.txt").write_text("the script's own file")
+    remove_created(str(user_run / "check"))
+    assert sorted(p.name for p in (user_run / "runs").iterdir()) == ["notes.txt"]
 
 
 def test_the_users_checkpoint_loaded_by_its_path_is_refused_before_a_save_next_to_it(

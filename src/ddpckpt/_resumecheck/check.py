@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -176,6 +177,20 @@ def _routes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(found.values())
 
 
+def remove_created(out: str) -> None:
+    """Remove the directories the checked runs created for the script (see
+    :mod:`.isolate`) where they are still empty; deepest first."""
+    created: set[str] = set()
+    runs = os.path.join(out, "runs")
+    for name in sorted(os.listdir(runs)) if os.path.isdir(runs) else []:
+        for processes in read_records(os.path.join(runs, name)).values():
+            for events in processes:
+                created.update(p for e in events if e["event"] == "created" for p in e["paths"])
+    for path in sorted(created, key=lambda p: p.count(os.sep), reverse=True):
+        with contextlib.suppress(OSError):  # not empty: the script wrote its own files there
+            os.rmdir(path)
+
+
 def check_resume(
     command: Sequence[str],
     out: str,
@@ -187,10 +202,27 @@ def check_resume(
     timeout: float = 1800.0,
     progress: Any = None,
 ) -> CheckReport:
-    """Run the check (see :mod:`ddpckpt._resumecheck`); ``progress(line)`` hears each stage."""
+    """Run the check (see :mod:`ddpckpt._resumecheck`); ``progress(line)`` hears each stage.
+    The directories the runs created for the script are removed at the end, where empty."""
+    report = CheckReport(command=list(command), out=os.path.abspath(out))
+    try:
+        _check(report, kill_at, rank, resume_args, reference, timeout, progress)
+    finally:
+        remove_created(report.out)
+    return report
+
+
+def _check(
+    report: CheckReport,
+    kill_at: Sequence[KillPoint],
+    rank: int | None,
+    resume_args: Sequence[str],
+    reference: str | None,
+    timeout: float,
+    progress: Any,
+) -> None:
     say = progress or (lambda line: None)
-    out = os.path.abspath(out)
-    report = CheckReport(command=list(command), out=out)
+    command, out = report.command, report.out
     if reference is not None:
         reference_dir = os.path.join(os.path.abspath(reference), "runs", "reference")
         if not os.path.isdir(os.path.join(reference_dir, "records")):
@@ -256,4 +288,3 @@ def check_resume(
             "losses not compared: the script does not call ckpt.log_step(loss) (one line in "
             "the loop; it does nothing outside a check)"
         )
-    return report

@@ -6,7 +6,8 @@ the check run's scratch directory, ``RUN/checkpoints/<the absolute path>`` (a UR
 mappings of everything inside it:
 
 * writes (``save``, ``save_dict``, ``remove_checkpoint``, a writable ``Checkpointer``) go
-  to the mapped path, always;
+  to the mapped path, always; the directory the call would have created is created empty
+  (the script may write its own files there) and removed when the check ends, if still empty;
 * lookups of the checkpoint to resume from (``latest``) look at the mapped path only: a
   checked run never resumes from the user's run;
 * reads of a given path (``load``, ``load_dict``, ``load_state_dict``, ``verify``, a
@@ -123,11 +124,25 @@ class Isolation:
                     "resume() (the check maps those into its own directory)",
                 )  # fmt: skip
         self.roots.append((call, root))
+        if _split_url(location) is None:
+            self._create(root)
         if not directory:  # named by the directory that holds the checkpoints, as latest() is
             shown = location.rstrip("/").rpartition("/")[0] or "."
             self._route(call, shown, self.mapped(shown) or shown, "written")
             return target
         return self._route(call, location, target, "written")
+
+    def _create(self, directory: str) -> None:
+        """Make ``directory`` as the call would have (a script may write its own files there,
+        next to where its checkpoints would be); the check removes what it made, once empty,
+        when it ends (``created``)."""
+        missing = []
+        while directory and not os.path.exists(directory):
+            missing.append(directory)
+            directory = os.path.dirname(directory)
+        if missing:
+            os.makedirs(missing[0], exist_ok=True)
+            self.record({"event": "created", "paths": missing})
 
     def for_lookup(self, path: str | os.PathLike[str], call: str) -> str:
         """Where ``call`` looks for the checkpoint to resume from: the mapped path only."""

@@ -350,7 +350,7 @@ class Recorder:
         if self.file is None:
             import torch.distributed as dist
 
-            if record["event"] in ("seed", "warning", "route", "attach") and not (
+            if record["event"] in ("seed", "warning", "route", "attach", "created") and not (
                 dist.is_available() and dist.is_initialized()
             ):
                 self.pending.append(dict(record))  # the rank is known once the group is made

@@ -108,8 +108,8 @@ def _point_lines(index: int, point: PointResult) -> list[str]:
     if point.not_judged and point.verdict != "cannot-judge" and point.nondeterminism:
         n = point.nondeterminism
         lines.append(
-            f"  {_span(point.not_judged)} not compared: two uninterrupted runs differ ({n.component} "
-            f"at step {n.step}: {n.cause}); {n.fix}"
+            f"  {_span(point.not_judged)} not compared: two uninterrupted runs differ from step "
+            f"{n.step} on ({n.component}): {n.cause}. To have them compared: {n.fix}"
         )
     if point.beyond:
         lines.append(
