@@ -1,46 +1,18 @@
-"""``ddpckpt check-resume`` on real 2-rank jobs (torchrun, torch.multiprocessing.spawn): a
-script that resumes exactly, and planted bugs, each named by the component and the step where
-it first shows, with the cause the runs' own evidence supports."""
+"""``ddpckpt check-resume`` on real 2-rank torchrun jobs: a script that resumes exactly, and
+planted bugs, each named by the component and the step where it first shows, with the cause
+the runs' own evidence supports. (Other script shapes: test_check_resume_shapes.py; the
+README's first recipe: test_readme.py.)"""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from launch import _env, _finish, _start, free_port
+from tiny_check import FIRST, KILL, RESUMED, check_tiny
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-SCRIPT = Path(__file__).parents[1] / "support" / "tiny_train.py"
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-# tiny_train.py: 6 steps an epoch, 2 epochs; saves at 4, 6 (epoch end), 8, 12 (and epoch end).
-# Killed at step 10, the restarted run resumes from 8 and its first step is 9.
-KILL, RESUMED, FIRST = "10", 8, 9
-
-
-def check(
-    tmp: Path, *options: str, bug: str = "", reference: Path | None = None, elastic: bool = True
-) -> tuple[int, str, dict[str, Any]]:
-    """Run the checker on tiny_train.py. ``elastic``: torchrun restarts the killed job itself
-    (--max-restarts 1); otherwise torchrun gives up and the checker starts it again."""
-    out = tmp / "check"
-    port = free_port()
-    launcher = (
-        ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1",
-         "--monitor-interval=0.2", "--local-addr=127.0.0.1"]
-        if elastic
-        else ["--master-addr=127.0.0.1", f"--master-port={port}"]
-    )  # fmt: skip
-    command = [TORCHRUN, "--nproc-per-node=2", *launcher, str(SCRIPT), "--dir", str(tmp / "user")]
-    argv = [sys.executable, "-m", "ddpckpt", "check-resume", "--out", str(out), "--timeout=150",
-            *options, *(["--reference", str(reference)] if reference else []), "--", *command]  # fmt: skip
-    env = _env({"PLANTED_BUG": bug, "PYTHONWARNINGS": "ignore::FutureWarning"})
-    ((code, output),) = _finish([_start(argv, env, tmp)], 600)
-    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
-    return code, output, report
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +20,7 @@ def exact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str, dic
     """The correct script, checked at the default kill points; its uninterrupted run is
     reused by the checks of the bugs that act only after a resume."""
     tmp = tmp_path_factory.mktemp("exact")
-    return (tmp / "check", *check(tmp))
+    return (tmp / "check", *check_tiny(tmp))
 
 
 def test_a_correct_script_is_bit_identical_at_both_default_kill_points(exact) -> None:
@@ -99,7 +71,7 @@ def test_a_bug_after_resume_is_named_with_its_component_and_step(
     exact, tmp_path: Path, bug: str, phase: str, component: str, ranks: list[int], cause: str
 ) -> None:
     reference = exact[0]
-    code, output, report = check(tmp_path, f"--kill-at={KILL}", bug=bug, reference=reference)
+    code, output, report = check_tiny(tmp_path, f"--kill-at={KILL}", bug=bug, reference=reference)
     assert code == 1, output[-5000:]
     (point,) = report["points"]
     divergence = point["divergence"]
@@ -124,7 +96,7 @@ def test_a_bug_after_resume_is_named_with_its_component_and_step(
 def test_a_bug_from_the_start_is_named_with_its_component_and_step(
     tmp_path: Path, bug: str, phase: str, component: str, fix: str
 ) -> None:
-    code, output, report = check(tmp_path, f"--kill-at={KILL}", bug=bug)
+    code, output, report = check_tiny(tmp_path, f"--kill-at={KILL}", bug=bug)
     assert code == 1, output[-5000:]
     (point,) = report["points"]
     divergence = point["divergence"]
@@ -136,7 +108,7 @@ def test_a_bug_from_the_start_is_named_with_its_component_and_step(
 def test_a_restart_at_the_next_epoch_is_named_quoting_the_runs_own_warning(exact, tmp_path) -> None:
     """Restarting at info.epoch + 1 (the ImageNet habit) after a checkpoint saved inside epoch
     0: the resumed run skips the rest of that epoch, warns so, and ends two steps early."""
-    code, output, report = check(tmp_path, "--kill-at=5", bug="epoch", reference=exact[0])
+    code, output, report = check_tiny(tmp_path, "--kill-at=5", bug="epoch", reference=exact[0])
     assert code == 1, output[-5000:]
     (point,) = report["points"]
     divergence = point["divergence"]
@@ -147,44 +119,6 @@ def test_a_restart_at_the_next_epoch_is_named_quoting_the_runs_own_warning(exact
     assert "the remaining 2 batches of epoch 0 are skipped" in quoted
     assert f"the run said: {quoted}" in output
     assert "the resumed run ended at step 10; the uninterrupted run at step 12" in output
-
-
-def test_an_unseeded_script_cannot_be_judged_and_the_missing_seed_is_named(tmp_path) -> None:
-    """Two uninterrupted runs of a script that never seeds torch nor numpy differ from the
-    first step; killed right after a save, nothing the killed run did can be replayed."""
-    code, output, report = check(tmp_path, "--kill-at=6:after-save", bug="unseeded")
-    assert code == 1, output[-5000:]
-    assert report["verdict"] == "cannot-judge" and not report["identical"]
-    (point,) = report["points"]
-    found = point["nondeterminism"]
-    assert (found["step"], found["phase"]) == (1, "before-kill"), found
-    assert found["component"] in ("rng.numpy", "rng.torch"), found
-    assert "is never seeded" in found["cause"] and "seed(" in found["fix"]
-    assert "CANNOT JUDGE: two uninterrupted runs of the script differ, first at step 1" in output
-    assert "verdict: cannot judge" in output
-
-
-def test_a_spawn_script_with_tcp_init_is_checked_on_its_real_world_size(tmp_path) -> None:
-    """torch.multiprocessing.spawn with init_method="tcp://..." sets no WORLD_SIZE: the world
-    size comes from the process group. Two models and two optimizers, a plain latest() +
-    load() + save() loop, --rank 1 honoured."""
-    out = tmp_path / "check"
-    argv = [sys.executable, "-m", "ddpckpt", "check-resume", "--out", str(out), "--timeout=150",
-            "--rank", "1", "--", sys.executable, str(SCRIPT.with_name("spawn_train.py")),
-            "--dir", "gan", "--port", str(free_port())]  # fmt: skip
-    env = _env({"PYTHONWARNINGS": "ignore::FutureWarning"})
-    ((code, output),) = _finish([_start(argv, env, tmp_path)], 600)
-    assert code == 0, output[-5000:]
-    report = json.loads((out / "report.json").read_text())
-    assert (report["world"], report["victim"], report["mode"]) == (2, 1, "plain")
-    (point,) = report["points"]
-    assert point["kill"] == "at step 9 (before any save of it)" and point["resumed_from"] == 7
-    assert (point["steps_compared"], point["ranks"]) == (4, 2)  # steps 8 to 11 on both ranks
-    assert {"model:G.parameters", "model:D.parameters", "optimizer:opt_G",
-            "optimizer:opt_D"} <= set(point["components"])  # fmt: skip
-    assert "uninterrupted run: 12 steps on 2 ranks" in output
-    assert "kill 1: rank 1 SIGKILLed at step 9" in output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["check"]  # no gan/ left behind
 
 
 def test_a_script_given_without_its_launcher_is_named_with_the_command_to_give(
