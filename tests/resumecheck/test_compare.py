@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ddpckpt._resumecheck.check import default_kill_points
+from ddpckpt._resumecheck.check import default_kill_points, step_offset
 from ddpckpt._resumecheck.compare import compare_point
 from ddpckpt._resumecheck.runner import KillPoint, parse_kill
 
@@ -141,6 +141,20 @@ def test_without_epoch_end_saves_only_a_mid_epoch_point_is_chosen_and_said() -> 
 def test_no_save_before_the_last_step_is_an_error_that_says_what_to_change() -> None:
     with pytest.raises(RuntimeError, match="save more often"):
         default_kill_points(_run(6, {6: True}))
+
+
+def test_a_plain_loop_is_numbered_as_its_saves_number_their_steps() -> None:
+    """The README's recipe saves step=9 after its 10th optimizer step: step 9 it is. A save
+    of the initial weights (before any step) does not count; saves that disagree leave the
+    optimizer steps' count."""
+
+    def saves(*pairs: tuple[int, int]) -> list[dict[str, Any]]:
+        return [{"event": "save", "step": count, "label": label} for count, label in pairs]
+
+    assert step_offset(saves((10, 9), (20, 19))) == -1
+    assert step_offset(saves((0, 0), (10, 9))) == -1
+    assert step_offset(saves((10, 9), (20, 1))) == 0
+    assert step_offset(saves((4, 4), (8, 8))) == 0  # a Checkpointer's own numbering
 
 
 def test_kill_at_accepts_a_step_or_a_step_after_its_save() -> None:

@@ -59,11 +59,12 @@ def _reference_events(records: Records) -> list[dict[str, Any]]:
 
 def step_offset(events: list[dict[str, Any]]) -> int:
     """How a plain loop numbers its steps: its saves' ``step=`` minus the recorder's count
-    (0 when they disagree, or for a Checkpointer loop, which numbers steps itself)."""
+    (0 when they disagree, or for a Checkpointer loop, which numbers steps itself). A save
+    before the first step (the initial weights) says nothing about it."""
     offsets = {
         e["label"] - e["step"]
         for e in events
-        if e["event"] == "save" and isinstance(e.get("label"), int)
+        if e["event"] == "save" and isinstance(e.get("label"), int) and e["step"] > 0
     }
     return offsets.pop() if len(offsets) == 1 else 0
 

@@ -167,16 +167,9 @@ def after_restart(
                 if event["step"] is None:
                     note((segment, -1, 0), None, "resume", {"checkpoint": ("a checkpoint", None)})
                     return out
-                saved = next(
-                    (
-                        s.saved_state(event["step"])
-                        for s in reversed(sources)
-                        if event["step"] in s.saves
-                    ),
-                    None,
-                )
-                if saved is None:
-                    saved = ref.saved_state(event["step"]) if by_reference else None
+                # what this run saved (or, if the runs agree, the uninterrupted run)
+                candidates = [*reversed(sources), *([ref] if by_reference else [])]
+                saved = _checkpoint_state(candidates, event["step"])
                 if saved is None and by_reference:
                     diffs = {"checkpoint": (sorted(ref.saves), event["step"])}
                     note((segment, event["step"], 0), event["step"], "resume", diffs)
@@ -208,19 +201,13 @@ def after_restart(
                 seen.append(step)
                 if pending is not None:  # the resume, judged with the first step's start
                     resumed_step, diffs = pending
-                    if (
-                        any(fnmatch.fnmatchcase(c, "model*.buffers") for c in diffs)
-                        and expected is not None
-                    ):
-                        for component in [
-                            c for c in diffs if fnmatch.fnmatchcase(c, "model*.buffers")
-                        ]:
-                            if (expected.get("start") or {}).get(component) == (
-                                event.get("start") or {}
-                            ).get(component):
-                                # DDP's broadcast_buffers overwrites this rank's buffers with
-                                # rank 0's at every forward: what resume() left is never read
-                                del diffs[component]
+                    for component in [c for c in diffs if fnmatch.fnmatchcase(c, "model*.buffers")]:
+                        # DDP's broadcast_buffers overwrites this rank's buffers with rank 0's
+                        # at every forward: what the resume left, if never read, is no matter
+                        if expected is not None and _at_start(expected, component) == _at_start(
+                            event, component
+                        ):
+                            del diffs[component]
                     note((segment, resumed_step, 0), resumed_step, "resume", diffs)
                     pending = None
                 if expected is None:
@@ -253,6 +240,19 @@ def after_restart(
             note((segment, first, 3), first, "steps", {"steps": (None, first)})
         sources.append(steps)
     return out
+
+
+def _checkpoint_state(candidates: list[Steps], step: int) -> dict[str, Any] | None:
+    """What the checkpoint of ``step`` held: the newest save of that step itself, else the
+    state at the end of that step (a save policy that chose other steps in this run)."""
+    for source in candidates:
+        if step in source.saves:
+            return source.saves[step]["state"]
+    return next((state for s in candidates if (state := s.saved_state(step))), None)
+
+
+def _at_start(event: dict[str, Any], component: str) -> Any:
+    return (event.get("start") or {}).get(component)
 
 
 def following(order: list[int], step: int) -> list[int]:
