@@ -1,7 +1,7 @@
-"""``ddpckpt check-resume`` on real 2-rank torchrun jobs: a script that resumes exactly, and
-planted bugs, each named by the component and the step where it first shows, with the cause
-the runs' own evidence supports. (Other script shapes: test_check_resume_shapes.py; the
-README's first recipe: test_readme.py.)"""
+"""``ddpckpt check-resume`` on real torchrun jobs: a script that resumes exactly (at 2 and 4
+ranks), and planted bugs (at 2), each named by the component and the step where it first
+shows, with the cause the runs' own evidence supports. (Other script shapes:
+test_check_resume_shapes.py; the README's first recipe: test_docs.py.)"""
 
 from __future__ import annotations
 
@@ -52,6 +52,19 @@ def test_a_correct_script_is_bit_identical_at_both_default_kill_points(exact) ->
     assert not (exact[0].parent / "user").exists()  # the script's own directory: untouched
 
 
+def test_four_ranks_resume_bit_identical_with_ddps_gradient_buckets_restored(tmp_path) -> None:
+    """From 3 ranks on, the order DDP sums gradients in depends on its bucket layout, which
+    a restarted process must get back from the checkpoint."""
+    code, output, report = check_tiny(tmp_path, f"--kill-at={KILL}", nproc=4)
+    assert code == 0, output[-5000:]
+    (point,) = report["points"]
+    assert point["resumed_from"] == RESUMED and point["divergence"] is None, point["divergence"]
+    assert (point["steps_compared"], point["ranks"]) == (4, 4) and len(point["launches"]) == 1
+    assert "bit-identical at every step compared on every rank: 4 steps after the restart x 4 " in (
+        output
+    )
+
+
 @pytest.mark.parametrize(
     ("bug", "phase", "component", "ranks", "cause"),
     [
@@ -90,7 +103,7 @@ def test_a_bug_after_resume_is_named_with_its_component_and_step(
         # the unsaved loader's new pass draws its seed from torch's generator, then restarts
         ("loader", "start", "rng.torch", "extra={'loader': loader}"),
         # loader workers augment from their own global generators: same samples, other noise
-        ("augment", "end", "inputs", "ddpckpt.SeededDataset(dataset, seed)"),
+        ("augment", "end", "inputs", "ddpckpt.data.SeededDataset(dataset, seed)"),
     ],
 )
 def test_a_bug_from_the_start_is_named_with_its_component_and_step(

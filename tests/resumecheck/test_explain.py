@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from ddpckpt._resumecheck.evidence import Evidence
 from ddpckpt._resumecheck.explain import RULES, explain
-from ddpckpt._resumecheck.situation import Situation
+from ddpckpt._resumecheck.situation import Explanation, Situation
 
 
 def _situation(component: str, evidence: Evidence | None = None, **fields) -> Situation:
@@ -77,3 +77,27 @@ def test_every_rule_answers_none_or_an_explanation_and_the_last_answers_all() ->
     situation = _situation("something.new", phase="end", first_step_after_resume=False)
     answers = [rule(situation) for rule in RULES]
     assert answers[-1] is not None and all(a is None for a in answers[:-1])
+
+
+def _after_the_first_resumed_step(component: str, world: int, ranks: list[int]) -> Explanation:
+    differences = [
+        SimpleNamespace(component=component, rank=rank, expected="a", got="b") for rank in ranks
+    ]
+    return explain(
+        Situation(phase="end", component=component, step=21, resumed_from=20,
+                  differences=differences, world=world, first_step_after_resume=True)
+    )  # fmt: skip
+
+
+def test_a_step_that_ends_apart_on_every_rank_of_three_names_the_gradient_order() -> None:
+    """Same state, same inputs, same loss, and every rank's update differs: from 3 ranks on,
+    gradients summed in another order (DDP's bucket layout), not the user's optimizer."""
+    for component in ("optimizer", "model.parameters", "optimizer:opt_D", "model:G.parameters"):
+        found = _after_the_first_resumed_step(component, 3, [0, 1, 2])
+        assert "the first step after the resume from step 20" in found.what
+        assert "all-reduced in another order" in found.cause and "buckets" in found.cause
+        assert "ddpckpt WARNING" in found.cause and "create the optimizer" not in found.fix
+    found = _after_the_first_resumed_step("optimizer", 2, [0, 1])  # sums are exact
+    assert "buckets" not in found.cause and "create the optimizer once" in found.fix
+    found = _after_the_first_resumed_step("optimizer", 3, [2])  # one rank: no reduction
+    assert "buckets" not in found.cause

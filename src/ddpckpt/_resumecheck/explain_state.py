@@ -142,9 +142,8 @@ def inputs(s: Situation) -> Explanation | None:
             "random augmentation runs in DataLoader workers and draws from each worker's own "
             "global generator, whose position depends on how many samples that worker had "
             "produced before, which a resume changes",
-            "wrap the dataset in ddpckpt.SeededDataset(dataset, seed) (or use "
-            "ddpckpt.resumable_loader): each sample's randomness then depends only on "
-            "(seed, epoch, index)",
+            "wrap the dataset in ddpckpt.data.SeededDataset(dataset, seed): each sample's "
+            "randomness then depends only on (seed, epoch, index)",
         )
     return Explanation(
         f"the model received different inputs in step {s.step} {s.on}",
@@ -164,6 +163,36 @@ def loss(s: Situation) -> Explanation | None:
         NONDETERMINISM + ", or the forward pass reads state the checkpoint does not hold (a "
         "module or torch.Generator outside the model and extra)",
         "pass such state in extra; " + DETERMINISM_FIX,
+    )
+
+
+def gradients_summed_differently(s: Situation) -> Explanation | None:
+    """From 3 ranks on, a step that began from the same state and inputs (else a component
+    read earlier would be named) and ended with other parameters or optimizer state on every
+    rank alike: the gradients were all-reduced in another order."""
+    updated = (s.component.startswith("model") and s.component.endswith(".parameters")) or (
+        s.component.startswith("optimizer") and not s.component.startswith("optimizer:unsaved")
+    )
+    if s.phase != "end" or not updated or s.world < 3 or len(s.ranks()) != s.world:
+        return None
+    when = (
+        f"step {s.step}, the first step after the resume from step {s.resumed_from}"
+        if s.first_step_after_resume
+        else f"step {s.step}"
+    )
+    return Explanation(
+        f"{s.component} differs on every rank after {when}, although the step began from the "
+        "same state (parameters, optimizer, learning rate, random generators) and read the "
+        "same inputs",
+        "the gradients were all-reduced in another order than in the uninterrupted run: DDP "
+        "groups them into buckets, which it lays out anew after its first step, and from 3 "
+        "ranks on where a gradient sits in its bucket changes the rounding of its sum. "
+        "ddpckpt restores the layout the checkpoint recorded; the restarted run's log says "
+        "with a ddpckpt WARNING when it could not (a checkpoint saved in DDP's first steps or "
+        "by an older ddpckpt, a built-in communication hook, mixed_precision). Without such a "
+        "warning: " + NONDETERMINISM,
+        "resume from a checkpoint this version of ddpckpt saved after DDP's first steps (or "
+        "do what the warning says); if there was no warning, " + DETERMINISM_FIX,
     )
 
 

@@ -13,9 +13,10 @@ import os
 from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt._log import get_logger
 from ddpckpt._resumecheck import isolate
+from ddpckpt._run.rundir import restore_unless_locked
 from ddpckpt.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from ddpckpt.storage import is_temp_name, storage_for
-from ddpckpt.storage._base import BucketNotFoundError
+from ddpckpt.storage import storage_for
+from ddpckpt.storage._base import BucketNotFoundError, is_temp_name, previous_of
 
 _log = get_logger(__name__)
 
@@ -29,8 +30,11 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
     without a step count as older than any with one and are ordered by when they were
     saved. Temporaries of unfinished saves, checkpoints moved aside as corrupt, and
     directories whose manifest is missing, damaged or lists a file that is missing or of
-    the wrong size are skipped. A directory that does not exist has none (``None``); an
-    object store's bucket that does not exist raises ``FileNotFoundError``. The tensor data is verified when loaded (or by
+    the wrong size are skipped. A checkpoint that an interrupted overwrite left as
+    ``.name.previous`` (on file systems without an atomic exchange) is put back as ``name``
+    first, unless a live job holds the directory's lock (then that path is returned). A
+    directory that does not exist has none (``None``); an object store's bucket that does
+    not exist raises ``FileNotFoundError``. The tensor data is verified when loaded (or by
     :func:`ddpckpt.verify`). Local: call it on every rank before a collective ``load``,
     or on rank 0 and broadcast the answer::
 
@@ -51,10 +55,13 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
             f"directory: pass the directory that holds it ({os.path.dirname(directory) or '.'}) "
             "or load this checkpoint directly"
         )
+    names = restore_unless_locked(directory, names)
     found: list[tuple[tuple[bool, int, float], str]] = []
     for name in names:
         if is_temp_name(name) or SET_ASIDE_MARK in name:
             continue
+        if (replaced := previous_of(name)) is not None and replaced in names:
+            continue  # a replaced copy: the checkpoint is the one under its own name
         path = os.path.join(directory, name)
         manifest = _committed(path)
         if manifest is not None:

@@ -1,4 +1,5 @@
-"""The checked process's recorder, started afresh in a test and undone after it."""
+"""Fixtures of the resume check's tests (a plugin of tests/conftest.py): the checked
+process's recorder, started afresh in a test and undone after it."""
 
 from __future__ import annotations
 
