@@ -64,8 +64,9 @@ def test_a_checkpointer_directory_is_mapped_and_made_empty_until_the_check_ends(
     assert Path(ckpt.directory).is_relative_to(run / "checkpoints")
     assert list((user_run / "runs" / "exp").iterdir()) == []
     (user_run / "runs" / "notes.txt").write_text("the script's own file")
-    remove_created(str(user_run / "check"))
+    left = remove_created(str(user_run / "check"))
     assert sorted(p.name for p in (user_run / "runs").iterdir()) == ["notes.txt"]
+    assert left == {str(user_run / "runs"): ["notes.txt"]}  # said in the report, not silent
 
 
 def test_the_users_checkpoint_loaded_by_its_path_is_refused_before_a_save_next_to_it(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shlex
@@ -178,18 +177,25 @@ def _routes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(found.values())
 
 
-def remove_created(out: str) -> None:
+def remove_created(out: str) -> dict[str, list[str]]:
     """Remove the directories the checked runs created for the script (see
-    :mod:`.isolate`) where they are still empty; deepest first."""
+    :mod:`.isolate`) where they are still empty; deepest first. Returns those left, each with
+    what the script wrote there itself (not through ddpckpt, so not redirected)."""
     created: set[str] = set()
     runs = os.path.join(out, "runs")
     for name in sorted(os.listdir(runs)) if os.path.isdir(runs) else []:
         for processes in read_records(os.path.join(runs, name)).values():
             for events in processes:
                 created.update(p for e in events if e["event"] == "created" for p in e["paths"])
+    left: dict[str, list[str]] = {}
     for path in sorted(created, key=lambda p: p.count(os.sep), reverse=True):
-        with contextlib.suppress(OSError):  # not empty: the script wrote its own files there
+        try:
             os.rmdir(path)
+        except FileNotFoundError:
+            continue
+        except OSError:  # not empty: the script wrote its own files there
+            left[path] = sorted(os.listdir(path))
+    return {p: [n for n in names if os.path.join(p, n) not in left] for p, names in left.items()}
 
 
 def check_resume(
@@ -209,7 +215,15 @@ def check_resume(
     try:
         _check(report, kill_at, rank, resume_args, reference, timeout, progress)
     finally:
-        remove_created(report.out)
+        for path, names in remove_created(report.out).items():
+            shown = ", ".join(names[:5]) + (
+                f", ... ({len(names)} in all)" if len(names) > 5 else ""
+            )
+            report.notes.append(
+                f"{path} did not exist; the check made it for the script (its checkpoints' "
+                f"directory is mapped) and left it, because the script wrote its own files "
+                f"there, which only ddpckpt's calls are redirected from: {shown}"
+            )
     return report
 
 
