@@ -362,11 +362,14 @@ def test_ranks_waiting_for_each_other_time_out_instead_of_hanging(tmp_path) -> N
 
 def test_state_that_is_not_replicated_is_stored_and_restored_per_rank(tmp_path) -> None:
     """DDP-ignored weights, a rank-0-only EMA, plain models that differ per rank and DDP
-    replicas that went astray: each rank gets back exactly what it saved, never a mix."""
+    replicas that went astray: each rank gets back exactly what it saved, never a mix. An
+    EMA of a BatchNorm model updated on every rank holds each rank's own statistics: stored
+    per rank too, without the warning meant for an EMA updated on one rank."""
     args = ["--ckpt", str(tmp_path / "ck")]
     results = torchrun("per_rank_state", tmp_path / "out", nproc=2, args=args).ok().results
     assert results[0]["saved"]["ddp"] != results[1]["saved"]["ddp"]  # the set-up differs
     assert results[0]["saved"]["plain"] != results[1]["saved"]["plain"]
+    assert results[0]["saved"]["ema_bn"] != results[1]["saved"]["ema_bn"]  # own statistics
     for rank, result in results.items():
         assert result["loaded"] == result["saved"], rank
         # saved asynchronously: the EMA compared across ranks on the background thread
@@ -380,6 +383,7 @@ def test_state_that_is_not_replicated_is_stored_and_restored_per_rank(tmp_path) 
     assert len(ddp) == 1 and "extra/ema/" in ddp[0]  # the EMA, not what DDP ignores; once
     assert "model/2.bias" not in ddp[0] and "wrap it in DistributedDataParallel" in ddp[0]
     assert len(plain) == 1 and "model/weight" in plain[0]
+    assert not [w for w in results[0]["warnings"] if "ema_bn: " in w]
     (astray,) = [w for w in results[0]["warnings"] if "diverged: " in w]
     assert "the ranks' replicas have diverged" in astray and "model/0.weight" in astray
     assert not results[1]["warnings"]  # said once, on rank 0

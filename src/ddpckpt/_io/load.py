@@ -27,6 +27,8 @@ from ddpckpt._io.load_checks import check_state
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.reader import CheckpointInfo, FileSource
 from ddpckpt._log import get_logger
+from ddpckpt._resumecheck import isolate
+from ddpckpt._resumecheck import record as _resume_check
 from ddpckpt._state.capture import TrainingState
 from ddpckpt._state.ddp_buckets import restore_buckets
 from ddpckpt._state.model import restore_model, restore_rank_buffers
@@ -82,6 +84,7 @@ def load(
     """
     path = os.fspath(path)
     configure(path, storage_options)  # an s3:// URL's client (ddpckpt.storage.configure)
+    path = isolate.for_read(path, "load")  # under ddpckpt check-resume: what its run wrote
     state = TrainingState.coerce(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         extra=extra, rng=rng,
@@ -102,7 +105,10 @@ def load(
             restore = _unless_changed(
                 path, manifest, lambda: _restore(manifest, source, state, strict, path, comm.rank)
             )
-            return comm.run("restore", restore)
+            info = comm.run("restore", restore)
+    if (recorder := _resume_check.active()) is not None:
+        recorder.loaded_plain(path, state, info)
+    return info
 
 
 def _unless_changed(path: str, manifest: Manifest, step: Callable[[], T]) -> Callable[[], T]:

@@ -22,6 +22,7 @@ from ddpckpt._format.sections import StateSections
 from ddpckpt._format.tensorfile import TensorEntry, can_read_into, dtype_from_name
 from ddpckpt._format.tensorread import TensorFile
 from ddpckpt._io.progress import Progress
+from ddpckpt._resumecheck import isolate
 from ddpckpt.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 
 
@@ -140,7 +141,7 @@ def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> d
     checkpoint of several models (a :class:`~ddpckpt.TrainingState`) needs ``model``,
     the name of the one to read.
     """
-    path = os.fspath(path)
+    path = isolate.for_read(path, "load_state_dict")
     manifest = read_manifest(path)
     stored = StateSections.from_json(manifest.state, path)
     model = chosen_model(path, stored, model)
@@ -194,7 +195,7 @@ def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
     :class:`CorruptCheckpointError` (listing every bad file); returns the checkpoint's
     metadata when everything verifies.
     """
-    path = os.fspath(path)
+    path = isolate.for_read(path, "verify")
     manifest = read_manifest(path)
     problems = _file_problems(path, manifest)
     if problems:

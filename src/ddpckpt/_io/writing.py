@@ -106,6 +106,7 @@ class WritePlan:
     rank_items: list[tuple[str, torch.Tensor]]  # this rank's file: its per-rank tensors,
     rank_state: dict[str, Any]  # and its state, in the file's metadata
     pending: list[str] = field(default_factory=list)
+    may_differ: frozenset[str] = frozenset()  # of the pending ones: apart by design, no warning
     checked: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     settled: bool = False
     rank_blob: bytes | None = None  # this rank's file, made to be sent to other domains
@@ -176,6 +177,7 @@ def plan_write(
         rank_items=rank_items,
         rank_state=dict(snapshot.rank_state),
         pending=pending,
+        may_differ=frozenset(snapshot.may_differ),
         checked=[(n, snapshot.tensors[n]) for n in pending if owners[n] != comm.rank],
     )
 

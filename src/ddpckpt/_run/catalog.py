@@ -12,6 +12,7 @@ import os
 
 from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt._log import get_logger
+from ddpckpt._resumecheck import isolate
 from ddpckpt._run.rundir import restore_unless_locked
 from ddpckpt.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from ddpckpt.storage import storage_for
@@ -41,7 +42,7 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
         if path is not None:
             info = ddpckpt.load(path, model=model, optimizer=optimizer)
     """
-    directory = os.fspath(directory)
+    directory = isolate.for_lookup(directory, "latest")  # under check-resume: its own run
     try:
         names = storage_for(directory).list(directory)
     except BucketNotFoundError:

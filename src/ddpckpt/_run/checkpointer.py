@@ -42,6 +42,7 @@ from ddpckpt._io.load import load
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._io.writing import header_fields
 from ddpckpt._log import get_logger
+from ddpckpt._resumecheck import isolate
 from ddpckpt._resumecheck import record as _resume_check
 from ddpckpt._run import query
 from ddpckpt._run.options import resolve
@@ -142,7 +143,11 @@ class Checkpointer:
             preemption=preemption,
         )
         self.read_only = read_only
-        self.directory = _resume_check.redirect(os.fspath(directory), read_only=read_only)
+        self.directory = (  # under ddpckpt check-resume: its own directory
+            isolate.for_read(directory, "Checkpointer(read_only=True)", directory=True)
+            if read_only
+            else isolate.for_write(directory, "Checkpointer", directory=True)
+        )
         first = {role: next(iter(getattr(self.state, role).values()), None) for role in ROLES}
         self.model, self.optimizer = first["models"], first["optimizers"]
         self.scheduler, self.scaler = first["schedulers"], first["scalers"]

@@ -114,7 +114,12 @@ def capture_extra(extra: Mapping[str, Any], snapshot: Snapshot) -> dict[str, Ext
             state = encode(obj.state_dict(), prefix, snapshot.tensors)
             section[name] = ExtraEntry(kind, type(obj).__qualname__, state)
             if isinstance(obj, nn.Module):
-                snapshot.unverified |= set(snapshot.tensors) - before
+                added = set(snapshot.tensors) - before
+                snapshot.unverified |= added
+                # buffers a module updates on each rank from that rank's batches (BatchNorm
+                # statistics, which an EMA copy takes from each rank's model) may differ
+                buffers = {f"{prefix}/{name}" for name, _ in obj.named_buffers()}
+                snapshot.may_differ |= added & buffers
         elif isinstance(obj, torch.utils.data.Sampler):
             raise UnsupportedValueError(
                 f"{prefix}: a {type(obj).__qualname__} has no position of its own to save: "

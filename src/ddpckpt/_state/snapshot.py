@@ -45,7 +45,9 @@ class Snapshot:
     but nothing guarantees it (a model without DDP, module-valued extras such as an EMA
     copy, optimizer state of parameters outside DDP): :mod:`ddpckpt._coord.consistency`
     compares their digests across ranks, treats the identical ones as ``balanced`` and
-    stores the others per rank. Tensors in ``per_rank`` differ between ranks by design
+    stores the others per rank; those also in ``may_differ`` (the buffers of a module-valued
+    extra: an EMA copy's BatchNorm statistics copy each rank's own) do so without a
+    warning. Tensors in ``per_rank`` differ between ranks by design
     (parameters and buffers DDP ignores, and their optimizer state): stored per rank
     whenever there are several ranks. Every other shared tensor (buffers such as BatchNorm
     statistics, which each rank updates with its own batch until DDP broadcasts rank 0's
@@ -64,6 +66,7 @@ class Snapshot:
     balanced: set[str] = field(default_factory=set)
     unverified: set[str] = field(default_factory=set)
     per_rank: set[str] = field(default_factory=set)
+    may_differ: set[str] = field(default_factory=set)  # unverified, apart by design: no warning
     rank_state: dict[str, JSON] = field(default_factory=dict)
     rank_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     stepped_by: dict[str, list[torch.optim.Optimizer]] = field(default_factory=dict)

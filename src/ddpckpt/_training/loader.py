@@ -139,7 +139,13 @@ class _Tracking:
         resuming = self._ddpckpt_resume is not None
         ended = self._ddpckpt_resume if resuming and self._ddpckpt_resume["finished"] else None
         if resuming and not applies:
-            warn_epoch_gap(self._ddpckpt_resume, getattr(user_sampler(self), "epoch", None))
+            warn_epoch_gap(
+                self._ddpckpt_resume,
+                getattr(user_sampler(self), "epoch", None),
+                None
+                if isinstance(self.dataset, IterableDataset)
+                else len(self._ddpckpt_stream.inner),
+            )
         self._ddpckpt_stream.skip = self._planned_skip() if resuming else 0
         self._ddpckpt_resume = None
         self._ddpckpt_pass += 1
