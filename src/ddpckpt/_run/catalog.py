@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from ddpckpt._format.runfiles import CORRUPT_MARK
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
 from ddpckpt.storage import is_temp_name, storage_for
@@ -18,7 +19,7 @@ from ddpckpt.storage._base import BucketNotFoundError
 
 _log = get_logger(__name__)
 
-SET_ASIDE_MARK = ".corrupt-"  # step-N.corrupt-<token>: moved aside by Checkpointer.resume
+SET_ASIDE_MARK = CORRUPT_MARK  # step-N.corrupt-<token>: moved aside by Checkpointer.resume
 
 
 def latest(directory: str | os.PathLike[str]) -> str | None:
