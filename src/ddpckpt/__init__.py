@@ -10,7 +10,7 @@ from ddpckpt._io.dict_checkpoint import load_dict, remove_checkpoint, save_dict
 from ddpckpt._io.load import load
 from ddpckpt._io.reader import CheckpointInfo, load_state_dict, verify
 from ddpckpt._io.save import PendingSave, release_async_buffers, save
-from ddpckpt._run.catalog import latest
+from ddpckpt._run.catalog import latest, load_latest
 from ddpckpt._run.checkpointer import Checkpointer
 from ddpckpt._run.preemption import Preemption
 from ddpckpt._state.objects import PerRank
@@ -69,6 +69,7 @@ __all__ = [
     "latest",
     "load",
     "load_dict",
+    "load_latest",
     "load_state_dict",
     "release_async_buffers",
     "remove_checkpoint",

@@ -149,7 +149,7 @@ class Fields:
     def __init__(self, doc: Any, where: str, what: str) -> None:
         self.where, self.what = where, what
         if not isinstance(doc, dict):
-            raise self.error(f"is a {_kind(doc)}, not a JSON object")
+            raise self.error(f"is {_kind(doc)}, not a JSON object")
         self.doc: dict[str, Any] = doc
 
     def error(self, problem: str, key: str | None = None) -> CorruptCheckpointError:
