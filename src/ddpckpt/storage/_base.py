@@ -49,6 +49,9 @@ class NotRegularFileError(OSError):
         super().__init__(code, what, location)
         self.kind = kind
 
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
+
 
 class BucketNotFoundError(FileNotFoundError):
     """The bucket a location names does not exist: unlike a missing directory, no run can be
