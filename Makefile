@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 # processes (torchrun jobs, servers), so two workers fit a 2-core machine.
 TEST_WORKERS ?= 2
 
-.PHONY: demo bench test lint clean
+.PHONY: demo bench test lint fuzz clean
+FUZZ_SECONDS ?= 1800
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,5 +32,13 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
+# The long-running fuzz target (outside CI, which runs tests/test_fuzz.py): coverage-guided,
+# each target for FUZZ_SECONDS; a violation leaves its input as crash-* in fuzz-output/.
+fuzz: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[fuzz]'
+	mkdir -p fuzz-output/checkpoint fuzz-output/torchfile
+	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py checkpoint -max_total_time=$(FUZZ_SECONDS) checkpoint
+	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py torchfile -max_total_time=$(FUZZ_SECONDS) torchfile
+
 clean:
-	rm -rf $(VENV) demo-output bench-output .pytest_cache
+	rm -rf $(VENV) demo-output bench-output fuzz-output .pytest_cache

@@ -35,14 +35,22 @@ MODEL_FILE = "model-00000.safetensors"
 STATE_FILE = "state-00000.safetensors"
 
 
-@pytest.fixture
-def ckpt(tmp_path):
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
     """A checkpoint of a small model and a stepped Adam, as ``ddpckpt.save`` writes it."""
     model = make_mlp()
     optimizer = torch.optim.Adam(model.parameters())
     train_steps(model, optimizer)
-    path = tmp_path / "run" / "ckpt"
+    path = tmp_path_factory.mktemp("saved") / "ckpt"
     ddpckpt.save(path, model=model, optimizer=optimizer, step=3, extra={"note": [1, (2, 3)]})
+    return path
+
+
+@pytest.fixture
+def ckpt(saved, tmp_path):
+    """A copy of the saved checkpoint, for one test to damage."""
+    path = tmp_path / "run" / "ckpt"
+    shutil.copytree(saved, path)
     return path
 
 

@@ -134,6 +134,6 @@ _SYSTEM = ("/proc/",)
 def outside(opened: list[str], root: Path) -> list[str]:
     """The opened paths outside ``root`` other than Python's own files (lazy imports) and
     the kernel's information about this machine."""
-    inside = os.path.abspath(root) + os.sep
-    allowed = (inside, *_RUNTIME, *_SYSTEM)
-    return [p for p in opened if not p.startswith(allowed)]
+    inside = os.path.abspath(root)
+    allowed = (inside + os.sep, *_RUNTIME, *_SYSTEM)
+    return [p for p in opened if p != inside and not p.startswith(allowed)]

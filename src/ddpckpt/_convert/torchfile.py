@@ -158,10 +158,11 @@ def read_torch_file(
         raise _refusal(path, exc) from exc
     except (
         RuntimeError, EOFError, zipfile.BadZipFile, KeyError, IndexError, ValueError, TypeError,
-        AttributeError, OSError,
+        AttributeError, OSError, AssertionError, OverflowError, MemoryError,
     ) as exc:  # fmt: skip
         # The weights-only unpickler meets bytes that are no pickle with whatever error the
-        # opcode it misreads leads to (a text file gives ``KeyError: 101``).
+        # opcode it misreads leads to (a text file gives ``KeyError: 101``; torch checks
+        # persistent ids with assert).
         raise CorruptCheckpointError(
             f"{path}: not a torch.save file ({type(exc).__name__}: {exc}); "
             "`import` reads files written by torch.save or Lightning"
@@ -261,9 +262,12 @@ _STORAGE_ITEMSIZE = {"UntypedStorage": 1} | {
 }
 
 
-class _Scanner(pickle.Unpickler):
+class _Scanner(pickle._Unpickler):  # type: ignore[name-defined]
     """Reads a pickle with every global an inert :class:`_Stub`, collecting the storages it
-    declares (their key and byte count); nothing the pickle names is imported or called."""
+    declares (their key and byte count); nothing the pickle names is imported or called.
+
+    The pure-Python unpickler keeps its memo in a dict: the C one grows an array to the
+    largest index a pickle names (a six-byte opcode asks for gigabytes)."""
 
     def __init__(self, file: IO[bytes]) -> None:
         super().__init__(file, encoding="utf-8")

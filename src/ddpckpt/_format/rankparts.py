@@ -57,7 +57,9 @@ def rank_part(manifest: Manifest, path: str, rank: int) -> dict[str, Any]:
     :class:`CorruptCheckpointError` naming the file if it is missing or damaged.
     """
     if manifest.rank_keys is None:
-        return manifest.ranks[rank]
+        if rank >= len(manifest.ranks):
+            raise CorruptCheckpointError(f"{path}: the manifest holds no state for rank {rank}")
+        return _checked(manifest.ranks[rank], f"{path}: rank {rank}'s state")
     if rank not in manifest.rank_parts:
         state, entries = _read_rank_file(manifest, path, rank)
         manifest.tensors.update((e.key, e) for e in entries)
@@ -90,6 +92,20 @@ def _listed_name(manifest: Manifest, base: str) -> str | None:
     return next((n for n in manifest.files if n.endswith(f"/{base}")), None)
 
 
+def _checked(state: Any, where: str) -> dict[str, Any]:
+    """One rank's state, its sections of the shapes the loaders read: ``own`` maps names
+    to names, ``extra`` and the per-model buffers map names to encoded values."""
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"{where}: per-rank state is no JSON object")
+    own = state.get("own", {})
+    if not isinstance(own, dict) or not all(isinstance(v, str) for v in own.values()):
+        raise CorruptCheckpointError(f"{where}: per-rank state: 'own' maps to something else")
+    for section in _NAMED:
+        if not isinstance(state.get(section, {}), dict):
+            raise CorruptCheckpointError(f"{where}: per-rank state: {section!r} is no JSON object")
+    return state
+
+
 def _read_rank_file(manifest: Manifest, path: str, rank: int) -> tuple[dict, list[TensorEntry]]:
     name = _listed_name(manifest, rank_file_name(rank))
     if name is None:
@@ -107,9 +123,7 @@ def _read_rank_file(manifest: Manifest, path: str, rank: int) -> tuple[dict, lis
     header = read_header(lambda at, n: data[at : at + n], len(data), where, name)
     if RANK_STATE_KEY not in header.metadata:
         raise CorruptCheckpointError(f"{where}: damaged rank file header: no {RANK_STATE_KEY}")
-    state = load_json(header.metadata[RANK_STATE_KEY], where, "per-rank state")
-    if not isinstance(state, dict):
-        raise CorruptCheckpointError(f"{where}: damaged rank file: its state is no JSON object")
+    state = _checked(load_json(header.metadata[RANK_STATE_KEY], where, "per-rank state"), where)
     own = f"rank{rank}/"
     entries = []
     for entry in header.entries:

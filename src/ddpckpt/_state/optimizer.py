@@ -30,7 +30,7 @@ from ddpckpt._state.model import (
     tensor_identity,
     unwrap_model,
 )
-from ddpckpt._state.snapshot import Snapshot, TensorSource
+from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
 from ddpckpt.errors import CorruptCheckpointError, StateMismatchError
 
 ParamNames = dict[int, list[str]]  # id(parameter) -> every name it has in the models
@@ -330,7 +330,8 @@ def restore_optimizer(
             indices.append(index)
             index += 1
         param_groups.append({**_cloned(hyper, source), "params": indices})
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    with restoring(f"{type(optimizer).__qualname__}.load_state_dict", where):
+        optimizer.load_state_dict({"state": state, "param_groups": param_groups})
     # load_state_dict moves every value beside its parameter; put back those kept elsewhere.
     params = [param for group in optimizer.param_groups for param in group["params"]]
     for index, values in state.items():
