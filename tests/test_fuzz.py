@@ -8,20 +8,10 @@ long-running target outside CI is ``tests/fuzz/fuzz_checkpoints.py`` (``make fuz
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from mutations import (
-    check_checkpoint,
-    check_torch_file,
-    mutated_checkpoint,
-    mutated_torch_file,
-    seed_checkpoint,
-    seed_torch_file,
-)
+from mutations import example
 
 
 def fuzz(examples: int) -> settings:
@@ -49,40 +39,23 @@ class Draws:
         return self._data.draw(st.binary(max_size=at_most))
 
 
-@pytest.fixture(scope="module")
-def seed(tmp_path_factory) -> tuple[Path, dict]:
-    root = tmp_path_factory.mktemp("seed")
-    original = seed_checkpoint(root / "run" / "ckpt")
-    return root / "run" / "ckpt", original
-
-
-@pytest.fixture(scope="module")
-def legacy(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("legacy") / "seed.pt"
-    seed_torch_file(path)
-    return path
-
-
-def test_mutated_checkpoints_load_or_raise_a_documented_error(seed, tmp_path_factory) -> None:
-    ckpt, original = seed
-    work = tmp_path_factory.mktemp("mutated")
+def test_mutated_checkpoints_load_or_raise_a_documented_error(tmp_path_factory) -> None:
+    one = example("checkpoint", tmp_path_factory.mktemp("checkpoint"))
 
     @fuzz(150)
     @given(st.data())
     def check(data: st.DataObject) -> None:
-        mutated, intact = mutated_checkpoint(Draws(data), ckpt, work / "run")
-        check_checkpoint(mutated, intact, original)
+        one(Draws(data))
 
     check()
 
 
-def test_mutated_torch_files_import_or_are_refused(legacy, tmp_path_factory) -> None:
-    work = tmp_path_factory.mktemp("imports")
+def test_mutated_torch_files_import_or_are_refused(tmp_path_factory) -> None:
+    one = example("torchfile", tmp_path_factory.mktemp("torchfile"))
 
     @fuzz(300)
     @given(st.data())
     def check(data: st.DataObject) -> None:
-        mutated_torch_file(Draws(data), legacy, work / "mutated.pt")
-        check_torch_file(work / "mutated.pt", work / "out")
+        one(Draws(data))
 
     check()

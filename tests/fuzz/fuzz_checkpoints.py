@@ -29,36 +29,6 @@ SUPPORT = Path(__file__).resolve().parents[1] / "support"
 sys.path.insert(0, str(SUPPORT))
 
 
-def _target(kind: str, root: Path):
-    """The function of one input (a chooser) that checks the property once."""
-    from mutations import (
-        check_checkpoint,
-        check_torch_file,
-        mutated_checkpoint,
-        mutated_torch_file,
-        seed_checkpoint,
-        seed_torch_file,
-    )
-
-    if kind == "checkpoint":
-        seed = root / "seed" / "run" / "ckpt"
-        original = seed_checkpoint(seed)
-
-        def one(chooser) -> None:
-            mutated, intact = mutated_checkpoint(chooser, seed, root / "work" / "run")
-            check_checkpoint(mutated, intact, original)
-
-        return one
-    legacy = root / "seed.pt"
-    seed_torch_file(legacy)
-
-    def one_file(chooser) -> None:
-        mutated_torch_file(chooser, legacy, root / "mutated.pt")
-        check_torch_file(root / "mutated.pt", root / "out")
-
-    return one_file
-
-
 class FuzzedChooser:
     """A mutation's choices from atheris' bytes (the fuzzer learns which ones matter)."""
 
@@ -76,7 +46,9 @@ def _with_atheris(kind: str, root: Path, argv: list[str]) -> None:
     import atheris
 
     with atheris.instrument_imports(include=["ddpckpt"]):
-        one = _target(kind, root)
+        from mutations import example
+
+        one = example(kind, root)
 
     def test_one_input(data: bytes) -> None:
         one(FuzzedChooser(atheris.FuzzedDataProvider(data)))
@@ -86,9 +58,9 @@ def _with_atheris(kind: str, root: Path, argv: list[str]) -> None:
 
 
 def _without_atheris(kind: str, root: Path, examples: int, seed: int) -> int:
-    from mutations import RandomChooser
+    from mutations import RandomChooser, example
 
-    one = _target(kind, root)
+    one = example(kind, root)
     failures, started = 0, time.monotonic()
     for index in range(seed, seed + examples):
         try:

@@ -433,3 +433,25 @@ class RandomChooser:
 
     def raw(self, at_most: int) -> bytes:
         return bytes(self._random.getrandbits(8) for _ in range(self._random.randint(0, at_most)))
+
+
+def example(kind: str, root: Path) -> Callable[[Chooser], None]:
+    """One check of the property on an input of ``kind`` (``checkpoint`` or ``torchfile``)
+    mutated by a chooser's choices; the seed input is made under ``root`` first."""
+    if kind == "checkpoint":
+        seed = root / "seed" / "run" / "ckpt"
+        original = seed_checkpoint(seed)
+
+        def one(chooser: Chooser) -> None:
+            mutated, intact = mutated_checkpoint(chooser, seed, root / "work" / "run")
+            check_checkpoint(mutated, intact, original)
+
+        return one
+    legacy = root / "seed.pt"
+    seed_torch_file(legacy)
+
+    def one_file(chooser: Chooser) -> None:
+        mutated_torch_file(chooser, legacy, root / "mutated.pt")
+        check_torch_file(root / "mutated.pt", root / "out")
+
+    return one_file

@@ -45,7 +45,7 @@ _DATA_FILE = re.compile(
     r"(?:\.next-[0-9A-Za-z_-]{1,64}/)?(?:model|state|rank)-[0-9]{5,10}\.safetensors", re.ASCII
 )
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"\\')
 _NESTING = [{ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}.get(b, 0) for b in range(256)]
 
 
@@ -114,7 +114,9 @@ def _depth(raw: bytes) -> int:
     """How deep the JSON text ``raw`` nests (brackets in strings ignored): one linear pass
     of C iterators, so a hostile document is measured without recursing into it (about
     25 ns a byte)."""
-    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    # Only brackets, quotes and backslashes matter: dropped first (in C, fast), what is left
+    # of strings after that (quotes and escapes) is then removed, then brackets are counted.
+    brackets = _STRING.sub(b"", raw.translate(None, _NOT_STRUCTURE))
     return max(accumulate(map(_NESTING.__getitem__, brackets)), default=0)
 
 
@@ -143,10 +145,11 @@ class Fields:
     """Reads the fields of one JSON object read from a file, checking types and ranges.
 
     ``where`` names the file, ``what`` the object in it (``"manifest"``, ``"tensor
-    'fc.weight'"``); every error names both and the field.
+    'fc.weight'"``, or a function giving it, called only for an error); every error names
+    both and the field.
     """
 
-    def __init__(self, doc: Any, where: str, what: str) -> None:
+    def __init__(self, doc: Any, where: str, what: str | Callable[[], str]) -> None:
         self.where, self.what = where, what
         if not isinstance(doc, dict):
             raise self.error(f"is {_kind(doc)}, not a JSON object")
@@ -154,7 +157,8 @@ class Fields:
 
     def error(self, problem: str, key: str | None = None) -> CorruptCheckpointError:
         field = f" field {key!r}" if key is not None else ""
-        return CorruptCheckpointError(f"{self.where}: malformed {self.what}:{field} {problem}")
+        what = self.what() if callable(self.what) else self.what
+        return CorruptCheckpointError(f"{self.where}: malformed {what}:{field} {problem}")
 
     def _get(self, key: str, default: Any) -> Any:
         if key not in self.doc:

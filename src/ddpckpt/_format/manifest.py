@@ -209,7 +209,7 @@ def _digest_field(fields: Fields, key: str) -> str:
 
 
 def _file_entry(name: str, doc: Any, where: str, world_size: int) -> FileEntry:
-    fields = Fields(doc, where, f"manifest entry of file {name!r}")
+    fields = Fields(doc, where, lambda: f"manifest entry of file {name!r}")
     return FileEntry(
         name,
         fields.integer("size"),
@@ -219,7 +219,7 @@ def _file_entry(name: str, doc: Any, where: str, world_size: int) -> FileEntry:
 
 
 def _tensor_entry(key: str, doc: Any, where: str, files: dict[str, FileEntry]) -> TensorEntry:
-    fields = Fields(doc, where, f"manifest entry of tensor {key[:200]!r}")
+    fields = Fields(doc, where, lambda: f"manifest entry of tensor {key[:200]!r}")
     file = fields.text("file")
     if file not in files:
         raise fields.error(f"names {file[:200]!r}, a file the manifest does not list", "file")

@@ -21,6 +21,7 @@ import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
+from typing import Any
 
 import torch
 
@@ -61,6 +62,7 @@ for _attr, _name in (
     if isinstance(getattr(torch, _attr, None), torch.dtype):
         _DTYPE_NAMES[getattr(torch, _attr)] = _name
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+_ITEMSIZES = {name: dtype.itemsize for name, dtype in _DTYPES_BY_NAME.items()}
 
 
 def dtype_name(dtype: torch.dtype, key: str) -> str:
@@ -121,6 +123,28 @@ def checked_layout(
     dtype, at most 64 dimensions, a range inside the file holding exactly the bytes the
     shape needs, aligned to the element size (as ddpckpt writes them). Nothing is
     allocated before this holds."""
+    doc = fields.doc
+    dtype, shape, span = doc.get("dtype"), doc.get("shape"), doc.get(offsets_key)
+    itemsize = _ITEMSIZES.get(dtype) if isinstance(dtype, str) else None
+    if (  # the record as ddpckpt writes it, checked without building any error
+        itemsize is not None
+        and type(shape) is list
+        and len(shape) <= MAX_DIMS
+        and all(type(d) is int and 0 <= d <= MAX_INT for d in shape)
+        and type(span) is list
+        and len(span) == 2
+        and type(span[0]) is int
+        and type(span[1]) is int
+        and 0 <= span[0] <= span[1] <= file_size - base
+        and span[1] - span[0] == math.prod(shape) * itemsize
+        and (base + span[0]) % itemsize == 0
+    ):
+        return dtype, tuple(shape), base + span[0], base + span[1]
+    return _refused_layout(fields, file_size, base, offsets_key)
+
+
+def _refused_layout(fields: Fields, file_size: int, base: int, offsets_key: str) -> Any:
+    """Raise the error naming what :func:`checked_layout` found wrong."""
     dtype = fields.text("dtype", max_length=16)
     if dtype not in _DTYPES_BY_NAME:
         raise fields.error(f"names an unknown dtype {dtype!r}", "dtype")
@@ -133,16 +157,14 @@ def checked_layout(
         raise fields.error("is not a pair [begin, end]", offsets_key)
     limit = file_size - base
     begin, end = (check_int(x, 0, limit, lambda p: fields.error(p, offsets_key)) for x in span)
-    itemsize = _DTYPES_BY_NAME[dtype].itemsize
+    itemsize = _ITEMSIZES[dtype]
     if end < begin or end - begin != math.prod(shape) * itemsize:
         raise fields.error(
             f"is [{begin}, {end}]: {end - begin} bytes, where {dtype} of shape {list(shape)} "
             f"takes {math.prod(shape) * itemsize}",
             offsets_key,
         )
-    if (base + begin) % itemsize:
-        raise fields.error(f"starts at byte {base + begin}, not aligned to {itemsize}", offsets_key)
-    return dtype, shape, base + begin, base + end
+    raise fields.error(f"starts at byte {base + begin}, not aligned to {itemsize}", offsets_key)
 
 
 @dataclass(frozen=True)
@@ -183,7 +205,7 @@ def read_header(
     for key, record in doc.items():
         if key == "__metadata__":
             continue
-        fields = Fields(record, where, f"safetensors header entry {key[:200]!r}")
+        fields = Fields(record, where, lambda key=key: f"safetensors header entry {key[:200]!r}")
         dtype, shape, begin, end = checked_layout(fields, file_size, start, "data_offsets")
         entries.append(TensorEntry(name, key, dtype, shape, begin, end, ""))
     entries.sort(key=lambda e: (e.begin, e.end))

@@ -242,10 +242,10 @@ def _refuse_own_jobs_lock(directory: str) -> None:
         holder = read_lock(os.path.join(directory, LOCK_NAME))
     except CheckpointError:
         return  # torn or damaged: RunLock decides (a torn lock is taken over once old)
-    job = holder.job if holder is not None else None
-    if job and job != "none" and job in ours:
-        raise CheckpointLockedError(
-            f"{directory} is in use by another job: pid {holder.pid} on "  # type: ignore[union-attr]
-            f"{holder.host} holds its lock, and it belongs to this same job ({job}), so "  # type: ignore[union-attr]
-            "it may be writing here now. If that job is over, delete the .lock file"
-        )
+    if holder is None or not holder.job or holder.job == "none" or holder.job not in ours:
+        return
+    raise CheckpointLockedError(
+        f"{directory} is in use by another job: pid {holder.pid} on {holder.host} holds its "
+        f"lock, and it belongs to this same job ({holder.job}), so it may be writing here now. "
+        "If that job is over, delete the .lock file"
+    )
