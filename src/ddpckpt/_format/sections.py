@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ddpckpt._format.codec import JSON
 from ddpckpt.errors import CorruptCheckpointError
 
@@ -147,6 +149,15 @@ class _Reader:
                 f"{self.where}: malformed manifest: {key!r} maps to something else than {what}"
             )
         return value
+
+
+def _is_device(value: Any) -> bool:
+    """Whether ``value`` names a device (``"cuda:1"``; this machine may lack it)."""
+    try:
+        torch.device(value)
+    except (RuntimeError, TypeError):
+        return False
+    return isinstance(value, str)
 
 
 def _is_shape(value: Any) -> bool:
@@ -298,7 +309,7 @@ class DictSection:
     @classmethod
     def from_json(cls, doc: JSON, where: str) -> DictSection:
         r = _Reader(doc, where)
-        devices = r.mapping_of("devices", lambda v: isinstance(v, str), "device names")
+        devices = r.mapping_of("devices", _is_device, "device names")
         return cls(r.get("tree", object), dict(devices))
 
 
