@@ -134,6 +134,14 @@ def test_only_plain_data_classes_can_be_trusted(tmp_path) -> None:
     assert why_not_plain("argparse.Namespace", object) is None
 
 
+def test_an_optimizer_entry_of_another_shape_is_refused(tmp_path) -> None:
+    """Found by the fuzzer: parameter ids that are lists raised "unhashable type"."""
+    optimizer = {"state": {}, "param_groups": [{"lr": 0.1, "params": [[0]]}]}
+    torch.save({"model": make_mlp().state_dict(), "optimizer": optimizer}, tmp_path / "o.pt")
+    with pytest.raises(CorruptCheckpointError, match="not an optimizer state_dict"):
+        import_checkpoint(tmp_path / "o.pt", tmp_path / "out")
+
+
 def test_the_old_zip_less_format_still_imports(tmp_path) -> None:
     model = make_mlp()
     torch.save(model.state_dict(), tmp_path / "old.pt", _use_new_zipfile_serialization=False)

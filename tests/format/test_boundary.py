@@ -150,6 +150,10 @@ LYING_MANIFESTS = {
     "a digest of another kind": (_tensor("xxh3_64", "x" * 16), "not an xxh3-64 digest"),
     "a range past the file": (_tensor("offsets", [10**9, 10**9 + 128]), "out of range"),
     "no manifest object": (lambda doc: doc.clear(), "not a ddpckpt manifest"),
+    "an optimizer state that is a number": (  # found by the fuzzer: AttributeError
+        lambda doc: doc["state"]["optimizer"]["state"].__setitem__("0.weight", 5),
+        "'state' maps to something else than a JSON object per parameter",
+    ),
 }
 
 

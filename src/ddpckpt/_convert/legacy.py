@@ -132,6 +132,7 @@ def _optimizer_section(
         isinstance(groups_in, list)
         and isinstance(state_in, Mapping)
         and all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups_in)
+        and all(isinstance(p, (int, str)) for g in groups_in for p in g["params"])
     ):
         raise CorruptCheckpointError(f"{where}: the optimizer entry is not an optimizer state_dict")
     if not all(isinstance(v, Mapping) for v in state_in.values()):

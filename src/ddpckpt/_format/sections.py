@@ -160,6 +160,11 @@ def _is_device(value: Any) -> bool:
     return isinstance(value, str)
 
 
+def _is_plain_object(value: Any) -> bool:
+    """A JSON object the codec decodes as a dict of string keys (no ``$``-tag)."""
+    return isinstance(value, dict) and not any(k.startswith("$") for k in value)
+
+
 def _is_shape(value: Any) -> bool:
     return value is None or (
         isinstance(value, list) and all(type(d) is int and d >= 0 for d in value)
@@ -240,10 +245,11 @@ class OptimizerSection:
         for g, group in enumerate(r.get("groups", list)):
             gr = _Reader(group, f"{where} (param group {g})")
             groups.append(ParamGroup(list(gr.strings("params")), gr.get("hyper", dict)))
+        per_parameter = r.mapping_of("state", _is_plain_object, "a JSON object per parameter")
         shapes = dict(r.mapping_of("shapes", _is_shape, "shapes"))
         if any(p not in shapes for g in groups for p in g.params):
             raise CorruptCheckpointError(f"{where}: malformed manifest: a parameter has no shape")
-        return cls(r.get("type", str), groups, r.get("state", dict), shapes,
+        return cls(r.get("type", str), groups, per_parameter, shapes,
                    r.mapping_of("placement", lambda v: v in ("param", "host"), "places", None),
                    r.strings("own_dtype", None),
                    bool(r.get("by_position", bool, False)))  # fmt: skip

@@ -174,6 +174,10 @@ def find_problems(path: str | os.PathLike[str]) -> list[str]:
 
 def _file_problems(path: str, manifest: Manifest) -> list[str]:
     problems = fill_rank_parts(manifest, path)  # the rank files' tensors join the index
+    try:
+        StateSections.from_json(manifest.state, path)  # what load parses, checked here too
+    except CorruptCheckpointError as exc:
+        problems.append(str(exc))
     by_file = _entries_by_file(manifest)
     for name, file in sorted(manifest.files.items()):
         try:
