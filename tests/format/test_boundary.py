@@ -233,3 +233,26 @@ def test_a_run_directory_or_a_plain_directory_is_named_so_not_an_unfinished_save
             call(run)
         with pytest.raises(ddpckpt.CheckpointNotFoundError, match="not a ddpckpt checkpoint"):
             call(tmp_path / "plain")
+
+
+def test_what_could_not_be_read_back_is_not_written(tmp_path, monkeypatch) -> None:
+    """The writers keep within the reader's caps: a value nested deeper than a load reads
+    is refused at the save, naming its key, and so is a manifest over its size cap."""
+    deep: list = []
+    for _ in range(150):
+        deep = [deep]
+    extra = {"deep": deep}
+    ddpckpt.save(tmp_path / "ok", model=make_mlp(), extra=extra)
+    back = {"deep": None}
+    ddpckpt.load(tmp_path / "ok", model=make_mlp(), extra=back)
+    assert back == extra
+    for _ in range(100):
+        deep = [deep]
+    with pytest.raises(ddpckpt.UnsupportedValueError, match=r"extra/deep/0/0.*nested deeper"):
+        ddpckpt.save(tmp_path / "deep", model=make_mlp(), extra={"deep": deep})
+    monkeypatch.setattr("ddpckpt._format.manifest.MAX_MANIFEST_BYTES", 10_000)
+    with pytest.raises(
+        ddpckpt.UnsupportedValueError, match=r"big: the manifest would be .* as tensors"
+    ):
+        ddpckpt.save(tmp_path / "big", model=make_mlp(), extra={"ids": list(range(5000))})
+    assert not (tmp_path / "deep").exists() and not (tmp_path / "big").exists()

@@ -31,18 +31,18 @@ def sample() -> Manifest:
 
 def test_roundtrip() -> None:
     m = sample()
-    back = Manifest.from_json(m.to_json(), "here")
+    back = Manifest.from_json(m.to_json("here"), "here")
     assert back == m
 
 
 def test_any_edit_fails_the_checksum() -> None:
-    text = sample().to_json().replace('"step": 7', '"step": 8')
+    text = sample().to_json("here").replace('"step": 7', '"step": 8')
     with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
         Manifest.from_json(text, "here")
 
 
 def test_newer_format_asks_for_an_upgrade() -> None:
-    doc = json.loads(sample().to_json())
+    doc = json.loads(sample().to_json("here"))
     doc["format_version"] = FORMAT_VERSION + 1  # its checksum scheme may differ: not "corrupt"
     with pytest.raises(CorruptCheckpointError, match="Upgrade ddpckpt"):
         Manifest.from_json(json.dumps(doc), "x")

@@ -45,6 +45,7 @@ from ddpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    UnsupportedValueError,
 )
 from ddpckpt.storage import storage_for
 from ddpckpt.storage._base import MANIFEST
@@ -90,7 +91,9 @@ class Manifest:
     def nbytes(self) -> int:
         return sum(f.size for f in self.files.values())
 
-    def to_json(self) -> str:
+    def to_json(self, where: str) -> str:
+        """The manifest's text; ``where`` names the checkpoint in the error of one too big
+        to be read back."""
         doc = {
             "format": FORMAT_NAME,
             "format_version": self.format_version or self.oldest_version(),
@@ -110,7 +113,14 @@ class Manifest:
             "files": {name: file_to_json(f) for name, f in sorted(self.files.items())},
             "tensors": {name: tensor_to_json(t) for name, t in self.tensors.items()},
         }
-        return _with_checksum(doc)
+        text = _with_checksum(doc)
+        if len(text) > MAX_MANIFEST_BYTES:  # what could not be read back is not written
+            raise UnsupportedValueError(
+                f"{where}: the manifest would be {len(text)} bytes, over the {MAX_MANIFEST_BYTES} a "
+                "checkpoint's manifest may have: store large values (long lists, big dicts) "
+                "as tensors"
+            )
+        return text
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> Manifest:

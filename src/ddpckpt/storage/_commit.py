@@ -252,4 +252,4 @@ def _relocated(manifest: bytes, prefix: str, where: str) -> bytes:
         key: dataclasses.replace(entry, file=f"{prefix}/{entry.file}")
         for key, entry in parsed.tensors.items()
     }
-    return parsed.to_json().encode()
+    return parsed.to_json(where).encode()
