@@ -1,5 +1,6 @@
 # The two commands the README opens with: `make demo` and `make test`; `make bench` runs the
-# benchmark (benchmarks/bench.py, kept in the source tree, not in the package).
+# benchmark (benchmarks/bench.py, kept in the source tree, not in the package), `make docs`
+# builds the documentation site into docs/_build/html.
 # Both build a virtual environment first (torch==2.13.0 first, then this project).
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.installed
 # processes (torchrun jobs, servers), so two workers fit a 2-core machine.
 TEST_WORKERS ?= 2
 
-.PHONY: demo bench test lint fuzz clean
+.PHONY: demo bench docs test test-fast lint fuzz clean
 FUZZ_SECONDS ?= 1800
 
 $(STAMP): pyproject.toml
@@ -25,9 +26,13 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench.py --out bench-output
 
+docs: $(STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
 	$(BIN)/ruff format --check src tests examples benchmarks
+	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
@@ -40,5 +45,10 @@ fuzz: $(STAMP)
 	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py checkpoint -max_total_time=$(FUZZ_SECONDS) checkpoint
 	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py torchfile -max_total_time=$(FUZZ_SECONDS) torchfile
 
+# The quick loop while developing: one process, no multi-process or slow tests (about a
+# minute); `make test` (what CI runs) is the whole suite.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow and not distributed" -q
+
 clean:
-	rm -rf $(VENV) demo-output bench-output fuzz-output .pytest_cache
+	rm -rf $(VENV) demo-output bench-output fuzz-output .pytest_cache docs/_build

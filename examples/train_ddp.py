@@ -64,8 +64,8 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.7)
 
     dataset = NoisyRegression()
-    sampler = ddpckpt.ResumableDistributedSampler(dataset, shuffle=True, seed=0)
-    loader = DataLoader(ddpckpt.SeededDataset(dataset, seed=0), sampler=sampler, batch_size=16,
+    sampler = ddpckpt.data.ResumableDistributedSampler(dataset, shuffle=True, seed=0)
+    loader = DataLoader(ddpckpt.data.SeededDataset(dataset, seed=0), sampler=sampler, batch_size=16,
                         num_workers=args.workers)  # fmt: skip
 
     torch.manual_seed(1000 + rank)  # each rank's own dropout; a resume restores it

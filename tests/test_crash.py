@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from crash_worker import corrupt
+from crash_worker import corrupt, read_oracle
 from launch import WORKER, _env, _finish, _start, free_port
 
 CRASH_WORKER = WORKER.with_name("crash_worker.py")
@@ -43,8 +43,8 @@ def judge(result: dict) -> str:
     found, oracle = result["found"], result["oracle"]
     if not isinstance(found, dict) or "error" in found or "crash" in found:
         return f"resume failed: {found}"
-    committed = sorted(oracle["committed"])
-    must_survive = set(committed[-KEEP:])  # what retention kept when the fault struck
+    committed = sorted(set(oracle["committed"]))
+    must_survive = set(committed[-result.get("keep", KEEP) :])  # what retention kept
     if result["action"] in ("truncate", "flip"):
         must_survive.discard(committed[-1])  # the newest was damaged on purpose
         committed = committed[:-1]
@@ -99,10 +99,33 @@ def plan_trials(events: list, rng: random.Random) -> list[dict]:
     return specs
 
 
+def plan_overwrite_trials(events: list, window: list[int], rng: random.Random) -> list[dict]:
+    """Faults in the save that replaces step-N by two renames (no RENAME_EXCHANGE): a
+    SIGKILL, and apart a one-off EIO, before each operation from its manifest on (the
+    commit's renames and syncs, deleting the replaced copy, `latest`; of several writes or
+    unlinks in a row the first), and one of each while the data is written."""
+    first, last = window
+    commit = next(i for i in range(first, last) if events[i][0] == "manifest")
+    points = [rng.choice(range(first, commit))]
+    for i in range(commit, last):
+        kind, previous = events[i][1].split()[0], events[i - 1][1].split()[0]
+        if not (kind in ("write", "unlink") and kind == previous):
+            points.append(i)
+    return [
+        {"action": action, "at": i, "scenario": "overwrite", "keep": 1,
+         "phase": f"overwrite/{events[i][0]}"}
+        for action in ("kill", "eio")
+        for i in points
+    ]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_crash_consistency_single_process(tmp_path, capsys) -> None:
+    """Also on a file system without RENAME_EXCHANGE: the run keeps one checkpoint and saves
+    a step twice, the second save replacing the first in two renames."""
     server("calibrate", str(tmp_path / "calibration"), str(tmp_path / "events.json"))
-    events = json.loads((tmp_path / "events.json").read_text())
+    calibration = json.loads((tmp_path / "events.json").read_text())
+    events = calibration["save"]["events"]
     assert {phase for phase, _ in events} >= {
         "data",
         "manifest",
@@ -111,9 +134,14 @@ def test_crash_consistency_single_process(tmp_path, capsys) -> None:
         "delete",
         "fsync",
     }
-    specs = plan_trials(events, random.Random(SEED))
+    rng = random.Random(SEED)
+    specs = plan_trials(events, rng)
     kills = sum(s["action"] == "kill" for s in specs)
     assert kills >= 50
+    overwrite = calibration["overwrite"]
+    replacing = [what for _, what in overwrite["events"][slice(*overwrite["window"])]]
+    assert any(what.endswith(".previous") for what in replacing)  # no exchange: two renames
+    specs += plan_overwrite_trials(overwrite["events"], overwrite["window"], rng)
     (tmp_path / "spec.json").write_text(json.dumps(specs))
     server(
         "trials",
@@ -132,18 +160,6 @@ def torchrun_crash(mode: str, *args: str, timeout: float = 120) -> tuple[int, st
            f"--master-port={free_port()}", "--max-restarts=0", str(CRASH_WORKER), mode, *args]  # fmt: skip
     ((code, out),) = _finish([_start(cmd, _env({"OMP_NUM_THREADS": "1"}), None)], timeout)
     return code, out
-
-
-def read_oracle(path: Path) -> dict:
-    committed, digests = [], {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            kind, value, *rest = line.split()
-            if kind == "committed":
-                committed.append(int(value[5:]))
-            else:
-                digests[value] = rest[0]
-    return {"committed": committed, "digests": digests}
 
 
 @pytest.mark.distributed
@@ -176,6 +192,12 @@ def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
     ]
     specs.append({"action": "enospc", "phase": "data@rank1", "at": rng.choice(writes), "rank": 1})
     specs.append({"action": "flip", "seed": rng.randrange(1 << 30)})
+    # no RENAME_EXCHANGE: rank 0 dies between the two renames replacing step 1 (second
+    # commit rename onto it); the restarted job puts it back on every rank
+    specs.append(
+        {"action": "kill", "phase": "overwrite/commit@rank0", "rank": 0, "at": 1, "keep": 1,
+         "scenario": "overwrite", "match": r"rename \.step-00000001\.tmp-\S+ step-00000001"}
+    )  # fmt: skip
     results = []
     for i, spec in enumerate(specs):
         run, oracle = tmp_path / f"t{i}" / "run", tmp_path / f"t{i}" / "oracle"
@@ -184,9 +206,7 @@ def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
             torchrun_crash("train", str(run), str(oracle))
             spec["note"] = corrupt(str(run), "flip", random.Random(spec["seed"]))
         else:
-            torchrun_crash(
-                "train", str(run), str(oracle), str(spec["at"]), str(spec["rank"]), spec["action"]
-            )
+            torchrun_crash("train", str(run), str(oracle), json.dumps(spec))
         code, out = torchrun_crash("resume", str(run), str(tmp_path / f"t{i}" / "found"))
         found = (
             [json.loads((tmp_path / f"t{i}" / f"found.rank{r}").read_text()) for r in (0, 1)]
@@ -195,7 +215,8 @@ def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
         )
         if len(found) == 2 and found[0] != found[1]:
             found = [{"error": f"ranks resumed differently: {found}"}]
-        results.append({**spec, "oracle": read_oracle(Path(f"{oracle}.rank0")), "found": found[0]})
+        results.append({**spec, "oracle": read_oracle(f"{oracle}.rank0"), "found": found[0]})
     failures = report("crash suite, torchrun 2 ranks", results, capsys)
-    assert len(results) >= 7
+    assert len(results) >= 8
+    assert results[-1]["oracle"]["committed"] == [1]  # died replacing step 1, as planned
     assert not failures, "\n".join(failures)

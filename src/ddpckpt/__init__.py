@@ -6,6 +6,9 @@ no pickle, every byte checksummed, committed atomically. ``save`` and ``load`` a
 collective under ``torch.distributed`` and work the same in a single process.
 """
 
+from typing import Any
+
+from ddpckpt import data, errors, policies, storage
 from ddpckpt._io.dict_checkpoint import load_dict, remove_checkpoint, save_dict
 from ddpckpt._io.load import load
 from ddpckpt._io.reader import CheckpointInfo, load_state_dict, verify
@@ -16,8 +19,6 @@ from ddpckpt._run.preemption import Preemption
 from ddpckpt._state.objects import PerRank
 from ddpckpt._state.training_state import TrainingState
 from ddpckpt._training.accumulation import GradientAccumulation
-from ddpckpt._training.data import ResumableDistributedSampler, SampleIndex, SeededDataset
-from ddpckpt._training.loader import resumable_loader, track_loader
 from ddpckpt._version import __version__
 from ddpckpt.errors import (
     CheckpointError,
@@ -58,24 +59,41 @@ __all__ = [
     "PerRank",
     "Preemption",
     "RankFailureError",
-    "ResumableDistributedSampler",
-    "SampleIndex",
-    "SeededDataset",
     "StateMismatchError",
     "TrainingState",
     "UnsafeCheckpointError",
     "UnsupportedValueError",
     "__version__",
+    "data",
+    "errors",
     "latest",
     "load",
     "load_dict",
     "load_latest",
     "load_state_dict",
+    "policies",
     "release_async_buffers",
     "remove_checkpoint",
-    "resumable_loader",
     "save",
     "save_dict",
-    "track_loader",
+    "storage",
     "verify",
 ]
+
+
+_MOVED_TO_DATA = ("ResumableDistributedSampler", "SampleIndex", "SeededDataset", "track_loader")
+
+
+def __getattr__(name: str) -> Any:
+    """The data helpers' old top-level names, now in :mod:`ddpckpt.data` (deprecated)."""
+    if name in _MOVED_TO_DATA:
+        from ddpckpt import data
+        from ddpckpt._deprecation import warn_renamed
+
+        warn_renamed(f"ddpckpt.{name}", f"ddpckpt.data.{name}")
+        return getattr(data, name)
+    if name == "resumable_loader":
+        from ddpckpt import data
+
+        return data._resumable_loader("ddpckpt.resumable_loader")
+    raise AttributeError(f"module 'ddpckpt' has no attribute {name!r}")

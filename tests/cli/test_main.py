@@ -317,3 +317,24 @@ def test_a_run_directorys_own_files_are_named_for_what_they_are(tmp_path, capsys
         assert "ddpckpt import" not in err
     assert main(["verify", os.fspath(run / "run.json")]) == 2
     assert f"a file of the run directory {run}, not a checkpoint" in capsys.readouterr().out
+
+
+def test_a_bare_command_prints_the_help(capsys) -> None:
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ddpckpt") and "check-resume" in out and "exit status" in out
+
+
+def test_every_subcommand_explains_itself_and_each_of_its_arguments() -> None:
+    import argparse
+
+    from ddpckpt._cli.main import COMMANDS, _parser
+
+    subparsers = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subparsers.choices) == {c.name for c in COMMANDS}
+    for name, sub in subparsers.choices.items():
+        assert sub.description and len(sub.description) > 60, f"{name} has no description"
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"ddpckpt {name}: {action.dest} has no help text"

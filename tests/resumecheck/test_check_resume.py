@@ -1,5 +1,6 @@
-"""``ddpckpt check-resume`` on real 2-rank torchrun jobs: a script that resumes exactly, and
-planted bugs, each named by the component and the step where it first shows."""
+"""``ddpckpt check-resume`` on real torchrun jobs: a script that resumes exactly (at 2 and 4
+ranks), and planted bugs (at 2), each named by the component and the step where it first
+shows."""
 
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from launch import _env, _finish, _start, free_port
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 SCRIPT = Path(__file__).parents[1] / "support" / "tiny_train.py"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-# tiny_train.py: 6 steps an epoch, 2 epochs; saves at 4, 6 (epoch end), 8, 12 (and epoch end).
+# tiny_train.py: 6 steps an epoch at any world size, 2 epochs; saves at 4, 6 (epoch end), 8, 12 (and epoch end).
 # Killed at step 10, the restarted run resumes from 8 and its first step is 9.
 KILL, RESUMED, FIRST = "10", 8, 9
 
 
 def check(
-    tmp: Path, *options: str, bug: str = "", reference: Path | None = None, elastic: bool = True
-) -> tuple[int, str, dict[str, Any]]:
+    tmp: Path, *options: str, bug: str = "", reference: Path | None = None, elastic: bool = True,
+    nproc: int = 2,
+) -> tuple[int, str, dict[str, Any]]:  # fmt: skip
     """Run the checker on tiny_train.py. ``elastic``: torchrun restarts the killed job itself
     (--max-restarts 1); otherwise torchrun gives up and the checker starts it again."""
     out = tmp / "check"
@@ -33,7 +35,8 @@ def check(
         if elastic
         else ["--master-addr=127.0.0.1", f"--master-port={port}"]
     )  # fmt: skip
-    command = [TORCHRUN, "--nproc-per-node=2", *launcher, str(SCRIPT), "--dir", str(tmp / "user")]
+    command = [TORCHRUN, f"--nproc-per-node={nproc}", *launcher, str(SCRIPT), "--dir",
+               str(tmp / "user")]  # fmt: skip
     argv = [sys.executable, "-m", "ddpckpt", "check-resume", "--out", str(out), "--timeout=150",
             *options, *(["--reference", str(reference)] if reference else []), "--", *command]  # fmt: skip
     env = _env({"PLANTED_BUG": bug, "PYTHONWARNINGS": "ignore::FutureWarning"})
@@ -70,6 +73,19 @@ def test_a_correct_script_is_bit_identical_at_both_default_kill_points(exact) ->
         "bit-identical at every step on every rank: 4 steps after the restart x 2 ranks" in output
     )
     assert "verdict: the resume is exact at every kill point" in output
+
+
+def test_four_ranks_resume_bit_identical_with_ddps_gradient_buckets_restored(tmp_path) -> None:
+    """From 3 ranks on, the order DDP sums gradients in depends on its bucket layout, which
+    a restarted process must get back from the checkpoint."""
+    code, output, report = check(tmp_path, f"--kill-at={KILL}", nproc=4)
+    assert code == 0, output[-5000:]
+    (point,) = report["points"]
+    assert point["resumed_from"] == RESUMED and point["divergence"] is None, point["divergence"]
+    assert point["steps_compared"] == 4 * 4 and len(point["launches"]) == 1
+    assert "bit-identical at every step on every rank: 4 steps after the restart x 4 ranks" in (
+        output
+    )
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ def test_flat_arguments_land_in_their_groups(tmp_path) -> None:
         retries=4,
         retry_backoff=0.5,
         async_save="overlap",
-        storage="shared",
+        sharing="shared",
         timeout=30.0,
         lock_stale_after=60.0,
     )
@@ -74,7 +74,7 @@ def test_defaults_and_policy_objects_are_kept() -> None:
         ({"read_only": True, "preemption": True}, "read_only"),
         ({"preemption": Preemption(signals=[signal.SIGKILL])}, "SIGKILL cannot be caught"),
         ({"preemption": Preemption(grace_seconds=0)}, "positive"),
-        ({"storage": "nfs"}, "storage must be one of"),
+        ({"sharing": "nfs"}, "sharing must be one of"),
         ({"timeout": -1}, "timeout must be a positive"),
         ({"timeout": "30"}, "timeout must be a positive"),
         ({"lock_stale_after": 0}, "lock_stale_after must be a positive"),

@@ -75,11 +75,14 @@ def test_raise_raises_and_still_records() -> None:
 
 def test_a_background_failure_is_logged_once_and_a_bug_always_raises(caplog) -> None:
     failures = SaveFailures(FailureHandling("warn", retries=0, retry_backoff=0.0))
-    exc = CheckpointWriteError(errno.EIO, "background write failed")
-    failures.report_background(exc)
-    failures.report_background(exc)  # wait() twice
+    exc = CheckpointWriteError(errno.ENOSPC, "background write failed")
+    failures.report_background(exc, "run/step-00000001 (step 1)")
+    failures.report_background(exc, "run/step-00000001 (step 1)")  # wait() twice
     failures.failed(2, exc, newest=None)  # the next collective call settles it: not again
     assert caplog.text.count("background write failed") == 1
+    # as the README promises for every failed save: the count and the newest good one
+    assert "(1 consecutive failed save)" in caplog.text
+    assert "the newest good checkpoint is still run/step-00000001 (step 1)" in caplog.text
     with pytest.raises(TypeError):
-        failures.report_background(TypeError("a bug in a save hook"))
-    failures.report_background(None)
+        failures.report_background(TypeError("a bug in a save hook"), None)
+    failures.report_background(None, None)

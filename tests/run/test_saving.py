@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
+import logging
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from conftest import make_mlp
 from ddpckpt import Checkpointer
@@ -45,10 +53,23 @@ def test_saves_commit_retain_and_refuse_going_back(tmp_path) -> None:
 
 def test_a_failed_save_falls_back_to_the_newest_committed(tmp_path, caplog) -> None:
     saves = RunSaves(str(tmp_path / "run"), resolve(), AsyncSaver())
+    (tmp_path / "run" / "step-00000004").mkdir(parents=True)
     saves.latest, saves.committed = 5, 4  # step 5 was in flight
     saves.failed(5, CheckpointWriteError(errno.ENOSPC, "disk full"))
     assert saves.latest == 4 and saves.failures.failed_saves == 1
+    assert "the newest good checkpoint is still" in caplog.text
     assert "step-00000004 (step 4)" in caplog.text
+
+
+def test_a_failure_never_names_a_checkpoint_that_is_gone(tmp_path, caplog) -> None:
+    """The run directory deleted from outside took step 4 with it: the message says the run
+    has none, not that step 4 is still the newest good one."""
+    saves = RunSaves(str(tmp_path / "run"), resolve(), AsyncSaver())
+    saves.latest, saves.committed = 5, 4
+    saves.failed(5, CheckpointWriteError(errno.ENOENT, "no such directory"))
+    assert saves.latest is None and saves.committed is None
+    assert "NONE: this run has no checkpoint to resume from" in caplog.text
+    assert "step-00000004" not in caplog.text
 
 
 @pytest.mark.parametrize("async_save", [False, True])
@@ -98,3 +119,109 @@ def test_a_run_directory_that_cannot_be_created_fails_that_save_and_training_goe
     finally:
         ckpt.close()
     assert "saving step 1 failed" in caplog.text and "training goes on" in caplog.text
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("removed", ["files", "directory"])
+def test_a_save_whose_directory_is_removed_under_it_never_reports_success(
+    tmp_path, caplog, monkeypatch, async_save, removed
+) -> None:
+    """``rm -rf`` of the run directory while a save writes: it got as far as removing the
+    data files (the manifest, written after, is alone), or all of it. The save fails, and
+    ``latest`` never names a checkpoint holding a manifest only; the next save goes on."""
+    from ddpckpt.storage._posix import PosixStorage
+
+    run = tmp_path / "run"
+    ckpt = Checkpointer(run, model=make_mlp(), async_save=async_save, keep_last=3)
+    ckpt.save(1)
+    ckpt.wait()
+    create = PosixStorage.create
+
+    def removed_meanwhile(self, location: str):
+        if location.endswith("manifest.json"):
+            monkeypatch.setattr(PosixStorage, "create", create)  # once
+            staging = os.path.dirname(location)
+            if removed == "files":
+                for name in os.listdir(staging):
+                    os.unlink(os.path.join(staging, name))
+            else:
+                shutil.rmtree(run)
+        return create(self, location)
+
+    monkeypatch.setattr(PosixStorage, "create", removed_meanwhile)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        outcome = ckpt.save(2)
+        ckpt.wait()  # a background failure is reported here
+        assert ckpt.save(3) == os.fspath(run / "step-00000003")  # settles step 2 first
+        ckpt.wait()
+    assert outcome is None or async_save  # async: only the path, before writing
+    assert ckpt.failed_saves == 0 and not (run / "step-00000002").exists()
+    assert "saving step 2 failed" in caplog.text or "a background save failed" in caplog.text
+    assert "(1 consecutive failed save)" in caplog.text  # async: reported by wait() as well
+    if removed == "files":
+        assert "vanished from" in caplog.text and ckpt.steps() == [1, 3]
+        assert "the newest good checkpoint is still" in caplog.text
+    else:
+        assert "the newest good checkpoint is NONE" in caplog.text  # gone with the directory
+        assert "was deleted while this job was saving into it" in caplog.text
+        assert ckpt.steps() == [3]
+    assert (run / "latest").read_text() == "step-00000003\n"
+    ckpt.close()
+
+
+_WRITER_THEN_READER = """
+import sys, torch, ddpckpt
+for run in sys.argv[1:]:
+    try:
+        ddpckpt.Checkpointer(run, model=torch.nn.Linear(4, 2)).resume()
+        print("writer resumed")
+    except ddpckpt.CheckpointError as exc:
+        print("writer:", type(exc).__name__, exc)
+    try:
+        info = ddpckpt.Checkpointer(run, model=torch.nn.Linear(4, 2), read_only=True).resume()
+        print("reader resumed", info.step)
+    except OSError as exc:
+        print("reader:", type(exc).__name__, exc)
+"""
+
+
+def _without_root_privileges() -> None:
+    """In the child, before exec: drop the capabilities that let root ignore permission
+    bits (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER) from the bounding set."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    for capability in (1, 2, 3):
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            os._exit(77)
+
+
+def test_a_writer_on_a_directory_it_may_not_write_is_pointed_at_read_only(tmp_path) -> None:
+    """A writer's resume() on a run directory it may only read is told to open it with
+    read_only=True (it wrote no checkpoint, so no "writing the checkpoint failed"); on one
+    it may not even read, to check the permissions. Root ignores permission bits, so as
+    root the job runs without the capabilities that let it."""
+    root = os.geteuid() == 0
+    runs = [os.fspath(tmp_path / name) for name in ("read-only", "no-access")]
+    for run in runs:
+        with Checkpointer(run, model=torch.nn.Linear(4, 2)) as ckpt:
+            ckpt.save(1)
+    os.chmod(runs[0], 0o555)
+    os.chmod(runs[1], 0o000)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _WRITER_THEN_READER, *runs], capture_output=True, text=True,
+            timeout=120, preexec_fn=_without_root_privileges if root else None,
+        )  # fmt: skip
+    finally:
+        for run in runs:
+            os.chmod(run, 0o755)
+    if done.returncode == 77:
+        pytest.skip("running as root, and dropping CAP_DAC_OVERRIDE is not permitted here")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("writer: CheckpointWriteError")
+    assert f"{runs[0]}: setting up the run failed at" in lines[0]
+    assert "Checkpointer(..., read_only=True)" in lines[0]
+    assert "writing the checkpoint" not in lines[0]
+    assert lines[1] == "reader resumed 1"
+    assert lines[2].startswith("writer: CheckpointWriteError")
+    assert "can neither write nor read there" in lines[2] and "read_only" not in lines[2]

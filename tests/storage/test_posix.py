@@ -7,8 +7,11 @@ import os
 import stat
 
 import pytest
+import torch
 
-from ddpckpt.storage import RenameCommit, is_temp_name
+import ddpckpt
+from ddpckpt.storage import RenameCommit
+from ddpckpt.storage._base import is_temp_name
 from ddpckpt.storage._posix import PosixStorage
 
 storage = PosixStorage()
@@ -96,3 +99,104 @@ def test_deleting_what_does_not_exist_on_a_read_only_file_system_is_no_error(
 
     monkeypatch.setattr(os, "unlink", read_only_unlink)
     storage.delete_tree(os.fspath(tmp_path / ".step-00000001.tmp-0a1b2c3d4e5f-0"))
+
+
+def _overwrite_failing(tmp_path, monkeypatch, fail) -> tuple[str, torch.nn.Module, str]:
+    """Save ``step-1``, then replace it without RENAME_EXCHANGE while renames number
+    ``fail`` (1: the committed one aside, 2: the new one in, 3: the old one back) fail
+    with EIO; returns the path, the model saved first and the error's message."""
+    monkeypatch.setenv("DDPCKPT_RENAME_EXCHANGE", "0")
+    path = os.fspath(tmp_path / "step-1")
+    old = torch.nn.Linear(3, 2)
+    ddpckpt.save(path, model=old, step=1)
+    count = {"n": 0}
+    real = os.rename
+
+    def rename(source, target):
+        count["n"] += 1
+        if count["n"] in fail:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), source)
+        return real(source, target)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "rename", rename)
+        with pytest.raises(ddpckpt.CheckpointWriteError) as caught:
+            ddpckpt.save(path, model=torch.nn.Linear(3, 2), step=2, overwrite=True)
+    return path, old, str(caught.value)
+
+
+def _loads_as(path: str, model: torch.nn.Module) -> bool:
+    loaded = torch.nn.Linear(3, 2)
+    ddpckpt.load(path, model=loaded)
+    return torch.equal(loaded.weight, model.weight) and torch.equal(loaded.bias, model.bias)
+
+
+def test_without_exchange_a_failed_replacement_moves_the_old_checkpoint_back(
+    tmp_path, monkeypatch
+) -> None:
+    path, old, message = _overwrite_failing(tmp_path, monkeypatch, fail={2})
+    assert "back in place, unchanged" in message and "untouched" not in message
+    assert _loads_as(path, old)
+    assert [n for n in os.listdir(tmp_path) if not is_temp_name(n)] == ["step-1"]
+
+
+def test_without_exchange_an_old_checkpoint_that_cannot_move_back_is_kept_and_put_back(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """The storage fails the new one's rename and the move back alike (a server gone): the
+    error names where the committed checkpoint is, and the next start puts it back."""
+    path, old, message = _overwrite_failing(tmp_path, monkeypatch, fail={2, 3})
+    kept = os.fspath(tmp_path / ".step-1.previous")
+    assert f"moving the checkpoint it replaces back from {kept} failed too" in message
+    assert "missing until the next" in message and "untouched" not in message
+    assert not os.path.exists(path) and os.path.isdir(kept)
+    with caplog.at_level("WARNING", logger="ddpckpt"):
+        assert ddpckpt.latest(tmp_path) == path  # start-up: put back
+    assert f"{path}: restored from {kept}" in caplog.text
+    assert _loads_as(path, old)
+    assert not os.path.exists(kept)
+
+
+def test_without_exchange_a_save_to_a_checkpoint_kept_aside_is_refused(
+    tmp_path, monkeypatch
+) -> None:
+    """``.step-1.previous`` *is* step-1 while step-1 is missing: a save there without
+    ``overwrite`` is refused as for step-1 itself, and one with it replaces it."""
+    path, old, _ = _overwrite_failing(tmp_path, monkeypatch, fail={2, 3})
+    with pytest.raises(ddpckpt.CheckpointExistsError):
+        ddpckpt.save(path, model=torch.nn.Linear(3, 2), step=2)
+    assert _loads_as(str(tmp_path / ".step-1.previous"), old)  # untouched
+    new = torch.nn.Linear(3, 2)
+    ddpckpt.save(path, model=new, step=2, overwrite=True)
+    assert _loads_as(path, new)
+    assert os.listdir(tmp_path) == ["step-1"]
+
+
+def test_without_exchange_the_replaced_copy_goes_only_after_the_parent_is_synced(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("DDPCKPT_RENAME_EXCHANGE", "0")
+    path = os.fspath(tmp_path / "step-1")
+    ddpckpt.save(path, model=torch.nn.Linear(3, 2), step=1)
+    order = []
+    real_sync, real_rename = PosixStorage.sync_dir, os.rename
+    monkeypatch.setattr(
+        PosixStorage,
+        "sync_dir",
+        lambda self, where: (order.append(("sync", where)), real_sync(self, where))[1],
+    )
+    monkeypatch.setattr(
+        os,
+        "rename",
+        lambda a, b: (
+            order.append(("rename", os.path.basename(a), os.path.basename(b))),
+            real_rename(a, b),
+        )[1],
+    )
+    ddpckpt.save(path, model=torch.nn.Linear(3, 2), step=2, overwrite=True)
+    renames = [entry[1:] for entry in order if entry[0] == "rename"]
+    assert renames[0] == ("step-1", ".step-1.previous")
+    assert renames[1][1] == "step-1" and is_temp_name(renames[1][0])
+    assert renames[2][0] == ".step-1.previous" and is_temp_name(renames[2][1])
+    between = order[order.index(("rename", *renames[1])) + 1 : order.index(("rename", *renames[2]))]
+    assert ("sync", os.fspath(tmp_path)) in between

@@ -1,8 +1,8 @@
 """Runs crash-consistency trials; see test_crash.py.
 
-    python crash_worker.py calibrate BASE OUT.json       # the event sequence of a clean run
+    python crash_worker.py calibrate BASE OUT.json       # the events of clean runs, by scenario
     python crash_worker.py trials BASE SPEC.json OUT.json
-    (under torchrun) python crash_worker.py train RUN ORACLE [--at N --action kill] / resume RUN OUT
+    (under torchrun) python crash_worker.py train RUN ORACLE [SPEC-JSON] / resume RUN OUT
 
 Single-process trials fork one child per attempt from this server, which imports torch
 once and never computes itself (so forking is safe): child 1 trains and saves with a
@@ -51,23 +51,37 @@ def digest(model: nn.Module, opt: torch.optim.Optimizer) -> str:
     return hasher.hexdigest()
 
 
-def train(run: str, faults: Faults, steps: int = STEPS, read_only_at: int | None = None) -> None:
+def train(
+    run: str,
+    faults: Faults,
+    steps: int = STEPS,
+    read_only_at: int | None = None,
+    overwrite: bool = False,
+) -> None:
+    """Train and save each step; with ``overwrite``, keep one checkpoint and save the first
+    step twice (an every-N save, then an epoch-end save of the same step, after another
+    batch): the second replaces the first; ``faults.window`` is the span of its events."""
     model, opt = build(0)
     ckpt = ddpckpt.Checkpointer(
-        run, model=model, optimizer=opt, keep_last=KEEP, retries=0, timeout=20
+        run, model=model, optimizer=opt, keep_last=1 if overwrite else KEEP, retries=0, timeout=20
     )
     info = ckpt.resume()
     faults.armed = True
     rank = dist.get_rank() if dist.is_initialized() else 0
-    for step in range((info.step + 1) if info else 1, steps + 1):
-        torch.manual_seed(step * 10 + rank)
-        opt.zero_grad()
-        model(torch.randn(4, 8)).pow(2).mean().backward()
-        opt.step()
-        faults.note(f"digest {step} {digest(model, opt)}")
-        if step == read_only_at:  # the storage turns read-only under a running job
-            make_read_only(run, True)
-        ckpt.save(step)
+    first = (info.step + 1) if info else 1
+    for step in range(first, steps + 1):
+        for again in range(2 if overwrite and step == first else 1):
+            torch.manual_seed(step * 10 + again * 5 + rank)
+            opt.zero_grad()
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            faults.note(f"digest {step} {digest(model, opt)}")
+            if step == read_only_at:  # the storage turns read-only under a running job
+                make_read_only(run, True)
+            start = faults.count
+            ckpt.save(step)
+            if again:
+                faults.window = (start, faults.count)
     faults.armed = False
     ckpt.close()
 
@@ -98,16 +112,20 @@ def resume(run: str) -> dict[str, Any]:
 
 
 def read_oracle(path: str) -> dict[str, Any]:
-    committed, digests = [], {}
+    """The steps committed, in order, and the digest of the state each one holds now (a
+    step saved twice holds the state of its last commit)."""
+    committed, digests, saved = [], {}, {}
     if os.path.exists(path):
         with open(path) as f:
             lines = f.read().splitlines()
         for line in lines:
             kind, value, *rest = line.split()
             if kind == "committed":
-                committed.append(int(value[5:]))
+                step = str(int(value[5:]))
+                committed.append(int(step))
+                digests[step] = saved[step]
             else:
-                digests[int(value)] = rest[0]
+                saved[value] = rest[0]
     return {"committed": committed, "digests": digests}
 
 
@@ -134,18 +152,31 @@ def in_child(fn, *args) -> tuple[int, Any]:
     return status, json.loads(b"".join(chunks) or b"null")
 
 
-def calibrate(base: str) -> list[tuple[str, str]]:
+def calibrate(base: str, scenario: str) -> dict[str, Any]:
+    """The events of a run without faults, and the window of its first overwrite."""
     faults = Faults(os.path.join(base, "oracle"))
     run = os.path.join(base, "run")
 
-    def go() -> list[tuple[str, str]]:
+    def go() -> dict[str, Any]:
         faults.install()
-        train(run, faults)
-        return faults.events
+        in_scenario(scenario)
+        train(run, faults, **SCENARIOS[scenario])
+        return {"events": faults.events, "window": faults.window}
 
-    _, events = in_child(go)
+    _, found = in_child(go)
     shutil.rmtree(base)
-    return events
+    return found
+
+
+# "overwrite": step 1 saved twice, on a file system without RENAME_EXCHANGE (NFS, Lustre),
+# where replacing step-N takes two renames
+SCENARIOS: dict[str, dict[str, Any]] = {"save": {}, "overwrite": {"steps": 2, "overwrite": True}}
+
+
+def in_scenario(scenario: str) -> None:
+    """Set this (forked) process up for ``scenario``."""
+    if scenario == "overwrite":
+        os.environ["DDPCKPT_RENAME_EXCHANGE"] = "0"
 
 
 def corrupt(run: str, kind: str, rng: random.Random) -> str:
@@ -191,12 +222,13 @@ def trial(base: str, spec: dict[str, Any]) -> dict[str, Any]:
     os.makedirs(base)
     action = spec["action"]
     note: str = ""
-    if action in ("kill", "enospc", "erofs"):
+    if action in ("kill", "enospc", "erofs", "eio"):
         faults = Faults(oracle, at=spec["at"], action=action)
 
         def go() -> None:
             faults.install()
-            train(run, faults)
+            in_scenario(spec.get("scenario", "save"))
+            train(run, faults, **SCENARIOS[spec.get("scenario", "save")])
 
         status, _ = in_child(go)
         note = "killed" if os.WIFSIGNALED(status) else f"exit {os.waitstatus_to_exitcode(status)}"
@@ -225,9 +257,9 @@ def main() -> None:
     importlib.import_module("torch._dynamo")  # optimizers import it lazily: once here, not per fork
     mode = sys.argv[1]
     if mode == "calibrate":
-        events = calibrate(sys.argv[2])
+        found = {name: calibrate(os.path.join(sys.argv[2], name), name) for name in SCENARIOS}
         with open(sys.argv[3], "w") as f:
-            json.dump(events, f)
+            json.dump(found, f)
     elif mode == "trials":
         with open(sys.argv[3]) as f:
             specs = json.load(f)
@@ -238,11 +270,18 @@ def main() -> None:
             json.dump(results, f)
     elif mode == "train":  # under torchrun
         dist.init_process_group("gloo")
-        at = int(sys.argv[4]) if len(sys.argv) > 4 and dist.get_rank() == int(sys.argv[5]) else None
-        action = sys.argv[6] if len(sys.argv) > 6 else "kill"
-        faults = Faults(sys.argv[3] + f".rank{dist.get_rank()}", at=at, action=action)
+        spec = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+        mine = spec.get("rank") == dist.get_rank()
+        faults = Faults(
+            sys.argv[3] + f".rank{dist.get_rank()}",
+            at=spec["at"] if mine else None,
+            action=spec.get("action", "kill"),
+            match=spec.get("match"),
+        )
         faults.install()
-        train(sys.argv[2], faults)
+        scenario = spec.get("scenario", "save")
+        in_scenario(scenario)
+        train(sys.argv[2], faults, **SCENARIOS[scenario])
         with open(f"{sys.argv[3]}.events.rank{dist.get_rank()}", "w") as f:
             json.dump(faults.events, f)
         dist.destroy_process_group()

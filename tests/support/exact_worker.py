@@ -13,7 +13,8 @@ application handler installed before the Checkpointer writes OUT/signalled-rank<
 writes OUT/two-rank<r>.json.
 
 Dropout, BatchNorm, AdamW, a warm-up schedule, GradScaler, an EMA, gradient accumulation 2,
-a shuffling ResumableDistributedSampler and a 2-worker loader with random augmentation
+a shuffling ResumableDistributedSampler over 24 samples per rank (3 optimizer steps an epoch
+at any world size) and a 2-worker loader with random augmentation
 (a plain DataLoader over a SeededDataset, or ddpckpt.resumable_loader), saved as the loader;
 a checkpoint every K steps and one after each epoch's loop.
 Each rank appends one JSON line per optimizer step to OUT/losses-rank<r>.jsonl and, at the
@@ -128,7 +129,7 @@ def train(args: argparse.Namespace, rank: int) -> None:
         model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
     )
     accumulation = ddpckpt.GradientAccumulation(ddp, steps=2)
-    sampler, loader = make_loader(args.loader, Noisy(48))
+    sampler, loader = make_loader(args.loader, Noisy(24 * dist.get_world_size()))
     torch.manual_seed(1234 + rank)  # dropout differs per rank
     extra = {"ema": ema, "loader": loader, "accumulation": accumulation}
     ckpt = ddpckpt.Checkpointer(args.run, model=ddp, optimizer=opt, scheduler=sched, scaler=scaler,

@@ -2,8 +2,10 @@
 
 :class:`Faults` wraps the ``os`` calls a save makes, numbers each event while armed, and
 at event ``at`` either kills the process with SIGKILL *before* the call runs, or makes the
-call fail with ENOSPC/EROFS. Independently of the library, it logs every executed rename
-onto a ``step-N`` name to an oracle file: those checkpoints were committed before the fault.
+call fail with ENOSPC/EROFS/EIO. Independently of the library, it logs
+every executed rename of a temporary onto a ``step-N`` name to an oracle file: those
+checkpoints were committed before the fault (a rename back from ``.step-N.previous`` puts
+an older commit back, and is no new one).
 """
 
 from __future__ import annotations
@@ -41,15 +43,23 @@ def category(kind: str, name: str, target: str = "") -> str:
 
 
 class Faults:
-    def __init__(self, oracle: str, at: int | None = None, action: str = "kill") -> None:
+    """``at``: the number of the event to fault, counting every event, or with ``match``
+    (a regular expression) only the events whose description matches it."""
+
+    def __init__(
+        self, oracle: str, at: int | None = None, action: str = "kill", match: str | None = None
+    ) -> None:
         self.oracle = oracle
         self.at = at
         self.action = action
+        self.match = re.compile(match) if match else None
+        self.matched = 0
         self.count = 0
         self.armed = False
         self.events: list[tuple[str, str]] = []
         self._names: dict[int, str] = {}
         self.fired = False
+        self.window: tuple[int, int] | None = None  # events of one save, set by the trainer
 
     def install(self) -> None:
         for name in _REAL:
@@ -70,15 +80,20 @@ class Faults:
     def _event(self, kind: str, name: str, target: str = "") -> None:
         if not self.armed:
             return
-        self.events.append((category(kind, name, target), f"{kind} {name} {target}".strip()))
+        what = f"{kind} {name} {target}".strip()
+        self.events.append((category(kind, name, target), what))
         index = self.count
         self.count += 1
+        if self.match is not None:
+            if not self.match.fullmatch(what):
+                return
+            index, self.matched = self.matched, self.matched + 1
         if index != self.at or self.fired:
             return
         self.fired = True
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
-        code = errno.ENOSPC if self.action == "enospc" else errno.EROFS
+        code = {"enospc": errno.ENOSPC, "erofs": errno.EROFS}.get(self.action, errno.EIO)
         raise OSError(code, os.strerror(code), name)
 
     def _wrap(self, kind: str) -> Any:
@@ -92,7 +107,7 @@ class Faults:
                 source, target = os.path.basename(str(args[0])), os.path.basename(str(args[1]))
                 self._event("rename", source, target)
                 result = real(*args, **kwargs)
-                if self.armed and _STEP.match(target):
+                if self.armed and _STEP.match(target) and ".tmp-" in source:
                     self.note(f"committed {target}")
                 return result
             name = os.path.basename(str(args[0]))

@@ -86,20 +86,23 @@ def _collect(out_dir: Path) -> dict[int, dict[str, Any]]:
     return results
 
 
-def _worker_args(scenario: str, out_dir: Path, args: Sequence[str]) -> list[str]:
+def _worker_args(
+    scenario: str, out_dir: Path, args: Sequence[str], worker: Path = WORKER
+) -> list[str]:
     out_dir.mkdir(parents=True, exist_ok=True)
-    return [str(WORKER), scenario, "--out", str(out_dir), *args]
+    return [str(worker), scenario, "--out", str(out_dir), *args]
 
 
 def torchrun(
     scenario: str, out_dir: Path, *, nproc: int = 2, args: Sequence[str] = (), timeout: float = 120,
     env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
-    launcher_args: Sequence[str] = (),
+    launcher_args: Sequence[str] = (), worker: Path = WORKER,
 ) -> Launch:  # fmt: skip
-    """One node: ``torchrun --nproc-per-node N`` (static rendezvous on loopback)."""
+    """One node: ``torchrun --nproc-per-node N`` (static rendezvous on loopback), running
+    ``worker`` (another script of tests/support with the same interface, or dist_worker.py)."""
     cmd = [str(_BIN / "torchrun"), f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", "--max-restarts=0", *launcher_args,
-           *_worker_args(scenario, out_dir, args)]  # fmt: skip
+           *_worker_args(scenario, out_dir, args, worker)]  # fmt: skip
     ((code, out),) = _finish([_start(cmd, _env(env), cwd)], timeout)
     return Launch(code, out, _collect(out_dir))
 

@@ -35,7 +35,7 @@ BUG = os.environ.get("PLANTED_BUG", "")
 class Noisy(Dataset):
     """Fixed samples; each access adds fresh random noise (an augmentation)."""
 
-    def __init__(self, size: int = 48) -> None:
+    def __init__(self, size: int) -> None:
         generator = torch.Generator().manual_seed(0)
         self.x = torch.randn(size, 6, generator=generator)
         self.y = self.x.sum(dim=1, keepdim=True)
@@ -66,7 +66,7 @@ def main() -> None:
     if BUG == "optimizer":  # made below, after resume(); a constant learning rate
         optimizer = scheduler = None
 
-    dataset = Noisy()
+    dataset = Noisy(24 * dist.get_world_size())  # 6 steps an epoch at any world size
     if BUG == "loader":
         sampler = DistributedSampler(dataset, shuffle=True, seed=0)
         loader = DataLoader(dataset, sampler=sampler, batch_size=4)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DistributedSampler
 
-from ddpckpt import ResumableDistributedSampler, SeededDataset
+from ddpckpt.data import ResumableDistributedSampler, SeededDataset
 from ddpckpt.errors import StateMismatchError
 from toy_data import Augmented, Numbers
 

@@ -3,8 +3,6 @@ checkpoints (ddpckpt._training.loader)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import weakref
 
 import pytest
@@ -12,7 +10,8 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import ddpckpt
-from ddpckpt import ResumableDistributedSampler, SeededDataset, resumable_loader
+from ddpckpt._training.loader import resumable_loader
+from ddpckpt.data import ResumableDistributedSampler, SeededDataset
 from ddpckpt.errors import StateMismatchError
 from toy_data import Augmented, Numbers
 
@@ -92,10 +91,10 @@ def test_tracked_loader_position_is_what_training_consumed(kind, workers, persis
     sampler = SAMPLERS[kind]()
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(2)
-    full = list(ddpckpt.track_loader(plain(sampler, workers, **options)))
+    full = list(ddpckpt.data.track_loader(plain(sampler, workers, **options)))
     torch.manual_seed(0)
     sampler = SAMPLERS[kind]()
-    loader = ddpckpt.track_loader(plain(sampler, workers, **options))
+    loader = ddpckpt.data.track_loader(plain(sampler, workers, **options))
     if hasattr(sampler, "set_epoch"):
         sampler.set_epoch(2)
     iterator = iter(loader)
@@ -104,7 +103,7 @@ def test_tracked_loader_position_is_what_training_consumed(kind, workers, persis
     assert state["position"] == 4 and not state["finished"]
     del iterator
     resumed_sampler = SAMPLERS[kind]()
-    resumed = ddpckpt.track_loader(plain(resumed_sampler, workers, **options))
+    resumed = ddpckpt.data.track_loader(plain(resumed_sampler, workers, **options))
     resumed.load_state_dict(state)
     if hasattr(resumed_sampler, "set_epoch"):
         resumed_sampler.set_epoch(2)
@@ -126,7 +125,7 @@ def test_tracked_loader_position_is_what_training_consumed(kind, workers, persis
 def test_a_finished_epoch_is_neither_replayed_nor_skipped(kind, workers) -> None:
     """The imagenet pattern: save after the epoch's loop; restart at that epoch or the next."""
     sampler = SAMPLERS[kind]()
-    loader = ddpckpt.track_loader(plain(sampler, workers))
+    loader = ddpckpt.data.track_loader(plain(sampler, workers))
     sampler.set_epoch(0)
     list(loader)
     state = loader.state_dict()
@@ -135,7 +134,7 @@ def test_a_finished_epoch_is_neither_replayed_nor_skipped(kind, workers) -> None
     epoch1 = list(loader)
     for restart in (0, 1):
         sampler = SAMPLERS[kind]()
-        resumed = ddpckpt.track_loader(plain(sampler, workers))
+        resumed = ddpckpt.data.track_loader(plain(sampler, workers))
         resumed.load_state_dict(state)
         seen = []
         for epoch in range(restart, 2):
@@ -177,7 +176,7 @@ def test_a_loader_tracked_by_the_checkpointer_saves_what_was_consumed(tmp_path) 
             ddpckpt.Checkpointer(tmp_path / "run", model=model, extra={"loader": loader2}).resume()
         else:
             ddpckpt.load(tmp_path / extra, model=model, extra={"sampler": sampler2})
-            ddpckpt.track_loader(loader2)
+            ddpckpt.data.track_loader(loader2)
         sampler2.set_epoch(0)
         assert len(loader2) == len(rest) == 13
         assert [b.tolist() for b in loader2] == rest, extra
@@ -229,10 +228,10 @@ def test_a_stateful_iterable_dataset_resumes_with_num_workers_0() -> None:
         def load_state_dict(self, state):
             self.at = state["at"]
 
-    loader = ddpckpt.track_loader(DataLoader(Stream(), batch_size=2))
+    loader = ddpckpt.data.track_loader(DataLoader(Stream(), batch_size=2))
     iterator = iter(loader)
     [next(iterator) for _ in range(2)]
-    resumed = ddpckpt.track_loader(DataLoader(Stream(), batch_size=2))
+    resumed = ddpckpt.data.track_loader(DataLoader(Stream(), batch_size=2))
     resumed.load_state_dict(loader.state_dict())
     assert [b.tolist() for b in resumed] == [[4, 5], [6, 7], [8, 9]]
 
@@ -265,24 +264,12 @@ def test_stateful_dataloader_saved_after_an_epoch_starts_the_next_one_fresh(tmp_
         assert seen == epoch1, restart
 
 
-def test_resumable_loader_needs_no_torchdata() -> None:
-    code = (
-        "import sys; sys.modules['torchdata'] = None\n"
-        "import torch, ddpckpt\n"
-        "data = torch.utils.data.TensorDataset(torch.arange(8.0))\n"
-        "sampler = ddpckpt.ResumableDistributedSampler(data, 1, 0)\n"
-        "loader = ddpckpt.resumable_loader(data, sampler=sampler, batch_size=2, num_workers=1)\n"
-        "assert len(list(loader)) == 4\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-
-
 def test_a_position_without_a_resumable_sampler_is_refused_on_another_world_size() -> None:
-    loader = ddpckpt.track_loader(plain(DistributedSampler(Augmented(40), 2, 0), workers=0))
+    loader = ddpckpt.data.track_loader(plain(DistributedSampler(Augmented(40), 2, 0), workers=0))
     iterator = iter(loader)
     next(iterator)
     state = loader.state_dict()
-    resumed = ddpckpt.track_loader(plain(DistributedSampler(Augmented(40), 3, 0), workers=0))
+    resumed = ddpckpt.data.track_loader(plain(DistributedSampler(Augmented(40), 3, 0), workers=0))
     resumed.load_state_dict(state)
     with pytest.raises(ddpckpt.InexactResumeError, match="ResumableDistributedSampler"):
         iter(resumed)
@@ -300,9 +287,9 @@ def test_persistent_workers_resumed_after_an_epoch_end_do_not_shift_the_random_s
             generator = torch.Generator().manual_seed(5)
             loader = DataLoader(SeededDataset(Augmented(40), 1), batch_size=3, shuffle=True,
                                 num_workers=2, persistent_workers=True, generator=generator)  # fmt: skip
-            return None, ddpckpt.track_loader(loader)
+            return None, ddpckpt.data.track_loader(loader)
         sampler = SAMPLERS[kind]()
-        return sampler, ddpckpt.track_loader(plain(sampler, 2, persistent_workers=True))
+        return sampler, ddpckpt.data.track_loader(plain(sampler, 2, persistent_workers=True))
 
     def epoch(sampler, loader, number):
         if sampler is not None and hasattr(sampler, "set_epoch"):

@@ -19,14 +19,14 @@ def test_an_untrackable_iterable_dataset_is_refused() -> None:
             return iter(range(10))
 
     with pytest.raises(ddpckpt.InexactResumeError, match="IterableDataset"):
-        ddpckpt.track_loader(DataLoader(Stream(), batch_size=2))
+        ddpckpt.data.track_loader(DataLoader(Stream(), batch_size=2))
 
 
 def resumed_at(saved_at, restart) -> DataLoader:
     """A loader saved in epoch 1 after ``saved_at`` batches (None: at its end), loaded into a
     new one whose sampler is then set to epoch ``restart``."""
     sampler = DistributedSampler(Augmented(40), 2, 1, seed=3)
-    loader = ddpckpt.track_loader(DataLoader(Augmented(40), sampler=sampler, batch_size=3))
+    loader = ddpckpt.data.track_loader(DataLoader(Augmented(40), sampler=sampler, batch_size=3))
     sampler.set_epoch(1)
     iterator = iter(loader)
     for _ in range(len(loader) if saved_at is None else saved_at):
@@ -35,7 +35,7 @@ def resumed_at(saved_at, restart) -> DataLoader:
         assert next(iterator, None) is None  # the pass ended
     state = loader.state_dict()
     sampler = DistributedSampler(Augmented(40), 2, 1, seed=3)
-    resumed = ddpckpt.track_loader(DataLoader(Augmented(40), sampler=sampler, batch_size=3))
+    resumed = ddpckpt.data.track_loader(DataLoader(Augmented(40), sampler=sampler, batch_size=3))
     resumed.load_state_dict(state)
     sampler.set_epoch(restart)
     return resumed

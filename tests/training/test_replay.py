@@ -34,7 +34,7 @@ def persistent(workers: int, with_generator: bool) -> DataLoader:
         options["generator"] = torch.Generator().manual_seed(1)
     loader = DataLoader(WorkerSeeded(), batch_size=2, shuffle=True, num_workers=workers,
                         persistent_workers=True, **options)  # fmt: skip
-    return ddpckpt.track_loader(loader)
+    return ddpckpt.data.track_loader(loader)
 
 
 def rows(batches) -> list[list[int]]:
@@ -88,7 +88,7 @@ def own(kind: str, workers: int) -> DataLoader:
     options = SAMPLERS[kind]()
     if "batch_sampler" not in options:
         options["batch_size"] = 2
-    return ddpckpt.track_loader(DataLoader(list(range(12)), num_workers=workers, **options))
+    return ddpckpt.data.track_loader(DataLoader(list(range(12)), num_workers=workers, **options))
 
 
 @pytest.mark.parametrize("kind", list(SAMPLERS))
@@ -127,7 +127,7 @@ def test_a_sampler_generator_that_cannot_be_saved_is_refused(tmp_path) -> None:
             self.generator.shuffle(order)
             return iter(order)
 
-    loader = ddpckpt.track_loader(DataLoader(list(range(8)), sampler=PythonShuffle()))
+    loader = ddpckpt.data.track_loader(DataLoader(list(range(8)), sampler=PythonShuffle()))
     iterator = iter(loader)
     next(iterator)
     with pytest.raises(ddpckpt.InexactResumeError, match=r"Random.*torch\.Generator"):
@@ -143,6 +143,6 @@ def test_a_mid_epoch_state_without_the_draws_is_refused() -> None:
     with pytest.raises(ddpckpt.StateMismatchError, match="earlier ddpckpt"):
         own("random", 0).load_state_dict(state)
     with pytest.raises(ddpckpt.StateMismatchError, match="1 generator"):
-        ddpckpt.track_loader(DataLoader(list(range(12)), batch_size=2)).load_state_dict(
+        ddpckpt.data.track_loader(DataLoader(list(range(12)), batch_size=2)).load_state_dict(
             loader.state_dict()
         )

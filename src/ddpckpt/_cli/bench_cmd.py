@@ -90,5 +90,13 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 BENCH = Command(
-    "bench", "measure checkpointing against torch.save, DCP and the hardware", add_arguments, _bench
+    "bench",
+    "measure checkpointing against torch.save, DCP and the hardware",
+    add_arguments,
+    _bench,
+    description="Measure save stall, time until durable, load time and peak memory of "
+    "ddpckpt (sync, async, overlap) against torch.save on rank 0, safetensors and "
+    "torch.distributed.checkpoint, with the machine's own write, read and copy speeds "
+    "measured in the same run. Runs benchmarks/bench.py of a source checkout (pip install "
+    "-e '.[bench]'); the benchmark is not part of the installed package.",
 )

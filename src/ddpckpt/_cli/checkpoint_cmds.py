@@ -11,7 +11,7 @@ from ddpckpt.errors import CheckpointError, CheckpointExistsError
 
 
 def _inspect_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint")
+    p.add_argument("checkpoint", help="a checkpoint directory (step-N/), local or s3://")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-tensors", action="store_true", help="omit the tensor table")
 
@@ -58,7 +58,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoints", nargs="+")
+    p.add_argument("checkpoints", nargs="+", metavar="checkpoint", help="checkpoint directories")
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -88,9 +88,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint")
-    p.add_argument("out")
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("checkpoint", help="a checkpoint directory (step-N/), local or s3://")
+    p.add_argument(
+        "out", help="the file to write: OUT.safetensors (no pickle) or OUT.pt (torch.save)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--model", help="the model to export, of a checkpoint of several")
 
 
@@ -106,8 +108,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("legacy")
-    p.add_argument("outdir")
+    p.add_argument("legacy", help="a file written by torch.save or a Lightning .ckpt")
+    p.add_argument("outdir", help="the ddpckpt checkpoint directory to create")
     p.add_argument("--model-key", help="the entry holding the model weights, if not detected")
     p.add_argument(
         "--trust-global",
@@ -121,7 +123,7 @@ def _import_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow importing with a torch whose weights_only loader has known bypasses",
     )
-    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace OUTDIR if it is a checkpoint")
 
 
 def _import(args: argparse.Namespace) -> int:
@@ -148,17 +150,41 @@ def _import(args: argparse.Namespace) -> int:
 
 
 INSPECT = Command(
-    "inspect", "show a checkpoint's metadata and tensors", _inspect_arguments, _inspect
+    "inspect",
+    "show a checkpoint's metadata and tensors",
+    _inspect_arguments,
+    _inspect,
+    description="Show a checkpoint's step, epoch, metrics, who wrote it (library, torch, "
+    "world size), its sections (model, optimizers with their param groups, scheduler, "
+    "scaler, extras) and a table of every tensor with dtype, shape, size and file. "
+    "Reads the manifest only: run 'ddpckpt verify' to check the data.",
 )
 VERIFY = Command(
-    "verify", "check every file against its checksums (exit 1 if bad)", _verify_arguments, _verify
+    "verify",
+    "check every file against its checksums (exit 1 if bad)",
+    _verify_arguments,
+    _verify,
+    description="Read every file of each checkpoint and check it against the checksums its "
+    "manifest records (every file and every tensor). Prints OK or the damaged files; "
+    "exit 1 if any checkpoint is damaged or incomplete, 2 if a path is not a checkpoint.",
 )
 EXPORT = Command(
-    "export", "write the model weights to OUT.safetensors or OUT.pt", _export_arguments, _export
+    "export",
+    "write the model weights to OUT.safetensors or OUT.pt",
+    _export_arguments,
+    _export,
+    description="Write one model's weights as a plain state dict (no 'module.' or "
+    "'_orig_mod.' prefixes), for inference: load it with safetensors.torch.load_file or "
+    "torch.load and model.load_state_dict. The checkpoint is verified while it is read.",
 )
 IMPORT = Command(
     "import",
     "convert a torch.save / Lightning file (no pickle code runs)",
     _import_arguments,
     _import,
+    description="Convert a checkpoint written with torch.save (a state dict, the usual "
+    "{'model': ..., 'optimizer': ...} dicts, a Lightning .ckpt) into a ddpckpt checkpoint. "
+    "The file is read with torch's weights-only unpickler: a pickle naming any other "
+    "global is refused before it runs. Optimizer state in such files is keyed by position "
+    "and is matched by position when loaded.",
 )

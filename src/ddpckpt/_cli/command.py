@@ -18,10 +18,12 @@ class CannotRun(Exception):
 
 @dataclass(frozen=True)
 class Command:
-    """One subcommand. ``run`` gets the parsed arguments and returns the exit status."""
+    """One subcommand. ``help`` is its line in ``ddpckpt --help``, ``description`` the
+    paragraph of ``ddpckpt NAME --help``; every argument ``add_arguments`` adds has a help
+    text. ``run`` gets the parsed arguments and returns the exit status."""
 
     name: str
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
-    description: str | None = None
+    description: str

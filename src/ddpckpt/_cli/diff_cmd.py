@@ -9,8 +9,8 @@ from ddpckpt._cli.command import Command
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", help="a checkpoint directory")
+    p.add_argument("b", help="another checkpoint directory")
     p.add_argument(
         "--ignore",
         action="append",

@@ -19,6 +19,7 @@ import argparse
 import logging
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 
 from ddpckpt._cli import (
@@ -34,16 +35,16 @@ from ddpckpt._version import __version__
 from ddpckpt.errors import CheckpointError
 
 COMMANDS: tuple[Command, ...] = (
-    checkpoint_cmds.INSPECT,
     demo_cmd.DEMO,
     check_resume_cmd.CHECK_RESUME,
-    bench_cmd.BENCH,
     rundir_cmds.LS,
     rundir_cmds.CLEAN,
+    checkpoint_cmds.INSPECT,
     checkpoint_cmds.VERIFY,
+    diff_cmd.DIFF,
     checkpoint_cmds.EXPORT,
     checkpoint_cmds.IMPORT,
-    diff_cmd.DIFF,
+    bench_cmd.BENCH,
 )
 
 _EXIT_STATUS = """exit status:
@@ -59,12 +60,17 @@ _BROKEN_PIPE = 141  # 128 + SIGPIPE, what a tool killed by the signal reports
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ddpckpt",
-        description="Inspect, verify, export, import, compare and clean checkpoints.",
+        description=textwrap.fill(
+            "Checkpoints for PyTorch DDP training: prove a script resumes exactly (demo, "
+            "check-resume), look after a run directory (ls, clean), and inspect, verify, "
+            "compare, export and import checkpoints. 'ddpckpt COMMAND --help' explains each.",
+            width=88,
+        ),
         epilog=_EXIT_STATUS,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"ddpckpt {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         sub = commands.add_parser(command.name, help=command.help, description=command.description)
         command.add_arguments(sub)
@@ -74,7 +80,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (see ``_EXIT_STATUS``)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # a bare `ddpckpt`: what it can do
+        parser.print_help()
+        return 0
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         status = int(args.run(args))

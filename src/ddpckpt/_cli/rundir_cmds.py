@@ -33,7 +33,7 @@ def _not_a_run_directory(directory: str) -> str | None:
 
 
 def _ls_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("directory")
+    p.add_argument("directory", help="a run directory (a Checkpointer's), local or s3://")
     p.add_argument(
         "--quick",
         action="store_true",
@@ -81,11 +81,13 @@ def _ls_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    from ddpckpt._run.rundir import find_leftovers
+    from ddpckpt._run.rundir import find_leftovers, restore_unless_locked
+    from ddpckpt.storage import storage_for
 
     wrong = _not_a_run_directory(args.directory)
     if wrong:
         raise CannotRun(wrong)
+    restore_unless_locked(args.directory, storage_for(args.directory).list(args.directory))
     rows = _ls_rows(args)
     leftovers = find_leftovers(args.directory)
     if not rows and not leftovers and _looks_unrelated(args.directory):
@@ -163,7 +165,7 @@ def _print_leftovers(directory: str, leftovers: Sequence[Any]) -> None:
 
 
 def _clean_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("directory")
+    p.add_argument("directory", help="a run directory (a Checkpointer's), local or s3://")
     p.add_argument(
         "--corrupt", action="store_true", help="also remove checkpoints moved aside as corrupt"
     )
@@ -206,10 +208,16 @@ LS = Command(
     "list a run directory's checkpoints and leftovers (exit 1 if any is bad)",
     _ls_arguments,
     _ls,
+    description="List a run directory's checkpoints: step, time, size, metrics, whether "
+    "each verifies (corrupt, incomplete), which one 'latest' names and which are kept as "
+    "best; then leftovers of interrupted saves and checkpoints moved aside, with sizes.",
 )
 CLEAN = Command(
     "clean",
     "remove a run's leftover temporaries (refused while a job holds its lock)",
     _clean_arguments,
     _clean,
+    description="Remove what interrupted saves left in a run directory (temporaries). "
+    "Refused while a live job holds the run's lock. Committed checkpoints are never "
+    "touched; --corrupt also removes the ones resume() moved aside as damaged.",
 )

@@ -27,8 +27,8 @@ from ddpckpt.errors import (
     CorruptCheckpointError,
     UnsupportedValueError,
 )
-from ddpckpt.storage import Writer, new_token, storage_for
-from ddpckpt.storage._base import temp_name
+from ddpckpt.storage import Writer, storage_for
+from ddpckpt.storage._base import new_token, temp_name
 
 
 def open_manifest(path: str) -> Manifest:

@@ -32,8 +32,8 @@ from ddpckpt._format.boundary import (
 )
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CorruptCheckpointError
-from ddpckpt.storage import Storage, is_temp_name, storage_for
-from ddpckpt.storage._base import MANIFEST
+from ddpckpt.storage import Storage, storage_for
+from ddpckpt.storage._base import MANIFEST, is_temp_name
 
 _log = get_logger(__name__)
 

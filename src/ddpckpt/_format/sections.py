@@ -171,9 +171,51 @@ def _is_shape(value: Any) -> bool:
     )
 
 
+BUCKET_STATES = ("none", "initial", "rebuilt", "unsettled")
+
+
+@dataclass
+class DDPBuckets:
+    """How DDP grouped a model's gradients into all-reduce buckets when it was saved.
+
+    ``state`` is ``"none"`` (no DDP reducer: a plain model), ``"initial"`` (the layout DDP
+    builds at construction, which a new DDP reproduces), ``"rebuilt"`` (``buckets``: each
+    bucket's parameters by canonical name, in their order in the bucket),
+    ``"unsettled"`` (DDP had begun its first steps but not yet rebuilt its buckets: not
+    reproducible), or ``"unrecorded"`` (a checkpoint written before ddpckpt recorded it;
+    never written). ``grad_views``: under ``gradient_as_bucket_view=True``, every gradient
+    was a view into the buckets (they stay so under ``zero_grad(set_to_none=False)``).
+    See :mod:`ddpckpt._state.ddp_buckets`.
+    """
+
+    state: str
+    buckets: list[list[str]] = field(default_factory=list)
+    grad_views: bool = False
+
+    def to_json(self) -> dict[str, JSON]:
+        doc: dict[str, JSON] = {"state": self.state}
+        if self.state == "rebuilt":
+            doc["buckets"] = self.buckets  # type: ignore[assignment]
+        if self.grad_views:
+            doc["grad_views"] = True
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: JSON, where: str) -> DDPBuckets:
+        r = _Reader(doc, where)
+        state = r.get("state", str)
+        if state not in BUCKET_STATES:
+            raise CorruptCheckpointError(f"{where}: malformed manifest: unknown state {state!r}")
+        buckets = r.get("buckets", list, []) if state == "rebuilt" else []
+        if not all(isinstance(b, list) and all(isinstance(n, str) for n in b) for b in buckets):
+            raise CorruptCheckpointError(f"{where}: malformed manifest: buckets not name lists")
+        return cls(state, [list(b) for b in buckets], bool(r.get("grad_views", bool, False)))
+
+
 @dataclass
 class ModelSection:
-    """A model: its stored keys, tied aliases, module versions and non-tensor extra state."""
+    """A model: its stored keys, tied aliases, module versions, non-tensor extra state and
+    the DDP gradient bucket layout it trained with."""
 
     type: str
     keys: list[str]
@@ -181,21 +223,27 @@ class ModelSection:
     versions: dict[str, int] = field(default_factory=dict)  # module path -> version
     extra_keys: list[str] = field(default_factory=list)
     extra_state: JSON | None = None  # the encoded values of ``extra_keys``
+    ddp_buckets: DDPBuckets = field(default_factory=lambda: DDPBuckets("unrecorded"))
 
     def to_json(self) -> dict[str, JSON]:
         doc: dict[str, JSON] = {"type": self.type, "keys": self.keys, "aliases": self.aliases,
                                 "versions": self.versions, "extra_keys": self.extra_keys}  # fmt: skip
         if self.extra_state is not None:
             doc["extra_state"] = self.extra_state
+        if self.ddp_buckets.state != "unrecorded":
+            doc["ddp_buckets"] = self.ddp_buckets.to_json()
         return doc
 
     @classmethod
     def from_json(cls, doc: JSON, where: str) -> ModelSection:
         r = _Reader(doc, where)
+        buckets = r.get("ddp_buckets", dict, None)
         return cls(r.get("type", str), list(r.strings("keys")),
                    dict(r.mapping_of("aliases", lambda v: isinstance(v, str), "names")),
                    dict(r.mapping_of("versions", lambda v: type(v) is int, "integers")),
-                   list(r.strings("extra_keys")), r.get("extra_state", object, None))  # fmt: skip
+                   list(r.strings("extra_keys")), r.get("extra_state", object, None),
+                   DDPBuckets("unrecorded") if buckets is None else DDPBuckets.from_json(
+                       buckets, f"{where} (ddp_buckets)"))  # fmt: skip
 
 
 @dataclass

@@ -28,6 +28,7 @@ from ddpckpt._io.progress import Progress
 from ddpckpt._io.reader import CheckpointInfo, FileSource
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import TrainingState
+from ddpckpt._state.ddp_buckets import restore_buckets
 from ddpckpt._state.model import restore_model, restore_rank_buffers
 from ddpckpt._state.objects import restore_stateful
 from ddpckpt._state.optimizer import param_names, restore_optimizer
@@ -216,8 +217,12 @@ def _restore(
     stored = StateSections.from_json(manifest.state, path)
     layout = stored.layout
     for name, model in state.models.items():
-        restore_model(model, stored.models[name], source, path, strict, layout.model_prefix(name))
+        section = stored.models[name]
+        restore_model(model, section, source, path, strict, layout.model_prefix(name))
         _restore_rank_buffers(manifest, layout, name, model, source, path, rank)
+        restore_buckets(
+            model, section.ddp_buckets, path, f"model {name!r}" if layout.named else "the model"
+        )
     names = param_names(state.models, layout)
     for name, optimizer in state.optimizers.items():
         restore_optimizer(optimizer, names, stored.optimizers[name], source, path)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ddpckpt._coord.comm import Comm
+from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import DEFAULT_SAVER, async_mode
 from ddpckpt._io.background import PendingSave
 from ddpckpt._io.writing import header_fields, plan_write, write_and_commit
@@ -40,9 +41,10 @@ def save(
     overwrite: bool = False,
     rng: bool | None = None,
     async_save: bool | str = False,
-    storage: str | None = None,
+    sharing: str | None = None,
     timeout: float | None = None,
     storage_options: Mapping[str, Any] | None = None,
+    storage: str | None = None,
 ) -> str | PendingSave:
     """Write the whole training state to the checkpoint directory ``path``; collective.
 
@@ -52,8 +54,10 @@ def save(
     ``state_dict()``/``load_state_dict()`` or to plain values (numbers, strings, lists,
     dicts, tensors); with ``rng`` (default) every rank's random generators are stored.
     ``metrics`` are scalars (numbers, 0-d tensors, strings).
-    ``storage`` is ``"auto"`` (detect), ``"shared"`` or ``"local"``; see
-    :mod:`ddpckpt._coord.topology`. ``timeout`` bounds how long a rank waits for a silent one.
+    ``sharing`` says whether the machines of the job share ``path``'s storage:
+    ``"auto"`` (default: detect it), ``"shared"`` (one copy, written by all ranks) or
+    ``"local"`` (node-local disks: one copy per machine); ``storage=`` is its deprecated
+    spelling. ``timeout`` bounds how long a rank waits for a silent one.
     ``storage_options`` configures an ``s3://`` URL's client (:func:`ddpckpt.storage.configure`).
 
     ``async_save=True`` returns as soon as this rank's share of the state is copied to host
@@ -71,6 +75,7 @@ def save(
     key of anything that cannot be stored without pickle, :class:`CheckpointWriteError`
     when storage fails. Returns the checkpoint's path (rank 0's).
     """
+    sharing = renamed_argument("ddpckpt.save", "storage", storage, "sharing", sharing)
     configure(path, storage_options)
     state = TrainingState.coerce(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
@@ -81,7 +86,6 @@ def save(
     saver.join()
     header = header_fields(step, epoch, metrics)
     comm = Comm.open("ddpckpt.save", path=os.fspath(path), timeout=timeout)
-    handed_off = False
 
     def settle_then_capture() -> Snapshot:
         saver.raise_unseen()  # in a collective step: every rank raises if one does
@@ -89,15 +93,15 @@ def save(
 
     try:
         snapshot = comm.run("capture", settle_then_capture)
-        plan = plan_write(comm, snapshot, header, overwrite=overwrite, storage=storage)
-        if not async_save:
-            return write_and_commit(plan)
-        completion = saver.start(plan, snapshot, overlap=overlap)
-        handed_off = True
-        return PendingSave(plan.path, completion)
-    finally:
-        if not handed_off:
-            comm.close()
+        plan = plan_write(comm, snapshot, header, overwrite=overwrite, storage=sharing)
+        if async_save:  # the background job closes the call
+            return PendingSave(plan.path, saver.start(plan, snapshot, overlap=overlap))
+        saved = write_and_commit(plan)
+    except BaseException as exc:
+        comm.close(exc)  # a failure only this rank saw reaches the others at once
+        raise
+    comm.close()
+    return saved
 
 
 def release_async_buffers() -> None:

@@ -274,6 +274,8 @@ def explain(
             "(a module or torch.Generator outside the model and extra)",
             "pass such state in extra; " + _DETERMINISM_FIX,
         )
+    if phase == "end" and _summed_differently(component, differences, world):
+        return _gradient_order(component, step, resumed_from, first_step_after_resume)
     if component.startswith("optimizer:unsaved"):
         return (
             f"the optimizer that steps the model ({g.get('type') if isinstance(g, dict) else g}) "
@@ -351,4 +353,38 @@ def _changed_before_step(
         "runs at an epoch start or on a step count kept outside the checkpoint)",
         "drive such changes from the saved step and epoch (info.step, info.epoch), or pass "
         "the state they depend on in extra",
+    )
+
+
+def _summed_differently(component: str, differences: Sequence[Any], world: int) -> bool:
+    """The signature of gradients all-reduced in another order: from 3 ranks on, the step
+    began from the same state and inputs (else a component read earlier would be named) and
+    ended with other parameters or optimizer state on every rank alike."""
+    updated = component == "model.parameters" or (
+        component.startswith("optimizer") and not component.startswith("optimizer:unsaved")
+    )
+    return updated and world >= 3 and len(_ranks(differences, component)) == world
+
+
+def _gradient_order(
+    component: str, step: int | None, resumed_from: int | None, first_after_resume: bool
+) -> tuple[str, str, str]:
+    when = (
+        f"step {step}, the first step after the resume from step {resumed_from}"
+        if first_after_resume
+        else f"step {step}"
+    )
+    return (
+        f"{component} differs on every rank after {when}, although the step began from the "
+        "same state (parameters, optimizer, learning rate, random generators) and read the "
+        "same inputs",
+        "the gradients were all-reduced in another order than in the uninterrupted run: DDP "
+        "groups them into buckets, which it lays out anew after its first step, and from 3 "
+        "ranks on where a gradient sits in its bucket changes the rounding of its sum. "
+        "ddpckpt restores the layout the checkpoint recorded; the restarted run's log says "
+        "with a ddpckpt WARNING when it could not (a checkpoint saved in DDP's first steps or "
+        "by an older ddpckpt, a built-in communication hook, mixed_precision). Without such a "
+        "warning: " + NONDETERMINISM,
+        "resume from a checkpoint this version of ddpckpt saved after DDP's first steps (or "
+        "do what the warning says); if there was no warning, " + _DETERMINISM_FIX,
     )

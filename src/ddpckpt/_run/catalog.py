@@ -24,6 +24,7 @@ from ddpckpt._format.runfiles import CORRUPT_MARK
 from ddpckpt._io.load import load
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
+from ddpckpt._run.rundir import restore_unless_locked
 from ddpckpt._state.capture import TrainingState
 from ddpckpt.errors import (
     CheckpointError,
@@ -31,8 +32,8 @@ from ddpckpt.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
-from ddpckpt.storage import configure, is_temp_name, storage_for
-from ddpckpt.storage._base import BucketNotFoundError
+from ddpckpt.storage import configure, storage_for
+from ddpckpt.storage._base import BucketNotFoundError, is_temp_name, previous_of
 
 _log = get_logger(__name__)
 
@@ -46,12 +47,14 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
     without a step count as older than any with one and are ordered by when they were
     saved. Temporaries of unfinished saves, checkpoints moved aside as corrupt, and
     directories whose manifest is missing, damaged or lists a file that is missing or of
-    the wrong size are skipped. A directory that does not exist has none (``None``); an
-    object store's bucket that does not exist raises ``FileNotFoundError``. Only the
-    manifest and the files' sizes are checked (no data is read): a checkpoint with a
-    flipped bit in its data is returned, and found when loaded (or by
-    :func:`ddpckpt.verify`); :func:`load_latest` then falls back to the previous one.
-    Local: any process may call it alone.
+    the wrong size are skipped. A checkpoint that an interrupted overwrite left as
+    ``.name.previous`` (on file systems without an atomic exchange) is put back as ``name``
+    first, unless a live job holds the directory's lock (then that path is returned). A
+    directory that does not exist has none (``None``); an object store's bucket that does
+    not exist raises ``FileNotFoundError``. Only the manifest and the files' sizes are
+    checked (no data is read): a checkpoint with a flipped bit in its data is returned, and
+    found when loaded (or by :func:`ddpckpt.verify`); :func:`load_latest` then falls back
+    to the previous one. Local: any process may call it alone.
     """
     found = newest_first(os.fspath(directory))
     return os.path.join(os.fspath(directory), found[0][-1]) if found else None
@@ -75,10 +78,13 @@ def newest_first(directory: str, caller: str = "latest()") -> list[Candidate]:
             f"directory: pass the directory that holds it ({os.path.dirname(directory) or '.'}) "
             "or load this checkpoint directly"
         )
+    names = restore_unless_locked(directory, names)
     found: list[Candidate] = []
     for name in names:
         if is_temp_name(name) or SET_ASIDE_MARK in name:
             continue
+        if (replaced := previous_of(name)) is not None and replaced in names:
+            continue  # a replaced copy: the checkpoint is the one under its own name
         manifest = _committed(os.path.join(directory, name), caller)
         if manifest is not None:
             step = manifest.step

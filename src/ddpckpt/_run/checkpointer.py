@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ddpckpt._coord.comm import Comm
+from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import AsyncSaver
 from ddpckpt._io.load import load
 from ddpckpt._io.reader import CheckpointInfo
@@ -45,10 +46,11 @@ from ddpckpt._run import query
 from ddpckpt._run.options import resolve
 from ddpckpt._run.preemption import Preemption, PreemptionWatch
 from ddpckpt._run.resume import READER_LISTINGS, list_candidates, load_first, nothing_loads
+from ddpckpt._run.rundir import checkpoint_path
 from ddpckpt._run.saving import RunSaves
 from ddpckpt._state.capture import Snapshot, capture
 from ddpckpt._state.training_state import ROLES, TrainingState
-from ddpckpt.errors import CheckpointWriteError
+from ddpckpt.errors import CheckpointError
 from ddpckpt.policies import Retention, SavePolicy
 from ddpckpt.storage import configure
 
@@ -66,7 +68,7 @@ class Checkpointer:
     back as :attr:`options`): when to save (``every_steps``, ``every_seconds``,
     ``save_policy``, ``preemption``), what to keep (``keep_last``, ``keep_best``, ``monitor``,
     ``mode``, ``retention``), failures (``on_error``, ``retries``, ``retry_backoff``),
-    ``async_save``, and storage (``storage``, ``timeout``, ``lock_stale_after``,
+    ``async_save``, and storage (``sharing``, ``timeout``, ``lock_stale_after``,
     ``read_only``). A failed save logs an ERROR naming the newest good checkpoint (see
     :attr:`last_error`, :attr:`failed_saves`).
 
@@ -104,13 +106,15 @@ class Checkpointer:
         retry_backoff: float = 1.0,
         rng: bool | None = None,
         async_save: bool | str = False,
-        storage: str | None = None,
+        sharing: str | None = None,
         timeout: float | None = None,
         lock_stale_after: float = 600.0,
         read_only: bool = False,
         preemption: bool | Preemption = False,
         storage_options: Mapping[str, Any] | None = None,
+        storage: str | None = None,
     ) -> None:
+        sharing = renamed_argument("Checkpointer", "storage", storage, "sharing", sharing)
         configure(directory, storage_options)  # an s3:// URL's client (ddpckpt.storage)
         self.state = TrainingState.coerce(
             state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
@@ -130,7 +134,7 @@ class Checkpointer:
             retries=retries,
             retry_backoff=retry_backoff,
             async_save=async_save,
-            storage=storage,
+            sharing=sharing,
             timeout=timeout,
             lock_stale_after=lock_stale_after,
             read_only=read_only,
@@ -201,7 +205,7 @@ class Checkpointer:
 
     def _load(self, step: int) -> CheckpointInfo:
         """Restore checkpoint ``step`` into the objects; collective."""
-        path, timeout = self._saves.path(step), self.options.storage.timeout
+        path, timeout = checkpoint_path(self.directory, step), self.options.storage.timeout
         return load(path, state=self.state, timeout=timeout)
 
     def should_save(self, step: int) -> bool:
@@ -256,7 +260,7 @@ class Checkpointer:
         if self._saver.latest is not None:
             return  # a save already sized the buffer, and may still be copying into it
         try:
-            snapshot = capture(self.state, rng=False)
+            snapshot = capture(self.state)
         except Exception as exc:  # the save itself raises it; nothing to size until then
             _log.debug("%s: not sizing the staging buffer ahead: %r", self.directory, exc)
             return
@@ -313,8 +317,10 @@ class Checkpointer:
         return self._preemption.exit_code if self._preemption is not None else 0
 
     @property
-    def last_error(self) -> CheckpointWriteError | None:
-        """The error of the most recent failed save; ``None`` once a save succeeds."""
+    def last_error(self) -> CheckpointError | None:
+        """The error of the most recent failed save (a :class:`CheckpointWriteError`, or a
+        :class:`CheckpointLockedError` once this job lost the run's lock); ``None`` once a
+        save succeeds."""
         return self._saves.failures.last_error
 
     @property

@@ -27,7 +27,7 @@ once this rank's share of the state is copied to reusable host buffers; writing,
 for it). ``async_save="overlap"`` also copies parameters and optimizer state during the next
 forward/backward, and ``optimizer.step()`` waits for that copy.
 
-Storage (:class:`Storage`): ``storage`` says whether the nodes share the directory
+Storage (:class:`Storage`): ``sharing`` says whether the nodes share the directory
 (``"auto"``, ``"shared"`` or ``"local"``; see :mod:`ddpckpt._coord.topology`), ``timeout`` bounds every collective wait, ``lock_stale_after`` is when
 a lock whose holder stopped refreshing it may be taken over, and ``read_only`` opens a run
 another job writes: no lock, nothing cleaned, moved or written.
@@ -38,7 +38,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from ddpckpt._coord.comm import resolve_timeout
+from ddpckpt._coord.limits import resolve_timeout
 from ddpckpt._coord.topology import resolve_storage_mode
 from ddpckpt._io.async_saver import async_mode
 from ddpckpt._run.signals import Preemption, grace_period
@@ -83,7 +83,7 @@ class Asynchronous:
 class Storage:
     """Where and how the run directory is used."""
 
-    sharing: str | None  # the ``storage=`` argument: "auto", "shared" or "local"
+    sharing: str | None  # "auto", "shared" or "local"
     timeout: float | None
     lock_stale_after: float
     read_only: bool
@@ -115,7 +115,7 @@ def resolve(
     retries: int = 2,
     retry_backoff: float = 1.0,
     async_save: bool | str = False,
-    storage: str | None = None,
+    sharing: str | None = None,
     timeout: float | None = None,
     lock_stale_after: float = 600.0,
     read_only: bool = False,
@@ -132,7 +132,7 @@ def resolve(
     _check_seconds("every_seconds", every_seconds)
     _check_seconds("timeout", timeout)
     _check_seconds("lock_stale_after", lock_stale_after)
-    resolve_storage_mode(storage)  # "auto", "shared", "local" (or $DDPCKPT_STORAGE)
+    resolve_storage_mode(sharing)  # "auto", "shared", "local" (or $DDPCKPT_STORAGE)
     resolve_timeout(timeout)  # or $DDPCKPT_TIMEOUT
     _check_policy("save_policy", save_policy, SavePolicy, every_steps=every_steps,
                   every_seconds=every_seconds)  # fmt: skip
@@ -153,7 +153,7 @@ def resolve(
         keeping=Keeping(retention or keeping(keep_last, keep_best, monitor, mode), mode),
         failures=FailureHandling(on_error, retries, retry_backoff),
         asynchronous=Asynchronous(bool(async_save), overlap),
-        storage=Storage(storage, timeout, lock_stale_after, read_only),
+        storage=Storage(sharing, timeout, lock_stale_after, read_only),
     )
 
 

@@ -27,7 +27,8 @@ from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._run.catalog import SET_ASIDE_MARK
 from ddpckpt._run.rundir import scan, write_latest
 from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
-from ddpckpt.storage import new_token, storage_for
+from ddpckpt.storage import storage_for
+from ddpckpt.storage._base import new_token
 
 _log = get_logger(__name__)
 READER_LISTINGS = 3  # times a read-only resume lists the directory before giving up

@@ -7,6 +7,9 @@
       run.json            the retention policy, so `ddpckpt ls` can mark the best ones
       .lock               the job writing here (host, pid, job id)
       .step-00000300.tmp-1a2b3c/   a save in progress, or left by a crash: never loaded
+      .step-00000200.previous/     step-00000200 while an overwrite replaces it where the
+                                   file system has no atomic exchange: put back at the
+                                   next start if the overwrite was interrupted
       step-00000300.corrupt-4d5e6f/ moved aside by ``resume()``: never loaded
 
 Local operations only; :mod:`ddpckpt._run.checkpointer` decides which rank calls them.
@@ -33,10 +36,15 @@ from ddpckpt._format.runfiles import (
     warn_stray,
 )
 from ddpckpt._format.runfiles import step_dirname as step_dirname  # the run's layout
+from ddpckpt._log import get_logger
 from ddpckpt._run.runlock import RunLock
 from ddpckpt.errors import CheckpointError, CheckpointLockedError, IncompleteCheckpointError
 from ddpckpt.policies import Record, Retention
-from ddpckpt.storage import is_temp_name, storage_for
+from ddpckpt.storage import storage_for
+from ddpckpt.storage._base import is_temp_name, previous_name, previous_of
+from ddpckpt.storage._commit import restore_interrupted
+
+_log = get_logger(__name__)
 
 
 @dataclass
@@ -62,25 +70,81 @@ class Entry:
 
 
 def scan(directory: str) -> list[Entry]:
-    """Every ``step-N`` directory, oldest first, with its manifest read (not its data)."""
+    """Every ``step-N`` directory, oldest first, with its manifest read (not its data).
+
+    A ``step-N`` that an interrupted overwrite left as ``.step-N.previous`` (see
+    :class:`~ddpckpt.storage.RenameCommit`) is listed with that path until it is put back.
+    """
     store = storage_for(directory)
     if not store.is_dir(directory):
         return []
-    entries = []
-    for name in store.list(directory):
-        step = parse_step(name)
-        if step is None:
-            if is_stray_step(name):
-                warn_stray(directory, name)
-            continue
-        path = os.path.join(directory, name)
-        try:
-            entries.append(Entry(step, path, "committed", read_manifest(path)))
-        except IncompleteCheckpointError as exc:
-            entries.append(Entry(step, path, "incomplete", problem=str(exc)))
-        except CheckpointError as exc:
-            entries.append(Entry(step, path, "corrupt", problem=str(exc)))
+    names = store.list(directory)
+    for name in names:
+        if parse_step(name) is None and previous_of(name) is None and is_stray_step(name):
+            warn_stray(directory, name)
+    found = [(parse_step(name), name) for name in names]
+    found += [
+        (parse_step(target), name)
+        for name in names
+        if (target := previous_of(name)) is not None and target not in names
+    ]
+    entries = [
+        _entry(step, os.path.join(directory, name)) for step, name in found if step is not None
+    ]
     return sorted(entries, key=lambda e: e.step)
+
+
+def _entry(step: int, path: str) -> Entry:
+    try:
+        return Entry(step, path, "committed", read_manifest(path))
+    except IncompleteCheckpointError as exc:
+        return Entry(step, path, "incomplete", problem=str(exc))
+    except CheckpointError as exc:
+        return Entry(step, path, "corrupt", problem=str(exc))
+
+
+def checkpoint_path(directory: str, step: int) -> str:
+    """Where checkpoint ``step`` of the run is: ``step-N``, or ``.step-N.previous`` while an
+    interrupted overwrite left it there (see :func:`scan`)."""
+    path = os.path.join(directory, step_dirname(step))
+    store = storage_for(directory)
+    if not store.exists(path) and store.exists(previous_name(path)):
+        return previous_name(path)
+    return path
+
+
+def restore_overwrites(directory: str) -> None:
+    """Put back the checkpoints that interrupted overwrites left as ``.step-N.previous``,
+    and delete those already replaced (see :class:`~ddpckpt.storage.RenameCommit`). Call
+    it holding the run's lock, when no save of this job is in flight."""
+    store = storage_for(directory)
+    if store.is_dir(directory):
+        restore_interrupted(store, directory, store.list(directory))
+
+
+def restore_unless_locked(directory: str, names: list[str]) -> list[str]:
+    """:func:`restore_overwrites` for processes that take no lock (``ddpckpt.latest()``,
+    ``ddpckpt ls``), given the directory's listing ``names``; the listing afterwards.
+
+    Nothing is done while a live job holds the run's lock (its own start does it, and it
+    may be replacing a checkpoint right now), or when storage refuses (a read-only mount):
+    the copy is then listed where it is (see :func:`scan`)."""
+    if not any(previous_of(name) for name in names):
+        return names
+    store = storage_for(directory)
+    if RunLock(directory).held_live():
+        return names
+    try:
+        restore_interrupted(store, directory, names)
+        return store.list(directory)
+    except OSError as exc:
+        _log.warning(
+            "%s: could not put back a checkpoint an interrupted overwrite left (%s); it is "
+            "read where it is, and the next start of the run puts it back",
+            directory,
+            exc,
+        )
+        return names
 
 
 def size_problems(path: str, manifest: Manifest) -> list[str]:
@@ -145,6 +209,7 @@ def clean_temporaries(directory: str) -> list[str]:
     removed = []
     if not store.is_dir(directory):
         return removed
+    restore_overwrites(directory)
     for name in store.list(directory):
         if is_temp_name(name):
             store.delete_tree(os.path.join(directory, name))
@@ -172,7 +237,8 @@ class Leftover:
     """Something in a run directory that is no checkpoint and takes space.
 
     ``kind`` is ``temporary`` (a save in progress, or left by a crash or an interrupted
-    deletion; also an interrupted overwrite's ``step-N/.next-<token>``) or ``corrupt`` (a checkpoint ``resume()`` moved aside).
+    deletion; also an interrupted overwrite's ``step-N/.next-<token>``, or the
+    ``.step-N.previous`` it replaced) or ``corrupt`` (a checkpoint ``resume()`` moved aside).
     """
 
     name: str
@@ -190,8 +256,9 @@ def tree_bytes(path: str) -> int:
 def find_leftovers(directory: str) -> list[Leftover]:
     """The temporaries and moved-aside corrupt checkpoints of a run directory, by name."""
     found = []
-    for name in sorted(storage_for(directory).list(directory)):
-        if is_temp_name(name):
+    names = storage_for(directory).list(directory)
+    for name in sorted(names):
+        if is_temp_name(name) or previous_of(name) in names:  # a replaced copy, not deleted
             kind = "temporary"
         elif parse_step(name.split(CORRUPT_MARK)[0]) is not None and CORRUPT_MARK in name:
             kind = "corrupt"
@@ -219,6 +286,7 @@ def clean_leftovers(directory: str, *, corrupt: bool = False) -> list[Leftover]:
     lock = RunLock(directory)
     lock.acquire()
     try:
+        restore_overwrites(directory)
         doomed = [
             leftover
             for leftover in find_leftovers(directory)

@@ -7,7 +7,9 @@ it belongs to the same job (an elastic restart) and is not a live process on thi
 or when it has not been refreshed for ``stale_after`` seconds (a holder on another host
 that died). A job that only reads a run (``Checkpointer(read_only=True)``) never takes it.
 The holder refreshes it from a thread while it holds it, and checks before every save that
-it still does.
+it still does (:meth:`RunLock.check`): a lock another job took over is lost for good; one
+deleted (with its directory or alone: a clean-up script, a scheduler's purge) is taken
+again, with a WARNING, unless another job took it meanwhile.
 
 A lock still held when the interpreter exits (a Checkpointer never closed, a script ended
 by an exception) is released then: refreshes stop, and the lock is removed with one
@@ -77,6 +79,8 @@ class RunLock:
         self.directory = os.path.dirname(self.path)
         self.stale_after = stale_after
         self.held = False
+        self.lost: str | None = None  # why this process no longer holds it, for good
+        self._claimed = False  # taken by this process and not released
         self._stop = threading.Event()
         self._pid = os.getpid()
         self._mine = {"host": platform.node(), "pid": os.getpid(), "job": _job_id()}
@@ -113,6 +117,8 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock or raise :class:`CheckpointLockedError` naming its live holder."""
+        if self.lost is not None:
+            raise CheckpointLockedError(self.lost)
         self._storage.make_dirs(self.directory)
         document = json.dumps({**self._mine, "since": time.time()}).encode()
         for _ in range(3):
@@ -159,7 +165,7 @@ class RunLock:
 
     def _hold(self) -> None:
         """Keep the lock fresh from a thread, so a job that saves rarely never looks dead."""
-        self.held = True
+        self.held = self._claimed = True
         self._stop = stop = threading.Event()
         _held.add(self)
         interval = min(60.0, self.stale_after / 4)
@@ -174,19 +180,82 @@ class RunLock:
 
         threading.Thread(target=refresh, name="ddpckpt-lock", daemon=True).start()
 
-    def check(self) -> None:
-        """Raise :class:`CheckpointLockedError` if another job has taken the lock over."""
-        if not self.held:
-            return
-        holder = self._read()
-        if holder and self._why_stale(holder) == "ours":
-            return
-        self.held = False
-        raise CheckpointLockedError(
-            f"{self.directory}: another job took this directory's lock over "
-            f"(now pid {(holder or {}).get('pid')} on {(holder or {}).get('host')}); this job "
-            "stops writing here"
+    def check(self) -> bool:
+        """Before writing, on the process that took the lock: make sure it still holds it.
+
+        Raises :class:`CheckpointLockedError` if another job took it over, then and at every
+        later call (the lock is lost for good). A lock file that is gone is taken again with
+        a WARNING, the directory created again if it went too, and returns True (whatever
+        else was deleted with it is gone); if another job took it meanwhile, it is lost.
+        Does nothing in a process that never took the lock.
+        """
+        if self.lost is not None:
+            raise CheckpointLockedError(self.lost)
+        if not self._claimed:
+            return False
+        if self.held:
+            holder = self._read()
+            if holder and self._why_stale(holder) == "ours":
+                return False
+            if holder is not None:
+                self._lose(holder)
+            self._stop_holding()
+        return self._take_again()
+
+    def _lose(self, holder: dict[str, Any]) -> None:
+        self._stop_holding()
+        self._claimed = False
+        who = (
+            f"pid {holder.get('pid')} on {holder.get('host')} (job {holder.get('job')})"
+            if holder
+            else "another process (it is writing the lock file now)"
         )
+        self.lost = (
+            f"{self.directory}: {who} took this directory's lock over; this job stops writing "
+            "here: this save and every later one of this Checkpointer are refused, and nothing "
+            "of that job's is touched. To go on saving, use another directory"
+        )
+        raise CheckpointLockedError(self.lost)
+
+    def _take_again(self) -> bool:
+        """Take back a lock whose file is gone; True."""
+        vanished = not self._storage.is_dir(self.directory)
+        try:
+            self.acquire()
+        except CheckpointLockedError as exc:
+            self._claimed = False
+            self.lost = (
+                f"{exc}. This job's lock file had been deleted, and that job took the lock "
+                "before this one could take it again; this job stops writing here: this save "
+                "and every later one of this Checkpointer are refused"
+            )
+            raise CheckpointLockedError(self.lost) from None
+        if vanished:
+            _log.warning(
+                "%s was deleted while this job was saving into it (a clean-up script, a user, a "
+                "scheduler's purge?), with every checkpoint in it: created it again and took "
+                "the lock again; saving goes on, and the run has no checkpoint until the next "
+                "save commits",
+                self.directory,
+            )
+        else:
+            _log.warning(
+                "%s was deleted while this job held the lock (not by ddpckpt): took the lock "
+                "again; saving goes on",
+                self.path,
+            )
+        return True
+
+    def _stop_holding(self) -> None:
+        self.held = False
+        self._stop.set()
+        _held.discard(self)
+
+    def held_live(self) -> bool:
+        """Whether a live process (this one included) holds the lock now, or is taking it;
+        reads only."""
+        holder = self._read()
+        return holder is not None and self._why_stale(holder) in (None, "ours")
 
     def refresh(self) -> None:
         """Touch the lock, if it is still ours (never another job's)."""
@@ -205,11 +274,10 @@ class RunLock:
             self._release(self._storage.best_effort())
 
     def _release(self, storage: Storage) -> None:
+        self._claimed = False
         if not self.held:
             return
-        self.held = False
-        self._stop.set()
-        _held.discard(self)
+        self._stop_holding()
         try:
             holder = self._read(storage)
             if holder and self._why_stale(holder) == "ours":

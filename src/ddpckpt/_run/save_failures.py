@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._run.options import FailureHandling
-from ddpckpt.errors import CheckpointWriteError, InsufficientSpaceError
+from ddpckpt.errors import CheckpointError, CheckpointWriteError, InsufficientSpaceError
 
 _log = get_logger(__name__)
 _TRANSIENT = {
@@ -39,7 +39,7 @@ class SaveFailures:
     def __init__(self, options: FailureHandling) -> None:
         self.on_error, self.retries = options.on_error, options.retries
         self.retry_backoff = options.retry_backoff
-        self.last_error: CheckpointWriteError | None = None
+        self.last_error: CheckpointError | None = None
         self.failed_saves = 0
         self._reported: BaseException | None = None  # a background failure already logged here
 
@@ -64,9 +64,9 @@ class SaveFailures:
                 time.sleep(delay)
         self.last_error, self.failed_saves = None, 0
 
-    def failed(self, step: int | None, exc: CheckpointWriteError, newest: str | None) -> None:
-        """Record a failed save; raise it (``on_error="raise"``) or log it loudly.
-        ``newest`` names the newest good checkpoint (``None``: there is none)."""
+    def failed(self, step: int | None, exc: CheckpointError, newest: str | None) -> None:
+        """Record a failed (or refused) save; raise it (``on_error="raise"``) or log it
+        loudly. ``newest`` names the newest good checkpoint (``None``: there is none)."""
         self.last_error = exc
         self.failed_saves += 1
         if self.on_error == "raise":
@@ -74,29 +74,38 @@ class SaveFailures:
         if exc is self._reported:  # already logged by wait() on this rank
             return
         _log.error(
-            "saving step %s failed (%d consecutive failed save%s) and training goes on "
-            "(on_error='warn'); the newest good checkpoint is %s. Cause: %s",
+            "saving step %s failed (%s) and training goes on (on_error='warn'); %s. Cause: %s",
             step,
-            self.failed_saves,
-            "" if self.failed_saves == 1 else "s",
-            f"still {newest}"
-            if newest is not None
-            else "NONE: this run has no checkpoint to resume from",
+            _consecutive(self.failed_saves),
+            _newest_good(newest),
             exc,
             extra=same_on_every_rank(exc),
         )
 
-    def report_background(self, error: BaseException | None) -> None:
-        """Report a finished background save's failure on this rank, deciding nothing."""
+    def report_background(self, error: BaseException | None, newest: str | None) -> None:
+        """Report a finished background save's failure on this rank, deciding nothing (the
+        next collective call counts it). ``newest`` as for :meth:`failed`."""
         if not isinstance(error, CheckpointWriteError) or error is self._reported:
             if error is not None and not isinstance(error, CheckpointWriteError):
-                raise error  # a bug, not storage: always raised
+                raise error  # a bug, or a lost lock: always raised
             return
         self._reported = error
         if self.on_error == "raise":
             raise error
         _log.error(
-            "a background save failed and training goes on (on_error='warn'): %s",
+            "a background save failed (%s) and training goes on (on_error='warn'); %s. Cause: %s",
+            _consecutive(self.failed_saves + 1),
+            _newest_good(newest),
             error,
             extra=same_on_every_rank(error),
         )
+
+
+def _consecutive(count: int) -> str:
+    return f"{count} consecutive failed save{'' if count == 1 else 's'}"
+
+
+def _newest_good(newest: str | None) -> str:
+    if newest is None:
+        return "the newest good checkpoint is NONE: this run has no checkpoint to resume from"
+    return f"the newest good checkpoint is still {newest}"

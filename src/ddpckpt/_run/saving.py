@@ -14,23 +14,20 @@ local ones say so.
 
 from __future__ import annotations
 
+import errno
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
 
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.topology import storage_domains
+from ddpckpt._format.manifest import MANIFEST_NAME
 from ddpckpt._io.async_saver import AsyncSaver
-from ddpckpt._io.writing import (
-    WritePlan,
-    plan_write,
-    staging_share,
-    storage_errors,
-    write_and_commit,
-)
+from ddpckpt._io.writing import WritePlan, plan_write, staging_share, write_and_commit
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._run.options import CheckpointerOptions
 from ddpckpt._run.resume import point_latest, set_aside
@@ -45,7 +42,13 @@ from ddpckpt._run.rundir import (
 from ddpckpt._run.runlock import RunLock
 from ddpckpt._run.save_failures import SaveFailures
 from ddpckpt._state.capture import Snapshot
-from ddpckpt.errors import CheckpointError, CheckpointStepError, CheckpointWriteError
+from ddpckpt.errors import (
+    CheckpointError,
+    CheckpointLockedError,
+    CheckpointStepError,
+    CheckpointWriteError,
+)
+from ddpckpt.storage import storage_for
 
 T = TypeVar("T")
 _log = get_logger(__name__)
@@ -65,6 +68,7 @@ class RunSaves:
         self.committed: int | None = None  # newest step known to be committed
         self._leader = False
         self._run_file_written = False
+        self.refused: CheckpointLockedError | None = None  # the lock is lost: no more saves
 
     def comm(self, call: str, path: str | None = None) -> Comm:
         return Comm.open(call, path=path or self.directory, timeout=self.options.storage.timeout)
@@ -76,7 +80,9 @@ class RunSaves:
         """Collective: find the storage domains, take the lock, clear leftovers, learn the
         newest step."""
         sharing = self.options.storage.sharing  # creating the directory may fail
-        domains = self._storage(lambda: storage_domains(comm, self.directory, sharing))
+        domains = self._storage(
+            lambda: storage_domains(comm, self.directory, sharing), "setting up the run"
+        )
         self._leader = any(d[0] == comm.rank for d in domains)
 
         def setup() -> list[int]:
@@ -92,7 +98,7 @@ class RunSaves:
 
         newest = comm.run_reduce(
             "setup",
-            lambda: max(self._storage(setup), default=None),
+            lambda: max(self._storage(setup, "setting up the run"), default=None),
             lambda found: max((s for s in found if s is not None), default=None),
         )
         self.domains = domains  # only now: a failed set-up is tried again by the next save
@@ -108,6 +114,9 @@ class RunSaves:
         """Collective: capture and save checkpoint ``step``; its path, or ``None`` if storage
         failed and ``on_error="warn"``."""
         self.settle()
+        if self.refused is not None:  # lost for good: counted as a failed save
+            self.failed(step, CheckpointLockedError(str(self.refused)))
+            return None
         if self.domains is None:
             try:
                 with self.comm("Checkpointer.prepare") as comm:
@@ -174,7 +183,7 @@ class RunSaves:
                 point_latest(self.directory, newest)
 
         with self.comm("Checkpointer.resumed") as comm:
-            comm.run("tidy", lambda: self._storage(tidy))
+            comm.run("tidy", lambda: self._storage(tidy, "moving broken checkpoints aside"))
         self.latest = self.committed = newest
         self.options.schedule.policy.saved(step, time.monotonic())
 
@@ -188,7 +197,9 @@ class RunSaves:
 
     def report_locally(self) -> None:
         """Local: wait for the background save; report its failure here, deciding nothing."""
-        self.failures.report_background(self.saver.outcome())
+        error = self.saver.outcome()
+        newest = self._newest_good() if isinstance(error, CheckpointWriteError) else None
+        self.failures.report_background(error, newest)
 
     def flush(self) -> str | None:
         """Collective: finish the save in flight; its path if it committed."""
@@ -202,11 +213,29 @@ class RunSaves:
             return "nothing (this run has no committed checkpoint)"
         return f"{self.path(self.committed)} (step {self.committed})"
 
-    def failed(self, step: int | None, exc: CheckpointWriteError) -> None:
-        """Record a failed save; raise it (``on_error="raise"``) or log it loudly."""
+    def failed(self, step: int | None, exc: CheckpointError) -> None:
+        """Record a failed (or refused) save; raise it (``on_error="raise"``) or log it
+        loudly, naming the newest good checkpoint if it is still there."""
+        newest = self._newest_good()
         self.latest = self.committed
-        newest = None if self.committed is None else self.newest()
         self.failures.failed(step, exc, newest)
+
+    def _newest_good(self) -> str | None:
+        """:meth:`newest` for a failure's message, or ``None`` if there is none."""
+        self._forget_if_gone()
+        return None if self.committed is None else self.newest()
+
+    def _forget_if_gone(self) -> None:
+        """Forget the newest committed checkpoint if it is gone (deleted from outside: the
+        run directory removed?)."""
+        if self.committed is None:
+            return
+        store, path = storage_for(self.directory), self.path(self.committed)
+        try:
+            if not store.commit.exists(store, path):
+                self.committed = None
+        except OSError:
+            pass  # storage cannot tell now: keep what this job knows
 
     def close(self) -> None:
         """Local: wait for the save in flight, free the host buffer, release the lock."""
@@ -220,14 +249,29 @@ class RunSaves:
         """Write and commit ``plan`` (retrying transient storage errors), then retention.
 
         Runs on the training thread, or on the background thread for async saves (so the
-        lock check, a request on object stores, never stalls training).
+        lock check, a request on object stores, never stalls training). Never writes where
+        this job lost the lock; a run directory that vanished is created again first.
         """
-        # never write where another job took over; a lock that cannot be read fails the save
-        plan.comm.run("lock", lambda: self._storage(self.lock.check))
+        comm = plan.comm
+        try:
+            retaken = comm.run_reduce("lock", lambda: self._check_lock(), any)
+        except CheckpointLockedError as exc:
+            self.refused = exc
+            raise
+        if retaken:  # deleted with the lock: maybe run.json, maybe checkpoints
+            self._run_file_written = False
+            self._forget_if_gone()
         self.failures.retrying(plan.path, lambda attempt: write_and_commit(plan, attempt))
         self.committed = plan.header["step"]
         try:
-            plan.comm.run("retain", lambda: self._storage(lambda: self._after_commit(plan.path)))
+            gone = comm.run_reduce(
+                "retain",
+                lambda: self._storage(lambda: self._after_commit(plan.path), "updating the run"),
+                lambda found: next((g for g in found if g), None),
+            )
+        except CheckpointLockedError as exc:
+            self.refused = exc
+            raise
         except CheckpointError as exc:  # committed all the same
             _log.warning(
                 "%s is saved, but updating 'latest' or deleting old checkpoints failed: %s",
@@ -235,10 +279,34 @@ class RunSaves:
                 exc,
                 extra=same_on_every_rank(exc),
             )
-
-    def _after_commit(self, path: str) -> None:
-        if not self._leader:
             return
+        if gone:
+            self.committed = None
+            raise CheckpointWriteError(errno.ENOENT, gone)
+
+    def _check_lock(self) -> bool:
+        """On leaders: whether the lock had to be taken again (see :meth:`RunLock.check`)."""
+        return self._storage(self.lock.check, "checking the run's lock") if self._leader else False
+
+    def _after_commit(self, path: str) -> str | None:
+        """On leaders, once ``path`` is committed: under the lock still held, point
+        ``latest`` at it and apply retention. Returns why the save did not survive, if the
+        checkpoint is gone already (its directory deleted from outside)."""
+        if not self._leader:
+            return None
+        try:
+            if self.lock.check():
+                self._run_file_written = False
+        except CheckpointLockedError as exc:
+            raise CheckpointLockedError(
+                f"{exc}. This job's checkpoint {path}, committed just before, was left there; "
+                "'latest' was not moved and nothing was deleted"
+            ) from None
+        if not storage_for(path).exists(os.path.join(path, MANIFEST_NAME)):
+            return (
+                f"{path} was committed, then deleted from outside at once (the run directory "
+                "removed?); 'latest' was not moved. This save did not survive"
+            )
         write_latest(self.directory, os.path.basename(path))
         retention = self.options.keeping.retention
         if not self._run_file_written:  # written by a job that saves, never by one that resumes
@@ -247,8 +315,45 @@ class RunSaves:
         for deleted in apply_retention(self.directory, retention):
             _log.info("deleted %s (retention)", deleted)
         self.lock.refresh()
+        return None
 
-    def _storage(self, step: Callable[[], T]) -> T:
+    def _storage(self, step: Callable[[], T], doing: str) -> T:
         """Run ``step`` reporting file-system failures as :class:`CheckpointWriteError`."""
-        with storage_errors(self.directory):
+        with run_storage_errors(self.directory, doing):
             return step()
+
+
+_CANNOT_WRITE = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+@contextmanager
+def run_storage_errors(directory: str, doing: str) -> Iterator[None]:
+    """Report a storage failure while ``doing`` something to the run directory (not while
+    writing a checkpoint) as :class:`CheckpointWriteError` saying so; where this job may
+    not write there, what to do instead."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        where = exc.filename or directory
+        message = f"{directory}: {doing} failed at {where}: {exc.strerror or exc}"
+        if exc.errno in _CANNOT_WRITE:
+            message += f". {_cannot_write(directory)}"
+        raise CheckpointWriteError(exc.errno, message) from exc
+
+
+def _cannot_write(directory: str) -> str:
+    """What to do about a run directory this job may not write to."""
+    try:
+        storage_for(directory).list(directory)
+    except OSError:
+        return (
+            "This job can neither write nor read there: check the directory's owner and "
+            "permissions (or the mount), or use another directory"
+        )
+    return (
+        "This job may not write there, and a Checkpointer that saves must (it takes the "
+        "run's lock, writes 'latest' and removes leftovers): to only load from it, open it "
+        "with Checkpointer(..., read_only=True)"
+    )

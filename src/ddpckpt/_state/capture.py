@@ -9,7 +9,8 @@ Each object is stored in the layout :mod:`ddpckpt._format.sections` describes (o
 or several by name).
 
 * **Model** (:mod:`ddpckpt._state.model`): canonical keys, tied weights, what DDP keeps
-  replicated; restored through the module's own ``load_state_dict``.
+  replicated; restored through the module's own ``load_state_dict``. Its DDP's gradient
+  bucket layout (:mod:`ddpckpt._state.ddp_buckets`), which an exact resume needs.
 * **Optimizer** (:mod:`ddpckpt._state.optimizer`): state and param groups keyed by
   *parameter name*, with shapes.
 * **Scheduler, GradScaler, extras** (:mod:`ddpckpt._state.objects`): their
@@ -21,10 +22,8 @@ from __future__ import annotations
 
 from ddpckpt._format.codec import encode
 from ddpckpt._format.sections import NAMED, SINGLE, Layout, StateSections
-from ddpckpt._state.model import (
-    Replication,
-    capture_model,
-)
+from ddpckpt._state.ddp_buckets import record_buckets
+from ddpckpt._state.model import Replication, capture_model
 from ddpckpt._state.objects import capture_extra, capture_stateful
 from ddpckpt._state.optimizer import (
     capture_optimizer,
@@ -41,11 +40,10 @@ def layout_for(state: TrainingState) -> Layout:
     return SINGLE if state.single_model_layout else NAMED
 
 
-def capture(state: TrainingState, *, rng: bool | None = None) -> Snapshot:
+def capture(state: TrainingState) -> Snapshot:
     """Capture the training state of this process (no I/O, no communication).
 
     Tensors in the snapshot are the live tensors themselves (detached), not copies.
-    ``rng`` overrides ``state.rng`` (sizing buffers ahead needs no RNG state).
     """
     layout = layout_for(state)
     snapshot = Snapshot()
@@ -53,6 +51,7 @@ def capture(state: TrainingState, *, rng: bool | None = None) -> Snapshot:
     replication = Replication()
     for name, model in state.models.items():
         captured = capture_model(model, snapshot, name, layout)
+        captured.section.ddp_buckets = record_buckets(model)
         sections.models[name] = captured.section
         replication.synced |= captured.replication.synced
         replication.ignored |= captured.replication.ignored
@@ -74,7 +73,7 @@ def capture(state: TrainingState, *, rng: bool | None = None) -> Snapshot:
             sections.place(role, name, section)
     if state.extra:
         sections.extra = capture_extra(state.extra, snapshot)
-    if state.rng if rng is None else rng:
+    if state.rng:
         snapshot.rank_state["rng"] = encode(capture_rng(), "rng", snapshot.rank_tensors)
     record_steppers(state.all_optimizers(), snapshot)
     snapshot.state = sections.to_json()

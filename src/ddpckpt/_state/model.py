@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ddpckpt._format.codec import JSON, decode, encode
+from ddpckpt._format.pinned_ring import passes_through
 from ddpckpt._format.sections import SINGLE, Layout, ModelSection
 from ddpckpt._log import get_logger
 from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
@@ -45,6 +46,14 @@ def _inner_attr(module: nn.Module) -> str | None:
 def _optimized_module_type() -> type | None:
     dynamo = sys.modules.get("torch._dynamo.eval_frame")
     return getattr(dynamo, "OptimizedModule", None)
+
+
+def wrappers(model: nn.Module) -> Iterator[nn.Module]:
+    """The wrappers (DDP, DataParallel, torch.compile) around the user's module in
+    ``model``, outermost first."""
+    while (attr := _inner_attr(model)) is not None:
+        yield model
+        model = getattr(model, attr)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -280,18 +289,27 @@ def restore_model(
     """Load the weights into ``model`` through its own ``load_state_dict`` (hooks run).
 
     Call :func:`check_model` first; with ``strict=False`` mismatched keys are skipped.
+    A GPU tensor is read straight into the live tensor through two small pinned buffers
+    (so a load needs no second copy of the weights in GPU memory), then handed to
+    ``load_state_dict`` as its own value; a model whose load hooks must see the incoming
+    value apart from the current one (a ``load_state_dict`` pre-hook, or a
+    ``_load_from_state_dict`` of its own) gets it in a separate GPU tensor instead.
     """
     view = model_view(model)
+    in_place = not _compares_incoming(view.root)
     state: dict[str, Any] = {}
     for key in section.keys:
         target = view.entries.get(key)
         name = prefix + key
         if isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
-            # Not read straight into the parameter: the module's load hooks must see the
-            # incoming value apart from the current one. A GPU copy is read onto the GPU
-            # (pinned, pipelined) rather than mapped then copied from pageable memory.
-            like = torch.empty_like(target) if target.is_cuda else None
-            state[view.live_key[key]] = source.get(name, like=like)
+            # A CPU copy is mapped, then copied by load_state_dict; a GPU copy is read
+            # onto the GPU (pinned, pipelined), not copied from pageable memory.
+            like = None
+            if passes_through(target):
+                like = target.detach() if in_place else torch.empty_like(target)
+            got = source.get(name, like=like)
+            # Read into the live tensor: it is its own value, nothing left to copy.
+            state[view.live_key[key]] = target if in_place and got is like else got
     for alias, key in section.aliases.items():
         if alias in view.live_key and key in view.live_key and view.live_key[key] in state:
             state[view.live_key[alias]] = state[view.live_key[key]]
@@ -303,6 +321,19 @@ def restore_model(
     root = view.root
     with restoring(f"{type(root).__qualname__}.load_state_dict", where):
         root.load_state_dict(_with_versions(state, root, section.versions), strict=strict)
+
+
+def _compares_incoming(root: nn.Module) -> bool:
+    """Whether a module of ``root`` may look at an incoming value next to the current one
+    while loading: it has a ``load_state_dict`` pre-hook, or a ``_load_from_state_dict``
+    that is not torch's own."""
+    for module in root.modules():
+        if module._load_state_dict_pre_hooks:
+            return True
+        loader = type(module)._load_from_state_dict
+        if not getattr(loader, "__module__", "").startswith("torch."):
+            return True
+    return False
 
 
 def restore_rank_buffers(model: nn.Module, encoded: JSON, source: TensorSource, where: str) -> None:

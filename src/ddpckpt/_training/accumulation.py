@@ -88,4 +88,7 @@ class GradientAccumulation:
         with torch.no_grad():
             for name, grad in state["grads"].items():
                 param = params[name]
-                param.grad = grad.to(device=param.device, dtype=param.dtype).clone()
+                if param.grad is not None and param.grad.shape == grad.shape:
+                    param.grad.copy_(grad)  # a view into DDP's buckets stays one
+                else:
+                    param.grad = grad.to(device=param.device, dtype=param.dtype).clone()

@@ -12,7 +12,7 @@ batch, in the saved order, with the saved workers' seed (see
 :mod:`ddpckpt._training.replay`). A pass that had finished yields nothing when the loop
 restarts at the same epoch, and a fresh epoch when it restarts at the next one.
 ``len(loader)`` is the number of batches the current pass has left at its start, and stays
-so until the next pass. A :class:`~ddpckpt.ResumableDistributedSampler` keeps the position
+so until the next pass. A :class:`~ddpckpt.data.ResumableDistributedSampler` keeps the position
 itself; the loader sets it from the batches it yielded.
 
 Any DataLoader is tracked once ddpckpt sees it before it iterates: created by
@@ -353,7 +353,7 @@ def check_data_extra(extra: Mapping[str, Any]) -> None:
                     f"extra[{name!r}]: ddpckpt first sees this DataLoader at this save, while "
                     "it is being iterated, so it cannot know which batches training consumed. "
                     "Create it with ddpckpt.resumable_loader(...), or call "
-                    "ddpckpt.track_loader(loader) (or put it in the TrainingState or Checkpointer) "
+                    "ddpckpt.data.track_loader(loader) (or put it in the TrainingState or Checkpointer) "
                     "before the loop"
                 )
             track_loader(obj)

@@ -124,7 +124,7 @@ def check_same_pass(loader: Any, record: Mapping[str, Any]) -> None:
             f"the DataLoader's epoch had {saved} batches on this rank when the checkpoint was "
             f"saved and has {now} now (another dataset, batch size or world size), so its saved "
             f"position ({record['position']} batches) means nothing here. To resume on another "
-            "world size, order the data with ddpckpt.ResumableDistributedSampler"
+            "world size, order the data with ddpckpt.data.ResumableDistributedSampler"
         )
 
 
@@ -150,7 +150,7 @@ def refuse_uncapturable_samplers(loader: Any) -> None:
                 f"the DataLoader's {type(obj).__qualname__} draws its order from a "
                 f"{type(generator).__qualname__}, whose state ddpckpt cannot save, so a resumed "
                 "run would visit other samples. Give it a torch.Generator (generator="
-                "torch.Generator().manual_seed(seed)) or use ddpckpt.ResumableDistributedSampler"
+                "torch.Generator().manual_seed(seed)) or use ddpckpt.data.ResumableDistributedSampler"
             )
 
 

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ddpckpt.storage._base import Reader, Storage, Writer, is_temp_name, new_token
+from ddpckpt.storage._base import Reader, Storage, Writer
 from ddpckpt.storage._commit import CommitStrategy, ManifestLastCommit, RenameCommit
 from ddpckpt.storage._memory import MemoryStorage
 from ddpckpt.storage._posix import PosixStorage
@@ -31,9 +31,7 @@ __all__ = [
     "Storage",
     "Writer",
     "configure",
-    "is_temp_name",
     "mount",
-    "new_token",
     "register",
     "resolve",
     "storage_for",

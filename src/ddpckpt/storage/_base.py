@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 MANIFEST = "manifest.json"  # the commit marker both strategies rely on
 _TEMP_MARK = ".tmp-"
+_PREVIOUS_MARK = ".previous"
 _log = get_logger(__name__)
 
 
@@ -71,6 +72,21 @@ def temp_name(location: str, token: str) -> str:
 def is_temp_name(name: str) -> bool:
     """True for names of temporary (uncommitted) directories and files this library makes."""
     return name.startswith(".") and _TEMP_MARK in name
+
+
+def previous_name(location: str) -> str:
+    """Where an overwrite without an atomic exchange keeps the committed checkpoint it
+    replaces until the new one is durable: ``dir/.name.previous``. No temporary: that
+    copy *is* the checkpoint ``name`` while ``name`` is missing."""
+    head, slash, name = location.rstrip("/").rpartition("/")
+    return f"{head}{slash}.{name}{_PREVIOUS_MARK}"
+
+
+def previous_of(name: str) -> str | None:
+    """The checkpoint name whose replaced copy ``name`` is (see :func:`previous_name`)."""
+    if name.startswith(".") and name.endswith(_PREVIOUS_MARK) and not is_temp_name(name):
+        return name[1 : -len(_PREVIOUS_MARK)] or None
+    return None
 
 
 class Writer(abc.ABC):

@@ -13,9 +13,18 @@ import contextlib
 import dataclasses
 import errno
 import json
+from collections.abc import Callable
 
 from ddpckpt._log import get_logger
-from ddpckpt.storage._base import MANIFEST, Storage, new_token, temp_name
+from ddpckpt.errors import CheckpointWriteError
+from ddpckpt.storage._base import (
+    MANIFEST,
+    Storage,
+    new_token,
+    previous_name,
+    previous_of,
+    temp_name,
+)
 
 _log = get_logger(__name__)
 
@@ -79,47 +88,124 @@ class CommitStrategy(abc.ABC):
         it, safe to delete once no save to ``final`` is in flight."""
         return []
 
+    def restore(self, storage: Storage, final: str) -> None:  # noqa: B027 - nothing by default
+        """Finish an overwrite of ``final`` that a crash or a failure interrupted, so that
+        ``final`` is the checkpoint committed last: put the replaced checkpoint back where
+        ``final`` is missing, delete it where ``final`` is there. Nothing to do where the
+        commit replaces ``final`` in one step."""
+
 
 class RenameCommit(CommitStrategy):
     """Write into a temporary sibling ``.D.tmp-<token>``, manifest last, sync, then rename
     it to ``D``: readers see no ``D`` or a complete one; a crash leaves only a temporary,
-    which :func:`is_temp_name` recognises. Overwriting exchanges the two directories where
-    the store can (``renameat2`` on Linux); elsewhere the old one is renamed aside first."""
+    which :func:`is_temp_name` recognises.
+
+    Overwriting exchanges the two directories where the store can (``renameat2`` on
+    Linux). Elsewhere (NFS, Lustre, macOS, many FUSE file systems) it takes two renames:
+    ``D`` to ``.D.previous``, then the new one to ``D``; the parent is synced and only then
+    is ``.D.previous`` deleted. Between the renames ``.D.previous`` *is* the committed
+    checkpoint: a failure of the second rename moves it back, and what a crash (or a failing
+    move back) leaves is put back by :meth:`restore`, which every start of a run calls.
+    """
 
     def staging(self, storage: Storage, final: str, token: str, *, overwrite: bool = False) -> str:
         return temp_name(final, token)
 
     def exists(self, storage: Storage, final: str) -> bool:
-        return storage.exists(final)
+        return storage.exists(final) or storage.exists(previous_name(final))
 
     def begin(self, storage: Storage, final: str, staging: str, *, overwrite: bool) -> None:
         storage.make_dirs(staging)
 
     def publish(self, storage: Storage, staging: str, final: str, *, overwrite: bool) -> None:
+        missing = _missing_files(storage, staging)
+        if missing:
+            raise CheckpointWriteError(
+                errno.ENOENT,
+                f"{final}: {len(missing)} file(s) the manifest lists vanished from {staging} "
+                f"before the commit ({', '.join(missing[:3])}): deleted from outside (the run "
+                "directory removed while the save ran?). Nothing was committed",
+            )
         storage.sync_dir(staging)
-        old: str | None = None
+        self.restore(storage, final)  # what an earlier, interrupted overwrite left
         if not storage.exists(final):
             storage.rename(staging, final)  # ENOTEMPTY/EEXIST if another process won a race
+            storage.sync_dir(storage.parent(final))
         elif not overwrite:
             raise FileExistsError(errno.EEXIST, "checkpoint already exists", final)
         elif self._exchange(storage, staging, final):
-            old = staging  # now holds the previous checkpoint
+            storage.sync_dir(storage.parent(final))
+            _after_replacing(final, lambda: storage.delete_tree(staging))  # the old one now
         else:
-            old = self.staging(storage, final, new_token())
-            storage.rename(final, old)
-            storage.rename(staging, final)
-        storage.sync_dir(storage.parent(final))
-        if old is not None:
-            storage.delete_tree(old)
+            self._replace(storage, staging, final)
 
     def _exchange(self, storage: Storage, a: str, b: str) -> bool:
         exchange = getattr(storage, "exchange", None)
         return bool(exchange is not None and exchange(a, b))
 
+    def _replace(self, storage: Storage, staging: str, final: str) -> None:
+        """Replace ``final`` by ``staging`` in two renames (no atomic exchange here)."""
+        previous = previous_name(final)
+        for _ in range(3):
+            storage.rename(final, previous)
+            try:
+                storage.rename(staging, final)
+            except OSError as exc:
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY) and not storage.exists(previous):
+                    continue  # another process put the previous one back meanwhile
+                raise _undone(storage, previous, final, exc) from exc
+            storage.sync_dir(storage.parent(final))  # the new one is durable under its name
+            _after_replacing(final, lambda: self._drop(storage, previous))  # only then the old
+            return
+        raise CheckpointWriteError(
+            errno.EBUSY,
+            f"{final}: another process keeps restoring the checkpoint this save replaces; the "
+            "new one was not committed, the old one is in place",
+        )
+
+    def restore(self, storage: Storage, final: str) -> None:
+        previous = previous_name(final)
+        if not storage.exists(previous):
+            return
+        if storage.exists(final):  # the replacement was committed; deleting the old one was not
+            storage.sync_dir(storage.parent(final))
+            self._drop(storage, previous)
+            _log.info("%s: removed %s, the checkpoint it replaced", final, previous)
+            return
+        try:
+            storage.rename(previous, final)
+        except FileNotFoundError:
+            return  # another process restored it first
+        except OSError as exc:
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            self.restore(storage, final)  # another process committed a new one meanwhile
+            return
+        storage.sync_dir(storage.parent(final))
+        _log.warning(
+            "%s: restored from %s, where an overwrite that was interrupted (a crash or a "
+            "storage failure between its two renames) had left it; it is the checkpoint "
+            "committed there before that save",
+            final,
+            previous,
+        )
+
+    def _drop(self, storage: Storage, previous: str) -> None:
+        """Delete a replaced checkpoint; renamed to a temporary first, so that a crash
+        midway never leaves a partial copy under a name :meth:`restore` would bring back."""
+        doomed = temp_name(previous, new_token())
+        storage.rename(previous, doomed)
+        storage.delete_tree(doomed)
+
     def _remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
         storage.delete_tree(staging)
 
     def discard(self, storage: Storage, final: str) -> None:
+        previous = previous_name(final)
+        if storage.exists(previous):  # never to be put back once final is gone
+            self._drop(storage, previous)
+            if not storage.exists(final):
+                return
         doomed = self.staging(storage, final, new_token())
         storage.rename(final, doomed)
         storage.sync_dir(storage.parent(final))
@@ -127,6 +213,62 @@ class RenameCommit(CommitStrategy):
 
     def set_aside(self, storage: Storage, final: str, target: str) -> None:
         storage.rename(final, target)
+
+
+def restore_interrupted(storage: Storage, directory: str, names: list[str]) -> list[str]:
+    """Put back the checkpoints of ``directory`` that interrupted overwrites left under
+    their :func:`previous_name` (``names``: its listing); returns the checkpoint names
+    concerned. Call it where no other job may be saving into ``directory`` (its lock held,
+    or no live holder): a save of this process in flight survives it."""
+    found = [target for target in map(previous_of, names) if target is not None]
+    for target in found:
+        storage.commit.restore(storage, f"{directory.rstrip('/')}/{target}")
+    return found
+
+
+def _after_replacing(final: str, delete_old: Callable[[], None]) -> None:
+    """Delete what ``final`` replaced; the new checkpoint is committed and durable, so a
+    failure here is logged, not raised: the next start of the run deletes it."""
+    try:
+        delete_old()
+    except OSError as exc:
+        _log.warning(
+            "%s: replaced, but deleting the checkpoint it replaced failed (%s); that copy is "
+            "no checkpoint any more and goes at the next start of the run or `ddpckpt clean`",
+            final,
+            exc,
+        )
+
+
+def _missing_files(storage: Storage, staging: str) -> list[str]:
+    """The files the manifest in ``staging`` lists that are not there."""
+    present = set(storage.walk(staging))
+    return sorted(set(_listed(storage.read(f"{staging}/{MANIFEST}"))) - present)
+
+
+def _undone(storage: Storage, previous: str, final: str, exc: OSError) -> CheckpointWriteError:
+    """The error of a replacement whose second rename failed, after moving the old
+    checkpoint back; it says where that checkpoint is now."""
+    try:
+        storage.rename(previous, final)
+    except OSError as undo:
+        return CheckpointWriteError(
+            exc.errno,
+            f"{final}: replacing the checkpoint failed ({_why(exc)}), and moving the checkpoint "
+            f"it replaces back from {previous} failed too ({_why(undo)}). That checkpoint is "
+            f"whole and stays there: {final} is missing until the next Checkpointer.resume(), "
+            f"ddpckpt.latest() or `ddpckpt ls`/`ddpckpt clean` of its directory puts it back. "
+            "The new checkpoint was not committed",
+        )
+    return CheckpointWriteError(
+        exc.errno,
+        f"{final}: replacing the checkpoint failed ({_why(exc)}); the checkpoint it replaces "
+        "is back in place, unchanged. The new one was not committed",
+    )
+
+
+def _why(exc: OSError) -> str:
+    return f"{exc.strerror or exc} at {exc.filename}" if exc.filename else str(exc.strerror or exc)
 
 
 class ManifestLastCommit(CommitStrategy):

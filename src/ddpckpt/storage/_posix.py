@@ -8,6 +8,11 @@ regular files only: a symbolic link, FIFO or device at a location raises
 Checkpoints commit with :class:`~ddpckpt.storage._commit.RenameCommit`: a temporary sibling
 directory, fsynced, renamed into place (exchanged atomically with an old one through Linux
 ``renameat2`` when overwriting), and the parent directory fsynced.
+
+Where ``renameat2(RENAME_EXCHANGE)`` is unsupported (NFS, Lustre, macOS, many FUSE file
+systems) an overwrite takes two renames instead. ``PosixStorage(rename_exchange=False)``, or
+``DDPCKPT_RENAME_EXCHANGE=0`` in the environment for the default instance, takes that path on
+any file system: for testing it, or for a file system whose exchange cannot be trusted.
 """
 
 from __future__ import annotations
@@ -149,9 +154,16 @@ class _FileReader(Reader):
 
 
 class PosixStorage(Storage):
-    """Files and directories through the OS; see the module docstring."""
+    """Files and directories through the OS; see the module docstring.
+
+    ``rename_exchange``: whether overwrites may use ``renameat2(RENAME_EXCHANGE)``; ``None``
+    reads ``DDPCKPT_RENAME_EXCHANGE`` at each overwrite (``0`` turns it off).
+    """
 
     commit = RenameCommit()
+
+    def __init__(self, rename_exchange: bool | None = None) -> None:
+        self.rename_exchange = rename_exchange
 
     def create(self, location: str) -> Writer:
         return _FileWriter(location)
@@ -224,8 +236,12 @@ class PosixStorage(Storage):
         os.rename(source, target)
 
     def exchange(self, a: str, b: str) -> bool:
-        """Atomically swap two paths (``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
-        return _exchange(a, b)
+        """Atomically swap two paths (``renameat2(RENAME_EXCHANGE)``); False where unsupported
+        or turned off (see the class)."""
+        enabled = self.rename_exchange
+        if enabled is None:
+            enabled = os.environ.get("DDPCKPT_RENAME_EXCHANGE", "1").strip() != "0"
+        return enabled and _exchange(a, b)
 
     def parent(self, location: str) -> str:
         return os.path.dirname(os.path.abspath(location))

@@ -1,4 +1,5 @@
-"""Every Python snippet in the README runs, copied literally, the way the README says to run it.
+"""The documentation: the site builds with warnings as errors, and every Python snippet in
+the README and on the site runs, copied literally, the way the page says to run it.
 
 Each ```python block is preceded by a marker comment saying how it runs:
 
@@ -23,7 +24,8 @@ import pytest
 
 from launch import free_port
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _BLOCK = re.compile(
     r"(?:<!--\s*readme-test:\s*(?P<how>[^>]*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S
 )
@@ -32,27 +34,31 @@ _HOW = re.compile(r"(?P<launcher>python|torchrun (?P<nproc>\d+))(?P<twice>, twic
 
 @dataclass(frozen=True)
 class Snippet:
+    page: str
     line: int
     how: str
     code: str
 
     @property
     def id(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.page}:{self.line}"
 
 
-def _snippets() -> list[Snippet]:
-    text = README.read_text()
+def _snippets(page: Path) -> list[Snippet]:
+    text = page.read_text()
+    name = page.relative_to(ROOT).as_posix()
     return [
-        Snippet(text.count("\n", 0, m.start("code")), (m.group("how") or "").strip(), m["code"])
+        Snippet(
+            name, text.count("\n", 0, m.start("code")), (m.group("how") or "").strip(), m["code"]
+        )
         for m in _BLOCK.finditer(text)
     ]
 
 
-SNIPPETS = _snippets()
+SNIPPETS = [snippet for page in PAGES for snippet in _snippets(page)]
 
 
-def test_the_readme_has_snippets_and_every_one_says_how_it_runs() -> None:
+def test_the_pages_have_snippets_and_every_one_says_how_it_runs() -> None:
     assert len(SNIPPETS) >= 4
     unmarked = [s.id for s in SNIPPETS if not s.how]
     assert not unmarked, f"add a <!-- readme-test: ... --> marker above {unmarked}"
@@ -101,3 +107,16 @@ def test_readme_snippet_runs_as_written(snippet: Snippet, tmp_path: Path) -> Non
             f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
         )
         assert "Traceback" not in done.stderr, f"{snippet.id}: {done.stderr[-6000:]}"
+
+
+@pytest.mark.slow
+def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
+    """``sphinx-build -W``: a broken reference, a page missing from the navigation, a
+    docstring that does not parse or an unknown directive fails the build."""
+    done = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+         str(ROOT / "docs"), str(tmp_path / "site")],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    assert (tmp_path / "site" / "reference" / "cli.html").is_file()

@@ -1,0 +1,92 @@
+"""The run directory's repairs: a checkpoint an interrupted overwrite left as
+``.step-N.previous`` (a file system without RENAME_EXCHANGE) is put back by every start of
+the run, read where it is by readers, and never touched while a live job holds the lock."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+
+import pytest
+import torch
+
+import ddpckpt
+from conftest import make_mlp
+from ddpckpt._cli.main import main
+
+
+def killed_between_the_renames(tmp_path) -> tuple[str, torch.nn.Module]:
+    """A run whose step 1 was being saved again when the process died between the two
+    renames: step-1 is ``.step-00000001.previous``, the new copy a temporary."""
+    run = os.fspath(tmp_path / "run")
+    model = make_mlp()
+    with ddpckpt.Checkpointer(run, model=model, keep_last=1) as ckpt:
+        ckpt.save(1)
+    step = os.path.join(run, "step-00000001")
+    os.rename(step, os.path.join(run, ".step-00000001.previous"))
+    os.mkdir(os.path.join(run, ".step-00000001.tmp-0a1b2c3d4e5f-0"))
+    return run, model
+
+
+def put_back(run: str) -> bool:
+    names = sorted(os.listdir(run))
+    return "step-00000001" in names and not any(n.endswith(".previous") for n in names)
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(
+        torch.equal(x, y)
+        for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
+
+
+@pytest.mark.parametrize("start", ["resume", "latest", "ls", "clean"])
+def test_every_start_puts_the_checkpoint_back(tmp_path, caplog, capsys, start) -> None:
+    run, saved = killed_between_the_renames(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        if start == "resume":
+            fresh = make_mlp(seed=1)
+            with ddpckpt.Checkpointer(run, model=fresh) as ckpt:
+                assert ckpt.resume().step == 1
+            assert same_weights(fresh, saved)
+        elif start == "latest":
+            assert ddpckpt.latest(run) == os.path.join(run, "step-00000001")
+        else:
+            assert main([start, run]) == 0
+            if start == "ls":
+                row = capsys.readouterr().out.splitlines()[2].split()
+                assert (row[0], row[5]) == ("1", "verified")
+    assert "restored from" in caplog.text
+    assert put_back(run)
+    assert ddpckpt.verify(os.path.join(run, "step-00000001")).step == 1
+
+
+def test_a_reader_loads_it_where_it_is_and_moves_nothing(tmp_path) -> None:
+    run, saved = killed_between_the_renames(tmp_path)
+    before = sorted(os.listdir(run))
+    fresh = make_mlp(seed=1)
+    reader = ddpckpt.Checkpointer(run, model=fresh, read_only=True)
+    assert reader.resume().step == 1 and reader.steps() == [1]
+    assert same_weights(fresh, saved)
+    assert sorted(os.listdir(run)) == before
+
+
+def test_while_a_live_job_holds_the_lock_latest_names_it_where_it_is(tmp_path) -> None:
+    """That job may be replacing step-1 this very moment: nobody else moves anything."""
+    run, _ = killed_between_the_renames(tmp_path)
+    holder = subprocess.Popen(["sleep", "60"])  # a live process of this host holds it
+    lock = {"host": platform.node(), "pid": holder.pid, "job": None, "since": 0}
+    with open(os.path.join(run, ".lock"), "w") as f:
+        json.dump(lock, f)
+    try:
+        before = sorted(os.listdir(run))
+        assert ddpckpt.latest(run) == os.path.join(run, ".step-00000001.previous")
+        assert main(["ls", run]) == 0
+        assert sorted(os.listdir(run)) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    assert ddpckpt.latest(run) == os.path.join(run, "step-00000001")
