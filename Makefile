@@ -30,8 +30,8 @@ docs: $(STAMP)
 	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples benchmarks
-	$(BIN)/ruff format --check src tests examples benchmarks
+	$(BIN)/ruff check src tests examples benchmarks docs
+	$(BIN)/ruff format --check src tests examples benchmarks docs
 	$(BIN)/mypy
 
 test: lint

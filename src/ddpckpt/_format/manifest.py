@@ -16,6 +16,7 @@ file its size, digest and the rank that wrote it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -49,6 +50,7 @@ from ddpckpt.errors import (
 )
 from ddpckpt.storage import storage_for
 from ddpckpt.storage._base import MANIFEST
+from ddpckpt.storage._commit import register_relocation
 
 FORMAT_NAME = "ddpckpt"
 # The newest version this library reads. A checkpoint is written with the oldest version that
@@ -321,3 +323,22 @@ def read_manifest(path: str) -> Manifest:
             f"{path}: has no {MANIFEST_NAME}; the save that created it did not finish"
         ) from None
     return Manifest.from_json(text, path)
+
+
+def relocated(manifest: bytes, prefix: str, where: str) -> bytes:
+    """``manifest`` with every object name under ``prefix/``: what an object-store
+    replacement written under ``D/prefix`` commits as ``D``'s manifest
+    (:class:`ddpckpt.storage.ManifestLastCommit`)."""
+    parsed = Manifest.from_json(manifest, where)
+    parsed.files = {
+        f"{prefix}/{name}": dataclasses.replace(entry, name=f"{prefix}/{name}")
+        for name, entry in parsed.files.items()
+    }
+    parsed.tensors = {
+        key: dataclasses.replace(entry, file=f"{prefix}/{entry.file}")
+        for key, entry in parsed.tensors.items()
+    }
+    return parsed.to_json(where).encode()
+
+
+register_relocation(relocated)

@@ -19,6 +19,7 @@ from typing import Any, Union
 
 import torch
 
+from ddpckpt import events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import decode, encode
 from ddpckpt._format.manifest import MANIFEST_NAME, read_manifest
@@ -38,6 +39,7 @@ MapLocation = Union[  # noqa: UP007 (a runtime alias)
 ]
 
 
+@events.timed_save
 def save_dict(
     path: str | os.PathLike[str],
     checkpoint: Mapping[str, Any],

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpckpt import events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import DEFAULT_SAVER, async_mode
@@ -26,6 +27,7 @@ from ddpckpt._state.capture import Snapshot, TrainingState, capture
 from ddpckpt.storage import configure
 
 
+@events.timed_save
 def save(
     path: str | os.PathLike[str],
     state: TrainingState | None = None,

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ddpckpt import events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.consistency import check_replicated
 from ddpckpt._coord.plan import file_names, plan_owners
@@ -225,6 +226,7 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
         if plan.leader:
             store.commit.abort(store, tmp, path)
         raise
+    events.committed(path, plan.header["step"])
     return path
 
 

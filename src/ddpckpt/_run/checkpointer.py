@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpckpt import events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import AsyncSaver
@@ -266,6 +267,7 @@ class Checkpointer:
             return
         self._saves.reserve(snapshot)
 
+    @events.timed_save
     def save(
         self, step: int, epoch: int | None = None, metrics: Mapping[str, Any] | None = None
     ) -> str | None:

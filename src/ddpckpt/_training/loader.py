@@ -68,6 +68,10 @@ class _TrackedIterator:
         return len(self._loader)
 
     def __next__(self) -> Any:
+        before = self._loader.__dict__.get("_ddpckpt_before_next")
+        if before is not None:
+            self._loader.__dict__["_ddpckpt_before_next"] = None
+            before()
         try:
             batch = next(self._inner)
         except StopIteration:
@@ -92,6 +96,8 @@ class _Tracking:
         self.__dict__["_ddpckpt_now"] = None  # the current pass's record
         self.__dict__["_ddpckpt_resume"] = None  # a loaded record, applied at the next iter()
         self.__dict__["_ddpckpt_seed_draw"] = None  # what the live workers' base seed came from
+        # called once, before the next batch is taken (a framework integration's resume)
+        self.__dict__["_ddpckpt_before_next"] = None
         sampler = user_sampler(self)
         if isinstance(sampler, ResumableDistributedSampler):
             sampler._loader_tracked = True
