@@ -10,7 +10,8 @@ STAMP := $(VENV)/.installed
 # processes (torchrun jobs, servers), so two workers fit a 2-core machine.
 TEST_WORKERS ?= 2
 
-.PHONY: demo bench docs test test-fast lint clean
+.PHONY: demo bench docs test test-fast lint fuzz clean
+FUZZ_SECONDS ?= 1800
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,10 +37,18 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
+# The long-running fuzz target (outside CI, which runs tests/test_fuzz.py): coverage-guided,
+# each target for FUZZ_SECONDS; a violation leaves its input as crash-* in fuzz-output/.
+fuzz: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[fuzz]'
+	mkdir -p fuzz-output/checkpoint fuzz-output/torchfile
+	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py checkpoint -max_total_time=$(FUZZ_SECONDS) checkpoint
+	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py torchfile -max_total_time=$(FUZZ_SECONDS) torchfile
+
 # The quick loop while developing: one process, no multi-process or slow tests (about a
 # minute); `make test` (what CI runs) is the whole suite.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow and not distributed" -q
 
 clean:
-	rm -rf $(VENV) demo-output bench-output .pytest_cache docs/_build
+	rm -rf $(VENV) demo-output bench-output fuzz-output .pytest_cache docs/_build

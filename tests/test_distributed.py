@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import ddpckpt
 from launch import processes, spawn, torchrun, torchrun_nodes
@@ -280,6 +281,32 @@ def test_node_local_storage_keeps_a_copy_per_node_and_repairs_a_lost_one(tmp_pat
         assert result["digest"] == saved[0]["digest"] and result["draws"] == saved[rank]["draws"]
     assert any("this node had no copy" in w for w in loaded[2]["warnings"])
     assert ddpckpt.verify(nodes[1] / "ckpt").step == 3  # and it keeps the copy it received
+
+
+def test_node_local_repair_never_writes_outside_the_checkpoint(tmp_path) -> None:
+    """A checkpoint on node 0 whose manifest names ../target/authorized_keys (checksums
+    recomputed): repairing node 1's missing copy wrote the attacker's bytes to
+    node1/target/authorized_keys, and the rank then loaded the checkpoint."""
+    from hostile import edit_manifest, rename_file
+
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        (node / "target").mkdir(parents=True)
+    ddpckpt.save(nodes[0] / "ckpt", model=torch.nn.Linear(2, 2), step=1)
+    hostile = "../target/authorized_keys"
+    (nodes[0] / "ckpt" / "model-00000.safetensors").rename(nodes[0] / "target" / "authorized_keys")
+    edit_manifest(
+        nodes[0] / "ckpt", lambda doc: rename_file(doc, "model-00000.safetensors", hostile)
+    )
+    launch = torchrun_nodes(
+        "load_refused", tmp_path / "load", nproc=1, args=["--ckpt", "ckpt"], cwds=nodes
+    ).ok()
+    for rank in (0, 1):
+        report = launch.result(rank)
+        assert report["error"] == "CorruptCheckpointError", report
+        assert "no name ddpckpt writes" in report["message"] and hostile in report["message"]
+    assert not (nodes[1] / "target" / "authorized_keys").exists()
+    assert sorted(p.name for p in nodes[1].iterdir()) == ["target"]  # nothing received
 
 
 @pytest.mark.slow

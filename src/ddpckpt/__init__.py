@@ -14,7 +14,7 @@ from ddpckpt._io.load import load
 from ddpckpt._io.reader import CheckpointInfo, load_state_dict, verify
 from ddpckpt._io.save import PendingSave, release_async_buffers, save
 from ddpckpt._resumecheck import record as _resume_check
-from ddpckpt._run.catalog import latest
+from ddpckpt._run.catalog import latest, load_latest
 from ddpckpt._run.checkpointer import Checkpointer
 from ddpckpt._run.preemption import Preemption
 from ddpckpt._state.objects import PerRank
@@ -72,6 +72,7 @@ __all__ = [
     "latest",
     "load",
     "load_dict",
+    "load_latest",
     "load_state_dict",
     "policies",
     "release_async_buffers",

@@ -182,6 +182,17 @@ def scenario_load(args, rank: int) -> dict[str, Any]:
     }
 
 
+def scenario_load_refused(args, rank: int) -> dict[str, Any]:
+    """Load a checkpoint the test expects to be refused; reports the error."""
+    _, ddp, opt, *_ = build(seed=args.seed + 1, width=args.width)
+    started = time.monotonic()
+    try:
+        ddpckpt.load(args.ckpt, model=ddp, optimizer=opt)
+    except ddpckpt.CheckpointError as exc:
+        return error_report(exc, started)
+    return {"error": None}
+
+
 def scenario_load_memory(args, rank: int) -> dict[str, Any]:
     model, ddp, *_ = build(seed=args.seed + 1, width=args.width)
     size = sum(os.path.getsize(os.path.join(args.ckpt, f)) for f in os.listdir(args.ckpt))

@@ -152,8 +152,8 @@ def locate(comm: Comm, path: str) -> Manifest:
     def read() -> dict[str, Any]:
         try:
             found["manifest"] = read_manifest(path)
-        except CheckpointNotFoundError:
-            return {"missing": True}
+        except CheckpointNotFoundError as exc:  # the message may say what the path is instead
+            return {"missing": str(exc)}
         except CorruptCheckpointError as exc:
             return {"error": type(exc).__name__, "message": str(exc)}
         return {"id": found["manifest"].id}
@@ -179,10 +179,7 @@ def _verdict(statuses: list[dict[str, Any]], path: str) -> dict[str, Any]:
         errors = [s for s in statuses if "error" in s]
         if errors:
             return errors[0]
-        return {
-            "error": "CheckpointNotFoundError",
-            "message": f"{path}: no checkpoint at this path",
-        }
+        return {"error": "CheckpointNotFoundError", "message": statuses[0]["missing"]}
     if len(set(present)) > 1:
         listing = ", ".join(f"rank {r}: {i}" for r, i in enumerate(ids) if i is not None)
         return {

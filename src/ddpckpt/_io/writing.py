@@ -356,7 +356,7 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
     )
     store = storage_for(plan.path)
     with storage_errors(plan.path):
-        store.write_new(os.path.join(tmp, MANIFEST_NAME), manifest.to_json().encode())
+        store.write_new(os.path.join(tmp, MANIFEST_NAME), manifest.to_json(plan.path).encode())
     try:
         store.commit.publish(store, tmp, plan.path, overwrite=plan.overwrite)
     except OSError as exc:

@@ -8,13 +8,15 @@ plans, writes and reads it. Restoring takes tensors from a :class:`TensorSource`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from ddpckpt._format.codec import JSON
+from ddpckpt.errors import CheckpointError, StateMismatchError
 
 
 class TensorSource(Protocol):
@@ -83,3 +85,21 @@ class Snapshot:
             self.unverified.discard(name)
             self.rank_tensors[f"own/{name}"] = self.tensors[name]
             own[name] = f"own/{name}"  # type: ignore[index]
+
+
+@contextmanager
+def restoring(what: str, where: str) -> Iterator[None]:
+    """Report a live object's ``load_state_dict`` refusing the state a checkpoint holds
+    (``what`` names the object, ``where`` the checkpoint) as a
+    :class:`~ddpckpt.errors.StateMismatchError` naming both, the object's error chained: a
+    checkpoint whose checksums hold can still hold a state the object does not accept
+    (written by other code, or crafted)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as exc:
+        raise StateMismatchError(
+            f"{where}: {what} rejected the state the checkpoint holds for it "
+            f"({type(exc).__name__}: {exc}); the checkpoint does not hold a state it accepts"
+        ) from exc
