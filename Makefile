@@ -33,6 +33,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks docs
 	$(BIN)/ruff format --check src tests examples benchmarks docs
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile

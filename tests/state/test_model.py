@@ -14,7 +14,8 @@ from ddpckpt._format.manifest import read_manifest
 from ddpckpt._format.sections import StateSections
 from ddpckpt._io.reader import FileSource
 from ddpckpt._state.capture import TrainingState, capture
-from ddpckpt._state.model import canonical_state_dict, restore_model, unwrap_model
+from ddpckpt._state.model import canonical_state_dict, restore_model
+from ddpckpt._training.wrappers import unwrap_model
 
 PLAIN_KEYS = ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
               "1.num_batches_tracked", "3.weight", "3.bias"]  # fmt: skip

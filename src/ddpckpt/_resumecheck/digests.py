@@ -92,7 +92,7 @@ def json_default(value: Any) -> Any:
 
 
 def models(state: Any) -> dict[str, Any]:
-    from ddpckpt._state.model import unwrap_model
+    from ddpckpt._training.wrappers import unwrap_model
 
     found: dict[str, Any] = {}
     for name, model in state.models.items():

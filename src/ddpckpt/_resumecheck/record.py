@@ -54,6 +54,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ddpckpt._log import current_rank, observe
 from ddpckpt._resumecheck import digests, isolate
+from ddpckpt._training.watchers import watch_batches
 
 ENV = "DDPCKPT_CHECK_RESUME"
 _LOOKED = False
@@ -74,6 +75,7 @@ def active() -> Recorder | None:
         spec = os.environ.get(ENV)
         if spec:
             _RECORDER = Recorder(json.loads(spec))
+            watch_batches(_RECORDER)
     return _RECORDER
 
 
@@ -144,7 +146,7 @@ class Recorder:
 
     def _follow(self, state: Any) -> None:
         """Digest the inputs of ``state``'s models from now on."""
-        from ddpckpt._state.model import unwrap_model
+        from ddpckpt._training.wrappers import unwrap_model
 
         for model in state.models.values():
             root = unwrap_model(model)

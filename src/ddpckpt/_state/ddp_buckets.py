@@ -49,7 +49,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ddpckpt._format.sections import DDPBuckets
 from ddpckpt._log import get_logger, same_on_every_rank
-from ddpckpt._state.model import canonical_key, wrappers
+from ddpckpt._state.model import canonical_key
+from ddpckpt._training.wrappers import wrappers
 
 _log = get_logger(__name__)
 _INEXACT = (

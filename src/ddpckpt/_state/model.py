@@ -13,9 +13,8 @@ Every function here is local to the calling rank.
 
 from __future__ import annotations
 
-import sys
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,42 +26,11 @@ from ddpckpt._format.pinned_ring import passes_through
 from ddpckpt._format.sections import SINGLE, Layout, ModelSection
 from ddpckpt._log import get_logger
 from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
+from ddpckpt._training.wrappers import inner_attr, unwrap_model
 from ddpckpt.errors import CorruptCheckpointError, StateMismatchError
 
 _log = get_logger(__name__)
 _LIST_LIMIT = 12
-
-
-def _inner_attr(module: nn.Module) -> str | None:
-    """The attribute holding the wrapped module, if ``module`` is a wrapper."""
-    if isinstance(module, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        return "module"
-    compiled = _optimized_module_type()
-    if compiled is not None and isinstance(module, compiled):
-        return "_orig_mod"
-    return None
-
-
-def _optimized_module_type() -> type | None:
-    dynamo = sys.modules.get("torch._dynamo.eval_frame")
-    return getattr(dynamo, "OptimizedModule", None)
-
-
-def wrappers(model: nn.Module) -> Iterator[nn.Module]:
-    """The wrappers (DDP, DataParallel, torch.compile) around the user's module in
-    ``model``, outermost first."""
-    while (attr := _inner_attr(model)) is not None:
-        yield model
-        model = getattr(model, attr)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's module inside any nesting of DDP, DataParallel and torch.compile."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__qualname__}")
-    while (attr := _inner_attr(model)) is not None:
-        model = getattr(model, attr)
-    return model
 
 
 def canonical_key(root: nn.Module, key: str, *, is_module_path: bool = False) -> str:
@@ -72,7 +40,7 @@ def canonical_key(root: nn.Module, key: str, *, is_module_path: bool = False) ->
     kept: list[str] = []
     module: nn.Module | None = root
     for part in module_parts:
-        if module is not None and _inner_attr(module) == part:
+        if module is not None and inner_attr(module) == part:
             module = getattr(module, part)
             continue
         kept.append(part)
@@ -147,7 +115,7 @@ def _replication(model: nn.Module) -> Replication:
     synchronized.
     """
     found = Replication()
-    while (attr := _inner_attr(model)) is not None:
+    while (attr := inner_attr(model)) is not None:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             found.wrapped = True
             found.rank_buffers |= not model.broadcast_buffers

@@ -19,14 +19,8 @@ from torch import nn
 from ddpckpt._format.codec import JSON, decode, encode
 from ddpckpt._format.sections import ExtraEntry, StatefulSection
 from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
+from ddpckpt._training.wrappers import is_stateful
 from ddpckpt.errors import UnsupportedValueError
-
-
-def is_stateful(obj: object) -> bool:
-    """Whether ``obj`` has ``state_dict()`` and ``load_state_dict()``."""
-    return callable(getattr(obj, "state_dict", None)) and callable(
-        getattr(obj, "load_state_dict", None)
-    )
 
 
 def capture_stateful(prefix: str, obj: Any, snapshot: Snapshot) -> StatefulSection:

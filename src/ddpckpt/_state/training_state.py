@@ -167,7 +167,7 @@ class TrainingState(Mapping[str, Any]):
             self._source[name] = value
 
     def _check_distinct_models(self) -> None:
-        from ddpckpt._state.model import unwrap_model
+        from ddpckpt._training.wrappers import unwrap_model
 
         seen: dict[int, str] = {}
         for name, model in self.models.items():

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ddpckpt._log import get_logger
-from ddpckpt._state.model import unwrap_model
+from ddpckpt._training.wrappers import unwrap_model
 
 _log = get_logger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from ddpckpt._log import get_logger, same_on_every_rank
-from ddpckpt._state.objects import is_stateful
+from ddpckpt._training.wrappers import is_stateful
 from ddpckpt.errors import InexactResumeError
 
 _log = get_logger(__name__)
