@@ -15,10 +15,13 @@ A block without a marker fails this test, so a snippet cannot silently escape it
 
 from __future__ import annotations
 
+import ast
+import importlib
 import os
 import re
 import subprocess
 import sys
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,14 +144,66 @@ def _check_resume(snippet: Snippet, script: Path, cwd: Path) -> None:
     assert after == {k: v for k, v in before.items() if not k.startswith(home)}
 
 
-@pytest.mark.slow
-def test_the_site_builds_with_warnings_as_errors(tmp_path: Path) -> None:
-    """``sphinx-build -W``: a broken reference, a page missing from the navigation, a
-    docstring that does not parse or an unknown directive fails the build."""
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built once for the tests of this module that read it."""
+    out = tmp_path_factory.mktemp("site")
     done = subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-         str(ROOT / "docs"), str(tmp_path / "site")],
+         str(ROOT / "docs"), str(out)],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
-    assert (tmp_path / "site" / "reference" / "cli.html").is_file()
+    return out
+
+
+@pytest.mark.slow
+def test_the_site_builds_with_warnings_as_errors(site: Path) -> None:
+    """``sphinx-build -W``: a broken reference, a page missing from the navigation, a
+    docstring that does not parse or an unknown directive fails the build."""
+    assert (site / "reference" / "cli.html").is_file()
+
+
+def _documented(site: Path) -> set[str]:
+    """The Python objects the site documents: the names in its ``objects.inv``."""
+    header, _, body = site.joinpath("objects.inv").read_bytes().partition(b"zlib.\n")
+    assert header.startswith(b"# Sphinx inventory version 2"), header[:40]
+    lines = zlib.decompress(body).decode().splitlines()
+    return {line.split(" ", 2)[0] for line in lines if line.split(" ", 2)[1].startswith("py:")}
+
+
+def _public_names() -> dict[str, object]:
+    """Every name a public module exports, with its value (the integration modules are
+    read, not imported: each imports a framework)."""
+    names: dict[str, object] = {}
+    for module in ("ddpckpt", "ddpckpt.data", "ddpckpt.errors", "ddpckpt.events",
+                   "ddpckpt.policies", "ddpckpt.storage", "ddpckpt.storage.s3",
+                   "ddpckpt.storage.fsspec"):  # fmt: skip
+        mod = importlib.import_module(module)
+        names.update({f"{module}.{name}": getattr(mod, name) for name in mod.__all__})
+    for name in ("lightning", "accelerate", "transformers"):
+        path = ROOT / "src" / "ddpckpt" / "integrations" / f"{name}.py"
+        exported = re.search(r"^__all__ = (\[.*?\])", path.read_text(), re.M | re.S)
+        assert exported is not None, path
+        for item in ast.literal_eval(exported[1]):
+            names[f"ddpckpt.integrations.{name}.{item}"] = None
+    return names
+
+
+@pytest.mark.slow
+def test_the_api_reference_documents_every_public_name(site: Path) -> None:
+    """A name in a public ``__all__`` is documented under that name, or is the same object
+    as one documented elsewhere (``ddpckpt.CheckpointError`` is ``ddpckpt.errors``'s)."""
+    public = _public_names()  # imports the modules whose names are looked up below
+    documented = _documented(site)
+    documented_objects = set()
+    for name in documented:
+        module, _, attr = name.rpartition(".")
+        if module in sys.modules and hasattr(sys.modules[module], attr):
+            documented_objects.add(id(getattr(sys.modules[module], attr)))
+    missing = [
+        name
+        for name, value in public.items()
+        if name not in documented and (value is None or id(value) not in documented_objects)
+    ]
+    assert not missing, f"add these to docs/reference/api/: {missing}"

@@ -136,6 +136,9 @@ class PendingSave:
     """What an asynchronous :func:`ddpckpt.save` returns: the path, and that save's outcome.
 
     Local: ask it from the thread that saved, or from any other.
+
+    Attributes:
+        path: The checkpoint's path.
     """
 
     def __init__(self, path: str, completion: Completion) -> None:
@@ -147,8 +150,15 @@ class PendingSave:
         return self._completion.done()
 
     def wait(self) -> str:
-        """Block until this checkpoint is committed and durable and return its path; raises
-        this save's error (every time) if it failed."""
+        """Block until this checkpoint is committed and durable.
+
+        Returns:
+            The checkpoint's path.
+
+        Raises:
+            Exception: This save's own error (a CheckpointWriteError ...), every time it is
+                asked, if it failed.
+        """
         self._completion.wait()
         return self.path
 

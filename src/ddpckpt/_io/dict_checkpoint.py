@@ -50,16 +50,30 @@ def save_dict(
     metrics: Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> str:
-    """Write ``checkpoint`` (nested dicts, lists and tuples of tensors and plain values)
-    as the checkpoint directory ``path``; local: one process calls it, alone.
+    """Write one process's nested dict as the checkpoint directory ``path``; local.
 
-    Everything :func:`ddpckpt.save` stores as an ``extra`` value is accepted (tensors on any
-    device, numbers, strings, containers, ``OrderedDict``, numpy arrays ...); anything else
-    (a dict subclass, an arbitrary object) raises :class:`UnsupportedValueError` naming its
-    key, before anything is written. ``step``, ``epoch`` and ``metrics`` go into the
-    manifest, where :func:`ddpckpt.latest` and the command line find them. Raises
-    :class:`CheckpointExistsError` if ``path`` is already a checkpoint (``overwrite=True``
-    replaces it atomically). Returns the checkpoint's path.
+    One process calls it, alone (not collective): a framework plug-in's checkpoint dict,
+    an evaluation's results. For a DDP job's training state use :func:`ddpckpt.save`.
+
+    Args:
+        path: The checkpoint directory (or URL) to create.
+        checkpoint: Nested dicts, lists and tuples of tensors (on any device) and plain
+            values: everything :func:`ddpckpt.save` stores as an ``extra`` value (numbers,
+            strings, containers, ``OrderedDict``, numpy arrays ...).
+        step: Recorded in the manifest, where :func:`ddpckpt.latest` and the command line
+            find it.
+        epoch: Recorded in the manifest.
+        metrics: Scalars recorded in the manifest.
+        overwrite: Replace a checkpoint already at ``path``, atomically.
+
+    Returns:
+        The checkpoint's path.
+
+    Raises:
+        UnsupportedValueError: A value (a dict subclass, an arbitrary object) cannot be
+            stored without pickle; names its key, before anything is written.
+        CheckpointExistsError: ``path`` is already a checkpoint and ``overwrite`` is false.
+        CheckpointWriteError: Storage failed.
     """
     if not isinstance(checkpoint, Mapping):
         raise TypeError(f"save_dict takes a mapping, got {type(checkpoint).__qualname__}")
@@ -77,16 +91,26 @@ def save_dict(
 def load_dict(path: str | os.PathLike[str], map_location: MapLocation = "cpu") -> dict[str, Any]:
     """The dict :func:`save_dict` wrote at ``path``, every tensor verified; local.
 
-    ``map_location`` says where tensors go, as for ``torch.load``: a device (``"cpu"``, the
-    default, or ``"cuda:1"``, ``torch.device(...)``) for every tensor; ``None`` for the
-    device each was saved from; a dict from saved device to device (``{"cuda:0":
-    "cuda:1"}``; others stay where they were saved); or a function ``(tensor, saved
-    device) -> tensor`` given each tensor on the CPU (``None`` back keeps the saved device).
-    Tensors are private copies; numpy arrays stay numpy arrays. A device this machine
-    lacks raises ``RuntimeError``.
-    Raises :class:`CheckpointNotFoundError`, :class:`CorruptCheckpointError` (naming the
-    file), and :class:`StateMismatchError` for a checkpoint of a training state (load
-    those with :func:`ddpckpt.load` or :func:`ddpckpt.load_state_dict`).
+    Tensors are private copies; numpy arrays stay numpy arrays.
+
+    Args:
+        path: A checkpoint directory (or URL) written by :func:`save_dict`.
+        map_location: Where tensors go, as for ``torch.load``: a device (``"cpu"``, the
+            default, or ``"cuda:1"``, ``torch.device(...)``) for every tensor; ``None`` for
+            the device each was saved from; a dict from saved device to device
+            (``{"cuda:0": "cuda:1"}``; others stay where they were saved); or a function
+            ``(tensor, saved device) -> tensor`` given each tensor on the CPU (``None``
+            back keeps the saved device).
+
+    Returns:
+        The nested dict as saved.
+
+    Raises:
+        CheckpointNotFoundError: No committed checkpoint at ``path``.
+        CorruptCheckpointError: A file does not match its checksum (names it).
+        StateMismatchError: ``path`` is a checkpoint of a training state (load those with
+            :func:`ddpckpt.load` or :func:`ddpckpt.load_state_dict`).
+        RuntimeError: A device this machine lacks.
     """
     path = isolate.for_read(path, "load_dict")
     manifest = read_manifest(path)
@@ -160,8 +184,15 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
 
     A crash midway never leaves a checkpoint that looks complete: on a file system the
     directory is first renamed away (atomic), on an object store its manifest is deleted
-    first. Raises :class:`CheckpointNotFoundError` if ``path`` holds no committed
-    checkpoint (nothing is deleted then: never a directory that is not a checkpoint).
+    first. One process calls it (under ``torch.distributed``, rank 0 only, then a barrier
+    if other ranks read the directory next).
+
+    Args:
+        path: A committed checkpoint directory (or URL).
+
+    Raises:
+        CheckpointNotFoundError: ``path`` holds no committed checkpoint; nothing is deleted
+            then (never a directory that is not a checkpoint).
     """
     path = isolate.for_write(path, "remove_checkpoint")
     store = storage_for(path)

@@ -64,23 +64,44 @@ def load(
 ) -> CheckpointInfo:
     """Restore the checkpoint at ``path`` into the live objects; collective.
 
-    Every rank calls it after building its model, optimizer etc. (before or after
-    wrapping in DDP or torch.compile), passed as a :class:`TrainingState` or its keyword
-    shorthand, as to :func:`ddpckpt.save`. Tensors are read from memory-mapped files and
-    copied into the live tensors, so they land on each rank's own devices. Every byte
-    read is verified against its checksum.
+    Every rank calls it, in the same order as its other ddpckpt calls, after building its
+    model, optimizer etc. (before or after wrapping in DDP or ``torch.compile``), passed as
+    a :class:`~ddpckpt.TrainingState` or its keyword shorthand, as to
+    :func:`ddpckpt.save`. Tensors are read from memory-mapped files and copied into the
+    live tensors, so they land on each rank's own devices. Every byte read is verified
+    against its checksum, and every check runs, on every rank, before anything is
+    modified.
 
-    Objects not passed are left alone; an object passed but absent from the checkpoint
-    is an error naming it. Stateful ``extra`` objects get ``load_state_dict``; plain
-    values are written back into the ``extra`` mapping (or the TrainingState) and returned in
-    :attr:`CheckpointInfo.extra`. With ``rng`` each rank's random generators are restored
-    (ranks the checkpoint has no state for get a deterministic derived state and a
-    warning). ``strict=False`` loads the model keys that match and warns about the rest.
+    Objects not passed are left alone; an object passed but absent from the checkpoint is
+    an error naming it. Stateful ``extra`` objects get ``load_state_dict``; plain values
+    are written back into the ``extra`` mapping (or the TrainingState) and returned in
+    :attr:`CheckpointInfo.extra <ddpckpt.CheckpointInfo.extra>`.
 
-    Every check runs before anything is modified. Raises
-    :class:`CheckpointNotFoundError`, :class:`StateMismatchError` (listing every
-    difference), :class:`CorruptCheckpointError` (naming the file); a checksum error found
-    while copying may leave the objects partly updated: load another checkpoint.
+    Args:
+        path: A committed checkpoint directory (or URL).
+        state: The objects to restore, by the names they were saved under.
+        model: The model (plain, DDP, DataParallel or compiled).
+        optimizer: Its optimizer.
+        scheduler: Its learning-rate scheduler.
+        scaler: Its ``GradScaler``.
+        extra: Names mapped to stateful objects or plain values, as saved.
+        strict: ``False`` loads the model keys that match and warns about the rest.
+        rng: Restore each rank's random generators (default: if saved). Ranks the
+            checkpoint has no state for get a deterministic derived state and a warning.
+        timeout: Seconds a rank waits for a silent one.
+        storage_options: Configures an ``s3://`` URL's client
+            (:func:`ddpckpt.storage.configure`).
+
+    Returns:
+        The checkpoint's metadata and plain ``extra`` values.
+
+    Raises:
+        CheckpointNotFoundError: No committed checkpoint at ``path``.
+        StateMismatchError: The objects do not match the checkpoint (lists every
+            difference).
+        CorruptCheckpointError: A file does not match its checksum (names it). One found
+            while copying may leave the objects partly updated: load another checkpoint.
+        CollectiveTimeoutError: A rank did not arrive within ``timeout``.
     """
     path = os.fspath(path)
     configure(path, storage_options)  # an s3:// URL's client (ddpckpt.storage.configure)

@@ -28,7 +28,22 @@ from ddpckpt.errors import CheckpointError, CorruptCheckpointError, StateMismatc
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What :func:`ddpckpt.load` returns: the checkpoint's metadata and plain ``extra`` values."""
+    """What :func:`ddpckpt.load` returns: the checkpoint's metadata and plain ``extra`` values.
+
+    :func:`ddpckpt.verify` and :meth:`Checkpointer.info() <ddpckpt.Checkpointer.info>`
+    return it too (with ``extra`` empty).
+
+    Attributes:
+        path: The checkpoint's path.
+        step: The step it was saved with, or ``None``.
+        epoch: The epoch it was saved with, or ``None``.
+        metrics: The metrics it was saved with.
+        extra: The plain (not stateful) ``extra`` values loaded.
+        world_size: How many ranks saved it.
+        created: When it was saved (seconds since the epoch).
+        library_version: The ddpckpt version that wrote it.
+        torch_version: The torch version that wrote it.
+    """
 
     path: str
     step: int | None
@@ -141,13 +156,25 @@ def chosen_model(path: str, stored: StateSections, model: str | None) -> str:
 
 
 def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> dict[str, Any]:
-    """The model weights of a checkpoint as plain CPU tensors under canonical keys.
+    """The model weights of a checkpoint as plain CPU tensors under canonical keys; local.
 
-    Not collective: any process may call it, e.g. inference code without an optimizer.
-    The tensors are private copies (verified while read); tied weights stay the same
-    tensor object. Works with ``model.load_state_dict`` of the unwrapped model. A
-    checkpoint of several models (a :class:`~ddpckpt.TrainingState`) needs ``model``,
-    the name of the one to read.
+    Not collective: any one process may call it, e.g. inference code without an
+    optimizer. The tensors are private copies (verified while read); tied weights stay the
+    same tensor object. The keys have no ``module.`` or ``_orig_mod.`` prefix, so the
+    result fits ``model.load_state_dict`` of the unwrapped model.
+
+    Args:
+        path: A committed checkpoint directory (or URL).
+        model: The name of the model to read; needed for a checkpoint of several models
+            (a :class:`~ddpckpt.TrainingState`).
+
+    Returns:
+        Parameter and buffer names mapped to tensors (and the model's extra state).
+
+    Raises:
+        CheckpointNotFoundError: No committed checkpoint at ``path``.
+        StateMismatchError: ``model`` is needed or names no model of the checkpoint.
+        CorruptCheckpointError: A tensor does not match its checksum.
     """
     path = isolate.for_read(path, "load_state_dict")
     manifest = read_manifest(path)
@@ -203,9 +230,16 @@ def _entries_by_file(manifest: Manifest) -> dict[str, list[TensorEntry]]:
 def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Check every file and tensor of a checkpoint against its checksums; local.
 
-    Raises :class:`CheckpointNotFoundError`, :class:`IncompleteCheckpointError` or
-    :class:`CorruptCheckpointError` (listing every bad file); returns the checkpoint's
-    metadata when everything verifies.
+    Args:
+        path: A checkpoint directory (or URL).
+
+    Returns:
+        The checkpoint's metadata, when everything verifies.
+
+    Raises:
+        CheckpointNotFoundError: No checkpoint at ``path``.
+        IncompleteCheckpointError: The manifest or a file it lists is missing.
+        CorruptCheckpointError: Bytes do not match their checksums (lists every bad file).
     """
     path = isolate.for_read(path, "verify")
     manifest = read_manifest(path)

@@ -52,32 +52,58 @@ def save(
 ) -> str | PendingSave:
     """Write the whole training state to the checkpoint directory ``path``; collective.
 
-    Every rank calls it. What to save is a :class:`TrainingState` (several models,
-    optimizers, schedulers by name) or its keyword shorthand: ``model`` may be wrapped in
-    DDP, DataParallel or torch.compile; ``extra`` maps names to objects with
-    ``state_dict()``/``load_state_dict()`` or to plain values (numbers, strings, lists,
-    dicts, tensors); with ``rng`` (default) every rank's random generators are stored.
-    ``metrics`` are scalars (numbers, 0-d tensors, strings).
-    ``sharing`` says whether the machines of the job share ``path``'s storage:
-    ``"auto"`` (default: detect it), ``"shared"`` (one copy, written by all ranks) or
-    ``"local"`` (node-local disks: one copy per machine); ``storage=`` is its deprecated
-    spelling. ``timeout`` bounds how long a rank waits for a silent one.
-    ``storage_options`` configures an ``s3://`` URL's client (:func:`ddpckpt.storage.configure`).
+    Every rank calls it, with the same ``path`` and the same objects, in the same order
+    as its other ddpckpt calls (a single process without ``torch.distributed`` works the
+    same). What to save is a :class:`~ddpckpt.TrainingState` or its keyword shorthand
+    (``model``, ``optimizer``, ``scheduler``, ``scaler``, ``extra``); pass one or the
+    other. Rank 0 commits the checkpoint once every rank's files are written; a failure on
+    any rank is raised on every rank.
 
-    ``async_save=True`` returns as soon as this rank's share of the state is copied to host
-    memory (:mod:`ddpckpt._io.staging`); writing and committing go on in the background and the
-    returned :class:`PendingSave` waits for them. ``async_save="overlap"`` returns sooner:
-    parameters and optimizer state are copied while the next forward and backward run,
-    and the ``step()`` of every optimizer of the state (one at least) and in ``extra``
-    waits for that copy. Either way the checkpoint holds the state as of this call. The
-    returned handle reports this save's own outcome (``done()``, ``wait()``,
-    ``exception()``). The next save or load waits for the previous asynchronous save and
-    raises its error if it failed and nobody had asked its handle.
+    Args:
+        path: The checkpoint directory (or an ``s3://`` / registered URL) to create.
+        state: Several models, optimizers and schedulers by name.
+        model: The model; may be wrapped in DDP, DataParallel or ``torch.compile``.
+        optimizer: Its optimizer.
+        scheduler: A learning-rate scheduler (anything with ``state_dict()``).
+        scaler: A ``GradScaler``.
+        extra: Names mapped to objects with ``state_dict()``/``load_state_dict()``
+            (a DataLoader, an EMA, :class:`~ddpckpt.PerRank` objects) or to plain values
+            (numbers, strings, lists, dicts, tensors).
+        step: The training step, recorded in the manifest (what :func:`ddpckpt.latest`
+            orders by).
+        epoch: The epoch, recorded in the manifest.
+        metrics: Scalars (numbers, 0-d tensors, strings) recorded in the manifest.
+        overwrite: Replace a checkpoint already at ``path``, atomically.
+        rng: Store every rank's random generators (the default).
+        async_save: ``False`` writes before returning. ``True`` returns as soon as this
+            rank's share of the state is copied to host memory; writing and committing go
+            on in the background. ``"overlap"`` returns sooner: parameters and optimizer
+            state are copied while the next forward and backward run, and the ``step()`` of
+            every optimizer of the state (one at least) and in ``extra`` waits for that
+            copy. Either way the checkpoint holds the state as of this call, and the next
+            save or load waits for this one (raising its error if it failed and nobody
+            asked its handle).
+        sharing: Whether the machines of the job share ``path``'s storage: ``"auto"``
+            (default: detect it), ``"shared"`` (one copy, written by all ranks) or
+            ``"local"`` (node-local disks: one copy per machine).
+        timeout: Seconds a rank waits for a silent one before raising
+            :class:`~ddpckpt.errors.CollectiveTimeoutError`.
+        storage_options: Configures an ``s3://`` URL's client
+            (:func:`ddpckpt.storage.configure`).
+        storage: Deprecated spelling of ``sharing`` (warns; may be removed after
+            2027-06-01).
 
-    Raises :class:`CheckpointExistsError` if ``path`` is already a checkpoint (pass
-    ``overwrite=True`` to replace it atomically), :class:`UnsupportedValueError` naming the
-    key of anything that cannot be stored without pickle, :class:`CheckpointWriteError`
-    when storage fails. Returns the checkpoint's path (rank 0's).
+    Returns:
+        The checkpoint's path (rank 0's) for a synchronous save; for an asynchronous one a
+        :class:`~ddpckpt.PendingSave` reporting this save's own outcome (``done()``,
+        ``wait()``, ``exception()``).
+
+    Raises:
+        CheckpointExistsError: ``path`` is already a checkpoint and ``overwrite`` is false.
+        UnsupportedValueError: Something cannot be stored without pickle (names its key).
+        CheckpointWriteError: Storage failed (:class:`~ddpckpt.errors.InsufficientSpaceError`
+            when the file system is too full).
+        CollectiveTimeoutError: A rank did not arrive within ``timeout`` (names it).
     """
     sharing = renamed_argument("ddpckpt.save", "storage", storage, "sharing", sharing)
     configure(path, storage_options)
@@ -117,10 +143,11 @@ def save(
 
 def release_async_buffers() -> None:
     """Wait for the asynchronous save in flight, then free the host buffer that
-    asynchronous saves reuse; the next one allocates it again.
+    asynchronous :func:`ddpckpt.save` calls reuse; the next one allocates it again.
 
     Local: any rank may call it at any time, and it raises nothing: a failed save is raised
-    by its handle and, on every rank, by the next save or load. A :class:`Checkpointer` has
-    a buffer of its own, which :meth:`Checkpointer.close` frees.
+    by its handle and, on every rank, by the next save or load. A
+    :class:`~ddpckpt.Checkpointer` has a buffer of its own, which
+    :meth:`Checkpointer.close() <ddpckpt.Checkpointer.close>` frees.
     """
     DEFAULT_SAVER.release()

@@ -42,7 +42,7 @@ SET_ASIDE_MARK = CORRUPT_MARK  # step-N.corrupt-<token>: moved aside by Checkpoi
 
 
 def latest(directory: str | os.PathLike[str]) -> str | None:
-    """The path of the newest committed checkpoint directly inside ``directory``, or ``None``.
+    """The path of the newest committed checkpoint directly inside ``directory``; local.
 
     Newest means the highest ``step`` recorded by ``save(..., step=)``; checkpoints saved
     without a step count as older than any with one and are ordered by when they were
@@ -50,12 +50,38 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
     directories whose manifest is missing, damaged or lists a file that is missing or of
     the wrong size are skipped. A checkpoint that an interrupted overwrite left as
     ``.name.previous`` (on file systems without an atomic exchange) is put back as ``name``
+<<<<<<< HEAD
     first, unless a live job holds the directory's lock (then that path is returned). A
     directory that does not exist has none (``None``); an object store's bucket that does
     not exist raises ``FileNotFoundError``. Only the manifest and the files' sizes are
     checked (no data is read): a checkpoint with a flipped bit in its data is returned, and
     found when loaded (or by :func:`ddpckpt.verify`); :func:`load_latest` then falls back
     to the previous one. Local: any process may call it alone.
+=======
+    first, unless a live job holds the directory's lock (then that path is returned). The
+    tensor data is verified when loaded (or by :func:`ddpckpt.verify`).
+
+    Local: call it on every rank before a collective :func:`ddpckpt.load`, or on rank 0
+    and broadcast the answer. Inside a run with a :class:`~ddpckpt.Checkpointer`, its
+    :meth:`~ddpckpt.Checkpointer.latest_step` says the same as a step.
+
+    Args:
+        directory: A run directory (or URL).
+
+    Returns:
+        The checkpoint's path, or ``None`` when there is none (also when ``directory``
+        does not exist).
+
+    Raises:
+        FileNotFoundError: An object store's bucket does not exist.
+
+    Example:
+        ::
+
+            path = ddpckpt.latest("ckpt")
+            if path is not None:
+                info = ddpckpt.load(path, model=model, optimizer=optimizer)
+>>>>>>> apidocs
     """
     directory = isolate.for_lookup(directory, "latest")  # under check-resume: its own run
     found = newest_first(os.fspath(directory))

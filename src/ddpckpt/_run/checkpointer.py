@@ -62,27 +62,68 @@ _log = get_logger(__name__)
 class Checkpointer:
     """Saves a run's checkpoints under ``directory`` and resumes from the newest good one.
 
-    Objects: a :class:`~ddpckpt.TrainingState` as ``state``, or its shorthand ``model``
-    (plain, DDP or compiled), ``optimizer``, ``scheduler``, ``scaler``, ``extra``, ``rng``
-    (as for :func:`ddpckpt.save`).
+    Every rank constructs it with the same arguments, then calls the collective methods
+    in the same order: :meth:`resume` once before training, :meth:`should_save` and
+    :meth:`save` at the same steps, :meth:`close` at the end (it is also a context
+    manager). The first of :meth:`resume` and :meth:`save` takes the run directory's lock
+    (not with ``read_only``) and raises :class:`~ddpckpt.errors.CheckpointLockedError`
+    if another live job holds it.
+    A failed save logs an ERROR naming the newest good checkpoint (see
+    :attr:`last_error`, :attr:`failed_saves`) while training goes on, unless
+    ``on_error="raise"``.
 
-    Options (keyword arguments, grouped and checked by :mod:`ddpckpt._run.options`, read
-    back as :attr:`options`): when to save (``every_steps``, ``every_seconds``,
-    ``save_policy``, ``preemption``), what to keep (``keep_last``, ``keep_best``, ``monitor``,
-    ``mode``, ``retention``), failures (``on_error``, ``retries``, ``retry_backoff``),
-    ``async_save``, and storage (``sharing``, ``timeout``, ``lock_stale_after``,
-    ``read_only``). A failed save logs an ERROR naming the newest good checkpoint (see
-    :attr:`last_error`, :attr:`failed_saves`).
+    Args:
+        directory: The run directory (or URL); checkpoints are ``step-N`` inside it.
+        state: The objects to save, as a :class:`~ddpckpt.TrainingState`.
+        model: Keyword shorthand of ``state`` (plain, DDP or compiled), as for
+            :func:`ddpckpt.save`; so are ``optimizer``, ``scheduler``, ``scaler``,
+            ``extra`` and ``rng``.
+        optimizer: See ``model``.
+        scheduler: See ``model``.
+        scaler: See ``model``.
+        extra: See ``model``.
+        keep_last: Keep the newest this many checkpoints (``None`` keeps all). The newest
+            is always kept; others are deleted only after a newer one is committed.
+        keep_best: Also keep this many best by ``monitor``.
+        monitor: The metric ``keep_best`` ranks by (passed to :meth:`save`).
+        mode: ``"min"`` or ``"max"``: the better direction of ``monitor``; also the
+            default of ``resume(best=...)`` and :meth:`best`.
+        every_steps: Save when ``step`` is a multiple of this.
+        every_seconds: Save when this long has passed since the last save (rank 0's
+            clock decides for every rank).
+        save_policy: A :class:`~ddpckpt.policies.SavePolicy` instead of ``every_steps``
+            and ``every_seconds``.
+        retention: A :class:`~ddpckpt.policies.Retention` instead of ``keep_last``,
+            ``keep_best`` and ``monitor``.
+        on_error: What a save that fails in storage does once retried: ``"warn"``
+            (default: log an ERROR on stderr, training goes on) or ``"raise"`` (on every
+            rank). A value that cannot be stored, or ranks holding different state,
+            always raise.
+        retries: How many times a transient storage failure is retried.
+        retry_backoff: Seconds before the first retry, doubling after each.
+        rng: See ``model``.
+        async_save: ``True`` or ``"overlap"``: saves finish in the background, as for
+            :func:`ddpckpt.save` (``"overlap"`` needs an optimizer).
+        sharing: ``"auto"`` (default), ``"shared"`` or ``"local"``: whether the machines
+            share ``directory``'s storage.
+        timeout: Seconds a rank waits for a silent one, in every collective.
+        lock_stale_after: Seconds after which a lock whose holder stopped refreshing it
+            may be taken over.
+        read_only: Only load: :meth:`resume` takes no lock, cleans nothing, moves
+            nothing aside and writes nothing (``latest``, ``run.json``), so it is safe
+            while another job trains into ``directory``; :meth:`save` raises.
+        preemption: ``True`` (or a :class:`~ddpckpt.Preemption`): a SIGTERM or SIGUSR1 on
+            any rank makes :meth:`should_save` return True at the same step on every rank;
+            that save is synchronous, then :attr:`preempted` is True and the loop should
+            stop and exit with :attr:`exit_code`.
+        storage_options: Configures an ``s3://`` URL's client
+            (:func:`ddpckpt.storage.configure`).
+        storage: Deprecated spelling of ``sharing`` (warns; may be removed after
+            2027-06-01).
 
-    Read-only: with ``read_only=True`` the Checkpointer only loads. :meth:`resume` then
-    takes no lock, cleans nothing, moves nothing aside and writes nothing (``latest``,
-    ``run.json``), so it is safe to use while another job trains into ``directory``;
-    :meth:`save` raises.
-
-    Preemption: with ``preemption=True`` (or a :class:`~ddpckpt._run.preemption.Preemption`), a
-    SIGTERM or SIGUSR1 on any rank makes :meth:`should_save` return True at the same step on
-    every rank; that save is synchronous, then :attr:`preempted` is True and the loop should
-    stop and exit with :attr:`exit_code` (see :mod:`ddpckpt._run.preemption`).
+    Raises:
+        ValueError: An option it cannot honour, or a bad combination (names the argument;
+            a wrong type is a ``TypeError``). Checked before anything is touched.
     """
 
     def __init__(
@@ -168,17 +209,29 @@ class Checkpointer:
     ) -> CheckpointInfo | None:
         """Restore the newest committed checkpoint that loads and verifies; collective.
 
-        A newer checkpoint that is corrupt or incomplete is reported (naming the file),
-        moved aside as ``step-N.corrupt-*`` and skipped. Returns ``None`` when the
-        directory holds no checkpoint; raises if checkpoints exist but none can be
-        loaded. With ``step``, restores exactly that checkpoint; with ``best``, the best
-        by that metric (``mode`` ``"min"`` or ``"max"``, by default the Checkpointer's),
-        falling back to the next best. Later saves must still be newer than the newest
-        checkpoint.
+        Every rank calls it once, before training. A newer checkpoint that is corrupt or
+        incomplete is reported (naming the file), moved aside as ``step-N.corrupt-*`` and
+        skipped. Later saves must still be newer than the newest checkpoint.
 
-        Read-only (``read_only=True``): nothing is moved aside or written, and a
-        checkpoint that disappears or changes while it is loaded (the writing job's
-        retention deleted it) is reported and the next candidate is loaded.
+        Read-only (``read_only=True``): nothing is moved aside or written, and a checkpoint
+        that disappears or changes while it is loaded (the writing job's retention deleted it)
+        is reported and the next candidate is loaded.
+
+        Args:
+            step: Restore exactly this checkpoint.
+            best: Restore the best checkpoint by this metric instead of the newest, falling
+                back to the next best.
+            mode: ``"min"`` or ``"max"`` for ``best`` (by default the Checkpointer's).
+
+        Returns:
+            The loaded checkpoint's metadata, or ``None`` when the directory holds no
+            checkpoint (a fresh run).
+
+        Raises:
+            CorruptCheckpointError: Checkpoints exist but none loads (lists why each failed).
+            CheckpointLockedError: Another live job holds the run directory's lock.
+            StateMismatchError: The objects do not match the checkpoint (as :func:`ddpckpt.load`).
+            ValueError: Both ``step`` and ``best`` were given.
         """
         self._check_open()
         if step is not None and best is not None:
@@ -215,13 +268,18 @@ class Checkpointer:
         return load(path, state=self.state, timeout=timeout)
 
     def should_save(self, step: int) -> bool:
-        """Whether the policy asks for a save at ``step``; identical on every rank.
+        """Whether the policy asks for a save at ``step``; the same answer on every rank.
 
-        When the policy reads the clock (``every_seconds``) rank 0's answer is used on
-        every rank: rank 0 publishes it in one store key that the other ranks wait for, so
-        every rank must call this at the same steps. The same holds with ``preemption``:
-        then rank 0 also answers True, on every rank, at the first step after a signal on
-        any rank (see :mod:`ddpckpt._run.preemption`).
+        Every rank calls it at the same steps. When the policy reads the clock
+        (``every_seconds``) rank 0's answer is used on every rank: rank 0 publishes it in one
+        store key that the other ranks wait for. The same holds with ``preemption``: then
+        rank 0 also answers True, on every rank, at the first step after a signal on any rank.
+
+        Args:
+            step: The training step about to be saved (the argument :meth:`save` gets).
+
+        Returns:
+            ``True`` when :meth:`save` should be called at this step.
         """
         if (recorder := _resume_check.active()) is not None:
             recorder.step(self, step)
@@ -276,17 +334,29 @@ class Checkpointer:
     def save(
         self, step: int, epoch: int | None = None, metrics: Mapping[str, Any] | None = None
     ) -> str | None:
-        """Save the objects as checkpoint ``step``; collective. Returns its path.
+        """Save the objects as checkpoint ``step``; collective.
 
-        Synchronous saves return once the checkpoint is durable; asynchronous ones once the
-        state is copied (:meth:`wait` blocks until durable). Saving the newest step again
-        (an every-N-steps save and an epoch-end save on the same step) replaces it
-        atomically with the state as of this call. Raises :class:`CheckpointStepError`
-        if ``step`` is older than the newest checkpoint. Returns ``None`` if storage
-        failed and ``on_error="warn"`` (see :attr:`last_error`).
-
-        After :meth:`should_save` agreed on a preemption, this save is synchronous and
+        Every rank calls it with the same arguments. Synchronous saves return once the
+        checkpoint is durable; asynchronous ones once the state is copied (:meth:`wait` blocks
+        until durable). Saving the newest step again (an every-N-steps save and an epoch-end
+        save on the same step) replaces it atomically with the state as of this call. After
+        :meth:`should_save` agreed on a preemption, this save is synchronous and
         :attr:`preempted` is True once it returns (or raises).
+
+        Args:
+            step: The training step; checkpoint ``step-N`` of the run directory.
+            epoch: Recorded in the manifest.
+            metrics: Scalars recorded in the manifest (what ``keep_best`` and
+                ``resume(best=...)`` rank by).
+
+        Returns:
+            The checkpoint's path, or ``None`` if storage failed and ``on_error="warn"`` (see
+            :attr:`last_error`).
+
+        Raises:
+            CheckpointStepError: ``step`` is older than the newest checkpoint.
+            CheckpointWriteError: Storage failed and ``on_error="raise"``.
+            UnsupportedValueError: A value cannot be stored without pickle (always raised).
         """
         if self._preemption is not None and self._preemption.agreed is not None:
             return self._preemption.run_save(lambda: self._save(step, epoch, metrics, True))
@@ -348,11 +418,15 @@ class Checkpointer:
     # ------------------------------------------------------------------ queries (local)
 
     def steps(self) -> list[int]:
-        """The steps of the committed checkpoints, oldest first (see :mod:`ddpckpt._run.query`)."""
+        """The steps of the committed checkpoints, oldest first; local and read-only."""
         return query.steps(self.directory)
 
     def latest_step(self) -> int | None:
-        """The newest committed step, or ``None``; local and read-only."""
+        """The newest committed step, or ``None``; local and read-only.
+
+        The one way to ask inside a run with a Checkpointer; :func:`ddpckpt.latest` answers
+        with a path for code without one.
+        """
         return query.latest_step(self.directory)
 
     def best(self, metric: str, mode: str | None = None) -> int | None:
@@ -362,7 +436,11 @@ class Checkpointer:
 
     def info(self, step: int) -> CheckpointInfo:
         """The metadata of checkpoint ``step`` without loading it; local and read-only.
-        Raises :class:`CheckpointNotFoundError` or :class:`CorruptCheckpointError`."""
+
+        Raises:
+            CheckpointNotFoundError: The run has no committed checkpoint ``step``.
+            CorruptCheckpointError: Its manifest is damaged.
+        """
         return query.info(self.directory, step)
 
     def resume_step(
@@ -383,8 +461,12 @@ class Checkpointer:
         self._saves.report_locally()
 
     def close(self) -> None:
-        """Wait for saves in flight, free the asynchronous saves' host buffer and release
-        the directory's lock. Idempotent; local."""
+        """Wait for saves in flight, free the asynchronous saves' host buffer and release the
+        directory's lock; local and idempotent.
+
+        The one call that ends a Checkpointer (leaving its ``with`` block calls it);
+        :func:`ddpckpt.release_async_buffers` is for plain :func:`ddpckpt.save` calls only.
+        """
         if self._closed:
             return
         self._closed = True

@@ -50,8 +50,12 @@ _Handler = Callable[[int, FrameType | None], Any] | int | None
 class Preemption:
     """What ``Checkpointer(preemption=...)`` watches: ``True`` means ``Preemption()``.
 
-    ``signals``: signal numbers or names (default SIGTERM and SIGUSR1). ``grace_seconds``:
-    the time between the signal and SIGKILL (default: see :func:`grace_period`).
+    Args:
+        signals: Signal numbers or names (default SIGTERM and SIGUSR1).
+        grace_seconds: The time between the signal and SIGKILL. Default:
+            ``$DDPCKPT_GRACE_SECONDS``, else under torchrun its shutdown timeout
+            (``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``), else 30 s (the default of Kubernetes'
+            ``terminationGracePeriodSeconds`` and of SLURM's ``KillWait``).
     """
 
     signals: Sequence[int | str] = ("SIGTERM", "SIGUSR1")

@@ -45,9 +45,13 @@ def restore_stateful(obj: Any, encoded: JSON, source: TensorSource, where: str) 
 class PerRank:
     """Marks an ``extra`` object whose state differs between ranks, so it is saved per rank.
 
-    ``extra={"state": ddpckpt.PerRank(obj)}``. DataLoaders, torchdata's ``StatefulDataLoader``
-    and :class:`~ddpckpt.GradientAccumulation` are recognised without it. A rank that did
-    not exist when the checkpoint was saved gets rank 0's state, with a warning.
+    ``extra={"state": ddpckpt.PerRank(obj)}``. DataLoaders, torchdata's
+    ``StatefulDataLoader`` and :class:`~ddpckpt.GradientAccumulation` are recognised
+    without it. A rank that did not exist when the checkpoint was saved gets rank 0's
+    state, with a warning.
+
+    Args:
+        obj: An object with ``state_dict()`` and ``load_state_dict()``.
     """
 
     def __init__(self, obj: Any) -> None:

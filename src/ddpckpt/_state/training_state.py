@@ -44,7 +44,10 @@ def role_of(obj: object) -> str:
 class TrainingState(Mapping[str, Any]):
     """Named training objects, checkpointed together; a read-only mapping name -> object.
 
-    ::
+    The one way to name what a checkpoint holds when there is more than one model (or any
+    time); the keyword shorthand ``model=``, ``optimizer=`` ... of :func:`ddpckpt.save`,
+    :func:`ddpckpt.load` and :class:`~ddpckpt.Checkpointer` describes the one-model
+    case. Built locally, the same on every rank::
 
         state = ddpckpt.TrainingState(
             G=generator, D=discriminator,               # models (nn.Module, any wrapper)
@@ -56,14 +59,18 @@ class TrainingState(Mapping[str, Any]):
         ddpckpt.load("ckpt/step-100", state)
 
     Every model gets what ``model=`` gets (canonical keys, tied weights, DDP replication),
-    and every optimizer's state is keyed by the names its parameters have in the models
-    of the state (``"G/fc.weight"``); a parameter in no model of the state is an error at
+    and every optimizer's state is keyed by the names its parameters have in the models of
+    the state (``"G/fc.weight"``); a parameter in no model of the state is an error at
     save. Schedulers (``LRScheduler``) and scalers (``GradScaler``) are stored through
-    ``state_dict()``; any other object is an ``extra`` entry as in :func:`ddpckpt.save`:
-    a stateful object, a per-rank one, or a plain value, which :func:`ddpckpt.load`
-    writes back into this state (``state["epoch_seen"]``) and into the mapping it was
-    built from, if that mapping can be written. Names are non-empty strings without
-    ``/``. With ``rng`` every rank's random generators are saved and restored.
+    ``state_dict()``; any other object is an ``extra`` entry as in :func:`ddpckpt.save`: a
+    stateful object, a :class:`~ddpckpt.PerRank` one, or a plain value, which
+    :func:`ddpckpt.load` writes back into this state (``state["epoch_seen"]``) and into the
+    mapping it was built from, if that mapping can be written.
+
+    Args:
+        objects: Names mapped to objects (positional only), e.g. an existing dict.
+        rng: Save and restore every rank's random generators.
+        **named: More names and objects. Names are non-empty strings without ``/``.
     """
 
     def __init__(

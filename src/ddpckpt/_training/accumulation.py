@@ -33,7 +33,15 @@ _log = get_logger(__name__)
 
 
 class GradientAccumulation:
-    """Counts micro-steps of an accumulation window of ``steps`` backward passes."""
+    """Counts micro-steps of an accumulation window of ``steps`` backward passes.
+
+    Put it in the checkpoint's ``extra`` (it is saved per rank) so that a resume inside a
+    window continues it exactly. Every rank makes its own, with the same ``steps``.
+
+    Args:
+        model: The DDP-wrapped model, whose gradient all-reduce :meth:`context` skips.
+        steps: Backward passes per optimizer step.
+    """
 
     ddpckpt_per_rank = True  # saved per rank (see ddpckpt.PerRank)
 

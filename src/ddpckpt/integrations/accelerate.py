@@ -1,4 +1,4 @@
-"""Hugging Face Accelerate with ddpckpt: an ``Accelerator``'s whole state in one ddpckpt checkpoint.
+"""Hugging Face Accelerate with ddpckpt: an ``Accelerator``'s whole state in one ddpckpt checkpoint::
 
     from ddpckpt.integrations.accelerate import load_state, save_state
 

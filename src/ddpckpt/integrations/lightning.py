@@ -1,4 +1,4 @@
-"""PyTorch Lightning with ddpckpt's checkpoints and an exact mid-epoch resume.
+"""PyTorch Lightning with ddpckpt's checkpoints and an exact mid-epoch resume::
 
     trainer = lightning.pytorch.Trainer(
         strategy="ddp",

@@ -1,4 +1,4 @@
-"""The Hugging Face ``Trainer`` with ddpckpt's checkpoints: swap the class, keep the script.
+"""The Hugging Face ``Trainer`` with ddpckpt's checkpoints: swap the class, keep the script::
 
     from ddpckpt.integrations.transformers import DdpckptTrainer, export_pretrained
 

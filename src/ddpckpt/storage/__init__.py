@@ -69,8 +69,19 @@ def register(
     *,
     configured: Callable[[Mapping[str, Any]], Storage] | None = None,
 ) -> None:
-    """Serve ``scheme://...`` URLs from ``factory(url)`` (called for each resolution);
-    ``configured(options)``, if given, makes a storage from ``storage_options``."""
+    """Serve ``scheme://...`` URLs from a storage of your own; local.
+
+    Call it in every process (at import of your backend's module, say) before the first
+    save or load of such a URL.
+
+    Args:
+        scheme: The URL scheme, without ``://`` (``"gs"``).
+        factory: Called with each URL resolved (``"gs://bucket/run/step-1"``); returns
+            the :class:`Storage` serving it (typically one per bucket, reused).
+        configured: Makes a storage from a ``storage_options`` mapping, for
+            :func:`configure` (what ``save``, ``load`` and ``Checkpointer`` take as
+            ``storage_options=``). Without it, such URLs take no options.
+    """
     with _lock:
         _schemes[scheme] = factory
         if configured is not None:
@@ -78,13 +89,22 @@ def register(
 
 
 def configure(path: str | os.PathLike[str], options: Mapping[str, Any] | None) -> None:
-    """Serve the bucket of the URL ``path`` (``s3://bucket``; a checkpoint's run directory
-    and its neighbours live there) from a storage made with the ``storage_options`` mapping
-    ``options`` (for ``s3://``: endpoint, region, profile, credentials, timeouts; see
-    :meth:`S3Storage.from_options <ddpckpt.storage.s3.S3Storage.from_options>`). Nothing
-    to do when ``options`` is ``None`` or empty. Equal options share one storage (one
-    connection pool); the options given last for a bucket serve it. Messages name options,
-    never their values."""
+    """Serve the bucket of the URL ``path`` from a storage made with ``options``; local.
+
+    ``save``, ``load`` and ``Checkpointer`` call it with their ``storage_options=``. A
+    checkpoint's run directory and its neighbours live in the bucket (``s3://bucket``).
+    Equal options share one storage (one connection pool); the options given last for a
+    bucket serve it. Messages name options, never their values.
+
+    Args:
+        path: A URL (``s3://bucket/run``).
+        options: For ``s3://``: endpoint, region, profile, credentials, timeouts (see
+            :meth:`S3Storage.from_options <ddpckpt.storage.s3.S3Storage.from_options>`).
+            Nothing to do when ``None`` or empty.
+
+    Raises:
+        ValueError: ``path`` is a local path, or its scheme takes no options.
+    """
     if not options:
         return
     location = os.fspath(path)
@@ -110,7 +130,12 @@ def configure(path: str | os.PathLike[str], options: Mapping[str, Any] | None) -
 
 
 def mount(prefix: str, storage: Storage | None) -> None:
-    """Serve every location under the URL ``prefix`` from ``storage`` (``None`` unmounts)."""
+    """Serve every location under the URL ``prefix`` from ``storage``; local.
+
+    Args:
+        prefix: A URL prefix (``"s3://bucket"``); the longest mounted prefix wins.
+        storage: The storage instance, or ``None`` to unmount.
+    """
     with _lock:
         if storage is None:
             _mounts.pop(prefix.rstrip("/"), None)
@@ -119,8 +144,17 @@ def mount(prefix: str, storage: Storage | None) -> None:
 
 
 def resolve(path: str | os.PathLike[str]) -> tuple[Storage, str]:
-    """The storage holding ``path`` and the location to pass it: the path as given, so
-    messages name it as the user wrote it."""
+    """The storage holding ``path``, and the location to pass it; local.
+
+    Args:
+        path: A local path or a URL.
+
+    Returns:
+        The storage, and the path as given (so messages name it as the user wrote it).
+
+    Raises:
+        ValueError: No storage serves the URL's scheme (lists the known ones).
+    """
     storage, location = _resolve(os.fspath(path))
     return (storage, location) if _guard is None else (_guard(storage, location), location)
 
