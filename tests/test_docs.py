@@ -8,7 +8,7 @@ Each ```python block is preceded by a marker comment saying how it runs:
 * a trailing ``, twice``: run it again in the same directory (a restarted job), both must succeed;
 * then ``, then check-resume``: ``ddpckpt check-resume -- <that command>`` in the same
   directory must find the resume exact, and leave every byte the runs wrote unchanged;
-* ``<!-- readme-test: skip: REASON -->``: not run (only for the recipe the README warns against).
+* ``<!-- readme-test: skip: REASON -->``: not run (only for the recipe a page warns against).
 
 A block without a marker fails this test, so a snippet cannot silently escape it.
 """
