@@ -8,7 +8,7 @@ Each ```python block is preceded by a marker comment saying how it runs:
 * a trailing ``, twice``: run it again in the same directory (a restarted job), both must succeed;
 * then ``, then check-resume``: ``ddpckpt check-resume -- <that command>`` in the same
   directory must find the resume exact, and leave every byte the runs wrote unchanged;
-* ``<!-- readme-test: skip: REASON -->``: not run (only for the recipe the README warns against).
+* ``<!-- readme-test: skip: REASON -->``: not run (only for the recipe a page warns against).
 
 A block without a marker fails this test, so a snippet cannot silently escape it.
 """
@@ -138,7 +138,7 @@ def _check_resume(snippet: Snippet, script: Path, cwd: Path) -> None:
     )
     assert "verdict: the resume is exact at every kill point" in done.stdout
     assert "bit-identical at every step compared on every rank" in done.stdout
-    assert "ckpt (latest, save)" in done.stdout  # mapped into the check's directory
+    assert "ckpt (load_latest, save)" in done.stdout  # mapped into the check's directory
     home = (".cache", ".config")  # matplotlib's in HOME, which _run sets to cwd
     after = {k: v for k, v in _files(cwd).items() if not k.startswith(("resume-check", *home))}
     assert after == {k: v for k, v in before.items() if not k.startswith(home)}

@@ -10,9 +10,10 @@ import ddpckpt.errors
 
 
 def test_every_error_class_and_every_documented_one_is_exported() -> None:
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    root = Path(__file__).resolve().parents[1]
+    pages = "".join(p.read_text() for p in [root / "README.md", *(root / "docs").rglob("*.md")])
     documented = {
-        name for name in re.findall(r"\b([A-Z]\w*Error)\b", readme) if hasattr(ddpckpt.errors, name)
+        name for name in re.findall(r"\b([A-Z]\w*Error)\b", pages) if hasattr(ddpckpt.errors, name)
     }
     for name in set(ddpckpt.errors.__all__) | documented:
         assert name in ddpckpt.__all__, f"ddpckpt.{name} is not exported"

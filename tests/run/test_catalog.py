@@ -133,20 +133,20 @@ def test_load_latest_of_nothing_is_none_and_a_mismatch_is_no_damage(ckpt_root) -
         ddpckpt.load_latest(ckpt_root / "ckpt", model=torch.nn.Linear(2, 2))
 
 
-def _readme_recipe() -> str:
-    """The first recipe of the README, copied literally (the one users start from)."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    return re.search(r"```python\n(# train\.py -- .*?)```", readme, re.S).group(1)
+def _quickstart_recipe() -> str:
+    """The quickstart's DDP script, copied literally (the one users start from)."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "quickstart.md").read_text()
+    return re.search(r"```python\n(# train\.py -- .*?)```", page, re.S).group(1)
 
 
-def test_the_readme_recipe_survives_a_damaged_newest_checkpoint_restarted_twice(
+def test_the_quickstart_recipe_survives_a_damaged_newest_checkpoint_restarted_twice(
     tmp_path, monkeypatch, caplog
 ) -> None:
-    """The README's recipe with one flipped bit in its newest checkpoint crashed the same
-    way at every restart. Each run executes the recipe as copied from the README, as rank 0
+    """The quickstart's recipe with one flipped bit in its newest checkpoint crashed the same
+    way at every restart. Each run executes the recipe as copied from the page, as rank 0
     of a one-rank job (the fallback is the same on every rank: load raises the same error
-    everywhere); the README's own test runs it under torchrun."""
-    recipe = compile(_readme_recipe(), "train.py", "exec")
+    everywhere); test_docs.py runs it under torchrun."""
+    recipe = compile(_quickstart_recipe(), "train.py", "exec")
     monkeypatch.chdir(tmp_path)
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                         "MASTER_ADDR": "127.0.0.1"}.items():  # fmt: skip
