@@ -50,20 +50,15 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
     directories whose manifest is missing, damaged or lists a file that is missing or of
     the wrong size are skipped. A checkpoint that an interrupted overwrite left as
     ``.name.previous`` (on file systems without an atomic exchange) is put back as ``name``
-<<<<<<< HEAD
-    first, unless a live job holds the directory's lock (then that path is returned). A
-    directory that does not exist has none (``None``); an object store's bucket that does
-    not exist raises ``FileNotFoundError``. Only the manifest and the files' sizes are
-    checked (no data is read): a checkpoint with a flipped bit in its data is returned, and
-    found when loaded (or by :func:`ddpckpt.verify`); :func:`load_latest` then falls back
-    to the previous one. Local: any process may call it alone.
-=======
-    first, unless a live job holds the directory's lock (then that path is returned). The
-    tensor data is verified when loaded (or by :func:`ddpckpt.verify`).
+    first, unless a live job holds the directory's lock (then that path is returned). Only
+    the manifest and the files' sizes are checked (no data is read): a checkpoint with a
+    flipped bit in its data is returned, and found when loaded (or by
+    :func:`ddpckpt.verify`); :func:`load_latest` then falls back to the previous one.
 
-    Local: call it on every rank before a collective :func:`ddpckpt.load`, or on rank 0
-    and broadcast the answer. Inside a run with a :class:`~ddpckpt.Checkpointer`, its
-    :meth:`~ddpckpt.Checkpointer.latest_step` says the same as a step.
+    Local: any process may call it alone. Inside a run with a
+    :class:`~ddpckpt.Checkpointer`, its :meth:`~ddpckpt.Checkpointer.latest_step` says the
+    same as a step; to resume from the newest checkpoint that loads, call
+    :func:`load_latest` (collective) instead.
 
     Args:
         directory: A run directory (or URL).
@@ -81,7 +76,6 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
             path = ddpckpt.latest("ckpt")
             if path is not None:
                 info = ddpckpt.load(path, model=model, optimizer=optimizer)
->>>>>>> apidocs
     """
     directory = isolate.for_lookup(directory, "latest")  # under check-resume: its own run
     found = newest_first(os.fspath(directory))
