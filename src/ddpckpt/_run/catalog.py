@@ -69,13 +69,6 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
 
     Raises:
         FileNotFoundError: An object store's bucket does not exist.
-
-    Example:
-        ::
-
-            path = ddpckpt.latest("ckpt")
-            if path is not None:
-                info = ddpckpt.load(path, model=model, optimizer=optimizer)
     """
     directory = isolate.for_lookup(directory, "latest")  # under check-resume: its own run
     found = newest_first(os.fspath(directory))

@@ -1,13 +1,5 @@
-"""Hugging Face Accelerate with ddpckpt: an ``Accelerator``'s whole state in one ddpckpt checkpoint::
-
-    from ddpckpt.integrations.accelerate import load_state, save_state
-
-    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    path = ddpckpt.latest("ckpt")
-    if path is not None:                      # every process, before the training loop
-        step = load_state(accelerator, path).step
-    ...
-    save_state(accelerator, f"ckpt/step-{step}", step=step)   # every process
+"""Hugging Face Accelerate with ddpckpt: an ``Accelerator``'s whole state in one ddpckpt
+checkpoint (a complete script: the Accelerate page of the documentation).
 
 :func:`save_state` and :func:`load_state` stand for ``accelerator.save_state`` and
 ``accelerator.load_state``: collective (every process calls them), they save and restore

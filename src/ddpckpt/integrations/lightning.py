@@ -1,11 +1,6 @@
-"""PyTorch Lightning with ddpckpt's checkpoints and an exact mid-epoch resume::
-
-    trainer = lightning.pytorch.Trainer(
-        strategy="ddp",
-        plugins=[DdpckptCheckpointIO()],                  # how checkpoints are written
-        callbacks=[ExactResume(), ModelCheckpoint(...)],  # what a resume restores besides
-    )
-    trainer.fit(model, ckpt_path="last")
+"""PyTorch Lightning with ddpckpt's checkpoints and an exact mid-epoch resume: pass
+``plugins=[DdpckptCheckpointIO()]`` and ``callbacks=[ExactResume(), ...]`` to the
+``Trainer`` (a complete script: the Lightning page of the documentation).
 
 :class:`DdpckptCheckpointIO` stores Lightning's checkpoint dict (global rank 0 writes it,
 every rank reads it) as a ddpckpt checkpoint directory: no pickle, every byte

@@ -1,10 +1,7 @@
-"""The Hugging Face ``Trainer`` with ddpckpt's checkpoints: swap the class, keep the script::
-
-    from ddpckpt.integrations.transformers import DdpckptTrainer, export_pretrained
-
-    trainer = DdpckptTrainer(model=model, args=args, train_dataset=data)  # as Trainer
-    trainer.train(resume_from_checkpoint=True)                            # newest good one
-    export_pretrained("out/checkpoint-500", "release/")                    # from_pretrained dir
+"""The Hugging Face ``Trainer`` with ddpckpt's checkpoints: swap ``Trainer`` for
+:class:`DdpckptTrainer`, keep the script; :func:`export_pretrained` writes a
+``from_pretrained`` directory (a complete script: the Transformers page of the
+documentation).
 
 Each ``output_dir/checkpoint-<step>`` is one ddpckpt checkpoint, written by every process
 (each a share): the model, the optimizer, the scheduler, the GradScaler, the
