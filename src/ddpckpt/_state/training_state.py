@@ -44,28 +44,28 @@ def role_of(obj: object) -> str:
 class TrainingState(Mapping[str, Any]):
     """Named training objects, checkpointed together; a read-only mapping name -> object.
 
-        The one way to name what a checkpoint holds when there is more than one model (or any
-        time); the keyword shorthand ``model=``, ``optimizer=`` ... of :func:`ddpckpt.save`,
-        :func:`ddpckpt.load` and :class:`~ddpckpt.Checkpointer` describes the one-model
-        case. Built locally, the same on every rank, e.g.
+    The one way to name what a checkpoint holds when there is more than one model (or any
+    time); the keyword shorthand ``model=``, ``optimizer=`` ... of :func:`ddpckpt.save`,
+    :func:`ddpckpt.load` and :class:`~ddpckpt.Checkpointer` describes the one-model
+    case. Built locally, the same on every rank, e.g.
     ``TrainingState(G=generator, D=discriminator, opt_G=opt_g, opt_D=opt_d, loader=loader)``
     (models, optimizers, schedulers and scalers are recognised by type; anything else is an
     extra), then passed to ``save``, ``load`` or a ``Checkpointer`` (a complete GAN script:
     the "Save and resume" guide).
 
-        Every model gets what ``model=`` gets (canonical keys, tied weights, DDP replication),
-        and every optimizer's state is keyed by the names its parameters have in the models of
-        the state (``"G/fc.weight"``); a parameter in no model of the state is an error at
-        save. Schedulers (``LRScheduler``) and scalers (``GradScaler``) are stored through
-        ``state_dict()``; any other object is an ``extra`` entry as in :func:`ddpckpt.save`: a
-        stateful object, a :class:`~ddpckpt.PerRank` one, or a plain value, which
-        :func:`ddpckpt.load` writes back into this state (``state["epoch_seen"]``) and into the
-        mapping it was built from, if that mapping can be written.
+    Every model gets what ``model=`` gets (canonical keys, tied weights, DDP replication),
+    and every optimizer's state is keyed by the names its parameters have in the models of
+    the state (``"G/fc.weight"``); a parameter in no model of the state is an error at
+    save. Schedulers (``LRScheduler``) and scalers (``GradScaler``) are stored through
+    ``state_dict()``; any other object is an ``extra`` entry as in :func:`ddpckpt.save`: a
+    stateful object, a :class:`~ddpckpt.PerRank` one, or a plain value, which
+    :func:`ddpckpt.load` writes back into this state (``state["epoch_seen"]``) and into the
+    mapping it was built from, if that mapping can be written.
 
-        Args:
-            objects: Names mapped to objects (positional only), e.g. an existing dict.
-            rng: Save and restore every rank's random generators.
-            **named: More names and objects. Names are non-empty strings without ``/``.
+    Args:
+        objects: Names mapped to objects (positional only), e.g. an existing dict.
+        rng: Save and restore every rank's random generators.
+        **named: More names and objects. Names are non-empty strings without ``/``.
     """
 
     def __init__(
