@@ -209,8 +209,9 @@ def _probe(comm: Comm, store: Any, directory: str, mode: StorageMode) -> list[li
         return {"domain": [numbers.setdefault(visible[rank], len(numbers)) for rank in probers]}
 
     verdict = comm.run_reduce("look", look, by_prober)
-    if comm.rank in probers:
-        store.delete(mine)
+    # Every probe is gone before any rank returns: a leader that returns first cleans the
+    # directory's temporaries, probes included, and must not race their owners.
+    comm.run("unprobe", lambda: store.delete(mine) if comm.rank in probers else None)
     if "inconsistent" in verdict:
         raise CheckpointError(
             f"{directory}: nodes see inconsistent sets of each other's files "
