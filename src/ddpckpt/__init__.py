@@ -15,6 +15,7 @@ from ddpckpt._io.reader import CheckpointInfo, load_state_dict, verify
 from ddpckpt._io.save import PendingSave, release_async_buffers, save
 from ddpckpt._run.catalog import latest
 from ddpckpt._run.checkpointer import Checkpointer
+from ddpckpt._run.options import FastTier
 from ddpckpt._run.preemption import Preemption
 from ddpckpt._state.objects import PerRank
 from ddpckpt._state.training_state import TrainingState
@@ -51,6 +52,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CorruptCheckpointError",
+    "FastTier",
     "GradientAccumulation",
     "IncompleteCheckpointError",
     "InexactResumeError",

@@ -43,9 +43,10 @@ from ddpckpt._io.writing import header_fields
 from ddpckpt._log import get_logger
 from ddpckpt._resumecheck import record as _resume_check
 from ddpckpt._run import query
-from ddpckpt._run.options import resolve
+from ddpckpt._run.fast_tier import FastSaves
+from ddpckpt._run.options import FastTier, resolve
 from ddpckpt._run.preemption import Preemption, PreemptionWatch
-from ddpckpt._run.resume import READER_LISTINGS, list_candidates, load_first, nothing_loads
+from ddpckpt._run.resume import resume_run
 from ddpckpt._run.rundir import checkpoint_path
 from ddpckpt._run.saving import RunSaves
 from ddpckpt._state.capture import Snapshot, capture
@@ -68,9 +69,15 @@ class Checkpointer:
     back as :attr:`options`): when to save (``every_steps``, ``every_seconds``,
     ``save_policy``, ``preemption``), what to keep (``keep_last``, ``keep_best``, ``monitor``,
     ``mode``, ``retention``), failures (``on_error``, ``retries``, ``retry_backoff``),
-    ``async_save``, and storage (``sharing``, ``timeout``, ``lock_stale_after``,
-    ``read_only``). A failed save logs an ERROR naming the newest good checkpoint (see
-    :attr:`last_error`, :attr:`failed_saves`).
+    ``async_save``, storage (``sharing``, ``timeout``, ``lock_stale_after``,
+    ``read_only``), and ``fast_tier``. A failed save logs an ERROR naming the newest good
+    checkpoint (see :attr:`last_error`, :attr:`failed_saves`).
+
+    Fast tier: with ``fast_tier`` (a directory in each node's memory, such as
+    ``"/dev/shm/<job>"``, or a :class:`~ddpckpt.FastTier`) every :meth:`save` also writes
+    there, :meth:`should_save` says True at every ``FastTier.every_steps``-th step for it,
+    and :meth:`resume` restores the newest step either tier holds (see
+    :mod:`ddpckpt._run.fast_tier`).
 
     Read-only: with ``read_only=True`` the Checkpointer only loads. :meth:`resume` then
     takes no lock, cleans nothing, moves nothing aside and writes nothing (``latest``,
@@ -113,6 +120,7 @@ class Checkpointer:
         preemption: bool | Preemption = False,
         storage_options: Mapping[str, Any] | None = None,
         storage: str | None = None,
+        fast_tier: str | os.PathLike[str] | FastTier | None = None,
     ) -> None:
         sharing = renamed_argument("Checkpointer", "storage", storage, "sharing", sharing)
         configure(directory, storage_options)  # an s3:// URL's client (ddpckpt.storage)
@@ -139,6 +147,8 @@ class Checkpointer:
             lock_stale_after=lock_stale_after,
             read_only=read_only,
             preemption=preemption,
+            fast_tier=fast_tier,
+            directory=os.fspath(directory),
         )
         self.read_only = read_only
         self.directory = _resume_check.redirect(os.fspath(directory), read_only=read_only)
@@ -149,6 +159,12 @@ class Checkpointer:
         self._saver = AsyncSaver()  # this run's own host buffer and background writer
         self._saves = RunSaves(self.directory, self.options, self._saver)
         self._reserved = False  # whether the buffer was sized ahead of the first save
+        fast = self.options.fast_tier
+        self._fast = None if fast is None else FastSaves(
+            _resume_check.redirect(os.fspath(fast.directory)), fast, self.options,
+            overlap=bool(self.state.optimizers),
+        )  # fmt: skip
+        self._fast_only: int | None = None  # the step should_save asked the fast tier alone for
         self._closed = False
         watched = self.options.schedule.preemption
         self._preemption = None if watched is None else PreemptionWatch(watched, self._saves.newest)
@@ -178,35 +194,19 @@ class Checkpointer:
         if step is not None and best is not None:
             raise ValueError("pass step= or best=, not both")
         self._saves.settle()
+        if self._fast is not None:
+            self._fast.settle()
         mode = mode or self.options.keeping.mode
-        failed: list[int] = []
-        failures: list[str] = []
-        # A reader whose candidates were all deleted meanwhile lists the directory again.
-        for listing in range(READER_LISTINGS if self.read_only else 1):
-            with self._saves.comm("Checkpointer.resume") as comm:
-                if not self.read_only and listing == 0:
-                    self._saves.prepare(comm)
-                committed, broken = list_candidates(comm, self.directory)
-            candidates = query.choose(self.directory, committed, step, best, mode)
-            candidates = [c for c in candidates if c not in failed]
-            if not candidates and not broken and not failed:
-                _log.info("%s: no checkpoint to resume from; starting fresh", self.directory)
-                return self._resumed(None)
-            loaded = load_first(
-                candidates, self._load, self.directory, self.read_only, failed, failures
-            )
-            if loaded is not None:
-                if not self.read_only:
-                    self._saves.resumed(loaded[0], committed, broken, failed)
-                return self._resumed(loaded[1])
-            if not candidates:
-                break
-        raise nothing_loads(self.directory, failures, broken)
+        chosen = lambda committed: query.choose(self.directory, committed, step, best, mode)  # noqa: E731
+        newest = step is None and best is None
+        info = resume_run(self._saves, self._fast, self._load, chosen, self.read_only, newest)
+        return self._resumed(info)
 
-    def _load(self, step: int) -> CheckpointInfo:
-        """Restore checkpoint ``step`` into the objects; collective."""
-        path, timeout = checkpoint_path(self.directory, step), self.options.storage.timeout
-        return load(path, state=self.state, timeout=timeout)
+    def _load(self, step: int | str) -> CheckpointInfo:
+        """Restore checkpoint ``step`` (or the one at a path: the fast tier's) into the
+        objects; collective."""
+        path = step if isinstance(step, str) else checkpoint_path(self.directory, step)
+        return load(path, state=self.state, timeout=self.options.storage.timeout)
 
     def should_save(self, step: int) -> bool:
         """Whether the policy asks for a save at ``step``; identical on every rank.
@@ -215,10 +215,19 @@ class Checkpointer:
         every rank: rank 0 publishes it in one store key that the other ranks wait for, so
         every rank must call this at the same steps. The same holds with ``preemption``:
         then rank 0 also answers True, on every rank, at the first step after a signal on
-        any rank (see :mod:`ddpckpt._run.preemption`).
+        any rank (see :mod:`ddpckpt._run.preemption`). With a fast tier it is also True at
+        its steps (``FastTier.every_steps``); the :meth:`save` that follows then writes the
+        fast tier alone unless the durable schedule is due as well.
         """
         if (recorder := _resume_check.active()) is not None:
             recorder.step(self, step)
+        durable = self._durable_due(step)
+        fast = not durable and self._fast is not None and self._fast.due(step)
+        self._fast_only = step if fast else None
+        return durable or fast
+
+    def _durable_due(self, step: int) -> bool:
+        """:meth:`should_save` for the durable tier (preemption included)."""
         watch = self._preemption
         latest = self._saves.latest  # with preemption on, a signal can still finish this save
         if latest is not None and (step < latest or (step == latest and watch is None)):
@@ -280,6 +289,10 @@ class Checkpointer:
 
         After :meth:`should_save` agreed on a preemption, this save is synchronous and
         :attr:`preempted` is True once it returns (or raises).
+
+        With a fast tier, every save but a preemption's also starts one there (whose
+        failure is logged, never raised); a save :meth:`should_save` asked for the fast
+        tier alone writes only there and returns that path.
         """
         if self._preemption is not None and self._preemption.agreed is not None:
             return self._preemption.run_save(lambda: self._save(step, epoch, metrics, True))
@@ -298,11 +311,16 @@ class Checkpointer:
                 f"Checkpointer({self.directory!r}, read_only=True) cannot save; open it "
                 "without read_only=True in the job that writes this run"
             )
-        path = self._saves.save(
-            step, header_fields(step, epoch, metrics), lambda: self._capture(), synchronous
-        )
-        if path is not None and (recorder := _resume_check.active()) is not None:
-            recorder.saved(self, step, epoch)
+        header = header_fields(step, epoch, metrics)
+        fast_only, self._fast_only = self._fast_only == step and not synchronous, None
+        path = None
+        if not fast_only:
+            path = self._saves.save(step, dict(header), self._capture, synchronous)
+            if path is not None and (recorder := _resume_check.active()) is not None:
+                recorder.saved(self, step, epoch)
+        if self._fast is not None and not synchronous:  # a preemption's save is durable at once
+            fast_path = self._fast.save(step, dict(header), self._capture)
+            path = fast_path if fast_only else path
         return path
 
     @property
@@ -374,6 +392,8 @@ class Checkpointer:
         every rank alike (with ``"raise"`` it raises there too).
         """
         self._saves.report_locally()
+        if self._fast is not None:
+            self._fast.report_locally()
 
     def close(self) -> None:
         """Wait for saves in flight, free the asynchronous saves' host buffer and release
@@ -384,8 +404,12 @@ class Checkpointer:
         try:
             self._saves.close()
         finally:
-            if self._preemption is not None:  # last: it may re-deliver a signal
-                self._preemption.close()
+            try:
+                if self._fast is not None:
+                    self._fast.close()
+            finally:
+                if self._preemption is not None:  # last: it may re-deliver a signal
+                    self._preemption.close()
 
     def __enter__(self) -> Checkpointer:
         return self
