@@ -20,6 +20,7 @@ boot id); if that identity still collides (more ranks claim one machine than its
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from dataclasses import dataclass
@@ -209,9 +210,11 @@ def _probe(comm: Comm, store: Any, directory: str, mode: StorageMode) -> list[li
         return {"domain": [numbers.setdefault(visible[rank], len(numbers)) for rank in probers]}
 
     verdict = comm.run_reduce("look", look, by_prober)
-    # Every probe is gone before any rank returns: a leader that returns first cleans the
-    # directory's temporaries, probes included, and must not race their owners.
-    comm.run("unprobe", lambda: store.delete(mine) if comm.rank in probers else None)
+    if comm.rank in probers:
+        # another node's leader, already cleaning the directory's temporaries for
+        # Checkpointer.resume, may have removed it: gone either way
+        with contextlib.suppress(FileNotFoundError):
+            store.delete(mine)
     if "inconsistent" in verdict:
         raise CheckpointError(
             f"{directory}: nodes see inconsistent sets of each other's files "

@@ -22,6 +22,7 @@ from ddpckpt._format.sections import StateSections
 from ddpckpt._format.tensorfile import TensorEntry, can_read_into, dtype_from_name
 from ddpckpt._format.tensorread import TensorFile
 from ddpckpt._io.progress import Progress
+from ddpckpt._resumecheck import isolate
 from ddpckpt.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 
 
@@ -95,17 +96,25 @@ class FileSource:
             ) from None
 
     def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The dtype and shape of the tensor ``name``, once its file is opened and checked:
+        a caller may allocate that much, since the file holds the bytes."""
         entry = self.entry(name)
+        self._file(entry)
         return dtype_from_name(entry.dtype, self.path), entry.shape
 
-    def get(self, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
-        entry = self.entry(name)
+    def _file(self, entry: TensorEntry) -> TensorFile:
+        """The file holding ``entry``, opened once; its size and header are checked against
+        the manifest before any tensor is read from it."""
         if entry.file not in self._files:
             size = self.manifest.files[entry.file].size
             mapped = TensorFile(os.path.join(self.path, entry.file), size)
             mapped.check_header(self._by_file()[entry.file])
             self._files[entry.file] = mapped
-        file = self._files[entry.file]
+        return self._files[entry.file]
+
+    def get(self, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
+        entry = self.entry(name)
+        file = self._file(entry)
         if like is not None and can_read_into(like, entry):
             tensor = file.read_into(entry, like)
         else:
@@ -140,7 +149,7 @@ def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> d
     checkpoint of several models (a :class:`~ddpckpt.TrainingState`) needs ``model``,
     the name of the one to read.
     """
-    path = os.fspath(path)
+    path = isolate.for_read(path, "load_state_dict")
     manifest = read_manifest(path)
     stored = StateSections.from_json(manifest.state, path)
     model = chosen_model(path, stored, model)
@@ -166,6 +175,10 @@ def find_problems(path: str | os.PathLike[str]) -> list[str]:
 
 def _file_problems(path: str, manifest: Manifest) -> list[str]:
     problems = fill_rank_parts(manifest, path)  # the rank files' tensors join the index
+    try:
+        StateSections.from_json(manifest.state, path)  # what load parses, checked here too
+    except CorruptCheckpointError as exc:
+        problems.append(str(exc))
     by_file = _entries_by_file(manifest)
     for name, file in sorted(manifest.files.items()):
         try:
@@ -194,7 +207,7 @@ def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
     :class:`CorruptCheckpointError` (listing every bad file); returns the checkpoint's
     metadata when everything verifies.
     """
-    path = os.fspath(path)
+    path = isolate.for_read(path, "verify")
     manifest = read_manifest(path)
     problems = _file_problems(path, manifest)
     if problems:
