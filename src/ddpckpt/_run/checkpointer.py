@@ -167,7 +167,8 @@ class Checkpointer:
         self._reserved = False  # whether the buffer was sized ahead of the first save
         fast = self.options.fast_tier
         self._fast = None if fast is None else FastSaves(
-            _resume_check.redirect(os.fspath(fast.directory)), fast, self.options,
+            isolate.for_write(fast.directory, "Checkpointer(fast_tier=...)", directory=True),
+            fast, self.options,
             overlap=bool(self.state.optimizers),
         )  # fmt: skip
         self._fast_only: int | None = None  # the step should_save asked the fast tier alone for
