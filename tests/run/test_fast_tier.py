@@ -9,10 +9,13 @@ the suite pays for the processes' start-up once per restart only.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
+import ddpckpt
 from launch import WORKER, torchrun_restarting_nodes
 
 pytestmark = pytest.mark.distributed
@@ -119,3 +122,28 @@ def test_one_node_resumes_from_memory_then_with_fewer_ranks_says_so(tmp_path) ->
     (seen,) = resumes(fewer)[10].values()
     assert seen["path"] == "fast/step-00000010", seen
     assert any("saved by 2 ranks and this job has 1" in m for m in seen["messages"]), seen
+
+
+def test_a_fast_tier_left_by_another_run_is_never_resumed_from(tmp_path, caplog) -> None:
+    """One process: a run directory deleted and started again with the same fast-tier
+    directory used to resume from the old run's step there, without a word."""
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def run(steps: range) -> int | None:
+        with ddpckpt.Checkpointer(
+            tmp_path / "run", model=model, optimizer=optimizer, every_steps=100,
+            fast_tier=tmp_path / "fast",
+        ) as ckpt:  # fmt: skip
+            info = ckpt.resume()
+            for step in steps:
+                if ckpt.should_save(step):
+                    ckpt.save(step)
+        return info and info.step
+
+    assert run(range(1, 4)) is None
+    assert run(range(4, 6)) == 3  # its own fast tier
+    shutil.rmtree(tmp_path / "run")
+    assert run(range(1, 2)) is None
+    assert "holds steps 5 of another run" in caplog.text
+    assert run(range(2, 3)) == 1

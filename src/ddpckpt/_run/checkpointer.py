@@ -168,8 +168,7 @@ class Checkpointer:
         fast = self.options.fast_tier
         self._fast = None if fast is None else FastSaves(
             isolate.for_write(fast.directory, "Checkpointer(fast_tier=...)", directory=True),
-            fast, self.options,
-            overlap=bool(self.state.optimizers),
+            fast, self.options, overlap=bool(self.state.optimizers), run=self.directory,
         )  # fmt: skip
         self._fast_only: int | None = None  # the step should_save asked the fast tier alone for
         self._closed = False

@@ -36,6 +36,8 @@ Collective methods are called by the Checkpointer on every rank at the same poin
 
 from __future__ import annotations
 
+import os
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -57,8 +59,11 @@ from ddpckpt._run.saving import RunSaves, run_storage_errors
 from ddpckpt._state.capture import Snapshot
 from ddpckpt.errors import CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
 from ddpckpt.policies import EverySteps, KeepLast
+from ddpckpt.storage import storage_for
 
 _log = get_logger(__name__)
+_OWNER_FILE = "owner.json"  # the identity of the durable run the tier's steps belong to
+_RUN_ID_FILE = "fast-tier-owner"  # in the durable run directory: that identity
 _SHARING = "auto"  # each node's memory is its own: probed, whatever $DDPCKPT_STORAGE says
 # A fast-tier step failing so is reported, and the next step (or the durable tier) serves.
 _CANNOT_SERVE = (CorruptCheckpointError, CheckpointNotFoundError, CheckpointWriteError)
@@ -85,15 +90,22 @@ class FastSaves:
     """The fast tier of one Checkpointer on this rank (see the module docstring)."""
 
     def __init__(
-        self, directory: str, config: FastTier, durable: CheckpointerOptions, overlap: bool
+        self,
+        directory: str,
+        config: FastTier,
+        durable: CheckpointerOptions,
+        overlap: bool,
+        run: str,
     ) -> None:
         self.directory = directory
+        self.run = run  # the durable run directory whose steps this tier holds
         self.every = config.every_steps
         self.saver = AsyncSaver()  # its own host buffer and background writer
         options = fast_options(config, durable, overlap)
         self.saves = RunSaves(directory, options, self.saver, tier=f"fast tier {directory}")
         self._held: _Held = {}  # known once listed, with this job's number of ranks
         self._world = 1
+        self._owner = ""  # the durable run's identity, known once listed
 
     @property
     def latest(self) -> int | None:
@@ -132,7 +144,11 @@ class FastSaves:
         holds which step; the steps held anywhere, newest first."""
         with self.saves.comm("Checkpointer.resume (fast tier)") as comm:
             self.saves.prepare(comm)
-            self._held = comm.run_reduce("held", lambda: _held_here(self.directory), _by_step)
+            leader = lambda: _owner(self.run) if comm.rank == 0 else None  # noqa: E731
+            owner = self._owner = comm.run_reduce("owner", leader, lambda found: found[0])
+            self._held = comm.run_reduce(
+                "held", lambda: _held_here(self.directory, owner), _by_step
+            )
             self._world = comm.world_size
         return sorted((int(s) for s in self._held), reverse=True)
 
@@ -261,7 +277,14 @@ class FastSaves:
                 if not leader:
                     return None
                 with run_storage_errors(self.directory, "removing newer fast-tier steps"):
-                    return _keep_up_to(self.directory, step)
+                    owner = self._owner
+                    ours = _read_owner(self.directory) == owner
+                    newest = _keep_up_to(self.directory, step if ours else None)
+                    if not ours:
+                        storage_for(self.directory).replace(
+                            os.path.join(self.directory, _OWNER_FILE), owner.encode()
+                        )
+                    return newest
 
             newest = comm.run_reduce(
                 "tidy", tidy, lambda found: max((s for s in found if s is not None), default=None)
@@ -269,9 +292,42 @@ class FastSaves:
         self.saves.latest = self.saves.committed = newest
 
 
-def _held_here(directory: str) -> dict[str, str]:
-    """The committed steps this rank's node holds, with their checkpoint ids."""
-    return {str(e.step): e.manifest.id for e in scan(directory) if e.manifest is not None}
+def _owner(run: str) -> str:
+    """On rank 0: the identity of the durable run directory ``run``, a random token kept
+    in it (made by the first resume with a fast tier), so that a run directory deleted and
+    made anew is another run."""
+    store, path = storage_for(run), os.path.join(run, _RUN_ID_FILE)
+    try:
+        return store.read(path).decode()
+    except FileNotFoundError:
+        token = f"{run}#{uuid.uuid4().hex}"
+        store.replace(path, token.encode())
+        return token
+
+
+def _read_owner(directory: str) -> str | None:
+    try:
+        return storage_for(directory).read(os.path.join(directory, _OWNER_FILE)).decode()
+    except FileNotFoundError:
+        return None
+
+
+def _held_here(directory: str, owner: str) -> dict[str, str]:
+    """The committed steps this rank's node holds for the run ``owner``, with their
+    checkpoint ids; none, with a WARNING, if its steps belong to another run."""
+    held = {str(e.step): e.manifest.id for e in scan(directory) if e.manifest is not None}
+    found = _read_owner(directory)
+    if held and found != owner:
+        _log.warning(
+            "the fast tier %s holds steps %s of another run (%s, not %s): not resumed from, "
+            "and deleted; give each job a fast-tier directory of its own",
+            directory,
+            ", ".join(sorted(held, key=int)),
+            found or "unknown",
+            owner,
+        )
+        return {}
+    return held
 
 
 def _by_step(views: list[dict[str, str]]) -> _Held:
