@@ -16,6 +16,7 @@ from ddpckpt._io.save import PendingSave, release_async_buffers, save
 from ddpckpt._resumecheck import record as _resume_check
 from ddpckpt._run.catalog import latest, load_latest
 from ddpckpt._run.checkpointer import Checkpointer
+from ddpckpt._run.options import FastTier
 from ddpckpt._run.preemption import Preemption
 from ddpckpt._state.objects import PerRank
 from ddpckpt._state.training_state import TrainingState
@@ -53,6 +54,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "CorruptCheckpointError",
+    "FastTier",
     "GradientAccumulation",
     "IncompleteCheckpointError",
     "InexactResumeError",

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ddpckpt._coord.comm import Comm
-from ddpckpt._coord.store import StoreGroup, _default_store
+from ddpckpt._coord.store import StoreGroup, _default_store, namespace
 from ddpckpt.errors import CheckpointError, CollectiveTimeoutError
 from thread_ranks import ranks
 
@@ -69,3 +69,29 @@ def test_a_background_call_waiting_does_not_block_the_training_threads_decision(
 
     results, _ = ranks(2, body)
     assert results == [[b"1", None], [b"1", None]]
+
+
+def _namespace_of(monkeypatch, **env: str) -> str:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return namespace()
+
+
+def test_nodes_whose_restart_counts_differ_share_one_namespace(monkeypatch) -> None:
+    """torchrun counts a restart only on the node whose worker failed; the other nodes'
+    ranks must still meet the restarted ones under the same keys, and a new round's keys
+    must differ from the last one's."""
+    round_ = {"TORCHELASTIC_RUN_ID": "job", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    failed = _namespace_of(
+        monkeypatch, **round_, MASTER_PORT="2001", TORCHELASTIC_RESTART_COUNT="1"
+    )
+    healthy = _namespace_of(
+        monkeypatch, **round_, MASTER_PORT="2001", TORCHELASTIC_RESTART_COUNT="0"
+    )
+    assert failed == healthy
+    first = _namespace_of(monkeypatch, **round_, MASTER_PORT="1999", TORCHELASTIC_RESTART_COUNT="0")
+    assert first != healthy
+    one_node = {"TORCHELASTIC_RUN_ID": "job", "GROUP_WORLD_SIZE": "1", "MASTER_PORT": "2001"}
+    assert _namespace_of(monkeypatch, **one_node, TORCHELASTIC_RESTART_COUNT="0") != _namespace_of(
+        monkeypatch, **one_node, TORCHELASTIC_RESTART_COUNT="1"
+    )

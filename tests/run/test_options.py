@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import make_mlp
-from ddpckpt import Checkpointer, Preemption
+from ddpckpt import Checkpointer, FastTier, Preemption
 from ddpckpt._run.options import resolve
 from ddpckpt.policies import EverySteps, KeepAll, KeepBest, KeepLast, Never, Union
 
@@ -83,6 +83,10 @@ def test_defaults_and_policy_objects_are_kept() -> None:
         ({"retry_backoff": "1"}, "retry_backoff must be a non-negative"),
         ({"save_policy": EverySteps(3), "every_steps": 5}, "save_policy= replaces every_steps="),
         ({"retention": KeepAll(), "keep_best": 1, "monitor": "loss"}, "replaces keep_best="),
+        ({"fast_tier": "s3://bucket/fast"}, "fast_tier must be a directory on each node"),
+        ({"fast_tier": "/dev/shm/job", "read_only": True}, "a read_only Checkpointer cannot"),
+        ({"fast_tier": FastTier("/dev/shm/job", every_steps=0)}, "every_steps"),
+        ({"fast_tier": FastTier("/dev/shm/job", keep=1.5)}, "keep"),
     ],
 )
 def test_bad_options_are_refused_before_anything_is_touched(
@@ -98,3 +102,12 @@ def test_bad_options_are_refused_before_anything_is_touched(
 def test_policies_of_the_wrong_type_are_refused_before_the_first_save(tmp_path, name, value):
     with pytest.raises(TypeError, match=f"{name} must be a ddpckpt.policies"):
         Checkpointer(tmp_path / "run", model=make_mlp(), **{name: value})
+
+
+@pytest.mark.parametrize("inside", ["run/fast", "."])
+def test_a_fast_tier_holding_or_held_by_the_run_directory_is_refused(tmp_path, inside) -> None:
+    with pytest.raises(ValueError, match="must not hold one another"):
+        Checkpointer(tmp_path / "run", model=make_mlp(), fast_tier=tmp_path / inside)
+    with pytest.raises(TypeError, match="fast_tier must be a directory or a ddpckpt"):
+        Checkpointer(tmp_path / "run", model=make_mlp(), fast_tier=5)
+    assert not (tmp_path / "run").exists()

@@ -126,6 +126,28 @@ def torchrun_nodes(
     return Launch(code, "\n".join(o for _, o in outs), _collect(out_dir))
 
 
+def torchrun_restarting_nodes(
+    worker: Path, scenario: str, out_dir: Path, *, cwds: Sequence[str | os.PathLike[str]],
+    nproc: int = 2, args: Sequence[str] = (), max_restarts: int = 3, timeout: float = 240,
+) -> Launch:  # fmt: skip
+    """Simulated nodes (one torchrun per directory of ``cwds``) that restart their workers
+    after a failure, up to ``max_restarts`` times: c10d rendezvous on loopback hosted by node
+    0's launcher (static rendezvous cannot restart), restarted workers on fresh stores."""
+    port = free_port()
+    env = _env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # pytorch/pytorch#135712
+    procs = []
+    for node, cwd in enumerate(cwds):
+        cmd = [str(_BIN / "torchrun"), f"--nnodes={len(cwds)}", f"--nproc-per-node={nproc}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+               f"--rdzv-id=restarting-{port}", f"--rdzv-conf=is_host={int(node == 0)}",
+               "--local-addr=127.0.0.1", f"--max-restarts={max_restarts}",
+               "--monitor-interval=0.2", *_worker_args(scenario, out_dir, args, worker)]  # fmt: skip
+        procs.append(_start(cmd, env, cwd))
+    outs = _finish(procs, timeout)
+    code = max(c for c, _ in outs)
+    return Launch(code, "\n".join(o for _, o in outs), _collect(out_dir))
+
+
 def processes(
     scenario: str, out_dir: Path, *, world: int = 2, args: Sequence[str] = (), timeout: float = 120,
     env: Mapping[str, str] | None = None, launcher: str = "env", worker: Path = WORKER,

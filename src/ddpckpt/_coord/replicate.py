@@ -34,13 +34,15 @@ _log = get_logger(__name__)
 _CHUNK = 16 << 20
 
 
-def repair_copies(comm: Comm, path: str, have: list[bool]) -> None:
+def repair_copies(comm: Comm, path: str, have: list[bool], sharing: str | None = None) -> None:
     """Give every storage domain lacking the checkpoint at ``path`` a verified copy.
 
-    ``have[r]`` says whether rank ``r`` can read a good copy (all with the same id).
+    ``have[r]`` says whether rank ``r`` can read a good copy (all with the same id); a
+    domain whose copy is another one (another id) gets it replaced. ``sharing`` as for
+    :func:`~ddpckpt._coord.topology.storage_domains`.
     """
     store = storage_for(path)
-    domains = storage_domains(comm, store.parent(path))
+    domains = storage_domains(comm, store.parent(path), sharing)
     complete = [d for d in domains if all(have[r] for r in d)]
     if not complete or any(any(have[r] for r in d) and d not in complete for d in domains):
         raise CorruptCheckpointError(

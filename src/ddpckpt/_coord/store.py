@@ -178,13 +178,25 @@ def _default_store() -> Any:
 
 
 def namespace() -> str:
-    """Store keys of this incarnation of the job.
+    """Store keys of this incarnation of the job; the same on every rank.
 
     A store can outlive a torchrun restart, and the restarted processes count their calls
-    from zero again: keys left by the previous attempt must never be read as new ones.
+    from zero again: keys left by the previous attempt must never be read as new ones. On
+    one node the launcher's restart count tells the attempts apart. On several nodes it
+    does not: a node whose worker failed counts a restart, the others restart theirs
+    without counting one (torch.distributed.elastic), so the counts differ between nodes.
+    There each rendezvous round's own store address (fresh per round unless the launcher
+    shares its rendezvous store, TORCHELASTIC_USE_AGENT_STORE) names the incarnation; with
+    a shared store the count is used still, and ranks whose counts differ wait for one
+    another until their timeout says so, never reading another attempt's keys.
     """
     run = os.environ.get("TORCHELASTIC_RUN_ID", "")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "")
+    nodes = os.environ.get("GROUP_WORLD_SIZE", "1")
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if attempt and nodes != "1" and not shared:
+        address = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+        return f"{_PREFIX}/{run}/{address}"
     return f"{_PREFIX}/{run}/{attempt}" if run or attempt else _PREFIX
 
 

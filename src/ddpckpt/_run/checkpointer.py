@@ -45,9 +45,10 @@ from ddpckpt._log import get_logger
 from ddpckpt._resumecheck import isolate
 from ddpckpt._resumecheck import record as _resume_check
 from ddpckpt._run import query
-from ddpckpt._run.options import resolve
+from ddpckpt._run.fast_tier import FastSaves
+from ddpckpt._run.options import FastTier, resolve
 from ddpckpt._run.preemption import Preemption, PreemptionWatch
-from ddpckpt._run.resume import READER_LISTINGS, list_candidates, load_first, nothing_loads
+from ddpckpt._run.resume import resume_run
 from ddpckpt._run.rundir import checkpoint_path
 from ddpckpt._run.saving import RunSaves
 from ddpckpt._state.capture import Snapshot, capture
@@ -118,6 +119,11 @@ class Checkpointer:
             stop and exit with :attr:`exit_code`.
         storage_options: Configures an ``s3://`` URL's client
             (:func:`ddpckpt.storage.configure`).
+        fast_tier: A directory in each node's memory (such as ``"/dev/shm/<job>"``) or a
+            :class:`~ddpckpt.FastTier`: every :meth:`save` also writes there,
+            :meth:`should_save` says True at every ``FastTier.every_steps``-th step for it,
+            and :meth:`resume` restores the newest step either tier holds, so a crash loses
+            at most the steps since the last fast save.
         storage: Deprecated spelling of ``sharing`` (warns; may be removed after
             2027-06-01).
 
@@ -156,6 +162,7 @@ class Checkpointer:
         preemption: bool | Preemption = False,
         storage_options: Mapping[str, Any] | None = None,
         storage: str | None = None,
+        fast_tier: str | os.PathLike[str] | FastTier | None = None,
     ) -> None:
         sharing = renamed_argument("Checkpointer", "storage", storage, "sharing", sharing)
         configure(directory, storage_options)  # an s3:// URL's client (ddpckpt.storage)
@@ -182,6 +189,8 @@ class Checkpointer:
             lock_stale_after=lock_stale_after,
             read_only=read_only,
             preemption=preemption,
+            fast_tier=fast_tier,
+            directory=os.fspath(directory),
         )
         self.read_only = read_only
         self.directory = (  # under ddpckpt check-resume: its own directory
@@ -196,6 +205,12 @@ class Checkpointer:
         self._saver = AsyncSaver()  # this run's own host buffer and background writer
         self._saves = RunSaves(self.directory, self.options, self._saver)
         self._reserved = False  # whether the buffer was sized ahead of the first save
+        fast = self.options.fast_tier
+        self._fast = None if fast is None else FastSaves(
+            isolate.for_write(fast.directory, "Checkpointer(fast_tier=...)", directory=True),
+            fast, self.options, overlap=bool(self.state.optimizers), run=self.directory,
+        )  # fmt: skip
+        self._fast_only: int | None = None  # the step should_save asked the fast tier alone for
         self._closed = False
         watched = self.options.schedule.preemption
         self._preemption = None if watched is None else PreemptionWatch(watched, self._saves.newest)
@@ -237,35 +252,19 @@ class Checkpointer:
         if step is not None and best is not None:
             raise ValueError("pass step= or best=, not both")
         self._saves.settle()
+        if self._fast is not None:
+            self._fast.settle()
         mode = mode or self.options.keeping.mode
-        failed: list[int] = []
-        failures: list[str] = []
-        # A reader whose candidates were all deleted meanwhile lists the directory again.
-        for listing in range(READER_LISTINGS if self.read_only else 1):
-            with self._saves.comm("Checkpointer.resume") as comm:
-                if not self.read_only and listing == 0:
-                    self._saves.prepare(comm)
-                committed, broken = list_candidates(comm, self.directory)
-            candidates = query.choose(self.directory, committed, step, best, mode)
-            candidates = [c for c in candidates if c not in failed]
-            if not candidates and not broken and not failed:
-                _log.info("%s: no checkpoint to resume from; starting fresh", self.directory)
-                return self._resumed(None)
-            loaded = load_first(
-                candidates, self._load, self.directory, self.read_only, failed, failures
-            )
-            if loaded is not None:
-                if not self.read_only:
-                    self._saves.resumed(loaded[0], committed, broken, failed)
-                return self._resumed(loaded[1])
-            if not candidates:
-                break
-        raise nothing_loads(self.directory, failures, broken)
+        chosen = lambda committed: query.choose(self.directory, committed, step, best, mode)  # noqa: E731
+        newest = step is None and best is None
+        info = resume_run(self._saves, self._fast, self._load, chosen, self.read_only, newest)
+        return self._resumed(info)
 
-    def _load(self, step: int) -> CheckpointInfo:
-        """Restore checkpoint ``step`` into the objects; collective."""
-        path, timeout = checkpoint_path(self.directory, step), self.options.storage.timeout
-        return load(path, state=self.state, timeout=timeout)
+    def _load(self, step: int | str) -> CheckpointInfo:
+        """Restore checkpoint ``step`` (or the one at a path: the fast tier's) into the
+        objects; collective."""
+        path = step if isinstance(step, str) else checkpoint_path(self.directory, step)
+        return load(path, state=self.state, timeout=self.options.storage.timeout)
 
     def should_save(self, step: int) -> bool:
         """Whether the policy asks for a save at ``step``; the same answer on every rank.
@@ -274,6 +273,9 @@ class Checkpointer:
         (``every_seconds``) rank 0's answer is used on every rank: rank 0 publishes it in one
         store key that the other ranks wait for. The same holds with ``preemption``: then
         rank 0 also answers True, on every rank, at the first step after a signal on any rank.
+        With a fast tier it is also True at its steps (``FastTier.every_steps``); the
+        :meth:`save` that follows then writes the fast tier alone unless the durable
+        schedule is due as well.
 
         Args:
             step: The training step about to be saved (the argument :meth:`save` gets).
@@ -283,6 +285,13 @@ class Checkpointer:
         """
         if (recorder := _resume_check.active()) is not None:
             recorder.step(self, step)
+        durable = self._durable_due(step)
+        fast = not durable and self._fast is not None and self._fast.due(step)
+        self._fast_only = step if fast else None
+        return durable or fast
+
+    def _durable_due(self, step: int) -> bool:
+        """:meth:`should_save` for the durable tier (preemption included)."""
         watch = self._preemption
         latest = self._saves.latest  # with preemption on, a signal can still finish this save
         if latest is not None and (step < latest or (step == latest and watch is None)):
@@ -343,6 +352,10 @@ class Checkpointer:
         :meth:`should_save` agreed on a preemption, this save is synchronous and
         :attr:`preempted` is True once it returns (or raises).
 
+        With a fast tier, every save but a preemption's also starts one there (whose
+        failure is logged, never raised); a save :meth:`should_save` asked for the fast
+        tier alone writes only there and returns that path.
+
         Args:
             step: The training step; checkpoint ``step-N`` of the run directory.
             epoch: Recorded in the manifest.
@@ -375,11 +388,16 @@ class Checkpointer:
                 f"Checkpointer({self.directory!r}, read_only=True) cannot save; open it "
                 "without read_only=True in the job that writes this run"
             )
-        path = self._saves.save(
-            step, header_fields(step, epoch, metrics), lambda: self._capture(), synchronous
-        )
-        if path is not None and (recorder := _resume_check.active()) is not None:
-            recorder.saved(self, step, epoch)
+        header = header_fields(step, epoch, metrics)
+        fast_only, self._fast_only = self._fast_only == step and not synchronous, None
+        path = None
+        if not fast_only:
+            path = self._saves.save(step, dict(header), self._capture, synchronous)
+            if path is not None and (recorder := _resume_check.active()) is not None:
+                recorder.saved(self, step, epoch)
+        if self._fast is not None and not synchronous:  # a preemption's save is durable at once
+            fast_path = self._fast.save(step, dict(header), self._capture)
+            path = fast_path if fast_only else path
         return path
 
     @property
@@ -459,6 +477,8 @@ class Checkpointer:
         every rank alike (with ``"raise"`` it raises there too).
         """
         self._saves.report_locally()
+        if self._fast is not None:
+            self._fast.report_locally()
 
     def close(self) -> None:
         """Wait for saves in flight, free the asynchronous saves' host buffer and release the
@@ -473,8 +493,12 @@ class Checkpointer:
         try:
             self._saves.close()
         finally:
-            if self._preemption is not None:  # last: it may re-deliver a signal
-                self._preemption.close()
+            try:
+                if self._fast is not None:
+                    self._fast.close()
+            finally:
+                if self._preemption is not None:  # last: it may re-deliver a signal
+                    self._preemption.close()
 
     def __enter__(self) -> Checkpointer:
         return self

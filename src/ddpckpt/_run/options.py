@@ -31,11 +31,16 @@ Storage (:class:`Storage`): ``sharing`` says whether the nodes share the directo
 (``"auto"``, ``"shared"`` or ``"local"``; see :mod:`ddpckpt._coord.topology`), ``timeout`` bounds every collective wait, ``lock_stale_after`` is when
 a lock whose holder stopped refreshing it may be taken over, and ``read_only`` opens a run
 another job writes: no lock, nothing cleaned, moved or written.
+
+The fast tier (:class:`FastTier`, ``fast_tier``): a second, node-local directory in host
+memory that ``save()`` writes as often as every step, which ``resume()`` prefers when it
+holds a newer step than the durable run directory (see :mod:`ddpckpt._run.fast_tier`).
 """
 
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass
 
 from ddpckpt._coord.limits import resolve_timeout
@@ -90,6 +95,55 @@ class Storage:
 
 
 @dataclass(frozen=True)
+class FastTier:
+    """``Checkpointer(fast_tier=...)``: a checkpoint in every node's host memory, as often as
+    every step, that a restarted job resumes from (a directory alone means its defaults).
+
+    ``directory``: the same path on every node, in node-local memory that outlives the
+    worker processes (a tmpfs such as ``/dev/shm/<job>``); each node keeps there a complete
+    copy of the newest steps, every rank's own state included. ``every_steps``: the steps
+    whose ``save()`` it takes (every step by default; ``should_save`` says True then).
+    ``keep``: how many steps it keeps (1 by default; one more while a save is written).
+    """
+
+    directory: str | os.PathLike[str]
+    every_steps: int = 1
+    keep: int = 1
+
+    @classmethod
+    def of(cls, value: str | os.PathLike[str] | FastTier | None) -> FastTier | None:
+        """The options ``Checkpointer(fast_tier=value)`` stands for (``None``: no fast tier)."""
+        if value is None or isinstance(value, FastTier):
+            return value
+        if isinstance(value, (str, os.PathLike)):
+            return cls(value)
+        raise TypeError(
+            f"fast_tier must be a directory or a ddpckpt.FastTier, got {type(value).__qualname__}"
+        )
+
+    def check(self, durable: str, read_only: bool) -> None:
+        """Refuse what this fast tier cannot be next to the durable run directory ``durable``."""
+        directory = os.fspath(self.directory)
+        if read_only:
+            raise ValueError("fast_tier= saves checkpoints; a read_only Checkpointer cannot")
+        if "://" in directory:
+            raise ValueError(
+                f"fast_tier must be a directory on each node (a tmpfs such as /dev/shm/<job>), "
+                f"got {directory!r}"
+            )
+        for name, value in (("every_steps", self.every_steps), ("keep", self.keep)):
+            if type(value) is not int or value < 1:
+                raise ValueError(f"FastTier({name}=...) must be a positive int, got {value!r}")
+        if "://" not in durable:
+            fast, run = os.path.abspath(directory), os.path.abspath(durable)
+            if os.path.commonpath([fast, run]) in (fast, run):
+                raise ValueError(
+                    f"fast_tier {directory!r} and the run directory {durable!r} must not hold "
+                    "one another: the fast tier is a directory of its own (in host memory)"
+                )
+
+
+@dataclass(frozen=True)
 class CheckpointerOptions:
     """Every option of a Checkpointer, grouped (see the module docstring)."""
 
@@ -98,6 +152,7 @@ class CheckpointerOptions:
     failures: FailureHandling
     asynchronous: Asynchronous
     storage: Storage
+    fast_tier: FastTier | None = None
 
 
 def resolve(
@@ -120,10 +175,13 @@ def resolve(
     lock_stale_after: float = 600.0,
     read_only: bool = False,
     preemption: bool | Preemption = False,
+    fast_tier: str | os.PathLike[str] | FastTier | None = None,
+    directory: str = "",
 ) -> CheckpointerOptions:
     """The grouped options of ``Checkpointer(**arguments)``; raises ``ValueError`` or
     ``TypeError`` naming the argument for anything it cannot honour. Local, no side effects.
-    ``state``: the objects saved (``async_save="overlap"`` needs an optimizer in it)."""
+    ``state``: the objects saved (``async_save="overlap"`` needs an optimizer in it);
+    ``directory``: the run directory (the fast tier must be another)."""
     if on_error not in ("warn", "raise"):
         raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
     if type(retries) is not int or retries < 0:
@@ -148,12 +206,16 @@ def resolve(
             raise ValueError("preemption= saves a checkpoint; a read_only Checkpointer cannot")
         watched.signal_numbers()  # a bad value fails now, not at the signal
         grace_period(watched.grace_seconds)
+    fast = FastTier.of(fast_tier)
+    if fast is not None:
+        fast.check(directory, read_only)
     return CheckpointerOptions(
         schedule=Schedule(save_policy or schedule(every_steps, every_seconds), watched),
         keeping=Keeping(retention or keeping(keep_last, keep_best, monitor, mode), mode),
         failures=FailureHandling(on_error, retries, retry_backoff),
         asynchronous=Asynchronous(bool(async_save), overlap),
         storage=Storage(sharing, timeout, lock_stale_after, read_only),
+        fast_tier=fast,
     )
 
 

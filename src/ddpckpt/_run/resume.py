@@ -11,14 +11,16 @@
    loaded become ``step-N.corrupt-*``, never loaded again.
 5. :func:`point_latest` (same ranks): ``latest`` names the newest committed checkpoint.
 
-A read-only Checkpointer runs steps 1 to 3 only.
+A read-only Checkpointer runs steps 1 to 3 only. With a fast tier, its steps join those
+of step 2 (:mod:`ddpckpt._run.fast_tier`), and it keeps nothing newer than the step loaded.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.runfiles import read_latest, step_dirname
@@ -30,9 +32,61 @@ from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ddpckpt.storage import storage_for
 from ddpckpt.storage._base import new_token
 
+if TYPE_CHECKING:
+    from ddpckpt._run.fast_tier import FastSaves
+    from ddpckpt._run.saving import RunSaves
+
 _log = get_logger(__name__)
 READER_LISTINGS = 3  # times a read-only resume lists the directory before giving up
 _Listing = dict[str, tuple[str, dict[str, Any], str]]  # step: status, metrics, problem
+
+
+def resume_run(
+    saves: RunSaves,
+    fast: FastSaves | None,
+    load: Callable[[int | str], CheckpointInfo],
+    choose: Callable[[dict[int, Any]], list[int]],
+    read_only: bool,
+    newest: bool,
+) -> CheckpointInfo | None:
+    """Collective: the steps above for the run of ``saves`` (and its fast tier); the info of
+    the checkpoint restored, ``None`` on a fresh start. ``load`` restores a step of the run
+    (or a fast-tier checkpoint by path); ``choose`` orders the committed steps to try;
+    ``newest``: the newest checkpoint is wanted (no ``step=``, no ``best=``), which the fast
+    tier may hold. Raises if checkpoints exist but none loads."""
+    directory = saves.directory
+    failed: list[int] = []
+    failures: list[str] = []
+    # A reader whose candidates were all deleted meanwhile lists the directory again.
+    for listing in range(READER_LISTINGS if read_only else 1):
+        with saves.comm("Checkpointer.resume") as comm:
+            if not read_only and listing == 0:
+                saves.prepare(comm)
+            committed, broken = list_candidates(comm, directory)
+        candidates = [c for c in choose(committed) if c not in failed]
+        held = fast.list() if fast is not None else []
+        if not candidates and not broken and not failed and not (newest and held):
+            _log.info("%s: no checkpoint to resume from; starting fresh", directory)
+            if fast is not None:
+                fast.keep_up_to(None)
+            return None
+        load_durable = partial(
+            load_first, load=load, directory=directory, read_only=read_only, failed=failed,
+            failures=failures,
+        )  # fmt: skip
+        if fast is not None and newest:
+            loaded = fast.resume(held, candidates, load, load_durable, failures)
+        else:
+            loaded = load_durable(candidates)
+        if loaded is not None:
+            if not read_only:
+                saves.resumed(loaded[0], committed, broken, failed)
+            if fast is not None:
+                fast.keep_up_to(loaded[0])
+            return loaded[1]
+        if not candidates:
+            break
+    raise nothing_loads(directory, failures, broken)
 
 
 def list_candidates(comm: Comm, directory: str) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:

@@ -36,8 +36,9 @@ _TRANSIENT = {
 class SaveFailures:
     """Retries, ``on_error`` and the record of failed saves (``last_error``, ``failed_saves``)."""
 
-    def __init__(self, options: FailureHandling) -> None:
+    def __init__(self, options: FailureHandling, tier: str = "") -> None:
         self.on_error, self.retries = options.on_error, options.retries
+        self.tier = f"{tier}: " if tier else ""  # which tier's saves, in messages
         self.retry_backoff = options.retry_backoff
         self.last_error: CheckpointError | None = None
         self.failed_saves = 0
@@ -74,7 +75,8 @@ class SaveFailures:
         if exc is self._reported:  # already logged by wait() on this rank
             return
         _log.error(
-            "saving step %s failed (%s) and training goes on (on_error='warn'); %s. Cause: %s",
+            "%ssaving step %s failed (%s) and training goes on (on_error='warn'); %s. Cause: %s",
+            self.tier,
             step,
             _consecutive(self.failed_saves),
             _newest_good(newest),
@@ -93,7 +95,8 @@ class SaveFailures:
         if self.on_error == "raise":
             raise error
         _log.error(
-            "a background save failed (%s) and training goes on (on_error='warn'); %s. Cause: %s",
+            "%sa background save failed (%s) and training goes on (on_error='warn'); %s. Cause: %s",
+            self.tier,
             _consecutive(self.failed_saves + 1),
             _newest_good(newest),
             error,

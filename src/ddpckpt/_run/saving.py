@@ -57,11 +57,13 @@ _log = get_logger(__name__)
 class RunSaves:
     """A run's saves on this rank: set-up, write, commit, ``latest``, retention, failures."""
 
-    def __init__(self, directory: str, options: CheckpointerOptions, saver: AsyncSaver) -> None:
+    def __init__(
+        self, directory: str, options: CheckpointerOptions, saver: AsyncSaver, tier: str = ""
+    ) -> None:
         self.directory = directory
         self.options = options
         self.saver = saver  # the Checkpointer's own host buffer and background writer
-        self.failures = SaveFailures(options.failures)
+        self.failures = SaveFailures(options.failures, tier)  # tier: named in its messages
         self.lock = RunLock(directory, options.storage.lock_stale_after)
         self.domains: list[list[int]] | None = None  # known once set up
         self.latest: int | None = None  # newest step saved (maybe still in flight)
@@ -169,18 +171,19 @@ class RunSaves:
     def resumed(
         self, step: int, committed: dict[int, Any], broken: dict[int, str], failed: list[int]
     ) -> None:
-        """Collective, after checkpoint ``step`` was loaded: move aside the broken ones newer
-        than it (and those that failed to load); point ``latest`` at the newest committed
-        one left. Later saves must be newer than it (after ``resume(step=N)`` too, so no
-        branch can mix with the abandoned one)."""
+        """Collective, after checkpoint ``step`` was loaded (from here, or from the fast
+        tier): move aside the broken ones newer than it (and those that failed to load);
+        point ``latest`` at the newest committed one left. Later saves must be newer than
+        it (after ``resume(step=N)`` too, so no branch can mix with the abandoned one)."""
         moved = {b: problem for b, problem in broken.items() if b > step}
         moved.update((f, "it failed to load, as said above") for f in failed)
-        newest = max(c for c in committed if c not in moved)
+        newest = max((c for c in committed if c not in moved), default=None)
 
         def tidy() -> None:
             if self._leader:
                 set_aside(self.directory, moved)
-                point_latest(self.directory, newest)
+                if newest is not None:
+                    point_latest(self.directory, newest)
 
         with self.comm("Checkpointer.resumed") as comm:
             comm.run("tidy", lambda: self._storage(tidy, "moving broken checkpoints aside"))

@@ -1,0 +1,149 @@
+"""The fast tier under torchrun: workers killed and restarted resume from host memory, from
+a peer node, or from the durable tier, bit-identical to a run that never stopped; a full
+fast tier never stops training; a job restarted with fewer ranks is told so.
+
+Each launch (torchrun --max-restarts on each node) plays several scenarios in turn, so that
+the suite pays for the processes' start-up once per restart only.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddpckpt
+from launch import WORKER, torchrun_restarting_nodes
+
+pytestmark = pytest.mark.distributed
+FAST = WORKER.with_name("fast_worker.py")
+
+
+def resumes(out: Path) -> dict[int, dict[int, dict]]:
+    """What each resume restored, by the step it resumed from and by rank."""
+    found: dict[int, dict[int, dict]] = {}
+    for path in out.glob("resumed-*-rank*.json"):
+        step, rank = (int(part) for part in path.stem.removeprefix("resumed-").split("-rank"))
+        found.setdefault(step, {})[rank] = json.loads(path.read_text())
+    return found
+
+
+def losses(out: Path, rank: int) -> dict[str, float]:
+    by_step: dict[str, float] = {}
+    for line in (out / f"losses-rank{rank}.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        step = str(record["step"])
+        assert by_step.setdefault(step, record["loss"]) == record["loss"], record  # redone: same
+    return by_step
+
+
+def test_restarts_resume_from_memory_or_a_peer_and_lose_at_most_one_step(tmp_path) -> None:
+    """4 ranks on 2 nodes, a fast-tier save every step, a durable one every 4 steps:
+
+    * a worker SIGKILLed inside step 7: every rank resumes from its node's memory at step 6,
+      the last step completed (the durable tier's newest is 4);
+    * node 1 replaced inside step 11 (its fast tier deleted, a worker killed): node 1
+      receives step 10 from node 0 and every rank resumes there;
+    * both nodes' fast tiers lost inside step 15: the durable tier serves step 12, and a
+      warning says why;
+    * node 1's fast tier full for the saves of steps 17 and 18: reported, training goes on;
+
+    and the run ends bit-identical to the same job run without a restart (every rank's loss
+    at every step, model, optimizer and RNG state)."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    out = tmp_path / "out"
+    args = ["--durable", str(tmp_path / "run"), "--fast", "fast", "--steps", "20", "--crash", "7",
+            "--replace", "11", "--lose-both", "15", "--full", "17,18"]  # fmt: skip
+    torchrun_restarting_nodes(FAST, "train", out, cwds=nodes, args=args).ok()
+    found = resumes(out)
+    assert sorted(found) == [0, 6, 10, 12], sorted(found)
+    for step in (6, 10):
+        for rank, seen in found[step].items():
+            assert seen["path"] == f"fast/step-{step:08d}", (step, rank, seen)
+    repaired = [
+        r
+        for r, seen in found[10].items()
+        if any("this node had no copy" in m for m in seen["messages"])
+    ]
+    assert repaired and all(found[10][r]["node"] == 1 for r in repaired), found[10]
+    for seen in found[12].values():
+        assert seen["path"] == str(tmp_path / "run" / "step-00000012"), seen
+    said = [m for seen in found[12].values() for m in seen["messages"]]
+    assert any("holds no checkpoint on any node" in m and "step 12" in m for m in said), said
+    for rank in range(4):
+        final = json.loads((out / f"final-rank{rank}.json").read_text())
+        assert final["step"] == 20
+        assert losses(out, rank) == final["reference"]["losses"], rank
+        assert final["digest"] == final["reference"]["digest"], rank
+    errors = [
+        m
+        for r in range(4)
+        for m in json.loads((out / f"final-rank{r}.json").read_text())["messages"]
+        if m.startswith("ERROR")
+    ]
+    for step in (17, 18):
+        assert any(
+            f"saving step {step} failed" in m and "fast tier" in m and "No space left" in m
+            for m in errors
+        ), errors
+    for node in nodes:
+        assert sorted(p.name for p in (node / "fast").glob("step-*")) == ["step-00000020"]
+
+
+def test_one_node_resumes_from_memory_then_with_fewer_ranks_says_so(tmp_path) -> None:
+    """2 ranks on one node: a worker SIGKILLed inside step 7 resumes at step 6 from the fast
+    tier (the durable tier holds step 4), bit-identical to the uninterrupted run. The run
+    ends at step 10, a fast-tier step. Started again on 1 rank, it resumes from the fast
+    tier's step 10 (newer than the durable step 8) with a warning that the checkpoint was
+    saved by 2 ranks."""
+    node = tmp_path / "node0"
+    node.mkdir()
+    out = tmp_path / "out"
+    args = ["--durable", str(tmp_path / "run"), "--fast", "fast", "--steps", "10", "--crash", "7"]
+    torchrun_restarting_nodes(FAST, "train", out, cwds=[node], args=args, max_restarts=1).ok()
+    found = resumes(out)
+    assert sorted(found) == [0, 6], sorted(found)
+    assert [found[6][r]["path"] for r in (0, 1)] == ["fast/step-00000006"] * 2
+    for rank in (0, 1):
+        final = json.loads((out / f"final-rank{rank}.json").read_text())
+        assert final["step"] == 10
+        assert losses(out, rank) == final["reference"]["losses"], rank
+        assert final["digest"] == final["reference"]["digest"], rank
+    assert sorted(p.name for p in (tmp_path / "run").glob("step-*"))[-1] == "step-00000008"
+
+    fewer = tmp_path / "fewer"
+    args = [*args[:5], "12"]
+    torchrun_restarting_nodes(FAST, "train", fewer, cwds=[node], nproc=1, args=args).ok()
+    (seen,) = resumes(fewer)[10].values()
+    assert seen["path"] == "fast/step-00000010", seen
+    assert any("saved by 2 ranks and this job has 1" in m for m in seen["messages"]), seen
+
+
+def test_a_fast_tier_left_by_another_run_is_never_resumed_from(tmp_path, caplog) -> None:
+    """One process: a run directory deleted and started again with the same fast-tier
+    directory used to resume from the old run's step there, without a word."""
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def run(steps: range) -> int | None:
+        with ddpckpt.Checkpointer(
+            tmp_path / "run", model=model, optimizer=optimizer, every_steps=100,
+            fast_tier=tmp_path / "fast",
+        ) as ckpt:  # fmt: skip
+            info = ckpt.resume()
+            for step in steps:
+                if ckpt.should_save(step):
+                    ckpt.save(step)
+        return info and info.step
+
+    assert run(range(1, 4)) is None
+    assert run(range(4, 6)) == 3  # its own fast tier
+    shutil.rmtree(tmp_path / "run")
+    assert run(range(1, 2)) is None
+    assert "holds steps 5 of another run" in caplog.text
+    assert run(range(2, 3)) == 1
