@@ -1,0 +1,129 @@
+"""The snippets of the README and the site's pages, and how each one runs as written.
+
+Each ```python block is preceded by a marker comment saying how it runs:
+
+* ``<!-- readme-test: python -->``: ``python snippet.py`` in a fresh directory;
+* ``<!-- readme-test: torchrun N -->``: ``torchrun --nproc-per-node N snippet.py`` (gloo on CPU);
+* a trailing ``, twice``: run it again in the same directory (a restarted job), both must succeed;
+* then ``, then check-resume``: ``ddpckpt check-resume -- <that command>`` in the same
+  directory must find the resume exact, and leave every byte the runs wrote unchanged;
+* ``<!-- readme-test: skip: REASON -->``: not run (only for the recipe a page warns against).
+
+The runnable snippets are dealt alternately to two test files (``RUNNABLE[0::2]`` and
+``RUNNABLE[1::2]``), so that the two test workers share them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from launch import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+BLOCK = re.compile(
+    r"(?:<!--\s*readme-test:\s*(?P<how>[^>]*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S
+)
+HOW = re.compile(
+    r"(?P<launcher>python|torchrun (?P<nproc>\d+))(?P<twice>, twice)?(?P<check>, then check-resume)?$"
+)
+
+
+@dataclass(frozen=True)
+class Snippet:
+    page: str
+    line: int
+    how: str
+    code: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def _snippets(page: Path) -> list[Snippet]:
+    text = page.read_text()
+    name = page.relative_to(ROOT).as_posix()
+    return [
+        Snippet(
+            name, text.count("\n", 0, m.start("code")), (m.group("how") or "").strip(), m["code"]
+        )
+        for m in BLOCK.finditer(text)
+    ]
+
+
+SNIPPETS = [snippet for page in PAGES for snippet in _snippets(page)]
+
+
+RUNNABLE = [s for s in SNIPPETS if s.how and not s.how.startswith("skip:")]
+
+
+def run_as_written(snippet: Snippet, tmp_path: Path) -> None:
+    """Run ``snippet`` in ``tmp_path`` as its marker says; raises AssertionError on failure."""
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet.code)
+    runs = 2 if snippet.how.endswith(", twice") else 1
+    for attempt in range(runs):
+        done = _run(_command(snippet, script), tmp_path)
+        assert done.returncode == 0, (
+            f"{snippet.id} (run {attempt + 1} of {runs}) failed with exit {done.returncode}:\n"
+            f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+        )
+        assert "Traceback" not in done.stderr, f"{snippet.id}: {done.stderr[-6000:]}"
+    match = HOW.match(snippet.how)
+    if match is not None and match["check"]:
+        _check_resume(snippet, script, tmp_path)
+
+
+def _command(snippet: Snippet, script: Path) -> list[str]:
+    match = HOW.match(snippet.how)
+    assert match is not None
+    if match["launcher"] == "python":
+        return [sys.executable, str(script)]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    return [str(torchrun), f"--nproc-per-node={match['nproc']}", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", "--max-restarts=0", str(script)]  # fmt: skip
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1", "HOME": str(cwd)}  # fmt: skip
+    if "PYTHONPATH" in os.environ:  # a development checkout imported through PYTHONPATH
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    try:
+        return subprocess.run(
+            cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{cmd} hung for {timeout} s:\n{exc.stdout}\n{exc.stderr}") from None
+
+
+def _files(root: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and directory (``None``) under ``root``."""
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _check_resume(snippet: Snippet, script: Path, cwd: Path) -> None:
+    """``ddpckpt check-resume -- <the command>`` where the user ran it: the resume is exact,
+    and nothing the user's runs wrote is read for resuming or changed."""
+    before = _files(cwd)
+    command = [str(Path(sys.executable).with_name("ddpckpt")), "check-resume", "--timeout=200",
+               "--", *_command(snippet, script)]  # fmt: skip
+    done = _run(command, cwd, timeout=500)
+    assert done.returncode == 0, (
+        f"{snippet.id}: check-resume:\n{done.stdout}\n{done.stderr[-4000:]}"
+    )
+    assert "verdict: the resume is exact at every kill point" in done.stdout
+    assert "bit-identical at every step compared on every rank" in done.stdout
+    assert "ckpt (load_latest, save)" in done.stdout  # mapped into the check's directory
+    home = (".cache", ".config")  # matplotlib's in HOME, which _run sets to cwd
+    after = {k: v for k, v in _files(cwd).items() if not k.startswith(("resume-check", *home))}
+    assert after == {k: v for k, v in before.items() if not k.startswith(home)}
