@@ -10,8 +10,9 @@ A checkpoint is a directory::
 The manifest holds the format version, the library and torch versions, step, epoch and
 metrics, the encoded non-tensor state (see :mod:`ddpckpt._format.codec`), the sections of
 per-rank state (the state itself is in the rank files: :mod:`ddpckpt._format.rankparts`),
-and for every shared tensor its file, byte range, dtype, shape and digest, and for every
-file its size, digest and the rank that wrote it.
+and for every shared tensor its file, byte range, dtype, shape and digest (a sharded one:
+each of its shards, :mod:`ddpckpt._format.shards`), and for every file its size, digest
+and the rank that wrote it.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import xxhash
 
 from ddpckpt._format.codec import JSON
 from ddpckpt._format.sections import layout_version
+from ddpckpt._format.shards import ShardedEntry
 from ddpckpt._format.tensorfile import FileEntry, TensorEntry
 from ddpckpt._version import __version__
 from ddpckpt.errors import (
@@ -41,9 +43,11 @@ from ddpckpt.storage._base import MANIFEST
 FORMAT_NAME = "ddpckpt"
 # The newest version this library reads. A checkpoint is written with the oldest version that
 # describes it: 3 puts per-rank state in the rank files (ddpckpt._format.rankparts), 4 the
-# named layout of several models and optimizers (ddpckpt._format.sections).
-FORMAT_VERSION = 4
+# named layout of several models and optimizers (ddpckpt._format.sections), 5 sharded
+# tensors (ddpckpt._format.shards).
+FORMAT_VERSION = 5
 RANK_FILES_VERSION = 3
+SHARDS_VERSION = 5
 MANIFEST_NAME = MANIFEST
 
 
@@ -61,6 +65,7 @@ class Manifest:
     rank_keys: list[str] | None = None  # format 3: the sections in the rank files (rankparts)
     rank_parts: dict[int, dict[str, JSON]] = field(default_factory=dict, repr=False, compare=False)
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    shards: dict[str, ShardedEntry] = field(default_factory=dict)  # format 5: sharded tensors
     files: dict[str, FileEntry] = field(default_factory=dict)
     copy: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
@@ -73,7 +78,8 @@ class Manifest:
     def oldest_version(self) -> int:
         """The oldest format version that describes this manifest (what it is written with)."""
         rank_files = RANK_FILES_VERSION if self.rank_keys is not None else 0
-        return max(layout_version(self.state), rank_files)
+        shards = SHARDS_VERSION if self.shards else 0
+        return max(layout_version(self.state), rank_files, shards)
 
     @property
     def nbytes(self) -> int:
@@ -98,6 +104,7 @@ class Manifest:
             **({} if self.rank_keys is None else {"rank_keys": self.rank_keys}),
             "files": {name: file_to_json(f) for name, f in sorted(self.files.items())},
             "tensors": {name: tensor_to_json(t) for name, t in self.tensors.items()},
+            **({"shards": {n: s.to_json() for n, s in self.shards.items()}} if self.shards else {}),
         }
         return _with_checksum(doc)
 
@@ -159,6 +166,7 @@ def _parse(doc: Any, where: str) -> Manifest:
     try:
         files = {name: file_from_json(name, f) for name, f in doc["files"].items()}
         tensors = {name: tensor_from_json(t) for name, t in doc["tensors"].items()}
+        shards = _shards_from_json(doc.get("shards", {}), where)
         manifest = Manifest(
             id=str(doc.get("id", "")),
             step=doc.get("step"),
@@ -169,6 +177,7 @@ def _parse(doc: Any, where: str) -> Manifest:
             ranks=list(doc["ranks"]),
             rank_keys=None if doc.get("rank_keys") is None else list(doc["rank_keys"]),
             tensors=tensors,
+            shards=shards,
             files=files,
             copy=dict(doc.get("copy") or {}),
             created=float(doc["created"]),
@@ -182,7 +191,22 @@ def _parse(doc: Any, where: str) -> Manifest:
     for name, tensor in tensors.items():
         if tensor.file not in files:
             raise bad(f"tensor {name!r} refers to unlisted file {tensor.file!r}")
+    for name, sharded in shards.items():
+        if name in tensors:
+            raise bad(f"tensor {name!r} is listed both whole and sharded")
+        for piece in sharded.pieces:
+            if piece.entry.file not in files:
+                raise bad(f"a shard of {name!r} refers to unlisted file {piece.entry.file!r}")
     return manifest
+
+
+def _shards_from_json(doc: Any, where: str) -> dict[str, ShardedEntry]:
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{where}: malformed manifest: shards not a JSON object")
+    return {
+        str(name): ShardedEntry.from_json(record, f"{where} (sharded tensor {name!r})")
+        for name, record in doc.items()
+    }
 
 
 def file_to_json(entry: FileEntry) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,11 +45,13 @@ def write_file(
     writer: int,
     metadata: dict[str, str],
     progress: Callable[[int], None] | None = None,
+    chunked: Collection[str] = (),
 ) -> tuple[FileEntry, list[TensorEntry]]:
     """Write ``items`` to a new safetensors file at ``path`` and fsync it.
 
     The file must not exist (``O_EXCL``): a file is only ever written by one process.
-    Returns the file's entry and each tensor's entry with absolute offsets and digests.
+    Returns the file's entry and each tensor's entry with absolute offsets and digests;
+    those of the keys in ``chunked`` also with the digest of each :data:`CHUNK` bytes.
     ``progress`` is called with the size of every chunk of tensor data written.
     """
     for key, tensor in items:  # before creating the file: a refused save leaves nothing
@@ -57,8 +59,9 @@ def write_file(
     with storage_for(path).create(path) as out:
         with ring_for([t for _, t in items]) as ring:
             result = _emit(
-                os.path.basename(path), items, writer, metadata, out.write, progress, ring
-            )
+                os.path.basename(path), items, writer, metadata, out.write, progress, ring,
+                chunked,
+            )  # fmt: skip
         out.sync()
     return result
 
@@ -80,6 +83,7 @@ def _emit(
     sink: Callable[[memoryview], object],
     progress: Callable[[int], None] | None = None,
     ring: Ring | None = None,
+    chunked: Collection[str] = (),
 ) -> tuple[FileEntry, list[TensorEntry]]:
     items = layout(items)
     for key, tensor in items:
@@ -98,16 +102,20 @@ def _emit(
             block = next(blocks, None)
             for index, (key, tensor) in enumerate(items):
                 tensor_hash, length = xxhash.xxh3_64(), 0
+                chunks = _ChunkDigests() if key in chunked else None
+                hashes = (
+                    (file_hash, tensor_hash) if chunks is None else (file_hash, tensor_hash, chunks)
+                )
                 while block is not None and block[0] == index:
                     data = block[1]
                     for start in range(0, len(data), CHUNK):
                         chunk = data[start : start + CHUNK]
                         if len(chunk) >= _HASH_AHEAD_BYTES:
-                            hasher.start((file_hash, tensor_hash), chunk)
+                            hasher.start(hashes, chunk)
                             sink(chunk)
                             hasher.wait()
                         else:  # handing a small chunk over would cost more than hashing it here
-                            _update((file_hash, tensor_hash), chunk)
+                            _update(hashes, chunk)
                             sink(chunk)
                         if progress is not None:
                             progress(len(chunk))
@@ -122,6 +130,7 @@ def _emit(
                         begin=offset,
                         end=offset + length,
                         digest=tensor_hash.hexdigest(),
+                        chunks=() if chunks is None else chunks.finish(),
                     )
                 )
                 offset += length
@@ -151,6 +160,30 @@ def _host_blocks(
 def _update(hashes: Sequence[Any], chunk: memoryview) -> None:
     for digest in hashes:
         digest.update(chunk)
+
+
+class _ChunkDigests:
+    """The digest of each :data:`CHUNK` bytes of one tensor, whatever pieces they come in."""
+
+    def __init__(self) -> None:
+        self._digests: list[str] = []
+        self._hash = xxhash.xxh3_64()
+        self._filled = 0
+
+    def update(self, data: memoryview) -> None:
+        while len(data):
+            take = min(len(data), CHUNK - self._filled)
+            self._hash.update(data[:take])
+            self._filled += take
+            data = data[take:]
+            if self._filled == CHUNK:
+                self._digests.append(self._hash.hexdigest())
+                self._hash, self._filled = xxhash.xxh3_64(), 0
+
+    def finish(self) -> tuple[str, ...]:
+        if self._filled:
+            self._digests.append(self._hash.hexdigest())
+        return tuple(self._digests)
 
 
 class _Hasher:

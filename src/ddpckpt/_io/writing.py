@@ -16,6 +16,7 @@ copies (:mod:`ddpckpt._io.staging`) and runs step 2 in the background.
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -46,8 +47,10 @@ from ddpckpt._format.rankparts import RANK_STATE_KEY, rank_keys
 from ddpckpt._format.tensorfile import FileEntry, deserialize, tensor_nbytes
 from ddpckpt._format.tensorwrite import serialize, write_file
 from ddpckpt._io.progress import Progress
+from ddpckpt._io.shardwrite import ShardWrites, piece_json, piece_key, plan_shards, shard_records
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot
+from ddpckpt._state.zero import merge_owned_state
 from ddpckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -98,6 +101,8 @@ class WritePlan:
     rank_blob: bytes  # this rank's file: its per-rank tensors, its state in the metadata
     rank_file: FileEntry
     foreign: dict[int, bytes] = field(default_factory=dict)
+    shards: ShardWrites = field(default_factory=ShardWrites)  # sharded state (shardwrite)
+    owned_state: dict[str, Any] = field(default_factory=dict)  # Snapshot.owned_state
 
     @property
     def domain(self) -> list[int]:
@@ -130,8 +135,9 @@ def plan_write(
         with storage_errors(path):  # creating the parent directory may fail
             domains = storage_domains(comm, storage_for(path).parent(path), storage)
     domain = next(d for d in domains if comm.rank in d)
+    shards = plan_shards(snapshot, domains, comm.rank, comm.world_size)
     sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
-    owners = plan_owners(sizes, domains, snapshot.balanced)[domains.index(domain)]
+    owners = plan_owners(sizes, domains, snapshot.balanced, shards.loads)[domains.index(domain)]
     rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
     rank_metadata = {**_FILE_METADATA, RANK_STATE_KEY: json.dumps(snapshot.rank_state)}
     rank_blob, rank_file, _ = serialize(
@@ -156,15 +162,18 @@ def plan_write(
         header=header,
         overwrite=overwrite,
         domains=domains,
-        items=[(n, t) for n, t in values.items() if owners[n] == comm.rank],
+        items=[(n, t) for n, t in values.items() if owners[n] == comm.rank] + shards.items,
         order=list(snapshot.tensors),
         needed=sum(tensor_nbytes(t) for t in snapshot.tensors.values())
+        + shards.nbytes
         + comm.world_size * (len(rank_blob) + 4096),
         shared_state=shared_state,
         rank_keys=rank_keys(snapshot.rank_state),
         rank_blob=rank_blob,
         rank_file=rank_file,
         foreign=foreign,
+        shards=shards,
+        owned_state=snapshot.owned_state,
     )
 
 
@@ -172,9 +181,11 @@ def staging_share(snapshot: Snapshot, domains: list[list[int]], rank: int) -> li
     """The shared tensors ``rank`` would write for ``snapshot`` (as :func:`plan_write`
     assigns them), for sizing its staging buffer before the first save; local."""
     domain = next(d for d in domains if rank in d)
+    shards = plan_shards(snapshot, domains, rank, 1)
     sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
-    owners = plan_owners(sizes, domains, snapshot.balanced)[domains.index(domain)]
-    return [t for n, t in snapshot.tensors.items() if owners[n] == rank]
+    owners = plan_owners(sizes, domains, snapshot.balanced, shards.loads)[domains.index(domain)]
+    mine = [t for n, t in snapshot.tensors.items() if owners[n] == rank]
+    return mine + [t for _, t in shards.items]
 
 
 def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
@@ -268,8 +279,19 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
     names = file_names(plan.comm.rank)
     files: list[dict[str, Any]] = []
     tensors: dict[str, dict[str, Any]] = {}
-    model = [(n.removeprefix("model/"), t) for n, t in plan.items if n.startswith("model/")]
-    state = [(n, t) for n, t in plan.items if not n.startswith("model/")]
+    pieces: dict[str, dict[str, Any]] = {}
+    shard_of: dict[str, str] = {}  # a shard's key in its file -> the tensor's name
+
+    def keyed(name: str) -> str:
+        key = name.removeprefix("model/")
+        if name not in plan.shards.pieces:
+            return key
+        key = piece_key(key, plan.shards.pieces[name])
+        shard_of[key] = name
+        return key
+
+    model = [(keyed(n), t) for n, t in plan.items if n.startswith("model/")]
+    state = [(keyed(n), t) for n, t in plan.items if not n.startswith("model/")]
     with (
         storage_errors(plan.path),
         Progress(f"saving {os.path.basename(plan.path)}", plan.nbytes) as bar,
@@ -283,10 +305,16 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
                 writer=plan.comm.rank,
                 metadata=_FILE_METADATA,
                 progress=bar.update,
+                chunked=shard_of,
             )
             files.append({"name": entry.name, **file_to_json(entry)})
             prefix = "model/" if kind == "model" else ""
-            tensors.update({prefix + e.key: tensor_to_json(e) for e in entries})
+            for e in entries:
+                if e.key in shard_of:
+                    name = shard_of[e.key]
+                    pieces[name] = piece_json(plan.shards.pieces[name], e)
+                else:
+                    tensors[prefix + e.key] = tensor_to_json(e)
         store = storage_for(tmp)
         store.write_new(os.path.join(tmp, names["rank"]), plan.rank_blob)
         for other, blob in plan.foreign.items():
@@ -294,6 +322,8 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
     return {
         "files": files,
         "tensors": tensors,
+        "pieces": pieces,
+        "owned_state": plan.owned_state,
         "rank_keys": plan.rank_keys,
         "rank_file": {"name": plan.rank_file.name, **file_to_json(plan.rank_file)},
     }
@@ -304,13 +334,16 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
         return
     assert results is not None, "every copy's leader receives every rank's result"
     comm, domain, header = plan.comm, plan.domain, plan.header
+    ours = [r for rank, r in enumerate(results) if rank in domain]
+    state = copy.deepcopy(plan.shared_state)
+    merge_owned_state(state, [r["owned_state"] for r in ours])
     manifest = Manifest(
         id=comm.token,
         step=header["step"],
         epoch=header["epoch"],
         metrics=header["metrics"],
         world_size=comm.world_size,
-        state=plan.shared_state,
+        state=state,
         rank_keys=sorted({key for r in results for key in r["rank_keys"]}),
         copy={"index": plan.domains.index(domain), "count": len(plan.domains), "ranks": domain},
     )
@@ -322,6 +355,7 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
             )
         for name, doc in (result["tensors"] if mine else {}).items():
             manifest.tensors[name] = tensor_from_json(doc)
+    manifest.shards = shard_records(plan.shards.specs, [r["pieces"] for r in ours], plan.path)
     order = {name: i for i, name in enumerate(plan.order)}
     manifest.tensors = dict(
         sorted(manifest.tensors.items(), key=lambda kv: order.get(kv[0], len(order)))

@@ -25,6 +25,7 @@ from torch import nn
 from ddpckpt._format.codec import JSON, decode, encode
 from ddpckpt._format.sections import SINGLE, Layout, ModelSection
 from ddpckpt._log import get_logger
+from ddpckpt._state.dtensor import is_dtensor, local_tensor, restore_dtensor
 from ddpckpt._state.snapshot import Snapshot, TensorSource
 from ddpckpt.errors import StateMismatchError
 
@@ -114,7 +115,11 @@ def canonical_state_dict(model: nn.Module) -> dict[str, Any]:
 
 
 def tensor_identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
-    """What makes two tensors the same memory (tied weights); ``None`` for an empty one."""
+    """What makes two tensors the same memory (tied weights); ``None`` for an empty one.
+
+    A DTensor is identified by its local shard.
+    """
+    tensor = local_tensor(tensor)
     if tensor.numel() == 0:
         return None
     return (
@@ -288,13 +293,18 @@ def restore_model(
     """Load the weights into ``model`` through its own ``load_state_dict`` (hooks run).
 
     Call :func:`check_model` first; with ``strict=False`` mismatched keys are skipped.
+    A DTensor (FSDP2, ``replicate()``) is filled in place, its local shard only.
     """
-    view = model_view(model)
+    view = model_view(model)  # a sharded model's state dict hooks put its shards in place
     state: dict[str, Any] = {}
+    in_place: set[str] = set()
     for key in section.keys:
         target = view.entries.get(key)
         name = prefix + key
-        if isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
+        if is_dtensor(target) and tuple(target.shape) == source.meta(name)[1]:
+            restore_dtensor(target, name, source)
+            in_place.add(view.live_key[key])
+        elif isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
             # Not read straight into the parameter: the module's load hooks must see the
             # incoming value apart from the current one. A GPU copy is read onto the GPU
             # (pinned, pipelined) rather than mapped then copied from pageable memory.
@@ -307,7 +317,17 @@ def restore_model(
         extra = decode(section.extra_state, lambda n: source.get(n).clone(), where=where)
         state.update({view.live_key[k]: v for k, v in extra.items() if k in view.live_key})
     root = view.root
-    root.load_state_dict(_with_versions(state, root, section.versions), strict=strict)
+    loaded = _with_versions(state, root, section.versions)
+    if not in_place:
+        root.load_state_dict(loaded, strict=strict)
+        return
+    result = root.load_state_dict(loaded, strict=False)
+    missing = [k for k in result.missing_keys if k not in in_place]
+    if strict and (missing or result.unexpected_keys):
+        raise StateMismatchError(
+            f"{where}: the model refused keys while loading: missing {missing}, unexpected "
+            f"{result.unexpected_keys}"
+        )
 
 
 def restore_rank_buffers(model: nn.Module, encoded: JSON, source: TensorSource, where: str) -> None:
