@@ -72,7 +72,7 @@ def plan_reads(
             continue
         (p_off, p_shape), (m_off, m_shape), r_off = piece, met, region[0]
         if not p_shape:  # a 0-d tensor: one row of one element
-            reads.append(Read(index, (0, 1), (0, 1), (), ()))
+            reads.append(Read(index, (0, 1), (0, -(-itemsize // chunk)), (), ()))
             continue
         row_bytes = math.prod(p_shape[1:]) * itemsize
         first, last = m_off[0] - p_off[0], m_off[0] + m_shape[0] - p_off[0]
