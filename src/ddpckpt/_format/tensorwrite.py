@@ -46,21 +46,26 @@ def write_file(
     metadata: dict[str, str],
     progress: Callable[[int], None] | None = None,
     chunked: Collection[str] = (),
+    produce: Callable[[str], torch.Tensor] | None = None,
 ) -> tuple[FileEntry, list[TensorEntry]]:
     """Write ``items`` to a new safetensors file at ``path`` and fsync it.
 
     The file must not exist (``O_EXCL``): a file is only ever written by one process.
     Returns the file's entry and each tensor's entry with absolute offsets and digests;
     those of the keys in ``chunked`` also with the digest of each :data:`CHUNK` bytes.
-    ``progress`` is called with the size of every chunk of tensor data written.
+    ``progress`` is called with the size of every chunk of tensor data written. With
+    ``produce``, an item may be a ``meta`` tensor (its dtype and shape): ``produce(key)``
+    makes the real one when its turn comes, so a file of tensors that do not fit in
+    memory together is written one tensor at a time.
     """
     for key, tensor in items:  # before creating the file: a refused save leaves nothing
-        check_storable(key, tensor)
+        if produce is None or tensor.device.type != "meta":
+            check_storable(key, tensor)
     with storage_for(path).create(path) as out:
         with ring_for([t for _, t in items]) as ring:
             result = _emit(
                 os.path.basename(path), items, writer, metadata, out.write, progress, ring,
-                chunked,
+                chunked, produce,
             )  # fmt: skip
         out.sync()
     return result
@@ -84,10 +89,12 @@ def _emit(
     progress: Callable[[int], None] | None = None,
     ring: Ring | None = None,
     chunked: Collection[str] = (),
+    produce: Callable[[str], torch.Tensor] | None = None,
 ) -> tuple[FileEntry, list[TensorEntry]]:
     items = layout(items)
     for key, tensor in items:
-        check_storable(key, tensor)
+        if produce is None or tensor.device.type != "meta":
+            check_storable(key, tensor)
     file_hash = xxhash.xxh3_64()
     header = memoryview(encode_header(items, metadata))
     file_hash.update(header)
@@ -96,7 +103,7 @@ def _emit(
     entries: list[TensorEntry] = []
     # xxhash and write() both release the GIL: each chunk is hashed on a helper thread
     # while it is being written, which takes hashing off the save's critical path.
-    blocks = _host_blocks(items, ring)
+    blocks = _host_blocks(items, ring, produce)
     try:
         with _Hasher() as hasher:
             block = next(blocks, None)
@@ -140,15 +147,20 @@ def _emit(
 
 
 def _host_blocks(
-    items: Sequence[tuple[str, torch.Tensor]], ring: Ring | None
+    items: Sequence[tuple[str, torch.Tensor]],
+    ring: Ring | None,
+    produce: Callable[[str], torch.Tensor] | None = None,
 ) -> Iterator[tuple[int, memoryview]]:
     """Each tensor's bytes in order, as ``(index in items, bytes)`` blocks on the host.
 
     CPU tensors come as one view of their own memory (or through ``ring`` when it is
-    meant for them); device tensors through ``ring``. A ring block is valid until the
-    next block is asked for.
+    meant for them); device tensors through ``ring``; a meta tensor is made by
+    ``produce`` first. A ring block is valid until the next block is asked for.
     """
-    for index, (_, tensor) in enumerate(items):
+    for index, (key, tensor) in enumerate(items):
+        if produce is not None and tensor.device.type == "meta":
+            tensor = produce(key)
+            check_storable(key, tensor)
         if ring is not None and ring.takes(tensor):
             yield from ring.pass_through(index, items[index:])
             return

@@ -1,0 +1,171 @@
+"""Sharded state under torchrun (gloo on CPU): ZeRO-1 under DDP and FSDP2 saved on 2 ranks,
+killed, resumed bit-identically, loaded on 3 ranks and in one process; the DTensor
+``replicate()`` and a 2 x 2 HSDP mesh on 4 ranks; the tools on sharded checkpoints.
+
+Four launches in all (see tests/support/sharded_worker.py): one per world size, and one
+more for the kill.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import ddpckpt
+from ddpckpt._cli.tools import diff, export, summary
+from launch import torchrun
+
+pytestmark = pytest.mark.distributed
+WORKER = Path(__file__).parent / "support" / "sharded_worker.py"
+SAVED_AT = 5
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, dict]:
+    """ZeRO-1 and FSDP2 checkpoints of 2 ranks (steps 3 and 5), after which rank 1 was killed."""
+    root = tmp_path_factory.mktemp("sharded")
+    launch = torchrun("save_then_die", root / "out", args=["--ckpt", str(root / "ckpt")],
+                      worker=WORKER, timeout=180)  # fmt: skip
+    assert launch.returncode != 0, "rank 1 should have been SIGKILLed"
+    return root / "ckpt", {rank: launch.result(rank) for rank in (0, 1)}
+
+
+def _step(root: Path, kind: str, step: int = SAVED_AT) -> Path:
+    return root / kind / f"step-{step:08d}"
+
+
+def test_zero_and_fsdp2_resume_bit_identical_after_a_kill(saved, tmp_path) -> None:
+    root, _ = saved
+    launch = torchrun("resume", tmp_path, args=["--ckpt", str(root)], worker=WORKER,
+                      timeout=180).ok()  # fmt: skip
+    for rank in (0, 1):
+        result = launch.result(rank)
+        for kind in ("zero", "fsdp"):
+            assert result[f"{kind}_resumed_from"] == SAVED_AT
+            assert result[f"{kind}_steps_kept"] == [3, SAVED_AT]
+            assert result[f"{kind}_identical"], f"rank {rank}: {kind} resume differs"
+
+
+def test_a_two_rank_checkpoint_loads_on_three_ranks(saved, tmp_path) -> None:
+    root, _ = saved
+    launch = torchrun("reshard", tmp_path, nproc=3, args=["--ckpt", str(root)],
+                      worker=WORKER, timeout=180).ok()  # fmt: skip
+    owned = 0
+    for rank in range(3):
+        result = launch.result(rank)
+        for kind in ("zero", "fsdp"):
+            assert result[f"{kind}_step"] == SAVED_AT
+            assert result[f"{kind}_wrong"] == [], f"rank {rank}: {kind}"
+        assert result["zero_lr"] == pytest.approx(1e-3 * 0.5**2)
+        owned += result["zero_owns"]
+    assert owned == 4  # each of the 4 parameters' state on exactly one of the 3 ranks
+
+
+def test_saving_zero_state_gathers_nothing(saved) -> None:
+    _, results = saved
+    for result in results.values():
+        assert result["zero_shard_bytes"] == pytest.approx(result["zero_state_bytes"] / 2, rel=0.1)
+        # A consolidating save would hold the other rank's shard too: 8 MB more.
+        assert result["zero_save_extra_rss"] < result["zero_shard_bytes"] / 2, result
+
+
+def test_an_unsupported_placement_is_refused_and_nothing_stored(saved) -> None:
+    _, results = saved
+    for result in results.values():
+        assert result["refused"].startswith("extra/pending: a DTensor with a Partial placement")
+        assert "redistribute" in result["refused"]
+        assert set(result["partial_listing"]) <= {".lock"}  # no checkpoint, no temporary
+
+
+def _plain_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 7), nn.ReLU(),
+                         nn.Linear(7, 4))  # fmt: skip
+
+
+def _check_against(reference: dict, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, reference["model"][name]), name
+    for name, param in model.named_parameters():
+        for key, value in opt.state[param].items():
+            assert torch.equal(value, reference["optim"][name][key]), f"{name}.{key}"
+
+
+def test_sharded_checkpoints_load_into_plain_objects_in_one_process(saved) -> None:
+    root, _ = saved
+    reference = torch.load(root / "reference.pt")
+    zero = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(2)))
+    fsdp = _plain_model()
+    for kind, model, lr in (("zero", zero, 1e-3), ("fsdp", fsdp, 1e-2)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+        info = ddpckpt.load(_step(root, kind), model=model, optimizer=opt)
+        assert info.step == SAVED_AT and info.world_size == 2
+        _check_against(reference[kind], model, opt)
+        assert opt.param_groups[0]["lr"] == pytest.approx(lr * 0.5**2)
+    weights = ddpckpt.load_state_dict(_step(root, "fsdp"))
+    assert all(torch.equal(v, reference["fsdp"]["model"][k]) for k, v in weights.items())
+
+
+def test_tools_on_sharded_checkpoints(saved, tmp_path) -> None:
+    root, _ = saved
+    reference = torch.load(root / "reference.pt")["fsdp"]["model"]
+    fsdp, zero = _step(root, "fsdp"), _step(root, "zero")
+    assert ddpckpt.verify(fsdp).step == SAVED_AT and ddpckpt.verify(zero).step == SAVED_AT
+    info = summary(fsdp)
+    assert info["format_version"] == 5
+    weight = next(t for t in info["tensors"] if t["name"] == "model/0.weight")
+    assert weight["placement"] == {"mesh": [2], "placements": ["S0"]}
+    assert [s["shape"] for s in weight["shards"]] == [[17, 16], [16, 16]]
+    assert summary(zero)["sections"]["optimizer"] == "AdamW (ZeroRedundancyOptimizer over 2 ranks)"
+    assert diff(fsdp, fsdp).same
+    changed = diff(_step(root, "fsdp", 3), fsdp)
+    assert {t.name for t in changed.tensors} >= {
+        "model/0.weight",
+        "optimizer/state/0.weight/exp_avg",
+    }
+    out = export(fsdp, tmp_path / "model.safetensors")
+    plain = _plain_model()
+    plain.load_state_dict(load_file(out))
+    assert all(torch.equal(v, reference[k]) for k, v in plain.state_dict().items())
+
+
+def test_a_damaged_shard_is_found_by_verify_and_load(saved, tmp_path) -> None:
+    root, _ = saved
+    copy = tmp_path / "copy"
+    shutil.copytree(_step(root, "fsdp"), copy)
+    shard = json.loads((copy / "manifest.json").read_text())["shards"]["model/2.weight"]
+    piece = shard["pieces"][1]
+    with open(copy / piece["file"], "r+b") as f:
+        f.seek(piece["range"][0] + 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(ddpckpt.CorruptCheckpointError, match=piece["file"]):
+        ddpckpt.verify(copy)
+    with pytest.raises(ddpckpt.CorruptCheckpointError, match=r"chunk 0 of .2\.weight@4,0."):
+        ddpckpt.load(copy, model=_plain_model())
+
+
+def test_replicate_and_hsdp_round_trip_on_four_ranks(tmp_path) -> None:
+    launch = torchrun("round_trip", tmp_path / "out", nproc=4, args=["--ckpt", str(tmp_path)],
+                      worker=WORKER, timeout=180).ok()  # fmt: skip
+    for rank in range(4):
+        result = launch.result(rank)
+        for kind in ("replicate", "hsdp"):
+            assert result[f"{kind}_identical"] and result[f"{kind}_wrong"] == [], (rank, kind)
+    manifest = json.loads((tmp_path / "hsdp" / "manifest.json").read_text())
+    writers = {p["file"] for s in manifest["shards"].values() for p in s["pieces"]}
+    assert len(writers) >= 3, writers  # the replicas of each shard share the writing
+    weight = manifest["shards"]["model/0.weight"]
+    assert weight["mesh"] == [2, 2] and weight["placements"] == ["R", "S0"]
+    assert len(weight["pieces"]) == 2  # each distinct shard once, not once per replica
+    model = _plain_model()
+    ddpckpt.load(tmp_path / "hsdp", model=model)  # 4 ranks -> 1 process
+    reference = torch.load(tmp_path / "hsdp-reference.pt")["model"]
+    assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
