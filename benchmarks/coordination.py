@@ -6,8 +6,9 @@ collectives through :class:`ddpckpt._coord.comm.StoreGroup` (no ``torch.distribu
 Every store operation is counted per rank, with the bytes it moves through the server.
 
 For each N it reports, per collective: store operations per rank (mean, and the busiest
-rank: rank 0), bytes through the server per rank, and wall time; then the time until a
-silent rank is named, against the configured timeout. ``--before`` runs the same on the
+rank: rank 0), bytes through the server per rank, and wall time (for a save on node-local
+storage, with ``RANKS_PER_NODE`` ranks a node, the gloo connections each rank opens too);
+then the time until a silent rank is named, against the configured timeout. ``--before`` runs the same on the
 ``comm.py`` of a git revision (default ``main``), loaded next to the current one.
 
     PYTHONPATH=src python benchmarks/coordination.py --ranks 16 64 256 1024 --before main
@@ -235,13 +236,30 @@ class _ThreadRanks:
 
 
 class Version:
-    """One ``comm.py``: opens a call for a simulated rank."""
+    """One ``comm.py`` (and its sibling modules): opens a call for a simulated rank."""
 
-    def __init__(self, name: str, module: ModuleType) -> None:
+    def __init__(
+        self, name: str, module: ModuleType, siblings: dict[str, ModuleType] | None = None
+    ) -> None:
         self.name = name
         self.module = module
+        self.siblings = siblings or {}
         self.seam = hasattr(module, "StoreGroup")
         self.ranks = None if self.seam else _ThreadRanks(module)
+
+    def sibling(self, name: str) -> ModuleType | None:
+        """The version's module ``name`` of ``ddpckpt._coord`` (``copies``, ``liveness``)."""
+        if name in self.siblings:
+            return self.siblings[name]
+        return sys.modules.get(self.module.__name__.rsplit(".", 1)[0] + "." + name)
+
+    def copies(self, comm: Any, domains: list[list[int]], bundle: bytes) -> Any:
+        """The copies step of a save on node-local storage, as this version runs it."""
+        copies = self.sibling("copies")
+        send = lambda: copies.send_to_leaders(comm, domains, bundle)  # noqa: E731
+        if hasattr(comm, "run_transfer"):
+            return comm.run_transfer("copies", send)
+        return comm.run("copies", send)
 
     def bind(self, rank: int, world: int, store: Any) -> Any:
         """Per thread: what :meth:`open` needs (the old code reads it from thread state)."""
@@ -269,34 +287,93 @@ def load_version(revision: str | None) -> Version:
 
     if revision is None:
         return Version("current", ddpckpt._coord.comm)
+    tag = revision.replace("/", "_").replace("~", "_")
+    if _show(revision, "src/ddpckpt/_coord/comm.py") is None:  # before the split into _coord
+        text = _show(revision, "src/ddpckpt/comm.py")
+        if text is None:
+            raise SystemExit(f"{revision}: has no ddpckpt comm module")
+        return Version(revision, _exec_module(f"ddpckpt._comm_{tag}", text, f"{revision}:comm.py"))
+    # ddpckpt/_coord/: the revision's own modules, each importing the revision's siblings
+    # (put in sys.modules only while they are loaded)
+    siblings: dict[str, ModuleType] = {}
+    current = {name: sys.modules.get(f"ddpckpt._coord.{name}") for name in _COORD}
+    try:
+        for name in _COORD:
+            text = _show(revision, f"src/ddpckpt/_coord/{name}.py")
+            if text is None:
+                continue
+            module = _exec_module(f"ddpckpt._coord._{name}_{tag}", text, f"{revision}:{name}.py")
+            siblings[name] = sys.modules[f"ddpckpt._coord.{name}"] = module
+    finally:
+        for name, module in current.items():
+            if module is not None:
+                sys.modules[f"ddpckpt._coord.{name}"] = module
+    return Version(revision, siblings.pop("comm"), siblings)
+
+
+_COORD = ("store", "failures", "liveness", "exchange", "copies", "comm")  # in import order
+
+
+def _show(revision: str, path: str) -> str | None:
     root = Path(__file__).resolve().parents[1]
-    # The module moved into ddpckpt/_coord/ (split into store, liveness, failures and comm);
-    # a revision of that layout imports the current siblings of comm.py, not its own.
-    for path in ("src/ddpckpt/_coord/comm.py", "src/ddpckpt/comm.py"):
-        shown = subprocess.run(
-            ["git", "show", f"{revision}:{path}"], cwd=root, capture_output=True, text=True
-        )
-        if shown.returncode == 0:
-            text = shown.stdout
-            break
-    else:
-        raise SystemExit(f"{revision}: has no ddpckpt comm module ({shown.stderr.strip()})")
-    name = f"ddpckpt._comm_{revision.replace('/', '_').replace('~', '_')}"
+    shown = subprocess.run(
+        ["git", "show", f"{revision}:{path}"], cwd=root, capture_output=True, text=True
+    )
+    return shown.stdout if shown.returncode == 0 else None
+
+
+def _exec_module(name: str, text: str, origin: str) -> ModuleType:
     spec = importlib.util.spec_from_loader(name, loader=None)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    module.__package__ = "ddpckpt"
+    module.__package__ = name.rsplit(".", 1)[0]
     sys.modules[name] = module
-    exec(compile(text, f"{revision}:comm.py", "exec"), module.__dict__)
-    return Version(revision, module)
+    exec(compile(text, origin, "exec"), module.__dict__)
+    return module
 
 
 # --------------------------------------------------------------------- scenarios
 
 LATE = "run, 1 rank 1 s late"
+NODE_LOCAL = "save, node-local"
 COLLECTIVES = (
-    "open+close", "run", "run_reduce", "broadcast", "barrier", LATE, "save", "load", "should_save"
+    "open+close", "run", "run_reduce", "broadcast", "barrier", LATE, "save", NODE_LOCAL, "load",
+    "should_save",
 )  # fmt: skip
 _TENSORS = 24  # shared tensors each rank writes in the simulated save (balanced over ranks)
+RANKS_PER_NODE = 8  # for the node-local save: each node's ranks share its disk
+
+
+def node_domains(n: int) -> list[list[int]]:
+    """The storage domains of ``n`` ranks on node-local disks, ``RANKS_PER_NODE`` a node."""
+    return [
+        list(range(first, min(first + RANKS_PER_NODE, n))) for first in range(0, n, RANKS_PER_NODE)
+    ]
+
+
+class Connections:
+    """Counts the gloo connections each simulated rank opens (``size - 1`` per group)."""
+
+    def __init__(self) -> None:
+        self.by_rank: dict[int, int] = {}
+        self.local = threading.local()
+        self._lock = threading.Lock()
+        self._real = dist.ProcessGroupGloo
+
+    def __enter__(self) -> Connections:
+        counter = self
+
+        def counting(store: Any, rank: int, size: int, *args: Any) -> Any:
+            me = getattr(counter.local, "rank", None)
+            if me is not None:
+                with counter._lock:
+                    counter.by_rank[me] = counter.by_rank.get(me, 0) + size - 1
+            return counter._real(store, rank, size, *args)
+
+        dist.ProcessGroupGloo = counting  # type: ignore[misc]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.ProcessGroupGloo = self._real  # type: ignore[misc]
 
 
 def _write_result(rank: int) -> dict[str, Any]:
@@ -314,9 +391,13 @@ def _write_result(rank: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _save(version: Version, bound: Any, rank: int, timeout: float) -> None:
+def _save(
+    version: Version, bound: Any, rank: int, timeout: float, domains: list[list[int]] | None = None
+) -> None:
     """The store exchanges of one ``ddpckpt.save`` on shared storage (no files written):
-    capture, the layout and digest checks, the storage probe, prepare, write, commit."""
+    capture, the layout and digest checks, the storage probe, prepare, write, commit.
+    With ``domains`` (node-local storage), the copies step too: every rank's rank file
+    (9 kB) to every other domain's first rank, over gloo."""
     digests = lambda: ["0123456789abcdef"] * 8  # noqa: E731  the canaries' digests
     with version.open(bound, "bench.save", timeout) as comm:
         comm.run("capture", lambda: None)
@@ -331,6 +412,8 @@ def _save(version: Version, bound: Any, rank: int, timeout: float) -> None:
         )
         comm.run("probe", lambda: None)
         _reduce(comm, "look", lambda: [0] if rank == 0 else None, lambda v: {0: [0]})
+        if domains is not None:
+            version.copies(comm, domains, b"r" * 9000)
         _reduce(comm, "prepare", lambda: False, lambda v: v[0])
         if hasattr(comm, "run_scatter"):
             comm.run_scatter(
@@ -368,11 +451,15 @@ def _reduced(comm: Any, rank: int) -> Any:
     return newest(comm.run_all("run_reduce", step))
 
 
-def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, dict[str, float]]:
-    """Per collective: store ops and bytes per rank (mean, rank 0's), wall time.
+def measure_collectives(
+    version: Version, n: int, timeout: float, max_node_local: int = 1 << 30
+) -> dict[str, dict[str, float]]:
+    """Per collective: store ops and bytes per rank (mean, rank 0's), wall time; for the
+    node-local save (up to ``max_node_local`` ranks), gloo connections per rank too.
 
     Heartbeat threads' operations count too (liveness checks run there in the new code).
     """
+    connections = Connections()
     marks: list[dict[str, tuple[int, int, float]]] = [{} for _ in range(n)]
     mains: list[dict[str, int]] = [{} for _ in range(n)]  # without the heartbeat threads' ops
     walls: dict[str, list[float]] = {c: [0.0, 0.0] for c in COLLECTIVES}
@@ -381,6 +468,7 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
     def body(rank: int, store: Any) -> None:
         bound = version.bind(rank, n, store)
         record = marks[rank]
+        connections.local.rank = rank
 
         def timed(name: str, action: Callable[[], Any]) -> Any:
             ops, nbytes = store.stats.snapshot()
@@ -415,15 +503,21 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
             opened[2],
         )
         timed("save", lambda: _save(version, bound, rank, timeout))
+        if n <= max_node_local:
+            domains = node_domains(n)
+            timed(NODE_LOCAL, lambda: _save(version, bound, rank, timeout, domains))
         timed("load", lambda: _load(version, bound, rank, timeout))
         timed("should_save", lambda: version.decide(bound, timeout))
 
-    results, _ = run_ranks(n, body)
+    with connections:
+        results, _ = run_ranks(n, body)
     errors = [r for r in results if isinstance(r, BaseException)]
     if errors:
         raise errors[0]
     report = {}
     for name in COLLECTIVES:
+        if name not in marks[0]:
+            continue
         per_rank = [m[name] for m in marks]
         report[name] = {
             "ops_mean": sum(p[0] for p in per_rank) / n,
@@ -436,6 +530,9 @@ def measure_collectives(version: Version, n: int, timeout: float) -> dict[str, d
             "bytes_total": sum(p[1] for p in per_rank),
             "wall_s": walls[name][1] - walls[name][0],
         }
+    if NODE_LOCAL in report:
+        report[NODE_LOCAL]["connections_max"] = max(connections.by_rank.values(), default=0)
+        report[NODE_LOCAL]["connections_total"] = sum(connections.by_rank.values())
     return report
 
 
@@ -498,7 +595,7 @@ def _detect(
     raised: dict[int, float] = {}
     starts: dict[int, float] = {}
     judged: list[tuple[float, int]] = []  # rank 0's liveness checks: seconds, store operations
-    liveness = sys.modules.get(version.module.__name__.rsplit(".", 1)[0] + ".liveness")
+    liveness = version.sibling("liveness")
     original = getattr(getattr(liveness, "Liveness", None), "_judge", None)
 
     def timed_judge(self: Any, client: Any, watch: Any) -> None:
@@ -583,14 +680,16 @@ def _say(text: str) -> None:
 def _table(rows: Sequence[dict[str, Any]]) -> str:
     header = (
         "| comm.py | N | collective | ops/rank (mean) | ops rank 0 | ops other (max) | "
-        "bytes/rank (mean) | bytes rank 0 | server bytes | wall s |"
+        "bytes/rank (mean) | bytes rank 0 | server bytes | gloo connections/rank (max) | wall s |"
     )
-    lines = [header, "|" + "---|" * 10]
+    lines = [header, "|" + "---|" * 11]
     for row in rows:
+        links = row.get("connections_max")
         lines.append(
             f"| {row['version']} | {row['n']} | {row['collective']} | {row['ops_mean']:.1f} | "
             f"{row['ops_rank0']} | {row['ops_max_other']} | {row['bytes_mean']:,.0f} | "
-            f"{row['bytes_rank0']:,} | {row['bytes_total']:,} | {row['wall_s']:.3f} |"
+            f"{row['bytes_rank0']:,} | {row['bytes_total']:,} | "
+            f"{'' if links is None else links} | {row['wall_s']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -600,6 +699,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256, 1024])
     parser.add_argument("--before", default=None, help="git revision of the old comm.py")
     parser.add_argument("--before-max", type=int, default=256, help="largest N for the old one")
+    parser.add_argument(
+        "--node-local-max", type=int, default=256,
+        help="largest N of the node-local save (its gloo sockets are file descriptors here)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--before-node-local-max", type=int, default=64,
+        help="largest N of the old one's node-local save (a full mesh: N^2 sockets in one process)",
+    )  # fmt: skip
     parser.add_argument("--timeout", type=float, default=600.0, help="for the collectives")
     parser.add_argument("--detect-timeout", type=float, default=3.0)
     parser.add_argument("--no-detect", action="store_true")
@@ -616,7 +723,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             if version is not versions[-1] and n > args.before_max:
                 continue
             if not args.only_detect:
-                report = measure_collectives(version, n, args.timeout)
+                old = version is not versions[-1]
+                most = args.before_node_local_max if old else args.node_local_max
+                report = measure_collectives(version, n, args.timeout, most)
                 for name, values in report.items():
                     rows.append({"version": version.name, "n": n, "collective": name, **values})
                 _say(_table([r for r in rows if r["n"] == n and r["version"] == version.name]))

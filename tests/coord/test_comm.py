@@ -4,13 +4,24 @@
 from __future__ import annotations
 
 import errno
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
+import torch
 
 from ddpckpt._coord import liveness
-from ddpckpt._coord.comm import Comm, node_id, resolve_timeout
+from ddpckpt._coord.comm import Comm, node_id
+from ddpckpt._coord.limits import resolve_timeout
 from ddpckpt._coord.store import StoreGroup
-from ddpckpt.errors import CheckpointWriteError, CollectiveMismatchError, RankFailureError
+from ddpckpt.errors import (
+    CheckpointWriteError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    RankFailureError,
+)
 from thread_ranks import ranks, sim
 
 
@@ -172,3 +183,91 @@ def test_store_operations_per_rank_do_not_grow_with_the_ranks(monkeypatch) -> No
     assert lead12 == lead3 and other12 == other3
     assert deleted12 == deleted3
     assert bytes12 <= bytes3 + 64  # longer rank numbers in key names, nothing per rank
+
+
+def _timed_failure(group: StoreGroup, fail: Callable[[Comm], None]) -> tuple[Any, float]:
+    """Every rank opens a call with a long timeout; ``fail`` runs on every rank between two
+    steps. Returns what each rank raised and after how many seconds."""
+    started = time.monotonic()
+    try:
+        with Comm.open("ddpckpt.save", timeout=60, group=group) as comm:
+            comm.run("plan", lambda: None)
+            fail(comm)
+            comm.run("write", lambda: None)
+    except BaseException as exc:
+        return exc, time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+def test_a_rank_failing_between_steps_is_named_on_every_rank_within_seconds() -> None:
+    """Rank 1's staging fails outside any step: the others, waiting in the next step, raise
+    rank 1's error within a heartbeat period, not "stopped responding" after the timeout."""
+
+    def stage(comm: Comm) -> None:
+        if comm.rank == 1:
+            comm.alone(lambda: torch.empty(1 << 62, dtype=torch.uint8))  # host out of memory
+
+    results, _ = ranks(3, lambda group: _timed_failure(group, stage))
+    errors = [error for error, _ in results]
+    for rank, (error, elapsed) in enumerate(results):
+        assert isinstance(error, RankFailureError), error
+        assert list(error.failures) == [1] and "RuntimeError" in error.failures[1]
+        assert str(error) == str(errors[0]) and "(on rank 1)" in str(error)
+        assert isinstance(error.__cause__, RuntimeError) == (rank == 1)
+        assert elapsed < 5, elapsed  # 60 s before; about a second now
+
+
+def test_an_interrupt_inside_a_step_or_an_error_leaving_the_call_reaches_every_rank() -> None:
+    def interrupt(comm: Comm) -> None:
+        def step() -> None:
+            if comm.rank == 2:
+                raise KeyboardInterrupt
+
+        comm.run("retain", step)
+
+    def leave(comm: Comm) -> None:
+        if comm.rank == 0:
+            raise ValueError("rank 0 gave up")  # leaves the `with`: Comm.close posts it
+
+    for fail, rank, kind in ((interrupt, 2, "KeyboardInterrupt"), (leave, 0, "ValueError")):
+        results, _ = ranks(3, lambda group, fail=fail: _timed_failure(group, fail))
+        for r, (error, elapsed) in enumerate(results):
+            if r == rank:  # the failing rank raises its own exception, unchanged
+                assert type(error).__name__ == kind
+                continue
+            assert isinstance(error, RankFailureError) and list(error.failures) == [rank]
+            assert error.failures[rank].startswith(kind) and elapsed < 5, (error, elapsed)
+
+
+def test_rank_zero_alone_in_a_call_says_which_ranks_it_waits_for(monkeypatch, caplog) -> None:
+    """The seeds' ``if rank == 0: save(...)``: a warning naming the missing ranks after the
+    notice period (once), then the error that says every rank must call."""
+    monkeypatch.setenv("DDPCKPT_WAIT_NOTICE", "0.5")
+    seen: list[float] = []
+    caplog.set_level(logging.WARNING, logger="ddpckpt")
+    original = logging.Logger.callHandlers
+
+    def stamp(self: logging.Logger, record: logging.LogRecord) -> None:
+        seen.append(time.monotonic())
+        original(self, record)
+
+    monkeypatch.setattr(logging.Logger, "callHandlers", stamp)
+
+    def body(group: StoreGroup) -> Any:
+        if group.rank != 0:
+            return None
+        started = time.monotonic()
+        try:
+            Comm.open("ddpckpt.save", timeout=2.5, group=group)
+        except CollectiveTimeoutError as exc:
+            return exc, started
+        return None
+
+    results, _ = ranks(4, body)
+    error, started = results[0]
+    notices = [r.getMessage() for r in caplog.records if "has waited" in r.getMessage()]
+    assert len(notices) == 1, notices
+    assert "ddpckpt.save for ranks 1-3, which did not call it yet" in notices[0]
+    assert "every rank must call ddpckpt.save" in notices[0]
+    assert 0.5 <= seen[0] - started < 2.0
+    assert "every rank must call it (not inside `if rank == 0`)" in str(error)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import tempfile
+import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import ddpckpt._coord.topology as topology
+from ddpckpt._coord.comm import Comm
+from ddpckpt._coord.store import StoreGroup
 from ddpckpt._coord.topology import colliding_nodes, node_id, storage_domains
 from ddpckpt.errors import CheckpointError
+from thread_ranks import ranks
 
 
 class RankView:
@@ -26,7 +32,7 @@ class RankView:
     def run_reduce(
         self, name: str, fn: Callable[[], Any], reduce: Callable[[list[Any]], Any]
     ) -> Any:
-        return reduce(self.answers[name])
+        return reduce(self.answers.get(name) or [fn()] * self.world_size)
 
 
 def machine(monkeypatch, tmp_path, host: str, boot_id: str | None) -> str:
@@ -78,3 +84,39 @@ def test_collisions_are_found_from_each_machines_rank_count() -> None:
     assert colliding_nodes([[0, 1, 2, 3]], ["4"] * 4) == []
     assert colliding_nodes([[0, 1, 2, 3]], [None] * 4) == []  # unknown: nothing to compare
     assert colliding_nodes([[0, 1, 2], [3]], ["2", "2", "2", "1"]) == [[0, 1, 2]]
+
+
+def test_the_layout_is_probed_once_per_directory_until_the_directory_changes(
+    tmp_path, monkeypatch
+) -> None:
+    """Every save used to probe where its directory is shared (three exchanges, files
+    written and looked for); now the second save only checks that each rank still sees
+    it on the same file system. Moved to another one, it is probed anew."""
+    elsewhere = Path("/dev/shm")
+    if not elsewhere.is_dir() or elsewhere.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on a file system of its own")
+    probed: list[int] = []
+    real_probe = topology._probe
+    monkeypatch.setattr(
+        topology, "_probe", lambda comm, *a: probed.append(comm.rank) or real_probe(comm, *a)
+    )
+    directory = tmp_path / "run"
+    between = threading.Barrier(3)
+
+    def body(group: StoreGroup) -> list[list[list[int]]]:
+        found = []
+        for call in range(3):
+            if call == 2:  # rank 0 moves the directory between the second and third save
+                between.wait()
+                if group.rank == 0:
+                    directory.rmdir()
+                    directory.symlink_to(moved)
+                between.wait()
+            with Comm.open("ddpckpt.save", timeout=30, group=group) as comm:
+                found.append(storage_domains(comm, str(directory)))
+        return found
+
+    with tempfile.TemporaryDirectory(dir=elsewhere) as moved:
+        results, _ = ranks(3, body)
+    assert results == [[[[0, 1, 2]]] * 3] * 3
+    assert sorted(probed) == [0, 0, 1, 1, 2, 2]  # the first save and the third, not the second

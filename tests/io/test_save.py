@@ -110,3 +110,22 @@ def test_saving_streams_with_bounded_extra_memory(ckpt_dir) -> None:
     )
     extra, state = map(int, result.stdout.split())
     assert extra < state * 0.15, f"peak RSS grew by {extra} bytes saving {state} bytes"
+
+
+def test_each_ranks_own_file_is_streamed_not_built_in_memory(ckpt_dir, monkeypatch) -> None:
+    """A rank's own state (its RNG, its values of state that differs between ranks: an EMA
+    kept per rank can be model-sized) goes to its file as the other files do, piece by
+    piece, rather than into one bytes object first."""
+    import ddpckpt._format.tensorwrite as tensorwrite
+
+    into: dict[str, str] = {}
+    real = tensorwrite._emit
+
+    def emit(name, items, writer, metadata, sink, *args):
+        into[name] = type(getattr(sink, "__self__", sink)).__name__
+        return real(name, items, writer, metadata, sink, *args)
+
+    monkeypatch.setattr(tensorwrite, "_emit", emit)
+    ddpckpt.save(ckpt_dir, model=make_mlp())
+    assert into["rank-00000.safetensors"] not in ("bytearray", "BytesIO"), into
+    assert into["rank-00000.safetensors"] == into["model-00000.safetensors"]

@@ -7,9 +7,14 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import ddpckpt
 from conftest import TiedLM, make_mlp, train_steps
+from ddpckpt._format import pinned_ring
+from ddpckpt._format.manifest import read_manifest
+from ddpckpt._format.sections import StateSections
+from ddpckpt._io.reader import FileSource
 from ddpckpt._state.capture import TrainingState, capture
-from ddpckpt._state.model import canonical_state_dict, unwrap_model
+from ddpckpt._state.model import canonical_state_dict, restore_model, unwrap_model
 
 PLAIN_KEYS = ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
               "1.num_batches_tracked", "3.weight", "3.bias"]  # fmt: skip
@@ -82,3 +87,60 @@ def test_a_model_without_ddp_is_verified_not_assumed_replicated() -> None:
     snapshot = capture(TrainingState.of(model=model, optimizer=opt, rng=False))
     assert not snapshot.balanced and not snapshot.per_rank
     assert snapshot.unverified == set(snapshot.tensors)  # buffers too: nothing broadcasts them
+
+
+class _Recording:
+    """A tensor source that notes where each tensor was asked to be read into."""
+
+    def __init__(self, source) -> None:
+        self.source, self.likes = source, {}
+
+    def meta(self, name):
+        return self.source.meta(name)
+
+    def get(self, name, like=None):
+        self.likes[name] = like
+        return self.source.get(name, like=like)
+
+
+def _restore_through_the_ring(tmp_path, monkeypatch, model: nn.Module) -> dict:
+    """Save ``make_mlp()``, then restore it into ``model`` the way a GPU model is restored
+    (the ring forced on for CPU tensors); what each tensor was read into."""
+    monkeypatch.setattr(pinned_ring, "_RING_FOR_CPU", True)
+    monkeypatch.setattr(pinned_ring, "_PIECE", 4096)  # pieces smaller than the tensors
+    monkeypatch.setattr(pinned_ring, "_rings", [])
+    saved = make_mlp()
+    path = ddpckpt.save(tmp_path / "ck", model=saved)
+    manifest = read_manifest(str(path))
+    section = StateSections.from_json(manifest.state, str(path)).models["model"]
+    source = _Recording(FileSource(str(path), manifest))
+    restore_model(model, section, source, str(path), strict=True)
+    for key, value in saved.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    return source.likes
+
+
+def test_a_gpu_model_is_loaded_straight_into_its_tensors(tmp_path, monkeypatch) -> None:
+    """No tensor the size of the weights is allocated on the device: each one is read
+    into the live tensor, piece by piece through the pinned ring."""
+    model = make_mlp(seed=1)
+    live = {f"model/{k}": v for k, v in model.state_dict(keep_vars=True).items()}
+    likes = _restore_through_the_ring(tmp_path, monkeypatch, model)
+    assert set(likes) == set(live)
+    for name, like in likes.items():
+        assert like is not None and like.data_ptr() == live[name].data_ptr(), name
+
+
+def test_load_hooks_still_see_the_incoming_value_apart_from_the_current_one(
+    tmp_path, monkeypatch
+) -> None:
+    model = make_mlp(seed=1)
+    seen = []
+
+    def compare(module, state, prefix, *args) -> None:
+        seen.append(torch.equal(state[prefix + "weight"], module.weight))
+
+    model[0]._register_load_state_dict_pre_hook(compare, with_module=True)
+    likes = _restore_through_the_ring(tmp_path, monkeypatch, model)
+    assert seen == [False]  # the new weights, beside the old ones
+    assert likes["model/0.weight"].data_ptr() != model[0].weight.data_ptr()

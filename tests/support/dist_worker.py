@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -193,15 +194,34 @@ def scenario_load_memory(args, rank: int) -> dict[str, Any]:
     }
 
 
+class StampedStderr:
+    """Passes stderr through, noting when each line was written (what a user sees, when)."""
+
+    def __init__(self) -> None:
+        self.stream = sys.stderr
+        self.lines: list[tuple[float, str]] = []
+
+    def write(self, text: str) -> int:
+        self.lines += [(time.monotonic(), line) for line in text.splitlines() if line]
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 def scenario_rank0_only(args, rank: int) -> dict[str, Any]:
+    """The seeds' pattern: ``if rank == 0: save(...)`` then ``dist.barrier()``."""
     result: dict[str, Any] = {}
     if rank == 0:
         model = nn.Linear(2, 2)  # not DDP: wrapping is itself a collective
+        sys.stderr = stderr = StampedStderr()
         started = time.monotonic()
         try:
             ddpckpt.save(args.ckpt, model=model, timeout=args.timeout)
         except Exception as exc:
             result = error_report(exc, started)
+        sys.stderr = stderr.stream
+        result["stderr"] = [(round(at - started, 2), line) for at, line in stderr.lines]
     dist.barrier()  # the other ranks never called save; they meet rank 0 here
     result["listing"] = listing(os.path.dirname(args.ckpt))
     return result
@@ -213,8 +233,11 @@ def scenario_slow_writer(args, rank: int) -> dict[str, Any]:
     if rank == 1:
         real = checkpoint_module.write_file
 
-        def slow(*a, **k):
-            time.sleep(args.sleep)
+        slept = []
+
+        def slow(*a, **k):  # the first file takes args.sleep seconds
+            if not slept:
+                slept.append(time.sleep(args.sleep))
             return real(*a, **k)
 
         checkpoint_module.write_file = slow
@@ -453,6 +476,23 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
             ema.update_parameters(model)  # a common mistake: the EMA differs between ranks
     saved = {"ddp": digest(model, opt), "ema": ema_digest(ema)}
     ddpckpt.save(os.path.join(args.ckpt, "ddp"), model=ddp, optimizer=opt, extra={"ema": ema})
+    import ddpckpt._coord.consistency as consistency
+
+    hashed_on: set[str] = set()  # the threads that compared the EMA across ranks
+    real_differing = consistency._differing
+
+    def differing(comm, tensors, call, names):
+        if any(n.startswith("extra/ema/") for n in names):
+            hashed_on.add(threading.current_thread().name.split()[0])
+        return real_differing(comm, tensors, call, names)
+
+    consistency._differing = differing
+    pending = ddpckpt.save(os.path.join(args.ckpt, "ddp-async"), model=ddp, optimizer=opt,
+                           extra={"ema": ema}, async_save=True)  # fmt: skip
+    if rank == 0:
+        ema.update_parameters(model)  # after save(): not in the checkpoint
+    pending.wait()
+    consistency._differing = real_differing
 
     torch.manual_seed(rank)  # each rank trains its own plain model
     plain = nn.Linear(4, 2)
@@ -475,6 +515,9 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
     saved_warnings = list(warnings.messages)
 
     model, ddp, opt, ema = objects(5)
+    ddpckpt.load(os.path.join(args.ckpt, "ddp-async"), model=ddp, optimizer=opt, extra={"ema": ema})
+    loaded_async = {"ddp": digest(model, opt), "ema": ema_digest(ema)}
+    model, ddp, opt, ema = objects(5)
     ddpckpt.load(os.path.join(args.ckpt, "ddp"), model=ddp, optimizer=opt, extra={"ema": ema})
     plain = nn.Linear(4, 2)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
@@ -494,6 +537,8 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
             "same": digest(same_again, torch.optim.SGD(same_again.parameters(), lr=1)),
             "diverged": digest(astray, astray_opt),
         },
+        "loaded_async": loaded_async,
+        "ema_hashed_on": sorted(hashed_on),
         "same_writers": writers,
         "warnings": saved_warnings,
     }
@@ -517,6 +562,78 @@ def scenario_failing_saves(args, rank: int) -> dict[str, Any]:
     checkpoint_module.write_file = real
     ckpt.close()
     return {"results": [first, second], "failed_saves": ckpt.failed_saves}
+
+
+class _Injected:
+    """Makes one function of a module fail on one rank, noting when it failed."""
+
+    def __init__(self) -> None:
+        self.failed_at: float | None = None
+
+    def failing(self, error: BaseException):
+        def fail(*a, **k):
+            self.failed_at = time.time()
+            raise error
+
+        return fail
+
+
+def scenario_one_rank_fails(args, rank: int) -> dict[str, Any]:
+    """One ddpckpt call per phase of a save or load, each failing on one rank only (a
+    different one from phase to phase): what every rank raised, and when."""
+    import ddpckpt._io.load as load_module
+    import ddpckpt._io.staging as staging_module
+    import ddpckpt._run.saving as saving_module
+    from ddpckpt._io.async_saver import DEFAULT_SAVER
+
+    _model, ddp, opt, sched, scaler, counter = build(seed=0)
+    train(ddp, opt, sched, scaler, counter, 1)
+    good = ddpckpt.save(os.path.join(args.ckpt, "good"), model=ddp, optimizer=opt, step=1)
+    warnings = Warnings()
+    interrupt = KeyboardInterrupt()
+    enomem = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 GB")
+    phases = {  # phase: (failing rank, module, function, what it raises)
+        "staging": (1, DEFAULT_SAVER.pool, "stage", enomem),
+        "planning": (2, checkpoint_module, "plan_owners", enomem),
+        "writing": (1, checkpoint_module, "write_file", OSError(errno.ENOSPC, "No space left")),
+        "fences": (2, staging_module.Fence, "wait", RuntimeError("CUDA error: illegal access")),
+        "commit": (0, checkpoint_module, "_commit", OSError(errno.EIO, "Input/output error")),
+        "retention": (0, saving_module, "apply_retention", interrupt),
+        "load": (2, load_module, "_restore", interrupt),
+    }
+    run_dir = os.path.join(args.ckpt, "run")
+    ckpt = ddpckpt.Checkpointer(run_dir, model=ddp, optimizer=opt, keep_last=1)
+    ckpt.save(1)
+    actions = {
+        "staging": lambda path: ddpckpt.save(path, model=ddp, optimizer=opt, async_save=True),
+        "fences": lambda path: ddpckpt.save(path, model=ddp, optimizer=opt, async_save=True),
+        "retention": lambda path: ckpt.save(2),
+        "load": lambda path: ddpckpt.load(good, model=ddp, optimizer=opt),
+    }
+    results: dict[str, Any] = {}
+    for name, (victim, owner, attr, error) in phases.items():
+        injected = _Injected()
+        real = getattr(owner, attr)
+        if rank == victim:
+            setattr(owner, attr, injected.failing(error))
+        warnings.messages.clear()
+        started = time.monotonic()
+        try:
+            action = actions.get(name, lambda path: ddpckpt.save(path, model=ddp, optimizer=opt))
+            returned = action(os.path.join(args.ckpt, name))
+            if hasattr(returned, "wait"):
+                returned.wait()
+            outcome: dict[str, Any] = {"error": None}
+        except BaseException as exc:  # KeyboardInterrupt on the rank it was injected on
+            outcome = error_report(exc, started)
+        outcome["ended"] = time.time()
+        outcome["failed_at"] = injected.failed_at
+        outcome["warnings"] = list(warnings.messages)
+        setattr(owner, attr, real)
+        results[name] = outcome
+        dist.barrier()
+    ckpt.close()
+    return results
 
 
 def scenario_s3_outage(args, rank: int) -> dict[str, Any]:
@@ -826,10 +943,10 @@ def scenario_copies_after_failure(args, rank: int) -> dict[str, Any]:
     """Node-local storage (memory:// is per process): rank 1 fails inside the copies step of
     save 1 (``--mode first``) or save 2 (``--mode second``); then every later save, a load
     and the user's own ``dist.new_group`` must still work."""
-    import ddpckpt._io.writing as writing
+    import ddpckpt._io.settling as settling
 
     model = build(seed=args.seed)[0]
-    real_send = writing.send_to_leaders
+    real_send = settling.send_to_leaders
     calls = []
 
     def failing_send(comm, domains, bundle):
@@ -838,7 +955,7 @@ def scenario_copies_after_failure(args, rank: int) -> dict[str, Any]:
             raise RuntimeError("rank 1 fails before its send (simulated)")
         return real_send(comm, domains, bundle)
 
-    writing.send_to_leaders = failing_send
+    settling.send_to_leaders = failing_send
     outcomes = []
     for step in (1, 2, 3):
         try:

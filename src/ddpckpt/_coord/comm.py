@@ -17,34 +17,39 @@ training process group:
   rank that makes no progress for ``timeout`` seconds (:mod:`ddpckpt._coord.liveness`);
 * :meth:`Comm.run` runs a step on every rank and gathers the outcome at rank 0: if any
   rank failed, every rank raises the same error with a per-rank report (the local
-  exception chained; see :mod:`ddpckpt._coord.failures`).
+  exception chained; see :mod:`ddpckpt._coord.failures`);
+* a rank that fails between steps (:meth:`Comm.alone`), is interrupted inside one
+  (``KeyboardInterrupt``), or leaves the call with an error (:meth:`Comm.close`) posts its
+  failure for the ranks still in the call, which raise it within a heartbeat period;
+* while rank 0 waits for ranks that have not called yet, it says which, once, after
+  :func:`resolve_wait_notice` seconds.
 
 Only small messages (statuses, plans, file records) travel through the store, by
 :mod:`ddpckpt._coord.exchange`; bulk bytes (rank files, tensors) move point to point over a
-gloo group of ddpckpt's own (:mod:`ddpckpt._coord.copies`, :meth:`Comm.transfer_group`).
+gloo group of the two ranks alone (:mod:`ddpckpt._coord.copies`, :meth:`Comm.pair`).
 
 Calls are matched across ranks by order: the n-th ddpckpt collective on one rank meets
 the n-th on every other, so calls must be opened from the training thread (a background
 save keeps using the call its ``save`` opened). The first exchange of each call compares
 the call names, so ``save`` on one rank and ``load`` on another fails at once instead of
 mixing messages. Every key a call writes to the store is deleted when the call is over
-(per-rank keys by their rank once rank 0 replied, shared keys by the last rank to close
-the call), except each rank's heartbeat record, one per rank for the job, and the roster
+(per-rank keys by their rank once rank 0 replied, shared keys, and the parts of ranks
+that stopped at a posted failure, by the last rank to close the call), except each rank's heartbeat record, one per rank for the job, and the roster
 of the ranks that have one.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
-from ddpckpt._coord.copies import rendezvous_keys, transfer_group
+from ddpckpt._coord.copies import Pair, pair_group, rendezvous_keys
 from ddpckpt._coord.exchange import LEADER, Exchanges
 from ddpckpt._coord.failures import combine, describe, encode_error
+from ddpckpt._coord.limits import DEFAULT_TIMEOUT, resolve_timeout, resolve_wait_notice
 from ddpckpt._coord.liveness import Liveness
 from ddpckpt._coord.store import (
     StoreGroup,
@@ -60,24 +65,7 @@ T = TypeVar("T")
 R = TypeVar("R")
 _log = get_logger(__name__)
 
-DEFAULT_TIMEOUT = 600.0
-
-
-def resolve_timeout(timeout: float | None) -> float:
-    """The effective timeout: ``timeout``, else ``$DDPCKPT_TIMEOUT``, else 600 seconds."""
-    source = "timeout"
-    if timeout is None:
-        env = os.environ.get("DDPCKPT_TIMEOUT", "").strip()
-        if not env:
-            return DEFAULT_TIMEOUT
-        source = "DDPCKPT_TIMEOUT"
-        try:
-            timeout = float(env)
-        except ValueError:
-            raise ValueError(f"DDPCKPT_TIMEOUT={env!r} is not a number of seconds") from None
-    if not timeout > 0:
-        raise ValueError(f"{source} must be a positive number of seconds, got {timeout!r}")
-    return float(timeout)
+_ORPHANED = 1 << 32  # added to the call's count of ranks that left by a rank leaving orphans
 
 
 class Comm(Exchanges):
@@ -107,6 +95,8 @@ class Comm(Exchanges):
         self._shared_keys: list[str] | None = []
         self._own_keys: list[str] = []  # this rank's, deleted by it when the call closes
         self._liveness: Liveness | None = None
+        self._settled = False
+        self._orphans: list[str] = []
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -134,13 +124,15 @@ class Comm(Exchanges):
         watcher = comm._group.watch_client()
         comm._op = next(comm._group._calls)
         failed = comm._key("failed", "all")
-        comm._liveness = Liveness(comm._group, comm._op, call, comm.timeout, failed)
+        comm._liveness = Liveness(
+            comm._group, comm._op, call, comm.timeout, failed, resolve_wait_notice()
+        )
         comm._share(failed)
         comm._liveness.start(comm._store, watcher, comm._own_connection)
         try:
             comm._enter(path)
-        except BaseException:
-            comm.close()
+        except BaseException as exc:
+            comm.close(exc)
             raise
         return comm
 
@@ -176,23 +168,40 @@ class Comm(Exchanges):
     def __enter__(self) -> Comm:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        self.close(error)
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         """Leave the call: this rank deletes its own keys (its transfer groups' addresses); the
-        last rank to leave deletes the keys the ranks shared."""
+        last rank to leave deletes the keys the ranks shared.
+
+        ``error``: this rank leaves because of it. Unless it is an error every rank raises
+        (one that came through the call's exchanges), it is posted first, so that ranks
+        still waiting in the call raise it at once rather than time out (:meth:`post_failure`).
+        """
+        if error is not None and not self._settled and self._store is not None:
+            self.post_failure(error)
         if self._liveness is not None:
             self._liveness.stop()
         if self._store is not None and self._shared_keys is not None:
             keys, self._shared_keys = self._shared_keys, None
             for key in self._own_keys:  # every rank is past the steps that read them
                 self._store.delete_key(key)
-            closed = self._key("closed", "count")
-            if self._store.add(closed, 1) == self.world_size:  # nobody reads them any more
+            closed, orphans = self._key("closed", "count"), self._key("orphans", "all")
+            if self._orphans:  # listed for the last rank to leave (rank 0 may read them still)
+                self._store.append(orphans, "".join(f"{key}\n" for key in self._orphans))
+            count = self._store.add(closed, 1 + (_ORPHANED if self._orphans else 0))
+            if count % _ORPHANED == self.world_size:  # nobody reads them any more
+                if count >= _ORPHANED:
+                    keys += [*self._store.get(orphans).decode().split(), orphans]
                 for key in [*keys, closed]:
                     self._store.delete_key(key)
             self._group.give_back(self._store, self._own_connection)  # type: ignore[union-attr]
+
+    @property
+    def group(self) -> StoreGroup | None:
+        """The ranks of this call and their store (``None`` with one process)."""
+        return self._group
 
     @property
     def nodes(self) -> list[str]:
@@ -333,6 +342,9 @@ class Comm(Exchanges):
         except Exception as exc:
             local = exc
             payload = json.dumps({"error": describe(exc)}).encode()
+        except BaseException as exc:  # KeyboardInterrupt: this rank leaves the call now
+            self.post_failure(exc)
+            raise
         gathered = self._collect(tag, payload, cause=local)
         if gathered is None:  # not the leader: rank 0 sends "all ok", every result or the error
             try:
@@ -376,9 +388,28 @@ class Comm(Exchanges):
 
     # ------------------------------------------------------------------ tensors
 
-    def transfer_group(self, purpose: str) -> AbstractContextManager[Any]:
-        """A gloo group of this call's ranks for one transfer (``purpose`` names it within the
-        call), shut down on leaving; every rank enters it together, inside a step."""
+    def run_transfer(self, tag: str, step: Callable[[], T]) -> T:
+        """Like :meth:`run`, for a step in which ranks wait for each other point to point
+        (:meth:`pair`): a rank whose step fails posts its failure at once, so that ranks
+        blocked on it in the step stop within a fraction of a second, not at the timeout."""
+
+        def posting() -> T:
+            try:
+                return step()
+            except Exception as exc:
+                if self.world_size > 1 and not self._settled:
+                    self.post_failure(exc)
+                raise
+
+        return self.run(tag, posting)
+
+    def pair(self, purpose: str, peer: int) -> AbstractContextManager[Pair]:
+        """A gloo group of this rank and ``peer`` for one transfer (``purpose`` names it
+        within the call), shut down on leaving; ``peer`` enters it with the same
+        ``purpose``, inside a step of :meth:`run_transfer`."""
         key = f"{self.token}/{purpose}"
-        self._own_keys += rendezvous_keys(key, self.rank)
-        return transfer_group(self._store, key, self.rank, self.world_size, self.timeout)
+        self._own_keys += rendezvous_keys(key, self.rank, peer)
+        failed = self._key("failed", "all")
+        return pair_group(
+            self._store, key, self.rank, peer, self.timeout, lambda: self._store.check([failed])
+        )

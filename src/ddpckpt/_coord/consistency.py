@@ -7,7 +7,8 @@ per rank through the store:
 
 * tensors nothing keeps identical (``Snapshot.unverified``: a model without DDP, a
   module-valued extra such as an EMA copy, optimizer state of parameters outside DDP) are
-  hashed on every rank;
+  hashed on every rank (:func:`differing_unverified`; an asynchronous save hashes its host
+  copies in the background);
 * of the tensors DDP keeps identical (``Snapshot.balanced``) only the smallest are hashed,
   up to :data:`CANARY_BYTES` in all: a desynchronized DDP run (a rank whose updates went
   astray) differs in every parameter, biases and norms included. If one of them differs,
@@ -24,6 +25,7 @@ rank without a check.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 import torch
 import xxhash
@@ -56,22 +58,28 @@ def _canaries(snapshot: Snapshot) -> list[str]:
     return sorted(chosen)
 
 
-def _differing(comm: Comm, snapshot: Snapshot, call: str, names: list[str]) -> set[str]:
+def _differing(
+    comm: Comm, tensors: Mapping[str, torch.Tensor], call: str, names: list[str]
+) -> set[str]:
     """The ``names`` whose digests are not the same on every rank; collective."""
 
     def differing(gathered: list[list[str]]) -> list[int]:  # on rank 0
         return [i for i in range(len(names)) if len({g[i] for g in gathered}) > 1]
 
-    digests = lambda: [tensor_digest(snapshot.tensors[n]) for n in names]  # noqa: E731
+    digests = lambda: [tensor_digest(tensors[n]) for n in names]  # noqa: E731
     return {names[i] for i in comm.run_reduce(call, digests, differing)}
 
 
 def check_replicated(comm: Comm, snapshot: Snapshot) -> None:
-    """Decide, the same way on every rank, which shared tensors are stored once; collective.
+    """Decide, the same way on every rank, which shared tensors DDP keeps replicated are
+    stored once; collective.
 
     Raises :class:`StateMismatchError` if the ranks' shared tensors differ in names,
-    shapes or dtypes. Afterwards ``snapshot.balanced`` holds the tensors any rank may write
-    and the rest of the differing ones are in this rank's own state.
+    shapes or dtypes. Afterwards ``snapshot.balanced`` holds the replicated tensors any
+    rank may write, the diverged ones and those that differ by design are in this rank's
+    own state, and ``snapshot.unverified`` still holds the tensors that nothing keeps
+    identical: compare them with :func:`differing_unverified` (once they are copied, for
+    an asynchronous save).
     """
     if comm.world_size == 1:
         snapshot.balanced |= snapshot.unverified | snapshot.per_rank
@@ -95,18 +103,27 @@ def check_replicated(comm: Comm, snapshot: Snapshot) -> None:
             "extra objects; pipeline stages (a different part of the model on each rank) are "
             "not supported"
         )
-    unverified, _, canaries = mine
-    apart = _differing(comm, snapshot, "digests", unverified + canaries)
-    diverged = apart & snapshot.balanced
+    canaries = mine[2]
+    diverged = _differing(comm, snapshot.tensors, "digests", canaries) if canaries else set()
     if diverged:  # DDP's replicas went apart: find every tensor that did
-        diverged = _differing(comm, snapshot, "all-digests", sorted(snapshot.balanced))
+        diverged = _differing(comm, snapshot.tensors, "all-digests", sorted(snapshot.balanced))
         _warn(comm, sorted(diverged), diverged=True)
-    if apart - diverged:
-        _warn(comm, sorted(apart - diverged), diverged=False)
-    snapshot.balanced |= snapshot.unverified
-    snapshot.unverified.clear()
-    snapshot.keep_per_rank(sorted(apart | diverged | snapshot.per_rank))
+    snapshot.keep_per_rank(sorted(diverged | snapshot.per_rank))
     snapshot.per_rank.clear()
+
+
+def differing_unverified(
+    comm: Comm, tensors: Mapping[str, torch.Tensor], names: list[str], call: str = "unverified"
+) -> set[str]:
+    """Of ``names`` (unverified tensors, the same on every rank), those whose values in
+    ``tensors`` (live, or this rank's copies) differ between ranks; collective. Rank 0
+    warns about them: they are stored per rank."""
+    if comm.world_size == 1 or not names:
+        return set()
+    apart = _differing(comm, tensors, call, names)
+    if apart:
+        _warn(comm, sorted(apart), diverged=False)
+    return apart
 
 
 def _warn(comm: Comm, names: list[str], *, diverged: bool) -> None:

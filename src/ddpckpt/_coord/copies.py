@@ -1,99 +1,209 @@
-"""Bulk bytes between ranks, point to point over a gloo group of one call's own.
+"""Bulk bytes between ranks, point to point over gloo groups of two.
 
 Rank files and tensors that every storage domain's copy needs (node-local storage) never
-travel through the key-value store: each rank sends its bundle straight to the first rank
-of every other domain (:func:`send_to_leaders`), on a gloo group made for that transfer
-alone (:func:`transfer_group`), so the store carries only small messages whatever the
-model's size.
+travel through the key-value store: they go over gloo, so the store carries only small
+messages whatever the model's size. Only ranks that exchange bytes are ever connected, by
+a group of the two of them (:func:`pair_group`): building it costs each of the two one
+address posted and one read, and one connection. :func:`send_to_leaders` passes every
+rank's bundle around a ring of the domains' first ranks, so that a save on node-local
+storage costs every rank the same few store operations and connections whatever the
+number of ranks (a full mesh of every rank, as before, cost each rank an address read and
+a connection per other rank).
 
-The group is built directly on the store, under keys of its own (deleted when the call
-closes), and shut down when the transfer ends: a transfer that failed (a rank that raised, a peer that timed out and closed
-its connections) leaves nothing behind for the next one, and torch's own count of the
-groups made with ``dist.new_group`` never moves, so the user's groups still match.
+Groups are built on the store under keys of their own (each rank's address, deleted when
+the call closes) and shut down when the transfer ends: a transfer that failed leaves
+nothing behind for the next one, and torch's own count of the groups made with
+``dist.new_group`` never moves, so the user's groups still match. A rank blocked in a
+transfer (building a group, sending, receiving) gives up within a fraction of a second
+once a rank of the call has posted a failure (:class:`~ddpckpt._coord.failures.PeerFailure`),
+rather than at the timeout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ddpckpt._coord.store import namespace
+from ddpckpt._coord.failures import PeerFailure
+from ddpckpt._coord.store import namespace, pack, unpack
+
+_POLL = 0.25  # seconds between looks at the call's failure key while a transfer waits
 
 
 @contextmanager
-def transfer_group(
-    store: Any, key: str, rank: int, world_size: int, timeout: float
-) -> Iterator[Any]:
-    """A gloo group of ``world_size`` ranks, for one transfer; every rank enters it with
-    the same ``key`` (unique to the transfer), inside the call's step.
+def pair_group(
+    store: Any, key: str, rank: int, peer: int, timeout: float, failed: Callable[[], bool]
+) -> Iterator[Pair]:
+    """A gloo group of ``rank`` and ``peer`` alone, for one transfer between them; both
+    enter it with the same ``key`` (unique to the transfer within the job).
 
-    Its rendezvous and operations time out after ``timeout`` seconds; it is shut down on
-    leaving, also on failure.
+    Its rendezvous and operations time out after ``timeout`` seconds, and give up once
+    ``failed()`` says a rank of the call failed; it is shut down on leaving, also on failure.
     """
-    if not isinstance(store, dist.Store):  # a client of another kind (a wrapper): adapt it
-        store = _Delegating(store)
-    prefixed = dist.PrefixStore(_prefix(key), store)
-    group = dist.ProcessGroupGloo(prefixed, rank, world_size, timedelta(seconds=timeout))
+    low, high = sorted((rank, peer))
+    watching = _Watching(store, failed)  # referenced here: torch holds no Python reference
+    prefixed = dist.PrefixStore(_prefix(f"{key}/{low}-{high}"), watching)
+    group = dist.ProcessGroupGloo(prefixed, int(rank == high), 2, timedelta(seconds=timeout))
     try:
-        yield group
+        yield Pair(group, int(peer == high), failed)
     finally:
         group.shutdown()
 
 
-def rendezvous_keys(key: str, rank: int) -> list[str]:
-    """The store keys that transfer ``key``'s rendezvous leaves behind for ``rank``: its
-    address, which every other rank reads while its group is made (torch writes
-    ``<prefix>/<device>/<rank>``; the group has one device). Delete them once every rank is
-    past the transfer's step."""
-    return [f"{_prefix(key)}/0/{rank}"]
+def rendezvous_keys(key: str, rank: int, peer: int) -> list[str]:
+    """The store keys that the pair group ``key`` of ``rank`` and ``peer`` leaves behind for
+    ``rank``: its address, which the peer reads while the group is made (torch writes
+    ``<prefix>/<device>/<rank in the group>``; the group has one device). Delete them once
+    both are past the transfer's step."""
+    low, high = sorted((rank, peer))
+    return [f"{_prefix(f'{key}/{low}-{high}')}/0/{int(rank == high)}"]
 
 
 def _prefix(key: str) -> str:
     return f"{namespace()}/copies/{key}"
 
 
+class Pair:
+    """One end of a :func:`pair_group`: sends to and receives from the other end."""
+
+    def __init__(self, group: Any, peer: int, failed: Callable[[], bool]) -> None:
+        self.group, self.peer, self._failed = group, peer, failed
+
+    def send(self, tensor: torch.Tensor) -> Any:
+        return self.group.send([tensor], self.peer, 0)
+
+    def recv(self, tensor: torch.Tensor) -> Any:
+        return self.group.recv([tensor], self.peer, 0)
+
+    def send_bytes(self, data: bytes) -> None:
+        """``data`` (not empty), its size first; :meth:`recv_bytes` on the other end."""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self.finish([self.send(size), self.send(payload)])
+
+    def recv_bytes(self) -> bytes:
+        size = torch.zeros(1, dtype=torch.int64)
+        self.finish([self.recv(size)])
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        self.finish([self.recv(payload)])
+        return payload.numpy().tobytes()
+
+    def finish(self, works: Sequence[Any]) -> None:
+        """Wait for ``works``; give up with :class:`PeerFailure` once the call has failed."""
+        finish(works, self._failed)
+
+
+def finish(works: Sequence[Any], failed: Callable[[], bool]) -> None:
+    """Wait for every gloo work of ``works``; give up with :class:`PeerFailure` once
+    ``failed()`` (asked every quarter second) says a rank of the call failed.
+
+    A gloo wait cannot be interrupted, and a work is not marked complete before it is
+    waited for: a helper thread waits, until the group's timeout at most.
+    """
+    outcome: list[BaseException | None] = []
+    done = threading.Event()
+
+    def wait() -> None:
+        try:
+            for work in works:
+                work.wait()
+        except BaseException as exc:  # handed to the caller below
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=wait, name="ddpckpt-transfer", daemon=True).start()
+    while not done.wait(_POLL):
+        if failed():
+            raise PeerFailure("another rank failed during this transfer")
+    if outcome:
+        raise outcome[0]
+
+
 def send_to_leaders(comm: Any, domains: list[list[int]], bundle: bytes) -> dict[int, bytes]:
     """Send this rank's ``bundle`` to the first rank of every other storage domain; every
-    rank calls it (inside a ``comm.run``, which reports a failure on every rank).
+    rank calls it (inside a ``comm.run_transfer`` step, which reports a failure on every
+    rank at once).
 
     Returns what this rank received: every rank's bundle outside its domain if it leads
-    one, else nothing. Sizes go first, then the bytes, all non-blocking, so no order of
-    sends and receives can deadlock.
+    one, else nothing. The ranks of a domain hand their bundles to its first rank, which
+    passes each domain's bundles around the ring of first ranks: every rank builds at most
+    two groups besides those with its own domain's ranks, whatever the number of domains.
     """
     domain = next(d for d in domains if comm.rank in d)
-    leaders = [d[0] for d in domains if d is not domain]
-    senders = [r for d in domains if d is not domain for r in d] if domain[0] == comm.rank else []
-    size = torch.tensor([len(bundle)], dtype=torch.int64)
-    sizes = {r: torch.zeros(1, dtype=torch.int64) for r in senders}
-    with comm.transfer_group("copies") as group:
-        _exchange(group, [(size, to) for to in leaders], [(sizes[r], r) for r in senders])
-        data = torch.frombuffer(bytearray(bundle), dtype=torch.uint8)
-        buffers = {r: torch.empty(int(sizes[r]), dtype=torch.uint8) for r in senders}
-        _exchange(group, [(data, to) for to in leaders], [(buffers[r], r) for r in senders])
-    return {r: buffers[r].numpy().tobytes() for r in senders}
+    leader = domain[0]
+    with ExitStack() as groups:
+        if comm.rank != leader:
+            groups.enter_context(comm.pair("copies", leader)).send_bytes(bundle)
+            return {}
+        bundles = {comm.rank: bundle}
+        for member in domain[1:]:
+            bundles[member] = groups.enter_context(comm.pair("copies", member)).recv_bytes()
+        leaders = [d[0] for d in domains]
+        sets = _around_ring(comm, groups, leaders, pack([bundles[r] for r in domain]))
+    received = {}
+    for other, found in zip(domains, sets, strict=True):
+        if other is not domain:
+            received.update(zip(other, unpack(found), strict=True))
+    return received
 
 
-def _exchange(
-    group: Any, sends: list[tuple[torch.Tensor, int]], receives: list[tuple[torch.Tensor, int]]
-) -> None:
-    """Post every send and receive at once (the call's ranks), then wait for all of them."""
-    works = [group.send([t], to, 0) for t, to in sends]
-    works += [group.recv([t], sender, 0) for t, sender in receives]
-    for work in works:
-        work.wait()
+def _around_ring(comm: Any, groups: ExitStack, leaders: list[int], mine: bytes) -> list[bytes]:
+    """Every leader's ``mine``, in the order of ``leaders``; each of them calls it.
+
+    ``len(leaders) - 1`` rounds: in each, a leader passes the set it got last to the next
+    leader and gets one from the previous. The ring's links are built in at most three
+    waves (alternate links, and the closing one of an odd ring), so no leader waits for a
+    link that waits for another.
+    """
+    count, index = len(leaders), leaders.index(comm.rank)
+    sets: list[bytes | None] = [None] * count
+    sets[index] = mine
+    if count == 1:
+        return sets  # type: ignore[return-value]
+    after, before = leaders[(index + 1) % count], leaders[(index - 1) % count]
+    waves = {after: _wave(index, count), before: _wave((index - 1) % count, count)}
+    links = {
+        peer: groups.enter_context(comm.pair("ring", peer)) for peer in sorted(waves, key=waves.get)
+    }  # type: ignore[arg-type]
+    forward, back = links[after], links[before]  # one link when two leaders
+    for step in range(count - 1):
+        out, into = (index - step) % count, (index - step - 1) % count
+        data = sets[out]
+        size = torch.tensor([len(data)], dtype=torch.int64)  # type: ignore[arg-type]
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # type: ignore[arg-type]
+        incoming = torch.zeros(1, dtype=torch.int64)
+        sent = [forward.send(size), forward.send(payload)]
+        back.finish([back.recv(incoming)])
+        buffer = torch.empty(int(incoming), dtype=torch.uint8)
+        back.finish([back.recv(buffer), *sent])
+        sets[into] = buffer.numpy().tobytes()
+    return sets  # type: ignore[return-value]
 
 
-class _Delegating(dist.Store):
-    """A torch store over any client with the store's methods (gloo's rendezvous needs one)."""
+def _wave(link: int, count: int) -> int:
+    """When link ``link`` of a ring of ``count`` is built: alternate links in waves 0 and
+    1, the link closing a ring of odd length last."""
+    if count % 2 and link == count - 1:
+        return 2
+    return link % 2
 
-    def __init__(self, client: Any) -> None:
+
+class _Watching(dist.Store):
+    """A torch store over any client with the store's methods (gloo's rendezvous needs one),
+    whose waits give up once the call has failed."""
+
+    def __init__(self, client: Any, failed: Callable[[], bool]) -> None:
         super().__init__()
         self._client = client
+        self._failed = failed
 
     def set(self, key: str, value: Any) -> None:
         self._client.set(key, value)
@@ -114,7 +224,20 @@ class _Delegating(dist.Store):
         return self._client.delete_key(key)
 
     def wait(self, keys: list[str], *timeout: timedelta) -> None:
-        self._client.wait(keys, *timeout)
+        """Look for ``keys`` (never a blocking wait: one that times out logs a warning in
+        torch), giving up once the call has failed."""
+        limit = time.monotonic() + (timeout[0].total_seconds() if timeout else 300.0)
+        pause, looked = 0.0005, time.monotonic()
+        while not self._client.check(keys):
+            now = time.monotonic()
+            if now > limit:
+                raise TimeoutError(f"timed out after {timeout} waiting for {keys}")
+            if now - looked > _POLL:
+                if self._failed():
+                    raise PeerFailure("another rank failed while this transfer was set up")
+                looked = now
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._client.set_timeout(timeout)

@@ -7,19 +7,35 @@ for every part (:meth:`Exchanges._collect`), reads them in one ``multi_get`` and
 reply (:meth:`Exchanges._publish`) that every other rank reads
 (:meth:`Exchanges._receive`). Waits block in the store, judged by the call's heartbeat
 (:mod:`ddpckpt._coord.liveness`), which names a silent rank.
+
+A rank that fails outside an exchange (between steps, or with an exception no step
+catches) posts its failure under the call's failure key (:meth:`Exchanges.post_failure`);
+every rank's heartbeat looks there once a period while its main thread waits, so the
+others raise that rank's error within about a second, not a "stopped responding" after
+the whole timeout.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from ddpckpt._coord.failures import encode_error, timeout_error, unwrap
+from ddpckpt._coord.failures import (
+    combine,
+    decode_error,
+    describe,
+    encode_error,
+    timeout_error,
+    unwrap,
+)
 from ddpckpt._coord.liveness import Liveness, Watch
 from ddpckpt._coord.store import multi_get, namespace, pack, unpack
 from ddpckpt.errors import CheckpointError
 
+T = TypeVar("T")
 LEADER = 0
+_MARKERS = (b"T", b"P", b"A")  # set by rank 0's heartbeat: silent, pending, a failure posted
 
 
 class Exchanges:
@@ -34,6 +50,8 @@ class Exchanges:
     _exchanges: int
     _shared_keys: list[str] | None
     _liveness: Liveness | None
+    _settled: bool  # this rank has raised (or is raising) an error every rank of the call raises
+    _orphans: list[str]  # keys rank 0 may still read: the last rank to leave deletes them
 
     # ------------------------------------------------------------------ primitives
 
@@ -64,7 +82,29 @@ class Exchanges:
             self._store.set(key, b"K" + payload)  # type: ignore[operator]
             return payload  # type: ignore[return-value]
         self._live.wait(Watch(tag, {src: key}, self._exchanges, gather=False))
-        return unwrap(self._store.get(key))
+        return self._unwrap(self._store.get(key))
+
+    def alone(self, work: Callable[[], T]) -> T:
+        """Run ``work``, which this rank does on its own between collective steps (staging
+        its share, waiting for its copies).
+
+        If it fails, the ranks still in the call raise its error within a heartbeat
+        period (instead of waiting for this rank until the timeout and calling it silent),
+        and this rank raises the same error with its own exception chained, as if the
+        work had been a step of :meth:`run`. ``KeyboardInterrupt`` and the like are posted
+        to the others the same way and raised here unchanged. With one process the
+        exception propagates unchanged.
+        """
+        try:
+            return work()
+        except Exception as exc:
+            if self.world_size == 1 or self._settled:
+                raise
+            raise self.post_failure(exc) from exc
+        except BaseException as exc:
+            if self.world_size > 1 and not self._settled:
+                self.post_failure(exc)
+            raise
 
     def _collect(
         self, tag: str, payload: bytes, cause: BaseException | None = None
@@ -82,13 +122,12 @@ class Exchanges:
         keys = {r: self._key(tag, r) for r in range(1, self.world_size)}
         self._live.wait(Watch(tag, keys, self._exchanges, gather=True))
         blobs = multi_get(self._store, list(keys.values()))
-        silent = [r for r, blob in zip(keys, blobs, strict=True) if blob[:1] == b"T"]
-        if silent:
-            for r, blob in zip(keys, blobs, strict=True):
-                if blob[:1] in (b"T", b"P"):  # markers: the ranks that posted delete their own
-                    self._store.delete_key(keys[r])
-            error = timeout_error(self.call, self.timeout, silent, tag)
-            self._fail(tag, error)
+        marked = [r for r, blob in zip(keys, blobs, strict=True) if blob[:1] in _MARKERS]
+        if marked:
+            for r in marked:  # markers: the ranks that posted delete their own keys
+                self._store.delete_key(keys[r])
+            silent = [r for r, blob in zip(keys, blobs, strict=True) if blob[:1] == b"T"]
+            error = self._fail(tag, timeout_error(self.call, self.timeout, silent, tag))
             raise error from cause
         return [payload, *(blob[1:] for blob in blobs)]
 
@@ -97,6 +136,8 @@ class Exchanges:
         key = self._key(tag, "reply")
         self._share(key)
         self._store.set(key, reply)
+        if reply[:1] == b"E":
+            self._settled = True
 
     def _receive(self, tag: str) -> bytes:
         """Rank 0's answer to the exchange ``tag``; raises the error it sent."""
@@ -104,7 +145,16 @@ class Exchanges:
         self._share(key)
         self._live.wait(Watch(tag, {LEADER: key}, self._exchanges, gather=False))
         reply = self._store.get(key)
-        self._store.delete_key(self._key(tag, self.rank))  # rank 0 has read it
+        if reply[:1] == b"F":  # a posted failure, not rank 0's reply: it may still read both
+            self._orphans += [self._key(tag, self.rank), key]
+        else:
+            self._store.delete_key(self._key(tag, self.rank))  # rank 0 has read it
+        return self._unwrap(reply)
+
+    def _unwrap(self, reply: bytes) -> bytes:
+        """:func:`unwrap`, noting that an error it raises is one every rank raises."""
+        if reply[:1] in (b"E", b"F"):
+            self._settled = True
         return unwrap(reply)
 
     def _receive_part(self, tag: str) -> Any:
@@ -114,12 +164,26 @@ class Exchanges:
         self._store.delete_key(key)
         return part
 
-    def _fail(self, tag: str, error: CheckpointError) -> None:
-        """Rank 0 timed out: tell every rank, also those waiting in another exchange."""
-        blob = encode_error(error)
-        self._store.set(self._key("failed", "all"), blob)
+    def _fail(self, tag: str, error: CheckpointError) -> CheckpointError:
+        """Rank 0's wait ended without every part: tell every rank, also those waiting in
+        another exchange. A failure a rank posted wins over the timeout; returns the error
+        to raise."""
+        blob = self._store.compare_set(self._key("failed", "all"), b"", encode_error(error))
         self._live.mark_failed()
         self._publish(tag, blob)
+        return decode_error(blob)
+
+    def post_failure(self, exc: BaseException) -> CheckpointError:
+        """Post ``exc``, which this rank hit outside an exchange, for every rank still in the
+        call; returns the error every rank raises (the first failure posted in the call).
+
+        Every rank's heartbeat looks for it while its main thread waits, so they raise it
+        within a heartbeat period instead of naming this rank silent after the timeout.
+        """
+        error = combine(self.call, {self.rank: describe(exc)})
+        blob = self._store.compare_set(self._key("failed", "all"), b"", encode_error(error))
+        self._settled = True
+        return decode_error(blob)
 
     # ------------------------------------------------------------------ keys
 

@@ -23,16 +23,38 @@ from ddpckpt.errors import (
 )
 
 
+class PeerFailure(Exception):
+    """This rank stopped a transfer because another rank of the call failed; the combined
+    error names that rank's failure, not this echo."""
+
+
+def rank_list(ranks: Sequence[int]) -> str:
+    """``ranks`` for a message, runs of three or more shortened: ``"1, 2, 5-9"``."""
+    parts: list[str] = []
+    ordered = sorted(ranks)
+    start = 0
+    while start < len(ordered):
+        end = start
+        while end + 1 < len(ordered) and ordered[end + 1] == ordered[end] + 1:
+            end += 1
+        if end - start >= 2:
+            parts.append(f"{ordered[start]}-{ordered[end]}")
+        else:
+            parts.extend(str(r) for r in ordered[start : end + 1])
+        start = end + 1
+    return ", ".join(parts)
+
+
 def timeout_error(
     call: str, timeout: float, ranks: Sequence[int], tag: str
 ) -> CollectiveTimeoutError:
     """The error naming ``ranks``, silent for ``timeout`` seconds in step ``tag`` of ``call``."""
-    names = ", ".join(str(r) for r in ranks)
+    names = rank_list(ranks)
     plural = "s" if len(ranks) > 1 else ""
     if tag == "enter":
         why = (
             f"rank{plural} {names} did not call {call} within {timeout:g} s. "
-            f"{call} is collective: call it on every rank (not inside `if rank == 0`)"
+            f"{call} is collective: every rank must call it (not inside `if rank == 0`)"
         )
     else:
         why = (
@@ -47,15 +69,21 @@ def timeout_error(
 
 
 def unwrap(blob: bytes) -> bytes:
-    """The data of a reply (``b"K"`` and data), or raise the error it carries (``b"E"``)."""
-    if blob[:1] == b"E":
-        doc = json.loads(blob[1:])
-        cls = error_class(doc["type"])
-        errno = doc.get("errno")
-        error = cls(errno, doc["message"]) if errno is not None else cls(doc["message"])
-        error.failures = {int(r): f for r, f in doc["failures"].items()}
-        raise error
+    """The data of a reply (``b"K"`` and data), or raise the error it carries (``b"E"``, or
+    ``b"F"``: a failure another rank posted, put there by this rank's heartbeat)."""
+    if blob[:1] in (b"E", b"F"):
+        raise decode_error(blob)
     return blob[1:]
+
+
+def decode_error(blob: bytes) -> CheckpointError:
+    """The error :func:`encode_error` encoded in ``blob``."""
+    doc = json.loads(blob[1:])
+    cls = error_class(doc["type"])
+    errno = doc.get("errno")
+    error = cls(errno, doc["message"]) if errno is not None else cls(doc["message"])
+    error.failures = {int(r): f for r, f in doc["failures"].items()}
+    return error
 
 
 def encode_error(exc: CheckpointError) -> bytes:
@@ -70,7 +98,7 @@ def encode_error(exc: CheckpointError) -> bytes:
 
 def describe(exc: BaseException) -> dict[str, Any]:
     """What rank 0 needs to know of this rank's failure: type, message, errno, host."""
-    message = str(exc) or repr(exc)
+    message = str(exc) or type(exc).__name__  # KeyboardInterrupt has no message
     if isinstance(exc, OSError) and exc.strerror is not None:  # without the "[Errno N]" prefix
         message = exc.strerror + (f": {exc.filename}" if exc.filename else "")
     return {
@@ -82,13 +110,15 @@ def describe(exc: BaseException) -> dict[str, Any]:
 
 
 def combine(call: str, failures: dict[int, dict[str, Any]]) -> CheckpointError:
-    """One error describing every rank's failure, identical on every rank."""
+    """One error describing every rank's failure, identical on every rank (ranks that only
+    stopped because another failed, :class:`PeerFailure`, are left out)."""
+    failures = {r: f for r, f in failures.items() if f["type"] != "PeerFailure"} or failures
     kinds = {f["type"] for f in failures.values()}
-    messages = {f["message"] for f in failures.values()}
+    messages = {(f["type"], f["message"]) for f in failures.values()}
     ranks = sorted(failures)
     on = ", ".join(str(r) for r in ranks)
     if len(messages) == 1:
-        text = f"{messages.pop()} (on rank{'s' if len(ranks) > 1 else ''} {on})"
+        text = f"{_labelled(failures[ranks[0]])} (on rank{'s' if len(ranks) > 1 else ''} {on})"
     else:
         lines = [
             f"  rank {r} ({failures[r]['host']}): {failures[r]['type']}: {failures[r]['message']}"
@@ -112,6 +142,15 @@ def combine(call: str, failures: dict[int, dict[str, Any]]) -> CheckpointError:
         error = RankFailureError(text)
     error.failures = {r: f"{f['type']}: {f['message']}" for r, f in failures.items()}
     return error
+
+
+def _labelled(failure: dict[str, Any]) -> str:
+    """A failure's message, after its exception type unless that is a ddpckpt error (whose
+    type the combined error keeps)."""
+    kind, message = failure["type"], failure["message"]
+    if error_class(kind) is not RankFailureError or _is_os_error(kind) or message == kind:
+        return message  # an OSError becomes a CheckpointWriteError with its errno
+    return f"{kind}: {message}"
 
 
 def _common_error(kinds: set[str]) -> type[CheckpointError] | None:

@@ -12,6 +12,11 @@ writer is never timed out, while a killed one (or ranks waiting for each other i
 different exchanges) is, within ``timeout`` plus two heartbeat periods (a period is
 ``min(1 s, timeout / 8)``: at most 1.25x); a rank silent since the wait began (one that
 never arrived) is judged right at its deadline, ``timeout`` after the wait began.
+
+The judging thread also looks for a failure another rank posted in the call (one
+``check`` per period, see :meth:`ddpckpt._coord.exchange.Exchanges.post_failure`) and
+wakes its main thread with it. While rank 0 waits for ranks that have not entered the call
+at all, it says which, once, after ``notice`` seconds.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from ddpckpt._coord.failures import encode_error, timeout_error
+from ddpckpt._coord.failures import encode_error, rank_list, timeout_error
 from ddpckpt._coord.store import StoreGroup, StoreTimeout, multi_get, namespace
 from ddpckpt._log import get_logger
 
@@ -80,6 +85,7 @@ class Watch:
     started: float = field(default_factory=time.monotonic)
     seen: dict[int, tuple[Any, float]] = field(default_factory=dict)
     posted: set[int] = field(default_factory=set)  # ranks seen to have posted: not read again
+    noticed: bool = False  # rank 0 said which ranks it waits for
 
     def silent(self, rank: int, marker: Any, now: float, timeout: float) -> bool:
         """Whether ``rank``'s progress ``marker`` (``None``: unknown) has not changed for
@@ -98,15 +104,23 @@ class Liveness:
     :meth:`start` adds the call to the rank's heartbeat record and starts the thread that
     writes the record every period and judges the current :class:`Watch`; the main thread
     blocks in :meth:`wait`; :meth:`stop` ends the thread when the call closes.
-    ``failed_key`` is the call's key where rank 0 posts an error for every rank.
+    ``failed_key`` is the call's key where a failure for every rank is posted; ``notice``
+    the seconds after which rank 0 names the ranks that have not entered the call.
     """
 
     def __init__(
-        self, group: StoreGroup, op: int, call: str, timeout: float, failed_key: str
+        self,
+        group: StoreGroup,
+        op: int,
+        call: str,
+        timeout: float,
+        failed_key: str,
+        notice: float = float("inf"),
     ) -> None:
         self.group = group
         self.call = call
         self.timeout = timeout
+        self.notice = notice
         self.beat = Beat(op, 0, 0, 0, 0)
         self.period = min(MAX_PERIOD, timeout / 8)
         self._failed_key = failed_key
@@ -199,12 +213,19 @@ class Liveness:
     def _judge(self, client: Any, watch: Watch) -> None:
         """Wake the main thread with a marker or an error if what it waits for is silent."""
         now = time.monotonic()
+        failed = self._failed_key
         if watch.gather:
             unknown = [r for r in watch.keys if r not in watch.posted]
+            if client.check([failed]):  # a rank failed on its own: wake rank 0 with it
+                for r in unknown:
+                    client.compare_set(watch.keys[r], b"", b"A")
+                return
             beats = self._beats(client, unknown)
             mine = (watch.exchange, tag_code(watch.tag))
             watch.posted.update(r for r, b in beats.items() if (b.posted, b.posted_tag) == mine)
             pending = [r for r in unknown if r not in watch.posted]
+            if watch.tag == "enter" and not watch.noticed and now - watch.started >= self.notice:
+                self._say_absent(watch, [r for r in pending if r not in beats])
             silent = [
                 r
                 for r in pending
@@ -219,14 +240,31 @@ class Liveness:
         ((source, key),) = watch.keys.items()
         # Rank 0's heartbeat record says "failed" only until its next call rewrites it, which
         # can come within one period: the call's own failure key is what must be read.
-        failed = self._failed_key
-        if client.check([failed]):
-            client.compare_set(key, b"", client.get(failed))
+        if client.check([failed]):  # b"F": rank 0 may not have read this rank's part
+            client.compare_set(key, b"", b"F" + client.get(failed)[1:])
             return
         beat = self._beats(client, [source]).get(source)
         if watch.silent(source, beat.alive if beat else None, now, self.timeout):
             error = timeout_error(self.call, self.timeout, [source], watch.tag)
             client.compare_set(key, b"", encode_error(error))
+
+    def _say_absent(self, watch: Watch, absent: list[int]) -> None:
+        """Rank 0 names, once per wait, the ranks that have not called yet."""
+        if not absent:
+            return
+        watch.noticed = True
+        plural = "s" if len(absent) > 1 else ""
+        _log.warning(
+            "rank 0 has waited %.0f s in %s for rank%s %s, which did not call it yet; every "
+            "rank must call %s (not inside `if rank == 0`). Waiting up to %g s (timeout= or "
+            "DDPCKPT_TIMEOUT)",
+            time.monotonic() - watch.started,
+            self.call,
+            plural,
+            rank_list(absent),
+            self.call,
+            self.timeout,
+        )
 
     def _beats(self, client: Any, ranks: list[int]) -> dict[int, Beat]:
         """The heartbeats in this call of those of ``ranks`` that have one, in one read.

@@ -2,8 +2,8 @@
 
 With node-local storage every node keeps its own copy; a node that was replaced (or whose
 disk was wiped) has none. Before loading, :func:`repair_copies` sends the files from one
-node that has the checkpoint to the first rank of every storage domain that lacks it, over
-a gloo process group, point to point. Each received file is hashed while written and
+node that has the checkpoint to the first rank of every storage domain that lacks it, point
+to point over gloo groups of two (only the ranks that send and receive are connected). Each received file is hashed while written and
 checked against the manifest; the copy is committed atomically like any checkpoint. The
 node then loads its own copy, and keeps it for the next restart.
 
@@ -14,12 +14,13 @@ receive only take part in the bookkeeping.
 from __future__ import annotations
 
 import os
-from typing import Any
+from contextlib import ExitStack
 
 import torch
 import xxhash
 
 from ddpckpt._coord.comm import Comm
+from ddpckpt._coord.copies import Pair
 from ddpckpt._coord.plan import assign
 from ddpckpt._coord.topology import storage_domains
 from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -57,14 +58,21 @@ def repair_copies(comm: Comm, path: str, have: list[bool]) -> None:
     def transfer() -> None:
         if comm.rank in receivers:
             store.commit.begin(store, path, tmp, overwrite=True)
-        with comm.transfer_group("repair") as group:
+        with ExitStack() as links:
+            pairs: dict[int, Pair] = {}
+
+            def link(peer: int) -> Pair:  # made when first needed, in the same order by both
+                if peer not in pairs:
+                    pairs[peer] = links.enter_context(comm.pair("repair", peer))
+                return pairs[peer]
+
             for name in sorted(manifest.files):
                 sender = owners[name]
                 for receiver in receivers:
                     if comm.rank == sender:
-                        _send(os.path.join(path, name), manifest.files[name].size, receiver, group)
+                        _send(os.path.join(path, name), manifest.files[name].size, link(receiver))
                     elif comm.rank == receiver:
-                        _receive(os.path.join(tmp, name), manifest, name, sender, group)
+                        _receive(os.path.join(tmp, name), manifest, name, sender, link(sender))
         if comm.rank in receivers:
             store.write_new(os.path.join(tmp, MANIFEST_NAME), text)
             store.commit.publish(store, tmp, path, overwrite=True)
@@ -78,7 +86,7 @@ def repair_copies(comm: Comm, path: str, have: list[bool]) -> None:
             )
 
     try:
-        comm.run("repair", transfer)
+        comm.run_transfer("repair", transfer)
     except BaseException:
         if comm.rank in receivers:
             store.commit.abort(store, tmp, path)
@@ -90,7 +98,7 @@ def _read_text(path: str) -> bytes:
     return storage_for(path).read(os.path.join(path, MANIFEST_NAME))
 
 
-def _send(path: str, size: int, receiver: int, group: Any) -> None:
+def _send(path: str, size: int, link: Pair) -> None:
     """Send the file in chunks of exactly the sizes :func:`_receive` expects."""
     reader = storage_for(path).open(path)
     try:
@@ -106,13 +114,13 @@ def _send(path: str, size: int, receiver: int, group: Any) -> None:
                 if not got:
                     raise CorruptCheckpointError(f"{path}: ended early while being sent")
                 filled += got
-            group.send([chunk[:n]], receiver, 0).wait()
+            link.finish([link.send(chunk[:n])])
             sent += n
     finally:
         reader.close()
 
 
-def _receive(path: str, manifest: Manifest, name: str, sender: int, group: Any) -> None:
+def _receive(path: str, manifest: Manifest, name: str, sender: int, link: Pair) -> None:
     entry = manifest.files[name]
     hasher = xxhash.xxh3_64()
     chunk = torch.empty(_CHUNK, dtype=torch.uint8)
@@ -120,7 +128,7 @@ def _receive(path: str, manifest: Manifest, name: str, sender: int, group: Any) 
         remaining = entry.size
         while remaining:
             n = min(remaining, _CHUNK)
-            group.recv([chunk[:n]], sender, 0).wait()
+            link.finish([link.recv(chunk[:n])])
             data = byte_view(chunk)[:n]
             hasher.update(data)
             out.write(data)

@@ -6,6 +6,11 @@ cannot tell, so :func:`storage_domains` asks the file system: one rank per node 
 probe file, every such rank looks for the others', and ranks that see the same probes
 form one *storage domain*. ddpckpt writes one complete copy of a checkpoint per domain.
 
+The answer is kept for the job (per directory, mode and group of ranks): a later call
+only creates the directory and checks, in the same exchange, that every rank still sees
+it on the file system it saw then (its device; another file system mounted there, or the
+directory replaced by a link to one, probes again).
+
 ``sharing="shared"`` or ``"local"`` (or ``$DDPCKPT_STORAGE``) skips the probe and is
 honoured as given: ``"shared"`` puts all ranks in one domain, ``"local"`` makes one
 domain per node. Nodes are told apart by :func:`node_id` (host name and
@@ -17,10 +22,13 @@ from __future__ import annotations
 
 import os
 import platform
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from ddpckpt._coord.store import namespace
 from ddpckpt.errors import CheckpointError
 from ddpckpt.storage import storage_for
+from ddpckpt.storage._posix import PosixStorage
 
 if TYPE_CHECKING:
     from ddpckpt._coord.comm import Comm
@@ -114,11 +122,32 @@ def _probe_name(directory: str, token: str, rank: int) -> str:
     return os.path.join(directory, f".probe-{rank}.tmp-{token}")
 
 
+@dataclass
+class _Known:
+    """Storage domains found earlier in this job, and what every rank saw of the directory
+    then (on rank 0; the other ranks keep ``None``)."""
+
+    group: Any  # the group of ranks they were found for (kept, so that it stays the same)
+    domains: list[list[int]]
+    seen: list[Any] | None
+
+
+_known: dict[tuple[str, int, str, str], _Known] = {}
+
+
+def _directory_identity(store: Any, directory: str) -> int | None:
+    """The file system this rank sees ``directory`` on (its device), which decides what it
+    shares; ``None`` on stores whose directories are only names."""
+    if not isinstance(store, PosixStorage):
+        return None
+    return os.stat(directory).st_dev
+
+
 def storage_domains(comm: Comm, directory: str, mode: str | None = None) -> list[list[int]]:
     """Partition the ranks into groups that share storage at ``directory``. Collective.
 
     Creates ``directory`` where missing. Returns the groups ordered by lowest rank, each
-    sorted.
+    sorted. Found once per job, directory and mode (see the module's docstring).
     """
     mode = resolve_storage_mode(mode)
     store = storage_for(directory)
@@ -126,10 +155,34 @@ def storage_domains(comm: Comm, directory: str, mode: str | None = None) -> list
     if comm.world_size == 1 or mode == "shared":
         comm.run("mkdir", lambda: store.make_dirs(directory))
         return everyone
+    group = getattr(comm, "group", None)
+    key = (namespace(), id(group), directory, mode)
+    known = _known.get(key)
+    if known is not None and known.group is not group:  # another group, at the same address
+        known = None
+    seen: list[Any] = []
+
+    def look_again() -> list[Any]:
+        store.make_dirs(directory)
+        return [known is not None, _directory_identity(store, directory)]
+
+    def unchanged(found: list[list[Any]]) -> bool:  # on rank 0
+        seen[:] = [identity for _, identity in found]
+        return known is not None and all(k for k, _ in found) and seen == known.seen
+
+    if comm.run_reduce("known", look_again, unchanged):
+        return known.domains  # type: ignore[union-attr]
+    domains = _probe(comm, store, directory, mode)
+    _known[key] = _Known(group, domains, seen if comm.rank == 0 else None)
+    return domains
+
+
+def _probe(comm: Comm, store: Any, directory: str, mode: StorageMode) -> list[list[int]]:
+    """:func:`storage_domains` the first time (the directory exists on every rank by now),
+    for several ranks and modes other than shared."""
     nodes = _by_node(comm)
     _check_nodes(comm, nodes, directory)
     if mode == "local" or len(nodes) == 1:  # ranks on one machine see the same file system
-        comm.run("mkdir", lambda: store.make_dirs(directory))
         return sorted(nodes, key=lambda d: d[0])
     probers = [ranks[0] for ranks in nodes]
     mine = _probe_name(directory, comm.token, comm.rank)

@@ -129,6 +129,12 @@ _rings_lock = threading.Lock()
 _RING_FOR_CPU = False  # tests route CPU tensors through the ring too
 
 
+def passes_through(tensor: torch.Tensor) -> bool:
+    """Whether reads into (and writes from) ``tensor`` pass through a ring: a CUDA tensor
+    (a CPU one too where tests ask for it)."""
+    return tensor.is_cuda or _RING_FOR_CPU
+
+
 @contextlib.contextmanager
 def ring_for(tensors: Sequence[torch.Tensor]) -> Iterator[Ring | None]:
     """A ring if any of ``tensors`` must pass through one (kept for the next save)."""

@@ -15,8 +15,14 @@ from typing import Any
 import torch
 import xxhash
 
-from ddpckpt._format import pinned_ring
-from ddpckpt._format.pinned_ring import Ring, copy_on, copy_stream, device_bytes, ring_for
+from ddpckpt._format.pinned_ring import (
+    Ring,
+    copy_on,
+    copy_stream,
+    device_bytes,
+    passes_through,
+    ring_for,
+)
 from ddpckpt._format.tensorfile import CHUNK, TensorEntry, byte_view, dtype_from_name
 from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ddpckpt.storage import storage_for
@@ -138,7 +144,7 @@ class TensorFile:
         reads and hashed while the previous one is copied to the device; work queued on
         the device's current stream afterwards sees the data.
         """
-        if target.is_cuda or pinned_ring._RING_FOR_CPU:
+        if passes_through(target):
             with ring_for([target]) as ring:
                 if ring is not None:  # always, for a CUDA tensor
                     self._check_digest(entry, self._read_through(ring, entry, target))

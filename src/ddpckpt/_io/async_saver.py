@@ -97,20 +97,27 @@ class AsyncSaver:
         deferred = _changes_only_in_step(snapshot) if overlap else None
         steppers = {
             id(o): o
-            for n, _ in plan.items
+            for n, _ in plan.items + plan.checked
             if deferred and deferred(n)
             for o in snapshot.stepped_by[n]
         }
-        plan.items, fence = self.pool.stage(plan.items, defer=deferred)
+        comm = plan.comm  # a failure here or in the job reaches every rank at once
+        parts = (len(plan.items), len(plan.checked))
+        everything = plan.items + plan.checked + plan.rank_items
+        staged, fence = comm.alone(lambda: self.pool.stage(everything, defer=deferred))
+        plan.items, plan.checked = staged[: parts[0]], staged[parts[0] : sum(parts)]
+        plan.rank_items = staged[sum(parts) :]
         for stepper in steppers.values():
             self._fence_before_step(stepper, fence)
 
         def job() -> None:
             try:
-                fence.wait()
+                comm.alone(fence.wait)
                 persist(plan)
-            finally:
-                plan.comm.close()
+            except BaseException as exc:
+                comm.close(exc)
+                raise
+            comm.close()
 
         return self.persister.submit(job, os.path.basename(plan.path))
 

@@ -86,7 +86,6 @@ def save(
     saver.join()
     header = header_fields(step, epoch, metrics)
     comm = Comm.open("ddpckpt.save", path=os.fspath(path), timeout=timeout)
-    handed_off = False
 
     def settle_then_capture() -> Snapshot:
         saver.raise_unseen()  # in a collective step: every rank raises if one does
@@ -95,14 +94,14 @@ def save(
     try:
         snapshot = comm.run("capture", settle_then_capture)
         plan = plan_write(comm, snapshot, header, overwrite=overwrite, storage=sharing)
-        if not async_save:
-            return write_and_commit(plan)
-        completion = saver.start(plan, snapshot, overlap=overlap)
-        handed_off = True
-        return PendingSave(plan.path, completion)
-    finally:
-        if not handed_off:
-            comm.close()
+        if async_save:  # the background job closes the call
+            return PendingSave(plan.path, saver.start(plan, snapshot, overlap=overlap))
+        saved = write_and_commit(plan)
+    except BaseException as exc:
+        comm.close(exc)  # a failure only this rank saw reaches the others at once
+        raise
+    comm.close()
+    return saved
 
 
 def release_async_buffers() -> None:

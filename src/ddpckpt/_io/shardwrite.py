@@ -34,6 +34,11 @@ class ShardWrites:
     specs: dict[str, dict[str, Any]] = field(default_factory=dict)  # records without pieces
     nbytes: int = 0  # of all the shards, of every rank, in one copy (about, for ZeRO's)
 
+    @property
+    def names(self) -> set[str]:
+        """The names of this rank's items: never another rank's values to send it."""
+        return {name for name, _ in self.items}
+
 
 def plan_shards(
     snapshot: Snapshot, domains: list[list[int]], rank: int, world_size: int

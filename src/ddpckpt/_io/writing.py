@@ -3,15 +3,18 @@
 Every rank calls both steps, in order:
 
 1. :func:`plan_write` checks that every rank holds the same shared tensors, finds the
-   storage domains, assigns each tensor to exactly one rank of each domain (balanced by
-   bytes; tensors that are not replicated under DDP go to rank 0's copy), and prepares
-   the small per-rank file. It returns this rank's :class:`WritePlan`.
-2. :func:`write_and_commit` has the first rank of each domain create a temporary
-   directory, every rank write its files into it, and the first rank write the manifest
-   and rename the directory into place.
+   storage domains and assigns each tensor to exactly one rank of each domain (balanced
+   by bytes; tensors that are not replicated under DDP go to rank 0's copy). It returns
+   this rank's :class:`WritePlan`.
+2. :func:`write_and_commit` settles what the plan left open (:mod:`ddpckpt._io.settling`:
+   comparing the unverified tensors, the copies for other storage domains), then has the
+   first rank of each domain create a temporary directory, every rank stream its files
+   into it (its per-rank file too), and the first rank write the manifest and rename the
+   directory into place.
 
-Between the two, an asynchronous save replaces ``plan.items`` (live tensors) with host
-copies (:mod:`ddpckpt._io.staging`) and runs step 2 in the background.
+Between the two, an asynchronous save replaces the plan's tensors (``items``,
+``checked``, ``rank_items``) with host copies (:mod:`ddpckpt._io.staging`) and runs step
+2 in the background.
 """
 
 from __future__ import annotations
@@ -29,9 +32,7 @@ import torch
 
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.consistency import check_replicated
-from ddpckpt._coord.copies import send_to_leaders
 from ddpckpt._coord.plan import file_names, plan_owners
-from ddpckpt._coord.store import pack, unpack
 from ddpckpt._coord.topology import storage_domains
 from ddpckpt._format.codec import encode
 from ddpckpt._format.manifest import (
@@ -44,9 +45,10 @@ from ddpckpt._format.manifest import (
     tensor_to_json,
 )
 from ddpckpt._format.rankparts import RANK_STATE_KEY, rank_keys
-from ddpckpt._format.tensorfile import FileEntry, deserialize, tensor_nbytes
-from ddpckpt._format.tensorwrite import serialize, write_file
+from ddpckpt._format.tensorfile import FileEntry, tensor_nbytes
+from ddpckpt._format.tensorwrite import write_file
 from ddpckpt._io.progress import Progress
+from ddpckpt._io.settling import settle_plan
 from ddpckpt._io.shardwrite import ShardWrites, piece_json, piece_key, plan_shards, shard_records
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot
@@ -86,7 +88,12 @@ def header_fields(
 
 @dataclass
 class WritePlan:
-    """What this rank writes for one checkpoint (see :func:`plan_write`)."""
+    """What this rank writes for one checkpoint (see :func:`plan_write`).
+
+    Until :func:`~ddpckpt._io.settling.settle_plan` has run, ``items`` assumes that the
+    ``pending`` tensors (unverified: nothing keeps them identical) are the same on every
+    rank, and ``checked`` holds those of them this rank does not write, for comparing.
+    """
 
     comm: Comm
     path: str
@@ -97,10 +104,15 @@ class WritePlan:
     order: list[str]  # every shared tensor name, in state order
     needed: int  # bytes of one complete copy
     shared_state: dict[str, Any]
-    rank_keys: list[str]  # the sections of this rank's state in its rank file
-    rank_blob: bytes  # this rank's file: its per-rank tensors, its state in the metadata
-    rank_file: FileEntry
-    foreign: dict[int, bytes] = field(default_factory=dict)
+    movable: set[str]  # the shared tensors any rank may write (identical on every rank)
+    rank_items: list[tuple[str, torch.Tensor]]  # this rank's file: its per-rank tensors,
+    rank_state: dict[str, Any]  # and its state, in the file's metadata
+    pending: list[str] = field(default_factory=list)
+    checked: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    settled: bool = False
+    rank_blob: bytes | None = None  # this rank's file, made to be sent to other domains
+    rank_file: FileEntry | None = None  # and its entry
+    foreign: dict[int, bytes] = field(default_factory=dict)  # other domains' rank files
     shards: ShardWrites = field(default_factory=ShardWrites)  # sharded state (shardwrite)
     owned_state: dict[str, Any] = field(default_factory=dict)  # Snapshot.owned_state
 
@@ -116,6 +128,9 @@ class WritePlan:
     def nbytes(self) -> int:
         return sum(tensor_nbytes(t) for _, t in self.items)
 
+    def rank_metadata(self) -> dict[str, str]:
+        return {**_FILE_METADATA, RANK_STATE_KEY: json.dumps(self.rank_state)}
+
 
 def plan_write(
     comm: Comm,
@@ -126,7 +141,12 @@ def plan_write(
     storage: str | None = None,
     domains: list[list[int]] | None = None,
 ) -> WritePlan:
-    """Decide this rank's part of writing ``snapshot`` to ``comm.path``; collective."""
+    """Decide this rank's part of writing ``snapshot`` to ``comm.path``; collective.
+
+    What may wait until the tensors are copied (comparing the unverified ones, this rank's
+    file, the copies for other storage domains) is left to
+    :func:`~ddpckpt._io.settling.settle_plan`, which :func:`write_and_commit` runs first.
+    """
     if comm.path is None:
         raise ValueError("plan_write needs a Comm opened with a path")
     path = comm.path
@@ -134,58 +154,54 @@ def plan_write(
     if domains is None:
         with storage_errors(path):  # creating the parent directory may fail
             domains = storage_domains(comm, storage_for(path).parent(path), storage)
-    domain = next(d for d in domains if comm.rank in d)
-    shards = plan_shards(snapshot, domains, comm.rank, comm.world_size)
-    sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
-    owners = plan_owners(sizes, domains, snapshot.balanced, shards.loads)[domains.index(domain)]
+    pending = sorted(snapshot.unverified)
+    movable = snapshot.balanced | snapshot.unverified  # until the pending ones are compared
+
+    def share() -> tuple[dict[str, int], ShardWrites]:  # this rank's own work
+        shards = plan_shards(snapshot, domains, comm.rank, comm.world_size)
+        sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
+        domain = next(d for d in domains if comm.rank in d)
+        return plan_owners(sizes, domains, movable, shards.loads)[domains.index(domain)], shards
+
+    owners, shards = comm.alone(share)
     rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
-    rank_metadata = {**_FILE_METADATA, RANK_STATE_KEY: json.dumps(snapshot.rank_state)}
-    rank_blob, rank_file, _ = serialize(
-        file_names(comm.rank)["rank"], rank_items, writer=comm.rank, metadata=rank_metadata
-    )
-    values, shared_state, foreign = snapshot.tensors, snapshot.state, {}
-    if len(domains) > 1:  # every domain gets a full copy of rank 0's state and all rank files
-        bundle = [rank_blob]
-        if comm.rank == 0:
-            pinned = [(n, t) for n, t in snapshot.tensors.items() if n not in snapshot.balanced]
-            state_json = json.dumps(snapshot.state).encode()
-            bundle += [state_json, serialize("rank0", pinned, writer=0, metadata={})[0]]
-        received = comm.run("copies", lambda: send_to_leaders(comm, domains, pack(bundle)))
-        foreign = {r: unpack(b)[0] for r, b in received.items()}
-        if 0 in received:  # this rank leads a domain without rank 0: it writes rank 0's part
-            _, state_json, rank0 = unpack(received[0])
-            shared_state = json.loads(state_json)
-            values = {**snapshot.tensors, **deserialize(rank0, path)}
+    rank_bytes = sum(tensor_nbytes(t) for _, t in rank_items) + len(json.dumps(snapshot.rank_state))
     return WritePlan(
         comm=comm,
         path=path,
         header=header,
         overwrite=overwrite,
         domains=domains,
-        items=[(n, t) for n, t in values.items() if owners[n] == comm.rank] + shards.items,
+        items=[(n, t) for n, t in snapshot.tensors.items() if owners[n] == comm.rank]
+        + shards.items,
         order=list(snapshot.tensors),
         needed=sum(tensor_nbytes(t) for t in snapshot.tensors.values())
         + shards.nbytes
-        + comm.world_size * (len(rank_blob) + 4096),
-        shared_state=shared_state,
-        rank_keys=rank_keys(snapshot.rank_state),
-        rank_blob=rank_blob,
-        rank_file=rank_file,
-        foreign=foreign,
+        + comm.world_size * (rank_bytes + 4096),
+        shared_state=snapshot.state,
+        movable=movable,
+        rank_items=rank_items,
+        rank_state=dict(snapshot.rank_state),
+        pending=pending,
+        checked=[(n, snapshot.tensors[n]) for n in pending if owners[n] != comm.rank],
         shards=shards,
         owned_state=snapshot.owned_state,
     )
 
 
 def staging_share(snapshot: Snapshot, domains: list[list[int]], rank: int) -> list[torch.Tensor]:
-    """The shared tensors ``rank`` would write for ``snapshot`` (as :func:`plan_write`
-    assigns them), for sizing its staging buffer before the first save; local."""
+    """The tensors ``rank`` would copy for ``snapshot`` in an asynchronous save (as
+    :func:`plan_write` assigns them), for sizing its staging buffer before the first save;
+    local."""
     domain = next(d for d in domains if rank in d)
     shards = plan_shards(snapshot, domains, rank, 1)
     sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
-    owners = plan_owners(sizes, domains, snapshot.balanced, shards.loads)[domains.index(domain)]
-    mine = [t for n, t in snapshot.tensors.items() if owners[n] == rank]
-    return mine + [t for _, t in shards.items]
+    movable = snapshot.balanced | snapshot.unverified
+    owners = plan_owners(sizes, domains, movable, shards.loads)[domains.index(domain)]
+    shared = [
+        t for n, t in snapshot.tensors.items() if owners[n] == rank or n in snapshot.unverified
+    ]
+    return shared + [t for _, t in shards.items] + list(snapshot.rank_tensors.values())
 
 
 def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
@@ -198,6 +214,7 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
     comm, path = plan.comm, plan.path
     store = storage_for(path)
     tmp = store.commit.staging(store, path, f"{comm.token}-{attempt}", overwrite=plan.overwrite)
+    settle_plan(plan, attempt)
     try:
         done = comm.run_reduce(
             f"prepare.{attempt}",
@@ -316,7 +333,14 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
                 else:
                     tensors[prefix + e.key] = tensor_to_json(e)
         store = storage_for(tmp)
-        store.write_new(os.path.join(tmp, names["rank"]), plan.rank_blob)
+        rank_path = os.path.join(tmp, names["rank"])
+        if plan.rank_blob is None:  # streamed, as the other files
+            rank_file, _ = write_file(
+                rank_path, plan.rank_items, writer=plan.comm.rank, metadata=plan.rank_metadata()
+            )
+        else:  # made for the copies to other domains already
+            store.write_new(rank_path, plan.rank_blob)
+            rank_file = plan.rank_file  # type: ignore[assignment]
         for other, blob in plan.foreign.items():
             store.write_new(os.path.join(tmp, file_names(other)["rank"]), blob)
     return {
@@ -324,8 +348,8 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
         "tensors": tensors,
         "pieces": pieces,
         "owned_state": plan.owned_state,
-        "rank_keys": plan.rank_keys,
-        "rank_file": {"name": plan.rank_file.name, **file_to_json(plan.rank_file)},
+        "rank_keys": rank_keys(plan.rank_state),
+        "rank_file": {"name": rank_file.name, **file_to_json(rank_file)},
     }
 
 

@@ -260,7 +260,7 @@ class Checkpointer:
         if self._saver.latest is not None:
             return  # a save already sized the buffer, and may still be copying into it
         try:
-            snapshot = capture(self.state, rng=False)
+            snapshot = capture(self.state)
         except Exception as exc:  # the save itself raises it; nothing to size until then
             _log.debug("%s: not sizing the staging buffer ahead: %r", self.directory, exc)
             return

@@ -38,7 +38,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from ddpckpt._coord.comm import resolve_timeout
+from ddpckpt._coord.limits import resolve_timeout
 from ddpckpt._coord.topology import resolve_storage_mode
 from ddpckpt._io.async_saver import async_mode
 from ddpckpt._run.signals import Preemption, grace_period

@@ -43,11 +43,10 @@ def layout_for(state: TrainingState) -> Layout:
     return SINGLE if state.single_model_layout else NAMED
 
 
-def capture(state: TrainingState, *, rng: bool | None = None) -> Snapshot:
+def capture(state: TrainingState) -> Snapshot:
     """Capture the training state of this process (no I/O, no communication).
 
     Tensors in the snapshot are the live tensors themselves (detached), not copies.
-    ``rng`` overrides ``state.rng`` (sizing buffers ahead needs no RNG state).
     """
     layout = layout_for(state)
     snapshot = Snapshot()
@@ -77,7 +76,7 @@ def capture(state: TrainingState, *, rng: bool | None = None) -> Snapshot:
             sections.place(role, name, section)
     if state.extra:
         sections.extra = capture_extra(state.extra, snapshot)
-    if state.rng if rng is None else rng:
+    if state.rng:
         snapshot.rank_state["rng"] = encode(capture_rng(), "rng", snapshot.rank_tensors)
     split_sharded(snapshot)
     record_steppers(state.all_optimizers(), snapshot)

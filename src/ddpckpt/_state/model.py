@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ddpckpt._format.codec import JSON, decode, encode
+from ddpckpt._format.pinned_ring import passes_through
 from ddpckpt._format.sections import SINGLE, Layout, ModelSection
 from ddpckpt._log import get_logger
 from ddpckpt._state.dtensor import is_dtensor, local_tensor, restore_dtensor
@@ -293,23 +294,32 @@ def restore_model(
     """Load the weights into ``model`` through its own ``load_state_dict`` (hooks run).
 
     Call :func:`check_model` first; with ``strict=False`` mismatched keys are skipped.
+    A GPU tensor is read straight into the live tensor through two small pinned buffers
+    (so a load needs no second copy of the weights in GPU memory), then handed to
+    ``load_state_dict`` as its own value; a model whose load hooks must see the incoming
+    value apart from the current one (a ``load_state_dict`` pre-hook, or a
+    ``_load_from_state_dict`` of its own) gets it in a separate GPU tensor instead.
     A DTensor (FSDP2, ``replicate()``) is filled in place, its local shard only.
     """
     view = model_view(model)  # a sharded model's state dict hooks put its shards in place
+    in_place = not _compares_incoming(view.root)
     state: dict[str, Any] = {}
-    in_place: set[str] = set()
+    sharded: set[str] = set()
     for key in section.keys:
         target = view.entries.get(key)
         name = prefix + key
         if is_dtensor(target) and tuple(target.shape) == source.meta(name)[1]:
             restore_dtensor(target, name, source)
-            in_place.add(view.live_key[key])
+            sharded.add(view.live_key[key])
         elif isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
-            # Not read straight into the parameter: the module's load hooks must see the
-            # incoming value apart from the current one. A GPU copy is read onto the GPU
-            # (pinned, pipelined) rather than mapped then copied from pageable memory.
-            like = torch.empty_like(target) if target.is_cuda else None
-            state[view.live_key[key]] = source.get(name, like=like)
+            # A CPU copy is mapped, then copied by load_state_dict; a GPU copy is read
+            # onto the GPU (pinned, pipelined), not copied from pageable memory.
+            like = None
+            if passes_through(target):
+                like = target.detach() if in_place else torch.empty_like(target)
+            got = source.get(name, like=like)
+            # Read into the live tensor: it is its own value, nothing left to copy.
+            state[view.live_key[key]] = target if in_place and got is like else got
     for alias, key in section.aliases.items():
         if alias in view.live_key and key in view.live_key and view.live_key[key] in state:
             state[view.live_key[alias]] = state[view.live_key[key]]
@@ -318,16 +328,29 @@ def restore_model(
         state.update({view.live_key[k]: v for k, v in extra.items() if k in view.live_key})
     root = view.root
     loaded = _with_versions(state, root, section.versions)
-    if not in_place:
+    if not sharded:
         root.load_state_dict(loaded, strict=strict)
         return
     result = root.load_state_dict(loaded, strict=False)
-    missing = [k for k in result.missing_keys if k not in in_place]
+    missing = [k for k in result.missing_keys if k not in sharded]
     if strict and (missing or result.unexpected_keys):
         raise StateMismatchError(
             f"{where}: the model refused keys while loading: missing {missing}, unexpected "
             f"{result.unexpected_keys}"
         )
+
+
+def _compares_incoming(root: nn.Module) -> bool:
+    """Whether a module of ``root`` may look at an incoming value next to the current one
+    while loading: it has a ``load_state_dict`` pre-hook, or a ``_load_from_state_dict``
+    that is not torch's own."""
+    for module in root.modules():
+        if module._load_state_dict_pre_hooks:
+            return True
+        loader = type(module)._load_from_state_dict
+        if not getattr(loader, "__module__", "").startswith("torch."):
+            return True
+    return False
 
 
 def restore_rank_buffers(model: nn.Module, encoded: JSON, source: TensorSource, where: str) -> None:
