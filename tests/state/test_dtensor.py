@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
-from ddpckpt._state.dtensor import MeshLayout, ShardedTensor, region_at
+from ddpckpt._state.dtensor import MeshLayout, ShardedTensor, placement_codes, region_at
+from ddpckpt.errors import UnsupportedValueError
 
 
 @st.composite
@@ -45,3 +48,24 @@ def test_replicas_are_grouped_and_empty_shards_left_out() -> None:
     assert dict(shard.holders()) == {((0, 0), (2, 4)): [0, 2], ((2, 0), (1, 4)): [1, 3]}
     one_row = ShardedTensor(local=None, shape=(1, 4), layout=layout)  # type: ignore[arg-type]
     assert dict(one_row.holders()) == {((0, 0), (1, 4)): [0, 2]}  # ranks 1 and 3 hold nothing
+
+
+class _Placed:
+    """What the checks read of a DTensor: its placements and dimensions."""
+
+    def __init__(self, *placements: object, ndim: int = 2) -> None:
+        self.placements, self.ndim = placements, ndim
+
+
+@pytest.mark.parametrize(
+    ("placement", "message"),
+    [
+        (Partial(), "Partial placement: a reduction still pending"),
+        (_StridedShard(0, split_factor=2), "_StridedShard placement: FSDP combined with tensor"),
+        (_MaskPartial(), "_MaskPartial placement: a reduction still pending"),
+    ],
+)
+def test_unsupported_placements_are_refused_naming_the_tensor(placement, message) -> None:
+    with pytest.raises(UnsupportedValueError, match=f"^model/w: a DTensor with a {message}"):
+        placement_codes("model/w", _Placed(Shard(1), placement))
+    assert placement_codes("model/w", _Placed(Replicate(), Shard(-1))) == ("R", "S1")

@@ -38,6 +38,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ddpckpt._format.tensorfile import byte_view
 from ddpckpt._log import current_rank
+from ddpckpt._state.dtensor import local_tensor
+from ddpckpt._state.zero import local_state_dict
 
 ENV = "DDPCKPT_CHECK_RESUME"
 _LOOKED = False
@@ -81,7 +83,7 @@ def digest(obj: Any) -> str:
 
 def _feed(hasher: Any, obj: Any) -> None:
     if isinstance(obj, torch.Tensor):
-        tensor = obj.detach()
+        tensor = local_tensor(obj).detach()  # a DTensor: this rank's shard
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         tensor = tensor.contiguous()
@@ -273,8 +275,10 @@ class Recorder:
         for name, optimizer in self._known_optimizers(ckpt):
             if saved_only and name.startswith("optimizer:unsaved"):
                 continue
-            saved = optimizer.state_dict()
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
+            saved = local_state_dict(optimizer)
+            # The groups the user and schedulers change: ZeRO copies them into its local
+            # optimizer only inside step(), so the local optimizer's lag behind.
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
             state[name] = {
                 "type": type(optimizer).__name__,
                 "entries": len(saved["state"]),

@@ -53,6 +53,13 @@ def param_state(optimizer: torch.optim.Optimizer) -> Mapping[Any, Any]:
     return optimizer.optim.state if is_zero(optimizer) else optimizer.state  # type: ignore[attr-defined]
 
 
+def local_state_dict(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()``; ZeRO's local optimizer's (this rank's shard), which
+    needs no consolidation."""
+    inner = optimizer.optim if is_zero(optimizer) else optimizer  # type: ignore[attr-defined]
+    return inner.state_dict()
+
+
 def _check_supported(zero: Any, label: str) -> None:
     if zero._overlap_with_ddp:
         raise UnsupportedValueError(
