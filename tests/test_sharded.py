@@ -1,6 +1,7 @@
 """Sharded state under torchrun (gloo on CPU): ZeRO-1 under DDP and FSDP2 saved on 2 ranks,
-killed, resumed bit-identically, loaded on 3 ranks and in one process; the DTensor
-``replicate()`` and a 2 x 2 HSDP mesh on 4 ranks; the tools on sharded checkpoints.
+killed, resumed bit-identically, loaded on 4 ranks, 3 ranks and in one process; the DTensor
+``replicate()``, a 2 x 2 HSDP mesh and ZeRO-1 saved on 4 ranks and loaded on 4, 3 (HSDP into
+a 1-D FSDP2 mesh) and 1; the tools on sharded checkpoints.
 
 Four launches in all (see tests/support/sharded_worker.py): one per world size, and one
 more for the kill.
@@ -53,19 +54,46 @@ def test_zero_and_fsdp2_resume_bit_identical_after_a_kill(saved, tmp_path) -> No
             assert result[f"{kind}_identical"], f"rank {rank}: {kind} resume differs"
 
 
-def test_a_two_rank_checkpoint_loads_on_three_ranks(saved, tmp_path) -> None:
+@pytest.fixture(scope="module")
+def four(saved, tmp_path_factory) -> dict[int, dict]:
+    """On 4 ranks: replicate(), HSDP (2 x 2) and ZeRO-1 saved beside the 2-rank checkpoints
+    and round-tripped; the 2-rank checkpoints loaded."""
+    root, _ = saved
+    launch = torchrun("four_ranks", tmp_path_factory.mktemp("four"), nproc=4,
+                      args=["--ckpt", str(root)], worker=WORKER, timeout=180).ok()  # fmt: skip
+    return {rank: launch.result(rank) for rank in range(4)}
+
+
+def _check_loaded(found: dict, step: int, kind: str, rank: int) -> None:
+    assert found["step"] == step
+    assert found["wrong"] == [], f"rank {rank}: {kind} differs from the saved state"
+
+
+def test_two_rank_checkpoints_load_on_four_ranks(four) -> None:
+    owned = 0
+    for rank, result in four.items():
+        for kind in ("zero", "fsdp"):
+            _check_loaded(result["from_two"][kind], SAVED_AT, kind, rank)
+        assert result["from_two"]["zero"]["lr"] == pytest.approx(1e-3 * 0.5**2)
+        owned += result["from_two"]["zero"]["owns"]
+    assert owned == 4  # each of the 4 parameters' state on exactly one of the 4 ranks
+
+
+def test_two_and_four_rank_checkpoints_load_on_three_ranks(four, saved, tmp_path) -> None:
     root, _ = saved
     launch = torchrun("reshard", tmp_path, nproc=3, args=["--ckpt", str(root)],
                       worker=WORKER, timeout=180).ok()  # fmt: skip
-    owned = 0
+    owned = {"zero": 0, "zero4": 0}
     for rank in range(3):
         result = launch.result(rank)
         for kind in ("zero", "fsdp"):
-            assert result[f"{kind}_step"] == SAVED_AT
-            assert result[f"{kind}_wrong"] == [], f"rank {rank}: {kind}"
-        assert result["zero_lr"] == pytest.approx(1e-3 * 0.5**2)
-        owned += result["zero_owns"]
-    assert owned == 4  # each of the 4 parameters' state on exactly one of the 3 ranks
+            _check_loaded(result[kind], SAVED_AT, kind, rank)
+        for kind in ("hsdp", "zero4"):  # 4 ranks -> 3; HSDP's 2 x 2 mesh -> FSDP2's 1-D one
+            _check_loaded(result[kind], 3, kind, rank)
+        assert result["zero"]["lr"] == pytest.approx(1e-3 * 0.5**2)
+        for kind in owned:
+            owned[kind] += result[kind]["owns"]
+    assert owned == {"zero": 4, "zero4": 4}
 
 
 def test_saving_zero_state_gathers_nothing(saved) -> None:
@@ -152,20 +180,18 @@ def test_a_damaged_shard_is_found_by_verify_and_load(saved, tmp_path) -> None:
         ddpckpt.load(copy, model=_plain_model())
 
 
-def test_replicate_and_hsdp_round_trip_on_four_ranks(tmp_path) -> None:
-    launch = torchrun("round_trip", tmp_path / "out", nproc=4, args=["--ckpt", str(tmp_path)],
-                      worker=WORKER, timeout=180).ok()  # fmt: skip
-    for rank in range(4):
-        result = launch.result(rank)
-        for kind in ("replicate", "hsdp"):
+def test_replicate_hsdp_and_zero_round_trip_on_four_ranks(four, saved) -> None:
+    root, _ = saved
+    for rank, result in four.items():
+        for kind in ("replicate", "hsdp", "zero4"):
             assert result[f"{kind}_identical"] and result[f"{kind}_wrong"] == [], (rank, kind)
-    manifest = json.loads((tmp_path / "hsdp" / "manifest.json").read_text())
+    manifest = json.loads((root / "hsdp" / "manifest.json").read_text())
     writers = {p["file"] for s in manifest["shards"].values() for p in s["pieces"]}
     assert len(writers) >= 3, writers  # the replicas of each shard share the writing
     weight = manifest["shards"]["model/0.weight"]
     assert weight["mesh"] == [2, 2] and weight["placements"] == ["R", "S0"]
     assert len(weight["pieces"]) == 2  # each distinct shard once, not once per replica
     model = _plain_model()
-    ddpckpt.load(tmp_path / "hsdp", model=model)  # 4 ranks -> 1 process
-    reference = torch.load(tmp_path / "hsdp-reference.pt")["model"]
+    ddpckpt.load(root / "hsdp", model=model)  # 4 ranks -> 1 process
+    reference = torch.load(root / "hsdp-reference.pt")["model"]
     assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())

@@ -210,41 +210,63 @@ def scenario_resume(args, rank: int) -> dict[str, Any]:
     return result
 
 
-def scenario_reshard(args, rank: int) -> dict[str, Any]:
-    """Load the checkpoints saved on 2 ranks into the same runs on this world size and
-    compare every rank's state with the whole reference."""
+def _load_and_compare(path: str, build: Any, reference: dict[str, Any]) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into a fresh run of ``build`` (other weights) on this
+    world size; where its state differs from the whole ``reference``."""
+    model, wrapped, opt, sched = build(seed=1)
+    info = ddpckpt.load(path, model=wrapped, optimizer=opt, scheduler=sched)
+    found = {"step": info.step, "wrong": same_as(reference, model, opt)}
+    found["lr"] = opt.param_groups[0]["lr"]
+    if isinstance(opt, ZeroRedundancyOptimizer):
+        found["owns"] = len(opt.optim.state)
+    return found
+
+
+def _two_rank_loads(args) -> dict[str, Any]:
+    """The ZeRO-1 and FSDP2 checkpoints saved on 2 ranks, loaded on this world size."""
     reference = torch.load(os.path.join(args.ckpt, "reference.pt"))
-    result: dict[str, Any] = {}
-    for kind, build in (("zero", zero_run), ("fsdp", fsdp_run)):
-        model, wrapped, opt, sched = build(seed=1)
-        path = os.path.join(args.ckpt, kind, f"step-{SAVED_AT:08d}")
-        info = ddpckpt.load(path, model=wrapped, optimizer=opt, scheduler=sched)
-        result[f"{kind}_step"] = info.step
-        result[f"{kind}_wrong"] = same_as(reference[kind], model, opt)
-        result[f"{kind}_lr"] = opt.param_groups[0]["lr"]
-        if kind == "zero":
-            result["zero_owns"] = len(opt.optim.state)
+    return {
+        kind: _load_and_compare(
+            os.path.join(args.ckpt, kind, f"step-{SAVED_AT:08d}"), build, reference[kind]
+        )
+        for kind, build in (("zero", zero_run), ("fsdp", fsdp_run))
+    }
+
+
+def scenario_reshard(args, rank: int) -> dict[str, Any]:
+    """On 3 ranks: the 2-rank checkpoints, the 4-rank HSDP one into FSDP2 on a 1-D mesh and
+    the 4-rank ZeRO-1 one, each compared with the whole reference."""
+    result = _two_rank_loads(args)
+    for kind, build in (("hsdp", fsdp_run), ("zero4", zero_run)):
+        reference = torch.load(os.path.join(args.ckpt, f"{kind}-reference.pt"))
+        result[kind] = _load_and_compare(os.path.join(args.ckpt, kind), build, reference)
     return result
 
 
-def scenario_round_trip(args, rank: int) -> dict[str, Any]:
-    """replicate() and HSDP on a 2 x 2 mesh: save, load into fresh runs, compare."""
+def scenario_four_ranks(args, rank: int) -> dict[str, Any]:
+    """On 4 ranks: replicate(), HSDP on a 2 x 2 mesh and ZeRO-1 saved, loaded into fresh
+    runs and compared (each reference kept for the 3-rank loads); then the 2-rank
+    checkpoints loaded here."""
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     result: dict[str, Any] = {}
-    runs = (("replicate", replicate_run), ("hsdp", lambda seed=0: fsdp_run(seed, hsdp)))
-    for kind, build in runs:
+    runs = (("replicate", replicate_run, 16), ("hsdp", lambda seed=0: fsdp_run(seed, hsdp), 16),
+            ("zero4", zero_run, 1024))  # fmt: skip
+    for kind, build, width in runs:
         model, wrapped, opt, sched = build()
-        train(wrapped, opt, sched, 3, 16)
+        train(wrapped, opt, sched, 3, width)
         saved = fingerprint(model, opt)
         path = os.path.join(args.ckpt, kind)
         ddpckpt.save(path, model=wrapped, optimizer=opt, scheduler=sched, step=3)
-        reference = full_state(model, opt)
+        whole = full_state(model, opt)  # ZeRO's optimizer state only on rank 0
+        if rank == 0:
+            torch.save(whole, os.path.join(args.ckpt, f"{kind}-reference.pt"))
+        dist.barrier()
+        reference = torch.load(os.path.join(args.ckpt, f"{kind}-reference.pt"))
         model, wrapped, opt, sched = build(seed=1)
         ddpckpt.load(path, model=wrapped, optimizer=opt, scheduler=sched)
         result[f"{kind}_identical"] = fingerprint(model, opt) == saved
         result[f"{kind}_wrong"] = same_as(reference, model, opt)
-        if rank == 0:
-            torch.save(reference, os.path.join(args.ckpt, f"{kind}-reference.pt"))
+    result["from_two"] = _two_rank_loads(args)
     return result
 
 
