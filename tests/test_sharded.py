@@ -185,6 +185,7 @@ def test_replicate_hsdp_and_zero_round_trip_on_four_ranks(four, saved) -> None:
     for rank, result in four.items():
         for kind in ("replicate", "hsdp", "zero4"):
             assert result[f"{kind}_identical"] and result[f"{kind}_wrong"] == [], (rank, kind)
+        assert result["hsdp_digest_local"]
     manifest = json.loads((root / "hsdp" / "manifest.json").read_text())
     writers = {p["file"] for s in manifest["shards"].values() for p in s["pieces"]}
     assert len(writers) >= 3, writers  # the replicas of each shard share the writing

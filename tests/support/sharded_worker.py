@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
+from ddpckpt._resumecheck import record
 
 SAVED_AT, KILLED_AT, END = 5, 7, 8  # the resumed run trains from SAVED_AT to END
 
@@ -266,6 +267,12 @@ def scenario_four_ranks(args, rank: int) -> dict[str, Any]:
         ddpckpt.load(path, model=wrapped, optimizer=opt, scheduler=sched)
         result[f"{kind}_identical"] = fingerprint(model, opt) == saved
         result[f"{kind}_wrong"] = same_as(reference, model, opt)
+        if kind == "hsdp":  # check-resume's digest of DTensors: this rank's shards
+            state = {"model": model.state_dict(), "optim": opt.state_dict()["state"]}
+            local = {"model": {k: _local(v) for k, v in state["model"].items()},
+                     "optim": {i: {k: _local(v) for k, v in s.items()}
+                               for i, s in state["optim"].items()}}  # fmt: skip
+            result["hsdp_digest_local"] = record.digest(state) == record.digest(local)
     result["from_two"] = _two_rank_loads(args)
     return result
 
