@@ -1,7 +1,7 @@
 """Sharded state under torchrun (gloo on CPU): ZeRO-1 under DDP and FSDP2 saved on 2 ranks,
 killed, resumed bit-identically, loaded on 4 ranks, 3 ranks and in one process; the DTensor
 ``replicate()``, a 2 x 2 HSDP mesh and ZeRO-1 saved on 4 ranks and loaded on 4, 3 (HSDP into
-a 1-D FSDP2 mesh) and 1; the tools on sharded checkpoints.
+a 1-D FSDP2 mesh) and 1; the tools on sharded checkpoints; one rank's sharded state on S3.
 
 Four launches in all (see tests/support/sharded_worker.py): one per world size, and one
 more for the kill.
@@ -196,3 +196,39 @@ def test_replicate_hsdp_and_zero_round_trip_on_four_ranks(four, saved) -> None:
     ddpckpt.load(root / "hsdp", model=model)  # 4 ranks -> 1 process
     reference = torch.load(root / "hsdp-reference.pt")["model"]
     assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+
+
+def test_sharded_state_on_s3_in_one_process(process_group, s3_root) -> None:
+    """FSDP2 and ZeRO-1 state (one rank) saved to S3 and read back by ranged reads."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def fsdp() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _plain_model()
+        fully_shard(model)
+        return model, torch.optim.AdamW(model.parameters())
+
+    def zero() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = DDP(_plain_model())
+        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW)
+
+    def state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        inner = getattr(opt, "optim", opt)
+        values = [*model.state_dict().values()]
+        values += [v for s in inner.state.values() for v in s.values()]
+        return [v.full_tensor() if hasattr(v, "full_tensor") else v for v in values]
+
+    for build in (fsdp, zero):
+        model, opt = build()
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        path = ddpckpt.save(s3_root / build.__name__, model=model, optimizer=opt, step=1)
+        assert ddpckpt.verify(path).step == 1
+        placed = [t["name"] for t in summary(path)["tensors"] if "placement" in t]
+        assert len(placed) == (6 * 3 if build is fsdp else 0), placed  # weights and moments
+        fresh, fresh_opt = build()
+        ddpckpt.load(path, model=fresh, optimizer=fresh_opt)
+        saved, loaded = state(model, opt), state(fresh, fresh_opt)
+        assert len(loaded) == len(saved) == 6 + 6 * 3, build.__name__
+        assert all(torch.equal(a, b) for a, b in zip(saved, loaded, strict=True)), build.__name__
