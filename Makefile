@@ -10,7 +10,8 @@ STAMP := $(VENV)/.installed
 # processes (torchrun jobs, servers), so two workers fit a 2-core machine.
 TEST_WORKERS ?= 2
 
-.PHONY: demo bench docs test test-fast lint clean
+.PHONY: demo bench docs test test-fast lint fuzz clean
+FUZZ_SECONDS ?= 1800
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,12 +30,20 @@ docs: $(STAMP)
 	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples benchmarks
-	$(BIN)/ruff format --check src tests examples benchmarks
+	$(BIN)/ruff check src tests examples benchmarks docs
+	$(BIN)/ruff format --check src tests examples benchmarks docs
 	$(BIN)/mypy
 
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+
+# The long-running fuzz target (outside CI, which runs tests/test_fuzz.py): coverage-guided,
+# each target for FUZZ_SECONDS; a violation leaves its input as crash-* in fuzz-output/.
+fuzz: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[fuzz]'
+	mkdir -p fuzz-output/checkpoint fuzz-output/torchfile
+	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py checkpoint -max_total_time=$(FUZZ_SECONDS) checkpoint
+	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py torchfile -max_total_time=$(FUZZ_SECONDS) torchfile
 
 # The quick loop while developing: one process, no multi-process or slow tests (about a
 # minute); `make test` (what CI runs) is the whole suite.
@@ -42,4 +51,4 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow and not distributed" -q
 
 clean:
-	rm -rf $(VENV) demo-output bench-output .pytest_cache docs/_build
+	rm -rf $(VENV) demo-output bench-output fuzz-output .pytest_cache docs/_build

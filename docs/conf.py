@@ -13,7 +13,7 @@ from ddpckpt import __version__  # noqa: E402
 
 project = "ddpckpt"
 author = "the ddpckpt developers"
-copyright = "2026, the ddpckpt developers"  # noqa: A001
+copyright = "2026, the ddpckpt developers"
 release = version = __version__
 
 extensions = [

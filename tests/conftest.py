@@ -19,6 +19,9 @@ from torch import nn
 # Helpers shared by the tests (launchers, worker scripts, servers) live in tests/support and
 # are imported by module name, as the worker scripts import each other.
 sys.path.insert(0, str(Path(__file__).with_name("support")))
+# Fixtures of one subpackage's tests live there too, as plugins: a second conftest.py would
+# take the module name "conftest" that the tests import the helpers below from.
+pytest_plugins = ["check_recorder"]
 
 
 class TiedLM(nn.Module):

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import ddpckpt
 from launch import processes, spawn, torchrun, torchrun_nodes
@@ -282,6 +283,32 @@ def test_node_local_storage_keeps_a_copy_per_node_and_repairs_a_lost_one(tmp_pat
     assert ddpckpt.verify(nodes[1] / "ckpt").step == 3  # and it keeps the copy it received
 
 
+def test_node_local_repair_never_writes_outside_the_checkpoint(tmp_path) -> None:
+    """A checkpoint on node 0 whose manifest names ../target/authorized_keys (checksums
+    recomputed): repairing node 1's missing copy wrote the attacker's bytes to
+    node1/target/authorized_keys, and the rank then loaded the checkpoint."""
+    from hostile import edit_manifest, rename_file
+
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        (node / "target").mkdir(parents=True)
+    ddpckpt.save(nodes[0] / "ckpt", model=torch.nn.Linear(2, 2), step=1)
+    hostile = "../target/authorized_keys"
+    (nodes[0] / "ckpt" / "model-00000.safetensors").rename(nodes[0] / "target" / "authorized_keys")
+    edit_manifest(
+        nodes[0] / "ckpt", lambda doc: rename_file(doc, "model-00000.safetensors", hostile)
+    )
+    launch = torchrun_nodes(
+        "load_refused", tmp_path / "load", nproc=1, args=["--ckpt", "ckpt"], cwds=nodes
+    ).ok()
+    for rank in (0, 1):
+        report = launch.result(rank)
+        assert report["error"] == "CorruptCheckpointError", report
+        assert "no name ddpckpt writes" in report["message"] and hostile in report["message"]
+    assert not (nodes[1] / "target" / "authorized_keys").exists()
+    assert sorted(p.name for p in nodes[1].iterdir()) == ["target"]  # nothing received
+
+
 @pytest.mark.slow
 def test_loading_adds_little_memory_per_rank(tmp_path) -> None:
     args = ["--ckpt", str(tmp_path / "ckpt"), "--width", "600000", "--steps", "1"]
@@ -362,11 +389,14 @@ def test_ranks_waiting_for_each_other_time_out_instead_of_hanging(tmp_path) -> N
 
 def test_state_that_is_not_replicated_is_stored_and_restored_per_rank(tmp_path) -> None:
     """DDP-ignored weights, a rank-0-only EMA, plain models that differ per rank and DDP
-    replicas that went astray: each rank gets back exactly what it saved, never a mix."""
+    replicas that went astray: each rank gets back exactly what it saved, never a mix. An
+    EMA of a BatchNorm model updated on every rank holds each rank's own statistics: stored
+    per rank too, without the warning meant for an EMA updated on one rank."""
     args = ["--ckpt", str(tmp_path / "ck")]
     results = torchrun("per_rank_state", tmp_path / "out", nproc=2, args=args).ok().results
     assert results[0]["saved"]["ddp"] != results[1]["saved"]["ddp"]  # the set-up differs
     assert results[0]["saved"]["plain"] != results[1]["saved"]["plain"]
+    assert results[0]["saved"]["ema_bn"] != results[1]["saved"]["ema_bn"]  # own statistics
     for rank, result in results.items():
         assert result["loaded"] == result["saved"], rank
         # saved asynchronously: the EMA compared across ranks on the background thread
@@ -380,6 +410,7 @@ def test_state_that_is_not_replicated_is_stored_and_restored_per_rank(tmp_path) 
     assert len(ddp) == 1 and "extra/ema/" in ddp[0]  # the EMA, not what DDP ignores; once
     assert "model/2.bias" not in ddp[0] and "wrap it in DistributedDataParallel" in ddp[0]
     assert len(plain) == 1 and "model/weight" in plain[0]
+    assert not [w for w in results[0]["warnings"] if "ema_bn: " in w]
     (astray,) = [w for w in results[0]["warnings"] if "diverged: " in w]
     assert "the ranks' replicas have diverged" in astray and "model/0.weight" in astray
     assert not results[1]["warnings"]  # said once, on rank 0

@@ -6,6 +6,8 @@ Each ```python block is preceded by a marker comment saying how it runs:
 * ``<!-- readme-test: python -->``: ``python snippet.py`` in a fresh directory;
 * ``<!-- readme-test: torchrun N -->``: ``torchrun --nproc-per-node N snippet.py`` (gloo on CPU);
 * a trailing ``, twice``: run it again in the same directory (a restarted job), both must succeed;
+* then ``, then check-resume``: ``ddpckpt check-resume -- <that command>`` in the same
+  directory must find the resume exact, and leave every byte the runs wrote unchanged;
 * ``<!-- readme-test: skip: REASON -->``: not run (only for the recipe the README warns against).
 
 A block without a marker fails this test, so a snippet cannot silently escape it.
@@ -29,7 +31,9 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 _BLOCK = re.compile(
     r"(?:<!--\s*readme-test:\s*(?P<how>[^>]*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S
 )
-_HOW = re.compile(r"(?P<launcher>python|torchrun (?P<nproc>\d+))(?P<twice>, twice)?$")
+_HOW = re.compile(
+    r"(?P<launcher>python|torchrun (?P<nproc>\d+))(?P<twice>, twice)?(?P<check>, then check-resume)?$"
+)
 
 
 @dataclass(frozen=True)
@@ -77,17 +81,17 @@ def _command(snippet: Snippet, script: Path) -> list[str]:
             f"--master-port={free_port()}", "--max-restarts=0", str(script)]  # fmt: skip
 
 
-def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+def _run(cmd: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1", "HOME": str(cwd)}  # fmt: skip
     if "PYTHONPATH" in os.environ:  # a development checkout imported through PYTHONPATH
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     try:
         return subprocess.run(
-            cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240, check=False
+            cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
         )
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{cmd} hung for 240 s:\n{exc.stdout}\n{exc.stderr}") from None
+        raise AssertionError(f"{cmd} hung for {timeout} s:\n{exc.stdout}\n{exc.stderr}") from None
 
 
 @pytest.mark.slow
@@ -107,6 +111,34 @@ def test_readme_snippet_runs_as_written(snippet: Snippet, tmp_path: Path) -> Non
             f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
         )
         assert "Traceback" not in done.stderr, f"{snippet.id}: {done.stderr[-6000:]}"
+    if _HOW.match(snippet.how)["check"]:
+        _check_resume(snippet, script, tmp_path)
+
+
+def _files(root: Path) -> dict[str, bytes | None]:
+    """Every file (its bytes) and directory (``None``) under ``root``."""
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in sorted(root.rglob("*"))
+    }
+
+
+def _check_resume(snippet: Snippet, script: Path, cwd: Path) -> None:
+    """``ddpckpt check-resume -- <the command>`` where the user ran it: the resume is exact,
+    and nothing the user's runs wrote is read for resuming or changed."""
+    before = _files(cwd)
+    command = [str(Path(sys.executable).with_name("ddpckpt")), "check-resume", "--timeout=200",
+               "--", *_command(snippet, script)]  # fmt: skip
+    done = _run(command, cwd, timeout=500)
+    assert done.returncode == 0, (
+        f"{snippet.id}: check-resume:\n{done.stdout}\n{done.stderr[-4000:]}"
+    )
+    assert "verdict: the resume is exact at every kill point" in done.stdout
+    assert "bit-identical at every step compared on every rank" in done.stdout
+    assert "ckpt (latest, save)" in done.stdout  # mapped into the check's directory
+    home = (".cache", ".config")  # matplotlib's in HOME, which _run sets to cwd
+    after = {k: v for k, v in _files(cwd).items() if not k.startswith(("resume-check", *home))}
+    assert after == {k: v for k, v in before.items() if not k.startswith(home)}
 
 
 @pytest.mark.slow

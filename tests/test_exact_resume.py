@@ -73,11 +73,11 @@ def killed_and_resumed(tmp_path: Path, *options: str, nproc: int = 2) -> None:
     compare(straight, resumed, nproc)
 
 
-@pytest.mark.parametrize(("loader", "nproc"), [("plain", 4), ("resumable", 2)])
+@pytest.mark.parametrize(("loader", "nproc"), [("plain", 4), ("persistent", 2)])
 def test_killed_mid_epoch_and_after_epoch_end_saves_resumes_bit_identical(
     tmp_path, loader, nproc
 ) -> None:
-    """A plain DataLoader (2 workers) saved as the loader, and resumable_loader."""
+    """A plain DataLoader (2 workers) saved as the loader, and one with persistent workers."""
     killed_and_resumed(tmp_path, f"--loader={loader}", nproc=nproc)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import subprocess
 import sys
@@ -12,7 +13,16 @@ import torch
 
 import ddpckpt
 
-PUBLIC = ("ddpckpt", "ddpckpt.data", "ddpckpt.errors", "ddpckpt.policies", "ddpckpt.storage")
+PUBLIC = (
+    "ddpckpt",
+    "ddpckpt.data",
+    "ddpckpt.errors",
+    "ddpckpt.events",
+    "ddpckpt.policies",
+    "ddpckpt.storage",
+)
+# Public too, but importing them imports a framework (seconds each): read, not imported.
+INTEGRATIONS = ("accelerate", "lightning", "transformers")
 
 
 @pytest.mark.parametrize("module", PUBLIC)
@@ -24,12 +34,34 @@ def test_every_exported_name_exists_and_has_a_docstring(module: str) -> None:
             assert (value.__doc__ or "").strip(), f"{module}.{name} has no docstring"
 
 
+@pytest.mark.parametrize("name", INTEGRATIONS)
+def test_every_name_an_integration_exports_is_defined_with_a_docstring(name: str) -> None:
+    path = Path(ddpckpt.__file__).parent / "integrations" / f"{name}.py"
+    tree = ast.parse(path.read_text())
+    defined = {
+        node.name: ast.get_docstring(node)
+        for node in tree.body
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef))
+    }
+    (exported,) = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["__all__"]
+    ]
+    for item in exported:
+        assert (defined.get(item) or "").strip(), (
+            f"ddpckpt.integrations.{name}.{item}: no docstring"
+        )
+
+
 def test_internal_modules_are_private_and_export_nothing() -> None:
     root = Path(ddpckpt.__file__).parent
     for path in root.rglob("*.py"):
         parts = path.relative_to(root).with_suffix("").parts
         name = ".".join(("ddpckpt", *parts)).removesuffix(".__init__")
-        if name in PUBLIC or name in {"ddpckpt.storage.s3", "ddpckpt.storage.fsspec"}:
+        also_public = {"ddpckpt.storage.s3", "ddpckpt.storage.fsspec", "ddpckpt.integrations"}
+        also_public |= {f"ddpckpt.integrations.{name}" for name in INTEGRATIONS}
+        if name in PUBLIC or name in also_public:
             continue
         assert any(p.startswith("_") for p in parts) or parts[0] == "examples", name
         assert "__all__" not in path.read_text(), f"{name} is internal but has __all__"

@@ -23,10 +23,10 @@ class CliReference(Directive):
 
         os.environ["COLUMNS"] = "88"  # argparse wraps to the terminal: fix the width
         parser = _parser()
-        subparsers = next(
-            a for a in parser._actions if isinstance(a, argparse._SubParsersAction)
-        )
-        out: list[nodes.Node] = [nodes.literal_block(text=parser.format_help().rstrip(), language="text")]
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        out: list[nodes.Node] = [
+            nodes.literal_block(text=parser.format_help().rstrip(), language="text")
+        ]
         for command in COMMANDS:
             section = nodes.section(ids=[f"ddpckpt-{command.name}"])
             section += nodes.title(text=f"ddpckpt {command.name}")

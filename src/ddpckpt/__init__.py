@@ -13,7 +13,8 @@ from ddpckpt._io.dict_checkpoint import load_dict, remove_checkpoint, save_dict
 from ddpckpt._io.load import load
 from ddpckpt._io.reader import CheckpointInfo, load_state_dict, verify
 from ddpckpt._io.save import PendingSave, release_async_buffers, save
-from ddpckpt._run.catalog import latest
+from ddpckpt._resumecheck import record as _resume_check
+from ddpckpt._run.catalog import latest, load_latest
 from ddpckpt._run.checkpointer import Checkpointer
 from ddpckpt._run.preemption import Preemption
 from ddpckpt._state.objects import PerRank
@@ -34,6 +35,7 @@ from ddpckpt.errors import (
     InexactResumeError,
     InsufficientSpaceError,
     RankFailureError,
+    ResumeCheckRefusedError,
     StateMismatchError,
     UnsafeCheckpointError,
     UnsupportedValueError,
@@ -59,6 +61,7 @@ __all__ = [
     "PerRank",
     "Preemption",
     "RankFailureError",
+    "ResumeCheckRefusedError",
     "StateMismatchError",
     "TrainingState",
     "UnsafeCheckpointError",
@@ -69,6 +72,7 @@ __all__ = [
     "latest",
     "load",
     "load_dict",
+    "load_latest",
     "load_state_dict",
     "policies",
     "release_async_buffers",
@@ -79,6 +83,7 @@ __all__ = [
     "verify",
 ]
 
+_resume_check.active()  # under ddpckpt check-resume only: records from the script's first call
 
 _MOVED_TO_DATA = ("ResumableDistributedSampler", "SampleIndex", "SeededDataset", "track_loader")
 

@@ -29,11 +29,20 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 _PACKAGE = "ddpckpt"
 _SAME_EVERYWHERE = "ddpckpt_same_on_every_rank"
+_OBSERVERS: list[Callable[[logging.LogRecord], None]] = []
+
+
+def observe(callback: Callable[[logging.LogRecord], None]) -> Callable[[], None]:
+    """Call ``callback`` with every WARNING or worse that the library logs in this process,
+    printed or not (``ddpckpt check-resume`` quotes a run's warnings in its report);
+    returns the function that stops it."""
+    _OBSERVERS.append(callback)
+    return lambda: _OBSERVERS.remove(callback)
 
 
 def current_rank() -> int:
@@ -70,6 +79,9 @@ class _RankFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         rank = current_rank()
         record.rank = rank
+        if record.levelno >= logging.WARNING:
+            for callback in _OBSERVERS:
+                callback(record)
         if rank == 0 or _all_ranks():
             return True
         if getattr(record, _SAME_EVERYWHERE, False):

@@ -28,6 +28,7 @@ __all__ = [
     "InexactResumeError",
     "InsufficientSpaceError",
     "RankFailureError",
+    "ResumeCheckRefusedError",
     "StateMismatchError",
     "UnsafeCheckpointError",
     "UnsupportedValueError",
@@ -104,6 +105,11 @@ class RankFailureError(CheckpointError, RuntimeError):
     """Ranks failed with different kinds of errors; ``failures`` has each rank's."""
 
 
+class ResumeCheckRefusedError(CheckpointError, RuntimeError):
+    """Under ``ddpckpt check-resume``: a call of the script that would read the user's own
+    run for resuming, or write outside the check's directory; says which call and why."""
+
+
 def error_class(name: str) -> type[CheckpointError]:
     """Return the ddpckpt error class called ``name``, or :class:`RankFailureError`."""
     found = _BY_NAME.get(name)
@@ -126,6 +132,7 @@ _BY_NAME: dict[str, type[CheckpointError]] = {
         InexactResumeError,
         InsufficientSpaceError,
         RankFailureError,
+        ResumeCheckRefusedError,
         StateMismatchError,
         UnsafeCheckpointError,
         UnsupportedValueError,

@@ -31,25 +31,36 @@ def test_demo_shows_a_crash_an_automatic_resume_and_a_bit_identical_result(tmp_p
     result = subprocess.run(
         [sys.executable, "-m", "ddpckpt", "demo", "--out", str(out), "--steps", "60", "--every", "10",
          "--kill-at", "36", "--nproc", "3"],
-        capture_output=True, text=True, timeout=400, check=False,
+        capture_output=True, text=True, timeout=400, check=False, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ddpckpt demo: 3 ranks, 60 optimizer steps, a checkpoint every 10" in result.stdout
     assert "rank 1 SIGKILLed at step 36 (before any save of it); the launcher restarted it" in (
         result.stdout
     )
-    assert "bit-identical at every step on every rank: 30 steps after the restart x 3 ranks" in (
-        result.stdout
+    line = (
+        "bit-identical at every step compared on every rank: 30 steps after the restart x 3 ranks"
     )
+    assert line in result.stdout
+    count, kinds = result.stdout.split(line)[1].split("\n")[0].split(" components each: ")
+    assert sum(int(k[k.index("(") + 1 : -1]) if "(" in k else 1 for k in kinds.split(", ")) == int(
+        count.lstrip(", ")
+    )  # "13 components each: extra (2), ..." adds up
     assert "verdict: the resume is exact at every kill point" in result.stdout
+    assert "runs/demo (Checkpointer)" in result.stdout  # mapped into demo/, never written
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+    logs = "".join(p.read_text() for p in (out / "runs").glob("*/launch-*.log"))
+    assert "stored once for all ranks differ" not in logs  # the EMA is updated on every rank
 
     report = json.loads((out / "report.json").read_text())
     assert report["identical"] and report["world"] == 3 and report["victim"] == 1
     (point,) = report["points"]
     assert point["resumed_from"] == 30 and point["divergence"] is None
+    assert (point["steps_compared"], point["ranks"]) == (30, 3)  # as the summary says
+    assert f"{len(point['components'])} components each" in result.stdout
     assert len(point["launches"]) == 1  # torchrun --max-restarts 1 restarted the job itself
     assert {"loss", "lr", "scheduler", "scaler", "extra.ema", "extra.accumulation",
-            "loader.loader.samples", "model.buffers", "rng.torch"} <= set(point["components"])  # fmt: skip
+            "loader.samples", "model.buffers", "rng.torch"} <= set(point["components"])  # fmt: skip
     # every step after the restart, the loss and the learning rate equal the uninterrupted run's
     for component in ("loss", "lr"):
         assert point["grid"][component] == {str(s): True for s in range(31, 61)}

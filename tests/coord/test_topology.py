@@ -68,6 +68,28 @@ def test_explicit_local_storage_makes_one_domain_per_node(tmp_path) -> None:
     assert storage_domains(view, str(tmp_path / "d"), "shared") == [[0, 1, 2, 3]]
 
 
+def test_a_probe_removed_by_another_nodes_cleanup_is_no_failure(tmp_path) -> None:
+    """Two nodes on one shared file system: node a's leader, already in resume()'s cleaning
+    of temporaries, removed node b's probe before node b did: resume() failed on node b with
+    'No such file or directory: .../.probe-2.tmp-...'."""
+    directory = str(tmp_path / "d")
+
+    class NodeB(RankView):
+        def run_reduce(self, name: str, fn: Callable[[], Any], reduce: Callable) -> Any:
+            if name != "look":
+                return super().run_reduce(name, fn, reduce)
+            seen = fn()  # both nodes see both probes: one shared domain
+            for probe in (tmp_path / "d").glob(".probe-*"):
+                probe.unlink()  # node a's leader cleans the temporaries meanwhile
+            return reduce([seen, None, seen, None])
+
+    view = NodeB(["a", "a", "b", "b"], ["2"] * 4)
+    view.rank = 2
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / ".probe-0.tmp-t").write_bytes(b"")  # node a's probe
+    assert storage_domains(view, directory) == [[0, 1, 2, 3]]
+
+
 @pytest.mark.parametrize("mode", ["local", "auto"])
 def test_colliding_node_identities_are_refused_not_merged(tmp_path, mode) -> None:
     """Four ranks claim one machine that runs two: an explicit "local" used to become one

@@ -18,9 +18,11 @@ from ddpckpt.errors import (
 
 def sample() -> Manifest:
     m = Manifest(id="abc", step=7, epoch=1, metrics={"loss": 0.25}, world_size=2)
-    m.files["model-00000.safetensors"] = FileEntry("model-00000.safetensors", 120, "00ff", 0)
+    m.files["model-00000.safetensors"] = FileEntry(
+        "model-00000.safetensors", 120, "00ff00ff00ff00ff", 0
+    )
     m.tensors["model/w"] = TensorEntry(
-        "model-00000.safetensors", "w", "F32", (2, 3), 96, 120, "beef"
+        "model-00000.safetensors", "w", "F32", (2, 3), 96, 120, "beefbeefbeefbeef"
     )
     m.state = {"model": {"keys": ["w"]}}
     m.ranks = [{}, {}]
@@ -29,18 +31,18 @@ def sample() -> Manifest:
 
 def test_roundtrip() -> None:
     m = sample()
-    back = Manifest.from_json(m.to_json(), "here")
+    back = Manifest.from_json(m.to_json("here"), "here")
     assert back == m
 
 
 def test_any_edit_fails_the_checksum() -> None:
-    text = sample().to_json().replace('"step": 7', '"step": 8')
+    text = sample().to_json("here").replace('"step": 7', '"step": 8')
     with pytest.raises(CorruptCheckpointError, match="fails its checksum"):
         Manifest.from_json(text, "here")
 
 
 def test_newer_format_asks_for_an_upgrade() -> None:
-    doc = json.loads(sample().to_json())
+    doc = json.loads(sample().to_json("here"))
     doc["format_version"] = FORMAT_VERSION + 1  # its checksum scheme may differ: not "corrupt"
     with pytest.raises(CorruptCheckpointError, match="Upgrade ddpckpt"):
         Manifest.from_json(json.dumps(doc), "x")
@@ -50,6 +52,9 @@ def test_reading_missing_incomplete_and_garbage(tmp_path) -> None:
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint"):
         read_manifest(os.fspath(tmp_path / "nope"))
     (tmp_path / "half").mkdir()
+    with pytest.raises(CheckpointNotFoundError, match="an empty directory, not a checkpoint"):
+        read_manifest(os.fspath(tmp_path / "half"))
+    (tmp_path / "half" / "model-00000.safetensors").write_bytes(b"")  # a save cut short
     with pytest.raises(IncompleteCheckpointError, match="did not finish"):
         read_manifest(os.fspath(tmp_path / "half"))
     (tmp_path / "half" / "manifest.json").write_text("{not json")

@@ -335,14 +335,14 @@ def test_a_checkpoint_deleted_while_it_is_loaded_is_not_found_not_corrupt(
     train_steps(model, opt)
     ddpckpt.save(path, model=model, optimizer=opt, step=3)
     store = storage_for(path)
-    real_read = type(store).read
+    real_open = type(store).open
 
-    def read_after_retention(self, location: str) -> bytes:
+    def open_after_retention(self, location: str):
         if location.startswith(path) and not location.endswith("manifest.json"):
             self.delete_tree(path)
-        return real_read(self, location)
+        return real_open(self, location)
 
-    monkeypatch.setattr(type(store), "read", read_after_retention)
+    monkeypatch.setattr(type(store), "open", open_after_retention)
     with pytest.raises(CheckpointNotFoundError, match="deleted while it was being loaded"):
         ddpckpt.load(path, model=make_mlp(seed=1), optimizer=opt)
 
@@ -356,16 +356,16 @@ def test_a_checkpoint_saved_again_while_it_is_loaded_is_not_called_corrupt(
     path = str(ckpt_root / "step-3")
     ddpckpt.save(path, model=make_mlp(seed=0), step=3)
     store = storage_for(path)
-    real_read = type(store).read
+    real_open = type(store).open
     replaced = []
 
-    def read_after_a_new_save(self, location: str) -> bytes:
+    def open_after_a_new_save(self, location: str):
         if not replaced and location.startswith(path) and not location.endswith(".json"):
             replaced.append(location)
             ddpckpt.save(path, model=make_mlp(seed=1), step=3, overwrite=True)
-        return real_read(self, location)
+        return real_open(self, location)
 
-    monkeypatch.setattr(type(store), "read", read_after_a_new_save)
+    monkeypatch.setattr(type(store), "open", open_after_a_new_save)
     with pytest.raises(CheckpointNotFoundError, match=r"replaced .* while it was being loaded"):
         ddpckpt.load(path, model=make_mlp(seed=2))
     assert replaced
@@ -436,7 +436,7 @@ def test_user_journey_compiled_ddp_to_plain_cpu_export_and_import(process_group,
     weights = torch.load(export(path, os.fspath(tmp_path / "model.pt")), weights_only=True)
     assert_state_equal(weights, model.state_dict())
 
-    from ddpckpt._format.legacy import import_checkpoint
+    from ddpckpt._convert.legacy import import_checkpoint
 
     torch.save(
         {"state_dict": wrapped.state_dict(), "optimizer": opt.state_dict(), "epoch": 1},

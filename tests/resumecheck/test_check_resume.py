@@ -1,49 +1,18 @@
 """``ddpckpt check-resume`` on real torchrun jobs: a script that resumes exactly (at 2 and 4
 ranks), and planted bugs (at 2), each named by the component and the step where it first
-shows."""
+shows, with the cause the runs' own evidence supports. (Other script shapes:
+test_check_resume_shapes.py; the README's first recipe: test_docs.py.)"""
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from launch import _env, _finish, _start, free_port
+from tiny_check import FIRST, KILL, RESUMED, check_tiny
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-SCRIPT = Path(__file__).parents[1] / "support" / "tiny_train.py"
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-# tiny_train.py: 6 steps an epoch at any world size, 2 epochs; saves at 4, 6 (epoch end), 8, 12 (and epoch end).
-# Killed at step 10, the restarted run resumes from 8 and its first step is 9.
-KILL, RESUMED, FIRST = "10", 8, 9
-
-
-def check(
-    tmp: Path, *options: str, bug: str = "", reference: Path | None = None, elastic: bool = True,
-    nproc: int = 2, sharded: str = "",
-) -> tuple[int, str, dict[str, Any]]:  # fmt: skip
-    """Run the checker on tiny_train.py. ``elastic``: torchrun restarts the killed job itself
-    (--max-restarts 1); otherwise torchrun gives up and the checker starts it again.
-    ``sharded``: tiny_train.py's SHARDED (``zero``, ``fsdp``)."""
-    out = tmp / "check"
-    port = free_port()
-    launcher = (
-        ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1",
-         "--monitor-interval=0.2", "--local-addr=127.0.0.1"]
-        if elastic
-        else ["--master-addr=127.0.0.1", f"--master-port={port}"]
-    )  # fmt: skip
-    command = [TORCHRUN, f"--nproc-per-node={nproc}", *launcher, str(SCRIPT), "--dir",
-               str(tmp / "user")]  # fmt: skip
-    argv = [sys.executable, "-m", "ddpckpt", "check-resume", "--out", str(out), "--timeout=150",
-            *options, *(["--reference", str(reference)] if reference else []), "--", *command]  # fmt: skip
-    env = _env({"PLANTED_BUG": bug, "SHARDED": sharded, "PYTHONWARNINGS": "ignore::FutureWarning"})
-    ((code, output),) = _finish([_start(argv, env, tmp)], 600)
-    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
-    return code, output, report
 
 
 @pytest.fixture(scope="module")
@@ -51,40 +20,47 @@ def exact(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str, dic
     """The correct script, checked at the default kill points; its uninterrupted run is
     reused by the checks of the bugs that act only after a resume."""
     tmp = tmp_path_factory.mktemp("exact")
-    return (tmp / "check", *check(tmp, elastic=False))
+    return (tmp / "check", *check_tiny(tmp))
 
 
 def test_a_correct_script_is_bit_identical_at_both_default_kill_points(exact) -> None:
     _, code, output, report = exact
     assert code == 0, output[-5000:]
-    assert report["identical"] is True
+    assert report["identical"] is True and report["verdict"] == "exact"
     points = report["points"]
     assert [p["kill"] for p in points] == [
         "at step 10 (before any save of it)",  # inside epoch 2, after the mid-epoch save at 8
         "right after the save of step 6",  # epoch 1's end
     ]
     assert [p["resumed_from"] for p in points] == [8, 6]
-    assert [p["steps_compared"] for p in points] == [2 * 4, 2 * 6]  # steps x ranks
+    assert [(p["steps_compared"], p["ranks"]) for p in points] == [(4, 2), (6, 2)]
+    assert [p["replayed"] for p in points] == [2, 0]  # steps 9, 10: the killed run's own
     assert all(p["rank"] == 1 and p["divergence"] is None for p in points)
-    assert all(len(p["launches"]) == 2 for p in points)  # torchrun gave up; started again
-    components = set(points[0]["components"])
+    assert all(len(p["launches"]) == 1 for p in points)  # torchrun restarted the killed job
+    components = points[0]["components"]
     assert {"model.parameters", "model.buffers", "optimizer", "scheduler", "rng.torch",
-            "rng.numpy", "loader.loader", "loader.loader.samples", "inputs", "loss"} <= components  # fmt: skip
-    assert (
-        "bit-identical at every step on every rank: 4 steps after the restart x 2 ranks" in output
+            "rng.numpy", "loader", "loader.samples", "inputs", "loss"} <= set(components)  # fmt: skip
+    line = (
+        "bit-identical at every step compared on every rank: 4 steps after the restart x 2 "
+        f"ranks, {len(components)} components each: "
     )
+    assert line in output
+    kinds = output.split(line)[1].split("\n")[0].split(", ")  # inputs, loader (2), ...
+    assert sum(int(k.split("(")[1][:-1]) if "(" in k else 1 for k in kinds) == len(components)
     assert "verdict: the resume is exact at every kill point" in output
+    assert "isolation: " in output and "user/ckpt (Checkpointer)" in output
+    assert not (exact[0].parent / "user").exists()  # the script's own directory: untouched
 
 
 def test_four_ranks_resume_bit_identical_with_ddps_gradient_buckets_restored(tmp_path) -> None:
     """From 3 ranks on, the order DDP sums gradients in depends on its bucket layout, which
     a restarted process must get back from the checkpoint."""
-    code, output, report = check(tmp_path, f"--kill-at={KILL}", nproc=4)
+    code, output, report = check_tiny(tmp_path, f"--kill-at={KILL}", nproc=4)
     assert code == 0, output[-5000:]
     (point,) = report["points"]
     assert point["resumed_from"] == RESUMED and point["divergence"] is None, point["divergence"]
-    assert point["steps_compared"] == 4 * 4 and len(point["launches"]) == 1
-    assert "bit-identical at every step on every rank: 4 steps after the restart x 4 ranks" in (
+    assert (point["steps_compared"], point["ranks"]) == (4, 4) and len(point["launches"]) == 1
+    assert "bit-identical at every step compared on every rank: 4 steps after the restart x 4 " in (
         output
     )
 
@@ -94,7 +70,7 @@ def test_zero_optimizer_state_is_checked_bit_identical(tmp_path) -> None:
     state_dict() would refuse without a consolidation). FSDP2's DTensors: the recorder's
     digest is checked in tests/test_sharded.py; SHARDED=fsdp runs here too, at the cost of
     another minute."""
-    code, output, report = check(tmp_path, f"--kill-at={KILL}", sharded="zero")
+    code, output, report = check_tiny(tmp_path, f"--kill-at={KILL}", sharded="zero")
     assert code == 0, output[-5000:]
     (point,) = report["points"]
     assert point["resumed_from"] == RESUMED and point["divergence"] is None, point["divergence"]
@@ -105,7 +81,14 @@ def test_zero_optimizer_state_is_checked_bit_identical(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("bug", "phase", "component", "ranks", "cause"),
     [
-        ("numpy", "start", "rng.numpy", [0, 1], "seeds it after resume()"),
+        # the seeding call itself, found in the resumed run: its file and line
+        (
+            "numpy",
+            "start",
+            "rng.numpy",
+            [0, 1],
+            "seeds it after resuming: np.random.seed(0) at tiny_train.py:",
+        ),
         ("scheduler", "start", "scheduler", [0, 1], "steps the scheduler 1 more time"),
         ("broadcast", "start", "model.buffers", [1], "broadcast_buffers=False"),
     ],
@@ -114,7 +97,7 @@ def test_a_bug_after_resume_is_named_with_its_component_and_step(
     exact, tmp_path: Path, bug: str, phase: str, component: str, ranks: list[int], cause: str
 ) -> None:
     reference = exact[0]
-    code, output, report = check(tmp_path, f"--kill-at={KILL}", bug=bug, reference=reference)
+    code, output, report = check_tiny(tmp_path, f"--kill-at={KILL}", bug=bug, reference=reference)
     assert code == 1, output[-5000:]
     (point,) = report["points"]
     divergence = point["divergence"]
@@ -133,19 +116,35 @@ def test_a_bug_after_resume_is_named_with_its_component_and_step(
         # the unsaved loader's new pass draws its seed from torch's generator, then restarts
         ("loader", "start", "rng.torch", "extra={'loader': loader}"),
         # loader workers augment from their own global generators: same samples, other noise
-        ("augment", "end", "inputs", "ddpckpt.SeededDataset(dataset, seed)"),
+        ("augment", "end", "inputs", "ddpckpt.data.SeededDataset(dataset, seed)"),
     ],
 )
 def test_a_bug_from_the_start_is_named_with_its_component_and_step(
     tmp_path: Path, bug: str, phase: str, component: str, fix: str
 ) -> None:
-    code, output, report = check(tmp_path, f"--kill-at={KILL}", bug=bug)
+    code, output, report = check_tiny(tmp_path, f"--kill-at={KILL}", bug=bug)
     assert code == 1, output[-5000:]
     (point,) = report["points"]
     divergence = point["divergence"]
     assert (divergence["step"], divergence["phase"]) == (FIRST, phase), divergence
     assert divergence["component"] == component, divergence
     assert fix in divergence["fix"]
+
+
+def test_a_restart_at_the_next_epoch_is_named_quoting_the_runs_own_warning(exact, tmp_path) -> None:
+    """Restarting at info.epoch + 1 (the ImageNet habit) after a checkpoint saved inside epoch
+    0: the resumed run skips the rest of that epoch, warns so, and ends two steps early."""
+    code, output, report = check_tiny(tmp_path, "--kill-at=5", bug="epoch", reference=exact[0])
+    assert code == 1, output[-5000:]
+    (point,) = report["points"]
+    divergence = point["divergence"]
+    assert point["resumed_from"] == 4 and (divergence["step"], divergence["phase"]) == (5, "start")
+    assert divergence["component"] == "rng.torch", divergence
+    assert divergence["cause"].startswith("the loop restarted at another epoch"), divergence
+    (quoted,) = divergence["quoted"]
+    assert "the remaining 2 batches of epoch 0 are skipped" in quoted
+    assert f"the run said: {quoted}" in output
+    assert "the resumed run ended at step 10; the uninterrupted run at step 12" in output
 
 
 def test_a_script_given_without_its_launcher_is_named_with_the_command_to_give(

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from ddpckpt._resumecheck.check import default_kill_points
+from ddpckpt._resumecheck.check import default_kill_points, step_offset
 from ddpckpt._resumecheck.compare import compare_point
 from ddpckpt._resumecheck.runner import KillPoint, parse_kill
 
@@ -72,18 +72,38 @@ def test_identical_runs_are_identical_and_an_unused_generator_is_not_compared() 
     assert result.unused == ["rng.python"]
 
 
-def test_a_difference_before_the_kill_is_reported_as_nondeterminism() -> None:
+def test_a_computation_that_varies_between_uninterrupted_runs_cannot_be_judged() -> None:
     reference = {0: [_run(8, {4: False})]}
     killed = _killed(6, 4, 8)
     killed[0][3]["end"]["model.parameters"]["w"] = "other"  # step 2 of the first process
     result = compare_point(reference, {0: killed}, kill="6", victim=0)
-    divergence = result.divergence
-    assert (divergence.step, divergence.phase, divergence.component) == (
-        2,
-        "before-kill",
-        "model.parameters",
-    )
-    assert "use_deterministic_algorithms" in divergence.fix
+    assert result.verdict == "cannot-judge" and not result.identical
+    found = result.nondeterminism
+    assert (found.step, found.phase, found.component) == (2, "before-kill", "model.parameters")
+    assert "use_deterministic_algorithms" in found.fix
+    assert result.not_judged == [7, 8]  # after the replayed steps 5 and 6
+
+
+def test_runs_that_start_apart_are_judged_by_the_replayed_steps_alone() -> None:
+    """An unseeded script: the killed run starts elsewhere than the reference, but its
+    restart must repeat the steps it took after its checkpoint, bit for bit."""
+    reference = {0: [_run(8, {4: False})]}
+    killed = _killed(6, 4, 8)
+    for events in killed:
+        for event in events:
+            for part in ("start", "end", "state"):
+                if event.get(part) and "model.parameters" in event[part]:
+                    event[part]["model.parameters"] = {"w": "unseeded"}
+                if event.get(part) and "rng.torch" in event[part]:
+                    event[part]["rng.torch"] += "-unseeded"
+    result = compare_point(reference, {0: killed}, kill="6", victim=0)
+    assert result.verdict == "exact", result.divergence
+    assert (result.steps_compared, result.replayed, result.not_judged) == (2, 2, [7, 8])
+    assert result.nondeterminism.component == "rng.torch"
+    killed[1][3]["end"]["rng.torch"] = "reseeded"  # the resumed run's step 6 ends elsewhere
+    result = compare_point(reference, {0: killed}, kill="6", victim=0)
+    assert result.verdict == "different"
+    assert (result.divergence.step, result.divergence.component) == (6, "rng.torch")
 
 
 def test_a_resumed_run_that_stops_early_differs_in_its_steps() -> None:
@@ -121,6 +141,20 @@ def test_without_epoch_end_saves_only_a_mid_epoch_point_is_chosen_and_said() -> 
 def test_no_save_before_the_last_step_is_an_error_that_says_what_to_change() -> None:
     with pytest.raises(RuntimeError, match="save more often"):
         default_kill_points(_run(6, {6: True}))
+
+
+def test_a_plain_loop_is_numbered_as_its_saves_number_their_steps() -> None:
+    """The README's recipe saves step=9 after its 10th optimizer step: step 9 it is. A save
+    of the initial weights (before any step) does not count; saves that disagree leave the
+    optimizer steps' count."""
+
+    def saves(*pairs: tuple[int, int]) -> list[dict[str, Any]]:
+        return [{"event": "save", "step": count, "label": label} for count, label in pairs]
+
+    assert step_offset(saves((10, 9), (20, 19))) == -1
+    assert step_offset(saves((0, 0), (10, 9))) == -1
+    assert step_offset(saves((10, 9), (20, 1))) == 0
+    assert step_offset(saves((4, 4), (8, 8))) == 0  # a Checkpointer's own numbering
 
 
 def test_kill_at_accepts_a_step_or_a_step_after_its_save() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -17,17 +16,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ddpckpt
 from ddpckpt._resumecheck import record
-
-
-@pytest.fixture
-def fresh_recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The recorder reads the environment once per process: look again in this test."""
-    monkeypatch.setattr(record, "_LOOKED", False)
-    monkeypatch.setattr(record, "_RECORDER", None)
-    hooks = dict(_global_optimizer_post_hooks)
-    yield
-    _global_optimizer_post_hooks.clear()
-    _global_optimizer_post_hooks.update(hooks)
 
 
 def _train(directory: Path) -> tuple[nn.Module, DataLoader, ddpckpt.Checkpointer]:
@@ -76,15 +64,15 @@ def test_with_the_variable_every_step_save_and_resume_is_recorded(
     _, _, ckpt = _train(tmp_path / "run")
 
     assert ckpt.directory.startswith(str(check / "checkpoints"))  # the user's run untouched
-    assert list((tmp_path / "run").iterdir()) == []  # created, as the script expects, but empty
-    events = [json.loads(line) for line in (check / "records" / "rank0.jsonl").open()]
+    assert list((tmp_path / "run").iterdir()) == []  # made as without a check; left empty
+    events = _events(check, "start", "attach", "resume", "step", "save")
     assert [e["event"] for e in events] == [
-        "start", "resume", "step", "step", "save", "step", "step", "save", "resume",
+        "start", "attach", "resume", "step", "step", "save", "step", "step", "save", "resume",
     ]  # fmt: skip
-    step = events[2]
+    step = events[3]
     assert step["step"] == 1
-    assert step["end"]["loader.loader.samples"] == [[0, 1, 2, 3]]
-    assert step["end"]["loader.loader"] == {"epoch": None, "position": 1, "finished": False}
+    assert step["end"]["loader.samples"] == [[0, 1, 2, 3]]
+    assert step["end"]["loader"] == {"epoch": None, "position": 1, "finished": False}
     assert step["end"]["optimizer"]["entries"] == 6  # a momentum buffer per parameter
     assert set(step["start"]) >= {"rng.torch", "rng.python", "lr", "model.buffers"}
     assert step["end"]["inputs"]["forwards"] == 1
@@ -105,8 +93,10 @@ def test_a_command_that_never_creates_a_checkpointer_is_an_error_naming_what_is_
     assert "should_save(step)" in error
 
 
-def _events(check: Path) -> list[dict]:
-    return [json.loads(line) for line in (check / "records" / "rank0.jsonl").open()]
+def _events(check: Path, *kinds: str) -> list[dict]:
+    """Rank 0's events (of those ``kinds``: all without any)."""
+    events = [json.loads(line) for line in (check / "records" / "rank0.jsonl").open()]
+    return [e for e in events if not kinds or e["event"] in kinds]
 
 
 def test_a_read_only_checkpointer_reads_pretrained_weights_and_the_writable_one_is_followed(
@@ -136,7 +126,10 @@ def test_a_read_only_checkpointer_reads_pretrained_weights_and_the_writable_one_
     assert reader.directory == ckpt.directory
     ckpt.close()
 
-    assert [e["event"] for e in _events(check)] == ["start", "resume", "step", "step", "save"]
+    kinds = ("start", "attach", "resume", "step", "save")
+    assert [e["event"] for e in _events(check, *kinds)] == [
+        "start", "attach", "resume", "step", "step", "save",
+    ]  # fmt: skip
 
 
 def test_the_start_of_a_step_holds_parameters_and_optimizer_state_and_plain_extras(
@@ -168,3 +161,40 @@ def test_the_start_of_a_step_holds_parameters_and_optimizer_state_and_plain_extr
         assert isinstance(first["end"][f"extra.{name}"], str)
     assert first["end"]["extra.counts"] != second["end"]["extra.counts"]
     assert first["end"]["extra.table"] == second["end"]["extra.table"]
+
+
+def test_a_plain_loop_counts_optimizer_steps_and_resumes_at_a_load_of_its_own_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, under_check
+) -> None:
+    """The README's first recipe, in one process: ddpckpt.save every 3 steps, then a
+    restarted process's latest() + load() continues the step count of that save."""
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "check"
+
+    def train(start: int, stop: int) -> None:
+        for step in range(start, stop):
+            model(torch.randn(2, 3)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step % 3 == 2:
+                ddpckpt.save(f"ckpt/step-{step}", model=model, optimizer=optimizer, step=step)
+
+    under_check(run)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    train(0, 7)
+    under_check(run)  # the restarted process
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    info = ddpckpt.load(ddpckpt.latest("ckpt"), model=model, optimizer=optimizer)
+    train(info.step + 1, 8)
+
+    events = _events(run, "start", "step", "save", "resume")
+    assert [e["event"] for e in events].count("start") == 2
+    assert [(e["step"], e["label"]) for e in events if e["event"] == "save"] == [(3, 2), (6, 5)]
+    (resumed,) = [e for e in events if e["event"] == "resume"]
+    assert (resumed["step"], resumed["label"]) == (6, 5)
+    after = events[events.index(resumed) + 1 :]
+    assert [e["step"] for e in after] == [7, 8]  # the steps of the script's 6 and 7
+    assert after[0]["start"]["model.parameters"] == resumed["state"]["model.parameters"]
+    assert list((tmp_path / "ckpt").iterdir()) == []

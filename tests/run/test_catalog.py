@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
 import ddpckpt
-from conftest import make_mlp, train_steps
+from conftest import free_port, make_mlp, train_steps
 from ddpckpt.storage import storage_for
 
 
@@ -87,3 +89,80 @@ def test_a_checkpoint_given_as_the_directory_is_an_error_not_a_fresh_start(ckpt_
     assert ddpckpt.latest(ckpt_root) == os.path.join(ckpt_root, "last")
     with pytest.raises(ValueError, match=f"pass the directory that holds it \\({ckpt_root}\\)"):
         ddpckpt.latest(ckpt_root / "last")
+
+
+def _damage_data(checkpoint) -> None:
+    """Flip one bit in a tensor's bytes: the manifest and the sizes stay intact."""
+    path = checkpoint / "model-00000.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_load_latest_falls_back_past_a_damaged_newest_checkpoint(ckpt_root, caplog) -> None:
+    """latest() returned the damaged newest and load() raised, at every restart."""
+    ckpt = ckpt_root / "ckpt"
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    saved = {}
+    for step in (1, 2):
+        train_steps(model, opt, steps=1)
+        ddpckpt.save(f"{ckpt}/step-{step}", model=model, optimizer=opt, step=step)
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    _damage_data(ckpt / "step-2")
+    assert ddpckpt.latest(ckpt) == os.path.join(ckpt, "step-2")  # it reads no data
+    fresh = make_mlp(seed=1)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        info = ddpckpt.load_latest(
+            ckpt, model=fresh, optimizer=torch.optim.SGD(fresh.parameters(), lr=1)
+        )
+    assert info is not None and info.step == 1
+    assert all(torch.equal(v, saved[1][k]) for k, v in fresh.state_dict().items())
+    (warning,) = caplog.messages
+    assert os.path.join(ckpt, "step-2") in warning and "checksum mismatch" in warning
+    _damage_data(ckpt / "step-1")
+    with pytest.raises(ddpckpt.CorruptCheckpointError, match="none can be loaded") as raised:
+        ddpckpt.load_latest(ckpt, model=make_mlp())
+    assert "step-1" in str(raised.value) and "step-2" in str(raised.value)
+
+
+def test_load_latest_of_nothing_is_none_and_a_mismatch_is_no_damage(ckpt_root) -> None:
+    assert ddpckpt.load_latest(ckpt_root / "nothing", model=make_mlp()) is None
+    ddpckpt.save(ckpt_root / "ckpt" / "a", model=make_mlp(), step=1)
+    with pytest.raises(ddpckpt.StateMismatchError):  # the live model is another: no fallback
+        ddpckpt.load_latest(ckpt_root / "ckpt", model=torch.nn.Linear(2, 2))
+
+
+def _readme_recipe() -> str:
+    """The first recipe of the README, copied literally (the one users start from)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return re.search(r"```python\n(# train\.py -- .*?)```", readme, re.S).group(1)
+
+
+def test_the_readme_recipe_survives_a_damaged_newest_checkpoint_restarted_twice(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    """The README's recipe with one flipped bit in its newest checkpoint crashed the same
+    way at every restart. Each run executes the recipe as copied from the README, as rank 0
+    of a one-rank job (the fallback is the same on every rank: load raises the same error
+    everywhere); the README's own test runs it under torchrun."""
+    recipe = compile(_readme_recipe(), "train.py", "exec")
+    monkeypatch.chdir(tmp_path)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                        "MASTER_ADDR": "127.0.0.1"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+
+    def run() -> str:
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+            exec(recipe, {"__name__": "__main__"})
+        return caplog.text
+
+    run()
+    newest = ddpckpt.latest("ckpt")
+    _damage_data(Path(newest))
+    assert f"cannot load {newest} (" in run()
+    assert "cannot load" not in run()
+    assert ddpckpt.latest("ckpt") == os.path.join("ckpt", "step-49")
+    assert ddpckpt.verify(newest)  # saved again by the first restart, and sound

@@ -6,8 +6,8 @@ import pytest
 
 from conftest import make_mlp
 from ddpckpt import Checkpointer
+from ddpckpt._format.runfiles import read_latest
 from ddpckpt._run.resume import _merged, load_first, nothing_loads, point_latest, set_aside
-from ddpckpt._run.rundir import read_latest
 from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 

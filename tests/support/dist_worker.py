@@ -182,6 +182,17 @@ def scenario_load(args, rank: int) -> dict[str, Any]:
     }
 
 
+def scenario_load_refused(args, rank: int) -> dict[str, Any]:
+    """Load a checkpoint the test expects to be refused; reports the error."""
+    _, ddp, opt, *_ = build(seed=args.seed + 1, width=args.width)
+    started = time.monotonic()
+    try:
+        ddpckpt.load(args.ckpt, model=ddp, optimizer=opt)
+    except ddpckpt.CheckpointError as exc:
+        return error_report(exc, started)
+    return {"error": None}
+
+
 def scenario_load_memory(args, rank: int) -> dict[str, Any]:
     model, ddp, *_ = build(seed=args.seed + 1, width=args.width)
     size = sum(os.path.getsize(os.path.join(args.ckpt, f)) for f in os.listdir(args.ckpt))
@@ -494,6 +505,24 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
     pending.wait()
     consistency._differing = real_differing
 
+    def batchnorm(seed: int):  # an EMA of a BatchNorm model, updated on every rank
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8))
+        ddp = DDP(model)
+        ema = torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9)
+        )
+        return model, ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), ema
+
+    bn_model, bn_ddp, bn_opt, bn_ema = batchnorm(11)
+    torch.manual_seed(20 + rank)  # each rank's own batch: its own BatchNorm statistics
+    bn_ddp(torch.randn(6, 4)).sum().backward()
+    bn_opt.step()
+    bn_ema.update_parameters(bn_model)  # copies this rank's statistics (use_buffers=False)
+    saved["ema_bn"] = ema_digest(bn_ema)
+    ddpckpt.save(os.path.join(args.ckpt, "ema_bn"), model=bn_ddp, optimizer=bn_opt,
+                 extra={"ema": bn_ema})  # fmt: skip
+
     torch.manual_seed(rank)  # each rank trains its own plain model
     plain = nn.Linear(4, 2)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
@@ -519,6 +548,9 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
     loaded_async = {"ddp": digest(model, opt), "ema": ema_digest(ema)}
     model, ddp, opt, ema = objects(5)
     ddpckpt.load(os.path.join(args.ckpt, "ddp"), model=ddp, optimizer=opt, extra={"ema": ema})
+    _, bn_ddp, bn_opt, bn_ema = batchnorm(12)
+    ddpckpt.load(os.path.join(args.ckpt, "ema_bn"), model=bn_ddp, optimizer=bn_opt,
+                 extra={"ema": bn_ema})  # fmt: skip
     plain = nn.Linear(4, 2)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     ddpckpt.load(os.path.join(args.ckpt, "plain"), model=plain, optimizer=plain_opt)
@@ -533,6 +565,7 @@ def scenario_per_rank_state(args, rank: int) -> dict[str, Any]:
         "loaded": {
             "ddp": digest(model, opt),
             "ema": ema_digest(ema),
+            "ema_bn": ema_digest(bn_ema),
             "plain": digest(plain, plain_opt),
             "same": digest(same_again, torch.optim.SGD(same_again.parameters(), lr=1)),
             "diverged": digest(astray, astray_opt),

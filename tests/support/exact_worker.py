@@ -1,7 +1,7 @@
 """A complete training loop for the exact-resume acceptance tests (run under torchrun).
 
     exact_worker.py train RUN OUT --steps T --every K [--kill-at S] [--kill-after-epoch E]
-        [--loader plain|resumable] [--schedule warmup|multistep] [--restart next|same]
+        [--loader plain|persistent] [--schedule warmup|multistep] [--restart next|same]
     exact_worker.py coverage RUN OUT --batches B
     exact_worker.py two RUN OUT
 
@@ -15,7 +15,7 @@ writes OUT/two-rank<r>.json.
 Dropout, BatchNorm, AdamW, a warm-up schedule, GradScaler, an EMA, gradient accumulation 2,
 a shuffling ResumableDistributedSampler over 24 samples per rank (3 optimizer steps an epoch
 at any world size) and a 2-worker loader with random augmentation
-(a plain DataLoader over a SeededDataset, or ddpckpt.resumable_loader), saved as the loader;
+(a plain DataLoader over a SeededDataset, or one with persistent workers and its own generator), saved as the loader;
 a checkpoint every K steps and one after each epoch's loop.
 Each rank appends one JSON line per optimizer step to OUT/losses-rank<r>.jsonl and, at the
 end, writes OUT/final-rank<r>.json with digests of everything.
@@ -64,12 +64,16 @@ def digest(*tensors: torch.Tensor) -> str:
 
 
 def make_loader(kind: str, data: Noisy) -> tuple[Any, Any]:
-    """The two recipes: a plain DataLoader saved as the loader, or ddpckpt.resumable_loader."""
-    sampler = ddpckpt.ResumableDistributedSampler(data, shuffle=True, seed=1)
-    if kind == "resumable":
-        return sampler, ddpckpt.resumable_loader(data, sampler=sampler, batch_size=4, num_workers=2)
-    loader = torch.utils.data.DataLoader(ddpckpt.SeededDataset(data, seed=1), sampler=sampler,
-                                         batch_size=4, num_workers=2)  # fmt: skip
+    """The two recipes, each saved as the loader: a plain DataLoader over a SeededDataset, or
+    one that also keeps its workers between epochs and draws its order from its own generator."""
+    sampler = ddpckpt.data.ResumableDistributedSampler(data, shuffle=True, seed=1)
+    seeded = ddpckpt.data.SeededDataset(data, seed=1)
+    if kind == "persistent":
+        own = torch.Generator().manual_seed(1)
+        return sampler, torch.utils.data.DataLoader(seeded, sampler=sampler, batch_size=4,
+                                                    num_workers=2, persistent_workers=True,
+                                                    generator=own)  # fmt: skip
+    loader = torch.utils.data.DataLoader(seeded, sampler=sampler, batch_size=4, num_workers=2)
     return sampler, loader
 
 
@@ -205,8 +209,9 @@ def coverage(args: argparse.Namespace, rank: int) -> None:
     """Consume ``--batches`` batches of epoch 0, saving after them; log every index seen."""
     model = nn.Linear(8, 1)
     data = Noisy(48)
-    sampler = ddpckpt.ResumableDistributedSampler(data, shuffle=True, seed=7)
-    loader = ddpckpt.resumable_loader(data, sampler=sampler, batch_size=2, num_workers=2)
+    sampler = ddpckpt.data.ResumableDistributedSampler(data, shuffle=True, seed=7)
+    seeded = ddpckpt.data.SeededDataset(data, seed=7)
+    loader = torch.utils.data.DataLoader(seeded, sampler=sampler, batch_size=2, num_workers=2)
     ckpt = ddpckpt.Checkpointer(
         args.run, model=model, extra={"sampler": sampler, "loader": loader}, timeout=60
     )
@@ -274,7 +279,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=6)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--batches", type=int, default=3)
-    parser.add_argument("--loader", choices=["plain", "resumable"], default="plain")
+    parser.add_argument("--loader", choices=["plain", "persistent"], default="plain")
     parser.add_argument("--schedule", choices=["warmup", "multistep"], default="warmup")
     parser.add_argument("--restart", choices=["next", "same"], default="next")
     parser.add_argument("--kill-after-epoch", type=int, default=-1)

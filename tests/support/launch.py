@@ -128,12 +128,13 @@ def torchrun_nodes(
 
 def processes(
     scenario: str, out_dir: Path, *, world: int = 2, args: Sequence[str] = (), timeout: float = 120,
-    env: Mapping[str, str] | None = None, launcher: str = "env",
+    env: Mapping[str, str] | None = None, launcher: str = "env", worker: Path = WORKER,
 ) -> Launch:  # fmt: skip
     """Plain processes, as a cluster scheduler starts them (RANK, WORLD_SIZE, LOCAL_RANK ...).
 
     ``launcher="distributed.launch"`` uses the deprecated ``python -m torch.distributed.launch``.
     No agent watches them, so survivors of a killed rank run on and report what they saw.
+    ``worker`` replaces dist_worker.py (the framework workers, see killed_run.py).
     """
     port = str(free_port())
     if launcher == "distributed.launch":
@@ -146,9 +147,8 @@ def processes(
     for rank in range(world):
         rank_env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(world), "MASTER_PORT": port, **(env or {})}  # fmt: skip
-        procs.append(
-            _start([sys.executable, *_worker_args(scenario, out_dir, args)], _env(rank_env), None)
-        )
+        cmd = [sys.executable, *_worker_args(scenario, out_dir, args, worker)]
+        procs.append(_start(cmd, _env(rank_env), None))
     outs = _finish(procs, timeout)
     return Launch(max(abs(c) for c, _ in outs), "\n".join(o for _, o in outs), _collect(out_dir))
 

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
-from ddpckpt._resumecheck import record
+from ddpckpt._resumecheck.digests import digest
 
 SAVED_AT, KILLED_AT, END = 5, 7, 8  # the resumed run trains from SAVED_AT to END
 
@@ -272,7 +272,7 @@ def scenario_four_ranks(args, rank: int) -> dict[str, Any]:
             local = {"model": {k: _local(v) for k, v in state["model"].items()},
                      "optim": {i: {k: _local(v) for k, v in s.items()}
                                for i, s in state["optim"].items()}}  # fmt: skip
-            result["hsdp_digest_local"] = record.digest(state) == record.digest(local)
+            result["hsdp_digest_local"] = digest(state) == digest(local)
     result["from_two"] = _two_rank_loads(args)
     return result
 

@@ -2,8 +2,8 @@
 
     torchrun --nproc-per-node 2 tiny_train.py --dir DIR
 
-``PLANTED_BUG`` (environment) plants one bug; the first three act only after a resume, so
-an uninterrupted run is the same with or without them:
+``PLANTED_BUG`` (environment) plants one bug; ``numpy``, ``scheduler``, ``broadcast`` and
+``epoch`` act only after a resume, so an uninterrupted run is the same with or without them:
 
 * ``numpy``: numpy is seeded after ``resume()``;
 * ``scheduler``: the scheduler is stepped once more after ``resume()``;
@@ -12,7 +12,10 @@ an uninterrupted run is the same with or without them:
 * ``optimizer``: the optimizer is created after ``resume()`` and not passed to it;
 * ``loader``: the DataLoader (a torch ``DistributedSampler``) is not given to the
   Checkpointer, so a resumed epoch starts over;
-* ``augment``: loader workers add noise from their own global RNG (no ``SeededDataset``).
+* ``augment``: loader workers add noise from their own global RNG (no ``SeededDataset``);
+* ``epoch``: the loop restarts at ``info.epoch + 1`` (the ImageNet example's habit), which
+  skips the rest of an epoch a checkpoint was saved in;
+* ``unseeded``: neither torch nor numpy is ever seeded (two runs differ from the start).
 
 ``SHARDED`` (environment) trains the same model with sharded state instead: ``zero`` (DDP
 with a ``ZeroRedundancyOptimizer``) or ``fsdp`` (FSDP2 ``fully_shard`` per linear layer).
@@ -62,8 +65,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    np.random.seed(0)
+    if BUG != "unseeded":
+        torch.manual_seed(0)
+        np.random.seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
                           nn.Linear(16, 1))  # fmt: skip
     if SHARDED == "fsdp":
@@ -86,11 +90,12 @@ def main() -> None:
         sampler = DistributedSampler(dataset, shuffle=True, seed=0)
         loader = DataLoader(dataset, sampler=sampler, batch_size=4)
     else:
-        sampler = ddpckpt.ResumableDistributedSampler(dataset, shuffle=True, seed=0)
-        data = dataset if BUG == "augment" else ddpckpt.SeededDataset(dataset, seed=0)
+        sampler = ddpckpt.data.ResumableDistributedSampler(dataset, shuffle=True, seed=0)
+        data = dataset if BUG == "augment" else ddpckpt.data.SeededDataset(dataset, seed=0)
         workers = 2 if BUG == "augment" else 0
         loader = DataLoader(data, sampler=sampler, batch_size=4, num_workers=workers)
-    torch.manual_seed(100 + rank)  # each rank's own dropout
+    if BUG != "unseeded":
+        torch.manual_seed(100 + rank)  # each rank's own dropout
 
     ckpt = ddpckpt.Checkpointer(
         os.path.join(args.dir, "ckpt"),
@@ -112,6 +117,8 @@ def main() -> None:
         optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
 
     step, start_epoch = (info.step, info.epoch) if info else (0, 0)
+    if info is not None and BUG == "epoch":
+        start_epoch += 1
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         for x, y in loader:

@@ -22,10 +22,10 @@ def test_an_untrackable_iterable_dataset_is_refused() -> None:
         ddpckpt.data.track_loader(DataLoader(Stream(), batch_size=2))
 
 
-def resumed_at(saved_at, restart) -> DataLoader:
+def resumed_at(saved_at, restart, sampler_class=DistributedSampler) -> DataLoader:
     """A loader saved in epoch 1 after ``saved_at`` batches (None: at its end), loaded into a
     new one whose sampler is then set to epoch ``restart``."""
-    sampler = DistributedSampler(Augmented(40), 2, 1, seed=3)
+    sampler = sampler_class(Augmented(40), 2, 1, seed=3)
     loader = ddpckpt.data.track_loader(DataLoader(Augmented(40), sampler=sampler, batch_size=3))
     sampler.set_epoch(1)
     iterator = iter(loader)
@@ -34,7 +34,7 @@ def resumed_at(saved_at, restart) -> DataLoader:
     if saved_at is None:
         assert next(iterator, None) is None  # the pass ended
     state = loader.state_dict()
-    sampler = DistributedSampler(Augmented(40), 2, 1, seed=3)
+    sampler = sampler_class(Augmented(40), 2, 1, seed=3)
     resumed = ddpckpt.data.track_loader(DataLoader(Augmented(40), sampler=sampler, batch_size=3))
     resumed.load_state_dict(state)
     sampler.set_epoch(restart)
@@ -58,6 +58,15 @@ def test_a_restart_at_another_epoch_than_the_saved_one_warns(
     with caplog.at_level(logging.WARNING, logger="ddpckpt"):
         iter(resumed)
     assert message in caplog.text and f"first epoch after the resume is {restart}" in caplog.text
+
+
+def test_the_batches_skipped_are_counted_when_the_sampler_keeps_the_position(caplog) -> None:
+    """A ResumableDistributedSampler keeps the position itself: the warning said 'the
+    remaining -4 batches'."""
+    resumed = resumed_at(4, 2, ddpckpt.data.ResumableDistributedSampler)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        iter(resumed)
+    assert "the remaining 3 batches of epoch 1 are skipped" in caplog.text
 
 
 @pytest.mark.parametrize(("saved_at", "restart"), [(4, 1), (None, 1), (None, 2)])

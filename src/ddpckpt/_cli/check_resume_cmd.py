@@ -12,13 +12,17 @@ DESCRIPTION = """\
 Prove that your own DDP training script resumes exactly. It runs the command after '--'
 once uninterrupted, then again while SIGKILLing one rank at a step (by default once inside
 an epoch and once right after an epoch-end save), restarts it with the same command, and
-compares every rank's state at every step after the restart with the uninterrupted run:
-model parameters and buffers, optimizer, scheduler and learning rates, GradScaler, every
-random generator, the DataLoader's position and the sample indices of each batch, the
-model's inputs, and the loss if the script calls ckpt.log_step(loss). The script must use
-ddpckpt.Checkpointer and call should_save(step) every step; it changes nothing else. Its
-checkpoints go to OUT/runs/*/checkpoints, never to its own directory. Exit status 0 only
-when both runs are bit-identical at every step on every rank."""
+compares every rank's state at every step after the restart with the run it must repeat
+(the killed run's own steps after its checkpoint, then the uninterrupted run): model
+parameters and buffers, optimizers, schedulers and learning rates, GradScaler, every random
+generator, the DataLoader's position and the sample indices of each batch, the models'
+inputs, and the loss if the script calls ckpt.log_step(loss). The script needs no change:
+a ddpckpt.Checkpointer loop calling should_save(step) every step, or a loop of
+ddpckpt.save / ddpckpt.latest + ddpckpt.load, under torchrun, torch.multiprocessing.spawn or
+python. Every path it gives ddpckpt is mapped into OUT/runs/*/checkpoints: the user's own
+checkpoints are never read for resuming nor written. Exit status 0 only when the resume is
+exact at every step compared on every rank; 1 when it is not, or when two uninterrupted runs
+differ so that it cannot be judged."""
 
 
 def _progress(line: str) -> None:
@@ -27,7 +31,7 @@ def _progress(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``check-resume``; the exit status (0: exact, 1: not exact)."""
+    """Run ``check-resume``; the exit status (0: exact, 1: not exact or cannot judge)."""
     from ddpckpt._resumecheck.check import check_resume
     from ddpckpt._resumecheck.report import format_report, write_outputs
     from ddpckpt._resumecheck.runner import parse_kill
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     )
     write_outputs(report)
     sys.stdout.write(format_report(report) + "\n")
-    return 0 if report.identical else 1
+    return 0 if report.identical else 1  # not exact, or cannot judge: report.json says which
 
 
 HELP = "prove that your training script resumes exactly (exit 1 if not, naming the cause)"

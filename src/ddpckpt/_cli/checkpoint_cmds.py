@@ -127,7 +127,7 @@ def _import_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from ddpckpt._format.legacy import import_checkpoint
+    from ddpckpt._convert.legacy import import_checkpoint
 
     try:
         path, dropped = import_checkpoint(

@@ -14,7 +14,6 @@ does, plus the ``ddpckpt ls`` listing of the killed run's checkpoints.
 from __future__ import annotations
 
 import contextlib
-import glob
 import io
 import os
 import socket
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from ddpckpt._resumecheck.check import CheckReport, check_resume
 from ddpckpt._resumecheck.report import write_outputs
-from ddpckpt._resumecheck.runner import KillPoint
+from ddpckpt._resumecheck.runner import KillPoint, read_records
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "demo_train.py"
 
@@ -61,15 +60,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def demo_command(out: str, *, nproc: int, steps: int, every: int) -> list[str]:
+def demo_command(*, nproc: int, steps: int, every: int) -> list[str]:
     """The launch command: torchrun restarts the job once, on a loopback c10d rendezvous
-    (static rendezvous cannot restart)."""
+    (static rendezvous cannot restart). The script's ``--dir runs/demo`` is mapped into the
+    check's directory, as every path of a checked script: nothing is written next to it."""
     port = _free_port()
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=demo-{port}",
         "--local-addr=127.0.0.1", "--max-restarts=1", "--monitor-interval=0.2",
-        str(SCRIPT), "--dir", os.path.join(out, "runs"), f"--steps={steps}", f"--every={every}",
+        str(SCRIPT), "--dir", "runs/demo", f"--steps={steps}", f"--every={every}",
     ]  # fmt: skip
 
 
@@ -83,7 +83,7 @@ def run_demo(
     check_options(nproc=nproc, steps=steps, every=every, kill_at=kill_at)
     out = os.path.abspath(out)
     report = check_resume(
-        demo_command(out, nproc=nproc, steps=steps, every=every), out,
+        demo_command(nproc=nproc, steps=steps, every=every), out,
         kill_at=[KillPoint(kill_at)], rank=min(1, nproc - 1), timeout=timeout, progress=progress,
     )  # fmt: skip
     write_outputs(report)
@@ -92,14 +92,15 @@ def run_demo(
 
 def listing(report: CheckReport) -> str:
     """``ddpckpt ls`` of the killed run's checkpoints, also written to ``checkpoints.txt``."""
-    found = glob.glob(os.path.join(report.killed_runs[0], "checkpoints", "*"))
-    if not found:
+    records = read_records(report.killed_runs[0]).get(0, [])
+    found = [e["directory"] for events in records for e in events if e["event"] == "attach"]
+    if not found or not os.path.isdir(found[-1]):
         return "no checkpoints were written"
     from ddpckpt._cli.main import main
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        main(["ls", found[0]])
+        main(["ls", found[-1]])
     text = printed.getvalue().rstrip()
     with open(os.path.join(report.out, "checkpoints.txt"), "w") as f:
         f.write(text + "\n")

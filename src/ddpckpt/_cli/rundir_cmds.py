@@ -140,7 +140,7 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _looks_unrelated(directory: str) -> bool:
-    from ddpckpt._run.rundir import LATEST, RUN_FILE
+    from ddpckpt._format.runfiles import LATEST, RUN_FILE
     from ddpckpt._run.runlock import LOCK_NAME
     from ddpckpt.storage import storage_for
 

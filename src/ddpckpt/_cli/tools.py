@@ -23,11 +23,9 @@ from ddpckpt._format.sections import ROLE_KEYS, StateSections
 from ddpckpt._format.shards import ShardedEntry
 from ddpckpt._format.tensorwrite import write_file
 from ddpckpt._io.reader import FileSource, chosen_model, find_problems, load_state_dict
-from ddpckpt._run.rundir import describe_path, size_problems
+from ddpckpt._run.rundir import size_problems
 from ddpckpt.errors import (
-    CheckpointNotFoundError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
     UnsupportedValueError,
 )
 from ddpckpt.storage import Writer, storage_for
@@ -35,15 +33,10 @@ from ddpckpt.storage._base import new_token, temp_name
 
 
 def open_manifest(path: str) -> Manifest:
-    """The manifest of the checkpoint at ``path``; a path that is no checkpoint at all gets
-    a :class:`CheckpointNotFoundError` naming what it is instead of "did not finish"."""
-    try:
-        manifest = read_manifest(path)
-    except (IncompleteCheckpointError, CheckpointNotFoundError):
-        what = describe_path(path)
-        if what is None:
-            raise
-        raise CheckpointNotFoundError(what) from None
+    """The manifest of the checkpoint at ``path``, with every rank's state read (a path
+    that is no checkpoint at all gets a :class:`CheckpointNotFoundError` naming what it
+    is, from :func:`read_manifest`)."""
+    manifest = read_manifest(path)
     problems = fill_rank_parts(manifest, path)  # every rank's state, for showing it
     if problems:
         raise CorruptCheckpointError(f"{path}: " + "; ".join(problems))

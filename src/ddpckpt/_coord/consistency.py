@@ -19,13 +19,15 @@ rank 0, rather than refused: every rank's resume stays exact whatever the cause 
 training their own models, an EMA updated on rank 0 only), while the warning says what
 to fix. Refusing would turn a save into a crash for set-ups that are legitimate.
 Tensors that differ by design (``Snapshot.per_rank``: what DDP ignores) are stored per
-rank without a check.
+rank without a check; those that may (``Snapshot.may_differ``: the buffers of a module in
+``extra``, such as an EMA copy's BatchNorm statistics, which ``AveragedModel`` copies from
+each rank's own model) are checked and stored per rank where they differ, without a warning.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 
 import torch
 import xxhash
@@ -113,16 +115,20 @@ def check_replicated(comm: Comm, snapshot: Snapshot) -> None:
 
 
 def differing_unverified(
-    comm: Comm, tensors: Mapping[str, torch.Tensor], names: list[str], call: str = "unverified"
+    comm: Comm,
+    tensors: Mapping[str, torch.Tensor],
+    names: list[str],
+    call: str = "unverified",
+    may_differ: Set[str] = frozenset(),
 ) -> set[str]:
     """Of ``names`` (unverified tensors, the same on every rank), those whose values in
     ``tensors`` (live, or this rank's copies) differ between ranks; collective. Rank 0
-    warns about them: they are stored per rank."""
+    warns about them, except those in ``may_differ``: they are stored per rank."""
     if comm.world_size == 1 or not names:
         return set()
     apart = _differing(comm, tensors, call, names)
-    if apart:
-        _warn(comm, sorted(apart), diverged=False)
+    if apart - may_differ:
+        _warn(comm, sorted(apart - may_differ), diverged=False)
     return apart
 
 

@@ -23,7 +23,8 @@ from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.copies import Pair
 from ddpckpt._coord.plan import assign
 from ddpckpt._coord.topology import storage_domains
-from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from ddpckpt._format.boundary import MAX_MANIFEST_BYTES, open_checked, read_small
+from ddpckpt._format.manifest import MANIFEST_NAME, Manifest
 from ddpckpt._format.tensorfile import byte_view
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CorruptCheckpointError
@@ -94,13 +95,14 @@ def repair_copies(comm: Comm, path: str, have: list[bool]) -> None:
 
 
 def _read_text(path: str) -> bytes:
-    read_manifest(path)  # validate before sending
-    return storage_for(path).read(os.path.join(path, MANIFEST_NAME))
+    text = read_small(os.path.join(path, MANIFEST_NAME), MAX_MANIFEST_BYTES, MANIFEST_NAME)
+    Manifest.from_json(text, path)  # checked before it is sent (every rank checks it again)
+    return text
 
 
 def _send(path: str, size: int, link: Pair) -> None:
     """Send the file in chunks of exactly the sizes :func:`_receive` expects."""
-    reader = storage_for(path).open(path)
+    reader = open_checked(path, "data file")
     try:
         if reader.size != size:
             raise CorruptCheckpointError(f"{path}: size differs from the manifest's {size} bytes")
@@ -121,6 +123,8 @@ def _send(path: str, size: int, link: Pair) -> None:
 
 
 def _receive(path: str, manifest: Manifest, name: str, sender: int, link: Pair) -> None:
+    """Write the file ``name`` at ``path`` (inside the checkpoint: the manifest's names
+    passed :func:`~ddpckpt._format.boundary.check_file_name` when it was parsed)."""
     entry = manifest.files[name]
     hasher = xxhash.xxh3_64()
     chunk = torch.empty(_CHUNK, dtype=torch.uint8)

@@ -20,6 +20,7 @@ boot id); if that identity still collides (more ranks claim one machine than its
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from dataclasses import dataclass
@@ -210,7 +211,10 @@ def _probe(comm: Comm, store: Any, directory: str, mode: StorageMode) -> list[li
 
     verdict = comm.run_reduce("look", look, by_prober)
     if comm.rank in probers:
-        store.delete(mine)
+        # another node's leader, already cleaning the directory's temporaries for
+        # Checkpointer.resume, may have removed it: gone either way
+        with contextlib.suppress(FileNotFoundError):
+            store.delete(mine)
     if "inconsistent" in verdict:
         raise CheckpointError(
             f"{directory}: nodes see inconsistent sets of each other's files "

@@ -26,20 +26,30 @@ constructor that user code could define).
 from __future__ import annotations
 
 import base64
+import binascii
 import enum
 import math
 import sys
+import types
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from ddpckpt._format.boundary import MAX_VALUE_DEPTH
 from ddpckpt.errors import CorruptCheckpointError, UnsupportedValueError
 
 JSON = Any  # a value json.dumps accepts: None, bool, int, float, str, list, dict[str, JSON]
 
 _SCALARS = (type(None), bool, int, str)
+# Containers and the JSON levels each puts around its items: {"$tuple": [...]} is two,
+# {"$dict": [[key, value], ...]} three (a plain dict with string keys, like a list, one).
+_CONTAINERS: dict[type, int] = {
+    list: 1, tuple: 2, dict: 3, OrderedDict: 3, Counter: 3, defaultdict: 4, deque: 3,
+    set: 2, frozenset: 2, complex: 2,
+}  # fmt: skip
+_MAPPINGS = (dict, OrderedDict, Counter, defaultdict, complex)
 
 # The only default factories a stored defaultdict may have: built-in types, never a lambda.
 _FACTORIES: dict[str, type] = {
@@ -69,6 +79,7 @@ def decode(tree: JSON, tensor: Callable[[str], torch.Tensor], *, where: str = ""
 class _Encoder:
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
+        self.depth = 0  # JSON containers around the value being encoded
 
     def _add_tensor(self, path: str, tensor: torch.Tensor) -> str:
         name, n = path, 1
@@ -88,30 +99,12 @@ class _Encoder:
             return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
         if isinstance(value, torch.Tensor):
             return {"$tensor": self._add_tensor(path, value)}
-        if kind is list:
-            return [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
-        if kind is tuple:
-            return {"$tuple": [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]}
+        if kind in _CONTAINERS:
+            return self._encode_container(value, kind, path)
         if kind is torch.Size:
             return {"$size": list(value)}
-        if kind is dict or kind is OrderedDict:
-            return self._encode_mapping(value, path, ordered=kind is OrderedDict)
-        if kind is Counter:
-            return {"$counter": self._encode_pairs(value, path)}
-        if kind is defaultdict:
-            return {
-                "$defaultdict": [self._factory_name(value, path), self._encode_pairs(value, path)]
-            }
-        if kind is deque:
-            items = [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
-            return {"$deque": [items, value.maxlen]}
         if isinstance(value, enum.Enum):
             return {"$enum": _enum_reference(value, path)}
-        if kind is set or kind is frozenset:
-            items = [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
-            return {"$set" if kind is set else "$frozenset": items}
-        if kind is complex:
-            return {"$complex": [self.encode(value.real, path), self.encode(value.imag, path)]}
         if kind is bytes:
             return {"$bytes": base64.b64encode(value).decode("ascii")}
         if kind is torch.dtype:
@@ -127,11 +120,46 @@ class _Encoder:
             "such values."
         )
 
-    def _encode_mapping(self, value: Mapping[Any, Any], path: str, ordered: bool) -> JSON:
-        plain = not ordered and all(type(k) is str and not k.startswith("$") for k in value)
+    def _encode_container(self, value: Any, kind: type, path: str) -> JSON:
+        """A container, nested at most ``MAX_VALUE_DEPTH`` JSON levels deep (what a load
+        reads back)."""
+        plain = kind is dict and all(type(k) is str and not k.startswith("$") for k in value)
+        levels = 1 if plain or kind is list else _CONTAINERS[kind]
+        self.depth += levels
+        if self.depth > MAX_VALUE_DEPTH:
+            raise UnsupportedValueError(
+                f"{path}: nested deeper than the {MAX_VALUE_DEPTH} levels a checkpoint holds; "
+                "flatten the value, or store it as a tensor"
+            )
+        items = (
+            []
+            if kind in _MAPPINGS
+            else [self.encode(v, f"{path}/{i}") for i, v in enumerate(value)]
+        )
         if plain:
-            return {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
-        return {"$odict" if ordered else "$dict": self._encode_pairs(value, path)}
+            encoded: JSON = {k: self.encode(v, f"{path}/{k}") for k, v in value.items()}
+        elif kind is list:
+            encoded = items
+        elif kind is tuple:
+            encoded = {"$tuple": items}
+        elif kind in (dict, OrderedDict):
+            encoded = {
+                "$odict" if kind is OrderedDict else "$dict": self._encode_pairs(value, path)
+            }
+        elif kind is Counter:
+            encoded = {"$counter": self._encode_pairs(value, path)}
+        elif kind is defaultdict:
+            encoded = {
+                "$defaultdict": [self._factory_name(value, path), self._encode_pairs(value, path)]
+            }
+        elif kind is deque:
+            encoded = {"$deque": [items, value.maxlen]}
+        elif kind is complex:
+            encoded = {"$complex": [self.encode(value.real, path), self.encode(value.imag, path)]}
+        else:  # set, frozenset
+            encoded = {"$set" if kind is set else "$frozenset": items}
+        self.depth -= levels
+        return encoded
 
     def _encode_pairs(self, value: Mapping[Any, Any], path: str) -> JSON:
         return [
@@ -175,9 +203,15 @@ class _Encoder:
 
 
 class _Decoder:
+    """Rebuilds a tree read from a checkpoint: every tag's argument is checked for the shape
+    :class:`_Encoder` gives it, so a malformed tree raises :class:`CorruptCheckpointError`
+    naming the checkpoint, never another error; nesting is capped (``MAX_VALUE_DEPTH``
+    containers), so the recursion is bounded whatever the tree."""
+
     def __init__(self, tensor: Callable[[str], torch.Tensor], where: str) -> None:
         self.tensor = tensor
         self.where = where
+        self.depth = 0
 
     def _bad(self, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{self.where}: malformed state tree: {what}")
@@ -186,72 +220,103 @@ class _Decoder:
         kind = type(tree)
         if kind in _SCALARS or kind is float:
             return tree
-        if kind is list:
-            return [self.decode(v) for v in tree]
-        if kind is not dict:
+        if kind is not list and kind is not dict:
             raise self._bad(f"unexpected JSON value of type {kind.__name__}")
-        if len(tree) == 1:
-            ((tag, arg),) = tree.items()
-            if tag.startswith("$"):
-                return self._decode_tag(tag, arg)
-        return {k: self.decode(v) for k, v in tree.items()}
+        self.depth += 1
+        if self.depth > MAX_VALUE_DEPTH:
+            raise self._bad(f"nested deeper than {MAX_VALUE_DEPTH} levels")
+        try:
+            if kind is list:
+                return [self.decode(v) for v in tree]
+            if len(tree) == 1:
+                ((tag, arg),) = tree.items()
+                if tag.startswith("$"):
+                    return self._decode_tag(tag, arg)
+            return {k: self.decode(v) for k, v in tree.items()}
+        finally:
+            self.depth -= 1
+
+    def _arg(self, tag: str, arg: JSON, kind: type, length: int | None = None) -> Any:
+        """``arg`` if it is a ``kind`` (of ``length`` items, for a list)."""
+        if type(arg) is not kind or (length is not None and len(arg) != length):
+            shape = f"a {kind.__name__}" + (f" of {length}" if length is not None else "")
+            raise self._bad(f"{tag} holds {type(arg).__name__}, not {shape}")
+        return arg
 
     def _decode_tag(self, tag: str, arg: JSON) -> Any:
+        scalar = _SCALAR_TAGS.get(tag)
+        if scalar is not None:
+            return scalar(self, tag, arg)
         if tag == "$tensor":
-            return self.tensor(arg)
+            return self.tensor(self._arg(tag, arg, str))
         if tag == "$tuple":
-            return tuple(self.decode(v) for v in arg)
+            return tuple(self.decode(v) for v in self._arg(tag, arg, list))
         if tag in ("$dict", "$odict"):
-            pairs = self._decode_pairs(arg)
+            pairs = self._decode_pairs(tag, arg)
             return OrderedDict(pairs) if tag == "$odict" else dict(pairs)
-        if tag == "$float":
-            return float(arg)
         if tag == "$set":
-            return {self._decode_key(v) for v in arg}
+            return {self._decode_key(tag, v) for v in self._arg(tag, arg, list)}
         if tag == "$frozenset":
-            return frozenset(self._decode_key(v) for v in arg)
+            return frozenset(self._decode_key(tag, v) for v in self._arg(tag, arg, list))
         if tag == "$complex":
-            return complex(self.decode(arg[0]), self.decode(arg[1]))
-        if tag == "$bytes":
-            return base64.b64decode(arg)
-        if tag == "$dtype":
-            dtype = getattr(torch, arg, None)
-            if not isinstance(dtype, torch.dtype):
-                raise self._bad(f"unknown torch dtype {arg!r}")
-            return dtype
-        if tag == "$device":
-            return torch.device(arg)
-        if tag == "$size":
-            return torch.Size(arg)
+            real, imag = (self.decode(v) for v in self._arg(tag, arg, list, 2))
+            if not all(type(v) in (int, float) for v in (real, imag)):
+                raise self._bad("$complex holds parts that are no numbers")
+            return complex(real, imag)
         if tag == "$ndarray":
-            return self.tensor(arg).numpy().copy()
+            return self.tensor(self._arg(tag, arg, str)).numpy().copy()
         if tag == "$npscalar":
-            import numpy as np
-
-            dtype_str, item = arg
-            return np.dtype(dtype_str).type(self.decode(item))
+            return self._decode_npscalar(tag, arg)
         return self._decode_collection(tag, arg)
+
+    def _decode_npscalar(self, tag: str, arg: JSON) -> Any:
+        import numpy as np
+
+        dtype_str, item = self._arg(tag, arg, list, 2)
+        try:
+            dtype = np.dtype(self._arg(tag, dtype_str, str))
+        except (TypeError, ValueError):
+            raise self._bad(f"$npscalar names no numpy dtype ({dtype_str[:40]!r})") from None
+        value = self.decode(item)
+        if dtype.shape or not isinstance(value, _NUMPY_ITEMS.get(dtype.kind, ())):
+            raise self._bad(f"$npscalar holds a {type(value).__name__} as a {dtype}")
+        try:
+            return dtype.type(value)
+        except (OverflowError, ValueError):
+            raise self._bad(f"$npscalar: {value!r:.40} is no {dtype}") from None
 
     def _decode_collection(self, tag: str, arg: JSON) -> Any:
         if tag == "$counter":
-            return Counter(dict(self._decode_pairs(arg)))
+            return Counter(dict(self._decode_pairs(tag, arg)))
         if tag == "$defaultdict":
-            factory_name, pairs = arg
+            factory_name, pairs = self._arg(tag, arg, list, 2)
             if factory_name is not None and factory_name not in _FACTORIES:
-                raise self._bad(f"defaultdict factory {factory_name!r} is not a built-in type")
+                raise self._bad(
+                    f"defaultdict factory {str(factory_name)[:40]!r} is not a built-in type"
+                )
             factory = None if factory_name is None else _FACTORIES[factory_name]
-            return defaultdict(factory, self._decode_pairs(pairs))
+            return defaultdict(factory, self._decode_pairs(tag, pairs))
         if tag == "$deque":
-            items, maxlen = arg
-            return deque((self.decode(v) for v in items), maxlen)
+            items, maxlen = self._arg(tag, arg, list, 2)
+            if maxlen is not None and (type(maxlen) is not int or maxlen < 0):
+                raise self._bad(f"$deque has a maxlen of {maxlen!r:.40}")
+            return deque((self.decode(v) for v in self._arg(tag, items, list)), maxlen)
         if tag == "$enum":
-            return self._decode_enum(*arg)
+            parts = self._arg(tag, arg, list, 3)
+            if not all(type(p) is str for p in parts):
+                raise self._bad("$enum names its class and member with something else than strings")
+            return self._decode_enum(*parts)
         raise self._bad(
-            f"unknown tag {tag!r}: the checkpoint was written by a newer ddpckpt; upgrade to load it"
+            f"unknown tag {tag[:40]!r}: the checkpoint was written by a newer ddpckpt; upgrade to "
+            "load it"
         )
 
-    def _decode_pairs(self, pairs: JSON) -> list[tuple[Any, Any]]:
-        return [(self._decode_key(k), self.decode(v)) for k, v in pairs]
+    def _decode_pairs(self, tag: str, pairs: JSON) -> list[tuple[Any, Any]]:
+        decoded = []
+        for pair in self._arg(tag, pairs, list):
+            key, value = self._arg(tag, pair, list, 2)
+            decoded.append((self._decode_key(tag, key), self.decode(value)))
+        return decoded
 
     def _decode_enum(self, module: str, qualname: str, name: str) -> enum.Enum:
         where = f"{self.where}: " if self.where else ""
@@ -270,11 +335,62 @@ class _Decoder:
             )
         return member
 
-    def _decode_key(self, key: JSON) -> Any:
+    def _decode_key(self, tag: str, key: JSON) -> Any:
         value = self.decode(key)
-        if isinstance(value, list):  # only hashable values can be keys; a list never is
-            raise self._bad("a dict key or set member decodes to a list")
+        try:
+            hash(value)
+        except TypeError:  # a list or dict: only hashable values can be keys or members
+            raise self._bad(f"a {tag} key or member decodes to a {type(value).__name__}") from None
         return value
+
+
+def _float(decoder: _Decoder, tag: str, arg: JSON) -> float:
+    if arg not in ("nan", "inf", "-inf"):
+        raise decoder._bad(f"$float holds {arg!r:.40}, not nan, inf or -inf")
+    return float(arg)
+
+
+def _bytes(decoder: _Decoder, tag: str, arg: JSON) -> bytes:
+    try:
+        return base64.b64decode(decoder._arg(tag, arg, str), validate=True)
+    except binascii.Error:
+        raise decoder._bad("$bytes holds no base64 text") from None
+
+
+def _dtype(decoder: _Decoder, tag: str, arg: JSON) -> torch.dtype:
+    dtype = _TORCH_DTYPES.get(decoder._arg(tag, arg, str))
+    if dtype is None:
+        raise decoder._bad(f"unknown torch dtype {arg[:40]!r}")
+    return dtype
+
+
+def _device(decoder: _Decoder, tag: str, arg: JSON) -> torch.device:
+    try:
+        return torch.device(decoder._arg(tag, arg, str))
+    except RuntimeError:
+        raise decoder._bad(f"$device holds {arg[:40]!r}, no device") from None
+
+
+def _size(decoder: _Decoder, tag: str, arg: JSON) -> torch.Size:
+    dims = decoder._arg(tag, arg, list)
+    if not all(type(d) is int and 0 <= d < 2**63 for d in dims):
+        raise decoder._bad("$size holds something else than sizes")
+    return torch.Size(dims)
+
+
+_SCALAR_TAGS: dict[str, Callable[[_Decoder, str, JSON], Any]] = {
+    "$float": _float, "$bytes": _bytes, "$dtype": _dtype, "$device": _device, "$size": _size,
+}  # fmt: skip
+# The Python values a numpy scalar of each kind is rebuilt from (never an object, a void of
+# a size the checkpoint chooses, or a sub-array).
+_NUMPY_ITEMS: dict[str, tuple[type, ...]] = {
+    "b": (bool,), "i": (int,), "u": (int,), "f": (int, float), "c": (int, float, complex),
+    "U": (str,), "S": (bytes,),
+}  # fmt: skip
+# Looked up in torch's namespace only: getattr(torch, name) could import a lazy submodule.
+_TORCH_DTYPES = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
 
 
 def _find_enum(module: str, qualname: str) -> type[enum.Enum] | None:
@@ -285,7 +401,7 @@ def _find_enum(module: str, qualname: str) -> type[enum.Enum] | None:
     """
     found: Any = sys.modules.get(module)
     for part in qualname.split("."):
-        if found is None:
+        if not isinstance(found, (type, types.ModuleType)):
             return None
         found = vars(found).get(part)
     if isinstance(found, type) and type(found) is enum.EnumMeta and issubclass(found, enum.Enum):

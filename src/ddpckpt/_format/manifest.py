@@ -17,9 +17,11 @@ and the rank that wrote it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,18 +29,30 @@ from typing import Any
 import torch
 import xxhash
 
+from ddpckpt._format.boundary import (
+    MAX_MANIFEST_BYTES,
+    MAX_RANKS,
+    Fields,
+    check_file_name,
+    check_int,
+    load_json,
+    read_small,
+)
 from ddpckpt._format.codec import JSON
+from ddpckpt._format.runfiles import describe_path
 from ddpckpt._format.sections import layout_version
 from ddpckpt._format.shards import ShardedEntry
-from ddpckpt._format.tensorfile import FileEntry, TensorEntry
+from ddpckpt._format.tensorfile import FileEntry, TensorEntry, checked_layout
 from ddpckpt._version import __version__
 from ddpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    UnsupportedValueError,
 )
 from ddpckpt.storage import storage_for
 from ddpckpt.storage._base import MANIFEST
+from ddpckpt.storage._commit import register_relocation
 
 FORMAT_NAME = "ddpckpt"
 # The newest version this library reads. A checkpoint is written with the oldest version that
@@ -85,7 +99,9 @@ class Manifest:
     def nbytes(self) -> int:
         return sum(f.size for f in self.files.values())
 
-    def to_json(self) -> str:
+    def to_json(self, where: str) -> str:
+        """The manifest's text; ``where`` names the checkpoint in the error of one too big
+        to be read back."""
         doc = {
             "format": FORMAT_NAME,
             "format_version": self.format_version or self.oldest_version(),
@@ -106,14 +122,19 @@ class Manifest:
             "tensors": {name: tensor_to_json(t) for name, t in self.tensors.items()},
             **({"shards": {n: s.to_json() for n, s in self.shards.items()}} if self.shards else {}),
         }
-        return _with_checksum(doc)
+        text = _with_checksum(doc)
+        if len(text) > MAX_MANIFEST_BYTES:  # what could not be read back is not written
+            raise UnsupportedValueError(
+                f"{where}: the manifest would be {len(text)} bytes, over the {MAX_MANIFEST_BYTES} a "
+                "checkpoint's manifest may have: store large values (long lists, big dicts) "
+                "as tensors"
+            )
+        return text
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str) -> Manifest:
-        try:
-            doc = json.loads(text)
-        except ValueError as exc:
-            raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({exc})") from exc
+        """Parse and check a manifest (see :func:`_parse`); ``where`` names the checkpoint."""
+        doc = load_json(text, where, "manifest", limit=MAX_MANIFEST_BYTES)
         if isinstance(doc, dict):
             _check_version(doc, where)
             claimed = doc.pop(_CHECKSUM_KEY, None)
@@ -131,13 +152,13 @@ def _check_version(doc: dict[str, Any], where: str) -> int:
     if doc.get("format") != FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: malformed manifest: not a ddpckpt manifest")
     version = doc.get("format_version")
-    if type(version) is not int:
+    if type(version) is not int or version < 1:
         raise CorruptCheckpointError(f"{where}: malformed manifest: format_version missing")
     if version > FORMAT_VERSION:
         raise CorruptCheckpointError(
             f"{where}: written with format version {version} by ddpckpt "
-            f"{doc.get('library_version')}; this ddpckpt ({__version__}) reads up to version "
-            f"{FORMAT_VERSION}. Upgrade ddpckpt to load it."
+            f"{str(doc.get('library_version'))[:40]}; this ddpckpt ({__version__}) reads up to "
+            f"version {FORMAT_VERSION}. Upgrade ddpckpt to load it."
         )
     return version
 
@@ -157,56 +178,115 @@ def _with_checksum(doc: dict[str, Any]) -> str:
 
 
 def _parse(doc: Any, where: str) -> Manifest:
-    def bad(what: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{where}: malformed manifest: {what}")
-
-    if not isinstance(doc, dict):
-        raise bad("not a JSON object")
+    """The manifest ``doc`` as a :class:`Manifest`, every field checked (types, ranges,
+    file names, each tensor's range against its file's size) before anything uses it."""
+    fields = Fields(doc, where, "manifest")
     version = _check_version(doc, where)
-    try:
-        files = {name: file_from_json(name, f) for name, f in doc["files"].items()}
-        tensors = {name: tensor_from_json(t) for name, t in doc["tensors"].items()}
-        shards = _shards_from_json(doc.get("shards", {}), where)
-        manifest = Manifest(
-            id=str(doc.get("id", "")),
-            step=doc.get("step"),
-            epoch=doc.get("epoch"),
-            metrics=dict(doc.get("metrics") or {}),
-            world_size=int(doc["world_size"]),
-            state=dict(doc["state"]),
-            ranks=list(doc["ranks"]),
-            rank_keys=None if doc.get("rank_keys") is None else list(doc["rank_keys"]),
-            tensors=tensors,
-            shards=shards,
-            files=files,
-            copy=dict(doc.get("copy") or {}),
-            created=float(doc["created"]),
-            library_version=str(doc["library_version"]),
-            torch_version=str(doc["torch_version"]),
-            host=str(doc.get("host", "")),
-            format_version=version,
-        )
-    except (KeyError, TypeError, ValueError, IndexError) as exc:
-        raise bad(f"{type(exc).__name__}: {exc}") from exc
-    for name, tensor in tensors.items():
-        if tensor.file not in files:
-            raise bad(f"tensor {name!r} refers to unlisted file {tensor.file!r}")
-    for name, sharded in shards.items():
-        if name in tensors:
-            raise bad(f"tensor {name!r} is listed both whole and sharded")
-        for piece in sharded.pieces:
-            if piece.entry.file not in files:
-                raise bad(f"a shard of {name!r} refers to unlisted file {piece.entry.file!r}")
-    return manifest
-
-
-def _shards_from_json(doc: Any, where: str) -> dict[str, ShardedEntry]:
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError(f"{where}: malformed manifest: shards not a JSON object")
-    return {
-        str(name): ShardedEntry.from_json(record, f"{where} (sharded tensor {name!r})")
-        for name, record in doc.items()
+    world_size = fields.integer("world_size", 1, MAX_RANKS)
+    files = {
+        name: _file_entry(check_file_name(name, where), entry, where, world_size)
+        for name, entry in fields.mapping("files").items()
     }
+    tensors = {
+        key: _tensor_entry(key, entry, where, files)
+        for key, entry in fields.mapping("tensors").items()
+    }
+    ranks = fields.sequence("ranks")
+    if len(ranks) > world_size or not all(isinstance(r, dict) for r in ranks):
+        raise fields.error(f"is not a list of at most {world_size} JSON objects", "ranks")
+    rank_keys = fields.sequence("rank_keys", None)
+    if rank_keys is not None and not all(isinstance(k, str) for k in rank_keys):
+        raise fields.error("holds a value that is not a string", "rank_keys")
+    shards = _shards_from_json(fields.mapping("shards", None) or {}, where, files, tensors)
+    return Manifest(
+        id=fields.text("id", ""),
+        step=fields.integer("step", default=None, optional=True),
+        epoch=fields.integer("epoch", default=None, optional=True),
+        metrics=fields.mapping("metrics", None) or {},
+        world_size=world_size,
+        state=fields.mapping("state"),
+        ranks=ranks,
+        rank_keys=rank_keys,
+        tensors=tensors,
+        shards=shards,
+        files=files,
+        copy=_copy(fields.mapping("copy", None) or {}, where, world_size),
+        created=fields.number("created"),
+        library_version=fields.text("library_version"),
+        torch_version=fields.text("torch_version"),
+        host=fields.text("host", ""),
+        format_version=version,
+    )
+
+
+_DIGEST = re.compile(r"[0-9a-f]{16}", re.ASCII)
+
+
+def _digest_field(fields: Fields, key: str) -> str:
+    value = fields.text(key, max_length=16)
+    if not _DIGEST.fullmatch(value):
+        raise fields.error(f"is {value!r}, not an xxh3-64 digest", key)
+    return value
+
+
+def _file_entry(name: str, doc: Any, where: str, world_size: int) -> FileEntry:
+    fields = Fields(doc, where, lambda: f"manifest entry of file {name!r}")
+    return FileEntry(
+        name,
+        fields.integer("size"),
+        _digest_field(fields, "xxh3_64"),
+        fields.integer("writer", 0, world_size - 1),
+    )
+
+
+def _tensor_entry(key: str, doc: Any, where: str, files: dict[str, FileEntry]) -> TensorEntry:
+    fields = Fields(doc, where, lambda: f"manifest entry of tensor {key[:200]!r}")
+    file = fields.text("file")
+    if file not in files:
+        raise fields.error(f"names {file[:200]!r}, a file the manifest does not list", "file")
+    dtype, shape, begin, end = checked_layout(fields, files[file].size)
+    return TensorEntry(
+        file, fields.text("key", max_length=1 << 16), dtype, shape, begin, end,
+        _digest_field(fields, "xxh3_64"),
+    )  # fmt: skip
+
+
+def _copy(doc: Any, where: str, world_size: int) -> dict[str, Any]:
+    """Which copy of a checkpoint this is (node-local storage keeps one per node)."""
+    fields = Fields(doc, where, "manifest field 'copy'")
+    if not doc:
+        return {}
+    count = fields.integer("count", 1, MAX_RANKS, 1)
+    copy = {"index": fields.integer("index", 0, count - 1, 0), "count": count}
+    if "ranks" in doc:
+        ranks = fields.sequence("ranks")
+        copy["ranks"] = [
+            check_int(r, 0, world_size - 1, lambda p: fields.error(p, "ranks")) for r in ranks
+        ]
+    return copy
+
+
+def _shards_from_json(
+    doc: dict[str, Any], where: str, files: dict[str, FileEntry], tensors: dict[str, TensorEntry]
+) -> dict[str, ShardedEntry]:
+    """The sharded tensors, each checked to tile its tensor, with every piece inside a file
+    the manifest lists."""
+    shards = {}
+    for name, record in doc.items():
+        entry = ShardedEntry.from_json(record, f"{where} (sharded tensor {name[:200]!r})")
+        if name in tensors:
+            raise CorruptCheckpointError(
+                f"{where}: malformed manifest: tensor {name[:200]!r} is listed whole and sharded"
+            )
+        for piece in entry.pieces:
+            file = files.get(piece.entry.file)
+            if file is None or piece.entry.end > file.size:
+                raise CorruptCheckpointError(
+                    f"{where}: malformed manifest: a shard of {name[:200]!r} lies outside the "
+                    f"files it lists ({piece.entry.file[:200]!r})"
+                )
+        shards[name] = entry
+    return shards
 
 
 def file_to_json(entry: FileEntry) -> dict[str, Any]:
@@ -214,6 +294,7 @@ def file_to_json(entry: FileEntry) -> dict[str, Any]:
 
 
 def file_from_json(name: str, doc: dict[str, Any]) -> FileEntry:
+    """A file entry from this job's own ranks (a manifest read is parsed by ``_parse``)."""
     return FileEntry(name, int(doc["size"]), str(doc["xxh3_64"]), int(doc["writer"]))
 
 
@@ -229,6 +310,7 @@ def tensor_to_json(entry: TensorEntry) -> dict[str, Any]:
 
 
 def tensor_from_json(doc: dict[str, Any]) -> TensorEntry:
+    """A tensor entry from this job's own ranks (a manifest read is parsed by ``_parse``)."""
     return TensorEntry(
         file=str(doc["file"]),
         key=str(doc["key"]),
@@ -247,23 +329,48 @@ def manifest_path(path: str) -> str:
 def read_manifest(path: str) -> Manifest:
     """Read and validate the manifest of the checkpoint directory ``path``.
 
-    Raises :class:`~ddpckpt.errors.CheckpointNotFoundError` if ``path`` does not exist,
-    :class:`~ddpckpt.errors.IncompleteCheckpointError` if it exists without a manifest
-    (an interrupted save), :class:`~ddpckpt.errors.CorruptCheckpointError` if the
-    manifest cannot be parsed.
+    Raises :class:`~ddpckpt.errors.CheckpointNotFoundError` if ``path`` does not exist or
+    is no checkpoint (a run directory, one of its files, an unrelated directory: the
+    message says which), :class:`~ddpckpt.errors.IncompleteCheckpointError` if it is a
+    checkpoint directory without a manifest (an interrupted save),
+    :class:`~ddpckpt.errors.CorruptCheckpointError` if the manifest cannot be parsed or is
+    no regular file.
     """
     storage = storage_for(path)
     if not storage.is_dir(path):
         if storage.exists(path):
             raise CheckpointNotFoundError(
-                f"{path}: is a file, not a ddpckpt checkpoint directory; to convert a "
+                describe_path(path)
+                or f"{path}: is a file, not a ddpckpt checkpoint directory; to convert a "
                 "torch.save file run `ddpckpt import`"
             )
         raise CheckpointNotFoundError(f"{path}: no checkpoint at this path")
     try:
-        text = storage.read(manifest_path(path))
+        text = read_small(manifest_path(path), MAX_MANIFEST_BYTES, "manifest")
     except FileNotFoundError:
+        what = describe_path(path)
+        if what is not None:
+            raise CheckpointNotFoundError(what) from None
         raise IncompleteCheckpointError(
             f"{path}: has no {MANIFEST_NAME}; the save that created it did not finish"
         ) from None
     return Manifest.from_json(text, path)
+
+
+def relocated(manifest: bytes, prefix: str, where: str) -> bytes:
+    """``manifest`` with every object name under ``prefix/``: what an object-store
+    replacement written under ``D/prefix`` commits as ``D``'s manifest
+    (:class:`ddpckpt.storage.ManifestLastCommit`)."""
+    parsed = Manifest.from_json(manifest, where)
+    parsed.files = {
+        f"{prefix}/{name}": dataclasses.replace(entry, name=f"{prefix}/{name}")
+        for name, entry in parsed.files.items()
+    }
+    parsed.tensors = {
+        key: dataclasses.replace(entry, file=f"{prefix}/{entry.file}")
+        for key, entry in parsed.tensors.items()
+    }
+    return parsed.to_json(where).encode()
+
+
+register_relocation(relocated)

@@ -15,17 +15,16 @@ Checkpoints of format 2 and older hold every rank's state in the manifest's ``ra
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
-import struct
 from typing import Any
 
 import xxhash
 
+from ddpckpt._format.boundary import load_json, read_small
 from ddpckpt._format.manifest import Manifest
-from ddpckpt._format.tensorfile import TensorEntry
+from ddpckpt._format.tensorfile import TensorEntry, read_header
 from ddpckpt.errors import CorruptCheckpointError
-from ddpckpt.storage import storage_for
 
 RANK_STATE_KEY = "ddpckpt.rank_state"
 _NAMED = ("extra", "models_buffers")  # per-rank sections keyed by object name
@@ -58,7 +57,9 @@ def rank_part(manifest: Manifest, path: str, rank: int) -> dict[str, Any]:
     :class:`CorruptCheckpointError` naming the file if it is missing or damaged.
     """
     if manifest.rank_keys is None:
-        return manifest.ranks[rank]
+        if rank >= len(manifest.ranks):
+            raise CorruptCheckpointError(f"{path}: the manifest holds no state for rank {rank}")
+        return _checked(manifest.ranks[rank], f"{path}: rank {rank}'s state")
     if rank not in manifest.rank_parts:
         state, entries = _read_rank_file(manifest, path, rank)
         manifest.tensors.update((e.key, e) for e in entries)
@@ -91,6 +92,20 @@ def _listed_name(manifest: Manifest, base: str) -> str | None:
     return next((n for n in manifest.files if n.endswith(f"/{base}")), None)
 
 
+def _checked(state: Any, where: str) -> dict[str, Any]:
+    """One rank's state, its sections of the shapes the loaders read: ``own`` maps names
+    to names, ``extra`` and the per-model buffers map names to encoded values."""
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"{where}: per-rank state is no JSON object")
+    own = state.get("own", {})
+    if not isinstance(own, dict) or not all(isinstance(v, str) for v in own.values()):
+        raise CorruptCheckpointError(f"{where}: per-rank state: 'own' maps to something else")
+    for section in _NAMED:
+        if not isinstance(state.get(section, {}), dict):
+            raise CorruptCheckpointError(f"{where}: per-rank state: {section!r} is no JSON object")
+    return state
+
+
 def _read_rank_file(manifest: Manifest, path: str, rank: int) -> tuple[dict, list[TensorEntry]]:
     name = _listed_name(manifest, rank_file_name(rank))
     if name is None:
@@ -100,30 +115,24 @@ def _read_rank_file(manifest: Manifest, path: str, rank: int) -> tuple[dict, lis
     where = os.path.join(path, name)
     listed = manifest.files[name]
     try:
-        data = storage_for(where).read(where)
+        data = read_small(where, listed.size, f"rank {rank}'s file")
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: rank {rank}'s file is missing") from None
     if len(data) != listed.size or xxhash.xxh3_64(data).hexdigest() != listed.digest:
         raise CorruptCheckpointError(f"{where}: file checksum mismatch (corrupt)")
-    try:
-        (length,) = struct.unpack_from("<Q", data)
-        header = json.loads(data[8 : 8 + length])
-        state = json.loads(header.pop("__metadata__")[RANK_STATE_KEY])
-    except (struct.error, ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(f"{where}: damaged rank file header ({exc})") from exc
-    start = 8 + length
+    header = read_header(lambda at, n: data[at : at + n], len(data), where, name)
+    if RANK_STATE_KEY not in header.metadata:
+        raise CorruptCheckpointError(f"{where}: damaged rank file header: no {RANK_STATE_KEY}")
+    state = _checked(load_json(header.metadata[RANK_STATE_KEY], where, "per-rank state"), where)
+    own = f"rank{rank}/"
     entries = []
-    for key, doc in header.items():
-        begin, end = (start + int(x) for x in doc["data_offsets"])
-        entries.append(
-            TensorEntry(
-                file=name,
-                key=key,
-                dtype=str(doc["dtype"]),
-                shape=tuple(int(d) for d in doc["shape"]),
-                begin=begin,
-                end=end,
-                digest=xxhash.xxh3_64(data[begin:end]).hexdigest(),  # the file's checksum holds
+    for entry in header.entries:
+        if not entry.key.startswith(own):
+            raise CorruptCheckpointError(
+                f"{where}: rank {rank}'s file holds the tensor {entry.key[:200]!r}, which is "
+                f"not rank {rank}'s"
             )
-        )
+        # the file's checksum holds, so each tensor's own digest is computed here
+        digest = xxhash.xxh3_64(data[entry.begin : entry.end]).hexdigest()
+        entries.append(dataclasses.replace(entry, file=name, digest=digest))
     return state, entries

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ddpckpt._format.codec import JSON
 from ddpckpt.errors import CorruptCheckpointError
 
@@ -130,6 +132,44 @@ class _Reader:
             )
         return value
 
+    def strings(self, key: str, default: Any = _REQUIRED) -> Any:
+        """A list of strings."""
+        value = self.get(key, list, default)
+        if value is not default and not all(isinstance(v, str) for v in value):
+            raise CorruptCheckpointError(
+                f"{self.where}: malformed manifest: {key!r} holds something else than strings"
+            )
+        return value
+
+    def mapping_of(self, key: str, check: Any, what: str, default: Any = _REQUIRED) -> Any:
+        """A dict whose values pass ``check`` (``what`` says what they must be)."""
+        value = self.get(key, dict, default)
+        if value is not default and not all(check(v) for v in value.values()):
+            raise CorruptCheckpointError(
+                f"{self.where}: malformed manifest: {key!r} maps to something else than {what}"
+            )
+        return value
+
+
+def _is_device(value: Any) -> bool:
+    """Whether ``value`` names a device (``"cuda:1"``; this machine may lack it)."""
+    try:
+        torch.device(value)
+    except (RuntimeError, TypeError):
+        return False
+    return isinstance(value, str)
+
+
+def _is_plain_object(value: Any) -> bool:
+    """A JSON object the codec decodes as a dict of string keys (no ``$``-tag)."""
+    return isinstance(value, dict) and not any(k.startswith("$") for k in value)
+
+
+def _is_shape(value: Any) -> bool:
+    return value is None or (
+        isinstance(value, list) and all(type(d) is int and d >= 0 for d in value)
+    )
+
 
 BUCKET_STATES = ("none", "initial", "rebuilt", "unsettled")
 
@@ -198,9 +238,10 @@ class ModelSection:
     def from_json(cls, doc: JSON, where: str) -> ModelSection:
         r = _Reader(doc, where)
         buckets = r.get("ddp_buckets", dict, None)
-        return cls(r.get("type", str), list(r.get("keys", list)), dict(r.get("aliases", dict)),
-                   dict(r.get("versions", dict)), list(r.get("extra_keys", list)),
-                   r.get("extra_state", object, None),
+        return cls(r.get("type", str), list(r.strings("keys")),
+                   dict(r.mapping_of("aliases", lambda v: isinstance(v, str), "names")),
+                   dict(r.mapping_of("versions", lambda v: type(v) is int, "integers")),
+                   list(r.strings("extra_keys")), r.get("extra_state", object, None),
                    DDPBuckets("unrecorded") if buckets is None else DDPBuckets.from_json(
                        buckets, f"{where} (ddp_buckets)"))  # fmt: skip
 
@@ -284,10 +325,15 @@ class OptimizerSection:
         groups = []
         for g, group in enumerate(r.get("groups", list)):
             gr = _Reader(group, f"{where} (param group {g})")
-            groups.append(ParamGroup(list(gr.get("params", list)), gr.get("hyper", dict)))
+            groups.append(ParamGroup(list(gr.strings("params")), gr.get("hyper", dict)))
+        per_parameter = r.mapping_of("state", _is_plain_object, "a JSON object per parameter")
+        shapes = dict(r.mapping_of("shapes", _is_shape, "shapes"))
+        if any(p not in shapes for g in groups for p in g.params):
+            raise CorruptCheckpointError(f"{where}: malformed manifest: a parameter has no shape")
         zero = r.get("zero", dict, None)
-        return cls(r.get("type", str), groups, r.get("state", dict), dict(r.get("shapes", dict)),
-                   r.get("placement", dict, None), r.get("own_dtype", list, None),
+        return cls(r.get("type", str), groups, per_parameter, shapes,
+                   r.mapping_of("placement", lambda v: v in ("param", "host"), "places", None),
+                   r.strings("own_dtype", None),
                    bool(r.get("by_position", bool, False)),
                    None if zero is None else ZeroPartition.from_json(zero, groups, where))  # fmt: skip
 
@@ -352,7 +398,8 @@ class DictSection:
     @classmethod
     def from_json(cls, doc: JSON, where: str) -> DictSection:
         r = _Reader(doc, where)
-        return cls(r.get("tree", object), dict(r.get("devices", dict)))
+        devices = r.mapping_of("devices", _is_device, "device names")
+        return cls(r.get("tree", object), dict(devices))
 
 
 _TYPES: dict[str, Any] = {"models": ModelSection, "optimizers": OptimizerSection,

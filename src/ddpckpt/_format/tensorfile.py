@@ -16,12 +16,23 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import struct
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import Any
 
 import torch
 
+from ddpckpt._format.boundary import (
+    MAX_DIMS,
+    MAX_HEADER_BYTES,
+    MAX_INT,
+    Fields,
+    check_int,
+    load_json,
+)
 from ddpckpt.errors import CorruptCheckpointError, UnsupportedValueError
 
 CHUNK = 8 << 20  # bytes hashed and written or read at a time
@@ -51,6 +62,7 @@ for _attr, _name in (
     if isinstance(getattr(torch, _attr, None), torch.dtype):
         _DTYPE_NAMES[getattr(torch, _attr)] = _name
 _DTYPES_BY_NAME = {name: dtype for dtype, name in _DTYPE_NAMES.items()}
+_ITEMSIZES = {name: dtype.itemsize for name, dtype in _DTYPES_BY_NAME.items()}
 
 
 def dtype_name(dtype: torch.dtype, key: str) -> str:
@@ -68,8 +80,8 @@ def dtype_name(dtype: torch.dtype, key: str) -> str:
 def dtype_from_name(name: str, where: str) -> torch.dtype:
     try:
         return _DTYPES_BY_NAME[name]
-    except KeyError:
-        raise CorruptCheckpointError(f"{where}: unknown tensor dtype {name!r}") from None
+    except (KeyError, TypeError):
+        raise CorruptCheckpointError(f"{where}: unknown tensor dtype {str(name)[:40]!r}") from None
 
 
 def tensor_nbytes(tensor: torch.Tensor) -> int:
@@ -106,6 +118,108 @@ class FileEntry:
     size: int
     digest: str
     writer: int
+
+
+def checked_layout(
+    fields: Fields, file_size: int, base: int = 0, offsets_key: str = "offsets"
+) -> tuple[str, tuple[int, ...], int, int]:
+    """A tensor record's dtype, shape and absolute byte range, read from ``fields`` and
+    checked against a file of ``file_size`` bytes whose data starts at ``base``: a known
+    dtype, at most 64 dimensions, a range inside the file holding exactly the bytes the
+    shape needs, aligned to the element size (as ddpckpt writes them). Nothing is
+    allocated before this holds."""
+    doc = fields.doc
+    dtype, shape, span = doc.get("dtype"), doc.get("shape"), doc.get(offsets_key)
+    itemsize = _ITEMSIZES.get(dtype) if isinstance(dtype, str) else None
+    if (  # the record as ddpckpt writes it, checked without building any error
+        itemsize is not None
+        and type(shape) is list
+        and len(shape) <= MAX_DIMS
+        and all(type(d) is int and 0 <= d <= MAX_INT for d in shape)
+        and type(span) is list
+        and len(span) == 2
+        and type(span[0]) is int
+        and type(span[1]) is int
+        and 0 <= span[0] <= span[1] <= file_size - base
+        and span[1] - span[0] == math.prod(shape) * itemsize
+        and (base + span[0]) % itemsize == 0
+    ):
+        return dtype, tuple(shape), base + span[0], base + span[1]
+    return _refused_layout(fields, file_size, base, offsets_key)
+
+
+def _refused_layout(fields: Fields, file_size: int, base: int, offsets_key: str) -> Any:
+    """Raise the error naming what :func:`checked_layout` found wrong."""
+    dtype = fields.text("dtype", max_length=16)
+    if dtype not in _DTYPES_BY_NAME:
+        raise fields.error(f"names an unknown dtype {dtype!r}", "dtype")
+    shape_doc = fields.sequence("shape")
+    if len(shape_doc) > MAX_DIMS:
+        raise fields.error(f"has {len(shape_doc)} dimensions (at most {MAX_DIMS})", "shape")
+    shape = tuple(check_int(d, 0, MAX_INT, lambda p: fields.error(p, "shape")) for d in shape_doc)
+    span = fields.sequence(offsets_key)
+    if len(span) != 2:
+        raise fields.error("is not a pair [begin, end]", offsets_key)
+    limit = file_size - base
+    begin, end = (check_int(x, 0, limit, lambda p: fields.error(p, offsets_key)) for x in span)
+    itemsize = _ITEMSIZES[dtype]
+    if end < begin or end - begin != math.prod(shape) * itemsize:
+        raise fields.error(
+            f"is [{begin}, {end}]: {end - begin} bytes, where {dtype} of shape {list(shape)} "
+            f"takes {math.prod(shape) * itemsize}",
+            offsets_key,
+        )
+    raise fields.error(f"starts at byte {base + begin}, not aligned to {itemsize}", offsets_key)
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """A safetensors file's header, checked: where the data starts, each tensor's record
+    (absolute offsets, no digest) in file order, and the metadata."""
+
+    start: int
+    entries: list[TensorEntry] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+
+
+def read_header(
+    read: Callable[[int, int], bytes], file_size: int, where: str, name: str
+) -> FileHeader:
+    """Parse the header of the safetensors file ``name`` (at ``where``, ``file_size`` bytes;
+    ``read(offset, length)`` gives its bytes) within the limits of
+    :mod:`ddpckpt._format.boundary`: the length is checked against the file and the cap
+    before the header is read, every record as :func:`checked_layout` checks it, and no two
+    records overlap. Raises :class:`CorruptCheckpointError` naming the file and field."""
+    prefix = read(0, 8)
+    if len(prefix) < 8:
+        raise CorruptCheckpointError(
+            f"{where}: damaged safetensors header: the file is {file_size} bytes"
+        )
+    (length,) = struct.unpack("<Q", prefix)
+    if length > min(MAX_HEADER_BYTES, file_size - 8):
+        raise CorruptCheckpointError(
+            f"{where}: damaged safetensors header: it claims {length} bytes in a file of "
+            f"{file_size} (at most {MAX_HEADER_BYTES})"
+        )
+    doc = load_json(read(8, length), where, "safetensors header", limit=MAX_HEADER_BYTES)
+    header = Fields(doc, where, "safetensors header")
+    metadata = header.mapping("__metadata__", {})
+    if not all(isinstance(v, str) for v in metadata.values()):
+        raise header.error("holds a value that is not a string", "__metadata__")
+    start, entries = 8 + length, []
+    for key, record in doc.items():
+        if key == "__metadata__":
+            continue
+        fields = Fields(record, where, lambda key=key: f"safetensors header entry {key[:200]!r}")
+        dtype, shape, begin, end = checked_layout(fields, file_size, start, "data_offsets")
+        entries.append(TensorEntry(name, key, dtype, shape, begin, end, ""))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    for before, after in pairwise(entries):
+        if after.begin < before.end:
+            raise CorruptCheckpointError(
+                f"{where}: damaged safetensors header: {before.key!r} and {after.key!r} overlap"
+            )
+    return FileHeader(start, entries, metadata)
 
 
 def check_storable(key: str, tensor: torch.Tensor) -> None:
@@ -157,6 +271,11 @@ def encode_header(items: Sequence[tuple[str, torch.Tensor]], metadata: dict[str,
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)
+    if len(raw) > MAX_HEADER_BYTES:  # what could not be read back is not written
+        raise UnsupportedValueError(
+            f"a safetensors header of {len(raw)} bytes (over {MAX_HEADER_BYTES}) would be "
+            "needed: store fewer or larger tensors per file, or large values as tensors"
+        )
     return struct.pack("<Q", len(raw)) + raw
 
 

@@ -5,8 +5,7 @@ against its digest before it is used."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
-import struct
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 import xxhash
 
+from ddpckpt._format.boundary import open_checked
 from ddpckpt._format.pinned_ring import (
     Ring,
     copy_on,
@@ -23,9 +23,8 @@ from ddpckpt._format.pinned_ring import (
     passes_through,
     ring_for,
 )
-from ddpckpt._format.tensorfile import CHUNK, TensorEntry, byte_view, dtype_from_name
+from ddpckpt._format.tensorfile import CHUNK, TensorEntry, byte_view, dtype_from_name, read_header
 from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
-from ddpckpt.storage import storage_for
 
 _READ_THREADS = 4  # parallel reads of one piece when loading onto a GPU
 _read_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -46,13 +45,14 @@ class TensorFile:
     """A memory-mapped data file of a checkpoint.
 
     ``size`` is the size the manifest records; a file of another size is reported as
-    truncated or corrupt before any tensor is read.
+    truncated or corrupt before any tensor is read, and one that is no regular file (a
+    link, FIFO or device) as corrupt before it is read at all.
     """
 
     def __init__(self, path: str, size: int) -> None:
         self.path = path
         try:
-            reader = storage_for(path).open(path)
+            reader = open_checked(path, "data file")
         except FileNotFoundError:
             raise IncompleteCheckpointError(
                 f"{path}: data file listed in the manifest is missing"
@@ -91,24 +91,12 @@ class TensorFile:
     def check_header(self, entries: Sequence[TensorEntry]) -> None:
         """Raise :class:`CorruptCheckpointError` unless the file's own header (every byte
         before the tensor data) describes exactly ``entries``, as the manifest does."""
-        try:
-            (length,) = struct.unpack_from("<Q", self._read_range(0, 8))
-            header = json.loads(self._read_range(8, length))
-        except (struct.error, ValueError) as exc:
-            raise CorruptCheckpointError(
-                f"{self.path}: damaged safetensors header ({exc})"
-            ) from exc
-        start = 8 + length
-        header.pop("__metadata__", None)
-        expected = {
-            e.key: {
-                "dtype": e.dtype,
-                "shape": list(e.shape),
-                "data_offsets": [e.begin - start, e.end - start],
-            }
-            for e in entries
-        }
-        if header != expected:
+        header = read_header(
+            self._read_range, self._reader.size, self.path, os.path.basename(self.path)
+        )
+        found = {e.key: (e.dtype, e.shape, e.begin, e.end) for e in header.entries}
+        expected = {e.key: (e.dtype, tuple(e.shape), e.begin, e.end) for e in entries}
+        if found != expected:
             raise CorruptCheckpointError(
                 f"{self.path}: the file's safetensors header does not match the manifest; the "
                 "file is damaged"

@@ -11,6 +11,7 @@ outcome to its handle and to the next collective call.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -119,7 +120,8 @@ class AsyncSaver:
                 raise
             comm.close()
 
-        return self.persister.submit(job, os.path.basename(plan.path))
+        context = contextvars.copy_context()  # the save call's (ddpckpt.events times it)
+        return self.persister.submit(lambda: context.run(job), os.path.basename(plan.path))
 
     def _fence_before_step(self, optimizer: torch.optim.Optimizer, fence: Fence) -> None:
         """Make ``optimizer.step()`` wait for ``fence`` (a hook registered once per

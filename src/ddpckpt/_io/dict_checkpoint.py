@@ -19,12 +19,14 @@ from typing import Any, Union
 
 import torch
 
+from ddpckpt import events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import decode, encode
 from ddpckpt._format.manifest import MANIFEST_NAME, read_manifest
 from ddpckpt._format.sections import DICT_KEY, DictSection, StateSections
 from ddpckpt._io.reader import FileSource
 from ddpckpt._io.writing import header_fields, plan_write, write_and_commit
+from ddpckpt._resumecheck import isolate
 from ddpckpt._state.snapshot import Snapshot
 from ddpckpt.errors import CheckpointNotFoundError, StateMismatchError
 from ddpckpt.storage import storage_for
@@ -38,6 +40,7 @@ MapLocation = Union[  # noqa: UP007 (a runtime alias)
 ]
 
 
+@events.timed_save
 def save_dict(
     path: str | os.PathLike[str],
     checkpoint: Mapping[str, Any],
@@ -65,7 +68,7 @@ def save_dict(
     devices = {n: str(t.device) for n, t in snapshot.tensors.items() if t.device.type != "cpu"}
     snapshot.state = StateSections(saved_dict=DictSection(tree, devices)).to_json()
     snapshot.balanced.update(snapshot.tensors)
-    comm = Comm.local("ddpckpt.save_dict", os.fspath(path))
+    comm = Comm.local("ddpckpt.save_dict", isolate.for_write(path, "save_dict"))
     header = header_fields(step, epoch, metrics)
     plan = plan_write(comm, snapshot, header, overwrite=overwrite, storage="shared")
     return write_and_commit(plan)
@@ -85,7 +88,7 @@ def load_dict(path: str | os.PathLike[str], map_location: MapLocation = "cpu") -
     file), and :class:`StateMismatchError` for a checkpoint of a training state (load
     those with :func:`ddpckpt.load` or :func:`ddpckpt.load_state_dict`).
     """
-    path = os.fspath(path)
+    path = isolate.for_read(path, "load_dict")
     manifest = read_manifest(path)
     section = StateSections.from_json(manifest.state, path).saved_dict
     if section is None:
@@ -160,7 +163,7 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
     first. Raises :class:`CheckpointNotFoundError` if ``path`` holds no committed
     checkpoint (nothing is deleted then: never a directory that is not a checkpoint).
     """
-    path = os.fspath(path)
+    path = isolate.for_write(path, "remove_checkpoint")
     store = storage_for(path)
     if not store.exists(os.path.join(path, MANIFEST_NAME)):
         raise CheckpointNotFoundError(f"{path}: no committed checkpoint here; nothing removed")

@@ -27,6 +27,8 @@ from ddpckpt._io.load_checks import check_state
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.reader import CheckpointInfo, FileSource
 from ddpckpt._log import get_logger
+from ddpckpt._resumecheck import isolate
+from ddpckpt._resumecheck import record as _resume_check
 from ddpckpt._state.capture import TrainingState
 from ddpckpt._state.ddp_buckets import restore_buckets
 from ddpckpt._state.model import restore_model, restore_rank_buffers
@@ -82,6 +84,7 @@ def load(
     """
     path = os.fspath(path)
     configure(path, storage_options)  # an s3:// URL's client (ddpckpt.storage.configure)
+    path = isolate.for_read(path, "load")  # under ddpckpt check-resume: what its run wrote
     state = TrainingState.coerce(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         extra=extra, rng=rng,
@@ -102,7 +105,10 @@ def load(
             restore = _unless_changed(
                 path, manifest, lambda: _restore(manifest, source, state, strict, path, comm.rank)
             )
-            return comm.run("restore", restore)
+            info = comm.run("restore", restore)
+    if (recorder := _resume_check.active()) is not None:
+        recorder.loaded_plain(path, state, info)
+    return info
 
 
 def _unless_changed(path: str, manifest: Manifest, step: Callable[[], T]) -> Callable[[], T]:
@@ -146,8 +152,8 @@ def locate(comm: Comm, path: str) -> Manifest:
     def read() -> dict[str, Any]:
         try:
             found["manifest"] = read_manifest(path)
-        except CheckpointNotFoundError:
-            return {"missing": True}
+        except CheckpointNotFoundError as exc:  # the message may say what the path is instead
+            return {"missing": str(exc)}
         except CorruptCheckpointError as exc:
             return {"error": type(exc).__name__, "message": str(exc)}
         return {"id": found["manifest"].id}
@@ -173,10 +179,7 @@ def _verdict(statuses: list[dict[str, Any]], path: str) -> dict[str, Any]:
         errors = [s for s in statuses if "error" in s]
         if errors:
             return errors[0]
-        return {
-            "error": "CheckpointNotFoundError",
-            "message": f"{path}: no checkpoint at this path",
-        }
+        return {"error": "CheckpointNotFoundError", "message": statuses[0]["missing"]}
     if len(set(present)) > 1:
         listing = ", ".join(f"rank {r}: {i}" for r, i in enumerate(ids) if i is not None)
         return {

@@ -57,7 +57,7 @@ def check_state(
         check_model(model, stored.models[name], source, path, strict, prefix, label)
     for name, optimizer in state.optimizers.items():
         label = _label(layout, "optimizers", name)
-        check_optimizer(optimizer, names, stored.optimizers[name], path, label)
+        check_optimizer(optimizer, names, stored.optimizers[name], path, label, source)
     for name, scaler in state.scalers.items():
         if not stored.scalers[name].state and scaler.is_enabled():
             raise StateMismatchError(

@@ -25,6 +25,7 @@ from ddpckpt._format.shards import ShardedEntry
 from ddpckpt._format.tensorfile import TensorEntry, can_read_into, dtype_from_name
 from ddpckpt._format.tensorread import TensorFile
 from ddpckpt._io.progress import Progress
+from ddpckpt._resumecheck import isolate
 from ddpckpt.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 
 
@@ -102,16 +103,27 @@ class FileSource:
         return self.manifest.shards.get(self.prefix + name)
 
     def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The dtype and shape of the tensor ``name``, once its file (a sharded tensor's: the
+        files of its pieces) is opened and checked: a caller may allocate that much, since
+        the files hold the bytes."""
         record = self.sharded(name)
-        entry = self.entry(name) if record is None else record
-        return dtype_from_name(entry.dtype, self.path), entry.shape
+        if record is None:
+            entry = self.entry(name)
+            self._file(entry)
+            return dtype_from_name(entry.dtype, self.path), entry.shape
+        for piece in record.pieces:
+            self._file(piece.entry)
+        return dtype_from_name(record.dtype, self.path), record.shape
 
-    def _file(self, name: str) -> TensorFile:
-        if name not in self._files:
-            mapped = TensorFile(os.path.join(self.path, name), self.manifest.files[name].size)
-            mapped.check_header(self._by_file()[name])
-            self._files[name] = mapped
-        return self._files[name]
+    def _file(self, entry: TensorEntry) -> TensorFile:
+        """The file holding ``entry``, opened once; its size and header are checked against
+        the manifest before any tensor is read from it."""
+        if entry.file not in self._files:
+            size = self.manifest.files[entry.file].size
+            mapped = TensorFile(os.path.join(self.path, entry.file), size)
+            mapped.check_header(self._by_file()[entry.file])
+            self._files[entry.file] = mapped
+        return self._files[entry.file]
 
     def get(self, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
         record = self.sharded(name)
@@ -122,7 +134,7 @@ class FileSource:
             self.read_region(name, target, ((0,) * len(shape), shape))
             return target  # type: ignore[return-value]
         entry = self.entry(name)
-        file = self._file(entry.file)
+        file = self._file(entry)
         if like is not None and can_read_into(like, entry):
             tensor = file.read_into(entry, like)
         else:
@@ -145,7 +157,7 @@ class FileSource:
         boxes = [(p.offsets, p.shape) for p in record.pieces]
         for read in plan_reads(boxes, region, itemsize=dtype.itemsize, chunk=record.chunk):
             piece = record.pieces[read.piece]
-            data = self._file(piece.entry.file).read_chunks(piece.entry, *read.chunks, record.chunk)
+            data = self._file(piece.entry).read_chunks(piece.entry, *read.chunks, record.chunk)
             row_bytes = math.prod(piece.shape[1:]) * dtype.itemsize
             start = read.rows[0] * row_bytes - read.chunks[0] * record.chunk
             count = read.rows[1] - read.rows[0]
@@ -181,7 +193,7 @@ def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> d
     checkpoint of several models (a :class:`~ddpckpt.TrainingState`) needs ``model``,
     the name of the one to read.
     """
-    path = os.fspath(path)
+    path = isolate.for_read(path, "load_state_dict")
     manifest = read_manifest(path)
     stored = StateSections.from_json(manifest.state, path)
     model = chosen_model(path, stored, model)
@@ -213,6 +225,10 @@ def find_problems(path: str | os.PathLike[str]) -> list[str]:
 
 def _file_problems(path: str, manifest: Manifest) -> list[str]:
     problems = fill_rank_parts(manifest, path)  # the rank files' tensors join the index
+    try:
+        StateSections.from_json(manifest.state, path)  # what load parses, checked here too
+    except CorruptCheckpointError as exc:
+        problems.append(str(exc))
     by_file = _entries_by_file(manifest)
     chunks = {p.entry.key: r.chunk for r in manifest.shards.values() for p in r.pieces}
     for name, file in sorted(manifest.files.items()):
@@ -247,7 +263,7 @@ def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
     :class:`CorruptCheckpointError` (listing every bad file); returns the checkpoint's
     metadata when everything verifies.
     """
-    path = os.fspath(path)
+    path = isolate.for_read(path, "verify")
     manifest = read_manifest(path)
     problems = _file_problems(path, manifest)
     if problems:

@@ -17,15 +17,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpckpt import events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import DEFAULT_SAVER, async_mode
 from ddpckpt._io.background import PendingSave
 from ddpckpt._io.writing import header_fields, plan_write, write_and_commit
+from ddpckpt._resumecheck import isolate
+from ddpckpt._resumecheck import record as _resume_check
 from ddpckpt._state.capture import Snapshot, TrainingState, capture
 from ddpckpt.storage import configure
 
 
+@events.timed_save
 def save(
     path: str | os.PathLike[str],
     state: TrainingState | None = None,
@@ -77,6 +81,7 @@ def save(
     """
     sharing = renamed_argument("ddpckpt.save", "storage", storage, "sharing", sharing)
     configure(path, storage_options)
+    path = isolate.for_write(path, "save")  # under ddpckpt check-resume: its own directory
     state = TrainingState.coerce(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         extra=extra, rng=rng,
@@ -95,12 +100,18 @@ def save(
         snapshot = comm.run("capture", settle_then_capture)
         plan = plan_write(comm, snapshot, header, overwrite=overwrite, storage=sharing)
         if async_save:  # the background job closes the call
-            return PendingSave(plan.path, saver.start(plan, snapshot, overlap=overlap))
-        saved = write_and_commit(plan)
+            saved: str | PendingSave = PendingSave(
+                plan.path, saver.start(plan, snapshot, overlap=overlap)
+            )
+        else:
+            saved = write_and_commit(plan)
     except BaseException as exc:
         comm.close(exc)  # a failure only this rank saw reaches the others at once
         raise
-    comm.close()
+    if not async_save:
+        comm.close()
+    if (recorder := _resume_check.active()) is not None:
+        recorder.saved_plain(plan.path, state, step, epoch)
     return saved
 
 

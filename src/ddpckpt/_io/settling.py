@@ -36,7 +36,9 @@ def settle_plan(plan: WritePlan, attempt: int = 0) -> None:
         return
     comm = plan.comm
     values = dict(plan.items + plan.checked)
-    apart = differing_unverified(comm, values, plan.pending, f"unverified.{attempt}")
+    apart = differing_unverified(
+        comm, values, plan.pending, f"unverified.{attempt}", plan.may_differ
+    )
     if apart:
         own = plan.rank_state["own"] = dict(plan.rank_state.get("own", {}))
         for name in sorted(apart):

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ddpckpt import events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.consistency import check_replicated
 from ddpckpt._coord.plan import file_names, plan_owners
@@ -108,6 +109,7 @@ class WritePlan:
     rank_items: list[tuple[str, torch.Tensor]]  # this rank's file: its per-rank tensors,
     rank_state: dict[str, Any]  # and its state, in the file's metadata
     pending: list[str] = field(default_factory=list)
+    may_differ: frozenset[str] = frozenset()  # of the pending ones: apart by design, no warning
     checked: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     settled: bool = False
     rank_blob: bytes | None = None  # this rank's file, made to be sent to other domains
@@ -183,6 +185,7 @@ def plan_write(
         rank_items=rank_items,
         rank_state=dict(snapshot.rank_state),
         pending=pending,
+        may_differ=frozenset(snapshot.may_differ),
         checked=[(n, snapshot.tensors[n]) for n in pending if owners[n] != comm.rank],
         shards=shards,
         owned_state=snapshot.owned_state,
@@ -236,6 +239,7 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
         if plan.leader:
             store.commit.abort(store, tmp, path)
         raise
+    events.committed(path, plan.header["step"])
     return path
 
 
@@ -386,7 +390,7 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
     )
     store = storage_for(plan.path)
     with storage_errors(plan.path):
-        store.write_new(os.path.join(tmp, MANIFEST_NAME), manifest.to_json().encode())
+        store.write_new(os.path.join(tmp, MANIFEST_NAME), manifest.to_json(plan.path).encode())
     try:
         store.commit.publish(store, tmp, plan.path, overwrite=plan.overwrite)
     except OSError as exc:

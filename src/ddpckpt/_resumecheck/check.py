@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import time
@@ -12,12 +13,16 @@ from typing import Any
 from ddpckpt._resumecheck.compare import PointResult, compare_point
 from ddpckpt._resumecheck.runner import KillPoint, read_records, run
 
+Records = dict[int, list[list[dict[str, Any]]]]
+SEVERITY = {"exact": 0, "cannot-judge": 1, "different": 2}
+
 
 @dataclass
 class CheckReport:
     command: list[str]
     out: str
     world: int = 0
+    mode: str = ""  # how steps are told apart: "checkpointer" or "plain"
     steps: list[int] = field(default_factory=list)
     saves: list[dict[str, Any]] = field(default_factory=list)  # step, epoch_end
     reference_seconds: float = 0.0
@@ -25,6 +30,7 @@ class CheckReport:
     victim: int = 0
     points: list[PointResult] = field(default_factory=list)
     killed_runs: list[str] = field(default_factory=list)  # the directory of each point's run
+    routes: list[dict[str, Any]] = field(default_factory=list)  # where the script's paths went
     notes: list[str] = field(default_factory=list)
     plot: str = ""
     # the killed rank's loss per step (log_step): {"rank", "reference": [[step, loss]],
@@ -33,14 +39,45 @@ class CheckReport:
     loss_plot: str = ""
 
     @property
+    def verdict(self) -> str:
+        """``exact`` only when every point is; else the worst point's verdict."""
+        if not self.points:
+            return "cannot-judge"
+        return max((p.verdict for p in self.points), key=SEVERITY.__getitem__)
+
+    @property
     def identical(self) -> bool:
-        return bool(self.points) and all(p.identical for p in self.points)
+        return self.verdict == "exact"
 
 
-def _reference_events(records: dict[int, list[list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+def _reference_events(records: Records) -> list[dict[str, Any]]:
     if 0 not in records or not records[0]:
         raise RuntimeError("the uninterrupted run recorded nothing on rank 0")
     return records[0][0]
+
+
+def step_offset(events: list[dict[str, Any]]) -> int:
+    """How a plain loop numbers its steps: its saves' ``step=`` minus the recorder's count
+    (0 when they disagree, or for a Checkpointer loop, which numbers steps itself). A save
+    before the first step (the initial weights) says nothing about it."""
+    offsets = {
+        e["label"] - e["step"]
+        for e in events
+        if e["event"] == "save" and isinstance(e.get("label"), int) and e["step"] > 0
+    }
+    return offsets.pop() if len(offsets) == 1 else 0
+
+
+def renumber(records: Records, offset: int) -> Records:
+    """``records`` with every step in the script's own numbering."""
+    if offset:
+        for processes in records.values():
+            for events in processes:
+                for event in events:
+                    for key in ("step", "after_step", "resumed_from"):
+                        if isinstance(event.get(key), int):
+                            event[key] += offset
+    return records
 
 
 def _loss_curve(events: list[dict[str, Any]]) -> list[list[Any]]:
@@ -67,8 +104,9 @@ def default_kill_points(events: list[dict[str, Any]]) -> tuple[list[KillPoint], 
     steps = [e["step"] for e in events if e["event"] == "step"]
     if not steps:
         raise RuntimeError(
-            "the uninterrupted run never called should_save(step): check-resume records each "
-            "step when the script calls ckpt.should_save(step), as in every Checkpointer loop"
+            "the uninterrupted run recorded no step: check-resume ends a step at each "
+            "should_save(step) of a Checkpointer (call it every step, as in every Checkpointer "
+            "loop) or, in a loop of ddpckpt.save and ddpckpt.load, at each optimizer.step()"
         )
     last = steps[-1]
     saves = _saves(events)
@@ -90,11 +128,16 @@ def default_kill_points(events: list[dict[str, Any]]) -> tuple[list[KillPoint], 
         end = ends_before_last[0]
         count = max(s["n"] for s in saves if s["step"] == end)
         points.append(KillPoint(end, after_save=True, saves=count))
-    else:
+    elif any(s["epoch_end"] is not None for s in saves):
         notes.append(
             "no epoch-end save with steps after it was found (an epoch-end save is one made "
-            "while a DataLoader passed in extra has finished its epoch), so only a kill "
-            "inside an epoch was checked"
+            "while a DataLoader it holds has finished its epoch), so only a kill inside an "
+            "epoch was checked"
+        )
+    else:
+        notes.append(
+            "the checkpoints hold no DataLoader, so no save is known to end an epoch: only a "
+            "kill between two saves was checked (--kill-at K:after-save adds one after a save)"
         )
     return points, notes
 
@@ -112,6 +155,49 @@ def _user_point(point: KillPoint, events: list[dict[str, Any]]) -> KillPoint:
     return KillPoint(point.step, after_save=True, saves=max(counts))
 
 
+def _routes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Where the script's paths went, each path once: the calls that used it, how (``input``:
+    read where it is; else mapped to ``to``), and whether a lookup found the user's own
+    directory there (which it did not read) while the script never wrote to it."""
+    found: dict[str, dict[str, Any]] = {}
+    for event in events:
+        if event["event"] != "route":
+            continue
+        entry = found.setdefault(event["path"], {"path": event["path"], "to": event["to"],
+                                                 "calls": [], "hows": set()})  # fmt: skip
+        if event["call"] not in entry["calls"]:
+            entry["calls"].append(event["call"])
+        entry["hows"].add(event["how"])
+        if event["how"] != "input":
+            entry["to"] = event["to"]
+    for entry in found.values():
+        hows = entry.pop("hows")
+        entry["how"] = "input" if hows == {"input"} else "mapped"
+        entry["unread"] = "looked up, the user's not" in hows and "written" not in hows
+    return list(found.values())
+
+
+def remove_created(out: str) -> dict[str, list[str]]:
+    """Remove the directories the checked runs created for the script (see
+    :mod:`.isolate`) where they are still empty; deepest first. Returns those left, each with
+    what the script wrote there itself (not through ddpckpt, so not redirected)."""
+    created: set[str] = set()
+    runs = os.path.join(out, "runs")
+    for name in sorted(os.listdir(runs)) if os.path.isdir(runs) else []:
+        for processes in read_records(os.path.join(runs, name)).values():
+            for events in processes:
+                created.update(p for e in events if e["event"] == "created" for p in e["paths"])
+    left: dict[str, list[str]] = {}
+    for path in sorted(created, key=lambda p: p.count(os.sep), reverse=True):
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            continue
+        except OSError:  # not empty: the script wrote its own files there
+            left[path] = sorted(os.listdir(path))
+    return {p: [n for n in names if os.path.join(p, n) not in left] for p, names in left.items()}
+
+
 def check_resume(
     command: Sequence[str],
     out: str,
@@ -123,10 +209,35 @@ def check_resume(
     timeout: float = 1800.0,
     progress: Any = None,
 ) -> CheckReport:
-    """Run the check (see :mod:`ddpckpt._resumecheck`); ``progress(line)`` hears each stage."""
+    """Run the check (see :mod:`ddpckpt._resumecheck`); ``progress(line)`` hears each stage.
+    The directories the runs created for the script are removed at the end, where empty."""
+    report = CheckReport(command=list(command), out=os.path.abspath(out))
+    try:
+        _check(report, kill_at, rank, resume_args, reference, timeout, progress)
+    finally:
+        for path, names in remove_created(report.out).items():
+            shown = ", ".join(names[:5]) + (
+                f", ... ({len(names)} in all)" if len(names) > 5 else ""
+            )
+            report.notes.append(
+                f"{path} did not exist; the check made it for the script (its checkpoints' "
+                f"directory is mapped) and left it, because the script wrote its own files "
+                f"there, which only ddpckpt's calls are redirected from: {shown}"
+            )
+    return report
+
+
+def _check(
+    report: CheckReport,
+    kill_at: Sequence[KillPoint],
+    rank: int | None,
+    resume_args: Sequence[str],
+    reference: str | None,
+    timeout: float,
+    progress: Any,
+) -> None:
     say = progress or (lambda line: None)
-    out = os.path.abspath(out)
-    report = CheckReport(command=list(command), out=out)
+    command, out = report.command, report.out
     if reference is not None:
         reference_dir = os.path.join(os.path.abspath(reference), "runs", "reference")
         if not os.path.isdir(os.path.join(reference_dir, "records")):
@@ -142,14 +253,20 @@ def check_resume(
         reference_dir = run("reference", command, out, timeout=timeout).dir
         report.reference_seconds = time.perf_counter() - started
     ref_records = read_records(reference_dir)
-    events = _reference_events(ref_records)
-    report.world = next(e["world"] for e in events if e["event"] == "start")
-    report.steps = [e["step"] for e in events if e["event"] == "step"]
+    raw = _reference_events(ref_records)
+    offset = step_offset(raw)
+    events = renumber(ref_records, offset)[0][0]
+    start = next(e for e in events if e["event"] == "start")
+    report.world = start["world"]
+    report.mode = "checkpointer" if any(e["event"] == "attach" for e in events) else "plain"
+    report.steps = list(dict.fromkeys(e["step"] for e in events if e["event"] == "step"))
     report.saves = [{k: s[k] for k in ("step", "epoch_end")} for s in _saves(events)]
+    report.routes = _routes(events)
     report.victim = report.world - 1 if rank is None else rank
     if not 0 <= report.victim < report.world:
         raise ValueError(
-            f"--rank {rank}: the script runs {report.world} ranks (0 to {report.world - 1})"
+            f"--rank {rank}: the script runs {report.world} rank{'s' if report.world > 1 else ''} "
+            f"(0 to {report.world - 1})"
         )
     if kill_at:
         points = [_user_point(p, events) for p in kill_at]
@@ -162,11 +279,12 @@ def check_resume(
     for point in points:
         say(f"killing rank {report.victim} {point.describe()}, then restarting ...")
         killed = run(
-            f"kill-{point.label().replace(':', '-')}", command, out, kill=point,
-            rank=report.victim, resume_args=resume_args, timeout=timeout,
+            f"kill-{point.label().replace(':', '-')}", command, out,
+            kill=dataclasses.replace(point, step=point.step - offset), rank=report.victim,
+            resume_args=resume_args, timeout=timeout,
         )  # fmt: skip
         report.killed_runs.append(killed.dir)
-        killed_records = read_records(killed.dir)
+        killed_records = renumber(read_records(killed.dir), offset)
         result = compare_point(
             ref_records, killed_records, kill=point.describe(), victim=report.victim
         )
@@ -175,9 +293,13 @@ def check_resume(
         if report.losses:
             processes = killed_records.get(report.victim, [])
             report.losses["killed"].append([_loss_curve(events) for events in processes])
-    if not any("loss" in p.components for p in report.points):
+    if report.mode == "plain" and not offset:
+        report.notes.append(
+            "steps are counted as the first optimizer's steps (the script's saves give no "
+            "step= that would name them)"
+        )
+    if report.mode == "checkpointer" and not any("loss" in p.components for p in report.points):
         report.notes.append(
             "losses not compared: the script does not call ckpt.log_step(loss) (one line in "
             "the loop; it does nothing outside a check)"
         )
-    return report

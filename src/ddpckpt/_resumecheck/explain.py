@@ -1,390 +1,263 @@
-"""What a divergence means: the likely cause and the fix, in plain words, per component."""
+"""What a divergence means: the likely cause and the fix, in plain words.
+
+A divergence is described by a :class:`Situation` (where the runs first differ, in which
+component, and the :class:`~ddpckpt._resumecheck.evidence.Evidence` of what the runs did and
+said). Each rule is a function ``rule(situation) -> Explanation | None``; :data:`RULES` lists
+them from the most specific to the most general and :func:`explain` returns the first answer.
+To add a rule: write the function next to the rules it refines (here: rules about how the
+runs started, resumed and stepped; in :mod:`.explain_state`: rules about one component of the
+state) and put it in :data:`RULES` before them. A rule puts first the cause the evidence
+shows (a seeding call after the resume, a warning the run logged), and quotes the run's own
+words in ``quoted``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-NONDETERMINISM = (
-    "the computation itself is not repeatable: nondeterministic GPU kernels (atomics in "
-    "index_add_, scatter_add_, some cuDNN and cuBLAS algorithms), code that reads the wall "
-    "clock, generators seeded from the time or the pid, or files and services that change "
-    "between runs"
+from ddpckpt._resumecheck.evidence import seed_call, where
+from ddpckpt._resumecheck.explain_state import (
+    anything_else,
+    buffers,
+    changed_before_step,
+    extra,
+    gradients_summed_differently,
+    inputs,
+    loader_position,
+    loss,
+    optimizer_state,
+    parameters_after_step,
+    samples,
+    scaler,
+    scheduler_position,
+    unsaved_optimizer,
 )
-_DETERMINISM_FIX = (
-    "make two uninterrupted runs identical first: seed every generator before resume(), "
-    "set torch.use_deterministic_algorithms(True) (and CUBLAS_WORKSPACE_CONFIG=:4096:8) on "
-    "GPUs, and keep wall-clock time out of the computation"
+from ddpckpt._resumecheck.situation import (
+    DETERMINISM_FIX,
+    EPOCH_FIX,
+    GENERATORS,
+    NONDETERMINISM,
+    Explanation,
+    Rule,
+    Situation,
+    quote,
+    seeds_of,
 )
-_GENERATORS = {
-    "rng.python": ("Python's random module", "random.seed(...)"),
-    "rng.numpy": ("numpy's global generator (np.random)", "np.random.seed(...)"),
-    "rng.torch": ("torch's CPU generator", "torch.manual_seed(...)"),
-    "rng.cuda": ("the CUDA generators", "torch.cuda.manual_seed(...)"),
-}
-_BN = ("running_mean", "running_var", "num_batches_tracked")
 
 
-def _ranks(differences: Sequence[Any], component: str) -> list[int]:
-    return sorted({d.rank for d in differences if d.component == component})
-
-
-def _first(differences: Sequence[Any], component: str) -> Any:
-    return next(d for d in differences if d.component == component)
-
-
-def _changed(expected: Any, got: Any) -> list[str]:
-    """The entries of two name -> digest maps that differ."""
-    if not isinstance(expected, dict) or not isinstance(got, dict):
-        return []
-    return [k for k in {**expected, **got} if expected.get(k) != got.get(k)]
-
-
-def _samples(batches: Any) -> str:
-    if not isinstance(batches, list):
-        return "(too many to list)"
-    flat = [i for batch in batches for i in batch]
-    shown = ", ".join(str(i) for i in flat[:8])
-    return f"[{shown}{', ...' if len(flat) > 8 else ''}]"
-
-
-def _on(ranks: list[int], world: int) -> str:
-    if len(ranks) == world and world > 1:
-        return "on every rank"
-    return f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
-def explain(
-    *,
-    phase: str,
-    component: str,
-    step: int | None,
-    resumed_from: int | None,
-    differences: Sequence[Any],
-    world: int,
-    first_step_after_resume: bool,
-    samples_matched: bool = False,
-    loader_saved: bool = True,
-) -> tuple[str, str, str]:
-    """``(what differs, likely cause, fix)`` for the first divergence.
-
-    ``samples_matched``: a tracked DataLoader recorded the step's sample indices, and they
-    were the same in both runs. ``loader_saved``: the Checkpointer holds a DataLoader.
-    """
-    diff = _first(differences, component)
-    on = _on(_ranks(differences, component), world)
-    e, g = diff.expected, diff.got
-
-    if phase == "before-kill":
-        return (
-            f"{component} differs at step {step} {on} before any rank was killed: two runs "
-            "of the script without any interruption already differ",
-            NONDETERMINISM,
-            _DETERMINISM_FIX,
-        )
-    if component == "checkpoint":
-        if g is None:
-            return (
-                "the restarted script did not resume: resume() found no checkpoint, or it "
-                "trained without calling resume()",
-                "no checkpoint was committed before the kill, the script's checkpoint directory "
-                "changes between runs (a timestamp in its name), or resume() is not called "
-                "(or only behind a flag: pass it with --resume-args)",
-                "call ckpt.resume() on every start before training, keep the directory fixed, "
-                "and kill after a save (--kill-at)",
-            )
-        return (
-            f"the restarted script resumed from step {g}, which the uninterrupted run never "
-            f"saved (it saved {e})",
-            "the step numbers given to save() differ between the runs",
-            "number steps the same way in every run (from info.step after resume())",
-        )
-    if phase == "steps":
-        if g is None:
-            what = f"the resumed run stopped before step {e}; the uninterrupted run went on"
-        elif e is None:
-            what = f"the resumed run took a step {g} that the uninterrupted run never took"
-        else:
-            what = (
-                f"after resuming from step {resumed_from} the run's next step was {g}, expected {e}"
-            )
-        return (
-            what,
-            "the loop does not restart where the checkpoint left off: it counts steps or "
-            "epochs from another place than the saved step and epoch",
-            "start the step counter at info.step (the step saved) and the epoch loop at "
-            "info.epoch, with the epoch convention you save with (epoch=epoch + 1 after the "
-            "loop, or epoch=epoch and restart at info.epoch + 1)",
-        )
-    if phase == "resume":
-        if component.startswith("rng."):
-            return (
-                f"{_GENERATORS.get(component, (component,))[0]} differs right after resume() "
-                f"from what step {resumed_from} saved {on}",
-                "the Checkpointer does not save the random generators (rng=False)",
-                "drop rng=False: resume() then restores every generator on every rank",
-            )
-        return (
-            f"{component} right after resume() differs {on} from what the uninterrupted run "
-            f"saved at step {resumed_from}",
-            "the restarted script builds this object differently before resume() (another "
-            "shape, setting or order), so the checkpoint is loaded into something else; if "
-            "it is built the same way, this is a ddpckpt bug",
-            "build every object exactly as in the first run before resume(); if it already "
-            "is, report it with report.json",
-        )
-
-    after = (
-        f"at the start of step {step}, the first step after the resume from step {resumed_from}"
-        if first_step_after_resume
-        else f"at the start of step {step}"
+def uninterrupted_runs_differ(s: Situation) -> Explanation | None:
+    """Two runs never interrupted differ: say why they do, from how they were seeded."""
+    if s.phase != "before-kill":
+        return None
+    what = (
+        f"{s.component} differs at step {s.step} {s.on} between two runs that were never "
+        "interrupted (the uninterrupted run, and the killed run before its kill), so the "
+        "uninterrupted run does not show what a resumed run should do"
     )
-    if phase == "start" and component in _GENERATORS:
-        name, seed = _GENERATORS[component]
-        if first_step_after_resume and component == "rng.torch" and not loader_saved:
-            return (
-                f"{name} differs {after}, {on}",
-                "no DataLoader is saved with the checkpoint (none is in the Checkpointer's "
-                "extra), so after the restart the loop starts a new pass over it: its iter() "
-                "draws a seed from torch's generator and its epoch starts over from the first "
-                f"batch. Or the script seeds torch after resume() ({seed})",
-                "pass the DataLoader to the Checkpointer: extra={'loader': loader} (created "
-                "before resume(); any torch DataLoader), and seed only before resume()",
+    if s.component not in GENERATORS or not s.initial:
+        if s.initial:
+            cause = (
+                "the two runs start from different states: something built before the first "
+                "step is not seeded or reads the wall clock, the pid or files"
             )
-        if first_step_after_resume and component == "rng.torch":
-            return (
-                f"{name} differs {after}, {on}",
-                f"the script seeds it after resume() ({seed} after ckpt.resume()), which "
-                "overwrites the state resume() restored; or the loop restarted at another "
-                "epoch than the one the checkpoint was saved in, so the DataLoader began a new "
-                "pass (its iter() draws a seed from torch's generator) and skipped or repeated "
-                "data: the restarted run's log then has a DataLoader WARNING naming the epochs",
-                f"seed before resume() (or only on a fresh start: if info is None: {seed}); "
-                "restart the epoch loop at the epoch the checkpoint was saved in (a save inside "
-                "an epoch records that epoch: epoch=epoch inside the loop, epoch=epoch + 1 "
-                "after it, restart at info.epoch)",
-            )
-        if first_step_after_resume:
-            return (
-                f"{name} differs {after}, {on}",
-                f"the script seeds it after resume() ({seed} after ckpt.resume()), which "
-                "overwrites the state resume() restored",
-                f"seed before resume() (or only on a fresh start: if info is None: {seed}); "
-                "resume() restores the generator on every rank",
-            )
-        return (
-            f"{name} differs {after} {on}, although it matched after the previous step",
-            "something between two steps reseeds it or draws from it differently after a "
-            "resume (seeding at each epoch start, or a DataLoader the checkpoint does not "
-            "hold drawing its shuffle order)",
-            "seed only once, before resume(); pass every DataLoader in extra={'loader': loader}",
+            return Explanation(what, cause, DETERMINISM_FIX)
+        return Explanation(what, NONDETERMINISM, DETERMINISM_FIX)
+    name, call = GENERATORS[s.component]
+    ours = seeds_of(s.evidence.seeds_reference, s.component)
+    theirs = seeds_of(s.evidence.seeds_killed, s.component)
+    fix = f"seed it with a constant ({call}) before any ddpckpt call that resumes"
+    if not ours and not theirs and s.component in s.evidence.initial_differs:
+        cause = (
+            f"{name} is never seeded ({call} is called in neither run), so every process "
+            "starts it from a different state and draws other numbers (initial weights, "
+            "dropout, shuffling)"
         )
-    if phase == "start" and component in ("scheduler", "lr"):
-        scheduler = _first(differences, "scheduler") if component == "scheduler" else None
-        lr_diff = next((d for d in differences if d.component == "lr"), None)
-        lrs = f" (learning rate {lr_diff.got}, expected {lr_diff.expected})" if lr_diff else ""
-        counts = [getattr(scheduler, side, None) for side in ("got", "expected")]
-        if all(isinstance(c, dict) and isinstance(c.get("last_epoch"), int) for c in counts):
-            extra = scheduler.got["last_epoch"] - scheduler.expected["last_epoch"]
-            what = (
-                f"the scheduler has stepped {scheduler.got['last_epoch']} times {after}, the "
-                f"uninterrupted run {scheduler.expected['last_epoch']} times{lrs} {on}"
-            )
-            if extra > 0:
-                return (
-                    what,
-                    f"the script steps the scheduler {extra} more time{'s' if extra > 1 else ''} "
-                    "after resume() (a scheduler.step() at start-up, or fast-forwarding it to "
-                    "the resumed step) on top of the position resume() restored",
-                    "remove those calls: resume() restores the scheduler's position",
-                )
-            return (
-                what,
-                "the scheduler's position is not restored (it is not passed as scheduler=, or "
-                "is re-created after resume())",
-                "create the scheduler before resume() and pass it: Checkpointer(..., scheduler=scheduler)",
-            )
-        return (
-            f"the learning rate differs {after}{lrs} {on}",
-            "something after resume() sets the learning rate: a scheduler the Checkpointer does "
-            "not hold (not passed as scheduler=, or created after resume()), or lr set by hand",
-            "create the scheduler before resume() and pass it as scheduler= (a second one in extra)",
+    elif [x["value"] for x in ours] != [x["value"] for x in theirs]:
+        cause = (
+            f"{name} is seeded from a value that changes between runs (the wall clock, the "
+            f"process id): the uninterrupted run called {seed_call(ours[0]) if ours else 'none'}, "
+            f"the killed run {seed_call(theirs[0]) if theirs else 'none'}"
         )
-    if phase == "start" and (component == "model.parameters" or component.startswith("optimizer")):
-        return _changed_before_step(component, e, g, after, on, first_step_after_resume)
-    if component == "model.buffers":
-        names = _changed(e, g)
-        ranks = _ranks(differences, component)
-        batchnorm = names and all(n.endswith(_BN) for n in names)
-        if batchnorm and 0 not in ranks:
-            return (
-                f"BatchNorm statistics ({', '.join(names[:4])}) differ {after} {on}; rank 0's match",
-                "with DDP(broadcast_buffers=False) every rank keeps its own BatchNorm "
-                "statistics; resume() restored each rank's own, and something after it replaced "
-                "them with rank 0's (a broadcast of the model's state, or loading one rank's "
-                "state into every rank)",
-                "do not broadcast or copy the model's state after resume(): it already holds "
-                "each rank's own buffers",
-            )
-        where = after if phase == "start" else f"after step {step}"
-        return (
-            f"the model's buffers ({', '.join(names[:4])}) differ {where} {on}",
-            "something changes the buffers between resume() and the training step, or "
-            "computes them from different inputs",
-            "leave the model's state alone after resume()",
-        )
-    if component.startswith("loader.") and component.endswith(".samples"):
-        return (
-            f"step {step} consumed samples {_samples(g)}, expected {_samples(e)} {on}",
-            "the restarted loop iterates the DataLoader from another place: the epoch loop "
-            "restarts at another epoch than the one saved, or set_epoch is not called with it",
-            "restart the epoch loop at info.epoch and call sampler.set_epoch(epoch) before "
-            "iterating; resume() restores the position inside the epoch",
-        )
-    if component.startswith("loader."):
-        return (
-            f"the DataLoader {component[7:]!r} is at {g}, expected {e}, after step {step} {on}",
-            "the restarted loop iterates the DataLoader from another place (another epoch)",
-            "restart the epoch loop at info.epoch and call sampler.set_epoch(epoch) first",
-        )
-    if component == "inputs":
-        if samples_matched:
-            return (
-                f"the model received different input tensors in step {step} {on}, from the "
-                "same samples (their indices match)",
-                "random augmentation runs in DataLoader workers and draws from each worker's "
-                "own global generator, whose position depends on how many samples that worker "
-                "had produced before, which a resume changes",
-                "wrap the dataset in ddpckpt.SeededDataset(dataset, seed) (or use "
-                "ddpckpt.resumable_loader): each sample's randomness then depends only on "
-                "(seed, epoch, index)",
-            )
-        return (
-            f"the model received different inputs in step {step} {on}",
-            "no DataLoader is saved with the checkpoint, so after resume() the epoch starts "
-            "over from its first batch (a plain DistributedSampler keeps no position)",
-            "pass the DataLoader to the Checkpointer: extra={'loader': loader} (created "
-            "before resume(); any torch DataLoader)",
-        )
-    if component == "loss":
-        return (
-            f"the loss of step {step} differs ({g} vs {e}) {on} although its inputs and the "
-            "state it started from match",
-            NONDETERMINISM + ", or the forward pass reads state the checkpoint does not hold "
-            "(a module or torch.Generator outside the model and extra)",
-            "pass such state in extra; " + _DETERMINISM_FIX,
-        )
-    if phase == "end" and _summed_differently(component, differences, world):
-        return _gradient_order(component, step, resumed_from, first_step_after_resume)
-    if component.startswith("optimizer:unsaved"):
-        return (
-            f"the optimizer that steps the model ({g.get('type') if isinstance(g, dict) else g}) "
-            f"holds other state after step {step} {on} ({_entries(g)} vs {_entries(e)} entries)",
-            "this optimizer is not the one the Checkpointer saves: it was created after "
-            "resume() (or never passed), so after a restart it starts with empty state "
-            "(no momentum, no Adam moments, step count 0)",
-            "create the optimizer before resume() and pass it: Checkpointer(..., "
-            "optimizer=optimizer); a second one goes in extra={'optimizer2': opt2}",
-        )
-    if component.startswith("optimizer"):
-        return (
-            f"{component}'s state differs after step {step} {on} "
-            f"({_entries(g)} vs {_entries(e)} entries)",
-            "the optimizer that steps is not the one resume() restored, or its state is "
-            "reset or replaced after resume()",
-            "create the optimizer once, before resume(), and pass that object",
-        )
-    if component == "scaler":
-        return (
-            f"the GradScaler differs after step {step}: {g}, expected {e} {on}",
-            "the GradScaler is not the one the Checkpointer saves (not passed as scaler=, or "
-            "re-created after resume()), so its scale starts over",
-            "create the GradScaler before resume() and pass it: Checkpointer(..., scaler=scaler)",
-        )
-    if component == "model.parameters":
-        names = _changed(e, g)
-        return (
-            f"parameters ({', '.join(names[:4])}) differ after step {step} {on} while the "
-            "data, learning rate and random state of the step matched",
-            "an optimizer the Checkpointer does not see updates them, something rewrites "
-            "them after resume(), or " + NONDETERMINISM,
-            "pass every optimizer (optimizer= or extra); " + _DETERMINISM_FIX,
-        )
-    if component.startswith("extra."):
-        return (
-            f"extra[{component[6:]!r}] differs after step {step} {on}",
-            "its state_dict() does not hold everything its updates depend on, or it is "
-            "replaced or changed after resume()",
-            "make its state_dict()/load_state_dict() complete, and create it before resume()",
-        )
-    return (
-        f"{component} differs after step {step} {on}",
-        "state that the checkpoint does not restore, or " + NONDETERMINISM,
-        "pass that state to the Checkpointer (extra=); " + _DETERMINISM_FIX,
-    )
-
-
-def _entries(state: Any) -> Any:
-    return state.get("entries") if isinstance(state, dict) else state
-
-
-def _changed_before_step(
-    component: str, expected: Any, got: Any, after: str, on: str, first_after_resume: bool
-) -> tuple[str, str, str]:
-    """Parameters or optimizer state that differ before the step ran: the script changed them."""
-    if component == "model.parameters":
-        names = ", ".join(_changed(expected, got)[:4])
-        what = f"the model's parameters ({names}) differ {after} {on}"
-        kind = "the model (re-initialising, rescaling or loading weights)"
+        fix = f"seed it with a constant ({call}), not the time or the pid"
     else:
-        what = f"{component}'s state differs {after} {on}"
-        kind = "the optimizer (resetting its state, changing its groups or hyper-parameters)"
-    if first_after_resume:
-        return (
-            what + "; right after resume() it matched",
-            f"state changed between resume() and the first step: something in your script "
-            f"changes {kind} after resume()",
-            "move it before resume(), or guard it with `if info is None:` so that it runs only "
-            "on a fresh start; resume() already restores this state",
+        seeded = f" ({seed_call(ours[0])})" if ours else " (before ddpckpt was imported)"
+        cause = (
+            f"{name} is seeded the same way in both runs{seeded}, yet differs at the first "
+            "step: something draws from it a varying number of times before training (a "
+            "loop on the wall clock, a thread, a file listing in another order)"
         )
-    return (
-        what + ", although the previous step ended the same in both runs",
-        f"something between two steps changes {kind} differently after a resume (code that "
-        "runs at an epoch start or on a step count kept outside the checkpoint)",
-        "drive such changes from the saved step and epoch (info.step, info.epoch), or pass "
-        "the state they depend on in extra",
+        fix = "draw the same numbers in every run before the first step; " + DETERMINISM_FIX
+    return Explanation(what, cause, fix)
+
+
+def did_not_resume(s: Situation) -> Explanation | None:
+    if s.component != "checkpoint":
+        return None
+    if s.got is None:
+        return Explanation(
+            "the restarted script did not resume: it found no checkpoint, or it trained "
+            "without resuming",
+            "resume() or ddpckpt.latest() found nothing: no checkpoint was committed before "
+            "the kill, the checkpoint directory changes between runs (a timestamp in its "
+            "name), the script finds its checkpoints itself (glob, os.listdir: during a check "
+            "they are in the check's directory, which only ddpckpt's calls see), or it resumes "
+            "only behind a flag (pass it with --resume-args)",
+            "resume with ckpt.resume() or ddpckpt.latest(dir) + ddpckpt.load() on every start, "
+            "keep the directory fixed, and kill after a save (--kill-at)",
+        )
+    return Explanation(
+        f"the restarted script resumed from step {s.got}, which the uninterrupted run never "
+        f"saved (it saved {s.expected})",
+        "the step numbers given to save() differ between the runs",
+        "number steps the same way in every run (from info.step after resuming)",
     )
 
 
-def _summed_differently(component: str, differences: Sequence[Any], world: int) -> bool:
-    """The signature of gradients all-reduced in another order: from 3 ranks on, the step
-    began from the same state and inputs (else a component read earlier would be named) and
-    ended with other parameters or optimizer state on every rank alike."""
-    updated = component == "model.parameters" or (
-        component.startswith("optimizer") and not component.startswith("optimizer:unsaved")
+def steps_out_of_order(s: Situation) -> Explanation | None:
+    if s.phase != "steps":
+        return None
+    e, g = s.expected, s.got
+    if g is None:
+        what = f"the resumed run stopped before step {e}; the uninterrupted run went on"
+    elif e is None:
+        what = f"the resumed run took a step {g} that the uninterrupted run never took"
+    else:
+        what = (
+            f"after resuming from step {s.resumed_from} the run's next step was {g}, expected {e}"
+        )
+    warnings = s.evidence.loader_warnings()
+    return Explanation(
+        what,
+        "the loop does not restart where the checkpoint left off: it counts steps or epochs "
+        "from another place than the saved step and epoch"
+        + ("; the resumed run said so (below)" if warnings else ""),
+        "start the step counter at info.step (the step saved) and the epoch loop at "
+        "info.epoch, with the epoch convention you save with (epoch=epoch + 1 after the loop, "
+        "or epoch=epoch and restart at info.epoch + 1)",
+        [quote(w) for w in warnings],
     )
-    return updated and world >= 3 and len(_ranks(differences, component)) == world
 
 
-def _gradient_order(
-    component: str, step: int | None, resumed_from: int | None, first_after_resume: bool
-) -> tuple[str, str, str]:
-    when = (
-        f"step {step}, the first step after the resume from step {resumed_from}"
-        if first_after_resume
-        else f"step {step}"
+def generator_not_restored(s: Situation) -> Explanation | None:
+    if s.phase != "resume" or not s.component.startswith("rng."):
+        return None
+    return Explanation(
+        f"{GENERATORS.get(s.component, (s.component,))[0]} differs right after the resume "
+        f"from what step {s.resumed_from} saved {s.on}",
+        "the checkpoint does not hold the random generators (rng=False)",
+        "drop rng=False: resuming then restores every generator on every rank",
     )
-    return (
-        f"{component} differs on every rank after {when}, although the step began from the "
-        "same state (parameters, optimizer, learning rate, random generators) and read the "
-        "same inputs",
-        "the gradients were all-reduced in another order than in the uninterrupted run: DDP "
-        "groups them into buckets, which it lays out anew after its first step, and from 3 "
-        "ranks on where a gradient sits in its bucket changes the rounding of its sum. "
-        "ddpckpt restores the layout the checkpoint recorded; the restarted run's log says "
-        "with a ddpckpt WARNING when it could not (a checkpoint saved in DDP's first steps or "
-        "by an older ddpckpt, a built-in communication hook, mixed_precision). Without such a "
-        "warning: " + NONDETERMINISM,
-        "resume from a checkpoint this version of ddpckpt saved after DDP's first steps (or "
-        "do what the warning says); if there was no warning, " + _DETERMINISM_FIX,
+
+
+def loaded_into_other_objects(s: Situation) -> Explanation | None:
+    if s.phase != "resume":
+        return None
+    return Explanation(
+        f"{s.component} right after the resume differs {s.on} from what the run saved at "
+        f"step {s.resumed_from}",
+        "the restarted script builds this object differently before resuming (another "
+        "shape, setting or order), so the checkpoint is loaded into something else; if it is "
+        "built the same way, this is a ddpckpt bug",
+        "build every object exactly as in the first run before resuming; if it already is, "
+        "report it with report.json",
     )
+
+
+def generator_after_resume(s: Situation) -> Explanation | None:
+    """A generator differs at the first step after the resume: who touched it?"""
+    if s.phase != "start" or s.component not in GENERATORS or not s.first_step_after_resume:
+        return None
+    name, seed = GENERATORS[s.component]
+    what = f"{name} differs {s.after}, {s.on}"
+    seeded = seeds_of(s.evidence.seeds_after_resume, s.component)
+    if seeded:
+        return Explanation(
+            what,
+            f"the script seeds it after resuming: {seed_call(seeded[0])}, "
+            f"{where(seeded[0])}; that overwrites the state the resume restored",
+            f"seed before resuming (or only on a fresh start: if info is None: {seed}); "
+            "the resume restores the generator on every rank",
+        )
+    warnings = s.evidence.loader_warnings()
+    if s.component == "rng.torch" and warnings:
+        return Explanation(
+            what,
+            "the loop restarted at another epoch than the one the checkpoint was saved in, "
+            "so the DataLoader began a new pass (its iter() draws a seed from torch's "
+            "generator) and skipped or repeated data, as the resumed run said",
+            EPOCH_FIX,
+            [quote(w) for w in warnings],
+        )
+    if s.component == "rng.torch" and not s.loader_saved:
+        return Explanation(
+            what,
+            "no DataLoader is saved with the checkpoint (none is in the Checkpointer's "
+            "extra), so after the restart the loop starts a new pass over it: its iter() "
+            "draws a seed from torch's generator and its epoch starts over from the first "
+            f"batch. Or the script seeds torch after resume() ({seed})",
+            "pass the DataLoader to the Checkpointer: extra={'loader': loader} (created "
+            "before resume(); any torch DataLoader), and seed only before resume()",
+        )
+    if s.component == "rng.torch":
+        return Explanation(
+            what,
+            "the loop restarted at another epoch than the one the checkpoint was saved in, "
+            "so the DataLoader began a new pass (its iter() draws a seed from torch's "
+            "generator) and skipped or repeated data: the restarted run's log then has a "
+            f"DataLoader WARNING naming the epochs; or the script seeds it after resume() "
+            f"({seed} after ckpt.resume()), which overwrites the state resume() restored",
+            f"{EPOCH_FIX}; seed before resume() (or only on a fresh start: if info is None: "
+            f"{seed}), restart at info.epoch",
+        )
+    return Explanation(
+        what,
+        f"the script seeds it after resume() ({seed} after ckpt.resume()), which overwrites "
+        "the state resume() restored",
+        f"seed before resume() (or only on a fresh start: if info is None: {seed}); resume() "
+        "restores the generator on every rank",
+    )
+
+
+def generator_between_steps(s: Situation) -> Explanation | None:
+    if s.phase != "start" or s.component not in GENERATORS:
+        return None
+    return Explanation(
+        f"{GENERATORS[s.component][0]} differs {s.after} {s.on}, although it matched after "
+        "the previous step",
+        "something between two steps reseeds it or draws from it differently after a resume "
+        "(seeding at each epoch start, or a DataLoader the checkpoint does not hold drawing "
+        "its shuffle order)",
+        "seed only once, before resume(); pass every DataLoader in extra={'loader': loader}",
+    )
+
+
+RULES: list[Rule] = [
+    uninterrupted_runs_differ,
+    did_not_resume,
+    steps_out_of_order,
+    generator_not_restored,
+    loaded_into_other_objects,
+    generator_after_resume,
+    generator_between_steps,
+    scheduler_position,
+    changed_before_step,
+    buffers,
+    samples,
+    loader_position,
+    inputs,
+    loss,
+    gradients_summed_differently,
+    unsaved_optimizer,
+    optimizer_state,
+    scaler,
+    parameters_after_step,
+    extra,
+    anything_else,
+]
+
+
+def explain(situation: Situation) -> Explanation:
+    """The first answer of :data:`RULES`."""
+    for rule in RULES:
+        found = rule(situation)
+        if found is not None:
+            return found
+    return anything_else(situation)

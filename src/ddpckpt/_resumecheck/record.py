@@ -3,48 +3,67 @@
 The checker sets :data:`ENV` (a JSON object: the run's directory and, for the run it kills,
 which rank dies at which step). Without it, :func:`active` returns ``None`` after one look at
 the environment and every hook in the library is a no-op: nothing is recorded, no hook is
-registered, no file is written.
+registered, no file is written, no path is mapped.
 
-With it, each process appends JSON lines to ``DIR/records/rank<R>.jsonl``:
+With it, the recorder starts when ddpckpt is imported: it maps every path the script's
+ddpckpt calls use into the run's directory (:mod:`.isolate`), notes each call that seeds a
+global random generator and every warning ddpckpt logs, and appends JSON lines to
+``DIR/records/rank<R>.jsonl`` (``R`` the global rank of the process group, once the script
+has made one):
 
-* ``start``: the process began (its pid, world size, torchrun restart count);
-* ``resume``: :meth:`Checkpointer.resume` returned (the step it restored, the state after it);
-* ``step``: :meth:`Checkpointer.should_save` was called for a step: the state at the start of
-  the step (taken at the model's first forward: random generators, learning rates,
-  scheduler, parameters, buffers, optimizer state) and at its end (everything, plus the sample indices of the batches the
-  step consumed, a digest of the model's inputs and the losses passed to ``log_step``);
-* ``save``: :meth:`Checkpointer.save` returned (the state it saved).
+* ``start``: the process began (pid, world size, torchrun restart count, how steps are told
+  apart: ``checkpointer`` or ``plain``, the generators' digests when ddpckpt was imported);
+* ``resume``: a resume returned (the step it restored, the state after it);
+* ``step``: a step ended: the state at its start (taken at its first forward: random
+  generators, learning rates, schedulers, parameters, buffers, optimizer state) and at its
+  end (everything, plus the sample indices of its batches, a digest of the models' inputs and
+  the losses given to ``log_step``);
+* ``save``: a save returned (the state it saved);
+* ``seed``, ``warning``, ``route``, ``refused``: a seeding call, a ddpckpt warning, where a
+  path went, a call the check refused.
 
-Checkpoint directories are redirected under ``DIR/checkpoints`` so that the checked runs
-never read or write the user's own runs (the script's own directory is created, as a
-Checkpointer creates it, and left empty). The rank to kill SIGKILLs itself at the chosen
-point once (a marker file remembers it across restarts).
+Two kinds of loop are followed. A script with a writable :class:`~ddpckpt.Checkpointer` (the
+first one it makes) ends a step at each ``should_save(step)``, numbered as the script numbers
+it. A plain loop (``ddpckpt.save`` / ``ddpckpt.latest`` / ``ddpckpt.load``) counts its steps
+by the ``step()`` calls of the first optimizer that steps, from the start of the run (a load
+of a checkpoint this run saved continues that count), and records a step at every
+optimizer's ``step()`` (a GAN's two optimizers: two records of one step, told apart by their
+order), so that each record is taken at the same place in the code in every run, and a
+resume, made between two steps, lies between two records; the state is the one passed to the
+last ``save`` or ``load``. The checker shows those counts in the script's own numbering (the
+``step=`` of its saves). The rank to kill SIGKILLs itself at the chosen step once (a marker
+file remembers it across restarts).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import sys
 import time
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import xxhash
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ddpckpt._format.tensorfile import byte_view
-from ddpckpt._log import current_rank
-from ddpckpt._state.dtensor import local_tensor
-from ddpckpt._state.zero import local_state_dict
+from ddpckpt._log import current_rank, observe
+from ddpckpt._resumecheck import digests, isolate
 
 ENV = "DDPCKPT_CHECK_RESUME"
 _LOOKED = False
 _RECORDER: Recorder | None = None
-_SAMPLES_KEPT = 4096  # sample indices stored per step and loader; more are stored as a digest
+_SEEDS_KEPT = 20  # seeding calls recorded per generator and process; more are counted
+# (module, attribute, generator) of the calls that seed a global generator
+_SEEDING = (("torch", "manual_seed", "rng.torch"), ("torch.random", "manual_seed", "rng.torch"),
+            ("torch", "seed", "rng.torch"), ("torch.cuda", "manual_seed", "rng.cuda"),
+            ("torch.cuda", "manual_seed_all", "rng.cuda"), ("random", "seed", "rng.python"),
+            ("numpy.random", "seed", "rng.numpy"))  # fmt: skip
 
 
 def active() -> Recorder | None:
@@ -58,60 +77,12 @@ def active() -> Recorder | None:
     return _RECORDER
 
 
-def redirect(directory: str, *, read_only: bool = False) -> str:
-    """Where a Checkpointer uses ``directory`` during a check: under the run's directory.
+def _world() -> int:
+    import torch.distributed as dist
 
-    A ``read_only`` Checkpointer (pretrained weights, another run's checkpoints) reads
-    where the script says, unless the check's runs write that very directory (a reader of
-    the run being trained): then it reads the check's copy.
-    """
-    recorder = active()
-    if recorder is None:
-        return directory
-    if read_only:
-        copy = recorder.checkpoint_dir(directory, create=False)
-        return copy if os.path.isdir(copy) else directory
-    return recorder.checkpoint_dir(directory)
-
-
-def digest(obj: Any) -> str:
-    """A 64-bit hash of a nested state (tensors by dtype, shape and bytes; values by repr)."""
-    hasher = xxhash.xxh3_64()
-    _feed(hasher, obj)
-    return hasher.hexdigest()
-
-
-def _feed(hasher: Any, obj: Any) -> None:
-    if isinstance(obj, torch.Tensor):
-        tensor = local_tensor(obj).detach()  # a DTensor: this rank's shard
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        tensor = tensor.contiguous()
-        hasher.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
-        if tensor.numel():
-            hasher.update(byte_view(tensor))
-    elif isinstance(obj, Mapping):
-        hasher.update(b"{")
-        for key, value in obj.items():
-            _feed(hasher, key)
-            _feed(hasher, value)
-        hasher.update(b"}")
-    elif isinstance(obj, (list, tuple)):
-        hasher.update(b"[")
-        for value in obj:
-            _feed(hasher, value)
-        hasher.update(b"]")
-    elif hasattr(obj, "tobytes") and hasattr(obj, "dtype"):  # a numpy array
-        hasher.update(f"A{obj.dtype}{getattr(obj, 'shape', ())}".encode())
-        hasher.update(obj.tobytes())
-    else:
-        hasher.update(repr(obj).encode())
-
-
-def _number(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item() if value.numel() == 1 else value.tolist()
-    return value
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
 
 
 class Recorder:
@@ -120,64 +91,111 @@ class Recorder:
     def __init__(self, spec: Mapping[str, Any]) -> None:
         self.dir = str(spec["dir"])
         self.kill: Mapping[str, Any] | None = spec.get("kill")
-        self.primary: weakref.ref[Any] | None = None
-        self.file: Any = None
-        self.optimizers: list[torch.optim.Optimizer] = []  # every optimizer that stepped
+        self.pid = os.getpid()
+        self.isolation = isolate.Isolation(self.dir, record=self._write)
+        self.mode: str | None = None  # "checkpointer" or "plain", at the first step
+        self.checkpointer: weakref.ref[Any] | None = None
+        self.plain_state: Any = None  # a plain loop's state: of its last save() or load()
+        self.stepped: list[torch.optim.Optimizer] = []  # every optimizer that stepped
+        self.counted: torch.optim.Optimizer | None = None  # a plain loop's step boundary
+        self.count = 0  # a plain loop's steps
+        self.last_step: int | None = None  # the step that ended last (or was resumed)
+        self.resumed_from: int | None = None
         self.samples: dict[int, list[Any]] = {}  # loader id -> batches consumed this step
         self.inputs: Any = None  # hasher of this step's model inputs
         self.forwards = 0
-        self.losses: list[float] = []
+        self.losses: list[Any] = []
         self.start: dict[str, Any] | None = None
         self.saves: dict[int, int] = {}  # step -> saves of it in this process
+        self.seeds: dict[str, int] = {}  # generator -> seeding calls seen
+        self.initial = digests.rng()  # before the script seeds anything (after imports)
+        self.file: Any = None
+        self.pending: list[dict[str, Any]] = []  # events before the rank is known
+        self.hooked: set[int] = set()  # models whose inputs are digested
+        self.undo: list[Any] = []
+        isolate.install(self.isolation)
+        self.undo.append(lambda: isolate.install(None))
+        self.undo.append(register_optimizer_step_post_hook(self._optimizer_stepped).remove)
+        self.undo.append(register_module_forward_pre_hook(self._any_forward).remove)
+        self._watch_seeds()
+        self.undo.append(observe(self._warned))
 
-    # ------------------------------------------------------------------ set-up
+    def close(self) -> None:
+        """Undo every hook (for tests: a process under a check records until it ends)."""
+        for undo in reversed(self.undo):
+            undo()
+        self.undo.clear()
+        self.kill = None
+        if self.file is not None:
+            self.file.close()
 
-    def checkpoint_dir(self, directory: str, *, create: bool = True) -> str:
-        path = os.path.abspath(directory)
-        if create:  # as a Checkpointer would, for the script's own files next to it; left empty
-            os.makedirs(path, exist_ok=True)
-        name = f"{os.path.basename(path.rstrip(os.sep)) or 'run'}-{digest(path)[:8]}"
-        return os.path.join(self.dir, "checkpoints", name)
+    def _ours(self) -> bool:  # DataLoader workers fork the recorder too: they record nothing
+        return os.getpid() == self.pid and bool(self.undo)
 
-    def attach(self, ckpt: Any) -> None:
-        """Follow ``ckpt`` if it is the process's first writable Checkpointer; later ones are
-        only redirected, and read-only ones (which never train) are never followed."""
-        if ckpt.read_only or (self.primary is not None and self.primary() is not None):
-            return
-        self.primary = weakref.ref(ckpt)
+    # ------------------------------------------------------------------ what is watched
+
+    @property
+    def state(self) -> Any:
+        """The TrainingState followed: the Checkpointer's, or a plain loop's."""
+        if self.checkpointer is not None:
+            ckpt = self.checkpointer()
+            return None if ckpt is None else ckpt.state
+        return self.plain_state
+
+    def _follow(self, state: Any) -> None:
+        """Digest the inputs of ``state``'s models from now on."""
         from ddpckpt._state.model import unwrap_model
 
-        unwrap_model(ckpt.model).register_forward_pre_hook(self._forward, with_kwargs=True)
-        register_optimizer_step_post_hook(self._stepped)
-        self._write(
-            {
-                "event": "start",
-                "pid": os.getpid(),
-                "world": int(os.environ.get("WORLD_SIZE", "1")),
-                "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-                "rng_saved": bool(ckpt.rng),
-                "time": time.time(),
-            }
-        )
+        for model in state.models.values():
+            root = unwrap_model(model)
+            if id(root) not in self.hooked:
+                self.hooked.add(id(root))
+                self.undo.append(
+                    root.register_forward_pre_hook(self._inputs, with_kwargs=True).remove
+                )
 
-    def _is_primary(self, ckpt: Any) -> bool:
-        return self.primary is not None and self.primary() is ckpt
+    def attach(self, ckpt: Any) -> None:
+        """Follow ``ckpt`` if it is the process's first writable Checkpointer, made before
+        the loop's first step; later ones are only mapped, read-only ones never followed."""
+        if ckpt.read_only or self.checkpointer is not None or self.mode == "plain":
+            return
+        self.mode, self.checkpointer = "checkpointer", weakref.ref(ckpt)
+        self._follow(ckpt.state)
+        self._write({"event": "attach", "directory": ckpt.directory})
+
+    def _is_followed(self, ckpt: Any) -> bool:
+        return self.checkpointer is not None and self.checkpointer() is ckpt
 
     # ------------------------------------------------------------------ hooks
 
-    def _forward(self, module: Any, args: Any, kwargs: Any) -> None:
+    def _any_forward(self, module: Any, args: Any) -> None:
+        """Before any model is known (a plain loop before its first save or load), a step
+        starts at the first forward of any module."""
+        if self.start is None and not self.hooked and self._ours():
+            self.start = digests.at_start(self.state, self.stepped)
+
+    def _inputs(self, module: Any, args: Any, kwargs: Any) -> None:
+        """A followed model's forward: a step starts at the first one (inside DDP's forward,
+        after it broadcast rank 0's buffers), and its inputs are digested."""
+        if not self._ours():
+            return
         if self.start is None:
-            ckpt = self.primary() if self.primary is not None else None
-            if ckpt is not None:
-                self.start = self._start_state(ckpt)
+            self.start = digests.at_start(self.state, self.stepped)
         if self.inputs is None:
             self.inputs = xxhash.xxh3_64()
-        _feed(self.inputs, (args, kwargs))
+        digests.feed(self.inputs, (args, kwargs))
         self.forwards += 1
 
-    def _stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if all(optimizer is not known for known in self.optimizers):
-            self.optimizers.append(optimizer)
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self._ours():
+            return
+        if all(optimizer is not known for known in self.stepped):
+            self.stepped.append(optimizer)
+        if self.mode is None:
+            self.mode, self.counted = "plain", optimizer
+        if self.mode == "plain":  # each optimizer's step ends a part of the script's step
+            self.count += optimizer is self.counted
+            self._end_step(self.count)
 
     def batch(self, loader: Any, indices: Any) -> None:
         """A tracked DataLoader yielded the batch of ``indices`` to the training loop."""
@@ -186,170 +204,171 @@ class Recorder:
 
     def loss(self, value: Any) -> None:
         """``log_step(loss)``: any number or tensor (a tensor of several losses too)."""
-        self.losses.append(_number(value.detach() if isinstance(value, torch.Tensor) else value))
+        self.losses.append(
+            digests.number(value.detach() if isinstance(value, torch.Tensor) else value)
+        )
 
     def step(self, ckpt: Any, step: int) -> None:
-        """``should_save(step)``: the end of a step."""
-        if not self._is_primary(ckpt):
-            return
-        end = self._state(ckpt)
-        end.update(self._consumed(ckpt))
+        """``should_save(step)`` of a Checkpointer: the end of a step, if it is followed."""
+        if self._is_followed(ckpt):
+            self._end_step(step)
+
+    def _end_step(self, step: int) -> None:
+        end = digests.whole(self.state, self.stepped)
+        end.update(
+            digests.consumed(self.state, self.samples, self.inputs, self.forwards, self.losses)
+        )
         self._write({"event": "step", "step": step, "start": self.start, "end": end})
-        self.start, self.inputs, self.forwards, self.losses, self.samples = None, None, 0, [], {}
+        self.last_step = step
+        self._reset()
         self._maybe_kill("step", step, 0)
 
+    def _reset(self) -> None:
+        self.start, self.inputs, self.forwards, self.losses, self.samples = None, None, 0, [], {}
+
     def saved(self, ckpt: Any, step: int, epoch: int | None) -> None:
-        """``save(step)`` returned."""
-        if not self._is_primary(ckpt):
+        """``Checkpointer.save(step)`` returned."""
+        if self._is_followed(ckpt):
+            self._saved(step, step, epoch, ckpt.directory)
+
+    def saved_plain(self, path: str, state: Any, step: int | None, epoch: int | None) -> None:
+        """``ddpckpt.save(path, state, step=step)`` returned (``path`` as written)."""
+        if not self._ours() or self.mode == "checkpointer":
             return
+        self.plain_state = state
+        self._follow(state)
+        self._saved(self.count, step, epoch, path)
+
+    def _saved(self, step: int, label: int | None, epoch: int | None, path: str) -> None:
         self.saves[step] = self.saves.get(step, 0) + 1
-        state = self._state(ckpt)
-        finished = [v.get("finished") for k, v in state.items() if k.startswith("loader.")]
-        record = {"event": "save", "step": step, "n": self.saves[step], "epoch": epoch}
-        record.update({"epoch_end": any(finished) if finished else None, "state": state})
-        self._write(record)
+        state = digests.whole(self.state, self.stepped)
+        finished = [
+            v.get("finished")
+            for k, v in state.items()
+            if k.startswith("loader") and isinstance(v, dict)
+        ]
+        self._write({"event": "save", "step": step, "label": label, "n": self.saves[step], "epoch": epoch,
+                     "epoch_end": any(finished) if finished else None, "path": path, "state": state})  # fmt: skip
         self._maybe_kill("save", step, self.saves[step])
 
     def resumed(self, ckpt: Any, info: Any) -> Any:
-        """``resume()`` returns ``info``; returned unchanged."""
-        if self._is_primary(ckpt):
+        """``Checkpointer.resume()`` returns ``info``; returned unchanged."""
+        if self._is_followed(ckpt):
             step = None if info is None else info.step
-            epoch = None if info is None else info.epoch
-            state = self._state(ckpt)
-            self._write({"event": "resume", "step": step, "epoch": epoch, "state": state})
-            self.start, self.inputs, self.forwards, self.losses, self.samples = (
-                None,
-                None,
-                0,
-                [],
-                {},
-            )
+            self._resumed(step, step, info)
         return info
 
-    # ------------------------------------------------------------------ state
+    def loaded_plain(self, path: str, state: Any, info: Any) -> None:
+        """``ddpckpt.load(path, state)`` returned ``info`` (``path`` as read). A checkpoint
+        this run saved is a resume; anything else (pretrained weights) is not."""
+        if not self._ours() or self.mode == "checkpointer":
+            return
+        self.plain_state = state
+        self._follow(state)
+        count = self._count_of(path)
+        if count is not None:
+            self.count = count
+            self._resumed(count, info.step, info)
 
-    def _start_state(self, ckpt: Any) -> dict[str, Any]:
-        """What a step starts from: the state the previous step (or resume()) left, so that
-        a change made between resume() and the first step is told from what the step did.
-        Optimizers the Checkpointer does not hold are known only once they step: left out."""
-        state: dict[str, Any] = {}
-        state.update(self._rng())
-        state.update(self._schedule(ckpt))
-        state.update(self._model(ckpt))
-        state.update(self._optimizers(ckpt, saved_only=True))
-        return state
+    def _count_of(self, path: str) -> int | None:
+        """The step count at which this run saved the checkpoint ``path``, from its records
+        (this rank's first: every rank records every save)."""
+        folder = os.path.join(self.dir, "records")
+        own = f"rank{current_rank()}.jsonl"
+        names = sorted(os.listdir(folder), key=lambda n: n != own) if os.path.isdir(folder) else []
+        for name in names:
+            found = None
+            with open(os.path.join(folder, name)) as f:
+                for line in f:
+                    if '"save"' in line:
+                        try:
+                            event = json.loads(line)
+                        except json.JSONDecodeError:
+                            continue
+                        if event.get("event") == "save" and event.get("path") == path:
+                            found = event["step"]
+            if found is not None:
+                return found
+        return None
 
-    def _state(self, ckpt: Any) -> dict[str, Any]:
-        state: dict[str, Any] = {}
-        state.update(self._model(ckpt))
-        state.update(self._optimizers(ckpt))
-        state.update(self._schedule(ckpt))
-        if ckpt.scaler is not None:
-            state["scaler"] = {k: _number(v) for k, v in ckpt.scaler.state_dict().items()}
-        state.update(self._rng())
-        state.update(self._extras(ckpt))
-        return state
+    def _resumed(self, step: int | None, label: int | None, info: Any) -> None:
+        self.resumed_from = self.last_step = step
+        epoch = None if info is None else info.epoch
+        state = digests.whole(self.state, self.stepped)
+        self._write(
+            {"event": "resume", "step": step, "label": label, "epoch": epoch, "state": state}
+        )
+        self._reset()
 
-    def _model(self, ckpt: Any) -> dict[str, Any]:
-        from ddpckpt._state.model import unwrap_model
+    # ------------------------------------------------------------------ evidence
 
-        root = unwrap_model(ckpt.model)
-        return {
-            "model.parameters": {n: digest(p) for n, p in root.named_parameters()},
-            "model.buffers": {n: digest(b) for n, b in root.named_buffers()},
-        }
+    def _watch_seeds(self) -> None:
+        import importlib
 
-    def _known_optimizers(self, ckpt: Any) -> list[tuple[str, torch.optim.Optimizer]]:
-        known = []
-        if ckpt.optimizer is not None:
-            known.append(("optimizer", ckpt.optimizer))
-        for name, obj in (ckpt.extra or {}).items():
-            if isinstance(obj, torch.optim.Optimizer):
-                known.append((f"optimizer:extra.{name}", obj))
-        unsaved = [o for o in self.optimizers if all(o is not k for _, k in known)]
-        known += [(f"optimizer:unsaved.{i}", o) for i, o in enumerate(unsaved)]
-        return known
-
-    def _optimizers(self, ckpt: Any, saved_only: bool = False) -> dict[str, Any]:
-        state = {}
-        for name, optimizer in self._known_optimizers(ckpt):
-            if saved_only and name.startswith("optimizer:unsaved"):
+        for module_name, attribute, generator in _SEEDING:
+            try:
+                module = importlib.import_module(module_name) if module_name != "random" else random
+            except ImportError:
                 continue
-            saved = local_state_dict(optimizer)
-            # The groups the user and schedulers change: ZeRO copies them into its local
-            # optimizer only inside step(), so the local optimizer's lag behind.
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-            state[name] = {
-                "type": type(optimizer).__name__,
-                "entries": len(saved["state"]),
-                "state": digest(saved["state"]),
-                "groups": digest(groups),
-            }
-        return state
-
-    def _schedule(self, ckpt: Any) -> dict[str, Any]:
-        state: dict[str, Any] = {}
-        lrs = []  # of the optimizers the Checkpointer holds (others: their own component)
-        for name, optimizer in self._known_optimizers(ckpt):
-            if not name.startswith("optimizer:unsaved"):
-                lrs += [_number(g.get("lr")) for g in optimizer.param_groups]
-        state["lr"] = lrs
-        scheduler = ckpt.scheduler
-        if scheduler is not None and callable(getattr(scheduler, "state_dict", None)):
-            saved = scheduler.state_dict()
-            last_lr = getattr(scheduler, "get_last_lr", None)
-            state["scheduler"] = {
-                "last_epoch": _number(saved.get("last_epoch")),
-                "lr": [_number(v) for v in last_lr()] if callable(last_lr) else None,
-                "state": digest(saved),
-            }
-        return state
-
-    def _rng(self) -> dict[str, Any]:
-        from ddpckpt._state.rng import capture_rng
-
-        return {f"rng.{part}": digest(value) for part, value in capture_rng().items()}
-
-    def _extras(self, ckpt: Any) -> dict[str, Any]:
-        from ddpckpt._training.loader import is_tracked
-
-        state: dict[str, Any] = {}
-        for name, obj in (ckpt.extra or {}).items():
-            if is_tracked(obj):
-                record = obj._ddpckpt_resume or obj._ddpckpt_now
-                keys = ("epoch", "position", "finished")
-                state[f"loader.{name}"] = {k: record[k] for k in keys} if record else "not started"
-            elif isinstance(obj, (torch.optim.Optimizer, torch.utils.data.DataLoader)):
+            original = getattr(module, attribute, None)
+            if original is None:
                 continue
-            elif callable(getattr(obj, "state_dict", None)):
-                state[f"extra.{name}"] = digest(obj.state_dict())
-            else:  # a plain value (tensor, number, dict, list, numpy array): saved as it is
-                state[f"extra.{name}"] = digest(obj)
-        return state
 
-    def _consumed(self, ckpt: Any) -> dict[str, Any]:
-        """What the step read: its batches' sample indices, its inputs, its losses."""
-        consumed: dict[str, Any] = {}
-        names = {id(obj): name for name, obj in (ckpt.extra or {}).items()}
-        for loader, batches in self.samples.items():
-            name = names.get(loader, "unnamed")
-            kept = sum(len(b) for b in batches) <= _SAMPLES_KEPT
-            consumed[f"loader.{name}.samples"] = batches if kept else digest(batches)
-        if self.forwards:
-            consumed["inputs"] = {"forwards": self.forwards, "digest": self.inputs.hexdigest()}
-        if self.losses:
-            consumed["loss"] = self.losses
-        return consumed
+            def seeding(*args: Any, _original: Any = original, _generator: str = generator,
+                        **kwargs: Any) -> Any:  # fmt: skip
+                self._seeded(_generator, args, kwargs, sys._getframe(1))
+                return _original(*args, **kwargs)
+
+            setattr(module, attribute, seeding)
+            self.undo.append(lambda m=module, a=attribute, o=original: setattr(m, a, o))
+
+    def _seeded(self, generator: str, args: Any, kwargs: Any, frame: Any) -> None:
+        caller = frame.f_globals.get("__name__", "")
+        if not self._ours() or caller.startswith(("ddpckpt.", "torch.", "numpy.")):
+            return  # torch seeding CUDA too, SeededDataset seeding a sample, a loader worker
+        seen = self.seeds[generator] = self.seeds.get(generator, 0) + 1
+        if seen > _SEEDS_KEPT:
+            return
+        value = args[0] if args else kwargs.get("seed", kwargs.get("a"))
+        where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+        self._write({"event": "seed", "generator": generator, "value": repr(value)[:40],
+                     "where": where, "after_step": self.last_step,
+                     "resumed_from": self.resumed_from})  # fmt: skip
+
+    def _warned(self, record: Any) -> None:
+        if not self._ours():
+            return
+        self._write({"event": "warning", "logger": record.name, "level": record.levelname,
+                     "text": record.getMessage(), "after_step": self.last_step,
+                     "resumed_from": self.resumed_from})  # fmt: skip
 
     # ------------------------------------------------------------------ output
 
     def _write(self, record: Mapping[str, Any]) -> None:
+        if not self._ours():
+            return
         if self.file is None:
+            import torch.distributed as dist
+
+            if record["event"] in ("seed", "warning", "route", "attach", "created") and not (
+                dist.is_available() and dist.is_initialized()
+            ):
+                self.pending.append(dict(record))  # the rank is known once the group is made
+                return
             folder = os.path.join(self.dir, "records")
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, f"rank{current_rank()}.jsonl")
             self.file = open(path, "a")  # noqa: SIM115 - open while the process records
-        self.file.write(json.dumps(record, default=_json_default) + "\n")
+            self._line({"event": "start", "pid": self.pid, "world": _world(),
+                        "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                        "initial": self.initial, "time": time.time()})  # fmt: skip
+            for earlier in self.pending:
+                self._line(earlier)
+            self.pending.clear()
+        self._line(record)
+
+    def _line(self, record: Mapping[str, Any]) -> None:
+        self.file.write(json.dumps(record, default=digests.json_default) + "\n")
         self.file.flush()
 
     def _maybe_kill(self, event: str, step: int, count: int) -> None:
@@ -366,11 +385,3 @@ class Recorder:
         self.file.flush()
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return _number(value)
-    if isinstance(value, Iterable):
-        return list(value)
-    return repr(value)

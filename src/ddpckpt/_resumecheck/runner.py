@@ -1,7 +1,9 @@
 """Run the user's launch command: once uninterrupted, then once per kill point.
 
-Each run gets its own directory ``OUT/runs/NAME`` (records, redirected checkpoints, the
-launch logs) and the environment variable of :mod:`.record`. A killed run whose launcher
+Each run gets its own directory ``OUT/runs/NAME`` (records, the checkpoints of the paths
+the script writes, mapped by :mod:`.isolate`, the launch logs) and the environment variable
+of :mod:`.record`. A call the check refused (reading the user's run for resuming) stops the
+check with its message. A killed run whose launcher
 gave up (``torchrun --max-restarts 0``, a plain ``python``) is started again with the same
 command plus ``resume_args``; a launcher that restarts by itself needs nothing more.
 """
@@ -167,6 +169,9 @@ def run(
             launch = _launch(again, env, os.path.join(run_dir, "launch-2.log"), timeout)
             result.launches.append(launch)
     result.seconds = time.perf_counter() - started
+    refused = _refusal(run_dir)
+    if refused is not None:
+        raise RuntimeError(f"{name}: {refused}; log: {launch['log']}")
     if launch["timed_out"]:
         raise RuntimeError(
             f"{name}: the script did not finish within {timeout:.0f} s (--timeout); "
@@ -184,8 +189,19 @@ def run(
         )
     if not read_records(run_dir):
         raise RuntimeError(
-            f"{name}: the script recorded nothing: check-resume needs a script that uses "
-            "ddpckpt.Checkpointer (and calls should_save(step) every step) and is started by "
-            f"the command after '--'; log: {launch['log']}"
+            f"{name}: the script recorded nothing: check-resume needs a script started by the "
+            "command after '--' that checkpoints with ddpckpt: a ddpckpt.Checkpointer whose "
+            "should_save(step) it calls every step, or ddpckpt.save / ddpckpt.latest + "
+            f"ddpckpt.load around an optimizer's steps; log: {launch['log']}"
         )
     return result
+
+
+def _refusal(run_dir: str) -> str | None:
+    """The message of the first call the check refused in this run, if any."""
+    for processes in read_records(run_dir).values():
+        for events in processes:
+            for event in events:
+                if event["event"] == "refused":
+                    return event["why"]
+    return None

@@ -1,25 +1,44 @@
-"""Finding the newest checkpoint in a directory, without parsing names.
+"""Finding and loading the newest checkpoint in a directory, without parsing names.
 
 For code that saves with :func:`ddpckpt.save` under names of its own choosing
 (``ckpt/step-{step}``, ``ckpt/epoch{epoch}``, ...); a :class:`~ddpckpt.Checkpointer` run
-directory works too. Local and read-only: any process may call it, also while a job
-saves into the directory.
+directory works too. :func:`latest` is local and read-only: any process may call it, also
+while a job saves into the directory. :func:`load_latest` is collective, as
+:func:`ddpckpt.load`: it loads the newest checkpoint that loads and verifies, falling back
+past damaged ones with a warning, so a damaged newest checkpoint never makes every
+restart of a job fail the same way.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, MutableMapping
+from typing import Any
 
+import torch
+from torch import nn
+
+from ddpckpt._coord.comm import Comm
 from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
-from ddpckpt._log import get_logger
+from ddpckpt._format.runfiles import CORRUPT_MARK
+from ddpckpt._io.load import load
+from ddpckpt._io.reader import CheckpointInfo
+from ddpckpt._log import get_logger, same_on_every_rank
+from ddpckpt._resumecheck import isolate
 from ddpckpt._run.rundir import restore_unless_locked
-from ddpckpt.errors import CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError
-from ddpckpt.storage import storage_for
+from ddpckpt._state.capture import TrainingState
+from ddpckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+)
+from ddpckpt.storage import configure, storage_for
 from ddpckpt.storage._base import BucketNotFoundError, is_temp_name, previous_of
 
 _log = get_logger(__name__)
 
-SET_ASIDE_MARK = ".corrupt-"  # step-N.corrupt-<token>: moved aside by Checkpointer.resume
+SET_ASIDE_MARK = CORRUPT_MARK  # step-N.corrupt-<token>: moved aside by Checkpointer.resume
 
 
 def latest(directory: str | os.PathLike[str]) -> str | None:
@@ -33,43 +52,113 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
     ``.name.previous`` (on file systems without an atomic exchange) is put back as ``name``
     first, unless a live job holds the directory's lock (then that path is returned). A
     directory that does not exist has none (``None``); an object store's bucket that does
-    not exist raises ``FileNotFoundError``. The tensor data is verified when loaded (or by
-    :func:`ddpckpt.verify`). Local: call it on every rank before a collective ``load``,
-    or on rank 0 and broadcast the answer::
-
-        path = ddpckpt.latest("ckpt")
-        if path is not None:
-            info = ddpckpt.load(path, model=model, optimizer=optimizer)
+    not exist raises ``FileNotFoundError``. Only the manifest and the files' sizes are
+    checked (no data is read): a checkpoint with a flipped bit in its data is returned, and
+    found when loaded (or by :func:`ddpckpt.verify`); :func:`load_latest` then falls back
+    to the previous one. Local: any process may call it alone.
     """
-    directory = os.fspath(directory)
+    directory = isolate.for_lookup(directory, "latest")  # under check-resume: its own run
+    found = newest_first(os.fspath(directory))
+    return os.path.join(os.fspath(directory), found[0][-1]) if found else None
+
+
+Candidate = tuple[bool, int, float, str]  # has a step, step, created, name: newest sorts last
+
+
+def newest_first(directory: str, caller: str = "latest()") -> list[Candidate]:
+    """The committed checkpoints directly inside ``directory`` (checked as :func:`latest`
+    describes), newest first."""
     try:
         names = storage_for(directory).list(directory)
     except BucketNotFoundError:
         raise  # None would start a run afresh that can never save there
     except FileNotFoundError:
-        return None
+        return []
     if MANIFEST_NAME in names:  # None here would start the run afresh
         raise ValueError(
-            f"{directory}: is a checkpoint itself, and latest() looks for checkpoints inside a "
+            f"{directory}: is a checkpoint itself, and {caller} looks for checkpoints inside a "
             f"directory: pass the directory that holds it ({os.path.dirname(directory) or '.'}) "
             "or load this checkpoint directly"
         )
     names = restore_unless_locked(directory, names)
-    found: list[tuple[tuple[bool, int, float], str]] = []
+    found: list[Candidate] = []
     for name in names:
         if is_temp_name(name) or SET_ASIDE_MARK in name:
             continue
         if (replaced := previous_of(name)) is not None and replaced in names:
             continue  # a replaced copy: the checkpoint is the one under its own name
-        path = os.path.join(directory, name)
-        manifest = _committed(path)
+        manifest = _committed(os.path.join(directory, name), caller)
         if manifest is not None:
             step = manifest.step
-            found.append(((step is not None, step or 0, manifest.created), path))
-    return max(found)[1] if found else None
+            found.append((step is not None, step or 0, manifest.created, name))
+    return sorted(found, reverse=True)
 
 
-def _committed(path: str) -> Manifest | None:
+def load_latest(
+    directory: str | os.PathLike[str],
+    state: TrainingState | None = None,
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    extra: MutableMapping[str, Any] | None = None,
+    strict: bool = True,
+    rng: bool | None = None,
+    timeout: float | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> CheckpointInfo | None:
+    """Load the newest checkpoint in ``directory`` that loads and verifies; ``None`` when
+    it holds none. Collective, as :func:`ddpckpt.load`, which takes the same arguments
+    (``model=``, ``optimizer=``, ... or a :class:`TrainingState`).
+
+    Every rank lists the directory (as :func:`latest` checks it) and the lists are merged,
+    so a node whose disk lacks a checkpoint still loads it (a copy is sent to it). The
+    newest is loaded, every byte read verified; if it is damaged (a checksum fails, a file
+    is missing or malformed) or deleted meanwhile, a warning names it and the next newer
+    one is loaded, which restores every object passed again. A damaged checkpoint is left
+    where it is: a run that saves the same step again later replaces it with
+    ``save(..., overwrite=True)``. Raises :class:`CorruptCheckpointError` listing each
+    checkpoint's problem when there are checkpoints but none loads (never a silent fresh
+    start), and any other error of :func:`ddpckpt.load` (a mismatch of the objects passed
+    is no damage: it is raised at once).
+    """
+    directory = isolate.for_lookup(directory, "load_latest")  # under check-resume: its own run
+    configure(directory, storage_options)
+    with Comm.open("ddpckpt.load_latest", path=directory, timeout=timeout) as comm:
+        directory = comm.path or directory
+        merged = comm.run_reduce(
+            "list", lambda: newest_first(directory, "load_latest()"), _merged_candidates
+        )
+    failures = []
+    for *_, name in merged:
+        path = os.path.join(directory, name)
+        try:
+            return load(
+                path, state, model=model, optimizer=optimizer, scheduler=scheduler,
+                scaler=scaler, extra=extra, strict=strict, rng=rng, timeout=timeout,
+            )  # fmt: skip
+        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+            _log.warning(
+                "load_latest(): cannot load %s (%s); loading the previous checkpoint instead",
+                path,
+                exc,
+                extra=same_on_every_rank(exc),
+            )
+            failures.append(f"{path}: {exc}")
+    if failures:
+        raise CorruptCheckpointError(
+            f"{directory}: holds checkpoints but none can be loaded:\n  " + "\n  ".join(failures)
+        )
+    return None
+
+
+def _merged_candidates(views: list[list[Candidate]]) -> list[Candidate]:
+    """Every rank's candidates in one list, newest first (rank 0 merges them)."""
+    return sorted({tuple(c) for view in views for c in view}, reverse=True)  # type: ignore[misc]
+
+
+def _committed(path: str, caller: str) -> Manifest | None:
     """The manifest of the checkpoint at ``path`` if it is one and its files are all there."""
     store = storage_for(path)
     if not store.is_dir(path):
@@ -79,19 +168,19 @@ def _committed(path: str) -> Manifest | None:
     except (IncompleteCheckpointError, CheckpointNotFoundError):
         return None  # no manifest: an unfinished save, no checkpoint at all, or just deleted
     except CheckpointError as exc:
-        return _skipped(path, str(exc))
+        return _skipped(path, str(exc), caller)
     for name, file in manifest.files.items():
         try:
             size = store.size(os.path.join(path, name))
         except OSError as exc:
             if not store.is_dir(path):
                 return None  # deleted meanwhile (the retention of a job saving there): not damaged
-            return _skipped(path, f"{name}: {exc}")
+            return _skipped(path, f"{name}: {exc}", caller)
         if size != file.size:
-            return _skipped(path, f"{name} has {size} bytes, its manifest says {file.size}")
+            return _skipped(path, f"{name} has {size} bytes, its manifest says {file.size}", caller)
     return manifest
 
 
-def _skipped(path: str, why: str) -> None:
-    _log.warning("latest(): skipping the damaged checkpoint %s (%s); it is not loaded", path, why)
+def _skipped(path: str, why: str, caller: str) -> None:
+    _log.warning("%s: skipping the damaged checkpoint %s (%s); it is not loaded", caller, path, why)
     return None

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpckpt import events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import AsyncSaver
@@ -41,6 +42,7 @@ from ddpckpt._io.load import load
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._io.writing import header_fields
 from ddpckpt._log import get_logger
+from ddpckpt._resumecheck import isolate
 from ddpckpt._resumecheck import record as _resume_check
 from ddpckpt._run import query
 from ddpckpt._run.options import resolve
@@ -141,7 +143,11 @@ class Checkpointer:
             preemption=preemption,
         )
         self.read_only = read_only
-        self.directory = _resume_check.redirect(os.fspath(directory), read_only=read_only)
+        self.directory = (  # under ddpckpt check-resume: its own directory
+            isolate.for_read(directory, "Checkpointer(read_only=True)", directory=True)
+            if read_only
+            else isolate.for_write(directory, "Checkpointer", directory=True)
+        )
         first = {role: next(iter(getattr(self.state, role).values()), None) for role in ROLES}
         self.model, self.optimizer = first["models"], first["optimizers"]
         self.scheduler, self.scaler = first["schedulers"], first["scalers"]
@@ -266,6 +272,7 @@ class Checkpointer:
             return
         self._saves.reserve(snapshot)
 
+    @events.timed_save
     def save(
         self, step: int, epoch: int | None = None, metrics: Mapping[str, Any] | None = None
     ) -> str | None:

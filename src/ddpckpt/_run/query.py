@@ -18,8 +18,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ddpckpt._format.manifest import read_manifest
+from ddpckpt._format.runfiles import read_latest, read_retention, step_dirname
 from ddpckpt._io.reader import CheckpointInfo
-from ddpckpt._run.rundir import Entry, read_latest, read_run_file, scan, step_dirname
+from ddpckpt._run.rundir import Entry, scan
 from ddpckpt.errors import CheckpointNotFoundError
 from ddpckpt.policies import Record, best_first, retention_from
 
@@ -40,7 +41,7 @@ def latest_name(directory: str) -> str | None:
 def why_kept(directory: str) -> dict[int, str]:
     """The committed steps the run's retention keeps for a reason worth showing (``"best #1
     by loss"``), from the policy the saving job recorded in ``run.json``."""
-    policy = retention_from(read_run_file(directory).get("retention", {}))
+    policy = retention_from(read_retention(directory))
     if policy is None:
         return {}
     return policy.why_kept([Record(step, m) for step, m in committed(directory).items()])

@@ -21,10 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ddpckpt._coord.comm import Comm
+from ddpckpt._format.runfiles import read_latest, step_dirname
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._run.catalog import SET_ASIDE_MARK
-from ddpckpt._run.rundir import read_latest, scan, step_dirname, write_latest
+from ddpckpt._run.rundir import scan, write_latest
 from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
 from ddpckpt.storage import storage_for
 from ddpckpt.storage._base import new_token

@@ -13,20 +13,31 @@
       step-00000300.corrupt-4d5e6f/ moved aside by ``resume()``: never loaded
 
 Local operations only; :mod:`ddpckpt._run.checkpointer` decides which rank calls them.
+What these files hold is parsed by :mod:`ddpckpt._format.runfiles`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from ddpckpt._format.codec import decode
-from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
+from ddpckpt._format.manifest import Manifest, read_manifest
+from ddpckpt._format.runfiles import (
+    CORRUPT_MARK,
+    LATEST,
+    LOCK_NAME,
+    RUN_FILE,
+    is_stray_step,
+    parse_step,
+    read_lock,
+    run_file_text,
+    warn_stray,
+)
+from ddpckpt._format.runfiles import step_dirname as step_dirname  # the run's layout
 from ddpckpt._log import get_logger
-from ddpckpt._run.runlock import LOCK_NAME, RunLock
+from ddpckpt._run.runlock import RunLock
 from ddpckpt.errors import CheckpointError, CheckpointLockedError, IncompleteCheckpointError
 from ddpckpt.policies import Record, Retention
 from ddpckpt.storage import storage_for
@@ -34,20 +45,6 @@ from ddpckpt.storage._base import is_temp_name, previous_name, previous_of
 from ddpckpt.storage._commit import restore_interrupted
 
 _log = get_logger(__name__)
-LATEST = "latest"
-RUN_FILE = "run.json"
-_STEP = re.compile(r"^step-(\d+)$")
-_CORRUPT_MARK = ".corrupt-"
-_DATA_FILE = re.compile(r"^(model|state|rank)-\d+\.safetensors$")
-
-
-def step_dirname(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def parse_step(name: str) -> int | None:
-    match = _STEP.match(name)
-    return int(match.group(1)) if match else None
 
 
 @dataclass
@@ -82,6 +79,9 @@ def scan(directory: str) -> list[Entry]:
     if not store.is_dir(directory):
         return []
     names = store.list(directory)
+    for name in names:
+        if parse_step(name) is None and previous_of(name) is None and is_stray_step(name):
+            warn_stray(directory, name)
     found = [(parse_step(name), name) for name in names]
     found += [
         (parse_step(target), name)
@@ -167,28 +167,14 @@ def size_problems(path: str, manifest: Manifest) -> list[str]:
     return problems
 
 
-def read_latest(directory: str) -> str | None:
-    try:
-        return storage_for(directory).read(os.path.join(directory, LATEST)).decode().strip() or None
-    except FileNotFoundError:
-        return None
-
-
 def write_latest(directory: str, name: str) -> None:
     """Point ``latest`` at ``name``, atomically and durably."""
     storage_for(directory).replace(os.path.join(directory, LATEST), f"{name}\n".encode())
 
 
-def write_run_file(directory: str, policy: dict[str, object]) -> None:
-    document = json.dumps(policy, indent=1).encode()
-    storage_for(directory).replace(os.path.join(directory, RUN_FILE), document)
-
-
-def read_run_file(directory: str) -> dict[str, object]:
-    try:
-        return json.loads(storage_for(directory).read(os.path.join(directory, RUN_FILE)))
-    except (FileNotFoundError, ValueError):
-        return {}
+def write_run_file(directory: str, policy: dict[str, Any]) -> None:
+    """Record ``{"retention": <the policy's describe()>}`` in ``run.json``."""
+    storage_for(directory).replace(os.path.join(directory, RUN_FILE), run_file_text(policy))
 
 
 def remove_checkpoint(path: str) -> None:
@@ -274,7 +260,7 @@ def find_leftovers(directory: str) -> list[Leftover]:
     for name in sorted(names):
         if is_temp_name(name) or previous_of(name) in names:  # a replaced copy, not deleted
             kind = "temporary"
-        elif parse_step(name.split(_CORRUPT_MARK)[0]) is not None and _CORRUPT_MARK in name:
+        elif parse_step(name.split(CORRUPT_MARK)[0]) is not None and CORRUPT_MARK in name:
             kind = "corrupt"
         else:
             continue
@@ -321,63 +307,13 @@ def _refuse_own_jobs_lock(directory: str) -> None:
     """
     ours = [os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")]
     try:
-        holder = json.loads(storage_for(directory).read(os.path.join(directory, LOCK_NAME)))
-    except (FileNotFoundError, ValueError):
+        holder = read_lock(os.path.join(directory, LOCK_NAME))
+    except CheckpointError:
+        return  # torn or damaged: RunLock decides (a torn lock is taken over once old)
+    if holder is None or not holder.job or holder.job == "none" or holder.job not in ours:
         return
-    job = holder.get("job") if isinstance(holder, dict) else None
-    if job and job != "none" and job in ours:
-        raise CheckpointLockedError(
-            f"{directory} is in use by another job: pid {holder.get('pid')} on "
-            f"{holder.get('host')} holds its lock, and it belongs to this same job ({job}), so "
-            "it may be writing here now. If that job is over, delete the .lock file"
-        )
-
-
-def describe_path(path: str) -> str | None:
-    """What ``path`` is, when it is not a checkpoint directory, as a message saying what was
-    expected; ``None`` when it is a checkpoint (complete or not) or does not exist."""
-    store = storage_for(path)
-    if not store.is_dir(path):
-        return _describe_run_file(path) if store.exists(path) else None
-    names = store.list(path)
-    if MANIFEST_NAME in names or any(_DATA_FILE.match(n) for n in names):
-        return None
-    base = os.path.basename(path.rstrip("/"))
-    if parse_step(base) is not None or is_temp_name(base) or _CORRUPT_MARK in base:
-        return None  # a checkpoint directory whose save never wrote anything
-    steps = sorted(n for n in names if parse_step(n) is not None)
-    if steps or {LATEST, RUN_FILE, LOCK_NAME} & set(names):
-        latest = read_latest(path) or (steps[-1] if steps else None)
-        example = (
-            f", or name one of its checkpoints, e.g. {os.path.join(path, latest)}"
-            if latest
-            else " (it holds no checkpoint yet)"
-        )
-        return f"{path}: a run directory, not a checkpoint: try `ddpckpt ls {path}`{example}"
-    inner = sorted(n for n in names if store.exists(os.path.join(path, n, MANIFEST_NAME)))
-    if inner:
-        shown = ", ".join(inner[:3]) + (", ..." if len(inner) > 3 else "")
-        return (
-            f"{path}: a directory holding checkpoints ({shown}), not a checkpoint itself: "
-            f"name one of them, e.g. {os.path.join(path, inner[0])}"
-        )
-    if not names:
-        return f"{path}: an empty directory, not a checkpoint"
-    return (
-        f"{path}: not a ddpckpt checkpoint: it has no {MANIFEST_NAME} and no checkpoint "
-        "files (expected a directory written by ddpckpt.save or a Checkpointer's step-N)"
+    raise CheckpointLockedError(
+        f"{directory} is in use by another job: pid {holder.pid} on {holder.host} holds its "
+        f"lock, and it belongs to this same job ({holder.job}), so it may be writing here now. "
+        "If that job is over, delete the .lock file"
     )
-
-
-def _describe_run_file(path: str) -> str | None:
-    """The message for a file of a run directory (``latest``, ``run.json``, ``.lock``)."""
-    run, base = os.path.split(path.rstrip("/"))
-    if base not in (LATEST, RUN_FILE, LOCK_NAME):
-        return None
-    newest = read_latest(run or ".") if base == LATEST else None
-    if newest:
-        return (
-            f"{path}: the run's pointer to its newest checkpoint, not a checkpoint: name that "
-            f"checkpoint, {os.path.join(run, newest)}"
-        )
-    return f"{path}: a file of the run directory {run or '.'}, not a checkpoint: try `ddpckpt ls {run or '.'}`"

@@ -30,12 +30,12 @@ import time
 import weakref
 from typing import Any
 
+from ddpckpt._format.runfiles import LOCK_NAME, read_lock
 from ddpckpt._log import get_logger
-from ddpckpt.errors import CheckpointLockedError
+from ddpckpt.errors import CheckpointLockedError, CorruptCheckpointError
 from ddpckpt.storage import Storage, storage_for
 
 _log = get_logger(__name__)
-LOCK_NAME = ".lock"
 _CREATING = 30.0  # seconds an empty lock file may be in the middle of being written
 _held: weakref.WeakSet[RunLock] = weakref.WeakSet()  # locks of this process, for exit
 _exiting = threading.Event()
@@ -87,11 +87,10 @@ class RunLock:
 
     def _read(self, storage: Storage | None = None) -> dict[str, Any] | None:
         try:
-            return json.loads((storage or self._storage).read(self.path))
-        except FileNotFoundError:
-            return None
-        except ValueError:
-            return {}  # a torn lock file: whoever wrote it died while writing
+            holder = read_lock(self.path, storage or self._storage)
+        except CorruptCheckpointError:
+            return {}  # a torn lock file: whoever wrote it died while writing (or damaged)
+        return None if holder is None else holder.as_dict()
 
     def _age(self) -> float:
         try:

@@ -18,8 +18,7 @@ restored by :meth:`SignalHandlers.remove`.
 DataLoader workers. torchrun and SLURM signal each worker's whole process group, and
 torch's DataLoader worker processes end on such a signal; the training thread then fails at
 the next batch it needs from them, before the checkpoint. The workers of every DataLoader
-ddpckpt tracks (:func:`~ddpckpt.resumable_loader`, :func:`~ddpckpt.data.track_loader`, one in a
-Checkpointer's ``extra``) ignore the preemption signals while preemption is on in the
+ddpckpt tracks (:func:`~ddpckpt.data.track_loader`, one in a Checkpointer's ``extra``) ignore the preemption signals while preemption is on in the
 process (their ``worker_init_fn``, :mod:`ddpckpt._training.worker_signals`, sets SIG_IGN after
 torch's own set-up); they still end
 when the loader shuts them down or the training process dies. A DataLoader ddpckpt does not

@@ -27,8 +27,8 @@ from ddpckpt._format.pinned_ring import passes_through
 from ddpckpt._format.sections import SINGLE, Layout, ModelSection
 from ddpckpt._log import get_logger
 from ddpckpt._state.dtensor import is_dtensor, local_tensor, restore_dtensor
-from ddpckpt._state.snapshot import Snapshot, TensorSource
-from ddpckpt.errors import StateMismatchError
+from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
+from ddpckpt.errors import CorruptCheckpointError, StateMismatchError
 
 _log = get_logger(__name__)
 _LIST_LIMIT = 12
@@ -325,13 +325,16 @@ def restore_model(
             state[view.live_key[alias]] = state[view.live_key[key]]
     if section.extra_state is not None:
         extra = decode(section.extra_state, lambda n: source.get(n).clone(), where=where)
+        if not isinstance(extra, dict):
+            raise CorruptCheckpointError(f"{where}: the model's extra state is no dict")
         state.update({view.live_key[k]: v for k, v in extra.items() if k in view.live_key})
     root = view.root
     loaded = _with_versions(state, root, section.versions)
-    if not sharded:
-        root.load_state_dict(loaded, strict=strict)
-        return
-    result = root.load_state_dict(loaded, strict=False)
+    with restoring(f"{type(root).__qualname__}.load_state_dict", where):
+        if not sharded:
+            root.load_state_dict(loaded, strict=strict)
+            return
+        result = root.load_state_dict(loaded, strict=False)
     missing = [k for k in result.missing_keys if k not in sharded]
     if strict and (missing or result.unexpected_keys):
         raise StateMismatchError(

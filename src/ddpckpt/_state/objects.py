@@ -18,7 +18,7 @@ from torch import nn
 
 from ddpckpt._format.codec import JSON, decode, encode
 from ddpckpt._format.sections import ExtraEntry, StatefulSection
-from ddpckpt._state.snapshot import Snapshot, TensorSource
+from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
 from ddpckpt.errors import UnsupportedValueError
 
 
@@ -41,13 +41,11 @@ def restore_stateful(obj: Any, encoded: JSON, source: TensorSource, where: str) 
     """``obj.load_state_dict`` with the stored state ``encoded``; modules get zero-copy views."""
     # Module.load_state_dict copies into its own tensors; other objects may keep what they get.
     copies_in = isinstance(obj, nn.Module)
-    obj.load_state_dict(
-        decode(
-            encoded,
-            lambda n: source.get(n) if copies_in else source.get(n).clone(),
-            where=where,
-        )
+    state = decode(
+        encoded, lambda n: source.get(n) if copies_in else source.get(n).clone(), where=where
     )
+    with restoring(f"{type(obj).__qualname__}.load_state_dict", where):
+        obj.load_state_dict(state)
 
 
 class PerRank:
@@ -114,7 +112,12 @@ def capture_extra(extra: Mapping[str, Any], snapshot: Snapshot) -> dict[str, Ext
             state = encode(obj.state_dict(), prefix, snapshot.tensors)
             section[name] = ExtraEntry(kind, type(obj).__qualname__, state)
             if isinstance(obj, nn.Module):
-                snapshot.unverified |= set(snapshot.tensors) - before
+                added = set(snapshot.tensors) - before
+                snapshot.unverified |= added
+                # buffers a module updates on each rank from that rank's batches (BatchNorm
+                # statistics, which an EMA copy takes from each rank's model) may differ
+                buffers = {f"{prefix}/{name}" for name, _ in obj.named_buffers()}
+                snapshot.may_differ |= added & buffers
         elif isinstance(obj, torch.utils.data.Sampler):
             raise UnsupportedValueError(
                 f"{prefix}: a {type(obj).__qualname__} has no position of its own to save: "

@@ -31,9 +31,9 @@ from ddpckpt._state.model import (
     tensor_identity,
     unwrap_model,
 )
-from ddpckpt._state.snapshot import Snapshot, TensorSource
+from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
 from ddpckpt._state.zero import after_restore, encode_owned, is_zero, param_state, zero_section
-from ddpckpt.errors import StateMismatchError
+from ddpckpt.errors import CorruptCheckpointError, StateMismatchError
 
 ParamNames = dict[int, list[str]]  # id(parameter) -> every name it has in the models
 
@@ -237,9 +237,14 @@ def check_optimizer(
     section: OptimizerSection,
     where: str,
     label: str = "optimizer",
+    source: TensorSource | None = None,
 ) -> None:
     """Raise :class:`StateMismatchError` unless the stored state fits ``optimizer`` by name
-    (``names`` from :func:`param_names`; ``label`` names the optimizer in messages)."""
+    (``names`` from :func:`param_names`; ``label`` names the optimizer in messages), and,
+    given the ``source`` of its tensors, :class:`CorruptCheckpointError` if a moment of a
+    ``torch.optim`` optimizer is not of its parameter's recorded shape."""
+    if source is not None and type(optimizer).__module__.startswith("torch.optim"):
+        _check_moment_shapes(section, source, where, label)
     shapes = section.shapes
     live_names = _live_names(section, names, optimizer)
     stored_groups = section.groups
@@ -274,6 +279,35 @@ def check_optimizer(
             f"{type(optimizer).__qualname__}'s parameters (matched by name):\n"
             + "\n".join(problems)
         )
+
+
+# The state torch.optim's optimizers keep in their parameter's shape (LBFGS and Adafactor
+# keep others under other names).
+_PARAM_SHAPED = frozenset({
+    "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "momentum_buffer", "sum",
+    "square_avg", "acc_delta", "grad_avg", "prev", "step_size", "ax",
+})  # fmt: skip
+
+
+def _check_moment_shapes(
+    section: OptimizerSection, source: TensorSource, where: str, label: str
+) -> None:
+    """A checkpoint whose ``exp_avg`` of a [3, 4] parameter is [2**29] loads, and the next
+    ``optimizer.step()`` fails far from the cause: refused here, before anything changes."""
+    state = section.state if isinstance(section.state, dict) else {}
+    for name, values in state.items():
+        recorded = section.shapes.get(name)
+        if not isinstance(recorded, list) or not isinstance(values, dict):
+            continue
+        for key in _PARAM_SHAPED & values.keys():
+            ref = values[key]
+            if isinstance(ref, dict) and isinstance(ref.get("$tensor"), str) and len(ref) == 1:
+                shape = list(source.meta(ref["$tensor"])[1])
+                if shape != list(recorded):
+                    raise CorruptCheckpointError(
+                        f"{where}: the checkpoint's {label} state {key!r} of {name!r} has shape "
+                        f"{shape}, its parameter {list(recorded)}: the checkpoint is damaged"
+                    )
 
 
 def restore_optimizer(
@@ -317,7 +351,8 @@ def restore_optimizer(
             indices.append(index)
             index += 1
         param_groups.append({**_cloned(hyper, source), "params": indices})
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    with restoring(f"{type(optimizer).__qualname__}.load_state_dict", where):
+        optimizer.load_state_dict({"state": state, "param_groups": param_groups})
     # load_state_dict moves every value beside its parameter; put back those kept elsewhere.
     params = [param for group in optimizer.param_groups for param in group["params"]]
     for index, values in state.items():

@@ -35,6 +35,8 @@ def capture_rng() -> dict[str, Any]:
 
 def restore_rng(state: dict[str, Any], where: str) -> None:
     """Put every generator back to ``state``; a missing or unreadable part is an error."""
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"{where}: RNG state is a {type(state).__name__}")
     for part in ("python", "torch"):
         if part not in state:
             raise CorruptCheckpointError(f"{where}: RNG state lacks its {part!r} generator")
@@ -45,7 +47,8 @@ def restore_rng(state: dict[str, Any], where: str) -> None:
             import numpy
 
             numpy.random.set_state(state["numpy"])
-    except (TypeError, ValueError, RuntimeError) as exc:
+    except (TypeError, ValueError, RuntimeError, OverflowError, KeyError, IndexError) as exc:
+        # what random, torch and numpy raise for a state that is not one of theirs
         raise CorruptCheckpointError(f"{where}: RNG state cannot be restored ({exc})") from exc
     except ImportError:
         _log.warning("%s: numpy RNG state not restored: numpy is not installed", where)

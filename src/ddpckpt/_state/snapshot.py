@@ -8,13 +8,15 @@ plans, writes and reads it. Restoring takes tensors from a :class:`TensorSource`
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ddpckpt._format.codec import JSON
+from ddpckpt.errors import CheckpointError, StateMismatchError
 
 if TYPE_CHECKING:
     from ddpckpt._coord.reshard import Box
@@ -54,7 +56,9 @@ class Snapshot:
     but nothing guarantees it (a model without DDP, module-valued extras such as an EMA
     copy, optimizer state of parameters outside DDP): :mod:`ddpckpt._coord.consistency`
     compares their digests across ranks, treats the identical ones as ``balanced`` and
-    stores the others per rank. Tensors in ``per_rank`` differ between ranks by design
+    stores the others per rank; those also in ``may_differ`` (the buffers of a module-valued
+    extra: an EMA copy's BatchNorm statistics copy each rank's own) do so without a
+    warning. Tensors in ``per_rank`` differ between ranks by design
     (parameters and buffers DDP ignores, and their optimizer state): stored per rank
     whenever there are several ranks. Every other shared tensor (buffers such as BatchNorm
     statistics, which each rank updates with its own batch until DDP broadcasts rank 0's
@@ -81,6 +85,7 @@ class Snapshot:
     balanced: set[str] = field(default_factory=set)
     unverified: set[str] = field(default_factory=set)
     per_rank: set[str] = field(default_factory=set)
+    may_differ: set[str] = field(default_factory=set)  # unverified, apart by design: no warning
     rank_state: dict[str, JSON] = field(default_factory=dict)
     rank_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     stepped_by: dict[str, list[torch.optim.Optimizer]] = field(default_factory=dict)
@@ -103,3 +108,21 @@ class Snapshot:
             self.unverified.discard(name)
             self.rank_tensors[f"own/{name}"] = self.tensors[name]
             own[name] = f"own/{name}"  # type: ignore[index]
+
+
+@contextmanager
+def restoring(what: str, where: str) -> Iterator[None]:
+    """Report a live object's ``load_state_dict`` refusing the state a checkpoint holds
+    (``what`` names the object, ``where`` the checkpoint) as a
+    :class:`~ddpckpt.errors.StateMismatchError` naming both, the object's error chained: a
+    checkpoint whose checksums hold can still hold a state the object does not accept
+    (written by other code, or crafted)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as exc:
+        raise StateMismatchError(
+            f"{where}: {what} rejected the state the checkpoint holds for it "
+            f"({type(exc).__name__}: {exc}); the checkpoint does not hold a state it accepts"
+        ) from exc

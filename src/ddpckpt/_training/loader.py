@@ -16,7 +16,7 @@ so until the next pass. A :class:`~ddpckpt.data.ResumableDistributedSampler` kee
 itself; the loader sets it from the batches it yielded.
 
 Any DataLoader is tracked once ddpckpt sees it before it iterates: created by
-:func:`~ddpckpt.resumable_loader`, passed to :func:`track_loader`, put in a
+passed to :func:`track_loader`, put in a
 :class:`~ddpckpt.TrainingState`, a :class:`~ddpckpt.Checkpointer`'s ``extra`` or
 :func:`ddpckpt.load`'s ``extra``. Its class is swapped for a subclass that adds the
 bookkeeping (nothing else changes). A loader first seen at a save cannot say what it
@@ -68,6 +68,10 @@ class _TrackedIterator:
         return len(self._loader)
 
     def __next__(self) -> Any:
+        before = self._loader.__dict__.get("_ddpckpt_before_next")
+        if before is not None:
+            self._loader.__dict__["_ddpckpt_before_next"] = None
+            before()
         try:
             batch = next(self._inner)
         except StopIteration:
@@ -92,6 +96,8 @@ class _Tracking:
         self.__dict__["_ddpckpt_now"] = None  # the current pass's record
         self.__dict__["_ddpckpt_resume"] = None  # a loaded record, applied at the next iter()
         self.__dict__["_ddpckpt_seed_draw"] = None  # what the live workers' base seed came from
+        # called once, before the next batch is taken (a framework integration's resume)
+        self.__dict__["_ddpckpt_before_next"] = None
         sampler = user_sampler(self)
         if isinstance(sampler, ResumableDistributedSampler):
             sampler._loader_tracked = True
@@ -133,7 +139,13 @@ class _Tracking:
         resuming = self._ddpckpt_resume is not None
         ended = self._ddpckpt_resume if resuming and self._ddpckpt_resume["finished"] else None
         if resuming and not applies:
-            warn_epoch_gap(self._ddpckpt_resume, getattr(user_sampler(self), "epoch", None))
+            warn_epoch_gap(
+                self._ddpckpt_resume,
+                getattr(user_sampler(self), "epoch", None),
+                None
+                if isinstance(self.dataset, IterableDataset)
+                else len(self._ddpckpt_stream.inner),
+            )
         self._ddpckpt_stream.skip = self._planned_skip() if resuming else 0
         self._ddpckpt_resume = None
         self._ddpckpt_pass += 1
@@ -352,9 +364,8 @@ def check_data_extra(extra: Mapping[str, Any]) -> None:
                 raise InexactResumeError(
                     f"extra[{name!r}]: ddpckpt first sees this DataLoader at this save, while "
                     "it is being iterated, so it cannot know which batches training consumed. "
-                    "Create it with ddpckpt.resumable_loader(...), or call "
-                    "ddpckpt.data.track_loader(loader) (or put it in the TrainingState or Checkpointer) "
-                    "before the loop"
+                    "Call ddpckpt.data.track_loader(loader), or put it in the TrainingState or "
+                    "the Checkpointer's extra, before the loop"
                 )
             track_loader(obj)
         elif _is_torchdata_loader(obj) and not is_tracked(obj):

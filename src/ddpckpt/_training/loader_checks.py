@@ -33,8 +33,11 @@ def refuse_untrackable(loader: Any) -> None:
         )
 
 
-def warn_epoch_gap(record: Mapping[str, Any], epoch: Any) -> None:
-    """Say so when the first epoch after a resume skips or repeats data of the saved run."""
+def warn_epoch_gap(record: Mapping[str, Any], epoch: Any, batches: int | None = None) -> None:
+    """Say so when the first epoch after a resume skips or repeats data of the saved run.
+
+    ``batches``: a whole pass's batches now, for a record that has none (a sampler that keeps
+    its own position, such as ``ResumableDistributedSampler``)."""
     saved = record.get("epoch")
     if not record["started"] or saved is None or epoch is None:
         return
@@ -46,8 +49,13 @@ def warn_epoch_gap(record: Mapping[str, Any], epoch: Any) -> None:
             "info.epoch)"
         )
         if epoch > saved:
-            left = (record.get("batches") or 0) - int(record["position"])
-            what = f"the remaining {left} batches of epoch {saved} are skipped"
+            total = record.get("batches") or batches
+            left = None if total is None else total - int(record["position"])
+            what = (
+                f"the remaining {left} batches of epoch {saved} are skipped"
+                if left is not None and left > 0
+                else f"the rest of epoch {saved} is skipped"
+            )
         else:
             what = f"{_epochs(epoch, saved - 1)} run again and epoch {saved} from its start"
     elif epoch > saved + 1 or epoch < saved:

@@ -28,10 +28,32 @@ from ddpckpt.errors import InexactResumeError
 _END = object()
 
 
+def _innermost_batch_sampler(loader: DataLoader) -> Any:
+    """The batch sampler that batches the sampler's indices, below wrappers that take
+    their batches from it (``.batch_sampler``: accelerate's ``BatchSamplerShard``)."""
+    batch_sampler = loader.batch_sampler
+    for _ in range(8):
+        inner = getattr(batch_sampler, "batch_sampler", None)
+        if inner is None:
+            break
+        batch_sampler = inner
+    return batch_sampler
+
+
 def user_sampler(loader: DataLoader) -> Any:
     """The sampler that orders the data (inside a batch sampler if there is one)."""
-    batch_sampler = loader.batch_sampler
-    return getattr(batch_sampler, "sampler", loader.sampler)
+    return getattr(_innermost_batch_sampler(loader), "sampler", loader.sampler)
+
+
+def _samplers(loader: DataLoader) -> list[Any]:
+    """The loader's batch sampler, the batch samplers it wraps, and its samplers."""
+    found, batch_sampler = [], loader.batch_sampler
+    for _ in range(8):
+        if batch_sampler is None:
+            break
+        found.append(batch_sampler)
+        batch_sampler = getattr(batch_sampler, "batch_sampler", None)
+    return [*found, user_sampler(loader), loader.sampler]
 
 
 def sampler_keeps_position(loader: DataLoader) -> bool:
@@ -53,10 +75,15 @@ class IndexStream:
         self.replay: Mapping[str, Any] | None = None  # the saved order draw, for the next pass
         self.draws = 0  # order draws so far (the sampler's first index of a pass)
         self.before_draw: Any = None  # called once at the next pass's first index
+        # len() of the loader: what the pass has left at its start, or (for a framework that
+        # counts the batches it consumed against the length, as Lightning does) the whole pass
+        self.whole_pass_len = False
         # the index batches handed out, not yet yielded: only under ddpckpt check-resume
         self.handed: deque[Any] | None = deque() if _resume_check.active() else None
 
     def __len__(self) -> int:
+        if self.whole_pass_len:
+            return len(self.inner)
         return max(0, len(self.inner) - self.loader._planned_skip())
 
     def __iter__(self) -> Iterator[Any]:
@@ -130,9 +157,8 @@ def check_same_pass(loader: Any, record: Mapping[str, Any]) -> None:
 
 def sampler_generators(loader: Any) -> list[torch.Generator]:
     """The torch generators of the loader's (batch) sampler, other than ``loader.generator``."""
-    batch_sampler = loader.batch_sampler
     found: list[torch.Generator] = []
-    for obj in (batch_sampler, getattr(batch_sampler, "sampler", None), loader.sampler):
+    for obj in _samplers(loader):
         generator = getattr(obj, "generator", None)
         if not isinstance(generator, torch.Generator) or generator is loader.generator:
             continue
@@ -142,8 +168,7 @@ def sampler_generators(loader: Any) -> list[torch.Generator]:
 
 
 def refuse_uncapturable_samplers(loader: Any) -> None:
-    batch_sampler = loader.batch_sampler
-    for obj in (batch_sampler, getattr(batch_sampler, "sampler", None), loader.sampler):
+    for obj in _samplers(loader):
         generator = getattr(obj, "generator", None)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise InexactResumeError(

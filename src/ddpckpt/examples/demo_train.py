@@ -4,8 +4,8 @@
 
 A small network with dropout and BatchNorm learns a synthetic regression with AdamW, a
 warm-up + cosine schedule, a GradScaler, an EMA and gradient accumulation 2, reading
-shuffled, randomly augmented data through two loader workers (``resumable_loader``: a plain
-torch DataLoader whose position ddpckpt tracks; no torchdata needed). It checkpoints to
+shuffled, randomly augmented data through two loader workers (a plain torch DataLoader over
+``ddpckpt.data.SeededDataset``, whose position the Checkpointer tracks; no torchdata needed). It checkpoints to
 ``--dir`` with a Checkpointer and resumes from the newest checkpoint whenever it (re)starts;
 run it again, or under ``torchrun --max-restarts``, and it goes on where it stopped.
 ``ckpt.log_step(loss)`` hands each step's loss to ``ddpckpt check-resume`` (and does
@@ -88,9 +88,12 @@ def main() -> None:
     )
     accumulation = ddpckpt.GradientAccumulation(ddp, steps=2)
     data = Synthetic()
-    sampler = ddpckpt.ResumableDistributedSampler(data, shuffle=True, seed=0)
-    loader = ddpckpt.resumable_loader(
-        data, sampler=sampler, batch_size=32, num_workers=args.workers
+    sampler = ddpckpt.data.ResumableDistributedSampler(data, shuffle=True, seed=0)
+    loader = torch.utils.data.DataLoader(  # a plain DataLoader: the Checkpointer tracks it
+        ddpckpt.data.SeededDataset(data, seed=0),  # augmentation as a function of the index
+        sampler=sampler,
+        batch_size=32,
+        num_workers=args.workers,
     )
     torch.manual_seed(1000 + rank)  # each rank's own dropout stream
 

@@ -58,6 +58,9 @@ _schemes: dict[str, Callable[[str], Storage]] = {"memory": lambda url: _memory, 
 _configurable: dict[str, Callable[[Mapping[str, Any]], Storage]] = {"s3": _s3_configured}
 _configured: dict[tuple[str, str], Storage] = {}  # one storage per scheme and options
 _mounts: dict[str, Storage] = {}
+# Under ``ddpckpt check-resume`` only: wraps the storage of a location outside the check's
+# directory so that it refuses writes (ddpckpt._resumecheck.isolate); None otherwise.
+_guard: Callable[[Storage, str], Storage] | None = None
 
 
 def register(
@@ -118,7 +121,11 @@ def mount(prefix: str, storage: Storage | None) -> None:
 def resolve(path: str | os.PathLike[str]) -> tuple[Storage, str]:
     """The storage holding ``path`` and the location to pass it: the path as given, so
     messages name it as the user wrote it."""
-    location = os.fspath(path)
+    storage, location = _resolve(os.fspath(path))
+    return (storage, location) if _guard is None else (_guard(storage, location), location)
+
+
+def _resolve(location: str) -> tuple[Storage, str]:
     scheme, sep, _ = location.partition("://")
     if not sep or "/" in scheme:
         return _posix, location

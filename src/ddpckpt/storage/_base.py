@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
+import os
 import uuid
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -35,6 +37,21 @@ MANIFEST = "manifest.json"  # the commit marker both strategies rely on
 _TEMP_MARK = ".tmp-"
 _PREVIOUS_MARK = ".previous"
 _log = get_logger(__name__)
+
+
+class NotRegularFileError(OSError):
+    """The object at a location is no regular file (a symbolic link, a FIFO, a device ...):
+    storages open only regular files, so that reading never blocks on a FIFO, never reads
+    a device without end and never follows a link out of a checkpoint."""
+
+    def __init__(self, location: str, kind: str) -> None:
+        code = errno.EISDIR if kind == "a directory" else errno.EINVAL
+        what = os.strerror(code) if code == errno.EISDIR else f"{kind}, not a regular file"
+        super().__init__(code, what, location)
+        self.kind = kind
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror}"
 
 
 class BucketNotFoundError(FileNotFoundError):
@@ -116,6 +133,17 @@ class Reader(abc.ABC):
     def close(self) -> None:
         """Release the object; buffers from :meth:`map` stay valid."""
 
+    def read_all(self) -> bytes:
+        """All ``size`` bytes (fewer if the object shrank since it was opened)."""
+        buffer = bytearray(self.size)
+        view, done = memoryview(buffer), 0
+        while done < len(buffer):
+            count = self.read_into(view[done:], done)
+            if count == 0:
+                break
+            done += count
+        return bytes(buffer[:done])
+
 
 class RangedReader(Reader):
     """A reader for object stores: a small object's bytes kept from when it was opened
@@ -162,7 +190,8 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def open(self, location: str) -> Reader:
-        """Open an object for ranged reads."""
+        """Open an object for ranged reads: a regular object only (never a link, FIFO or
+        device: :class:`NotRegularFileError`), without blocking."""
 
     @abc.abstractmethod
     def replace(self, location: str, data: bytes) -> None:
@@ -194,14 +223,7 @@ class Storage(abc.ABC):
         """The whole (small) object at ``location``."""
         reader = self.open(location)
         try:
-            buffer = bytearray(reader.size)
-            view, done = memoryview(buffer), 0
-            while done < len(buffer):
-                count = reader.read_into(view[done:], done)
-                if count == 0:
-                    break
-                done += count
-            return bytes(buffer[:done])
+            return reader.read_all()
         finally:
             reader.close()
 

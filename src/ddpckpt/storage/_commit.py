@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import dataclasses
 import errno
 import json
 from collections.abc import Callable
@@ -380,18 +379,20 @@ def _prefixes(names: list[str]) -> set[str]:
     return {name.split("/", 1)[0] for name in names if "/" in name}
 
 
+Relocation = Callable[[bytes, str, str], bytes]
+_relocation: list[Relocation] = []  # registered by ddpckpt._format.manifest at its import
+
+
+def register_relocation(relocate: Relocation) -> None:
+    """Say how a manifest's object names move under a prefix. The format registers it (the
+    storage layer knows no manifest schema); every save imports the format before it
+    commits, so :class:`ManifestLastCommit` always finds it."""
+    _relocation[:] = [relocate]
+
+
 def _relocated(manifest: bytes, prefix: str, where: str) -> bytes:
     """``manifest`` with every object name under ``prefix/``: what a replacement written
     under ``D/prefix`` commits as ``D``'s manifest."""
-    from ddpckpt._format.manifest import Manifest  # the format builds on storage, not back
-
-    parsed = Manifest.from_json(manifest, where)
-    parsed.files = {
-        f"{prefix}/{name}": dataclasses.replace(entry, name=f"{prefix}/{name}")
-        for name, entry in parsed.files.items()
-    }
-    parsed.tensors = {
-        key: dataclasses.replace(entry, file=f"{prefix}/{entry.file}")
-        for key, entry in parsed.tensors.items()
-    }
-    return parsed.to_json().encode()
+    if not _relocation:
+        raise RuntimeError(f"{where}: no manifest relocation registered (import ddpckpt first)")
+    return _relocation[0](manifest, prefix, where)

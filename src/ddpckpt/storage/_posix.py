@@ -2,7 +2,9 @@
 
 Locations are ordinary paths. Objects are created with ``O_EXCL`` and fsynced; streamed
 writes hand finished pages to the disk early (``posix_fadvise``) so the final fsync waits
-for less; reads are ``preadv`` into the caller's buffer or a copy-on-write ``mmap``.
+for less; reads are ``preadv`` into the caller's buffer or a copy-on-write ``mmap``, of
+regular files only: a symbolic link, FIFO or device at a location raises
+:class:`~ddpckpt.storage._base.NotRegularFileError` without blocking or following it.
 Checkpoints commit with :class:`~ddpckpt.storage._commit.RenameCommit`: a temporary sibling
 directory, fsynced, renamed into place (exchanged atomically with an old one through Linux
 ``renameat2`` when overwriting), and the parent directory fsynced.
@@ -22,11 +24,19 @@ import errno
 import mmap
 import os
 import shutil
+import stat
 import time
 from typing import Any
 
 from ddpckpt._log import get_logger
-from ddpckpt.storage._base import Reader, Storage, Writer, new_token, temp_name
+from ddpckpt.storage._base import (
+    NotRegularFileError,
+    Reader,
+    Storage,
+    Writer,
+    new_token,
+    temp_name,
+)
 from ddpckpt.storage._commit import RenameCommit
 
 _log = get_logger(__name__)
@@ -69,11 +79,53 @@ class _FileWriter(Writer):
             os.close(fd)
 
 
+# Opening never blocks (a FIFO with no writer) and never follows a link in the last component;
+# what was opened is checked with fstat, so a file swapped in between cannot slip through.
+_OPEN_FLAGS = (
+    os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+)
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link")):  # fmt: skip
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str, *, follow_links: bool = False) -> int:
+    """A read-only descriptor of the regular file at ``path``; :class:`NotRegularFileError`
+    for anything else (checked before opening, so no device is opened, and after, on the
+    descriptor itself). ``follow_links`` opens the file a symbolic link names (a path the
+    user gave, such as a downloaded model in a cache of links)."""
+    with contextlib.suppress(FileNotFoundError):  # a missing file: open says so below
+        mode = (os.stat if follow_links else os.lstat)(path).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(path, _kind(mode))
+    flags = _OPEN_FLAGS & ~getattr(os, "O_NOFOLLOW", 0) if follow_links else _OPEN_FLAGS
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link swapped in after lstat
+            raise NotRegularFileError(path, "a symbolic link") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFileError(path, _kind(mode))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class _FileReader(Reader):
     _fd: int | None = None
 
     def __init__(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
         try:
             self.size = os.fstat(fd).st_size
         except BaseException:
@@ -132,7 +184,7 @@ class PosixStorage(Storage):
         self.sync_dir(parent)
 
     def read(self, location: str) -> bytes:
-        with open(location, "rb") as f:
+        with os.fdopen(open_regular(location), "rb") as f:
             return f.read()
 
     def size(self, location: str) -> int:
@@ -148,7 +200,7 @@ class PosixStorage(Storage):
         os.unlink(location)
 
     def copy(self, source: str, target: str) -> None:
-        with open(source, "rb") as src, open(target, "xb") as dst:
+        with os.fdopen(open_regular(source), "rb") as src, open(target, "xb") as dst:
             shutil.copyfileobj(src, dst, 16 << 20)
             dst.flush()
             os.fsync(dst.fileno())
@@ -248,10 +300,12 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def load_torch_file(path: str) -> Any:
-    """``torch.load`` of a local file with ``weights_only=True``, memory-mapped where the
-    file is in torch's zip format (an old-format file cannot be)."""
+    """``torch.load`` of a local regular file (a link to one is followed; a FIFO or device
+    raises :class:`NotRegularFileError`) with ``weights_only=True``, memory-mapped where
+    the file is in torch's zip format (an old-format file cannot be)."""
     import zipfile
 
     import torch
 
+    os.close(open_regular(path, follow_links=True))
     return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))

@@ -10,8 +10,9 @@ Understood layouts:
   ``epoch``, ``global_step``, precision-plugin scaler state, loops, callbacks ...).
 
 ``module.`` (DDP/DataParallel) and ``_orig_mod.`` (torch.compile) prefixes are removed.
-The file is read with ``torch.load(weights_only=True)`` only: a pickle that names any
-other global is refused before it can run, unless that global is explicitly trusted.
+The file is read by :mod:`ddpckpt._convert.torchfile`: ``torch.load(weights_only=True)``
+only, within limits; a pickle that names any other global is refused before it can run,
+unless that global is a plain data class the user trusts.
 
 Optimizer state in such files is keyed by position, not by parameter name; it is stored
 that way and matched by position (with shape checks) when loaded, as ``torch`` does.
@@ -19,16 +20,13 @@ that way and matched by position (with shape checks) when loaded, as ``torch`` d
 
 from __future__ import annotations
 
-import importlib
 import os
-import pickle
-import re
-import zipfile
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
+from ddpckpt._convert.torchfile import read_torch_file
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import encode
 from ddpckpt._format.sections import (
@@ -41,8 +39,7 @@ from ddpckpt._format.sections import (
 from ddpckpt._io.writing import header_fields, plan_write, write_and_commit
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot
-from ddpckpt.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedValueError
-from ddpckpt.storage._posix import load_torch_file
+from ddpckpt.errors import CorruptCheckpointError, UnsupportedValueError
 
 _log = get_logger(__name__)
 
@@ -69,65 +66,6 @@ _SCALER_KEYS = (
 _STEP_KEYS = ("global_step", "step", "iteration", "iter", "steps")
 _EPOCH_KEYS = ("epoch",)
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-# weights_only has known bypasses before these versions (CVE-2025-32434, CVE-2026-24747).
-_SAFE_TORCH = (2, 10)
-
-
-def _torch_version() -> tuple[int, int]:
-    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()  # type: ignore[union-attr]
-    return int(major), int(minor)
-
-
-def _resolve_global(name: str) -> Any:
-    module, _, attr = name.rpartition(".")
-    if not module:
-        raise ValueError(f"trusted global {name!r} must be 'module.Name'")
-    return getattr(importlib.import_module(module), attr)
-
-
-def read_legacy(
-    path: str, trusted_globals: Iterable[str] = (), trusted_source: bool = False
-) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU, memory-mapped where possible."""
-    if _torch_version() < _SAFE_TORCH and not trusted_source:
-        raise UnsafeCheckpointError(
-            f"torch {torch.__version__}'s weights_only loader has known ways to run code "
-            "(CVE-2025-32434 before 2.6, CVE-2026-24747 before 2.10). Upgrade torch to "
-            "import files you did not write; pass trusted_source=True (--trusted-source) "
-            "only for files you made yourself"
-        )
-    extra = [_resolve_global(name) for name in trusted_globals]
-    try:
-        with torch.serialization.safe_globals(extra):
-            return load_torch_file(path)
-    except pickle.UnpicklingError as exc:
-        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
-        if found is None:
-            # torch's text goes on to suggest weights_only=False: only the reason is kept
-            reason = (
-                str(exc).rpartition("WeightsUnpickler error:")[2].strip().split("\n")[0]
-                or type(exc).__name__
-            )
-            raise CorruptCheckpointError(
-                f"{path}: not a readable torch.save file ({reason}); `import` reads files "
-                "written by torch.save or Lightning"
-            ) from exc
-        raise UnsafeCheckpointError(
-            f"{path}: refusing to load it: unpickling would call {found.group(1)}, and a pickle can run "
-            "any code that way. If that is a plain data class you trust (not a function), "
-            "name it with --trust-global MODULE.NAME; otherwise export the state from the "
-            "code that wrote the file"
-        ) from exc
-    except (
-        RuntimeError, EOFError, zipfile.BadZipFile, KeyError, IndexError, ValueError, TypeError,
-        AttributeError,
-    ) as exc:  # fmt: skip
-        # The weights-only unpickler meets bytes that are no pickle with whatever error the
-        # opcode it misreads leads to (a text file gives ``KeyError: 101``).
-        raise CorruptCheckpointError(
-            f"{path}: not a torch.save file ({type(exc).__name__}: {exc}); "
-            "`import` reads files written by torch.save or Lightning"
-        ) from exc
 
 
 def _strip_wrappers(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -187,12 +125,18 @@ def _model_section(weights: Mapping[str, Any], snapshot: Snapshot) -> ModelSecti
 def _optimizer_section(
     optimizer: Mapping[str, Any], snapshot: Snapshot, where: str
 ) -> OptimizerSection:
-    try:
-        groups_in, state_in = optimizer["param_groups"], optimizer["state"]
-    except (KeyError, TypeError):
-        raise CorruptCheckpointError(
-            f"{where}: the optimizer entry is not an optimizer state_dict"
-        ) from None
+    if not isinstance(optimizer, Mapping):
+        raise CorruptCheckpointError(f"{where}: the optimizer entry is not an optimizer state_dict")
+    groups_in, state_in = optimizer.get("param_groups"), optimizer.get("state")
+    if not (
+        isinstance(groups_in, list)
+        and isinstance(state_in, Mapping)
+        and all(isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups_in)
+        and all(isinstance(p, (int, str)) for g in groups_in for p in g["params"])
+    ):
+        raise CorruptCheckpointError(f"{where}: the optimizer entry is not an optimizer state_dict")
+    if not all(isinstance(v, Mapping) for v in state_in.values()):
+        raise CorruptCheckpointError(f"{where}: the optimizer's state holds a non-dict entry")
     groups, state, shapes = [], {}, {}
     for g, group in enumerate(groups_in):
         names = [f"@group{g}.{i}" for i in range(len(group["params"]))]
@@ -243,12 +187,12 @@ def _classify(
         snapshot.state = sections.to_json()
         return snapshot, header, []
     del doc[key]
-    if lightning and doc.get("optimizer_states"):
+    if lightning and isinstance(doc.get("optimizer_states"), list) and doc["optimizer_states"]:
         states = doc.pop("optimizer_states")
         doc["optimizer"] = states[0]
         if len(states) > 1:
             doc["optimizer_states[1:]"] = states[1:]
-    if lightning and doc.get("lr_schedulers"):
+    if lightning and isinstance(doc.get("lr_schedulers"), list) and doc["lr_schedulers"]:
         schedulers = doc.pop("lr_schedulers")
         doc["scheduler"] = schedulers[0]
         if len(schedulers) > 1:
@@ -293,7 +237,7 @@ def import_checkpoint(
     logged as a warning).
     """
     source, destination = os.fspath(source), os.fspath(destination)
-    obj = read_legacy(source, trusted_globals, trusted_source)
+    obj, _ = read_torch_file(source, trusted_globals, trusted_source)
     snapshot, header, dropped = _classify(obj, source, model_key)
     for item in dropped:
         _log.warning("%s: left out of the import: %s", source, item)

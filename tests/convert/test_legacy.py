@@ -12,7 +12,7 @@ from torch import nn
 
 import ddpckpt
 from conftest import TiedLM, make_mlp, train_steps
-from ddpckpt._format.legacy import import_checkpoint
+from ddpckpt._convert.legacy import import_checkpoint
 from ddpckpt.errors import CorruptCheckpointError, StateMismatchError, UnsafeCheckpointError
 
 

@@ -1,0 +1,409 @@
+"""Reading a ``torch.save`` file without running it, within limits.
+
+torch's weights-only unpickler (``torch.load(weights_only=True)``) does the unpickling: a
+pickle naming a global outside its allowlist is refused before anything runs. Around it:
+
+* the file must be a regular file (a FIFO or device is refused without blocking on it);
+* a torch whose weights-only loader has known bypasses (before 2.10) is refused unless the
+  caller vouches for the file (``trusted_source``);
+* globals the user trusts (``--trust-global``) must be plain data classes
+  (:func:`why_not_plain`), and a refusal suggests trusting a global only when it could be;
+* before the load, the pickle is scanned with every global it names replaced by an inert
+  stub (nothing it names runs) for the storages it declares: each must lie inside its own
+  record of the zip file (a memory-mapped load would otherwise read the zip's other bytes
+  as weights), and in the old format all of them inside the file (they are allocated
+  before being read);
+* after the load, no tensor may have more elements than its storage has from its offset
+  (a stride-0 or overlapping view would be written out whole), all tensors together at
+  most twice the file's bytes, and the object graph, walked as the tree the importer walks,
+  at most a few nodes per byte of the file (a pickle sharing one list within itself grows
+  exponentially as a tree).
+
+Violations raise :class:`~ddpckpt.errors.CorruptCheckpointError` or
+:class:`~ddpckpt.errors.UnsafeCheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import dataclasses
+import enum
+import importlib
+import os
+import pickle
+import re
+import sys
+import zipfile
+from collections import Counter, OrderedDict, defaultdict, deque
+from collections.abc import Iterable, Mapping
+from typing import IO, Any
+
+import torch
+
+from ddpckpt._format.boundary import MAX_VALUE_DEPTH
+from ddpckpt.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
+from ddpckpt.storage._base import NotRegularFileError
+from ddpckpt.storage._posix import load_torch_file, open_regular
+
+# weights_only has known bypasses before these versions (CVE-2025-32434, CVE-2026-24747).
+SAFE_TORCH = (2, 10)
+NODES_PER_BYTE = 4  # tree nodes the importer may walk per byte of the file
+_NODES_FLOOR = 100_000
+_BYTES_SLACK = 1 << 20
+
+# Modules whose classes and functions act on the system (processes, files, the network,
+# the interpreter): nothing in them is ever trusted, whatever the user names.
+_DENIED_MODULES = frozenset({
+    "os", "posix", "nt", "posixpath", "ntpath", "subprocess", "builtins", "importlib", "sys",
+    "shutil", "pickle", "_pickle", "copyreg", "marshal", "ctypes", "_ctypes", "socket", "ssl",
+    "select", "selectors", "asyncio", "http", "urllib", "ftplib", "smtplib", "telnetlib",
+    "xmlrpc", "webbrowser", "antigravity", "code", "codeop", "runpy", "pdb", "bdb", "types",
+    "functools", "operator", "io", "_io", "tempfile", "glob", "fileinput", "zipfile", "tarfile",
+    "gzip", "bz2", "lzma", "zipimport", "pkgutil", "logging", "multiprocessing", "concurrent",
+    "threading", "_thread", "signal", "platform", "getpass", "pty", "tty", "resource", "mmap",
+    "sqlite3", "dbm", "shelve", "inspect", "gc", "atexit", "torch", "numpy",
+})  # fmt: skip
+# Plain record classes of the standard library, trusted by name (their own __init__ only
+# sets attributes).
+_PLAIN_CLASSES = frozenset({
+    "argparse.Namespace", "types.SimpleNamespace", "pathlib.PurePath", "pathlib.PurePosixPath",
+    "pathlib.PureWindowsPath", "pathlib.Path", "pathlib.PosixPath", "pathlib.WindowsPath",
+})  # fmt: skip
+# What unpickling (or dropping) an instance may call: each must come from a built-in.
+_HOOKS = ("__new__", "__init__", "__setstate__", "__reduce__", "__reduce_ex__",
+          "__setitem__", "append", "extend", "__hash__", "__eq__", "__del__")  # fmt: skip
+_BUILTIN_OWNERS = (object, dict, list, tuple, set, frozenset, OrderedDict, int, float, str)
+_WALKED = (dict, OrderedDict, Counter, defaultdict, list, tuple, set, frozenset, deque)
+
+
+def torch_version() -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", torch.__version__).groups()  # type: ignore[union-attr]
+    return int(major), int(minor)
+
+
+def why_not_plain(name: str, obj: Any) -> str | None:
+    """Why the global ``name`` (resolved to ``obj``) cannot be trusted, or ``None`` if it
+    is a plain data class: a dataclass, named tuple or enum, a plain record class of the
+    standard library, or a class that adds no code of its own to how it is built, kept or
+    dropped. Never a function, a module, or anything from a module in ``_DENIED_MODULES``."""
+    if name in _PLAIN_CLASSES:
+        return None
+    root = name.split(".")[0]
+    if root in _DENIED_MODULES:
+        return f"it comes from {root}, whose functions and classes act on the system"
+    if not isinstance(obj, type):
+        return f"it is a {type(obj).__name__}, not a class"
+    if dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum):
+        return None
+    if issubclass(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
+        return None
+    for hook in _HOOKS:
+        owner = next((c for c in obj.__mro__ if hook in vars(c)), object)
+        if owner not in _BUILTIN_OWNERS:
+            return f"its {hook} is code of its own ({owner.__module__}.{owner.__qualname__})"
+    return None
+
+
+_TRUSTABLE = (
+    "only plain data classes can be trusted: dataclasses, named tuples, enums, "
+    "argparse.Namespace, and classes adding no code of their own to how they are built; "
+    "never a function, and nothing from os, subprocess, builtins, importlib, sys, shutil, "
+    "pickle and other modules that act on the system"
+)
+
+
+def trusted_globals(names: Iterable[str]) -> list[Any]:
+    """The objects the user named to trust, each checked by :func:`why_not_plain`."""
+    found = []
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        if not module or not attr:
+            raise UnsafeCheckpointError(f"trusted global {name!r} must be 'module.Name'")
+        if module.split(".")[0] in _DENIED_MODULES and name not in _PLAIN_CLASSES:
+            obj = None  # never imported
+        else:
+            try:
+                obj = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as exc:
+                raise UnsafeCheckpointError(f"trusted global {name!r}: not found ({exc})") from exc
+        why = why_not_plain(name, obj)
+        if why is not None:
+            raise UnsafeCheckpointError(f"refusing to trust {name}: {why}; {_TRUSTABLE}")
+        found.append(obj)
+    return found
+
+
+def read_torch_file(
+    path: str, trusted: Iterable[str] = (), trusted_source: bool = False
+) -> tuple[Any, int]:
+    """What the ``torch.save`` file ``path`` holds (CPU tensors, memory-mapped where the
+    file is in the zip format) and the file's size, within the limits of this module."""
+    if torch_version() < SAFE_TORCH and not trusted_source:
+        raise UnsafeCheckpointError(
+            f"torch {torch.__version__}'s weights_only loader has known ways to run code "
+            "(CVE-2025-32434 before 2.6, CVE-2026-24747 before 2.10). Upgrade torch to "
+            "import files you did not write; pass trusted_source=True (--trusted-source) "
+            "only for files you made yourself"
+        )
+    allowed = trusted_globals(trusted)
+    try:
+        size = _scan(path)
+        with torch.serialization.safe_globals(allowed):
+            obj = load_torch_file(path)
+    except CheckpointError:
+        raise
+    except NotRegularFileError as exc:
+        raise CorruptCheckpointError(f"{path}: {exc.kind}, not a torch.save file") from None
+    except pickle.UnpicklingError as exc:
+        raise _refusal(path, exc) from exc
+    except (
+        RuntimeError, EOFError, zipfile.BadZipFile, KeyError, IndexError, ValueError, TypeError,
+        AttributeError, OSError, AssertionError, OverflowError, MemoryError,
+    ) as exc:  # fmt: skip
+        # The weights-only unpickler meets bytes that are no pickle with whatever error the
+        # opcode it misreads leads to (a text file gives ``KeyError: 101``; torch checks
+        # persistent ids with assert).
+        raise CorruptCheckpointError(
+            f"{path}: not a torch.save file ({type(exc).__name__}: {exc}); "
+            "`import` reads files written by torch.save or Lightning"
+        ) from exc
+    check_graph(obj, size, path)
+    return obj, size
+
+
+def _refusal(
+    path: str, exc: pickle.UnpicklingError
+) -> CorruptCheckpointError | UnsafeCheckpointError:
+    """The error for a pickle torch refused: a global it names (suggesting to trust it
+    only if it could be trusted), or a pickle it cannot read."""
+    found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+    if found is None:
+        # torch's text goes on to suggest weights_only=False: only the reason is kept
+        reason = (
+            str(exc).rpartition("WeightsUnpickler error:")[2].strip().split("\n")[0]
+            or type(exc).__name__
+        )
+        return CorruptCheckpointError(
+            f"{path}: not a readable torch.save file ({reason}); `import` reads files "
+            "written by torch.save or Lightning"
+        )
+    name = _python3_name(found.group(1))
+    module, _, attr = name.rpartition(".")
+    loaded = sys.modules.get(module)  # never imported here: its import could run code
+    if loaded is not None:
+        why = why_not_plain(name, vars(loaded).get(attr))
+    elif module.split(".")[0] in _DENIED_MODULES:
+        why = why_not_plain(name, None)
+    else:
+        why = None  # unknown until the user names it: checked then
+    advice = (
+        f"it cannot be trusted ({why}): this file cannot be imported safely; export the "
+        "state from the code that wrote it"
+        if why is not None
+        else f"if {name} is a plain data class you trust (a dataclass, named tuple or enum "
+        f"of your own code), name it with --trust-global {name}; {_TRUSTABLE}. Otherwise "
+        "export the state from the code that wrote the file"
+    )
+    return UnsafeCheckpointError(
+        f"{path}: refusing to load it: unpickling would call {name}, and a pickle can run any "
+        f"code that way; {advice}"
+    )
+
+
+def _python3_name(written: str) -> str:
+    """The global a pickle's ``module.name`` means: Python 2 spellings (``commands.Popen``,
+    ``__builtin__.eval``) are read as the unpickler's ``fix_imports`` reads them, and torch
+    writes builtins without their module."""
+    if "." not in written:
+        return f"builtins.{written}"
+    module, _, attr = written.rpartition(".")
+    if (module, attr) in _compat_pickle.NAME_MAPPING:
+        module, attr = _compat_pickle.NAME_MAPPING[(module, attr)]
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{attr}"
+
+
+class _Stub:
+    """What every global of a scanned pickle becomes: accepts anything, does nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Stub:
+        return _Stub()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
+class _StorageType(_Stub):
+    """A storage class a scanned pickle names (``torch.FloatStorage``): its element size."""
+
+    def __init__(self, itemsize: int) -> None:
+        self.itemsize = itemsize
+
+
+def _storage_itemsize(module: str, name: str) -> int | None:
+    if module != "torch" or not name.endswith("Storage"):
+        return None
+    return _STORAGE_ITEMSIZE.get(name)
+
+
+_STORAGE_ITEMSIZE = {"UntypedStorage": 1} | {
+    name: dtype.itemsize for dtype, name in torch.storage._dtype_to_storage_type_map().items()
+}
+
+
+class _Scanner(pickle._Unpickler):  # type: ignore[name-defined]
+    """Reads a pickle with every global an inert :class:`_Stub`, collecting the storages it
+    declares (their key and byte count); nothing the pickle names is imported or called.
+
+    The pure-Python unpickler keeps its memo in a dict: the C one grows an array to the
+    largest index a pickle names (a six-byte opcode asks for gigabytes)."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        super().__init__(file, encoding="utf-8")
+        self.storages: dict[str, int] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        itemsize = _storage_itemsize(str(module), str(name))
+        return _StorageType(itemsize) if itemsize is not None else _Stub
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] in ("storage", b"storage"):
+            kind, key, numel = pid[1], pid[2], pid[4]
+            if not isinstance(kind, _StorageType) or type(numel) is not int or numel < 0:
+                raise pickle.UnpicklingError(f"malformed storage record {pid!r:.200}")
+            key = key.decode() if isinstance(key, bytes) else str(key)
+            self.storages[key] = max(self.storages.get(key, 0), numel * kind.itemsize)
+        return _Stub()
+
+
+def _scan(path: str) -> int:
+    """Check the storages the file at ``path`` declares against its bytes (see the module);
+    returns the file's size. A pickle of no known layout is left for torch to report."""
+    with os.fdopen(open_regular(path, follow_links=True), "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        if not zipfile.is_zipfile(f):
+            _scan_old_format(f, path, size)
+            return size
+        with zipfile.ZipFile(f) as archive:
+            records = {info.filename: info for info in archive.infolist()}
+            pickles = [n for n in records if n == "data.pkl" or n.endswith("/data.pkl")]
+            if not pickles:
+                return size  # torch reports what it misses
+            prefix = pickles[0][: -len("data.pkl")]
+            with archive.open(pickles[0]) as pickled:
+                storages = _storages(pickled, path)
+    for key, nbytes in storages.items():
+        record = records.get(f"{prefix}data/{key}")
+        if record is None:
+            raise CorruptCheckpointError(
+                f"{path}: the pickle names storage {key!r}, which the file lacks"
+            )
+        stored = record.compress_size if record.compress_type == zipfile.ZIP_STORED else 0
+        if nbytes > stored:
+            raise CorruptCheckpointError(
+                f"{path}: storage {key!r} has {stored} bytes stored in the file, but its "
+                f"tensors claim {nbytes}: the file is damaged (reading it would read the file's "
+                "other bytes as weights)"
+            )
+    return size
+
+
+def _scan_old_format(f: IO[bytes], path: str, size: int) -> None:
+    """The format before torch 1.6: magic number, protocol, system info, then the object
+    pickle; the storages it declares are allocated before they are read."""
+    f.seek(0)
+    storages: dict[str, int] = {}
+    try:
+        for _ in range(4):
+            scanner = _Scanner(f)
+            scanner.load()
+            storages.update(scanner.storages)
+    except _PICKLE_ERRORS:
+        return  # no pickle of that format: torch reports what it is not
+    claimed = sum(storages.values())
+    if claimed > size:
+        raise CorruptCheckpointError(
+            f"{path}: its storages claim {claimed} bytes in a file of {size}: the file is damaged"
+        )
+
+
+# What a malformed pickle makes the standard unpickler raise (it has no one error type).
+_PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
+                  IndexError, KeyError, OverflowError, MemoryError, RecursionError)  # fmt: skip
+
+
+def _storages(f: IO[bytes], path: str) -> dict[str, int]:
+    scanner = _Scanner(f)
+    try:
+        scanner.load()
+    except _PICKLE_ERRORS as exc:
+        raise CorruptCheckpointError(
+            f"{path}: not a readable torch.save file (its pickle: {type(exc).__name__}: "
+            f"{str(exc)[:200]})"
+        ) from None
+    return scanner.storages
+
+
+def check_graph(obj: Any, file_size: int, path: str) -> None:
+    """Walk what was loaded as the importer will (containers as trees, every tensor) within
+    the limits of this module; raises :class:`CorruptCheckpointError` naming the file."""
+    budget = NODES_PER_BYTE * file_size + _NODES_FLOOR
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    views: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    nodes = total = 0
+    while stack:
+        value, depth = stack.pop()
+        nodes += 1
+        if nodes > budget:
+            raise CorruptCheckpointError(
+                f"{path}: its objects, walked as a tree, exceed {budget} nodes for a file of "
+                f"{file_size} bytes (a pickle sharing parts of itself many times over); refused"
+            )
+        if isinstance(value, torch.Tensor):
+            total += _tensor_bytes(value, views, path)
+        elif type(value) in _WALKED:
+            if depth >= MAX_VALUE_DEPTH:
+                raise CorruptCheckpointError(
+                    f"{path}: nested deeper than {MAX_VALUE_DEPTH} levels; refused"
+                )
+            items = value.items() if isinstance(value, Mapping) else value
+            for item in items:
+                stack.append((item, depth + 1))
+    if total > 2 * file_size + _BYTES_SLACK:
+        raise CorruptCheckpointError(
+            f"{path}: its tensors would take {total} bytes, from a file of {file_size}; refused"
+        )
+
+
+def _tensor_bytes(tensor: torch.Tensor, views: set[Any], path: str) -> int:
+    """The bytes ``tensor`` would be written as (0 if the same view was seen already);
+    refuses a view with more elements than its storage holds for it."""
+    if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type == "meta":
+        return 0  # refused by the writer, with its key
+    view = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tuple(tensor.stride()))  # fmt: skip
+    if view in views:
+        return 0
+    views.add(view)
+    numel = tensor.numel()
+    if numel == 0:
+        return 0
+    extent = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
+    if numel > extent:
+        raise CorruptCheckpointError(
+            f"{path}: a tensor of shape {list(tensor.shape)} has strides {list(tensor.stride())}: "
+            f"it repeats {extent} stored elements as {numel} (a stride-0 or overlapping view); "
+            "refused"
+        )
+    return numel * tensor.element_size()

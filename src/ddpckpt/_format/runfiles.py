@@ -1,0 +1,246 @@
+"""The files of a run directory (a :class:`~ddpckpt.Checkpointer`'s), parsed as typed records::
+
+    run/step-00000100/   a checkpoint: the name is ``step-`` and the step in 8 digits or more
+    run/latest           "step-00000100": the newest checkpoint
+    run/run.json         {"retention": ...}: the retention policy, for ``ddpckpt ls``
+    run/.lock            {"host", "pid", "job", "since"}: the job writing here
+
+Like a checkpoint's, their content is untrusted input (see
+:mod:`ddpckpt._format.boundary`): each is read as a bounded regular file and parsed into a
+record, or raises :class:`~ddpckpt.errors.CorruptCheckpointError` naming the file and the
+field. Callers decide what damage means: a damaged ``latest`` or ``run.json`` is reported and
+treated as absent, a damaged ``.lock`` as a torn one.
+
+:func:`describe_path` says what a path that is no checkpoint is (a run directory, one of its
+files, a directory holding checkpoints), for the errors of the functions that expected one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ddpckpt._format.boundary import (
+    MAX_RUN_FILE_BYTES,
+    Fields,
+    load_json,
+    read_bounded,
+    read_small,
+)
+from ddpckpt._log import get_logger
+from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage import Storage, storage_for
+from ddpckpt.storage._base import MANIFEST, is_temp_name
+
+_log = get_logger(__name__)
+
+LATEST = "latest"
+RUN_FILE = "run.json"
+LOCK_NAME = ".lock"
+CORRUPT_MARK = ".corrupt-"  # step-N.corrupt-<token>: moved aside by Checkpointer.resume
+_STEP = re.compile(r"step-([0-9]{8,19})", re.ASCII)
+_MAX_PID = 2**31 - 1
+_DATA_FILE_LIKE = re.compile(r"(?:model|state|rank)-[0-9]+\.safetensors", re.ASCII)  # describing
+_warned: set[str] = set()  # stray names already reported by this process
+
+
+def step_dirname(step: int) -> str:
+    """The directory name of checkpoint ``step`` in a run directory."""
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step of a checkpoint directory named as ddpckpt names them, else ``None``.
+
+    Only the spelling :func:`step_dirname` writes counts (``step-00000005``, not ``step-5``,
+    ``step-000000005`` or other digits), so no two names ever mean the same step.
+    """
+    match = _STEP.fullmatch(name)
+    if match is None:
+        return None
+    step = int(match.group(1))
+    return step if step_dirname(step) == name else None
+
+
+def is_stray_step(name: str) -> bool:
+    """A name that looks like a checkpoint of the run but is not ddpckpt's spelling
+    (``step-5``, ``step-00000005.bak``): never loaded or deleted, and reported."""
+    return name.startswith("step-") and parse_step(name) is None and CORRUPT_MARK not in name
+
+
+def warn_stray(directory: str, name: str) -> None:
+    """Report, once per process, a stray name in a run directory."""
+    path = os.path.join(directory, name)
+    if path in _warned:
+        return
+    _warned.add(path)
+    match = re.match(r"step-([0-9]+)", name, re.ASCII)
+    spelled = f" (ddpckpt writes {step_dirname(int(match.group(1)))})" if match else ""
+    _log.warning(
+        "%s: skipped: not a checkpoint name ddpckpt writes%s; it is never loaded, kept or "
+        "deleted by the run",
+        path,
+        spelled,
+    )
+
+
+def parse_latest(data: bytes, where: str) -> str:
+    """The checkpoint name a ``latest`` file holds (``step-00000100``)."""
+    try:
+        name = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise CorruptCheckpointError(f"{where}: not a checkpoint name (not ASCII text)") from None
+    if parse_step(name) is None:
+        raise CorruptCheckpointError(f"{where}: {name[:80]!r} is not a checkpoint name")
+    return name
+
+
+def read_latest(directory: str) -> str | None:
+    """What the run's ``latest`` names, or ``None`` if it is missing; a damaged one is
+    reported as a warning and counts as missing (nothing loads through it: the run's
+    checkpoints are listed, and the next save rewrites it)."""
+    location = os.path.join(directory, LATEST)
+    try:
+        return parse_latest(read_small(location, MAX_RUN_FILE_BYTES, "latest file"), location)
+    except FileNotFoundError:
+        return None
+    except CorruptCheckpointError as exc:
+        _log.warning("%s; ignored (the run's checkpoints are listed instead)", exc)
+        return None
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds a run's lock: host name, process id, job id (``TORCHELASTIC_RUN_ID`` or
+    ``SLURM_JOB_ID``, or ``None``) and since when (seconds since the epoch)."""
+
+    host: str
+    pid: int
+    job: str | None
+    since: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"host": self.host, "pid": self.pid, "job": self.job, "since": self.since}
+
+
+def parse_lock(data: bytes, where: str) -> LockHolder:
+    """The holder a ``.lock`` file names."""
+    fields = Fields(
+        load_json(data, where, "lock file", limit=MAX_RUN_FILE_BYTES), where, "lock file"
+    )
+    job = fields.text("job", None, max_length=256)
+    return LockHolder(
+        fields.text("host", max_length=256),
+        fields.integer("pid", 1, _MAX_PID),
+        job,
+        fields.number("since", 0.0),
+    )
+
+
+def read_lock(location: str, storage: Storage | None = None) -> LockHolder | None:
+    """The holder of the lock file at ``location`` (read through ``storage``, by default the
+    one serving it), ``None`` if there is none; raises :class:`CorruptCheckpointError` if
+    it is torn or damaged, an :class:`OSError` if it cannot be read (also when it is no
+    regular file: a directory or FIFO there is a storage failure, not a torn lock)."""
+    try:
+        data = read_bounded(location, MAX_RUN_FILE_BYTES, "lock file", storage)
+    except FileNotFoundError:
+        return None
+    return parse_lock(data, location)
+
+
+def parse_run_file(data: bytes, where: str) -> dict[str, Any]:
+    """The retention description ``run.json`` holds (``{}`` if none); the policies
+    :func:`ddpckpt.policies.retention_from` rebuilds are checked field by field (others,
+    a user's own, are returned as they are and rebuilt as none)."""
+    fields = Fields(load_json(data, where, RUN_FILE, limit=MAX_RUN_FILE_BYTES), where, RUN_FILE)
+    retention = fields.mapping("retention", {})
+    _check_retention(retention, where)
+    return retention
+
+
+def _check_retention(doc: Any, where: str) -> None:
+    fields = Fields(doc, where, "retention policy")
+    kind = doc.get("type")
+    if kind == "KeepLast":
+        fields.integer("n", 1)
+    elif kind == "KeepBest":
+        fields.integer("k", 1)
+        if not fields.text("monitor", max_length=1024):
+            raise fields.error("is empty", "monitor")
+        if fields.text("mode", "min") not in ("min", "max"):
+            raise fields.error("is neither 'min' nor 'max'", "mode")
+    elif kind == "Union":
+        for policy in fields.sequence("policies", []):
+            _check_retention(policy, where)
+
+
+def read_retention(directory: str) -> dict[str, Any]:
+    """The retention description of the run in ``directory`` (``{}`` when none is recorded;
+    a damaged ``run.json`` is reported as a warning and counts as none)."""
+    location = os.path.join(directory, RUN_FILE)
+    try:
+        return parse_run_file(read_small(location, MAX_RUN_FILE_BYTES, RUN_FILE), location)
+    except FileNotFoundError:
+        return {}
+    except CorruptCheckpointError as exc:
+        _log.warning("%s; ignored (`ddpckpt ls` shows no retention notes)", exc)
+        return {}
+
+
+def run_file_text(policy: dict[str, Any]) -> bytes:
+    """The ``run.json`` holding ``policy`` (``{"retention": ...}``)."""
+    return json.dumps(policy, indent=1).encode()
+
+
+def describe_path(path: str) -> str | None:
+    """What ``path`` is, when it is not a checkpoint directory, as a message saying what was
+    expected; ``None`` when it is a checkpoint (complete or not) or does not exist."""
+    store = storage_for(path)
+    if not store.is_dir(path):
+        return _describe_run_file(path) if store.exists(path) else None
+    names = store.list(path)
+    if MANIFEST in names or any(_DATA_FILE_LIKE.fullmatch(n) for n in names):
+        return None
+    base = os.path.basename(path.rstrip("/"))
+    if parse_step(base) is not None or is_temp_name(base) or CORRUPT_MARK in base:
+        return None  # a checkpoint directory whose save never wrote anything
+    steps = sorted(n for n in names if parse_step(n) is not None)
+    if steps or {LATEST, RUN_FILE, LOCK_NAME} & set(names):
+        latest = read_latest(path) or (steps[-1] if steps else None)
+        example = (
+            f", or name one of its checkpoints, e.g. {os.path.join(path, latest)}"
+            if latest
+            else " (it holds no checkpoint yet)"
+        )
+        return f"{path}: a run directory, not a checkpoint: try `ddpckpt ls {path}`{example}"
+    inner = sorted(n for n in names if store.exists(os.path.join(path, n, MANIFEST)))
+    if inner:
+        shown = ", ".join(inner[:3]) + (", ..." if len(inner) > 3 else "")
+        return (
+            f"{path}: a directory holding checkpoints ({shown}), not a checkpoint itself: "
+            f"name one of them, e.g. {os.path.join(path, inner[0])}"
+        )
+    if not names:
+        return f"{path}: an empty directory, not a checkpoint"
+    return (
+        f"{path}: not a ddpckpt checkpoint: it has no {MANIFEST} and no checkpoint "
+        "files (expected a directory written by ddpckpt.save or a Checkpointer's step-N)"
+    )
+
+
+def _describe_run_file(path: str) -> str | None:
+    """The message for a file of a run directory (``latest``, ``run.json``, ``.lock``)."""
+    run, base = os.path.split(path.rstrip("/"))
+    if base not in (LATEST, RUN_FILE, LOCK_NAME):
+        return None
+    newest = read_latest(run or ".") if base == LATEST else None
+    if newest:
+        return (
+            f"{path}: the run's pointer to its newest checkpoint, not a checkpoint: name that "
+            f"checkpoint, {os.path.join(run, newest)}"
+        )
+    return f"{path}: a file of the run directory {run or '.'}, not a checkpoint: try `ddpckpt ls {run or '.'}`"

@@ -1,0 +1,147 @@
+"""Hugging Face Accelerate with ddpckpt: an ``Accelerator``'s whole state in one ddpckpt checkpoint.
+
+    from ddpckpt.integrations.accelerate import load_state, save_state
+
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    path = ddpckpt.latest("ckpt")
+    if path is not None:                      # every process, before the training loop
+        step = load_state(accelerator, path).step
+    ...
+    save_state(accelerator, f"ckpt/step-{step}", step=step)   # every process
+
+:func:`save_state` and :func:`load_state` stand for ``accelerator.save_state`` and
+``accelerator.load_state``: collective (every process calls them), they save and restore
+the prepared models, optimizers (``AcceleratedOptimizer``), schedulers
+(``AcceleratedScheduler``), the GradScaler, the objects registered with
+``register_for_checkpointing``, the gradient-accumulation step counter, every process's
+random streams, and the position of every prepared DataLoader: the next iteration of a
+DataLoader saved inside an epoch continues after the last batch training consumed, in the
+saved order (no ``skip_first_batches``; the skipped samples are never loaded). Everything
+is written as ddpckpt writes any checkpoint: no pickle, checksummed, committed atomically,
+each process writing a share. :func:`training_state` gives the same objects as a
+:class:`ddpckpt.TrainingState`, for a :class:`ddpckpt.Checkpointer` (retention,
+preemption, asynchronous saves).
+
+Every committed checkpoint is logged with ``accelerator.log`` (``checkpoint/stall_s``,
+``checkpoint/durable_s``, ``checkpoint/size_bytes``, ``checkpoint/verified``) to the
+trackers the accelerator was given.
+"""
+
+from __future__ import annotations
+
+from ddpckpt.integrations._require import require
+
+require("accelerate", "Hugging Face Accelerate", "accelerate")
+
+import os  # noqa: E402
+import weakref  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+from accelerate import Accelerator  # noqa: E402
+
+import ddpckpt  # noqa: E402
+from ddpckpt._io.background import PendingSave  # noqa: E402
+from ddpckpt.events import SaveEvent, add_listener  # noqa: E402
+from ddpckpt.integrations._prepared import PreparedLoaderPosition  # noqa: E402
+
+__all__ = ["load_state", "save_state", "training_state"]
+
+
+class _StepCounter:
+    """The accelerator's gradient-accumulation step counter, as a stateful object."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": int(self.accelerator.step)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.accelerator.step = int(state["step"])
+
+
+_positions: weakref.WeakKeyDictionary[Any, PreparedLoaderPosition] = weakref.WeakKeyDictionary()
+_reporting: weakref.WeakSet[Accelerator] = weakref.WeakSet()
+
+
+def training_state(
+    accelerator: Accelerator, *, log_checkpoints: bool = True, **extra: Any
+) -> ddpckpt.TrainingState:
+    """The accelerator's prepared objects as a :class:`ddpckpt.TrainingState`; local.
+
+    Names: ``model`` (or ``model0``, ``model1`` ... for several), ``optimizer``,
+    ``scheduler``, ``dataloader`` likewise, ``scaler``, ``custom0`` ... for the objects
+    registered with ``register_for_checkpointing``, ``accelerator_step``; ``extra`` adds
+    your own (an EMA model, a counter). Call it (or :func:`load_state`) after
+    ``accelerator.prepare`` and before the training loop's first batch: each prepared
+    DataLoader's position is recorded from its first batch on. With ``log_checkpoints``
+    the accelerator's main process logs each committed checkpoint with ``accelerator.log``.
+    """
+    objects: dict[str, Any] = {}
+    groups = {
+        "model": list(accelerator._models),
+        "optimizer": [getattr(o, "optimizer", o) for o in accelerator._optimizers],
+        "scheduler": [getattr(s, "scheduler", s) for s in accelerator._schedulers],
+        "dataloader": [_position(d, i) for i, d in enumerate(accelerator._dataloaders)],
+    }
+    for name, members in groups.items():
+        if len(members) == 1:
+            objects[name] = members[0]
+        else:
+            objects.update({f"{name}{i}": member for i, member in enumerate(members)})
+    if accelerator.scaler is not None:
+        objects["scaler"] = accelerator.scaler
+    objects.update({f"custom{i}": obj for i, obj in enumerate(accelerator._custom_objects)})
+    objects["accelerator_step"] = _StepCounter(accelerator)
+    if log_checkpoints and accelerator.is_main_process and accelerator not in _reporting:
+        _reporting.add(accelerator)
+        add_listener(_logger_for(weakref.ref(accelerator)))
+    return ddpckpt.TrainingState({**objects, **extra})
+
+
+def save_state(
+    accelerator: Accelerator,
+    path: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    epoch: int | None = None,
+    metrics: dict[str, Any] | None = None,
+    **options: Any,
+) -> str | PendingSave:
+    """``accelerator.save_state`` through ddpckpt: :func:`ddpckpt.save` of
+    :func:`training_state` at ``path``; collective. ``options`` go to :func:`ddpckpt.save`
+    (``overwrite``, ``async_save``, ``sharing``, ``timeout`` ...)."""
+    state = training_state(accelerator)
+    return ddpckpt.save(path, state, step=step, epoch=epoch, metrics=metrics, **options)
+
+
+def load_state(
+    accelerator: Accelerator, path: str | os.PathLike[str], **options: Any
+) -> ddpckpt.CheckpointInfo:
+    """``accelerator.load_state`` through ddpckpt: :func:`ddpckpt.load` of
+    :func:`training_state` from ``path``; collective. Returns the checkpoint's
+    :class:`ddpckpt.CheckpointInfo` (``step``, ``epoch``, ``metrics``)."""
+    return ddpckpt.load(path, training_state(accelerator), **options)
+
+
+def _position(prepared: Any, index: int) -> PreparedLoaderPosition:
+    if prepared not in _positions:
+        _positions[prepared] = PreparedLoaderPosition(prepared, f"prepared DataLoader {index}")
+    return _positions[prepared]
+
+
+def _logger_for(accelerator: weakref.ref[Accelerator]) -> Callable[[SaveEvent], None]:
+    def log(event: SaveEvent) -> None:
+        live = accelerator()
+        if live is None:
+            return
+        metrics = {
+            "checkpoint/stall_s": event.stall_seconds,
+            "checkpoint/durable_s": event.durable_seconds,
+            "checkpoint/size_bytes": event.nbytes,
+            "checkpoint/verified": int(event.verified),
+        }
+        live.log(metrics, step=event.step)
+
+    return log

@@ -1,0 +1,319 @@
+"""PyTorch Lightning with ddpckpt's checkpoints and an exact mid-epoch resume.
+
+    trainer = lightning.pytorch.Trainer(
+        strategy="ddp",
+        plugins=[DdpckptCheckpointIO()],                  # how checkpoints are written
+        callbacks=[ExactResume(), ModelCheckpoint(...)],  # what a resume restores besides
+    )
+    trainer.fit(model, ckpt_path="last")
+
+:class:`DdpckptCheckpointIO` stores Lightning's checkpoint dict (global rank 0 writes it,
+every rank reads it) as a ddpckpt checkpoint directory: no pickle, every byte
+checksummed, committed atomically; it composes with Lightning's ``AsyncCheckpointIO``.
+:class:`ExactResume` adds what Lightning does not restore: each rank's random streams and
+the position of the train DataLoader (sampler, loader workers' seed), so that a run
+resumed from a checkpoint saved inside an epoch continues bit for bit as if it had never
+stopped; it also reports every committed checkpoint (:mod:`ddpckpt.events`) to the
+Trainer's loggers. Either works without the other.
+"""
+
+from __future__ import annotations
+
+from ddpckpt.integrations._require import require
+
+require("lightning", "PyTorch Lightning", "lightning")
+
+import os  # noqa: E402
+from collections import Counter, OrderedDict, defaultdict  # noqa: E402
+from collections.abc import Callable, Mapping  # noqa: E402
+from typing import Any  # noqa: E402
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.fabric.utilities.data import _set_sampler_epoch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.plugins.io import CheckpointIO  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
+
+import ddpckpt  # noqa: E402
+from ddpckpt._log import current_rank, get_logger  # noqa: E402
+from ddpckpt._training.loader import track_loader  # noqa: E402
+from ddpckpt.errors import InexactResumeError, StateMismatchError  # noqa: E402
+from ddpckpt.events import SaveEvent, add_listener  # noqa: E402
+from ddpckpt.integrations._ranks import (  # noqa: E402
+    capture_streams,
+    gather,
+    own_streams,
+    restore_streams,
+)
+from ddpckpt.storage import configure  # noqa: E402
+
+__all__ = ["DdpckptCheckpointIO", "ExactResume"]
+
+_log = get_logger(__name__)
+
+
+class DdpckptCheckpointIO(CheckpointIO):
+    """Lightning's checkpoints as ddpckpt checkpoints: ``Trainer(plugins=[DdpckptCheckpointIO()])``.
+
+    Each checkpoint path (``epoch=0-step=100.ckpt``, ``last.ckpt``) becomes a directory of
+    safetensors files and a JSON manifest, written by :func:`ddpckpt.save_dict` on the
+    process Lightning saves from (global rank 0) and read by :func:`ddpckpt.load_dict` on
+    every rank. Saving the same path again (``last.ckpt``) replaces it atomically. For
+    asynchronous saves wrap it: ``AsyncCheckpointIO(DdpckptCheckpointIO())``.
+    """
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> None:
+        """Write ``checkpoint`` as the checkpoint directory ``path``; ``storage_options``
+        configure an ``s3://`` URL's client (:func:`ddpckpt.storage.configure`)."""
+        path = os.fspath(path)
+        configure(path, storage_options)
+        step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
+        ddpckpt.save_dict(
+            path,
+            _plain(checkpoint),
+            step=step if isinstance(step, int) else None,
+            epoch=epoch if isinstance(epoch, int) else None,
+            overwrite=True,  # Lightning saves last.ckpt again and again
+        )
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """The checkpoint at ``path``, every byte verified. Nothing in it can run code, so
+        ``weights_only`` (which restricts ``torch.load``'s unpickler) changes nothing."""
+        # None would put each tensor on the device rank 0 saved it from (cuda:0 on every
+        # rank); Lightning copies the state into the modules itself, so read it on the CPU.
+        location = "cpu" if map_location is None else map_location
+        return ddpckpt.load_dict(os.fspath(path), map_location=location)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete the checkpoint at ``path`` (a crash midway leaves none that looks complete).
+
+        A path that holds something other than a committed checkpoint (a ``torch.save``
+        file of an earlier run) is left alone, with a warning.
+        """
+        path = os.fspath(path)
+        try:
+            ddpckpt.remove_checkpoint(path)
+        except ddpckpt.CheckpointNotFoundError:
+            if os.path.lexists(path):
+                _log.warning("%s is not a ddpckpt checkpoint; not removed", path)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with dict subclasses (Lightning's ``AttributeDict`` hyperparameters) as
+    plain dicts: ddpckpt stores only types it can restore as they were."""
+    if type(value) in (dict, OrderedDict):
+        return type(value)((k, _plain(v)) for k, v in value.items())
+    if isinstance(value, Mapping) and type(value) not in (Counter, defaultdict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+class ExactResume(Callback):
+    """What a Lightning checkpoint lacks for an exact resume, saved in it: ``callbacks=[ExactResume()]``.
+
+    At every checkpoint it stores, for every rank, the random streams (Python, numpy, torch,
+    CUDA) and the position of each train DataLoader: the batches training consumed in the
+    current epoch, the random states the sampler's order and the loader workers' seed were
+    drawn from. Resuming from it (``trainer.fit(model, ckpt_path=...)``), every rank
+    continues after the last batch it trained on, without loading the skipped samples,
+    with the next batch and the random numbers an uninterrupted run would have used.
+
+    What it changes in a run: the train loaders are tracked by ddpckpt (``len()`` stays
+    the whole epoch); validation inside ``fit`` runs on a copy of the random streams (as
+    Lightning's sanity check does), so where validation happens does not change training's
+    randomness; each checkpoint gathers every rank's state at rank 0 through the default
+    process group's store (bounded by ``timeout``, default ``$DDPCKPT_TIMEOUT`` or 600 s).
+    With ``log_checkpoints`` every committed checkpoint's cost goes to the Trainer's loggers
+    as ``checkpoint/stall_s``, ``checkpoint/durable_s``, ``checkpoint/size_bytes`` and
+    ``checkpoint/verified``, at the checkpoint's step.
+
+    Limits: map-style datasets only (Lightning reads one batch ahead from a loader without
+    a length); random augmentation inside loader workers repeats exactly only if it depends
+    on the sample, not on which worker ran it (:class:`ddpckpt.data.SeededDataset`).
+    Resuming from a checkpoint saved without this callback is possible but not exact (a
+    warning says so).
+    """
+
+    def __init__(self, *, log_checkpoints: bool = True, timeout: float | None = None) -> None:
+        self.log_checkpoints = log_checkpoints
+        self.timeout = timeout
+        self._loaders: list[DataLoader] = []
+        self._pending: dict[str, Any] | None = None  # this rank's loaded state, applied once
+        self._training_streams: dict[str, Any] | None = None  # during validation
+        self._events: list[SaveEvent] = []
+        self._undo: list[Callable[[], None]] = []
+        self._batches_per_epoch: int | None = None  # Lightning's limit, when it has one
+        self._resumed = False  # the streams were restored for the first pass after a resume
+
+    # ------------------------------------------------------------------ set-up
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        fit_loop = trainer.fit_loop
+        val_loop = fit_loop.epoch_loop.val_loop
+        if not callable(getattr(fit_loop, "_load_combined_loader_states", None)):
+            raise RuntimeError(
+                f"ExactResume does not know this Lightning ({pl.__version__}): its fit loop "
+                "has no _load_combined_loader_states; ddpckpt was tested with Lightning 2.6"
+            )
+        load_states, reset = fit_loop._load_combined_loader_states, fit_loop.reset
+        run_validation = val_loop.run
+        fit_loop._load_combined_loader_states = lambda: self._before_pass(trainer, load_states)
+        fit_loop.reset = lambda: self._after_pass_began(reset)
+        val_loop.run = lambda: self._isolated(run_validation)
+        self._undo = [
+            lambda: vars(fit_loop).pop("_load_combined_loader_states", None),
+            lambda: vars(fit_loop).pop("reset", None),
+            lambda: vars(val_loop).pop("run", None),
+        ]
+        if self.log_checkpoints:
+            self._undo.append(add_listener(self._events.append))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._report(trainer)
+        for undo in self._undo:
+            undo()
+        self._undo = []
+
+    def _before_pass(self, trainer: pl.Trainer, load_states: Callable[[], None]) -> None:
+        """In the fit loop's data set-up, before the first ``iter()`` of new train loaders."""
+        combined = trainer.fit_loop._combined_loader
+        self._loaders = []
+        for loader in combined.flattened if combined is not None else []:
+            if not isinstance(loader, DataLoader):
+                _log.warning(
+                    "ExactResume: the train iterable %s is not a torch DataLoader; its "
+                    "position is not saved, so a resume inside an epoch is not exact",
+                    type(loader).__qualname__,
+                )
+                continue
+            if isinstance(loader.dataset, IterableDataset):
+                raise InexactResumeError(
+                    "ExactResume: the train DataLoader reads the IterableDataset "
+                    f"{type(loader.dataset).__qualname__}, which Lightning reads one batch ahead "
+                    "of training, so its position is not what training consumed; use a "
+                    "map-style dataset (with __len__ and __getitem__)"
+                )
+            track_loader(loader)
+            loader._ddpckpt_stream.whole_pass_len = True  # Lightning counts against len()
+            self._loaders.append(loader)
+        load_states()  # Lightning's own (rank 0's) loader states, when it restarts an epoch
+        epoch = trainer.fit_loop.epoch_progress.current.processed
+        for loader in self._loaders:  # Lightning does it after this iter(); workers need it now
+            _set_sampler_epoch(loader, epoch)
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if len(pending["loaders"]) != len(self._loaders):
+            raise StateMismatchError(
+                f"ExactResume: the checkpoint holds the positions of {len(pending['loaders'])} "
+                f"train DataLoader(s), this run has {len(self._loaders)}: train on the same loaders"
+            )
+        for loader, state in zip(self._loaders, pending["loaders"], strict=True):
+            loader.load_state_dict(state)
+        restore_streams(pending["rng"], "ExactResume")  # what a new pass draws from, as saved
+        self._resumed = True
+
+    def _after_pass_began(self, reset: Callable[[], None]) -> None:
+        """Right after the first ``iter()`` of a resumed run: the random streams as they are
+        now are those of the saved run; what Lightning and the user's hooks draw from here
+        to the first batch (a ``val_dataloader()`` building its data, ``on_train_start``)
+        the saved run drew before its checkpoint. They are set back right before the first
+        batch is taken."""
+        if self._resumed and self._loaders:
+            self._resumed = False
+            streams = capture_streams()
+            self._loaders[0]._ddpckpt_before_next = lambda: restore_streams(streams, "ExactResume")
+        reset()
+
+    def _isolated(self, run_validation: Callable[[], Any]) -> Any:
+        """Validation on a copy of the random streams: training's continue as if it had not run."""
+        streams = capture_streams()
+        self._training_streams = streams
+        try:
+            return run_validation()
+        finally:
+            self._training_streams = None
+            restore_streams(streams, "ExactResume")
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def state_key(self) -> str:
+        return "ddpckpt.ExactResume"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's streams and loader positions; collective (Lightning calls it on every
+        rank when it saves a checkpoint), the result meaningful on global rank 0."""
+        mine = {
+            "rng": self._training_streams or capture_streams(),
+            "loaders": [self._position(loader) for loader in self._loaders],
+        }
+        ranks = gather("ddpckpt.integrations.lightning", mine, self.timeout)
+        return {"ranks": ranks or []}
+
+    def _position(self, loader: DataLoader) -> dict[str, Any]:
+        state = loader.state_dict()
+        limit = self._batches_per_epoch
+        if state["started"] and limit is not None and state["position"] >= limit:
+            state["finished"] = True  # Lightning stops at its limit without asking for more
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        ranks = state_dict.get("ranks")
+        if not isinstance(ranks, list) or not ranks:
+            raise StateMismatchError(
+                f"ExactResume: the checkpoint's state for it is not ExactResume's (keys "
+                f"{sorted(state_dict)})"
+            )
+        rank = current_rank()
+        self._pending = {
+            "rng": own_streams(ranks, "ExactResume"),
+            "loaders": ranks[min(rank, len(ranks) - 1)]["loaders"],
+        }
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        batches = trainer.num_training_batches
+        self._batches_per_epoch = None if batches == float("inf") else int(batches)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if self.state_key not in checkpoint.get("callbacks", {}):
+            _log.warning(
+                "ExactResume: the checkpoint was saved without ExactResume, so it holds no "
+                "random streams and no DataLoader position: this resume is not exact",
+            )
+
+    # ------------------------------------------------------------------ trackers
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._report(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._report(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._report(trainer)
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        """Send the checkpoints committed since the last call to the loggers (on the training
+        thread: an asynchronous save commits on another)."""
+        while self._events:
+            event = self._events.pop(0)  # atomic: a writer thread may append meanwhile
+            metrics = {
+                "checkpoint/stall_s": event.stall_seconds,
+                "checkpoint/durable_s": event.durable_seconds,
+                "checkpoint/size_bytes": float(event.nbytes),
+                "checkpoint/verified": float(event.verified),
+            }
+            step = event.step if event.step is not None else trainer.global_step
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)

@@ -1,0 +1,457 @@
+"""Mutations of real checkpoints and torch.save files, and the property every one must keep.
+
+Shared by the hypothesis tests run in CI (``tests/test_fuzz.py``) and the long-running
+atheris target (``tests/fuzz/fuzz_checkpoints.py``): each drives the same mutations through
+a :class:`Chooser` (hypothesis draws, or atheris' fuzzed bytes).
+
+Property (:func:`check_checkpoint`, :func:`check_torch_file`): a mutated input either loads
+(into fresh objects, exactly the original data when the mutation left every checksum as it
+was) or raises one of the documented errors; within a time and a memory bound; opening no
+path outside the checkpoint (an ``open`` audit hook witnesses every file opened) and
+starting no process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import resource
+import shutil
+import struct
+import sys
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+import ddpckpt
+from ddpckpt._cli.tools import summary
+from ddpckpt._convert.legacy import import_checkpoint
+from ddpckpt.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StateMismatchError,
+    UnsafeCheckpointError,
+    UnsupportedValueError,
+)
+from hostile import (
+    MANIFEST,
+    manifest_doc,
+    opened_paths,
+    outside,
+    refresh_file,
+    split_header,
+    write_header,
+    write_manifest,
+)
+
+SECONDS = 20.0  # per call, on a busy CI machine (each takes milliseconds)
+MEMORY = 512 << 20  # peak resident memory any example may add
+# What a checkpoint whose checksums the attacker recomputed may raise: it is damaged, or
+# it describes other objects than the live ones (a self-consistent checkpoint may).
+DOCUMENTED = (CorruptCheckpointError, CheckpointNotFoundError, StateMismatchError,
+              UnsupportedValueError)  # fmt: skip
+# What damage that leaves checksums as they were may raise.
+DAMAGED = (CorruptCheckpointError, CheckpointNotFoundError)
+
+HOSTILE_NAMES = ["../model-00000.safetensors", "/etc/passwd", "model-00000.safetensors/../x",
+                 "", ".", "..", "model-1.safetensors", ".next-a/../../x", "rank-00000.safetensors",
+                 "state-00000.safetensors", "a" * 300, "model-00000.safetensors\0"]  # fmt: skip
+HOSTILE_STRINGS = [*HOSTILE_NAMES, "$tensor", "$tuple", "$float", "nan", "F32", "BOOL",
+                   "cuda:99", "step-00000001", "\udcff", "\U0001f4a5"]  # fmt: skip
+HOSTILE_INTS = [0, 1, -1, 7, 2**31, 2**32 + 1, 2**53 + 1, 2**63 - 1, 2**63, -(2**63), 10**30]
+TAGS = ["$tensor", "$ndarray", "$tuple", "$dict", "$odict", "$set", "$frozenset", "$float",
+        "$complex", "$bytes", "$npscalar", "$dtype", "$device", "$size", "$counter",
+        "$defaultdict", "$deque", "$enum", "$unknown"]  # fmt: skip
+OPCODES = [b"(", b".", b"0", b"1", b"2", b"K\xff", b"M\xff\xff", b"J\xff\xff\xff\x7f", b"N", b"R",
+           b"]", b"}", b"a", b"e", b"s", b"u", b"t", b")", b"\x85", b"\x86", b"\x87", b"h\x00",
+           b"j\xff\xff\x00\x00", b"q\x00", b"r\xff\xff\xff\x7f", b"b", b"\x81", b"Q", b"X\xff\xff\xff\x7f",
+           b"ctorch._utils\n_rebuild_tensor_v2\n", b"cos\nsystem\n", b"c__builtin__\neval\n",
+           b"ccollections\nOrderedDict\n", b"\x80\x02", b"\x94", b"\x95" + b"\xff" * 8]  # fmt: skip
+
+
+class Chooser(Protocol):
+    """Where a mutation's choices come from: hypothesis draws or atheris' bytes."""
+
+    def integer(self, lo: int, hi: int) -> int: ...
+
+    def raw(self, at_most: int) -> bytes: ...
+
+
+def choice(chooser: Chooser, items: list[Any]) -> Any:
+    return items[chooser.integer(0, len(items) - 1)]
+
+
+def json_value(chooser: Chooser, depth: int = 0) -> Any:
+    """A JSON value of the kinds that have broken parsers: odd numbers, hostile strings,
+    tags, and containers (rarely nested past every cap)."""
+    kind = chooser.integer(0, 9 if depth < 3 else 5)
+    if kind == 0:
+        return choice(chooser, HOSTILE_INTS)
+    if kind == 1:
+        return choice(chooser, [0.5, -0.0, 1e308, -1e308, 5e-324, 3.0])
+    if kind == 2:
+        return choice(chooser, HOSTILE_STRINGS)
+    if kind == 3:
+        return choice(chooser, [None, True, False])
+    if kind == 4:
+        return chooser.raw(12).decode("latin-1")
+    if kind == 5:
+        return choice(chooser, [[], {}, [1, 2], {"a": 1}])
+    if kind == 6:
+        return [json_value(chooser, depth + 1) for _ in range(chooser.integer(0, 3))]
+    if kind == 7:
+        return {choice(chooser, HOSTILE_STRINGS): json_value(chooser, depth + 1)}
+    if kind == 8:
+        return {choice(chooser, TAGS): json_value(chooser, depth + 1)}
+    nested: Any = choice(chooser, [0, "x", {}])
+    for _ in range(choice(chooser, [3, 200, 300, 900])):
+        nested = [nested] if chooser.integer(0, 1) else {"k": nested}
+    return nested
+
+
+def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """Every path to a node of a JSON document (the root included)."""
+    yield prefix
+    if isinstance(doc, dict):
+        for key, value in doc.items():
+            yield from _paths(value, (*prefix, key))
+    elif isinstance(doc, list):
+        for index, value in enumerate(doc):
+            yield from _paths(value, (*prefix, index))
+
+
+def mutate_json(chooser: Chooser, doc: Any, within: tuple[Any, ...] = ()) -> Any:
+    """``doc`` with one node (below ``within``) replaced, removed, renamed or tweaked."""
+    base = doc
+    for key in within:
+        base = base[key]
+    paths = list(_paths(base))
+    path = choice(chooser, paths[1:] if len(paths) > 1 else paths)
+    full = (*within, *path)
+    if not full:
+        return json_value(chooser)
+    parent = doc
+    for key in full[:-1]:
+        parent = parent[key]
+    last, value = full[-1], parent[full[-1]]
+    op = chooser.integer(0, 4)
+    if op == 0 or (not isinstance(parent, dict) and op in (1, 2)):
+        parent[last] = json_value(chooser)
+    elif op == 1:
+        del parent[last]
+    elif op == 2:
+        parent[choice(chooser, HOSTILE_STRINGS)] = parent.pop(last)
+    elif op == 3 and type(value) is int:
+        parent[last] = choice(chooser, [value + 1, value - 1, -value, value * 2**32, 0])
+    elif isinstance(value, list) and value:
+        parent[last] = [*value[: chooser.integer(0, len(value) - 1)], json_value(chooser)]
+    else:
+        parent[last] = json_value(chooser)
+    return doc
+
+
+# --------------------------------------------------------------------- checkpoints
+
+
+def _data_files(ckpt: Path) -> list[str]:
+    return sorted(p.name for p in ckpt.iterdir() if p.name.endswith(".safetensors"))
+
+
+def _mutate_manifest(chooser: Chooser, ckpt: Path) -> bool:
+    doc = manifest_doc(ckpt)
+    within = choice(chooser, [(), ("files",), ("tensors",), ("state",), ("metrics",)])
+    write_manifest(
+        ckpt, mutate_json(chooser, doc, within if within[0:1] and within[0] in doc else ())
+    )
+    return True
+
+
+def _mutate_header(chooser: Chooser, ckpt: Path) -> bool:
+    name = choice(chooser, _data_files(ckpt))
+    header, _ = split_header((ckpt / name).read_bytes())
+    write_header(ckpt, name, mutate_json(chooser, header))
+    return True
+
+
+def _mutate_rank_state(chooser: Chooser, ckpt: Path) -> bool:
+    name = "rank-00000.safetensors"
+    header, _ = split_header((ckpt / name).read_bytes())
+    key = "ddpckpt.rank_state"
+    state = json.loads(header["__metadata__"][key])
+    header["__metadata__"][key] = json.dumps(mutate_json(chooser, {"s": state}, ("s",))["s"])
+    write_header(ckpt, name, header)
+    return True
+
+
+def _mutate_length(chooser: Chooser, ckpt: Path) -> bool:
+    """A header length that lies (the file's digest recomputed)."""
+    name = choice(chooser, _data_files(ckpt))
+    data = bytearray((ckpt / name).read_bytes())
+    data[:8] = struct.pack("<Q", choice(chooser, [0, 1, 7, len(data), 2**63, 2**40, 99_999_999]))
+    (ckpt / name).write_bytes(bytes(data))
+    refresh_file(ckpt, name)
+    return True
+
+
+def _damage_bytes(chooser: Chooser, ckpt: Path) -> bool:
+    """Flipped bits, a truncation or appended bytes; no checksum recomputed."""
+    name = choice(chooser, [MANIFEST, *_data_files(ckpt)])
+    data = bytearray((ckpt / name).read_bytes())
+    op = chooser.integer(0, 2)
+    if op == 0:
+        for _ in range(chooser.integer(1, 3)):
+            data[chooser.integer(0, len(data) - 1)] ^= 1 << chooser.integer(0, 7)
+    elif op == 1:
+        del data[chooser.integer(0, len(data) - 1) :]
+    else:
+        data += chooser.raw(16) or b"\0"
+    (ckpt / name).write_bytes(bytes(data))
+    return False
+
+
+def _special_file(chooser: Chooser, ckpt: Path) -> bool:
+    """A FIFO, a link to /dev/zero or outside, a link loop or a directory as a file."""
+    name = choice(chooser, [MANIFEST, *_data_files(ckpt)])
+    path = ckpt / name
+    path.unlink()
+    kind = chooser.integer(0, 4)
+    if kind == 0:
+        os.mkfifo(path)
+    elif kind == 1:
+        os.symlink("/dev/zero", path)
+    elif kind == 2:
+        os.symlink(path.name, path)
+    elif kind == 3:
+        os.symlink(os.path.abspath(ckpt / ".." / "outside"), path)
+    else:
+        path.mkdir()
+    return False
+
+
+_LAST = (_special_file, _damage_bytes, _mutate_length)
+MUTATIONS: list[Callable[[Chooser, Path], bool]] = [
+    _mutate_manifest, _mutate_header, _mutate_rank_state, _mutate_length, _damage_bytes,
+    _special_file,
+]  # fmt: skip
+
+
+def seed_checkpoint(path: Path) -> dict[str, Any]:
+    """A small checkpoint of every kind of state (model, Adam, scheduler, scaler, plain
+    and tagged extras, per-rank RNG in a rank file); returns what it holds."""
+    torch.manual_seed(0)
+    model, optimizer, scheduler = _objects()
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4)).square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+    extra = {"note": [1, (2.5, "x"), {3: None}], "seen": {1, 2}, "big": float("inf")}
+    ddpckpt.save(path, model=model, optimizer=optimizer, scheduler=scheduler, step=2,
+                 extra=dict(extra), metrics={"loss": 0.25})  # fmt: skip
+    (path.parent / "outside").write_bytes(b"not part of the checkpoint")
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "extra": extra}
+
+
+def _objects() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1)
+
+
+def mutated_checkpoint(chooser: Chooser, seed: Path, work: Path) -> tuple[Path, bool]:
+    """A copy of ``seed`` under ``work`` with one to three mutations; whether every
+    checksum was left as it was (so only exactly the original data may load)."""
+    if work.exists():
+        shutil.rmtree(work)
+    shutil.copytree(seed.parent, work, symlinks=True)
+    ckpt = work / seed.name
+    intact = True
+    for _ in range(chooser.integer(1, 3)):
+        mutation = choice(chooser, MUTATIONS)
+        try:
+            intact = not mutation(chooser, ckpt) and intact
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error):
+            break  # an earlier mutation left what this one cannot parse: keep it as it is
+        if mutation in _LAST:
+            break  # what they leave may not parse, or be a FIFO: nothing follows them
+    return ckpt, intact
+
+
+def check_checkpoint(ckpt: Path, intact: bool, original: dict[str, Any]) -> None:
+    """The property (see the module), for ``load``, ``load_latest``, ``verify`` and
+    ``inspect``'s summary of the checkpoint ``ckpt``."""
+    model, optimizer, scheduler = _objects()
+    extra: dict[str, Any] = {"note": None, "seen": None, "big": None}
+
+    def load() -> Any:
+        return ddpckpt.load(ckpt, model=model, optimizer=optimizer, scheduler=scheduler,
+                            extra=extra)  # fmt: skip
+
+    allowed = DAMAGED if intact else DOCUMENTED
+    with bounded(ckpt):
+        if _outcome(load, allowed) and intact:
+            _assert_same(model.state_dict(), original["model"])
+            _assert_same(optimizer.state_dict()["state"], original["optimizer"]["state"])
+            assert extra == original["extra"], extra
+        _outcome(lambda: ddpckpt.verify(ckpt), allowed)
+        _outcome(lambda: summary(ckpt), allowed)
+        _outcome(lambda: ddpckpt.load_latest(ckpt.parent, model=_objects()[0]), allowed)
+
+
+def _outcome(call: Callable[[], Any], allowed: tuple[type[BaseException], ...]) -> bool:
+    """Run ``call`` within the time bound: True if it succeeded, False if it raised one of
+    ``allowed``; anything else fails the property."""
+    started = time.monotonic()
+    try:
+        call()
+        succeeded = True
+    except allowed:
+        succeeded = False
+    elapsed = time.monotonic() - started
+    assert elapsed < SECONDS, f"took {elapsed:.1f} s"
+    return succeeded
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _assert_same(a[key], b[key])
+    else:
+        assert a == b
+
+
+@contextlib.contextmanager
+def bounded(root: Path) -> Iterator[None]:
+    """Fail if what runs inside opens a path outside ``root``, starts a process, or raises
+    the process's peak resident memory by more than ``MEMORY``."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with opened_paths() as opened, _no_processes():
+        yield
+    assert outside(opened, root) == [], outside(opened, root)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak
+    assert grown < MEMORY, f"peak memory grew by {grown >> 20} MiB"
+
+
+_spawned: list[str] = []
+_SPAWNING = ("os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "subprocess.Popen")
+
+
+def _spawn_witness(event: str, args: tuple[Any, ...]) -> None:
+    if event.startswith(_SPAWNING):
+        _spawned.append(event)
+
+
+@contextlib.contextmanager
+def _no_processes() -> Iterator[None]:
+    if _spawn_witness not in _hooks:
+        sys.addaudithook(_spawn_witness)
+        _hooks.append(_spawn_witness)
+    _spawned.clear()
+    yield
+    assert _spawned == [], f"started a process: {_spawned}"
+
+
+_hooks: list[Any] = []
+
+
+# --------------------------------------------------------------------- torch.save files
+
+
+def seed_torch_file(path: Path) -> None:
+    """A torch.save file as the usual recipes write it (model, optimizer, epoch, extras)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3,
+                "args": {"lr": 0.1, "layers": [3, 2]}}, path)  # fmt: skip
+
+
+def mutated_torch_file(chooser: Chooser, seed: Path, target: Path) -> None:
+    """``seed`` with its pickle's opcodes or its zip's bytes changed."""
+    with zipfile.ZipFile(seed) as archive:
+        records = [(info, archive.read(info.filename)) for info in archive.infolist()]
+    op = chooser.integer(0, 3)
+    if op == 3:  # raw bytes of the whole file
+        data = bytearray(seed.read_bytes())
+        for _ in range(chooser.integer(1, 4)):
+            data[chooser.integer(0, len(data) - 1)] ^= 1 << chooser.integer(0, 7)
+        target.write_bytes(bytes(data))
+        return
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        for info, data in records:
+            if info.filename.endswith("data.pkl"):
+                data = _mutate_pickle(chooser, bytearray(data), op)
+            elif "/data/" in info.filename and op == 2 and chooser.integer(0, 3) == 0:
+                data = data[: chooser.integer(0, len(data))]
+            archive.writestr(info, data)
+    target.write_bytes(out.getvalue())
+
+
+def _mutate_pickle(chooser: Chooser, data: bytearray, op: int) -> bytes:
+    for _ in range(chooser.integer(1, 3)):
+        at = chooser.integer(0, len(data) - 1)
+        if op == 0:
+            data[at:at] = choice(chooser, OPCODES)
+        elif op == 1:
+            data[at] ^= 1 << chooser.integer(0, 7)
+        else:
+            del data[at : at + chooser.integer(1, 8)]
+    return bytes(data)
+
+
+def check_torch_file(path: Path, out: Path) -> None:
+    """The property for ``import``: a checkpoint that verifies, or a refusal."""
+    if out.exists():
+        shutil.rmtree(out)
+    with bounded(path.parent):
+        if _outcome(lambda: import_checkpoint(path, out),
+                    (CorruptCheckpointError, UnsafeCheckpointError)):  # fmt: skip
+            assert ddpckpt.verify(out)
+
+
+class RandomChooser:
+    """Choices from a seeded ``random.Random`` (for quick runs without a fuzzer)."""
+
+    def __init__(self, seed: int) -> None:
+        self._random = random.Random(seed)
+
+    def integer(self, lo: int, hi: int) -> int:
+        return self._random.randint(lo, hi)
+
+    def raw(self, at_most: int) -> bytes:
+        return bytes(self._random.getrandbits(8) for _ in range(self._random.randint(0, at_most)))
+
+
+def example(kind: str, root: Path) -> Callable[[Chooser], None]:
+    """One check of the property on an input of ``kind`` (``checkpoint`` or ``torchfile``)
+    mutated by a chooser's choices; the seed input is made under ``root`` first."""
+    if kind == "checkpoint":
+        seed = root / "seed" / "run" / "ckpt"
+        original = seed_checkpoint(seed)
+
+        def one(chooser: Chooser) -> None:
+            mutated, intact = mutated_checkpoint(chooser, seed, root / "work" / "run")
+            check_checkpoint(mutated, intact, original)
+
+        return one
+    legacy = root / "seed.pt"
+    seed_torch_file(legacy)
+
+    def one_file(chooser: Chooser) -> None:
+        mutated_torch_file(chooser, legacy, root / "mutated.pt")
+        check_torch_file(root / "mutated.pt", root / "out")
+
+    return one_file

@@ -1,0 +1,46 @@
+"""``ddpckpt check-resume`` run as a user runs it: on any launch command, or on
+``tiny_train.py`` (2 ranks unless told, under a torchrun that restarts a killed job itself, on loopback)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from launch import _env, _finish, _start, free_port
+
+SUPPORT = Path(__file__).parent
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+# tiny_train.py: 6 steps an epoch at any world size, 2 epochs; saves at 4, 6 (epoch end), 8, 12 (and epoch end).
+# Killed at step 10, the restarted run resumes from 8 and its first step is 9.
+KILL, RESUMED, FIRST = "10", 8, 9
+
+
+def check(
+    tmp: Path, command: Sequence[str], *options: str, env: Mapping[str, str] | None = None
+) -> tuple[int, str, dict[str, Any]]:
+    """``ddpckpt check-resume --out tmp/check OPTIONS -- COMMAND`` in ``tmp``: its exit
+    status, output and report.json ({} if none was written)."""
+    out = tmp / "check"
+    argv = [sys.executable, "-m", "ddpckpt", "check-resume", "--out", str(out), "--timeout=150",
+            *options, "--", *command]  # fmt: skip
+    variables = _env({"PYTHONWARNINGS": "ignore::FutureWarning", **(env or {})})
+    ((code, output),) = _finish([_start(argv, variables, tmp)], 600)
+    report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
+    return code, output, report
+
+
+def check_tiny(
+    tmp: Path, *options: str, bug: str = "", reference: Path | None = None, nproc: int = 2,
+    sharded: str = "",
+) -> tuple[int, str, dict[str, Any]]:  # fmt: skip
+    """:func:`check` on tiny_train.py at ``nproc`` ranks with ``PLANTED_BUG=bug`` and
+    ``SHARDED=sharded``, its ``--dir`` in ``tmp/user``."""
+    port = free_port()
+    command = [TORCHRUN, f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1", "--monitor-interval=0.2",
+               "--local-addr=127.0.0.1", str(SUPPORT / "tiny_train.py"), "--dir", str(tmp / "user")]  # fmt: skip
+    more = ["--reference", str(reference)] if reference else []
+    return check(tmp, command, *options, *more, env={"PLANTED_BUG": bug, "SHARDED": sharded})
