@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpckpt._coord.plan import assign, plan_owners
+from ddpckpt._coord.plan import assign, assign_shards, plan_owners
 
 
 @given(
@@ -56,3 +56,21 @@ def test_a_two_node_plan_splits_replicated_weights_within_each_node() -> None:
     first, second = plan_owners(sizes, nodes, movable={"w1", "w2", "w3"})
     assert first == {"w1": 0, "w2": 1, "w3": 1, "buffer": 0}
     assert second == {"w1": 2, "w2": 3, "w3": 3, "buffer": 2}
+
+
+def test_each_shard_is_written_once_per_domain_by_one_of_its_holders() -> None:
+    # HSDP on 4 ranks: shard a held by ranks 0 and 2, b by 1 and 3; two nodes {0, 1}, {2, 3}
+    shards = {"a": (100, [0, 2]), "b": (100, [1, 3]), "c": (10, [0, 1, 2, 3])}
+    (one, loads_one), (two, loads_two) = assign_shards(shards, [[0, 1], [2, 3]])
+    assert one == {"a": 0, "b": 1, "c": 0} and two == {"a": 2, "b": 3, "c": 2}
+    assert loads_one == {0: 110, 1: 100} and loads_two == {2: 110, 3: 100}
+    # replicas spread: six equal shards held by every rank go two to each of three ranks
+    owners, _ = assign_shards({i: (8, [0, 1, 2]) for i in range(6)}, [[0, 1, 2]])[0]
+    assert sorted(owners.values()) == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(LookupError):  # a node holding no replica of b cannot write a copy
+        assign_shards(shards, [[0, 2], [1, 3]])
+
+
+def test_replicated_tensors_fill_around_the_shards() -> None:
+    owners = plan_owners({"x": 10, "y": 10}, [[0, 1]], {"x", "y"}, [{0: 100, 1: 0}])[0]
+    assert owners == {"x": 1, "y": 1}

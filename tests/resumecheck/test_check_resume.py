@@ -65,6 +65,19 @@ def test_four_ranks_resume_bit_identical_with_ddps_gradient_buckets_restored(tmp
     )
 
 
+def test_zero_optimizer_state_is_checked_bit_identical(tmp_path) -> None:
+    """ZeRO-1's optimizer state is compared shard by shard on each rank (its own
+    state_dict() would refuse without a consolidation). FSDP2's DTensors: the recorder's
+    digest is checked in tests/test_sharded.py; SHARDED=fsdp runs here too, at the cost of
+    another minute."""
+    code, output, report = check_tiny(tmp_path, f"--kill-at={KILL}", sharded="zero")
+    assert code == 0, output[-5000:]
+    (point,) = report["points"]
+    assert point["resumed_from"] == RESUMED and point["divergence"] is None, point["divergence"]
+    assert (point["steps_compared"], point["ranks"]) == (4, 2)
+    assert {"model.parameters", "optimizer", "scheduler"} <= set(point["components"])
+
+
 @pytest.mark.parametrize(
     ("bug", "phase", "component", "ranks", "cause"),
     [

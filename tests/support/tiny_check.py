@@ -33,13 +33,14 @@ def check(
 
 
 def check_tiny(
-    tmp: Path, *options: str, bug: str = "", reference: Path | None = None, nproc: int = 2
-) -> tuple[int, str, dict[str, Any]]:
-    """:func:`check` on tiny_train.py at ``nproc`` ranks with ``PLANTED_BUG=bug``, its
-    ``--dir`` in ``tmp/user``."""
+    tmp: Path, *options: str, bug: str = "", reference: Path | None = None, nproc: int = 2,
+    sharded: str = "",
+) -> tuple[int, str, dict[str, Any]]:  # fmt: skip
+    """:func:`check` on tiny_train.py at ``nproc`` ranks with ``PLANTED_BUG=bug`` and
+    ``SHARDED=sharded``, its ``--dir`` in ``tmp/user``."""
     port = free_port()
     command = [TORCHRUN, f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
                f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1", "--monitor-interval=0.2",
                "--local-addr=127.0.0.1", str(SUPPORT / "tiny_train.py"), "--dir", str(tmp / "user")]  # fmt: skip
     more = ["--reference", str(reference)] if reference else []
-    return check(tmp, command, *options, *more, env={"PLANTED_BUG": bug})
+    return check(tmp, command, *options, *more, env={"PLANTED_BUG": bug, "SHARDED": sharded})

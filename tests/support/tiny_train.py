@@ -16,6 +16,9 @@
 * ``epoch``: the loop restarts at ``info.epoch + 1`` (the ImageNet example's habit), which
   skips the rest of an epoch a checkpoint was saved in;
 * ``unseeded``: neither torch nor numpy is ever seeded (two runs differ from the start).
+
+``SHARDED`` (environment) trains the same model with sharded state instead: ``zero`` (DDP
+with a ``ZeroRedundancyOptimizer``) or ``fsdp`` (FSDP2 ``fully_shard`` per linear layer).
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import ddpckpt
 
 BUG = os.environ.get("PLANTED_BUG", "")
+SHARDED = os.environ.get("SHARDED", "")
 
 
 class Noisy(Dataset):
@@ -64,8 +70,17 @@ def main() -> None:
         np.random.seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2),
                           nn.Linear(16, 1))  # fmt: skip
-    ddp = DDP(model, broadcast_buffers=False)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    if SHARDED == "fsdp":
+        for layer in (model[0], model[4], model):
+            fully_shard(layer)
+        ddp = model
+    else:
+        ddp = DDP(model, broadcast_buffers=False)
+    if SHARDED == "zero":
+        optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                            lr=1e-2)  # fmt: skip
+    else:
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
     if BUG == "optimizer":  # made below, after resume(); a constant learning rate
         optimizer = scheduler = None

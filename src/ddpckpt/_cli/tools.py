@@ -20,6 +20,7 @@ from ddpckpt._format.codec import JSON
 from ddpckpt._format.manifest import Manifest, read_manifest
 from ddpckpt._format.rankparts import fill_rank_parts
 from ddpckpt._format.sections import ROLE_KEYS, StateSections
+from ddpckpt._format.shards import ShardedEntry
 from ddpckpt._format.tensorwrite import write_file
 from ddpckpt._io.reader import FileSource, chosen_model, find_problems, load_state_dict
 from ddpckpt._run.rundir import size_problems
@@ -63,15 +64,35 @@ def summary(path: str | os.PathLike[str]) -> dict[str, Any]:
         "bytes": manifest.nbytes,
         "files": len(manifest.files),
         "sections": sections,
-        "tensors": [
-            {
-                "name": name,
-                "dtype": t.dtype,
-                "shape": list(t.shape),
-                "bytes": t.nbytes,
-                "file": t.file,
-            }
-            for name, t in manifest.tensors.items()
+        "tensors": sorted(
+            [
+                {
+                    "name": name,
+                    "dtype": t.dtype,
+                    "shape": list(t.shape),
+                    "bytes": t.nbytes,
+                    "file": t.file,
+                }
+                for name, t in manifest.tensors.items()
+            ]
+            + [_sharded_summary(name, record) for name, record in manifest.shards.items()],
+            key=lambda t: not t["name"].startswith("model/"),  # the model first, as saved
+        ),
+    }
+
+
+def _sharded_summary(name: str, record: ShardedEntry) -> dict[str, Any]:
+    """A sharded tensor as ``summary`` lists it: its placement in ``file``, and every shard."""
+    return {
+        "name": name,
+        "dtype": record.dtype,
+        "shape": list(record.shape),
+        "bytes": record.nbytes,
+        "file": record.describe(),
+        "placement": {"mesh": list(record.mesh), "placements": list(record.placements)},
+        "shards": [
+            {"offsets": list(p.offsets), "shape": list(p.shape), "file": p.entry.file}
+            for p in record.pieces
         ],
     }
 
@@ -81,7 +102,10 @@ def _section_types(stored: StateSections) -> dict[str, Any]:
     found: dict[str, Any] = {}
     for role, (single, _) in ROLE_KEYS.items():
         for name, section in getattr(stored, role).items():
-            found[single if not stored.layout.named else f"{single} {name}"] = section.type
+            kind = section.type
+            if getattr(section, "zero", None) is not None:
+                kind += f" (ZeroRedundancyOptimizer over {section.zero.world_size} ranks)"
+            found[single if not stored.layout.named else f"{single} {name}"] = kind
     if stored.saved_dict is not None:
         found["dict"] = "save_dict"
     if stored.extra:
@@ -245,18 +269,10 @@ def diff(
     state += list(_tree_diff("ranks", ma.ranks, mb.ranks))
     report.state = [item for item in state if kept(item[0])]
     sa, sb = FileSource(a, ma), FileSource(b, mb)
-    for name in sorted(set(ma.tensors) | set(mb.tensors)):
-        ta, tb = ma.tensors.get(name), mb.tensors.get(name)
-        if (
-            ta is not None
-            and tb is not None
-            and (ta.digest, ta.shape, ta.dtype)
-            == (
-                tb.digest,
-                tb.shape,
-                tb.dtype,
-            )
-        ):
+    stored_a, stored_b = _stored(ma), _stored(mb)
+    for name in sorted(set(stored_a) | set(stored_b)):
+        ta, tb = stored_a.get(name), stored_b.get(name)
+        if ta is not None and ta == tb:
             report.identical_tensors += 1
             continue
         if not kept(name):
@@ -272,6 +288,24 @@ def diff(
         else:
             report.tensors.append(_value_diff(name, sa.get(name), sb.get(name)))
     return report
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """A tensor as a manifest describes it: equal records mean equal bytes."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    digests: tuple[Any, ...]  # the tensor's digest, or each shard's place and digest
+
+
+def _stored(manifest: Manifest) -> dict[str, _Stored]:
+    """Every tensor of ``manifest``, whole or sharded (read one at a time when compared)."""
+    found = {n: _Stored(t.shape, t.dtype, (t.digest,)) for n, t in manifest.tensors.items()}
+    for name, record in manifest.shards.items():
+        digests = tuple((p.offsets, p.shape, p.entry.digest) for p in record.pieces)
+        found[name] = _Stored(record.shape, record.dtype, digests)
+    return found
 
 
 def _value_diff(name: str, x: torch.Tensor, y: torch.Tensor) -> TensorDiff:
@@ -369,6 +403,13 @@ def _export_safetensors(path: str, manifest: Manifest, tmp: str, name: str) -> N
             "which safetensors cannot hold; export to .pt instead"
         )
     source = FileSource(path, manifest)
-    items = [(key, source.get(prefix + key)) for key in section.keys]
-    items += [(alias, source.get(prefix + key)) for alias, key in section.aliases.items()]
-    write_file(tmp, items, writer=0, metadata={"format": "pt", "exported_by": "ddpckpt"})
+    stored = {key: key for key in section.keys} | dict(section.aliases)
+
+    def placeholder(key: str) -> torch.Tensor:  # what write_file lays out before any data
+        dtype, shape = source.meta(prefix + key)
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    # One tensor in memory at a time: a sharded one is assembled when its turn comes.
+    items = [(key, placeholder(name)) for key, name in stored.items()]
+    write_file(tmp, items, writer=0, metadata={"format": "pt", "exported_by": "ddpckpt"},
+               produce=lambda key: source.get(prefix + stored[key]))  # fmt: skip

@@ -89,6 +89,8 @@ def check_replicated(comm: Comm, snapshot: Snapshot) -> None:
         snapshot.per_rank.clear()
         return
     layout = sorted((n, str(t.dtype), list(t.shape)) for n, t in snapshot.tensors.items())
+    layout += [[n, *s.fingerprint()] for n, s in sorted(snapshot.sharded.items())]
+    layout.append(sorted(snapshot.owned_state))
     mine = [sorted(snapshot.unverified), sorted(snapshot.per_rank), _canaries(snapshot)]
     fingerprint = xxhash.xxh3_64(json.dumps([layout, mine]).encode()).hexdigest()
     mismatched = comm.run_reduce(
@@ -97,9 +99,11 @@ def check_replicated(comm: Comm, snapshot: Snapshot) -> None:
     if mismatched:
         raise StateMismatchError(
             f"ranks {mismatched} hold training state whose tensors differ (names, shapes, "
-            "dtypes or how DDP wraps the model) from rank 0's. ddpckpt.save stores "
-            "replicated state once, so the model, optimizer, scheduler, scaler and extra "
-            "objects must be the same on every rank; sharded state (FSDP, ZeRO) is not supported"
+            "dtypes, how DDP wraps the model, or DTensor meshes and placements) from rank 0's. "
+            "ddpckpt.save stores replicated state once and sharded state (FSDP2, ZeRO) shard by "
+            "shard, so every rank must hold the same model, optimizer, scheduler, scaler and "
+            "extra objects; pipeline stages (a different part of the model on each rank) are "
+            "not supported"
         )
     canaries = mine[2]
     diverged = _differing(comm, snapshot.tensors, "digests", canaries) if canaries else set()

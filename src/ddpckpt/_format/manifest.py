@@ -10,8 +10,9 @@ A checkpoint is a directory::
 The manifest holds the format version, the library and torch versions, step, epoch and
 metrics, the encoded non-tensor state (see :mod:`ddpckpt._format.codec`), the sections of
 per-rank state (the state itself is in the rank files: :mod:`ddpckpt._format.rankparts`),
-and for every shared tensor its file, byte range, dtype, shape and digest, and for every
-file its size, digest and the rank that wrote it.
+and for every shared tensor its file, byte range, dtype, shape and digest (a sharded one:
+each of its shards, :mod:`ddpckpt._format.shards`), and for every file its size, digest
+and the rank that wrote it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from ddpckpt._format.boundary import (
 from ddpckpt._format.codec import JSON
 from ddpckpt._format.runfiles import describe_path
 from ddpckpt._format.sections import layout_version
+from ddpckpt._format.shards import ShardedEntry
 from ddpckpt._format.tensorfile import FileEntry, TensorEntry, checked_layout
 from ddpckpt._version import __version__
 from ddpckpt.errors import (
@@ -55,9 +57,11 @@ from ddpckpt.storage._commit import register_relocation
 FORMAT_NAME = "ddpckpt"
 # The newest version this library reads. A checkpoint is written with the oldest version that
 # describes it: 3 puts per-rank state in the rank files (ddpckpt._format.rankparts), 4 the
-# named layout of several models and optimizers (ddpckpt._format.sections).
-FORMAT_VERSION = 4
+# named layout of several models and optimizers (ddpckpt._format.sections), 5 sharded
+# tensors (ddpckpt._format.shards).
+FORMAT_VERSION = 5
 RANK_FILES_VERSION = 3
+SHARDS_VERSION = 5
 MANIFEST_NAME = MANIFEST
 
 
@@ -75,6 +79,7 @@ class Manifest:
     rank_keys: list[str] | None = None  # format 3: the sections in the rank files (rankparts)
     rank_parts: dict[int, dict[str, JSON]] = field(default_factory=dict, repr=False, compare=False)
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
+    shards: dict[str, ShardedEntry] = field(default_factory=dict)  # format 5: sharded tensors
     files: dict[str, FileEntry] = field(default_factory=dict)
     copy: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
@@ -87,7 +92,8 @@ class Manifest:
     def oldest_version(self) -> int:
         """The oldest format version that describes this manifest (what it is written with)."""
         rank_files = RANK_FILES_VERSION if self.rank_keys is not None else 0
-        return max(layout_version(self.state), rank_files)
+        shards = SHARDS_VERSION if self.shards else 0
+        return max(layout_version(self.state), rank_files, shards)
 
     @property
     def nbytes(self) -> int:
@@ -114,6 +120,7 @@ class Manifest:
             **({} if self.rank_keys is None else {"rank_keys": self.rank_keys}),
             "files": {name: file_to_json(f) for name, f in sorted(self.files.items())},
             "tensors": {name: tensor_to_json(t) for name, t in self.tensors.items()},
+            **({"shards": {n: s.to_json() for n, s in self.shards.items()}} if self.shards else {}),
         }
         text = _with_checksum(doc)
         if len(text) > MAX_MANIFEST_BYTES:  # what could not be read back is not written
@@ -190,6 +197,7 @@ def _parse(doc: Any, where: str) -> Manifest:
     rank_keys = fields.sequence("rank_keys", None)
     if rank_keys is not None and not all(isinstance(k, str) for k in rank_keys):
         raise fields.error("holds a value that is not a string", "rank_keys")
+    shards = _shards_from_json(fields.mapping("shards", None) or {}, where, files, tensors)
     return Manifest(
         id=fields.text("id", ""),
         step=fields.integer("step", default=None, optional=True),
@@ -200,6 +208,7 @@ def _parse(doc: Any, where: str) -> Manifest:
         ranks=ranks,
         rank_keys=rank_keys,
         tensors=tensors,
+        shards=shards,
         files=files,
         copy=_copy(fields.mapping("copy", None) or {}, where, world_size),
         created=fields.number("created"),
@@ -255,6 +264,29 @@ def _copy(doc: Any, where: str, world_size: int) -> dict[str, Any]:
             check_int(r, 0, world_size - 1, lambda p: fields.error(p, "ranks")) for r in ranks
         ]
     return copy
+
+
+def _shards_from_json(
+    doc: dict[str, Any], where: str, files: dict[str, FileEntry], tensors: dict[str, TensorEntry]
+) -> dict[str, ShardedEntry]:
+    """The sharded tensors, each checked to tile its tensor, with every piece inside a file
+    the manifest lists."""
+    shards = {}
+    for name, record in doc.items():
+        entry = ShardedEntry.from_json(record, f"{where} (sharded tensor {name[:200]!r})")
+        if name in tensors:
+            raise CorruptCheckpointError(
+                f"{where}: malformed manifest: tensor {name[:200]!r} is listed whole and sharded"
+            )
+        for piece in entry.pieces:
+            file = files.get(piece.entry.file)
+            if file is None or piece.entry.end > file.size:
+                raise CorruptCheckpointError(
+                    f"{where}: malformed manifest: a shard of {name[:200]!r} lies outside the "
+                    f"files it lists ({piece.entry.file[:200]!r})"
+                )
+        shards[name] = entry
+    return shards
 
 
 def file_to_json(entry: FileEntry) -> dict[str, Any]:

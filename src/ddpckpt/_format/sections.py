@@ -255,12 +255,42 @@ class ParamGroup:
 
 
 @dataclass
+class ZeroPartition:
+    """How a ``ZeroRedundancyOptimizer`` split its parameters when saved: ``ranks[g][i]``
+    owned parameter ``i`` of param group ``g`` (informative: loading follows the live
+    partition)."""
+
+    world_size: int
+    ranks: list[list[int]]
+
+    def to_json(self) -> dict[str, JSON]:
+        return {"world_size": self.world_size, "ranks": self.ranks}  # type: ignore[dict-item]
+
+    @classmethod
+    def from_json(cls, doc: JSON, groups: list[ParamGroup], where: str) -> ZeroPartition:
+        r = _Reader(doc, where)
+        world, ranks = r.get("world_size", int), r.get("ranks", list)
+        fits = len(ranks) == len(groups) and all(
+            isinstance(owners, list)
+            and len(owners) == len(group.params)
+            and all(type(o) is int and 0 <= o < world for o in owners)
+            for owners, group in zip(ranks, groups, strict=False)
+        )
+        if type(world) is not int or world < 1 or not fits:
+            raise CorruptCheckpointError(
+                f"{where}: malformed manifest: the ZeRO partition does not fit the param groups"
+            )
+        return cls(world, [list(owners) for owners in ranks])
+
+
+@dataclass
 class OptimizerSection:
     """An optimizer: param groups and per-parameter state, keyed by parameter name.
 
     ``state`` is encoded (:mod:`ddpckpt._format.codec`); ``placement`` and ``own_dtype``
     say where its tensors lived (absent before format 2); ``by_position`` marks state
-    imported from a ``torch.save`` file, keyed by position.
+    imported from a ``torch.save`` file, keyed by position; ``zero`` the partition of a
+    ``ZeroRedundancyOptimizer``, whose ``type`` is its local optimizer's.
     """
 
     type: str
@@ -270,6 +300,7 @@ class OptimizerSection:
     placement: dict[str, str] | None = None
     own_dtype: list[str] | None = None
     by_position: bool = False
+    zero: ZeroPartition | None = None
 
     def to_json(self) -> dict[str, JSON]:
         doc: dict[str, JSON] = {
@@ -284,6 +315,8 @@ class OptimizerSection:
             doc["own_dtype"] = self.own_dtype
         if self.by_position:
             doc["by_position"] = True
+        if self.zero is not None:
+            doc["zero"] = self.zero.to_json()
         return doc
 
     @classmethod
@@ -297,10 +330,12 @@ class OptimizerSection:
         shapes = dict(r.mapping_of("shapes", _is_shape, "shapes"))
         if any(p not in shapes for g in groups for p in g.params):
             raise CorruptCheckpointError(f"{where}: malformed manifest: a parameter has no shape")
+        zero = r.get("zero", dict, None)
         return cls(r.get("type", str), groups, per_parameter, shapes,
                    r.mapping_of("placement", lambda v: v in ("param", "host"), "places", None),
                    r.strings("own_dtype", None),
-                   bool(r.get("by_position", bool, False)))  # fmt: skip
+                   bool(r.get("by_position", bool, False)),
+                   None if zero is None else ZeroPartition.from_json(zero, groups, where))  # fmt: skip
 
 
 @dataclass

@@ -90,7 +90,11 @@ def tensor_nbytes(tensor: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """Where one tensor lives: ``file``, its key there, and its absolute byte range."""
+    """Where one tensor lives: ``file``, its key there, and its absolute byte range.
+
+    ``chunks``: the digest of each :data:`CHUNK` bytes of it, when the writer was asked
+    for them (a shard of a sharded tensor, which loading ranks may read in part).
+    """
 
     file: str
     key: str
@@ -99,6 +103,7 @@ class TensorEntry:
     begin: int
     end: int
     digest: str
+    chunks: tuple[str, ...] = ()
 
     @property
     def nbytes(self) -> int:

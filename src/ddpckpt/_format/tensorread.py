@@ -200,6 +200,33 @@ class TensorFile:
                 torch.cuda.current_stream(target.device).wait_stream(stream)
         return hasher
 
+    def read_chunks(self, entry: TensorEntry, first: int, last: int, chunk: int) -> torch.Tensor:
+        """The bytes of chunks ``[first, last)`` of ``entry`` (``chunk`` bytes each, the last
+        one short), read with ranged reads into a new CPU buffer and each checked against
+        its chunk digest; a mismatch raises :class:`CorruptCheckpointError`."""
+        begin, end = first * chunk, min(last * chunk, entry.nbytes)
+        buffer = torch.empty(end - begin, dtype=torch.uint8)
+        view = byte_view(buffer)
+        self._pread(entry, view, entry.begin + begin)
+        for index in range(first, last):
+            part = view[(index - first) * chunk : (index - first + 1) * chunk]
+            if xxhash.xxh3_64(part).hexdigest() != entry.chunks[index]:
+                raise CorruptCheckpointError(
+                    f"{self.path}: checksum mismatch in chunk {index} of {entry.key!r} (bytes "
+                    f"{entry.begin + index * chunk}-{entry.begin + index * chunk + len(part)}): "
+                    "the file is corrupt; restore it or load an earlier checkpoint"
+                )
+        return buffer
+
+    def chunk_problems(self, entry: TensorEntry, chunk: int) -> list[str]:
+        """The chunks of ``entry`` whose bytes do not match their digests (``verify``)."""
+        view = memoryview(self._map)[entry.begin : entry.end] if entry.nbytes else b""
+        return [
+            f"{self.path}: checksum mismatch in chunk {i} of {entry.key!r}"
+            for i, digest in enumerate(entry.chunks)
+            if xxhash.xxh3_64(view[i * chunk : (i + 1) * chunk]).hexdigest() != digest
+        ]
+
     def _check_digest(self, entry: TensorEntry, hasher: Any) -> None:
         if hasher.hexdigest() != entry.digest:
             raise CorruptCheckpointError(

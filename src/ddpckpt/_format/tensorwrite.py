@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -45,20 +45,28 @@ def write_file(
     writer: int,
     metadata: dict[str, str],
     progress: Callable[[int], None] | None = None,
+    chunked: Collection[str] = (),
+    produce: Callable[[str], torch.Tensor] | None = None,
 ) -> tuple[FileEntry, list[TensorEntry]]:
     """Write ``items`` to a new safetensors file at ``path`` and fsync it.
 
     The file must not exist (``O_EXCL``): a file is only ever written by one process.
-    Returns the file's entry and each tensor's entry with absolute offsets and digests.
-    ``progress`` is called with the size of every chunk of tensor data written.
+    Returns the file's entry and each tensor's entry with absolute offsets and digests;
+    those of the keys in ``chunked`` also with the digest of each :data:`CHUNK` bytes.
+    ``progress`` is called with the size of every chunk of tensor data written. With
+    ``produce``, an item may be a ``meta`` tensor (its dtype and shape): ``produce(key)``
+    makes the real one when its turn comes, so a file of tensors that do not fit in
+    memory together is written one tensor at a time.
     """
     for key, tensor in items:  # before creating the file: a refused save leaves nothing
-        check_storable(key, tensor)
+        if produce is None or tensor.device.type != "meta":
+            check_storable(key, tensor)
     with storage_for(path).create(path) as out:
         with ring_for([t for _, t in items]) as ring:
             result = _emit(
-                os.path.basename(path), items, writer, metadata, out.write, progress, ring
-            )
+                os.path.basename(path), items, writer, metadata, out.write, progress, ring,
+                chunked, produce,
+            )  # fmt: skip
         out.sync()
     return result
 
@@ -80,10 +88,13 @@ def _emit(
     sink: Callable[[memoryview], object],
     progress: Callable[[int], None] | None = None,
     ring: Ring | None = None,
+    chunked: Collection[str] = (),
+    produce: Callable[[str], torch.Tensor] | None = None,
 ) -> tuple[FileEntry, list[TensorEntry]]:
     items = layout(items)
     for key, tensor in items:
-        check_storable(key, tensor)
+        if produce is None or tensor.device.type != "meta":
+            check_storable(key, tensor)
     file_hash = xxhash.xxh3_64()
     header = memoryview(encode_header(items, metadata))
     file_hash.update(header)
@@ -92,22 +103,26 @@ def _emit(
     entries: list[TensorEntry] = []
     # xxhash and write() both release the GIL: each chunk is hashed on a helper thread
     # while it is being written, which takes hashing off the save's critical path.
-    blocks = _host_blocks(items, ring)
+    blocks = _host_blocks(items, ring, produce)
     try:
         with _Hasher() as hasher:
             block = next(blocks, None)
             for index, (key, tensor) in enumerate(items):
                 tensor_hash, length = xxhash.xxh3_64(), 0
+                chunks = _ChunkDigests() if key in chunked else None
+                hashes = (
+                    (file_hash, tensor_hash) if chunks is None else (file_hash, tensor_hash, chunks)
+                )
                 while block is not None and block[0] == index:
                     data = block[1]
                     for start in range(0, len(data), CHUNK):
                         chunk = data[start : start + CHUNK]
                         if len(chunk) >= _HASH_AHEAD_BYTES:
-                            hasher.start((file_hash, tensor_hash), chunk)
+                            hasher.start(hashes, chunk)
                             sink(chunk)
                             hasher.wait()
                         else:  # handing a small chunk over would cost more than hashing it here
-                            _update((file_hash, tensor_hash), chunk)
+                            _update(hashes, chunk)
                             sink(chunk)
                         if progress is not None:
                             progress(len(chunk))
@@ -122,6 +137,7 @@ def _emit(
                         begin=offset,
                         end=offset + length,
                         digest=tensor_hash.hexdigest(),
+                        chunks=() if chunks is None else chunks.finish(),
                     )
                 )
                 offset += length
@@ -131,15 +147,20 @@ def _emit(
 
 
 def _host_blocks(
-    items: Sequence[tuple[str, torch.Tensor]], ring: Ring | None
+    items: Sequence[tuple[str, torch.Tensor]],
+    ring: Ring | None,
+    produce: Callable[[str], torch.Tensor] | None = None,
 ) -> Iterator[tuple[int, memoryview]]:
     """Each tensor's bytes in order, as ``(index in items, bytes)`` blocks on the host.
 
     CPU tensors come as one view of their own memory (or through ``ring`` when it is
-    meant for them); device tensors through ``ring``. A ring block is valid until the
-    next block is asked for.
+    meant for them); device tensors through ``ring``; a meta tensor is made by
+    ``produce`` first. A ring block is valid until the next block is asked for.
     """
-    for index, (_, tensor) in enumerate(items):
+    for index, (key, tensor) in enumerate(items):
+        if produce is not None and tensor.device.type == "meta":
+            tensor = produce(key)
+            check_storable(key, tensor)
         if ring is not None and ring.takes(tensor):
             yield from ring.pass_through(index, items[index:])
             return
@@ -151,6 +172,30 @@ def _host_blocks(
 def _update(hashes: Sequence[Any], chunk: memoryview) -> None:
     for digest in hashes:
         digest.update(chunk)
+
+
+class _ChunkDigests:
+    """The digest of each :data:`CHUNK` bytes of one tensor, whatever pieces they come in."""
+
+    def __init__(self) -> None:
+        self._digests: list[str] = []
+        self._hash = xxhash.xxh3_64()
+        self._filled = 0
+
+    def update(self, data: memoryview) -> None:
+        while len(data):
+            take = min(len(data), CHUNK - self._filled)
+            self._hash.update(data[:take])
+            self._filled += take
+            data = data[take:]
+            if self._filled == CHUNK:
+                self._digests.append(self._hash.hexdigest())
+                self._hash, self._filled = xxhash.xxh3_64(), 0
+
+    def finish(self) -> tuple[str, ...]:
+        if self._filled:
+            self._digests.append(self._hash.hexdigest())
+        return tuple(self._digests)
 
 
 class _Hasher:

@@ -10,6 +10,7 @@ from ddpckpt._state.capture import TrainingState
 from ddpckpt._state.model import check_model
 from ddpckpt._state.objects import extra_kind
 from ddpckpt._state.optimizer import check_optimizer, param_names
+from ddpckpt._state.zero import optimizer_type
 from ddpckpt.errors import StateMismatchError
 
 
@@ -41,6 +42,8 @@ def check_state(
     for role in ("optimizers", "schedulers", "scalers"):
         for name, obj in getattr(state, role).items():
             saved, live = getattr(stored, role)[name].type, type(obj).__qualname__
+            if role == "optimizers":  # ZeRO's state is that of its inner optimizer
+                live = optimizer_type(obj)
             if saved not in (live, _IMPORTED):
                 raise StateMismatchError(
                     f"{path}: the checkpoint's {_label(layout, role, name)} is of type {saved}, "

@@ -8,6 +8,7 @@ may call them alone (inference code, the command line).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,9 @@ import torch
 from ddpckpt._format.codec import decode
 from ddpckpt._format.manifest import Manifest, read_manifest
 from ddpckpt._format.rankparts import fill_rank_parts
+from ddpckpt._format.reshard import Box, plan_reads
 from ddpckpt._format.sections import StateSections
+from ddpckpt._format.shards import ShardedEntry
 from ddpckpt._format.tensorfile import TensorEntry, can_read_into, dtype_from_name
 from ddpckpt._format.tensorread import TensorFile
 from ddpckpt._io.progress import Progress
@@ -110,12 +113,22 @@ class FileSource:
                 f"{self.path}: the manifest refers to tensor {key!r} but does not list it"
             ) from None
 
+    def sharded(self, name: str) -> ShardedEntry | None:
+        """The record of ``name`` if it is stored as shards."""
+        return self.manifest.shards.get(self.prefix + name)
+
     def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """The dtype and shape of the tensor ``name``, once its file is opened and checked:
-        a caller may allocate that much, since the file holds the bytes."""
-        entry = self.entry(name)
-        self._file(entry)
-        return dtype_from_name(entry.dtype, self.path), entry.shape
+        """The dtype and shape of the tensor ``name``, once its file (a sharded tensor's: the
+        files of its pieces) is opened and checked: a caller may allocate that much, since
+        the files hold the bytes."""
+        record = self.sharded(name)
+        if record is None:
+            entry = self.entry(name)
+            self._file(entry)
+            return dtype_from_name(entry.dtype, self.path), entry.shape
+        for piece in record.pieces:
+            self._file(piece.entry)
+        return dtype_from_name(record.dtype, self.path), record.shape
 
     def _file(self, entry: TensorEntry) -> TensorFile:
         """The file holding ``entry``, opened once; its size and header are checked against
@@ -128,6 +141,13 @@ class FileSource:
         return self._files[entry.file]
 
     def get(self, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
+        record = self.sharded(name)
+        if record is not None:  # assembled whole, into ``like`` if it fits
+            dtype, shape = self.meta(name)
+            fits = like is not None and (like.dtype, tuple(like.shape)) == (dtype, shape)
+            target = like if fits else torch.empty(shape, dtype=dtype)
+            self.read_region(name, target, ((0,) * len(shape), shape))
+            return target  # type: ignore[return-value]
         entry = self.entry(name)
         file = self._file(entry)
         if like is not None and can_read_into(like, entry):
@@ -137,6 +157,30 @@ class FileSource:
         if self.progress is not None:
             self.progress.update(entry.nbytes)
         return tensor
+
+    def read_region(self, name: str, target: torch.Tensor, region: Box) -> None:
+        """Copy ``region`` of the stored ``name`` into ``target`` (see
+        :meth:`TensorSource.read_region`): of a sharded tensor only the chunks of the
+        shards that overlap it are read (:func:`~ddpckpt._format.reshard.plan_reads`), each
+        verified; a tensor stored whole is mapped and verified whole."""
+        record = self.sharded(name)
+        if record is None:
+            whole = self.get(name)
+            target.copy_(whole[tuple(slice(o, o + n) for o, n in zip(*region, strict=True))])
+            return
+        dtype = dtype_from_name(record.dtype, self.path)
+        boxes = [(p.offsets, p.shape) for p in record.pieces]
+        for read in plan_reads(boxes, region, itemsize=dtype.itemsize, chunk=record.chunk):
+            piece = record.pieces[read.piece]
+            data = self._file(piece.entry).read_chunks(piece.entry, *read.chunks, record.chunk)
+            row_bytes = math.prod(piece.shape[1:]) * dtype.itemsize
+            start = read.rows[0] * row_bytes - read.chunks[0] * record.chunk
+            count = read.rows[1] - read.rows[0]
+            shape = (count, *piece.shape[1:]) if piece.shape else ()
+            rows = data[start : start + count * row_bytes].view(dtype).reshape(shape)
+            target[read.target].copy_(rows[read.source])
+            if self.progress is not None:
+                self.progress.update(len(data))
 
 
 def chosen_model(path: str, stored: StateSections, model: str | None) -> str:
@@ -182,12 +226,18 @@ def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> d
     model = chosen_model(path, stored, model)
     section, prefix = stored.models[model], stored.layout.model_prefix(model)
     source = FileSource(path, manifest)
-    weights: dict[str, Any] = {key: source.get(prefix + key).clone() for key in section.keys}
+    weights: dict[str, Any] = {key: _private(source, prefix + key) for key in section.keys}
     for alias, key in section.aliases.items():
         weights[alias] = weights[key]
     if section.extra_state is not None:
         weights.update(decode(section.extra_state, lambda n: source.get(n).clone(), where=path))
     return weights
+
+
+def _private(source: FileSource, name: str) -> torch.Tensor:
+    """The tensor ``name`` in memory of its own (a sharded one is assembled so already)."""
+    tensor = source.get(name)
+    return tensor if source.sharded(name) is not None else tensor.clone()
 
 
 def find_problems(path: str | os.PathLike[str]) -> list[str]:
@@ -207,6 +257,7 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
     except CorruptCheckpointError as exc:
         problems.append(str(exc))
     by_file = _entries_by_file(manifest)
+    chunks = {p.entry.key: r.chunk for r in manifest.shards.values() for p in r.pieces}
     for name, file in sorted(manifest.files.items()):
         try:
             mapped = TensorFile(os.path.join(path, name), file.size)
@@ -215,15 +266,20 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
                 problems.append(f"{os.path.join(path, name)}: file checksum mismatch (corrupt)")
             for entry in by_file.get(name, []):
                 mapped.view(entry)
+                problems += mapped.chunk_problems(entry, chunks.get(entry.key, 1))
         except CheckpointError as exc:
             problems.append(str(exc))
     return problems
 
 
 def _entries_by_file(manifest: Manifest) -> dict[str, list[TensorEntry]]:
+    """Every tensor entry of each data file: whole tensors and shards."""
     by_file: dict[str, list[TensorEntry]] = {name: [] for name in manifest.files}
     for entry in manifest.tensors.values():
         by_file.setdefault(entry.file, []).append(entry)
+    for record in manifest.shards.values():
+        for piece in record.pieces:
+            by_file.setdefault(piece.entry.file, []).append(piece.entry)
     return by_file
 
 

@@ -65,7 +65,8 @@ def _send_to_domains(plan: WritePlan, values: dict, attempt: int) -> None:
     plan.rank_blob = blob
     bundle = [blob]
     if comm.rank == 0:  # the first rank of its domain: it holds every such tensor
-        pinned = [(n, t) for n, t in values.items() if n not in plan.movable]
+        shards = plan.shards.names  # each domain writes its own ranks' shards
+        pinned = [(n, t) for n, t in values.items() if n not in plan.movable | shards]
         state_json = json.dumps(plan.shared_state).encode()
         bundle += [state_json, serialize("rank0", pinned, writer=0, metadata={})[0]]
     received = comm.run_transfer(

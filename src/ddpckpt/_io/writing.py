@@ -19,6 +19,7 @@ Between the two, an asynchronous save replaces the plan's tensors (``items``,
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import os
@@ -49,8 +50,10 @@ from ddpckpt._format.tensorfile import FileEntry, tensor_nbytes
 from ddpckpt._format.tensorwrite import write_file
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.settling import settle_plan
+from ddpckpt._io.shardwrite import ShardWrites, piece_json, piece_key, plan_shards, shard_records
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot
+from ddpckpt._state.zero import merge_owned_state
 from ddpckpt.errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -112,6 +115,8 @@ class WritePlan:
     rank_blob: bytes | None = None  # this rank's file, made to be sent to other domains
     rank_file: FileEntry | None = None  # and its entry
     foreign: dict[int, bytes] = field(default_factory=dict)  # other domains' rank files
+    shards: ShardWrites = field(default_factory=ShardWrites)  # sharded state (shardwrite)
+    owned_state: dict[str, Any] = field(default_factory=dict)  # Snapshot.owned_state
 
     @property
     def domain(self) -> list[int]:
@@ -154,12 +159,13 @@ def plan_write(
     pending = sorted(snapshot.unverified)
     movable = snapshot.balanced | snapshot.unverified  # until the pending ones are compared
 
-    def share() -> dict[str, int]:  # this rank's own work
+    def share() -> tuple[dict[str, int], ShardWrites]:  # this rank's own work
+        shards = plan_shards(snapshot, domains, comm.rank, comm.world_size)
         sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
         domain = next(d for d in domains if comm.rank in d)
-        return plan_owners(sizes, domains, movable)[domains.index(domain)]
+        return plan_owners(sizes, domains, movable, shards.loads)[domains.index(domain)], shards
 
-    owners = comm.alone(share)
+    owners, shards = comm.alone(share)
     rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
     rank_bytes = sum(tensor_nbytes(t) for _, t in rank_items) + len(json.dumps(snapshot.rank_state))
     return WritePlan(
@@ -168,9 +174,11 @@ def plan_write(
         header=header,
         overwrite=overwrite,
         domains=domains,
-        items=[(n, t) for n, t in snapshot.tensors.items() if owners[n] == comm.rank],
+        items=[(n, t) for n, t in snapshot.tensors.items() if owners[n] == comm.rank]
+        + shards.items,
         order=list(snapshot.tensors),
         needed=sum(tensor_nbytes(t) for t in snapshot.tensors.values())
+        + shards.nbytes
         + comm.world_size * (rank_bytes + 4096),
         shared_state=snapshot.state,
         movable=movable,
@@ -179,6 +187,8 @@ def plan_write(
         pending=pending,
         may_differ=frozenset(snapshot.may_differ),
         checked=[(n, snapshot.tensors[n]) for n in pending if owners[n] != comm.rank],
+        shards=shards,
+        owned_state=snapshot.owned_state,
     )
 
 
@@ -187,13 +197,14 @@ def staging_share(snapshot: Snapshot, domains: list[list[int]], rank: int) -> li
     :func:`plan_write` assigns them), for sizing its staging buffer before the first save;
     local."""
     domain = next(d for d in domains if rank in d)
+    shards = plan_shards(snapshot, domains, rank, 1)
     sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
     movable = snapshot.balanced | snapshot.unverified
-    owners = plan_owners(sizes, domains, movable)[domains.index(domain)]
+    owners = plan_owners(sizes, domains, movable, shards.loads)[domains.index(domain)]
     shared = [
         t for n, t in snapshot.tensors.items() if owners[n] == rank or n in snapshot.unverified
     ]
-    return shared + list(snapshot.rank_tensors.values())
+    return shared + [t for _, t in shards.items] + list(snapshot.rank_tensors.values())
 
 
 def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
@@ -289,8 +300,19 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
     names = file_names(plan.comm.rank)
     files: list[dict[str, Any]] = []
     tensors: dict[str, dict[str, Any]] = {}
-    model = [(n.removeprefix("model/"), t) for n, t in plan.items if n.startswith("model/")]
-    state = [(n, t) for n, t in plan.items if not n.startswith("model/")]
+    pieces: dict[str, dict[str, Any]] = {}
+    shard_of: dict[str, str] = {}  # a shard's key in its file -> the tensor's name
+
+    def keyed(name: str) -> str:
+        key = name.removeprefix("model/")
+        if name not in plan.shards.pieces:
+            return key
+        key = piece_key(key, plan.shards.pieces[name])
+        shard_of[key] = name
+        return key
+
+    model = [(keyed(n), t) for n, t in plan.items if n.startswith("model/")]
+    state = [(keyed(n), t) for n, t in plan.items if not n.startswith("model/")]
     with (
         storage_errors(plan.path),
         Progress(f"saving {os.path.basename(plan.path)}", plan.nbytes) as bar,
@@ -304,10 +326,16 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
                 writer=plan.comm.rank,
                 metadata=_FILE_METADATA,
                 progress=bar.update,
+                chunked=shard_of,
             )
             files.append({"name": entry.name, **file_to_json(entry)})
             prefix = "model/" if kind == "model" else ""
-            tensors.update({prefix + e.key: tensor_to_json(e) for e in entries})
+            for e in entries:
+                if e.key in shard_of:
+                    name = shard_of[e.key]
+                    pieces[name] = piece_json(plan.shards.pieces[name], e)
+                else:
+                    tensors[prefix + e.key] = tensor_to_json(e)
         store = storage_for(tmp)
         rank_path = os.path.join(tmp, names["rank"])
         if plan.rank_blob is None:  # streamed, as the other files
@@ -322,6 +350,8 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
     return {
         "files": files,
         "tensors": tensors,
+        "pieces": pieces,
+        "owned_state": plan.owned_state,
         "rank_keys": rank_keys(plan.rank_state),
         "rank_file": {"name": rank_file.name, **file_to_json(rank_file)},
     }
@@ -332,13 +362,16 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
         return
     assert results is not None, "every copy's leader receives every rank's result"
     comm, domain, header = plan.comm, plan.domain, plan.header
+    ours = [r for rank, r in enumerate(results) if rank in domain]
+    state = copy.deepcopy(plan.shared_state)
+    merge_owned_state(state, [r["owned_state"] for r in ours])
     manifest = Manifest(
         id=comm.token,
         step=header["step"],
         epoch=header["epoch"],
         metrics=header["metrics"],
         world_size=comm.world_size,
-        state=plan.shared_state,
+        state=state,
         rank_keys=sorted({key for r in results for key in r["rank_keys"]}),
         copy={"index": plan.domains.index(domain), "count": len(plan.domains), "ranks": domain},
     )
@@ -350,6 +383,7 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
             )
         for name, doc in (result["tensors"] if mine else {}).items():
             manifest.tensors[name] = tensor_from_json(doc)
+    manifest.shards = shard_records(plan.shards.specs, [r["pieces"] for r in ours], plan.path)
     order = {name: i for i, name in enumerate(plan.order)}
     manifest.tensors = dict(
         sorted(manifest.tensors.items(), key=lambda kv: order.get(kv[0], len(order)))

@@ -24,6 +24,8 @@ import torch
 import xxhash
 
 from ddpckpt._format.tensorfile import byte_view
+from ddpckpt._state.dtensor import local_tensor
+from ddpckpt._state.zero import local_state_dict
 
 SAMPLES_KEPT = 4096  # sample indices stored per step and loader; more are stored as a digest
 CONSUMED = ("inputs", "loss", "loader*.samples")  # what a step read, not state it left
@@ -39,7 +41,7 @@ def digest(obj: Any) -> str:
 def feed(hasher: Any, obj: Any) -> None:
     """Add ``obj`` to ``hasher`` (see :func:`digest`)."""
     if isinstance(obj, torch.Tensor):
-        tensor = obj.detach()
+        tensor = local_tensor(obj).detach()  # a DTensor: this rank's shard
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         tensor = tensor.contiguous()
@@ -128,8 +130,10 @@ def optimizers(
     for component, optimizer in optimizer_entries(state, stepped):
         if saved_only and component.startswith("optimizer:unsaved"):
             continue
-        saved = optimizer.state_dict()
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in saved["param_groups"]]
+        saved = local_state_dict(optimizer)
+        # The groups the user and schedulers change: ZeRO copies them into its local
+        # optimizer only inside step(), so the local optimizer's lag behind.
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         found[component] = {
             "type": type(optimizer).__name__,
             "entries": len(saved["state"]),

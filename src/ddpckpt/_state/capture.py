@@ -16,6 +16,8 @@ or several by name).
 * **Scheduler, GradScaler, extras** (:mod:`ddpckpt._state.objects`): their
   ``state_dict()``, encoded without pickle.
 * **Per rank**: RNG states (see :mod:`ddpckpt._state.rng`).
+* **Sharded state**: DTensors (FSDP2, HSDP, ``replicate()``; :mod:`ddpckpt._state.dtensor`)
+  and ZeRO-1's optimizer state (:mod:`ddpckpt._state.zero`), each shard written once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 from ddpckpt._format.codec import encode
 from ddpckpt._format.sections import NAMED, SINGLE, Layout, StateSections
 from ddpckpt._state.ddp_buckets import record_buckets
+from ddpckpt._state.dtensor import split_sharded
 from ddpckpt._state.model import Replication, capture_model
 from ddpckpt._state.objects import capture_extra, capture_stateful
 from ddpckpt._state.optimizer import (
@@ -75,6 +78,7 @@ def capture(state: TrainingState) -> Snapshot:
         sections.extra = capture_extra(state.extra, snapshot)
     if state.rng:
         snapshot.rank_state["rng"] = encode(capture_rng(), "rng", snapshot.rank_tensors)
+    split_sharded(snapshot)
     record_steppers(state.all_optimizers(), snapshot)
     snapshot.state = sections.to_json()
     return snapshot

@@ -25,6 +25,7 @@ from ddpckpt._format.codec import JSON, decode, encode
 from ddpckpt._format.pinned_ring import passes_through
 from ddpckpt._format.sections import SINGLE, Layout, ModelSection
 from ddpckpt._log import get_logger
+from ddpckpt._state.dtensor import is_dtensor, local_tensor, restore_dtensor
 from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
 from ddpckpt._training.wrappers import inner_attr, unwrap_model
 from ddpckpt.errors import CorruptCheckpointError, StateMismatchError
@@ -83,7 +84,11 @@ def canonical_state_dict(model: nn.Module) -> dict[str, Any]:
 
 
 def tensor_identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
-    """What makes two tensors the same memory (tied weights); ``None`` for an empty one."""
+    """What makes two tensors the same memory (tied weights); ``None`` for an empty one.
+
+    A DTensor is identified by its local shard.
+    """
+    tensor = local_tensor(tensor)
     if tensor.numel() == 0:
         return None
     return (
@@ -262,14 +267,19 @@ def restore_model(
     ``load_state_dict`` as its own value; a model whose load hooks must see the incoming
     value apart from the current one (a ``load_state_dict`` pre-hook, or a
     ``_load_from_state_dict`` of its own) gets it in a separate GPU tensor instead.
+    A DTensor (FSDP2, ``replicate()``) is filled in place, its local shard only.
     """
-    view = model_view(model)
+    view = model_view(model)  # a sharded model's state dict hooks put its shards in place
     in_place = not _compares_incoming(view.root)
     state: dict[str, Any] = {}
+    sharded: set[str] = set()
     for key in section.keys:
         target = view.entries.get(key)
         name = prefix + key
-        if isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
+        if is_dtensor(target) and tuple(target.shape) == source.meta(name)[1]:
+            restore_dtensor(target, name, source)
+            sharded.add(view.live_key[key])
+        elif isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
             # A CPU copy is mapped, then copied by load_state_dict; a GPU copy is read
             # onto the GPU (pinned, pipelined), not copied from pageable memory.
             like = None
@@ -287,8 +297,18 @@ def restore_model(
             raise CorruptCheckpointError(f"{where}: the model's extra state is no dict")
         state.update({view.live_key[k]: v for k, v in extra.items() if k in view.live_key})
     root = view.root
+    loaded = _with_versions(state, root, section.versions)
     with restoring(f"{type(root).__qualname__}.load_state_dict", where):
-        root.load_state_dict(_with_versions(state, root, section.versions), strict=strict)
+        if not sharded:
+            root.load_state_dict(loaded, strict=strict)
+            return
+        result = root.load_state_dict(loaded, strict=False)
+    missing = [k for k in result.missing_keys if k not in sharded]
+    if strict and (missing or result.unexpected_keys):
+        raise StateMismatchError(
+            f"{where}: the model refused keys while loading: missing {missing}, unexpected "
+            f"{result.unexpected_keys}"
+        )
 
 
 def _compares_incoming(root: nn.Module) -> bool:

@@ -23,6 +23,7 @@ from torch import nn
 from ddpckpt._format.codec import decode, encode
 from ddpckpt._format.sections import SINGLE, Layout, OptimizerSection
 from ddpckpt._log import get_logger
+from ddpckpt._state.dtensor import is_dtensor, new_dtensor_like
 from ddpckpt._state.model import (
     Replication,
     canonical_key,
@@ -31,6 +32,7 @@ from ddpckpt._state.model import (
     unwrap_model,
 )
 from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
+from ddpckpt._state.zero import after_restore, encode_owned, is_zero, param_state, zero_section
 from ddpckpt.errors import CorruptCheckpointError, StateMismatchError
 
 ParamNames = dict[int, list[str]]  # id(parameter) -> every name it has in the models
@@ -108,10 +110,19 @@ def capture_optimizer(
 
     ``names`` (from :func:`param_names`) names the parameters; ``replication`` (from
     :func:`~ddpckpt._state.model.capture_model`) sorts each state tensor as its parameter.
-    With ``label`` a parameter in no model is an error naming the optimizer so.
+    With ``label`` a parameter in no model is an error naming the optimizer so. A
+    ``ZeroRedundancyOptimizer``'s state goes to ``snapshot.owned`` under its name
+    (``label``'s, or ``"optimizer"``; see :mod:`ddpckpt._state.zero`).
     """
     before = set(snapshot.tensors)
-    encoded = encode(_section(optimizer, names, label), prefix, snapshot.tensors)
+    if is_zero(optimizer):
+        group_names = _param_names(names, optimizer, label=label)
+        section, part = zero_section(optimizer, group_names, label or "optimizer")
+        name = prefix.partition("/")[2] or "optimizer"
+        snapshot.owned_state[name] = encode_owned(part, prefix, snapshot.owned)
+    else:
+        section = _section(optimizer, names, label)
+    encoded = encode(section, prefix, snapshot.tensors)
     added = set(snapshot.tensors) - before
     snapshot.balanced.update(added)
     _sort_optimizer_state(optimizer, added, replication, snapshot)
@@ -136,7 +147,7 @@ def _section(
             shapes[name] = list(param.shape)
             if index in saved["state"]:
                 state[name] = saved["state"][index]
-                _note_placement(state[name], param, placement, own_dtype)
+                note_placement(state[name], param, placement, own_dtype)
         hyper = {k: v for k, v in saved_group.items() if k != "params"}
         groups.append({"params": names_in_group, "hyper": hyper})
         if len(set(names_in_group)) != len(names_in_group):
@@ -153,7 +164,7 @@ def _section(
     }
 
 
-def _note_placement(
+def note_placement(
     state: Mapping[str, Any], param: torch.Tensor, placement: dict[str, str], own_dtype: set[str]
 ) -> None:
     """Record where the optimizer keeps each state tensor, relative to its parameter.
@@ -187,7 +198,7 @@ def _sort_optimizer_state(
     synced: set[str] = set()
     for group in optimizer.param_groups:
         for param in group["params"]:
-            for value in optimizer.state.get(param, {}).values():
+            for value in param_state(optimizer).get(param, {}).values():
                 name = by_id.get(id(value))
                 if name is None:
                     continue
@@ -206,13 +217,15 @@ def record_steppers(optimizers: list[torch.optim.Optimizer], snapshot: Snapshot)
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             for param in group["params"]:
-                state = optimizer.state.get(param, {}).values()
+                state = param_state(optimizer).get(param, {}).values()
                 for tensor in [param, *(v for v in state if isinstance(v, torch.Tensor))]:
                     writers = by_identity.setdefault(tensor_identity(tensor) or (), [])
                     if optimizer not in writers:
                         writers.append(optimizer)
     by_identity.pop((), None)
-    for name, tensor in snapshot.tensors.items():
+    captured = {**snapshot.tensors, **snapshot.owned,
+                **{name: shard.local for name, shard in snapshot.sharded.items()}}  # fmt: skip
+    for name, tensor in captured.items():
         writers = by_identity.get(tensor_identity(tensor) or ())
         if writers:
             snapshot.stepped_by[name] = writers
@@ -304,7 +317,15 @@ def restore_optimizer(
     source: TensorSource,
     where: str,
 ) -> None:
-    """Load optimizer state matched by parameter name (call :func:`check_optimizer` first)."""
+    """Load optimizer state matched by parameter name (call :func:`check_optimizer` first).
+
+    A ``ZeroRedundancyOptimizer`` loads into its local optimizer the state of the
+    parameters it owns now, and nothing else.
+    """
+    if is_zero(optimizer):
+        restore_optimizer(optimizer.optim, names, section, source, where)  # type: ignore[attr-defined]
+        after_restore(optimizer)
+        return
     live_names = _live_names(section, names, optimizer)
     stored_state = decode(section.state, _LazyTensor, where=where)
     if section.by_position:
@@ -370,7 +391,7 @@ def _materialize(
 
     Follows ``Optimizer._process_value_according_to_param_policy`` (state beside its
     parameter, in its dtype; ``step`` on the host unless fused or capturable), corrected by
-    what the save recorded (see :func:`_note_placement`), so that ``load_state_dict`` has
+    what the save recorded (see :func:`note_placement`), so that ``load_state_dict`` has
     nothing left to copy and the state never shares memory with the checkpoint file. New
     tensors, never the optimizer's current ones: a load that fails a checksum halfway leaves
     the optimizer as it was, and tensors that others still hold (a ``state_dict()`` kept
@@ -379,6 +400,8 @@ def _materialize(
     if isinstance(value, _LazyTensor):
         stored_dtype, shape = source.meta(str(value))
         device, dtype = kept.target(key, param, stored_dtype)
+        if is_dtensor(param) and shape == tuple(param.shape) and key != "step":
+            return new_dtensor_like(param, str(value), dtype, device, source)
         target = torch.empty(shape, dtype=dtype, device=device)
         got = source.get(str(value), like=target)
         if got is not target:

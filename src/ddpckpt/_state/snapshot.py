@@ -11,12 +11,16 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from ddpckpt._format.codec import JSON
 from ddpckpt.errors import CheckpointError, StateMismatchError
+
+if TYPE_CHECKING:
+    from ddpckpt._format.reshard import Box
+    from ddpckpt._state.dtensor import ShardedTensor
 
 
 class TensorSource(Protocol):
@@ -31,8 +35,13 @@ class TensorSource(Protocol):
 
         The result may share memory with the checkpoint file: callers copy from it and
         never keep it or write to it. ``like`` is a tensor the caller will copy into; a
-        source may fill it directly and return it.
+        source may fill it directly and return it. A sharded tensor comes whole.
         """
+        ...
+
+    def read_region(self, name: str, target: torch.Tensor, region: Box) -> None:
+        """Copy the ``region`` (offsets, shape) of the global tensor ``name`` into ``target``
+        (a tensor of that shape, any device), reading only what it needs."""
         ...
 
 
@@ -61,6 +70,14 @@ class Snapshot:
     ``stepped_by`` maps a shared tensor to the optimizers whose ``step()`` writes it (for
     the overlap mode, which may copy such tensors until the first of those steps).
     Tensors are referenced from the trees by name.
+
+    Sharded state: ``sharded`` holds the DTensors among the shared tensors, as this rank's
+    shard and where the shards lie (:mod:`ddpckpt._state.dtensor`), each distinct shard
+    written once. ``owned`` holds tensors only this rank has (the optimizer state of the
+    parameters a ``ZeroRedundancyOptimizer`` assigns to it, :mod:`ddpckpt._state.zero`),
+    written by this rank; ``owned_state`` the encoded state they belong to, by the path of
+    its optimizer section in ``state`` (each rank's merged into it when the manifest is
+    written).
     """
 
     state: dict[str, JSON] = field(default_factory=dict)
@@ -72,6 +89,9 @@ class Snapshot:
     rank_state: dict[str, JSON] = field(default_factory=dict)
     rank_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     stepped_by: dict[str, list[torch.optim.Optimizer]] = field(default_factory=dict)
+    sharded: dict[str, ShardedTensor] = field(default_factory=dict)
+    owned: dict[str, torch.Tensor] = field(default_factory=dict)
+    owned_state: dict[str, dict[str, JSON]] = field(default_factory=dict)
 
     def keep_per_rank(self, names: Iterable[str]) -> None:
         """Store this rank's values of the shared tensors ``names`` in its own file too.
@@ -79,6 +99,9 @@ class Snapshot:
         The shared copy keeps rank 0's values (what a rank that did not exist at save time
         loads); :func:`ddpckpt._io.load.load` gives every other rank its own.
         """
+        names = list(names)
+        if not names:  # no section at all: a rank that did not exist is told only of real ones
+            return
         own = self.rank_state.setdefault("own", {})
         for name in names:
             self.balanced.discard(name)

@@ -1,0 +1,106 @@
+"""Sharded tensor records: written as read, and refused when they could leave part of a
+tensor unwritten or read outside a shard."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from ddpckpt._format.shards import ShardedEntry
+from ddpckpt.errors import CorruptCheckpointError
+
+
+def _record() -> dict:
+    """A [7, 5] float32 tensor in two shards (4 and 3 rows), as FSDP2 on 2 ranks stores it."""
+    return {
+        "dtype": "F32", "shape": [7, 5], "mesh": [2], "placements": ["S0"], "chunk": 64,
+        "pieces": [
+            {"offsets": [0, 0], "shape": [4, 5], "file": "model-00000.safetensors",
+             "key": "w@0,0", "range": [100, 180], "xxh3_64": "a" * 16, "chunks": ["b" * 16] * 2},
+            {"offsets": [4, 0], "shape": [3, 5], "file": "model-00001.safetensors",
+             "key": "w@4,0", "range": [100, 160], "xxh3_64": "c" * 16, "chunks": ["d" * 16]},
+        ],
+    }  # fmt: skip
+
+
+def test_a_record_reads_back_as_written() -> None:
+    record = ShardedEntry.from_json(_record(), "ckpt")
+    assert record.to_json() == _record()
+    assert record.nbytes == 140
+    assert record.describe() == "mesh (2,), placements (S0), 2 shards"
+
+
+def test_a_grid_of_shards_over_two_dimensions_is_accepted() -> None:
+    doc = {"dtype": "BF16", "shape": [4, 6], "mesh": [2, 2], "placements": ["S0", "S1"],
+           "chunk": 1 << 20, "pieces": []}  # fmt: skip
+    for row in (0, 2):
+        for col in (0, 3):
+            doc["pieces"].append(
+                {
+                    "offsets": [row, col],
+                    "shape": [2, 3],
+                    "file": "f",
+                    "key": f"k{row}{col}",
+                    "range": [0, 12],
+                    "xxh3_64": "0" * 16,
+                    "chunks": ["0" * 16],
+                }
+            )
+    assert len(ShardedEntry.from_json(doc, "ckpt").pieces) == 4
+
+
+def _set(path: list, value):
+    def change(doc: dict) -> None:
+        target = doc
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+
+    return change
+
+
+def _drop_piece(doc: dict) -> None:
+    doc["pieces"].pop()
+
+
+def _twice(doc: dict) -> None:
+    doc["mesh"] = [4]
+    doc["pieces"].append(doc["pieces"][1])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_set(["pieces", 1, "offsets"], [3, 0]), "overlap or leave a gap"),
+        (_set(["pieces", 1, "offsets"], [5, 0]), "outside the shape"),
+        (_drop_piece, "cover 4 of 7"),
+        (_twice, "tile"),
+        (_set(["pieces", 0, "range"], [100, 170]), "does not hold 80 bytes"),
+        (_set(["pieces", 0, "chunks"], ["b" * 16]), "1 chunk digests for 80 bytes"),
+        (_set(["placements"], ["S2"]), "do not fit"),
+        (_set(["placements"], ["S01"]), "do not fit"),
+        (_set(["placements"], ["R", "S0"]), "do not fit"),
+        (_set(["mesh"], [0]), "mesh"),
+        (_set(["mesh"], [1]), "2 shards on a mesh of 1"),
+        (_set(["chunk"], 0), "chunk size"),
+        (_set(["chunk"], True), "'chunk'"),
+        (_set(["dtype"], "F33"), "unknown tensor dtype"),
+        (_set(["shape"], [7, -5]), "shape"),
+        (_set(["pieces", 0, "shape"], [0, 5]), "shard shape"),
+        (_set(["pieces", 0, "file"], 3), "'file'"),
+        (_set(["pieces", 0], []), "not a JSON object"),
+    ],
+)
+def test_malformed_records_are_refused(change, message) -> None:
+    doc = copy.deepcopy(_record())
+    change(doc)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        ShardedEntry.from_json(doc, "ckpt")
+
+
+def test_an_empty_tensor_has_no_shards() -> None:
+    doc = {**_record(), "shape": [0, 5]}
+    with pytest.raises(CorruptCheckpointError, match="outside"):
+        ShardedEntry.from_json(doc, "ckpt")
+    assert ShardedEntry.from_json({**doc, "pieces": []}, "ckpt").pieces == ()
