@@ -34,22 +34,32 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 @dataclass(frozen=True)
 class SaveEvent:
-    """One committed checkpoint, as seen by the process that reports it."""
+    """One committed checkpoint, as seen by the process that reports it.
+
+    What a listener added with :func:`add_listener` receives; ddpckpt makes it, a listener
+    only reads it.
+
+    Attributes:
+        path: The checkpoint's path.
+        step: The step saved with it (``None`` if none was given).
+        stall_seconds: How long the save held the calling thread (training waits this
+            long).
+        durable_seconds: From the call until the checkpoint was committed and durable
+            (equal to ``stall_seconds`` for a synchronous save, longer for an asynchronous
+            one).
+        nbytes: The size of the checkpoint's files (one copy; node-local storage holds one
+            per node).
+        verified: Every file and tensor was checksummed as it was written and the manifest
+            listing the checksums is committed: every later load verifies the bytes
+            against them. Always True in an event (a save that fails sends none).
+    """
 
     path: str
-    """The checkpoint's path."""
     step: int | None
-    """The step saved with it (``None`` if none was given)."""
     stall_seconds: float
-    """How long the save held the calling thread (training waits this long)."""
     durable_seconds: float
-    """From the call until the checkpoint was committed and durable (equal to
-    ``stall_seconds`` for a synchronous save, longer for an asynchronous one)."""
     nbytes: int
-    """The size of the checkpoint's files (one copy; node-local storage holds one per node)."""
     verified: bool
-    """Every file and tensor was checksummed as it was written and the manifest listing
-    the checksums is committed: every later load verifies the bytes against them."""
 
 
 _listeners: list[Callable[[SaveEvent], None]] = []
@@ -59,8 +69,16 @@ _lock = threading.Lock()
 def add_listener(listener: Callable[[SaveEvent], None]) -> Callable[[], None]:
     """Call ``listener(event)`` for every committed save of this process from now on.
 
-    Local: each process adds its own. Returns a function that removes the listener
-    (calling it twice is harmless).
+    Local: each process adds its own, on any thread; adding the same listener twice calls
+    it twice. See the module's description for the thread a listener runs on; an
+    exception it raises is logged as an ERROR (the save's outcome does not change).
+
+    Args:
+        listener: Called with one :class:`SaveEvent` per committed save.
+
+    Returns:
+        A function of no arguments that removes the listener (calling it twice is
+        harmless).
     """
     with _lock:
         _listeners.append(listener)

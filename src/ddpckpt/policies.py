@@ -34,24 +34,56 @@ __all__ = [
 
 
 class SavePolicy(ABC):
-    """Decides whether to save at a step.
+    """Decides whether to save at a step; subclass it for a schedule of your own.
 
-    Policies whose answer depends on the clock set ``needs_agreement``: the Checkpointer
-    then takes rank 0's answer on every rank, so ranks never disagree.
+    Pass an instance as ``Checkpointer(save_policy=...)``. The Checkpointer asks it from
+    :meth:`~ddpckpt.Checkpointer.should_save`, which every rank calls at the same steps;
+    every rank holds its own instance. Policies whose answer depends on the clock (or on
+    anything else that can differ between ranks) set ``needs_agreement``: the
+    Checkpointer then asks rank 0's instance only and sends its answer to every rank, so
+    the ranks never disagree.
+
+    Attributes:
+        needs_agreement: Whether rank 0 alone decides for every rank (``False``: each
+            rank asks its own instance, which must then answer the same on every rank).
     """
 
     needs_agreement: bool = False
 
     @abstractmethod
-    def should_save(self, step: int, now: float) -> bool: ...
+    def should_save(self, step: int, now: float) -> bool:
+        """Whether to save at ``step``; called once per :meth:`Checkpointer.should_save
+        <ddpckpt.Checkpointer.should_save>` call that is not answered already (a step not
+        newer than the last save, or a preemption, decides without asking).
+
+        Args:
+            step: The training step the loop passed.
+            now: ``time.monotonic()`` on the calling rank.
+
+        Returns:
+            True to save at this step.
+        """
 
     def saved(self, step: int, now: float) -> None:  # noqa: B027 - optional hook
-        """Called after every save (or resume), with the step and the monotonic time."""
+        """Hook called on every rank after each save the Checkpointer made, and after a
+        resume (with the step loaded); does nothing unless overridden.
+
+        Args:
+            step: The step saved or resumed.
+            now: ``time.monotonic()`` on the calling rank.
+        """
 
 
 @dataclass
 class EverySteps(SavePolicy):
-    """Save when ``step`` is a multiple of ``n``."""
+    """Save when ``step`` is a multiple of ``n`` (``Checkpointer(every_steps=n)``).
+
+    Attributes:
+        n: The interval, in steps.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+    """
 
     n: int
 
@@ -65,7 +97,17 @@ class EverySteps(SavePolicy):
 
 @dataclass
 class EverySeconds(SavePolicy):
-    """Save when ``seconds`` have passed since the last save (or resume, or start)."""
+    """Save when ``seconds`` have passed since the last save (or resume, or the first
+    question) (``Checkpointer(every_seconds=seconds)``).
+
+    It sets ``needs_agreement``: rank 0's clock decides for every rank.
+
+    Attributes:
+        seconds: The interval, in seconds.
+
+    Raises:
+        ValueError: ``seconds`` is not positive.
+    """
 
     seconds: float
     needs_agreement = True
@@ -85,7 +127,13 @@ class EverySeconds(SavePolicy):
 
 
 class AnyOf(SavePolicy):
-    """Save when any of the policies says so."""
+    """Save when any of ``policies`` says so; every one of them is asked each time.
+
+    Rank 0 decides for every rank if any of them sets ``needs_agreement``.
+
+    Args:
+        *policies: The policies to combine.
+    """
 
     def __init__(self, *policies: SavePolicy) -> None:
         self.policies = policies
@@ -101,40 +149,84 @@ class AnyOf(SavePolicy):
 
 @dataclass(frozen=True)
 class Record:
-    """What retention knows of a committed checkpoint."""
+    """What a :class:`Retention` knows of a committed checkpoint.
+
+    Attributes:
+        step: The checkpoint's step.
+        metrics: The metrics passed to :meth:`Checkpointer.save
+            <ddpckpt.Checkpointer.save>` for it (empty if none).
+    """
 
     step: int
     metrics: Mapping[str, Any]
 
 
 class Retention(ABC):
-    """Chooses which committed checkpoints to keep.
+    """Chooses which committed checkpoints to keep; subclass it for a rule of your own.
 
-    The Checkpointer always keeps the newest one as well, and deletes others only after
-    a newer checkpoint is committed.
+    Pass an instance as ``Checkpointer(retention=...)``. After each save commits, the
+    Checkpointer calls :meth:`keep` on the rank that writes the run directory (rank 0 on
+    shared storage; the first rank of each node on node-local storage), under the run's
+    lock, and deletes the committed checkpoints it does not keep. The newest one is always
+    kept as well, whatever :meth:`keep` says, and others are deleted only after a newer
+    checkpoint is committed. Its methods must not raise: an error here is no storage
+    failure, and reaches the caller of the save.
     """
 
     @abstractmethod
-    def keep(self, records: Sequence[Record]) -> set[int]: ...
+    def keep(self, records: Sequence[Record]) -> set[int]:
+        """The steps to keep.
+
+        Args:
+            records: Every committed checkpoint of the run, in no particular order.
+
+        Returns:
+            The steps of those to keep; the others are deleted (the newest never is).
+        """
 
     def describe(self) -> dict[str, Any]:
+        """The policy as JSON-compatible data, written to the run's ``run.json`` by the
+        first save of a job, so that ``ddpckpt ls`` can show :meth:`why_kept` notes.
+
+        Only the built-in policies are rebuilt from it (:func:`retention_from`); the
+        default, ``{"type": <class name>}``, shows no notes.
+
+        Returns:
+            A dict with at least ``"type"``.
+        """
         return {"type": type(self).__name__}
 
     def why_kept(self, records: Sequence[Record]) -> dict[int, str]:
-        """Steps this policy keeps for a reason worth showing (``ddpckpt ls``), e.g.
-        ``"best #1 by loss"``; keeping the newest ones needs no note."""
+        """Steps this policy keeps for a reason worth showing (``ddpckpt ls``), such as
+        ``"best #1 by loss"``; keeping the newest ones needs no note.
+
+        Args:
+            records: Every committed checkpoint of the run.
+
+        Returns:
+            A note by step; empty by default.
+        """
         return {}
 
 
 @dataclass
 class KeepAll(Retention):
+    """Keep every checkpoint (``Checkpointer(keep_last=None)``)."""
+
     def keep(self, records: Sequence[Record]) -> set[int]:
         return {r.step for r in records}
 
 
 @dataclass
 class KeepLast(Retention):
-    """The ``n`` newest checkpoints."""
+    """Keep the ``n`` newest checkpoints (``Checkpointer(keep_last=n)``).
+
+    Attributes:
+        n: How many to keep.
+
+    Raises:
+        ValueError: ``n`` is not a positive int.
+    """
 
     n: int
 
@@ -151,10 +243,21 @@ class KeepLast(Retention):
 
 @dataclass
 class KeepBest(Retention):
-    """The ``k`` checkpoints with the best ``monitor`` metric (``mode`` ``"min"``/``"max"``).
+    """Keep the ``k`` checkpoints with the best ``monitor`` metric
+    (``Checkpointer(keep_best=k, monitor=..., mode=...)``).
 
-    Checkpoints without the metric, or with a NaN or infinite value, never count as best;
-    ties go to the newer checkpoint.
+    Checkpoints without the metric, or with a NaN, infinite or non-numeric value, never
+    count as best; ties go to the newer checkpoint.
+
+    Attributes:
+        k: How many to keep.
+        monitor: The name of a metric passed to :meth:`Checkpointer.save
+            <ddpckpt.Checkpointer.save>`.
+        mode: ``"min"`` or ``"max"``: which direction is better.
+
+    Raises:
+        ValueError: ``k`` is not a positive int, ``monitor`` is empty or not a string, or
+            ``mode`` is neither ``"min"`` nor ``"max"``.
     """
 
     k: int
@@ -170,7 +273,14 @@ class KeepBest(Retention):
             raise ValueError(f"mode must be 'min' or 'max', got {self.mode!r}")
 
     def best(self, records: Sequence[Record]) -> list[int]:
-        """The steps of the best checkpoints, best first."""
+        """The steps of the (at most ``k``) best checkpoints.
+
+        Args:
+            records: The checkpoints to rank.
+
+        Returns:
+            Their steps, best first.
+        """
         scored = []
         for record in records:
             value = record.metrics.get(self.monitor)
@@ -195,7 +305,11 @@ class KeepBest(Retention):
 
 
 class Union(Retention):
-    """Keep what any of the policies keeps."""
+    """Keep what any of ``policies`` keeps.
+
+    Args:
+        *policies: The policies to combine.
+    """
 
     def __init__(self, *policies: Retention) -> None:
         self.policies = policies
@@ -217,7 +331,20 @@ class Union(Retention):
 
 
 def retention_from(description: Mapping[str, Any]) -> Retention | None:
-    """Rebuild a retention policy from :meth:`Retention.describe` (for ``ddpckpt ls``)."""
+    """Rebuild a built-in retention policy from what its :meth:`Retention.describe` said
+    (``ddpckpt ls`` does, from ``run.json``); local.
+
+    Args:
+        description: The dict :meth:`Retention.describe` returned.
+
+    Returns:
+        The policy, or ``None`` for a ``"type"`` it does not know (a policy of your own).
+        A :class:`Union` drops the parts it does not know.
+
+    Raises:
+        KeyError: A built-in type's field is missing.
+        ValueError: A field is invalid (as the policy's constructor checks).
+    """
     kind = description.get("type")
     if kind == "KeepLast":
         return KeepLast(int(description["n"]))
@@ -234,14 +361,29 @@ def retention_from(description: Mapping[str, Any]) -> Retention | None:
 
 
 class Never(SavePolicy):
-    """No schedule: ``should_save`` is always False (call ``Checkpointer.save`` yourself)."""
+    """No schedule: :meth:`should_save` is always False; call
+    :meth:`Checkpointer.save <ddpckpt.Checkpointer.save>` yourself.
+
+    The Checkpointer's default when neither ``every_steps`` nor ``every_seconds`` is given.
+    """
 
     def should_save(self, step: int, now: float) -> bool:
         return False
 
 
 def schedule(every_steps: int | None, every_seconds: float | None) -> SavePolicy:
-    """The save policy of ``Checkpointer(every_steps=..., every_seconds=...)``."""
+    """The save policy of ``Checkpointer(every_steps=..., every_seconds=...)``; local.
+
+    Args:
+        every_steps: An :class:`EverySteps` interval, or ``None``.
+        every_seconds: An :class:`EverySeconds` interval, or ``None``.
+
+    Returns:
+        One of them, :class:`AnyOf` both, or :class:`Never` when both are ``None``.
+
+    Raises:
+        ValueError: An interval that is not positive.
+    """
     policies: list[SavePolicy] = []
     if every_steps is not None:
         policies.append(EverySteps(every_steps))
@@ -255,7 +397,21 @@ def schedule(every_steps: int | None, every_seconds: float | None) -> SavePolicy
 def keeping(
     keep_last: int | None, keep_best: int | None, monitor: str | None, mode: str
 ) -> Retention:
-    """The retention of ``Checkpointer(keep_last=..., keep_best=..., monitor=..., mode=...)``."""
+    """The retention of ``Checkpointer(keep_last=..., keep_best=..., monitor=..., mode=...)``;
+    local.
+
+    Args:
+        keep_last: A :class:`KeepLast` count; ``None`` keeps all (:class:`KeepAll`).
+        keep_best: A :class:`KeepBest` count, or ``None``.
+        monitor: The metric ``keep_best`` ranks by.
+        mode: ``"min"`` or ``"max"``.
+
+    Returns:
+        The policy; a :class:`Union` of both when ``keep_best`` is given.
+
+    Raises:
+        ValueError: ``keep_best`` without ``monitor``, or an invalid count or ``mode``.
+    """
     parts: list[Retention] = [KeepLast(keep_last) if keep_last is not None else KeepAll()]
     if keep_best is not None:
         if monitor is None:
@@ -265,6 +421,18 @@ def keeping(
 
 
 def best_first(committed: Mapping[int, Mapping[str, Any]], metric: str, mode: str) -> list[int]:
-    """The steps with a finite ``metric``, best first (ties: the newer first)."""
+    """Rank checkpoints by a metric, as ``Checkpointer.resume(best=...)`` does; local.
+
+    Args:
+        committed: The metrics of each checkpoint, by step.
+        metric: The metric's name.
+        mode: ``"min"`` or ``"max"``: which direction is better.
+
+    Returns:
+        The steps with a finite numeric ``metric``, best first (ties: the newer first).
+
+    Raises:
+        ValueError: An empty ``metric``, or ``mode`` neither ``"min"`` nor ``"max"``.
+    """
     records = [Record(step, dict(metrics)) for step, metrics in committed.items()]
     return KeepBest(max(len(records), 1), metric, mode).best(records)

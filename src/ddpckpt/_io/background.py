@@ -146,7 +146,11 @@ class PendingSave:
         self._completion = completion
 
     def done(self) -> bool:
-        """Whether this save has finished, committed or failed; never blocks."""
+        """Whether this save has finished, committed or failed; never blocks.
+
+        Returns:
+            True once :meth:`wait` would return or raise at once.
+        """
         return self._completion.done()
 
     def wait(self) -> str:
@@ -163,7 +167,11 @@ class PendingSave:
         return self.path
 
     def exception(self) -> BaseException | None:
-        """Block until this save has finished; its error, or ``None`` if it committed."""
+        """Block until this save has finished, and return its error instead of raising it.
+
+        Returns:
+            The error :meth:`wait` would raise, or ``None`` if the save committed.
+        """
         return self._completion.exception()
 
     def __fspath__(self) -> str:

@@ -425,7 +425,13 @@ class Checkpointer:
 
     def log_step(self, loss: Any) -> None:
         """Report this step's loss to ``ddpckpt check-resume``, which compares it between
-        the uninterrupted and the resumed run; local. Outside a check it does nothing."""
+        the uninterrupted and the resumed run; local (each rank reports its own, once per
+        step). Outside a check it does nothing and costs nothing.
+
+        Args:
+            loss: A number or a tensor (a tensor of several losses too); a tensor is
+                read only under a check.
+        """
         if (recorder := _resume_check.active()) is not None:
             recorder.loss(loss)
 
@@ -448,8 +454,20 @@ class Checkpointer:
         return query.latest_step(self.directory)
 
     def best(self, metric: str, mode: str | None = None) -> int | None:
-        """The committed step with the best finite ``metric`` (``mode`` ``"min"`` or
-        ``"max"``, by default the Checkpointer's), or ``None``; local and read-only."""
+        """The committed step with the best finite ``metric``; local and read-only.
+
+        Args:
+            metric: The name of a metric passed to :meth:`save`.
+            mode: ``"min"`` or ``"max"``: which direction is better (default: the
+                Checkpointer's ``mode``). Ties go to the newer step.
+
+        Returns:
+            The step, or ``None`` when no committed checkpoint has a finite ``metric``.
+
+        Raises:
+            TypeError: ``metric`` is not a string.
+            ValueError: ``mode`` is neither ``"min"`` nor ``"max"``.
+        """
         return query.best_step(self.directory, metric, mode or self.options.keeping.mode)
 
     def info(self, step: int) -> CheckpointInfo:
@@ -464,17 +482,36 @@ class Checkpointer:
     def resume_step(
         self, step: int | None = None, *, best: str | None = None, mode: str | None = None
     ) -> int | None:
-        """The checkpoint :meth:`resume` with these arguments would load first (it falls
-        back to the next if the data does not verify), or ``None``; local and read-only."""
+        """The checkpoint :meth:`resume` with these arguments would load first; local and
+        read-only (it loads and verifies nothing: :meth:`resume` falls back to the next
+        candidate if the data does not verify).
+
+        Args:
+            step: As for :meth:`resume`: this step only.
+            best: As for :meth:`resume`: the best by this metric.
+            mode: ``"min"`` or ``"max"`` for ``best`` (default: the Checkpointer's).
+
+        Returns:
+            The step, or ``None`` when the run has no committed checkpoint.
+
+        Raises:
+            CheckpointNotFoundError: ``step`` is not committed, or checkpoints exist but
+                none has a finite ``best`` metric.
+            ValueError: Both ``step`` and ``best`` are given.
+            TypeError: ``step`` is not an int.
+        """
         return query.resume_step(self.directory, step, best, mode or self.options.keeping.mode)
 
     def wait(self) -> None:
-        """Block until every save started so far is durable; local.
+        """Block until every save started so far (fast tier included) is durable; local.
 
         A background save that failed is then reported like a synchronous one: raised
-        with ``on_error="raise"``, logged with ``"warn"``. Being local, it decides nothing
-        for the other ranks: the next :meth:`save` or :meth:`resume` handles the failure on
-        every rank alike (with ``"raise"`` it raises there too).
+        with ``on_error="raise"``, logged as an ERROR with ``"warn"``. Being local, it
+        decides nothing for the other ranks: the next :meth:`save` or :meth:`resume`
+        handles the failure on every rank alike (with ``"raise"`` it raises there too).
+
+        Raises:
+            CheckpointWriteError: With ``on_error="raise"``, a background save failed.
         """
         self._saves.report_locally()
         if self._fast is not None:

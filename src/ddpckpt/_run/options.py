@@ -99,11 +99,22 @@ class FastTier:
     """``Checkpointer(fast_tier=...)``: a checkpoint in every node's host memory, as often as
     every step, that a restarted job resumes from (a directory alone means its defaults).
 
-    ``directory``: the same path on every node, in node-local memory that outlives the
-    worker processes (a tmpfs such as ``/dev/shm/<job>``); each node keeps there a complete
-    copy of the newest steps, every rank's own state included. ``every_steps``: the steps
-    whose ``save()`` it takes (every step by default; ``should_save`` says True then).
-    ``keep``: how many steps it keeps (1 by default; one more while a save is written).
+    Every rank passes the same options; the Checkpointer checks them when it is made (the
+    fast-tier page of the documentation shows it used).
+
+    Attributes:
+        directory: The same path on every node, in node-local memory that outlives the
+            worker processes (a tmpfs such as ``/dev/shm/<job>``); each node keeps there
+            a complete copy of the newest steps, every rank's own state included. Not a
+            URL, and neither inside the run directory nor holding it.
+        every_steps: The steps whose ``save()`` it takes (every step by default;
+            :meth:`~ddpckpt.Checkpointer.should_save` says True then).
+        keep: How many steps it keeps (1 by default; one more while a save is written).
+
+    Raises:
+        ValueError: From the ``Checkpointer``: ``every_steps`` or ``keep`` is not a
+            positive int, ``directory`` is a URL or nests with the run directory, or the
+            Checkpointer is ``read_only``.
     """
 
     directory: str | os.PathLike[str]

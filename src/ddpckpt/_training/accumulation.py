@@ -41,6 +41,14 @@ class GradientAccumulation:
     Args:
         model: The DDP-wrapped model, whose gradient all-reduce :meth:`context` skips.
         steps: Backward passes per optimizer step.
+
+    Attributes:
+        model: The model given.
+        steps: Backward passes per optimizer step.
+        micro: Backward passes counted in the current window (``0`` to ``steps - 1``).
+
+    Raises:
+        ValueError: ``steps`` is not a positive int.
     """
 
     ddpckpt_per_rank = True  # saved per rank (see ddpckpt.PerRank)
@@ -54,18 +62,26 @@ class GradientAccumulation:
 
     @property
     def last(self) -> bool:
-        """Whether the next backward completes the window."""
+        """Whether the next backward completes the window (and so synchronises the
+        gradients)."""
         return self.micro == self.steps - 1
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
-        """Skip DDP's gradient all-reduce except on the window's last micro-step."""
+        """Wrap each micro-step's forward and backward: DDP's ``no_sync()`` except on the
+        window's last micro-step, when DDP all-reduces the gradients; local, but every
+        rank must use it at the same micro-steps (DDP's all-reduce is collective). A model
+        without ``no_sync`` is synchronised every time."""
         no_sync = getattr(self.model, "no_sync", None)
         with no_sync() if (no_sync is not None and not self.last) else contextlib.nullcontext():
             yield
 
     def step(self) -> bool:
-        """Count one micro-step; True when the window is complete (step the optimizer now)."""
+        """Count one micro-step, after its backward; local.
+
+        Returns:
+            True when the window is complete: step the optimizer now.
+        """
         self.micro += 1
         if self.micro == self.steps:
             self.micro = 0
@@ -73,6 +89,12 @@ class GradientAccumulation:
         return False
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's position in the window; ddpckpt calls it at a save (per rank).
+
+        Returns:
+            ``steps``, the micro-step, and the gradients accumulated so far when the
+            window is partway (empty at a window's boundary).
+        """
         grads = {}
         if self.micro:
             for name, param in unwrap_model(self.model).named_parameters():
@@ -81,6 +103,16 @@ class GradientAccumulation:
         return {"steps": self.steps, "micro": self.micro, "grads": grads}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position :meth:`state_dict` returned, with the accumulated gradients;
+        ddpckpt calls it at a load, each rank with its own. Saved with another ``steps``,
+        the partial window is dropped with a WARNING (the micro-step restarts at 0).
+
+        Args:
+            state: What :meth:`state_dict` returned on this rank.
+
+        Raises:
+            KeyError: A saved gradient names a parameter the model does not have.
+        """
         if state["steps"] != self.steps:
             _log.warning(
                 "gradient accumulation changed from %d to %d micro-steps per optimizer step; "

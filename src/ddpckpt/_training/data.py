@@ -35,7 +35,18 @@ _log = get_logger(__name__)
 
 
 class SampleIndex(int):
-    """A dataset index that also knows its epoch (read by :class:`SeededDataset`)."""
+    """A dataset index that also knows its epoch (read by :class:`SeededDataset`).
+
+    An ``int`` in every other respect; :class:`ResumableDistributedSampler` yields them,
+    and the epoch survives being sent to a loader's worker process.
+
+    Args:
+        value: The index.
+        epoch: The epoch it belongs to.
+
+    Attributes:
+        epoch: The epoch it belongs to.
+    """
 
     epoch: int
 
@@ -87,14 +98,31 @@ class ResumableDistributedSampler(DistributedSampler):
     """``DistributedSampler`` whose position in the epoch is saved and restored.
 
     Use it exactly like ``DistributedSampler`` (``sampler.set_epoch(epoch)`` before each
-    epoch) and save the DataLoader that it feeds in the checkpoint's ``extra`` (the loader
-    saves the sampler's state, counted from the batches it yielded to training; the sampler
-    alone suffices only with ``num_workers=0``). After a resume, calling ``set_epoch``
-    with the restored epoch keeps the restored position; another epoch starts from its
-    beginning. A resume at an epoch's end yields nothing for that epoch, so no epoch is
-    repeated or skipped whichever epoch the loop restarts from.
+    epoch), one per rank with the same arguments, and save the DataLoader that it feeds in
+    the checkpoint's ``extra`` (the loader saves the sampler's state, counted from the
+    batches it yielded to training; the sampler alone suffices only with
+    ``num_workers=0``). After a resume, calling ``set_epoch`` with the restored epoch keeps
+    the restored position; another epoch starts from its beginning. A resume at an epoch's
+    end yields nothing for that epoch, so no epoch is repeated or skipped whichever epoch
+    the loop restarts from. After a world-size change the rest of the epoch is split over
+    the new ranks (a WARNING says so: the global batch changes).
 
-    The indices are :class:`SampleIndex` ints carrying the epoch.
+    The indices are :class:`SampleIndex` ints carrying the epoch. The arguments are
+    ``DistributedSampler``'s, and give the same order for the same seed and epoch.
+
+    Args:
+        dataset: A map-style dataset with ``__len__``.
+        num_replicas: The number of ranks (default: the process group's world size).
+        rank: This rank (default: the process group's rank).
+        shuffle: Shuffle the indices, by ``seed`` and the epoch.
+        seed: The shuffle's seed; the same on every rank.
+        drop_last: Drop the tail that does not divide evenly among the ranks, instead of
+            repeating samples to pad it.
+
+    Raises:
+        ValueError: ``rank`` is not in ``[0, num_replicas)``.
+        RuntimeError: ``num_replicas`` or ``rank`` is left out and no process group is
+            initialized.
     """
 
     def __init__(
@@ -135,6 +163,14 @@ class ResumableDistributedSampler(DistributedSampler):
         return rest
 
     def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next pass; local, on every rank before each epoch.
+
+        The epoch a checkpoint restored keeps its restored position; any other epoch
+        starts from its beginning.
+
+        Args:
+            epoch: The epoch about to start.
+        """
         if epoch != self.epoch:
             self._start = self._consumed = 0
             self._pass_done = False
@@ -185,6 +221,14 @@ class ResumableDistributedSampler(DistributedSampler):
         return len(self._remaining()) // self.num_replicas
 
     def state_dict(self) -> dict[str, Any]:
+        """The position to save; ddpckpt calls it when the sampler or its loader is in a
+        checkpoint.
+
+        Returns:
+            The epoch, the samples of it all ranks consumed, and what defines the order
+            (the dataset's length, ``seed``, ``shuffle``, ``drop_last`` and the world size
+            of the epoch's order).
+        """
         return {
             "epoch": self.epoch,
             "consumed": self._consumed,
@@ -196,6 +240,17 @@ class ResumableDistributedSampler(DistributedSampler):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a position :meth:`state_dict` returned; ddpckpt calls it on every rank
+        when it loads the sampler or its loader.
+
+        Args:
+            state: What :meth:`state_dict` returned, on any number of ranks.
+
+        Raises:
+            StateMismatchError: The dataset's length, ``seed``, ``shuffle`` or
+                ``drop_last`` differ from the checkpoint's (the position would mean other
+                samples).
+        """
         for key in ("dataset_len", "seed", "shuffle", "drop_last"):
             mine = self._length() if key == "dataset_len" else getattr(self, key)
             if state[key] != mine:
@@ -268,11 +323,16 @@ def _seeded(seed: int) -> Iterator[None]:
 class SeededDataset(Dataset):
     """Wraps a map-style dataset so each sample's randomness depends only on what it is.
 
-    Before ``dataset[index]`` runs, Python's ``random``, numpy and torch are seeded from
-    ``(seed, epoch, index)`` (the epoch comes from the :class:`SampleIndex` a
-    :class:`ResumableDistributedSampler` yields, else from :meth:`set_epoch`), and the
-    caller's generator states are restored afterwards. Augmentation is then the same in
-    any worker, in any order, before and after a resume.
+    Before ``dataset[index]`` runs, Python's ``random``, numpy (if imported) and torch's
+    CPU generator are seeded from ``(seed, epoch, index)`` (the epoch comes from the
+    :class:`SampleIndex` a :class:`ResumableDistributedSampler` yields, else from
+    :meth:`set_epoch`), and the caller's generator states are restored afterwards.
+    Augmentation is then the same in any worker, in any order, before and after a resume.
+    Every rank wraps its dataset with the same ``seed``.
+
+    Args:
+        dataset: The map-style dataset to wrap.
+        seed: Mixed into every sample's seed.
     """
 
     def __init__(self, dataset: Dataset, seed: int = 0) -> None:
@@ -281,6 +341,12 @@ class SeededDataset(Dataset):
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
+        """Set the epoch used for indices that carry none (plain ints, not
+        :class:`SampleIndex`); local.
+
+        Args:
+            epoch: The current epoch.
+        """
         self.epoch = epoch
 
     def __len__(self) -> int:

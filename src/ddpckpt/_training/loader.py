@@ -313,12 +313,27 @@ def _swap_class(obj: Any, mixin: type) -> None:
 
 
 def track_loader(loader: DataLoader) -> DataLoader:
-    """Make ``loader`` (any ``torch.utils.data.DataLoader``) record its position; returns it.
+    """Make ``loader`` record its position, so that its first save records what training
+    consumed.
 
-    Call it before the loader's first iteration, on every rank; passing the loader in a
-    Checkpointer's or :func:`ddpckpt.load`'s ``extra`` does it for you. Idempotent. Its
-    worker processes ignore the preemption signals while a Checkpointer with ``preemption``
-    is open (see :mod:`ddpckpt._training.worker_signals`).
+    Call it before the loader's first iteration, on every rank (local: no collective);
+    passing the loader in a :class:`~ddpckpt.TrainingState`, a Checkpointer's or
+    :func:`ddpckpt.load`'s ``extra`` before the loop does it for you. Idempotent. Its
+    worker processes ignore the preemption signals while a Checkpointer with
+    ``preemption`` is open.
+
+    Args:
+        loader: A ``torch.utils.data.DataLoader`` (not torchdata's ``StatefulDataLoader``,
+            which tracks itself); its class is swapped in place for a tracking subclass.
+
+    Returns:
+        ``loader`` itself.
+
+    Raises:
+        TypeError: ``loader`` is not a plain torch ``DataLoader``.
+        InexactResumeError: Its position cannot be tracked: an ``IterableDataset``
+            without ``state_dict``/``load_state_dict``, or one with ``num_workers > 0``,
+            or ``in_order=False``.
     """
     if is_tracked(loader):
         return loader

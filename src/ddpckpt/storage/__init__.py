@@ -177,5 +177,15 @@ def _resolve(location: str) -> tuple[Storage, str]:
 
 
 def storage_for(path: str | os.PathLike[str]) -> Storage:
-    """The storage holding ``path`` (see :func:`resolve`)."""
+    """The storage holding ``path``; local (:func:`resolve` without the location).
+
+    Args:
+        path: A local path or a URL.
+
+    Returns:
+        The :class:`Storage` serving it.
+
+    Raises:
+        ValueError: No storage serves the URL's scheme.
+    """
     return resolve(path)[0]

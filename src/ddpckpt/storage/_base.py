@@ -90,20 +90,43 @@ def previous_of(name: str) -> str | None:
 
 
 class Writer(abc.ABC):
-    """A new object being written as a stream. ``sync`` makes it complete and durable;
-    ``close`` without ``sync`` leaves at most a partial object that no manifest lists."""
+    """A new object being written as a stream, returned by :meth:`Storage.create`.
+
+    ddpckpt calls :meth:`write` any number of times, then :meth:`sync` once, then
+    :meth:`close` (also on failure: it is a context manager), all from one thread at a
+    time (not necessarily the thread that created it). :meth:`sync` makes the object
+    complete and durable; :meth:`close` without :meth:`sync` leaves at most a partial
+    object that no manifest lists (and that the commit strategy's cleanup removes).
+    Failures raise :class:`OSError`, as for :class:`Storage`.
+    """
 
     @abc.abstractmethod
     def write(self, data: Any) -> None:
-        """Append all of ``data``."""
+        """Append all of ``data`` (a short write is not allowed: loop until done).
+
+        Args:
+            data: A bytes-like object (``bytes``, ``memoryview``, a NumPy buffer); the
+                caller may reuse its memory once this returns.
+
+        Raises:
+            OSError: The write failed (``ENOSPC`` when the store is full).
+        """
 
     @abc.abstractmethod
     def sync(self) -> None:
-        """Make everything written durable (fsync; the end of an upload)."""
+        """Make everything written durable: ``fsync`` on a file system, the end of an
+        upload on an object store (the object appears only now there). Called once, after
+        the last :meth:`write`.
+
+        Raises:
+            OSError: The data may not be durable; ddpckpt commits nothing that lists it.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the object's resources; idempotent."""
+        """Release the object's resources (a file descriptor, an unfinished upload);
+        idempotent, and called after a failed :meth:`write` or :meth:`sync` too, so it
+        should not raise."""
 
     def __enter__(self) -> Writer:
         return self
@@ -115,26 +138,63 @@ class Writer(abc.ABC):
 
 
 class Reader(abc.ABC):
-    """An object opened for reading: the bytes at the moment it was opened, even if the
-    location is replaced or deleted meanwhile."""
+    """An object opened for reading, returned by :meth:`Storage.open`: the bytes at the
+    moment it was opened, even if the location is replaced or deleted meanwhile.
+
+    ddpckpt may call :meth:`read_into` from several threads at once (ranged reads of one
+    large file in parallel), then :meth:`close` once. It checks every byte it reads
+    against the manifest's checksums, so a reader need not verify anything. Failures
+    raise :class:`OSError`, as for :class:`Storage`.
+
+    Attributes:
+        size: The object's size in bytes when it was opened; set it in ``__init__``.
+    """
 
     size: int
 
     @abc.abstractmethod
     def read_into(self, view: memoryview, offset: int) -> int:
-        """Fill a prefix of ``view`` with the bytes at ``offset``; the count (0 past the end)."""
+        """Fill a prefix of ``view`` with the object's bytes from ``offset`` on.
+
+        Args:
+            view: A writable buffer; fill as much of it as the object holds past
+                ``offset``.
+            offset: The position in the object to read from.
+
+        Returns:
+            The count of bytes filled: at least 1 while bytes remain (the caller asks
+            again for the rest, as with ``pread``), 0 at or past the object's end.
+
+        Raises:
+            OSError: The read failed.
+        """
 
     @abc.abstractmethod
     def map(self) -> Any:
         """The whole object as a writable buffer private to this reader (a copy-on-write
-        memory map on POSIX), or ``None`` when it is empty."""
+        memory map on POSIX, a ``bytearray`` filled by ranged reads on object stores);
+        tensors are loaded straight from it.
+
+        Returns:
+            A writable buffer, or ``None`` when the object is empty.
+
+        Raises:
+            OSError: Reading or mapping failed.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the object; buffers from :meth:`map` stay valid."""
+        """Release the object; buffers from :meth:`map` stay valid. Idempotent."""
 
     def read_all(self) -> bytes:
-        """All ``size`` bytes (fewer if the object shrank since it was opened)."""
+        """All ``size`` bytes, by :meth:`read_into` (override only to do better).
+
+        Returns:
+            The bytes; fewer if the object shrank since it was opened.
+
+        Raises:
+            OSError: A read failed.
+        """
         buffer = bytearray(self.size)
         view, done = memoryview(buffer), 0
         while done < len(buffer):
@@ -177,50 +237,140 @@ class RangedReader(Reader):
 
 
 class Storage(abc.ABC):
-    """The operations ddpckpt performs on stored bytes; see the module for locations,
-    ranks and atomicity. Missing objects raise :class:`FileNotFoundError`."""
+    """The operations ddpckpt performs on stored bytes: subclass it for a backend of your
+    own, and serve a URL scheme from it with :func:`~ddpckpt.storage.register`.
 
-    #: How a checkpoint is made visible here (a directory rename, or the manifest last).
+    Locations are strings in the storage's own spelling (the path or URL the user gave,
+    with names joined by ``/``). No method knows about ranks: every rank creates, writes
+    and syncs the data objects assigned to it and opens the ones it loads, from several
+    threads at once; one rank per storage domain (the leader) runs the
+    :attr:`commit` strategy, writes the manifest and ``latest``, applies retention and
+    holds the run's lock. So every method must be thread-safe, and must work when other
+    processes, on other hosts, use the same store at the same time.
+
+    Failures raise :class:`OSError` with an ``errno`` (the built-in subclasses where they
+    fit): :class:`FileNotFoundError` for a missing object or directory,
+    :class:`FileExistsError` for :meth:`create` of an existing one. ddpckpt reports them
+    as :class:`~ddpckpt.errors.CheckpointWriteError` naming the checkpoint, and a
+    :class:`~ddpckpt.Checkpointer` retries the transient ones (``EIO``, ``EAGAIN``,
+    ``EINTR``, ``EBUSY``, ``ETIMEDOUT``, ``ESTALE``, ``ECONNRESET``, ``ENETDOWN``,
+    ``ENETUNREACH``, ``EHOSTUNREACH``); an exception of another type is taken for a bug
+    and propagates as it is.
+
+    Attributes:
+        commit: How a checkpoint is made visible here: a :class:`RenameCommit` where a
+            directory renames atomically (a file system), a :class:`ManifestLastCommit`
+            where it does not (an object store).
+    """
+
     commit: CommitStrategy
 
     # ------------------------------------------------------------------- objects
     @abc.abstractmethod
     def create(self, location: str) -> Writer:
-        """A writer for a new object; :class:`FileExistsError` if ``location`` exists."""
+        """Start a new object at ``location``; exclusive, so that two writers never share
+        one object.
+
+        Args:
+            location: The object's location; its parent exists (made by
+                :meth:`make_dirs`) where the store has directories.
+
+        Returns:
+            A :class:`Writer` for it.
+
+        Raises:
+            FileExistsError: ``location`` exists (or another writer created it first).
+            OSError: Any other failure.
+        """
 
     @abc.abstractmethod
     def open(self, location: str) -> Reader:
-        """Open an object for ranged reads: a regular object only (never a link, FIFO or
-        device: :class:`NotRegularFileError`), without blocking."""
+        """Open an object for ranged reads, without blocking (never on a FIFO).
+
+        Args:
+            location: The object's location.
+
+        Returns:
+            A :class:`Reader` of the bytes as they are now.
+
+        Raises:
+            FileNotFoundError: Nothing is at ``location``.
+            OSError: ``location`` is no regular object (a directory, a link, a FIFO or
+                a device: ``NotRegularFileError``, an :class:`OSError`), or another
+                failure.
+        """
 
     @abc.abstractmethod
     def replace(self, location: str, data: bytes) -> None:
-        """Write a small object atomically and durably, replacing any previous one."""
+        """Write a small object (``latest``, ``run.json``, the run's lock) atomically and
+        durably, replacing any previous one: a reader sees the old content or the new,
+        never a mix or nothing.
+
+        Args:
+            location: The object's location.
+            data: Its whole new content.
+
+        Raises:
+            OSError: The write failed; the previous content is still there.
+        """
 
     @abc.abstractmethod
     def size(self, location: str) -> int:
-        """Bytes of the object at ``location``."""
+        """The size of the object at ``location``.
+
+        Returns:
+            Its size in bytes.
+
+        Raises:
+            FileNotFoundError: Nothing is at ``location``.
+        """
 
     @abc.abstractmethod
     def age(self, location: str) -> float:
-        """Seconds since the object was last written or touched."""
+        """How long ago the object was last written or :meth:`touch`-ed (the run's lock
+        is stale once this exceeds ``lock_stale_after``): this host's clock minus the
+        object's modification time.
+
+        Returns:
+            Seconds.
+
+        Raises:
+            FileNotFoundError: Nothing is at ``location``.
+        """
 
     @abc.abstractmethod
     def touch(self, location: str) -> None:
-        """Mark the object as written now (its content unchanged)."""
+        """Mark the object as written now, its content unchanged (the run's lock holder
+        refreshes the lock so).
+
+        Raises:
+            FileNotFoundError: Nothing is at ``location``.
+        """
 
     @abc.abstractmethod
     def delete(self, location: str) -> None:
-        """Delete one object."""
+        """Delete one object.
+
+        Raises:
+            FileNotFoundError: Nothing is at ``location``.
+        """
 
     def write_new(self, location: str, data: bytes) -> None:
-        """Create ``location`` (which must not exist) holding ``data``, durably."""
+        """Create ``location`` holding ``data``, durably (by :meth:`create`).
+
+        Raises:
+            FileExistsError: ``location`` exists.
+        """
         with self.create(location) as writer:
             writer.write(data)
             writer.sync()
 
     def read(self, location: str) -> bytes:
-        """The whole (small) object at ``location``."""
+        """The whole (small) object at ``location`` (by :meth:`open`).
+
+        Raises:
+            FileNotFoundError: Nothing is at ``location``.
+        """
         reader = self.open(location)
         try:
             return reader.read_all()
@@ -228,62 +378,114 @@ class Storage(abc.ABC):
             reader.close()
 
     def copy(self, source: str, target: str) -> None:
-        """Copy one object to a new location (a server-side copy where the store has one)."""
+        """Copy one object to a new location; override with a server-side copy where the
+        store has one (the default reads it whole, then :meth:`write_new`).
+
+        Raises:
+            FileNotFoundError: ``source`` does not exist.
+            FileExistsError: ``target`` exists.
+        """
         self.write_new(target, self.read(source))
 
     # ------------------------------------------------------------------ prefixes
     @abc.abstractmethod
     def is_dir(self, location: str) -> bool:
-        """Whether ``location`` is a directory (a prefix holding objects, on object stores)."""
+        """Whether ``location`` is a directory (a prefix holding objects, on object
+        stores); False when nothing is there."""
 
     @abc.abstractmethod
     def exists(self, location: str) -> bool:
-        """Whether ``location`` is an object or a directory."""
+        """Whether ``location`` is an object or a directory; never raises for a missing
+        one."""
 
     @abc.abstractmethod
     def list(self, location: str) -> list[str]:
-        """Names directly under the directory ``location``; :class:`FileNotFoundError` if none."""
+        """The entries directly under the directory ``location``.
+
+        Returns:
+            Their names (objects and directories, without ``location`` or a trailing
+            ``/``), in any order.
+
+        Raises:
+            FileNotFoundError: ``location`` is no directory (or, on an object store, no
+                object has it as a prefix).
+        """
 
     @abc.abstractmethod
     def walk(self, location: str) -> list[str]:
-        """Every object under ``location``, relative to it (``a/b``); empty if none."""
+        """Every object under ``location``, at any depth.
+
+        Returns:
+            Their names relative to ``location`` (``a/b``); empty if none, also when
+            ``location`` does not exist.
+        """
 
     @abc.abstractmethod
     def make_dirs(self, location: str) -> None:
-        """Make the directory ``location`` and its parents where the store has directories."""
+        """Make the directory ``location`` and its parents; existing ones are fine, and a
+        store without directories does nothing."""
 
     @abc.abstractmethod
     def delete_tree(self, location: str) -> None:
-        """Delete a directory (or object) and everything under it; missing is fine."""
+        """Delete a directory (or an object) and everything under it; a missing one is
+        fine. Not atomic: a crash midway leaves part of it (ddpckpt renames a checkpoint
+        to a temporary name, or deletes its manifest, before calling it)."""
 
     @abc.abstractmethod
     def rename(self, source: str, target: str) -> None:
         """Move an object or a directory; atomic where :attr:`commit` is a
-        :class:`RenameCommit`. An object replaces an object at ``target``; a directory
-        meeting an existing non-empty ``target`` raises :class:`OSError` (``EEXIST`` or
-        ``ENOTEMPTY``)."""
+        :class:`RenameCommit` (which relies on it); elsewhere it may copy then delete
+        (S3 does), as no commit relies on it there.
+
+        Args:
+            source: What to move.
+            target: Where to; an object there is replaced by an object.
+
+        Raises:
+            FileNotFoundError: ``source`` does not exist.
+            OSError: A directory meets an existing non-empty ``target`` (``EEXIST`` or
+                ``ENOTEMPTY``).
+        """
 
     # ---------------------------------------------------------------- the rest
     @abc.abstractmethod
     def parent(self, location: str) -> str:
         """The directory holding ``location`` (absolute where the store has a working
-        directory)."""
+        directory); pure, touches nothing."""
 
     @abc.abstractmethod
     def free_bytes(self, location: str) -> int | None:
-        """Bytes free for new objects at ``location``; ``None`` where unbounded/unknown."""
+        """Space left for new objects at ``location``, checked before a save writes
+        anything.
+
+        Returns:
+            Bytes free, or ``None`` where unbounded or unknown (no check is made).
+        """
 
     def best_effort(self) -> Storage:
-        """This storage for a last operation that must not hold the process up (at
-        interpreter exit): each request is tried once, with short timeouts. Local stores
-        have no retries and return themselves."""
+        """This storage for a last operation that must not hold the process up (releasing
+        the run's lock at interpreter exit).
+
+        Returns:
+            A storage whose requests are tried once, with short timeouts; local stores
+            have no retries and return themselves (the default).
+        """
         return self
 
     def sync_dir(self, location: str) -> None:  # noqa: B027 - a no-op unless overridden
-        """Make the entries of the directory ``location`` durable (POSIX only)."""
+        """Make the entries of the directory ``location`` (creations, renames) durable:
+        ``fsync`` of the directory on POSIX; does nothing unless overridden.
+
+        Raises:
+            OSError: The sync failed.
+        """
 
     def tree_bytes(self, location: str) -> int:
-        """Bytes under ``location`` (an object or a directory); vanishing objects count 0."""
+        """The size of everything under ``location`` (an object or a directory).
+
+        Returns:
+            Bytes; objects deleted meanwhile count 0.
+        """
         names = self.walk(location) if self.is_dir(location) else [""]
         total = 0
         for name in names:

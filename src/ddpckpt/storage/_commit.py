@@ -31,34 +31,88 @@ _log = get_logger(__name__)
 class CommitStrategy(abc.ABC):
     """How a checkpoint at location ``final`` becomes visible, all at once.
 
-    The leader of each storage domain calls :meth:`begin` before any rank writes, every
-    rank then writes its objects under :meth:`staging`, the leader writes the manifest
-    there last, then calls :meth:`publish`; on failure it calls :meth:`abort`.
+    A :class:`~ddpckpt.storage.Storage` names its strategy in its ``commit`` attribute;
+    a backend usually picks :class:`RenameCommit` or :class:`ManifestLastCommit`, and
+    subclasses this only for a store with a commit of its own. A checkpoint is committed
+    exactly when its manifest (``manifest.json``) can be read at ``final``: readers never
+    see part of one.
+
+    A save runs in this order. Every rank computes :meth:`staging` (the same on every
+    rank); the leader of each storage domain checks :meth:`exists` and calls
+    :meth:`begin` before any rank writes; every rank then writes its objects under the
+    staging location; the leader writes the manifest there last, then calls
+    :meth:`publish`. If anything fails anywhere, the leader calls :meth:`abort`. Cleanups
+    (``Checkpointer`` retention, :func:`ddpckpt.remove_checkpoint`, ``Checkpointer.resume``
+    and ``ddpckpt clean``) call :meth:`discard`, :meth:`set_aside`, :meth:`unfinished` and
+    :meth:`restore` on one process, with the run's lock held where there is a run.
+
+    Besides the abstract methods below, a subclass implements ``_remove_leftovers(storage,
+    staging, final)``: what :meth:`abort` does (delete what a failed save wrote, never a
+    committed checkpoint), raising :class:`OSError` on failure. Every method raises
+    :class:`OSError` (from its storage) on a storage failure.
     """
 
     @abc.abstractmethod
     def staging(self, storage: Storage, final: str, token: str, *, overwrite: bool = False) -> str:
-        """Where the objects of the checkpoint ``final`` are written before publishing
-        (``overwrite``: the save may replace a committed checkpoint there)."""
+        """Where the objects of the checkpoint ``final`` are written before publishing;
+        pure (touches nothing), called on every rank.
+
+        Args:
+            storage: The storage holding ``final``.
+            final: The checkpoint's location.
+            token: Unique to this save attempt, the same on every rank.
+            overwrite: The save may replace a committed checkpoint at ``final``.
+
+        Returns:
+            The staging location: a new name no reader takes for a checkpoint, or
+            ``final`` itself where the manifest written last is the commit.
+        """
 
     @abc.abstractmethod
     def exists(self, storage: Storage, final: str) -> bool:
-        """Whether a save to ``final`` without ``overwrite`` must be refused."""
+        """Whether a save to ``final`` without ``overwrite`` must be refused; on the
+        leader, before :meth:`begin`.
+
+        Returns:
+            True if a committed checkpoint is at ``final`` (or one an interrupted
+            overwrite left to be restored there).
+        """
 
     @abc.abstractmethod
     def begin(self, storage: Storage, final: str, staging: str, *, overwrite: bool) -> None:
-        """Prepare ``staging`` for the writers."""
+        """Prepare ``staging`` for the writers (make its directory, remove what an
+        interrupted save left there); on the leader, before any rank writes.
+
+        Raises:
+            FileExistsError: A checkpoint is at ``final`` and ``overwrite`` is false
+                (where this strategy checks it here).
+            OSError: A storage failure.
+        """
 
     @abc.abstractmethod
     def publish(self, storage: Storage, staging: str, final: str, *, overwrite: bool) -> None:
-        """Make the finished checkpoint visible at ``final`` (its manifest is written).
-        Raises ``FileExistsError`` if ``final`` exists and ``overwrite`` is false."""
+        """Make the finished checkpoint visible at ``final`` in one step; on the leader,
+        once every object and then the manifest are written and synced under ``staging``.
+        With ``overwrite``, a committed checkpoint at ``final`` stays readable until the
+        new one replaces it, and is deleted only then.
+
+        Raises:
+            FileExistsError: ``final`` exists and ``overwrite`` is false (or an
+                :class:`OSError` with ``EEXIST`` or ``ENOTEMPTY``: another process
+                committed there first).
+            OSError: A storage failure; nothing must be committed then, unless the
+                failure came after the commit (a sync of the parent directory).
+        """
 
     def abort(self, storage: Storage, staging: str, final: str) -> None:
-        """Remove what a failed save left; never a committed checkpoint. Called while the
-        save's own error propagates, so a storage failure here (the store that just failed
-        the save is often still down) is logged, not raised: the leftovers are no
-        checkpoint, and the next save there or ``ddpckpt clean`` removes them."""
+        """Remove what a failed save left, never a committed checkpoint; on the leader.
+
+        Called while the save's own error propagates, so a storage failure here (the
+        store that just failed the save is often still down) is logged as a WARNING, not
+        raised: the leftovers are no checkpoint, and the next save there or
+        ``ddpckpt clean`` removes them. Calls ``_remove_leftovers``; override that, not
+        this.
+        """
         try:
             self._remove_leftovers(storage, staging, final)
         except OSError as exc:
@@ -76,22 +130,45 @@ class CommitStrategy(abc.ABC):
     @abc.abstractmethod
     def discard(self, storage: Storage, final: str) -> None:
         """Delete a committed checkpoint so that a crash midway never leaves a damaged one
-        that still looks committed."""
+        that still looks committed (rename it away first, or delete its manifest first);
+        on one process.
+
+        Raises:
+            FileNotFoundError: Where the storage raises it for a missing checkpoint.
+            OSError: A storage failure.
+        """
 
     @abc.abstractmethod
     def set_aside(self, storage: Storage, final: str, target: str) -> None:
-        """Move a (broken) checkpoint to ``target``, where it is never loaded."""
+        """Move a (broken) checkpoint to ``target``, where it is never loaded; on the
+        leader, in ``Checkpointer.resume``. Afterwards nothing committed is left at
+        ``final``.
+
+        Raises:
+            OSError: A storage failure.
+        """
 
     def unfinished(self, storage: Storage, final: str) -> list[str]:
-        """What interrupted saves left inside the committed checkpoint ``final``: no part of
-        it, safe to delete once no save to ``final`` is in flight."""
+        """What interrupted saves left inside the committed checkpoint ``final``; called by
+        cleanups (``ddpckpt clean``).
+
+        Returns:
+            Locations that are no part of the checkpoint, safe to delete once no save to
+            ``final`` is in flight; empty by default.
+        """
         return []
 
     def restore(self, storage: Storage, final: str) -> None:  # noqa: B027 - nothing by default
         """Finish an overwrite of ``final`` that a crash or a failure interrupted, so that
         ``final`` is the checkpoint committed last: put the replaced checkpoint back where
-        ``final`` is missing, delete it where ``final`` is there. Nothing to do where the
-        commit replaces ``final`` in one step."""
+        ``final`` is missing, delete it where ``final`` is there. Called at every start of
+        a run (with its lock held, or no live holder) and by :func:`ddpckpt.latest`;
+        other processes may be restoring the same one meanwhile. Does nothing by default:
+        nothing to do where the commit replaces ``final`` in one step.
+
+        Raises:
+            OSError: A storage failure.
+        """
 
 
 class RenameCommit(CommitStrategy):
@@ -108,15 +185,29 @@ class RenameCommit(CommitStrategy):
     """
 
     def staging(self, storage: Storage, final: str, token: str, *, overwrite: bool = False) -> str:
+        """The temporary sibling ``.D.tmp-<token>`` of ``final`` (``D``)."""
         return temp_name(final, token)
 
     def exists(self, storage: Storage, final: str) -> bool:
+        """Whether ``D`` or ``.D.previous`` exists."""
         return storage.exists(final) or storage.exists(previous_name(final))
 
     def begin(self, storage: Storage, final: str, staging: str, *, overwrite: bool) -> None:
+        """Make the staging directory."""
         storage.make_dirs(staging)
 
     def publish(self, storage: Storage, staging: str, final: str, *, overwrite: bool) -> None:
+        """Sync the staging directory, :meth:`restore` what an interrupted overwrite left,
+        then rename it to ``final`` (exchange, or two renames, when overwriting).
+
+        Raises:
+            CheckpointWriteError: Files the manifest lists vanished from the staging
+                directory (nothing committed), a second rename failed (the old
+                checkpoint is put back), or another process keeps restoring the old one.
+            FileExistsError: ``final`` exists and ``overwrite`` is false.
+            OSError: A storage failure (``EEXIST``/``ENOTEMPTY``: another process
+                committed ``final`` first).
+        """
         missing = _missing_files(storage, staging)
         if missing:
             raise CheckpointWriteError(
@@ -163,6 +254,8 @@ class RenameCommit(CommitStrategy):
         )
 
     def restore(self, storage: Storage, final: str) -> None:
+        """Rename ``.D.previous`` back to ``D`` where ``D`` is missing (a WARNING says so),
+        or delete it where ``D`` is there."""
         previous = previous_name(final)
         if not storage.exists(previous):
             return
@@ -200,6 +293,8 @@ class RenameCommit(CommitStrategy):
         storage.delete_tree(staging)
 
     def discard(self, storage: Storage, final: str) -> None:
+        """Rename ``D`` to a temporary, sync the parent, then delete it (and any
+        ``.D.previous``)."""
         previous = previous_name(final)
         if storage.exists(previous):  # never to be put back once final is gone
             self._drop(storage, previous)
@@ -211,6 +306,7 @@ class RenameCommit(CommitStrategy):
         storage.delete_tree(doomed)
 
     def set_aside(self, storage: Storage, final: str, target: str) -> None:
+        """Rename ``D`` to ``target``."""
         storage.rename(final, target)
 
 
@@ -283,12 +379,20 @@ class ManifestLastCommit(CommitStrategy):
     """
 
     def staging(self, storage: Storage, final: str, token: str, *, overwrite: bool = False) -> str:
+        """``D/.next-<token>`` when overwriting, else ``D`` itself."""
         return f"{final}/{_NEXT_MARK}{token}" if overwrite else final
 
     def exists(self, storage: Storage, final: str) -> bool:
+        """Whether ``D/manifest.json`` exists."""
         return storage.exists(f"{final}/{MANIFEST}")
 
     def begin(self, storage: Storage, final: str, staging: str, *, overwrite: bool) -> None:
+        """Delete an interrupted save's leftovers under ``D`` (not a committed checkpoint
+        when overwriting: it stays until :meth:`publish`).
+
+        Raises:
+            FileExistsError: A checkpoint is at ``D`` and ``overwrite`` is false.
+        """
         if self.exists(storage, final):
             if not overwrite:
                 raise FileExistsError(errno.EEXIST, "checkpoint already exists", final)
@@ -301,7 +405,14 @@ class ManifestLastCommit(CommitStrategy):
 
     def publish(self, storage: Storage, staging: str, final: str, *, overwrite: bool) -> None:
         """Nothing left to do for a new checkpoint: the manifest the leader wrote last is
-        the commit. For a replacement, the switch of manifests described above."""
+        the commit. For a replacement, the switch of manifests described above; a failure
+        to delete the old objects afterwards is logged as a WARNING (the new checkpoint
+        is committed).
+
+        Raises:
+            OSError: Reading the new manifest or replacing ``D``'s failed (the old
+                checkpoint stays committed).
+        """
         if staging == final:
             return
         prefix = staging[len(final) + 1 :]
@@ -330,13 +441,18 @@ class ManifestLastCommit(CommitStrategy):
             storage.delete_tree(final)
 
     def discard(self, storage: Storage, final: str) -> None:
+        """Delete ``D/manifest.json`` first, then everything under ``D``."""
         with contextlib.suppress(FileNotFoundError):
             storage.delete(f"{final}/{MANIFEST}")
         storage.delete_tree(final)
 
     def unfinished(self, storage: Storage, final: str) -> list[str]:
         """The ``.next-<token>/`` prefixes of overwrites that never switched the manifest
-        (the process died first); the one the committed manifest names is the checkpoint."""
+        (the process died first); the one the committed manifest names is the checkpoint.
+
+        Returns:
+            Their locations; empty when ``D`` holds no committed checkpoint.
+        """
         try:  # listed before the manifest is read, so that a commit meanwhile is seen
             names = storage.list(final)
             committed = _prefixes(_listed(storage.read(f"{final}/{MANIFEST}")))
@@ -349,6 +465,8 @@ class ManifestLastCommit(CommitStrategy):
         ]
 
     def set_aside(self, storage: Storage, final: str, target: str) -> None:
+        """Copy every object to ``target`` (the manifest last), then :meth:`discard`
+        ``D``."""
         names = storage.walk(final)
         for name in sorted(names, key=lambda n: n == MANIFEST):  # the manifest last
             storage.make_dirs(storage.parent(f"{target}/{name}"))

@@ -1,8 +1,7 @@
-"""Any fsspec file system as a ddpckpt storage (extra ``ddpckpt[fsspec]``)::
-
-    import ddpckpt.storage.fsspec
-    ddpckpt.storage.fsspec.use("gs")                  # gs:// URLs through gcsfs
-    ddpckpt.storage.fsspec.use("team", fs=my_fs)      # team://... through a configured instance
+"""Any fsspec file system as a ddpckpt storage (extra ``ddpckpt[fsspec]``): after
+``ddpckpt.storage.fsspec.use("gs")`` every process serves ``gs://`` URLs through gcsfs, and
+``use("team", fs=my_fs)`` serves ``team://...`` through a configured instance (the Object
+storage page of the documentation shows it run).
 
 A checkpoint commits with :class:`~ddpckpt.storage._commit.ManifestLastCommit`, as on S3: the
 data objects are written under the checkpoint's prefix, the manifest last, and only a
@@ -115,8 +114,16 @@ class _FsspecReader(RangedReader):
 
 class FsspecStorage(Storage):
     """``scheme://path`` locations on the fsspec file system ``fs`` (the part after
-    ``scheme://`` is the file system's path). Objects up to ``small_object`` bytes are read
-    whole when opened."""
+    ``scheme://`` is the file system's path); usually made by :func:`use`.
+
+    It commits with :class:`~ddpckpt.storage.ManifestLastCommit` (no rename needed). The
+    file system's ``ValueError``, ``RuntimeError`` and ``KeyError`` are reported as
+    :class:`OSError` (``EIO``, which a ``Checkpointer`` retries), naming the location.
+
+    Args:
+        fs: The fsspec file system, configured (credentials, endpoint).
+        small_object: Objects up to this many bytes are read whole when opened.
+    """
 
     commit = ManifestLastCommit()
 
@@ -235,10 +242,22 @@ _lock = threading.Lock()
 
 
 def use(scheme: str, fs: fsspec.AbstractFileSystem | None = None, *, protocol: str = "") -> None:
-    """Serve ``scheme://`` URLs through fsspec: through ``fs`` if given, else through
-    ``fsspec.filesystem(protocol or scheme)``, made on first use (credentials and endpoint
-    from that file system's usual places). ``storage_options=`` (``save``, ``load``,
-    ``Checkpointer``) make ``fsspec.filesystem(protocol or scheme, **options)``."""
+    """Serve ``scheme://`` URLs through fsspec; local: call it in every process, before
+    the first save or load of such a URL (it :func:`~ddpckpt.storage.register`-s the
+    scheme, replacing what served it).
+
+    Args:
+        scheme: The URL scheme, without ``://`` (``"gs"``).
+        fs: A configured file system to serve every such URL; without it,
+            ``fsspec.filesystem(protocol or scheme)`` is made on first use (credentials
+            and endpoint from that file system's usual places). ``storage_options=``
+            (``save``, ``load``, ``Checkpointer``) make
+            ``fsspec.filesystem(protocol or scheme, **options)`` instead.
+        protocol: The fsspec protocol, where it differs from ``scheme``.
+
+    Nothing is checked until the first URL is resolved: then fsspec's own errors (an
+    unknown protocol, its implementation such as gcsfs not installed) reach the caller.
+    """
     made: list[FsspecStorage] = [FsspecStorage(fs)] if fs is not None else []
     name = protocol or scheme
 

@@ -68,14 +68,32 @@ class S3Storage(Storage):
     are uploaded in parts (``part_size``, doubled every 1000 parts), ``max_concurrency`` at
     a time; reads over ``part_size`` go out as that many parallel ranged GETs. 8 MiB parts
     (boto3's own default) saved a 64 MiB checkpoint twice as fast as 32 MiB ones against a
-    local server: the last part's upload, after the last byte is written, is shorter. Credentials are never logged.
+    local server: the last part's upload, after the last byte is written, is shorter.
+    Credentials are never logged.
 
-    Serve a URL prefix from a configured instance with::
+    Serve a URL prefix from a configured instance with :func:`ddpckpt.storage.mount`
+    (``mount("s3://bucket", S3Storage(endpoint_url=...))``), or pass ``storage_options=``
+    (:meth:`from_options`) to ``save``, ``load`` or ``Checkpointer`` (the Object storage
+    page of the documentation shows both). One instance serves all the threads of a
+    process; each process makes its own.
 
-        ddpckpt.storage.mount("s3://bucket", S3Storage(endpoint_url="http://host:9000"))
+    Args:
+        endpoint_url: The S3 endpoint (a MinIO or other S3-compatible server's URL).
+        region_name: The region.
+        aws_access_key_id: The access key.
+        aws_secret_access_key: The secret key.
+        aws_session_token: A session token for temporary credentials.
+        profile_name: A profile of the AWS config files.
+        connect_timeout: Seconds to wait for a connection.
+        read_timeout: Seconds to wait for a response's bytes.
+        max_attempts: How many times a request is tried in all.
+        part_size: Bytes per part of a multipart upload, and the size above which reads
+            are split into parallel ranged GETs.
+        max_concurrency: Parts uploaded, or ranges read, at once per object.
+        small_object: Objects up to this size are downloaded whole when opened.
 
-    or pass ``storage_options=`` (:meth:`from_options`) to ``save``, ``load`` or
-    ``Checkpointer``.
+    Raises:
+        ValueError: ``part_size`` is under 5 MiB (S3's least part).
     """
 
     commit = ManifestLastCommit()
@@ -119,12 +137,21 @@ class S3Storage(Storage):
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> S3Storage:
-        """A storage made from a ``storage_options`` mapping, in this class's argument
-        names or in those s3fs/fsspec users pass: ``key``/``secret``/``token``,
-        ``profile``, ``region``, ``client_kwargs`` (``endpoint_url``, ``region_name``,
-        credentials) and ``config_kwargs`` (``connect_timeout``, ``read_timeout``,
-        ``retries={"max_attempts": N}``). Raises :class:`ValueError` naming an unknown or
-        twice-given option (never a value)."""
+        """A storage made from a ``storage_options`` mapping (what
+        :func:`ddpckpt.storage.configure` calls); local.
+
+        Args:
+            options: In this class's argument names or in those s3fs/fsspec users pass:
+                ``key``/``secret``/``token``, ``profile``, ``region``, ``client_kwargs``
+                (``endpoint_url``, ``region_name``, credentials) and ``config_kwargs``
+                (``connect_timeout``, ``read_timeout``, ``retries={"max_attempts": N}``).
+
+        Returns:
+            The storage.
+
+        Raises:
+            ValueError: An unknown or twice-given option (named, never its value).
+        """
         return cls(**settings(options))
 
     @property
@@ -317,7 +344,15 @@ _default_lock = threading.Lock()
 
 def default_storage(url: str) -> S3Storage:
     """The storage for ``s3://`` URLs not under a :func:`~ddpckpt.storage.mount`: one per
-    process, configured from the environment and AWS config files."""
+    process, configured from the environment and AWS config files, made on first use;
+    local and thread-safe (the ``s3`` scheme's factory).
+
+    Args:
+        url: The URL being resolved (any bucket: the one storage serves them all).
+
+    Returns:
+        The process's default :class:`S3Storage`.
+    """
     global _default
     with _default_lock:
         if _default is None:
@@ -327,7 +362,8 @@ def default_storage(url: str) -> S3Storage:
 
 
 def reset_default() -> None:
-    """Forget the default storage, so the next ``s3://`` URL reads the environment anew."""
+    """Forget the default storage, so the next ``s3://`` URL reads the environment anew;
+    local (this process only). Storages mounted or configured stay."""
     global _default
     with _default_lock:
         _default = None
