@@ -367,7 +367,7 @@ def test_an_overwrite_killed_before_its_commit_is_a_leftover_ls_lists_and_resume
 
     with monkeypatch.context() as patch:  # a kill: the switch and the cleanup never run
         patch.setattr(ManifestLastCommit, "publish", killed)
-        patch.setattr(ManifestLastCommit, "_remove_leftovers", lambda *args: None)
+        patch.setattr(ManifestLastCommit, "remove_leftovers", lambda *args: None)
         with pytest.raises(ddpckpt.CheckpointWriteError):
             ddpckpt.save(step, model=torch.nn.Linear(3, 2), step=1, overwrite=True)
     [part] = [name for name in storage.list(step) if name.startswith(".next-")]

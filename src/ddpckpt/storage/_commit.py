@@ -46,9 +46,7 @@ class CommitStrategy(abc.ABC):
     and ``ddpckpt clean``) call :meth:`discard`, :meth:`set_aside`, :meth:`unfinished` and
     :meth:`restore` on one process, with the run's lock held where there is a run.
 
-    Besides the abstract methods below, a subclass implements ``_remove_leftovers(storage,
-    staging, final)``: what :meth:`abort` does (delete what a failed save wrote, never a
-    committed checkpoint), raising :class:`OSError` on failure. Every method raises
+    A subclass implements the abstract methods below. Every method raises
     :class:`OSError` (from its storage) on a storage failure.
     """
 
@@ -110,11 +108,11 @@ class CommitStrategy(abc.ABC):
         Called while the save's own error propagates, so a storage failure here (the
         store that just failed the save is often still down) is logged as a WARNING, not
         raised: the leftovers are no checkpoint, and the next save there or
-        ``ddpckpt clean`` removes them. Calls ``_remove_leftovers``; override that, not
-        this.
+        ``ddpckpt clean`` removes them. Calls :meth:`remove_leftovers`; override that,
+        not this.
         """
         try:
-            self._remove_leftovers(storage, staging, final)
+            self.remove_leftovers(storage, staging, final)
         except OSError as exc:
             _log.warning(
                 "%s: could not remove what the failed save left (%s); it is no checkpoint, "
@@ -124,8 +122,13 @@ class CommitStrategy(abc.ABC):
             )
 
     @abc.abstractmethod
-    def _remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
-        """What :meth:`abort` does."""
+    def remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
+        """Delete what a failed save wrote at ``staging``, never a committed checkpoint at
+        ``final``; on the leader, through :meth:`abort`.
+
+        Raises:
+            OSError: The storage failed (:meth:`abort` logs it).
+        """
 
     @abc.abstractmethod
     def discard(self, storage: Storage, final: str) -> None:
@@ -289,7 +292,7 @@ class RenameCommit(CommitStrategy):
         storage.rename(previous, doomed)
         storage.delete_tree(doomed)
 
-    def _remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
+    def remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
         storage.delete_tree(staging)
 
     def discard(self, storage: Storage, final: str) -> None:
@@ -431,7 +434,7 @@ class ManifestLastCommit(CommitStrategy):
                 exc,
             )
 
-    def _remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
+    def remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
         if staging != final:
             if staging[len(final) + 1 :] not in _committed_prefixes(
                 storage, final
