@@ -67,8 +67,17 @@ def training_state(
     registered with ``register_for_checkpointing``, ``accelerator_step``; ``extra`` adds
     your own (an EMA model, a counter). Call it (or :func:`load_state`) after
     ``accelerator.prepare`` and before the training loop's first batch: each prepared
-    DataLoader's position is recorded from its first batch on. With ``log_checkpoints``
-    the accelerator's main process logs each committed checkpoint with ``accelerator.log``.
+    DataLoader's position is recorded from its first batch on.
+
+    Args:
+        accelerator: The ``Accelerator`` whose prepared objects are named.
+        log_checkpoints: The accelerator's main process logs each committed checkpoint
+            with ``accelerator.log``.
+        **extra: More objects of your own, by name.
+
+    Returns:
+        The objects, for :func:`ddpckpt.save`, :func:`ddpckpt.load` or a
+        :class:`ddpckpt.Checkpointer`.
     """
     objects: dict[str, Any] = {}
     groups = {
@@ -102,8 +111,24 @@ def save_state(
     **options: Any,
 ) -> str | PendingSave:
     """``accelerator.save_state`` through ddpckpt: :func:`ddpckpt.save` of
-    :func:`training_state` at ``path``; collective. ``options`` go to :func:`ddpckpt.save`
-    (``overwrite``, ``async_save``, ``sharing``, ``timeout`` ...)."""
+    :func:`training_state` at ``path``; collective (every process calls it).
+
+    Args:
+        accelerator: The ``Accelerator``.
+        path: The checkpoint directory to write (or URL).
+        step: Recorded in the manifest (what ``ddpckpt.latest`` orders by).
+        epoch: Recorded in the manifest.
+        metrics: Scalars recorded in the manifest.
+        **options: Passed to :func:`ddpckpt.save` (``overwrite``, ``async_save``,
+            ``sharing``, ``timeout`` ...).
+
+    Returns:
+        What :func:`ddpckpt.save` returns: the path, or a :class:`~ddpckpt.PendingSave`
+        with ``async_save``.
+
+    Raises:
+        CheckpointError: As :func:`ddpckpt.save`, on every process.
+    """
     state = training_state(accelerator)
     return ddpckpt.save(path, state, step=step, epoch=epoch, metrics=metrics, **options)
 
@@ -112,8 +137,20 @@ def load_state(
     accelerator: Accelerator, path: str | os.PathLike[str], **options: Any
 ) -> ddpckpt.CheckpointInfo:
     """``accelerator.load_state`` through ddpckpt: :func:`ddpckpt.load` of
-    :func:`training_state` from ``path``; collective. Returns the checkpoint's
-    :class:`ddpckpt.CheckpointInfo` (``step``, ``epoch``, ``metrics``)."""
+    :func:`training_state` from ``path``; collective (every process calls it).
+
+    Args:
+        accelerator: The ``Accelerator``, after ``prepare`` and before the first batch.
+        path: The checkpoint directory (or URL).
+        **options: Passed to :func:`ddpckpt.load` (``strict``, ``timeout`` ...).
+
+    Returns:
+        The checkpoint's :class:`ddpckpt.CheckpointInfo` (``step``, ``epoch``,
+        ``metrics``).
+
+    Raises:
+        CheckpointError: As :func:`ddpckpt.load`, on every process.
+    """
     return ddpckpt.load(path, training_state(accelerator), **options)
 
 

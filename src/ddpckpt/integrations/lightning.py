@@ -60,8 +60,19 @@ class DdpckptCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
-        """Write ``checkpoint`` as the checkpoint directory ``path``; ``storage_options``
-        configure an ``s3://`` URL's client (:func:`ddpckpt.storage.configure`)."""
+        """Write ``checkpoint`` as the checkpoint directory ``path``, replacing one there.
+
+        Lightning calls it on the process it saves from (global rank 0).
+
+        Args:
+            checkpoint: Lightning's checkpoint dict.
+            path: The checkpoint directory (or URL).
+            storage_options: Configure an ``s3://`` URL's client
+                (:func:`ddpckpt.storage.configure`).
+
+        Raises:
+            CheckpointError: As :func:`ddpckpt.save_dict`.
+        """
         path = os.fspath(path)
         configure(path, storage_options)
         step, epoch = checkpoint.get("global_step"), checkpoint.get("epoch")
@@ -76,8 +87,20 @@ class DdpckptCheckpointIO(CheckpointIO):
     def load_checkpoint(
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
-        """The checkpoint at ``path``, every byte verified. Nothing in it can run code, so
-        ``weights_only`` (which restricts ``torch.load``'s unpickler) changes nothing."""
+        """The checkpoint at ``path``, every byte verified; on every rank, alone.
+
+        Args:
+            path: The checkpoint directory (or URL).
+            map_location: As for :func:`ddpckpt.load_dict`; ``None`` reads it on the CPU
+                (Lightning copies the state into the modules itself).
+            weights_only: Ignored: nothing in the checkpoint can run code.
+
+        Returns:
+            Lightning's checkpoint dict.
+
+        Raises:
+            CheckpointError: The checkpoint is missing, damaged or not a ddpckpt one.
+        """
         # None would put each tensor on the device rank 0 saved it from (cuda:0 on every
         # rank); Lightning copies the state into the modules itself, so read it on the CPU.
         location = "cpu" if map_location is None else map_location
@@ -88,6 +111,9 @@ class DdpckptCheckpointIO(CheckpointIO):
 
         A path that holds something other than a committed checkpoint (a ``torch.save``
         file of an earlier run) is left alone, with a warning.
+
+        Args:
+            path: The checkpoint directory (or URL).
         """
         path = os.fspath(path)
         try:

@@ -258,6 +258,20 @@ def export_pretrained(
     ``architectures`` name a class of ``transformers``); pass ``model`` (an instance of
     the trained class, e.g. ``MyModel(config)``) for a class of your own. Save the
     tokenizer or processor next to it yourself (``tokenizer.save_pretrained(out_dir)``).
+
+    Args:
+        checkpoint: A ``checkpoint-<step>`` directory a :class:`DdpckptTrainer` wrote.
+        out_dir: The directory to write.
+        model: An instance of the trained class, when it is not a class of
+            ``transformers``.
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        CheckpointError: The checkpoint is missing or damaged.
+        StateMismatchError: Its configuration names no class of ``transformers`` and
+            ``model`` was not passed.
     """
     checkpoint = os.fspath(checkpoint)
     if model is None:
