@@ -75,8 +75,10 @@ def active() -> Recorder | None:
         spec = os.environ.get(ENV)
         if spec:
             _RECORDER = Recorder(json.loads(spec))
-            watch_batches(_RECORDER)
     return _RECORDER
+
+
+watch_batches(active)  # tracked loaders ask for the recorder through _training.watchers
 
 
 def _world() -> int:

@@ -1,13 +1,14 @@
 """Who watches the index batches tracked loaders hand to training.
 
 Nobody, except in a process that runs under ``ddpckpt check-resume``: there the recorder
-(:mod:`ddpckpt._resumecheck.record`) registers itself when ``ddpckpt`` is imported, before
-any loader iterates. This package never imports the recorder (it sits above the training
-helpers); loaders ask here instead. Local to the calling process.
+(:mod:`ddpckpt._resumecheck.record`), which registers how to find it when it is imported
+(by ``import ddpckpt``). This package never imports the recorder (it sits above the
+training helpers); loaders ask here instead. Local to the calling process.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 
@@ -16,14 +17,15 @@ class BatchWatcher(Protocol):
         """``loader`` yielded the batch of sample ``indices`` to training."""
 
 
-_watcher: list[BatchWatcher] = []
+_provider: list[Callable[[], BatchWatcher | None]] = []
 
 
-def watch_batches(watcher: BatchWatcher) -> None:
-    """Have ``watcher`` told of every batch a tracked loader yields from now on."""
-    _watcher[:] = [watcher]
+def watch_batches(provider: Callable[[], BatchWatcher | None]) -> None:
+    """Have ``provider()`` (the watcher, or ``None``) asked at every batch a tracked loader
+    yields from now on."""
+    _provider[:] = [provider]
 
 
 def batch_watcher() -> BatchWatcher | None:
-    """The registered watcher, or ``None`` (the usual case)."""
-    return _watcher[0] if _watcher else None
+    """The watcher of this process, or ``None`` (the usual case)."""
+    return _provider[0]() if _provider else None
