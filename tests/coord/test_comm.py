@@ -171,7 +171,8 @@ def test_store_operations_per_rank_do_not_grow_with_the_ranks(monkeypatch) -> No
         server = sim.Server()
         results, stats = ranks(n, _exchange_sequence, server)
         assert results == [None] * n
-        # The last rank to leave a call deletes its keys: which rank that is depends on timing.
+        # The last rank to leave a call also deletes the call's shared keys: which rank that
+        # is depends on timing, so the busiest rank's deletions vary by those few keys.
         deletes = [s.by_op.get("delete_key", 0) for s in stats]
         ops = [
             s.ops - d for s, d in zip(stats, deletes, strict=True)
@@ -181,7 +182,7 @@ def test_store_operations_per_rank_do_not_grow_with_the_ranks(monkeypatch) -> No
         assert server.store.num_keys() == n + 1  # what is left: the heartbeat records, their roster
     (lead3, other3, bytes3, deleted3), (lead12, other12, bytes12, deleted12) = counts[3], counts[12]
     assert lead12 == lead3 and other12 == other3
-    assert deleted12 == deleted3
+    assert deleted12 <= 2 * deleted3  # O(N) per rank would be 4x at 12 ranks against 3
     assert bytes12 <= bytes3 + 64  # longer rank numbers in key names, nothing per rank
 
 
