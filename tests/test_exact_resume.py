@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import WORKER, _env, _finish, _start, free_port, torchrun
+from launch import RUN_SCRIPT, WORKER, _env, _finish, _start, free_port, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 EXACT = WORKER.with_name("exact_worker.py")
@@ -143,7 +143,7 @@ def run_example(out: Path, kill_when: Callable[[Path], bool] | None = None) -> i
     """Run the example on 2 ranks; SIGKILL the whole job once ``kill_when(checkpoints)``."""
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2",
            "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
-           str(EXAMPLE), f"--out={out}", "--epochs=3"]  # fmt: skip
+           str(RUN_SCRIPT), str(EXAMPLE), f"--out={out}", "--epochs=3"]  # fmt: skip
     proc = _start(cmd, _env({"OMP_NUM_THREADS": "1"}), None)
     deadline = time.monotonic() + 240
     while kill_when is not None and proc.poll() is None and time.monotonic() < deadline:

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ddpckpt
 from ddpckpt.integrations.accelerate import load_state, save_state, training_state
+from exiting import exit_now
 from killed_run import batch_digest, kill_if_due, main, rank, weights_digest, width
 
 EPOCHS, EVERY, KILL_AT, BATCHES = 2, 3, 11, 8
@@ -114,3 +115,4 @@ def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[s
 
 if __name__ == "__main__":
     main(fit, ["ddpckpt", "own"], KILL_AT)
+    exit_now()  # not through the interpreter's teardown: see exiting.py

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpckpt
 from ddpckpt._format.manifest import read_manifest
 from dist_worker import Warnings
+from exiting import exit_now
 
 MICRO, SAVE_AT = 8, 5  # micro-steps in all; the checkpoint after the 5th (inside a window of 2)
 
@@ -191,3 +192,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # not through the interpreter's teardown: see exiting.py

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
 import ddpckpt._io.writing as checkpoint_module
+from exiting import exit_now
 
 
 class Counter:
@@ -1069,3 +1070,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # not through the interpreter's teardown: see exiting.py

@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
+from exiting import exit_now
 
 
 class Noisy(torch.utils.data.Dataset):
@@ -296,3 +297,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # not through the interpreter's teardown: see exiting.py

@@ -44,6 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
 from ddpckpt.storage._posix import PosixStorage
+from exiting import exit_now
 
 STEPS_PER_EPOCH, BATCH = 8, 4
 
@@ -208,3 +209,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # not through the interpreter's teardown: see exiting.py

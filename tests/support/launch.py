@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 WORKER = Path(__file__).with_name("dist_worker.py")
+RUN_SCRIPT = Path(__file__).with_name("run_script.py")  # python RUN_SCRIPT SCRIPT: see there
 _BIN = Path(sys.executable).parent
 
 
@@ -46,7 +47,8 @@ class Launch:
 
 def _env(extra: Mapping[str, str] | None) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"})
+    env.update({"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "OMP_NUM_THREADS": "1",
+                "MASTER_ADDR": "127.0.0.1"})  # fmt: skip
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent), env.get("PYTHONPATH", "")])
     env.update(extra or {})
     return env

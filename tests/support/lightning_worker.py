@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ddpckpt.integrations.lightning import DdpckptCheckpointIO, ExactResume
+from exiting import exit_now
 from killed_run import batch_digest, kill_if_due, main, rank, weights_digest, width
 
 EPOCHS, EVERY, KILL_AT = 2, 3, 11
@@ -136,3 +137,4 @@ def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[s
 
 if __name__ == "__main__":
     main(fit, ["ddpckpt", "own", "io", "callback"], KILL_AT)
+    exit_now()  # not through the interpreter's teardown: see exiting.py

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
 from ddpckpt._resumecheck.digests import digest
+from exiting import exit_now
 
 SAVED_AT, KILLED_AT, END = 5, 7, 8  # the resumed run trains from SAVED_AT to END
 
@@ -303,3 +304,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # not through the interpreter's teardown: see exiting.py

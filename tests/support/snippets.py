@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch import free_port
+from launch import RUN_SCRIPT, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -83,16 +83,20 @@ def run_as_written(snippet: Snippet, tmp_path: Path) -> None:
 def _command(snippet: Snippet, script: Path) -> list[str]:
     match = HOW.match(snippet.how)
     assert match is not None
+    runner = [
+        str(RUN_SCRIPT),
+        str(script),
+    ]  # the snippet as written, without torch's teardown abort
     if match["launcher"] == "python":
-        return [sys.executable, str(script)]
+        return [sys.executable, *runner]
     torchrun = Path(sys.executable).with_name("torchrun")
     return [str(torchrun), f"--nproc-per-node={match['nproc']}", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", "--max-restarts=0", str(script)]  # fmt: skip
+            f"--master-port={free_port()}", "--max-restarts=0", *runner]  # fmt: skip
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     env = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1", "HOME": str(cwd)}  # fmt: skip
+           "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "HOME": str(cwd)}  # fmt: skip
     if "PYTHONPATH" in os.environ:  # a development checkout imported through PYTHONPATH
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     try:

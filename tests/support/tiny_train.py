@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import ddpckpt
+from exiting import exit_now
 
 BUG = os.environ.get("PLANTED_BUG", "")
 SHARDED = os.environ.get("SHARDED", "")
@@ -140,3 +141,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now()  # not through the interpreter's teardown: see exiting.py

@@ -22,6 +22,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 from transformers.utils import logging as hf_logging
 
 from ddpckpt.integrations.transformers import DdpckptTrainer, export_pretrained
+from exiting import exit_now
 from killed_run import batch_digest, kill_if_due, main, rank, weights_digest, width
 
 KILL_AT, RESUMED_FROM = 11, 9
@@ -113,3 +114,4 @@ def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[s
 
 if __name__ == "__main__":
     main(fit, ["ddpckpt", "own"], KILL_AT)
+    exit_now()  # not through the interpreter's teardown: see exiting.py

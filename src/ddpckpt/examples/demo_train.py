@@ -133,5 +133,23 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def _exit_before_teardown() -> None:
+    """End the process once the run is complete, skipping the interpreter's teardown: there,
+    torch 2.13's gloo threads can abort a finished process ("terminate called without an
+    active exception", pytorch/pytorch#190489), which would make the demo fail at random."""
+    import atexit
+    import sys
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    _exit_before_teardown()
