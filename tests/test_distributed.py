@@ -126,6 +126,20 @@ def test_any_launcher_works(tmp_path, how) -> None:
         assert result["loaded"]["draws"] == result["saved"]["draws"]
 
 
+def test_a_save_that_ends_the_script_succeeds_on_every_rank_when_the_store_host_exits_first(
+    tmp_path,
+) -> None:
+    """Rank 0 (holding the store, as with ``init_process_group`` from environment
+    variables) exits right after its last save; the other ranks, still leaving the save's
+    call, finish it without an error."""
+    args = ["--ckpt", str(tmp_path / "ckpt")]
+    launch = processes("store_host_leaves_first", tmp_path / "out", world=3, args=args).ok()
+    assert {r: launch.result(r)["path"] for r in range(3)} == dict.fromkeys(
+        range(3), str(tmp_path / "ckpt")
+    )
+    assert "Traceback" not in launch.output, launch.output[-3000:]
+
+
 def test_save_called_on_rank_zero_only_fails_fast_naming_the_others(tmp_path) -> None:
     """``if rank == 0: ddpckpt.save(...)`` then ``dist.barrier()``, no logging set up: rank 0
     says on stderr whom it waits for once the notice period has passed, then fails."""

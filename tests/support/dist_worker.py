@@ -1018,6 +1018,29 @@ def scenario_copies_after_failure(args, rank: int) -> dict[str, Any]:
     return {"outcomes": outcomes, "exact": exact, "user_group": user_group}
 
 
+def scenario_store_host_leaves_first(args, rank: int) -> dict[str, Any]:
+    """A save as the last thing a script does: rank 0, whose process holds the store, ends
+    as soon as its save returns, while the other ranks are still leaving the save's call
+    (held back here by a second)."""
+    from ddpckpt._coord.comm import Comm
+
+    _, ddp, opt, *_ = build(seed=args.seed)
+    if rank != 0:
+        leave = Comm.close
+
+        def late(self, error=None):
+            time.sleep(1.0)
+            leave(self, error)
+
+        Comm.close = late
+    path = ddpckpt.save(args.ckpt, model=ddp, optimizer=opt, step=1)
+    if rank == 0:
+        with open(os.path.join(args.out, "rank-0.json"), "w") as f:
+            json.dump({"path": path}, f)
+        exit_now()
+    return {"path": path}
+
+
 SCENARIOS = {
     name.removeprefix("scenario_"): fn
     for name, fn in globals().items()

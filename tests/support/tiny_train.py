@@ -15,7 +15,10 @@
 * ``augment``: loader workers add noise from their own global RNG (no ``SeededDataset``);
 * ``epoch``: the loop restarts at ``info.epoch + 1`` (the ImageNet example's habit), which
   skips the rest of an epoch a checkpoint was saved in;
-* ``unseeded``: neither torch nor numpy is ever seeded (two runs differ from the start).
+* ``unseeded``: neither torch nor numpy is ever seeded (two runs differ from the start);
+* ``teardown``: rank 1 aborts after its script ended, as torch 2.13's gloo threads make
+  finished processes do at random (see exiting.py); ``exit-3``: rank 1 ends with
+  ``sys.exit(3)`` after its last step.
 
 ``SHARDED`` (environment) trains the same model with sharded state instead: ``zero`` (DDP
 with a ``ZeroRedundancyOptimizer``) or ``fsdp`` (FSDP2 ``fully_shard`` per linear layer).
@@ -24,7 +27,9 @@ with a ``ZeroRedundancyOptimizer``) or ``fsdp`` (FSDP2 ``fully_shard`` per linea
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import sys
 
 import numpy as np
 import torch
@@ -141,4 +146,9 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if BUG == "exit-3" and os.environ["RANK"] == "1":
+        sys.exit(3)
+    if BUG == "teardown" and os.environ["RANK"] == "1":
+        atexit._run_exitfuncs()
+        os.abort()
     exit_now()  # not through the interpreter's teardown: see exiting.py

@@ -44,6 +44,7 @@ import json
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from ddpckpt._coord.copies import Pair, pair_group, rendezvous_keys
@@ -53,6 +54,7 @@ from ddpckpt._coord.limits import DEFAULT_TIMEOUT, resolve_timeout, resolve_wait
 from ddpckpt._coord.liveness import Liveness
 from ddpckpt._coord.store import (
     StoreGroup,
+    StoreTimeout,
     default_group,
     pack,
     unpack,
@@ -66,6 +68,8 @@ R = TypeVar("R")
 _log = get_logger(__name__)
 
 _ORPHANED = 1 << 32  # added to the call's count of ranks that left by a rank leaving orphans
+_WAITING = 1 << 62  # added to it by rank 0 when it waits for the others to leave
+_LEAVING = 30.0  # seconds rank 0 waits at most for the others to leave a call that succeeded
 
 
 class Comm(Exchanges):
@@ -175,6 +179,11 @@ class Comm(Exchanges):
         """Leave the call: this rank deletes its own keys (its transfer groups' addresses); the
         last rank to leave deletes the keys the ranks shared.
 
+        After a call that succeeded, rank 0 returns only once every rank has left it (or
+        after ``_LEAVING`` seconds, with a warning): its process often holds the store, and
+        a script whose last call this is may end at once, while the others still read the
+        call's last answer from that store.
+
         ``error``: this rank leaves because of it. Unless it is an error every rank raises
         (one that came through the call's exchanges), it is posted first, so that ranks
         still waiting in the call raise it at once rather than time out (:meth:`post_failure`).
@@ -188,15 +197,36 @@ class Comm(Exchanges):
             for key in self._own_keys:  # every rank is past the steps that read them
                 self._store.delete_key(key)
             closed, orphans = self._key("closed", "count"), self._key("orphans", "all")
+            left = self._key("left", "all")
             if self._orphans:  # listed for the last rank to leave (rank 0 may read them still)
                 self._store.append(orphans, "".join(f"{key}\n" for key in self._orphans))
-            count = self._store.add(closed, 1 + (_ORPHANED if self._orphans else 0))
+            waits = self.rank == 0 and error is None
+            count = self._store.add(
+                closed, 1 + (_ORPHANED if self._orphans else 0) + (_WAITING if waits else 0)
+            )
             if count % _ORPHANED == self.world_size:  # nobody reads them any more
-                if count >= _ORPHANED:
+                if count % _WAITING >= _ORPHANED:
                     keys += [*self._store.get(orphans).decode().split(), orphans]
                 for key in [*keys, closed]:
                     self._store.delete_key(key)
+                if count >= _WAITING and self.rank != 0:
+                    self._store.set(left, b"")  # rank 0 waits for it, and deletes it
+            elif waits:
+                self._wait_for_the_others(left)
             self._group.give_back(self._store, self._own_connection)  # type: ignore[union-attr]
+
+    def _wait_for_the_others(self, left: str) -> None:
+        """Rank 0, after a call that succeeded: wait until the last rank has left it."""
+        try:
+            self._store.wait([left], timedelta(seconds=min(self.timeout, _LEAVING)))
+        except StoreTimeout:
+            _log.warning(
+                "ddpckpt: %s succeeded, but not every rank left it within %.0f s of its end "
+                "(a rank may have died since); rank 0 goes on",
+                self.call, min(self.timeout, _LEAVING),
+            )  # fmt: skip
+            return
+        self._store.delete_key(left)
 
     @property
     def group(self) -> StoreGroup | None:

@@ -250,7 +250,9 @@ def _check(
     else:
         say(f"uninterrupted run: {shlex.join(command)} ...")
         started = time.perf_counter()
-        reference_dir = run("reference", command, out, timeout=timeout).dir
+        reference_run = run("reference", command, out, timeout=timeout)
+        reference_dir = reference_run.dir
+        report.notes += reference_run.notes
         report.reference_seconds = time.perf_counter() - started
     ref_records = read_records(reference_dir)
     raw = _reference_events(ref_records)
@@ -284,6 +286,7 @@ def _check(
             resume_args=resume_args, timeout=timeout,
         )  # fmt: skip
         report.killed_runs.append(killed.dir)
+        report.notes += killed.notes
         killed_records = renumber(read_records(killed.dir), offset)
         result = compare_point(
             ref_records, killed_records, kill=point.describe(), victim=report.victim

@@ -20,7 +20,9 @@ has made one):
   the losses given to ``log_step``);
 * ``save``: a save returned (the state it saved);
 * ``seed``, ``warning``, ``route``, ``refused``: a seeding call, a ddpckpt warning, where a
-  path went, a call the check refused.
+  path went, a call the check refused;
+* ``exit``: the script's code ended (from atexit, before the interpreter's teardown), and
+  whether it failed.
 
 Two kinds of loop are followed. A script with a writable :class:`~ddpckpt.Checkpointer` (the
 first one it makes) ends a step at each ``should_save(step)``, numbered as the script numbers
@@ -37,6 +39,7 @@ file remembers it across restarts).
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import random
@@ -118,6 +121,10 @@ class Recorder:
         self.hooked: set[int] = set()  # models whose inputs are digested
         self.undo: list[Any] = []
         isolate.install(self.isolation)
+        self.exit_code: Any = None  # what the script passed to sys.exit, if it called it
+        self._sys_exit = sys.exit
+        sys.exit = self._exit  # type: ignore[assignment]
+        atexit.register(self._exited)
         self.undo.append(lambda: isolate.install(None))
         self.undo.append(register_optimizer_step_post_hook(self._optimizer_stepped).remove)
         self.undo.append(register_module_forward_pre_hook(self._any_forward).remove)
@@ -345,6 +352,19 @@ class Recorder:
         self._write({"event": "warning", "logger": record.name, "level": record.levelname,
                      "text": record.getMessage(), "after_step": self.last_step,
                      "resumed_from": self.resumed_from})  # fmt: skip
+
+    def _exit(self, code: Any = None) -> None:
+        self.exit_code = code
+        self._sys_exit(code)
+
+    def _exited(self) -> None:
+        """The script's Python code has ended (atexit runs before the interpreter's teardown):
+        record whether it failed (an unhandled exception, ``sys.exit`` with an error), so that
+        the checker tells a process that died afterwards, in the teardown, from one whose
+        script failed."""
+        if self.file is not None and self._ours():
+            failed = getattr(sys, "last_value", None) is not None or self.exit_code not in (None, 0)
+            self._line({"event": "exit", "failed": failed})
 
     # ------------------------------------------------------------------ output
 
