@@ -126,17 +126,17 @@ def test_any_launcher_works(tmp_path, how) -> None:
         assert result["loaded"]["draws"] == result["saved"]["draws"]
 
 
-def test_a_save_that_ends_the_script_succeeds_on_every_rank_when_the_store_host_exits_first(
-    tmp_path,
+@pytest.mark.parametrize(("last", "result"), [("save", "ckpt"), ("should_save", False)])
+def test_a_script_ending_right_after_a_call_ends_cleanly_on_every_rank(
+    tmp_path, last, result
 ) -> None:
     """Rank 0 (holding the store, as with ``init_process_group`` from environment
-    variables) exits right after its last save; the other ranks, still leaving the save's
-    call, finish it without an error."""
-    args = ["--ckpt", str(tmp_path / "ckpt")]
+    variables) exits right after its last ``save`` or ``should_save``; the other ranks,
+    a second behind it, finish the call without an error."""
+    args = ["--ckpt", str(tmp_path / "ckpt"), "--mode", last]
     launch = processes("store_host_leaves_first", tmp_path / "out", world=3, args=args).ok()
-    assert {r: launch.result(r)["path"] for r in range(3)} == dict.fromkeys(
-        range(3), str(tmp_path / "ckpt")
-    )
+    expected = str(tmp_path / "ckpt") if result == "ckpt" else result
+    assert {r: launch.result(r)["result"] for r in range(3)} == dict.fromkeys(range(3), expected)
     assert "Traceback" not in launch.output, launch.output[-3000:]
 
 

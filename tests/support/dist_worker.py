@@ -1019,26 +1019,33 @@ def scenario_copies_after_failure(args, rank: int) -> dict[str, Any]:
 
 
 def scenario_store_host_leaves_first(args, rank: int) -> dict[str, Any]:
-    """A save as the last thing a script does: rank 0, whose process holds the store, ends
-    as soon as its save returns, while the other ranks are still leaving the save's call
-    (held back here by a second)."""
+    """The script ends after a save, or after a time-based Checkpointer.s last ``should_save``: rank
+    0, whose process holds the store, ends as soon as its call returns, while the other ranks
+    are a second behind (in leaving the save's call; in calling ``should_save``)."""
     from ddpckpt._coord.comm import Comm
 
     _, ddp, opt, *_ = build(seed=args.seed)
-    if rank != 0:
-        leave = Comm.close
+    if args.mode == "save":
+        if rank != 0:
+            leave = Comm.close
 
-        def late(self, error=None):
-            time.sleep(1.0)
-            leave(self, error)
+            def late(self, error=None):
+                time.sleep(1.0)
+                leave(self, error)
 
-        Comm.close = late
-    path = ddpckpt.save(args.ckpt, model=ddp, optimizer=opt, step=1)
+            Comm.close = late
+        result = ddpckpt.save(args.ckpt, model=ddp, optimizer=opt, step=1)
+    else:
+        with ddpckpt.Checkpointer(args.ckpt, model=ddp, optimizer=opt, every_seconds=3600) as ckpt:
+            for step in range(1, 4):
+                if rank != 0 and step == 3:
+                    time.sleep(1.0)
+                result = ckpt.should_save(step)
     if rank == 0:
         with open(os.path.join(args.out, "rank-0.json"), "w") as f:
-            json.dump({"path": path}, f)
+            json.dump({"result": result}, f)
         exit_now()
-    return {"path": path}
+    return {"result": result}
 
 
 SCENARIOS = {

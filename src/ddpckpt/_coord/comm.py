@@ -50,7 +50,12 @@ from typing import Any, TypeVar
 from ddpckpt._coord.copies import Pair, pair_group, rendezvous_keys
 from ddpckpt._coord.exchange import LEADER, Exchanges
 from ddpckpt._coord.failures import combine, describe, encode_error
-from ddpckpt._coord.limits import DEFAULT_TIMEOUT, resolve_timeout, resolve_wait_notice
+from ddpckpt._coord.limits import (
+    DEFAULT_TIMEOUT,
+    LEAVE_WAIT,
+    resolve_timeout,
+    resolve_wait_notice,
+)
 from ddpckpt._coord.liveness import Liveness
 from ddpckpt._coord.store import (
     StoreGroup,
@@ -69,7 +74,6 @@ _log = get_logger(__name__)
 
 _ORPHANED = 1 << 32  # added to the call's count of ranks that left by a rank leaving orphans
 _WAITING = 1 << 62  # added to it by rank 0 when it waits for the others to leave
-_LEAVING = 30.0  # seconds rank 0 waits at most for the others to leave a call that succeeded
 
 
 class Comm(Exchanges):
@@ -180,7 +184,7 @@ class Comm(Exchanges):
         last rank to leave deletes the keys the ranks shared.
 
         After a call that succeeded, rank 0 returns only once every rank has left it (or
-        after ``_LEAVING`` seconds, with a warning): its process often holds the store, and
+        after ``LEAVE_WAIT`` seconds, with a warning): its process often holds the store, and
         a script whose last call this is may end at once, while the others still read the
         call's last answer from that store.
 
@@ -218,12 +222,12 @@ class Comm(Exchanges):
     def _wait_for_the_others(self, left: str) -> None:
         """Rank 0, after a call that succeeded: wait until the last rank has left it."""
         try:
-            self._store.wait([left], timedelta(seconds=min(self.timeout, _LEAVING)))
+            self._store.wait([left], timedelta(seconds=min(self.timeout, LEAVE_WAIT)))
         except StoreTimeout:
             _log.warning(
                 "ddpckpt: %s succeeded, but not every rank left it within %.0f s of its end "
                 "(a rank may have died since); rank 0 goes on",
-                self.call, min(self.timeout, _LEAVING),
+                self.call, min(self.timeout, LEAVE_WAIT),
             )  # fmt: skip
             return
         self._store.delete_key(left)

@@ -6,6 +6,9 @@ import os
 
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_WAIT_NOTICE = 10.0
+# seconds rank 0 waits at most, once done, for the others to be done with the store it may
+# hold: to leave a call that succeeded, or (at exit) to read its last published answer
+LEAVE_WAIT = 30.0
 
 
 def resolve_timeout(timeout: float | None) -> float:

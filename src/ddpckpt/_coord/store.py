@@ -10,10 +10,12 @@ ranks travel packed in one value (:func:`pack`).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
+from ddpckpt._coord.limits import LEAVE_WAIT
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointError, CollectiveTimeoutError
 
@@ -60,6 +63,7 @@ class StoreGroup:
     _enrolled: bool = field(default=False, repr=False)  # this rank is in the beat roster
     _open: dict[int, Beat] = field(default_factory=dict, repr=False)  # calls open here
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _unread: str | None = field(default=None, repr=False)  # rank 0's last answer's key
 
     def beat_record(self) -> bytes:
         """This rank's heartbeat record: one entry per call open on it."""
@@ -110,12 +114,16 @@ class StoreGroup:
 
         Rank 0 publishes its answer and returns at once; every other rank waits for it up
         to ``limit`` seconds and raises :class:`CollectiveTimeoutError` naming rank 0 if it
-        does not come.
+        does not come. At exit, rank 0 waits until the others have read its last answer: its
+        process may hold the store, and a script can end right after this call.
         """
         key = f"{namespace()}/decide/{next(self._decisions)}"
         if self.rank == 0:
             value = decide()
             self.store.set(key, value)
+            if self._unread is None:
+                atexit.register(self._wait_until_read)
+            self._unread = key
             return value
         store, own = self.borrow()
         try:
@@ -133,6 +141,25 @@ class StoreGroup:
         finally:
             self.give_back(store, own)
         return value
+
+    def _wait_until_read(self) -> None:
+        """At exit, rank 0: wait until every rank has read the last answer :meth:`leader_value`
+        published (its last reader deletes it), ``LEAVE_WAIT`` seconds at most."""
+        key, self._unread = self._unread, None
+        if key is None:
+            return
+        deadline = time.monotonic() + LEAVE_WAIT
+        try:
+            while self.store.check([key]):
+                if time.monotonic() > deadline:
+                    _log.warning(
+                        "ddpckpt: not every rank read rank 0's last decision within %.0f s "
+                        "(a rank may have died); rank 0 exits", LEAVE_WAIT,
+                    )  # fmt: skip
+                    return
+                time.sleep(0.01)
+        except dist.DistError as exc:  # the store is gone already: nobody can read it now
+            _log.debug("ddpckpt: the store went away before exit: %s", exc)
 
 
 def default_group() -> StoreGroup | None:
