@@ -103,6 +103,8 @@ def _section_types(stored: StateSections) -> dict[str, Any]:
     for role, (single, _) in ROLE_KEYS.items():
         for name, section in getattr(stored, role).items():
             kind = section.type
+            if getattr(section, "wrapped_by", None) is not None:
+                kind += f" ({section.wrapped_by})"
             if getattr(section, "zero", None) is not None:
                 kind += f" (ZeroRedundancyOptimizer over {section.zero.world_size} ranks)"
             found[single if not stored.layout.named else f"{single} {name}"] = kind
