@@ -18,12 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import load_torch_model
 from safetensors.torch import load_file
 from torch import nn
 
 import ddpckpt
+from ddpckpt._cli.export import export
 from ddpckpt._cli.main import main
-from ddpckpt._cli.tools import diff, export, summary
+from ddpckpt._cli.tools import diff, summary
 from launch import torchrun
 
 pytestmark = pytest.mark.distributed
@@ -165,6 +167,13 @@ def test_tools_on_sharded_checkpoints(saved, tmp_path, capsys) -> None:
     out = export(fsdp, tmp_path / "model.safetensors")
     plain = _plain_model()
     plain.load_state_dict(load_file(out))
+    assert all(torch.equal(v, reference[k]) for k, v in plain.state_dict().items())
+    # A Hugging Face directory, each file holding whole tensors assembled from both ranks' pieces
+    assert main(["export", str(fsdp), str(tmp_path / "hf"), "--max-shard-size", "1KB"]) == 0
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 4, index  # 0.weight alone (over 1 KB) ...
+    plain = _plain_model()
+    load_torch_model(plain, tmp_path / "hf", strict=True)
     assert all(torch.equal(v, reference[k]) for k, v in plain.state_dict().items())
 
 
