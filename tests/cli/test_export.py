@@ -146,7 +146,7 @@ def test_sizes_and_the_split() -> None:
     assert parse_size("5GB") == 5 * 10**9 and parse_size("1.5 mb") == 1_500_000
     assert parse_size(1234) == parse_size("1234") == 1234
     for bad in ("5GiB", "-1", "0", "", "GB"):
-        with pytest.raises(ValueError, match="is not a size"):
+        with pytest.raises(ValueError, match="is not a shard size"):
             parse_size(bad)
     # Hugging Face's rule: a file closes when the next tensor would overflow it; a tensor over
     # the limit goes alone, ahead of the file being filled.

@@ -103,7 +103,9 @@ def parse_size(size: int | str) -> int:
         return size
     found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]B)?\s*", str(size), re.IGNORECASE)
     if found is None or float(found[1]) <= 0:
-        raise ValueError(f"max_shard_size={size!r} is not a size: pass bytes or e.g. '5GB'")
+        raise ValueError(
+            f"{size!r} is not a shard size: pass bytes or e.g. '5GB' (KB, MB, GB, TB; decimal)"
+        )
     unit = _UNITS[found[2].upper()] if found[2] else 1
     return int(float(found[1]) * unit)
 
