@@ -486,7 +486,8 @@ def measure_method(
     """Stall and time until durable (medians of ``repeat`` saves), peak extra memory while
     saving (asynchronous methods: including the host buffers they keep between saves),
     then the cold load of each of those checkpoints (best of ``repeat``, as the read
-    ceiling is)."""
+    ceiling is) and the most resident memory one added over what the rank held before it
+    (the slowest or largest rank counting, as everywhere)."""
     base = os.path.join(directory, method.name.replace(" ", "_"))
     paths = [f"{base}-{i}" for i in range(repeat)]
     dist.barrier()
@@ -513,12 +514,17 @@ def measure_method(
         durables.append(all_max(finished))
     peak_extra = all_max(float(rss.stop()))
     peak_pinned = all_max(pinned_peak())
+    load_peaks: list[float] = []
     for path in paths:
         dist.barrier()
         if dist.get_rank() == 0:
             evict(path)
         dist.barrier()
-        loads.append(all_max(timed(functools.partial(load_synced, method, path))[0]))
+        release_memory()
+        rss = PeakRSS()
+        seconds = timed(functools.partial(load_synced, method, path))[0]
+        load_peaks.append(all_max(float(rss.stop())))
+        loads.append(all_max(seconds))
         dist.barrier()
         if dist.get_rank() == 0:
             remove(path)
@@ -528,6 +534,7 @@ def measure_method(
         "load": min(loads),
         "peak_extra_rss": peak_extra,
         "peak_pinned": peak_pinned,
+        "load_peak_extra_rss": max(load_peaks),
         "stalls": stalls,
         "durables": durables,
         "loads": loads,

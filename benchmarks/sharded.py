@@ -9,7 +9,9 @@ model, ``--mib`` MiB of fp32 weights in 1024 x 1024 layers, trains it one step w
 (12 bytes of state per parameter in all), then measures each method on that state with the
 main benchmark's harness (``_bench_worker.measure_method``): the training stall and the time
 until durable (medians of ``--repeat`` saves), the peak extra resident memory of a rank while
-saving, and a cold load (best of ``--repeat``); the slowest rank counts. Two cases:
+saving, and a cold load (best of ``--repeat``) with the most resident memory it added over
+what the rank held before it (model and optimizer included in that baseline, mapped file
+pages included in the peak); the slowest (or largest) rank counts. Two cases:
 
 * **FSDP2**: ``fully_shard`` on every layer and on the model. ddpckpt ``save`` and
   ``save(async_save=True)`` against DCP ``save`` and ``async_save`` (``get_state_dict``;
@@ -19,8 +21,8 @@ saving, and a cold load (best of ``--repeat``); the slowest rank counts. Two cas
   reference is what torch's error advises and frameworks do: ``consolidate_state_dict(to=0)``,
   then ``torch.save`` on rank 0.
 
-The report gives each method's times as ratios to the reference's (DCP ``save`` for FSDP2, the
-consolidating save for ZeRO-1), measured in the same run.
+The report gives each method's times and load peak as ratios to the reference's (DCP ``save``
+for FSDP2, the consolidating save for ZeRO-1), measured in the same run.
 """
 
 from __future__ import annotations
@@ -146,18 +148,27 @@ def report(results: dict[str, Any]) -> str:
         found = results[case]
         reference = found[next(iter(found))]
         lines += ["", f"### {case} (ratios: against {next(iter(found))}, same run)", "",
-                  "| method | stall s | durable s | load s | peak extra MiB/rank "
-                  "| stall / ref | durable / ref | load / ref |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+                  "| method | stall s | durable s | load s | peak extra MiB/rank: save "
+                  "| load | stall / ref | durable / ref | load / ref | load peak / ref |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
         for name, m in found.items():
             lines.append(
                 f"| {name} | {m['stall']:.2f} | {m['durable']:.2f} | {m['load']:.2f} "
-                f"| {m['peak_extra_rss'] / _MiB:.0f} | {m['stall'] / reference['stall']:.2f} "
+                f"| {m['peak_extra_rss'] / _MiB:.0f} | {m['load_peak_extra_rss'] / _MiB:.0f} "
+                f"| {m['stall'] / reference['stall']:.2f} "
                 f"| {m['durable'] / reference['durable']:.2f} "
-                f"| {m['load'] / reference['load']:.2f} |"
+                f"| {m['load'] / reference['load']:.2f} "
+                f"| {_ratio(m['load_peak_extra_rss'], reference['load_peak_extra_rss'])} |"
             )
     lines += ["", f"DCP on ZeRO-1 (get_state_dict): {results['dcp_on_zero']}"]
     return "\n".join(lines)
+
+
+def _ratio(value: float, reference: float) -> str:
+    """``value / reference``, or what it is when the reference added nothing measurable."""
+    if reference >= _MiB:
+        return f"{value / reference:.2f}"
+    return "-" if value < _MiB else "(ref ~0)"
 
 
 def _free_port() -> int:

@@ -1,10 +1,12 @@
 """Sharded state under torchrun (gloo on CPU): ZeRO-1 under DDP and FSDP2 saved on 2 ranks,
 killed, resumed bit-identically, loaded on 4 ranks, 3 ranks and in one process; the DTensor
 ``replicate()``, a 2 x 2 HSDP mesh and ZeRO-1 saved on 4 ranks and loaded on 4, 3 (HSDP into
-a 1-D FSDP2 mesh) and 1; the tools on sharded checkpoints; one rank's sharded state on S3.
+a 1-D FSDP2 mesh) and 1; the tools on sharded checkpoints; one rank's sharded state on S3;
+FSDP2 on 2 ranks under the Checkpointer's guarantees (fallback past a damaged shard,
+preemption, S3, BatchNorm statistics).
 
-Four launches in all (see tests/support/sharded_worker.py): one per world size, and one
-more for the kill.
+Five launches in all (see tests/support/sharded_worker.py): one per world size, one more
+for the kill, one for the guarantees.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub import load_torch_model
 from safetensors.torch import load_file
 from torch import nn
 
 import ddpckpt
-from ddpckpt._cli.tools import diff, export, summary
+from ddpckpt._cli.export import export
+from ddpckpt._cli.main import main
+from ddpckpt._cli.tools import diff, summary
 from launch import torchrun
 
 pytestmark = pytest.mark.distributed
@@ -140,7 +145,7 @@ def test_sharded_checkpoints_load_into_plain_objects_in_one_process(saved) -> No
     assert all(torch.equal(v, reference["fsdp"]["model"][k]) for k, v in weights.items())
 
 
-def test_tools_on_sharded_checkpoints(saved, tmp_path) -> None:
+def test_tools_on_sharded_checkpoints(saved, tmp_path, capsys) -> None:
     root, _ = saved
     reference = torch.load(root / "reference.pt")["fsdp"]["model"]
     fsdp, zero = _step(root, "fsdp"), _step(root, "zero")
@@ -151,6 +156,8 @@ def test_tools_on_sharded_checkpoints(saved, tmp_path) -> None:
     assert weight["placement"] == {"mesh": [2], "placements": ["S0"]}
     assert [s["shape"] for s in weight["shards"]] == [[17, 16], [16, 16]]
     assert summary(zero)["sections"]["optimizer"] == "AdamW (ZeroRedundancyOptimizer over 2 ranks)"
+    assert main(["inspect", "--no-tensors", str(fsdp)]) == 0
+    assert "  model: Sequential (FSDP2)\n" in capsys.readouterr().out  # not FSDPSequential
     assert diff(fsdp, fsdp).same
     changed = diff(_step(root, "fsdp", 3), fsdp)
     assert {t.name for t in changed.tensors} >= {
@@ -160,6 +167,13 @@ def test_tools_on_sharded_checkpoints(saved, tmp_path) -> None:
     out = export(fsdp, tmp_path / "model.safetensors")
     plain = _plain_model()
     plain.load_state_dict(load_file(out))
+    assert all(torch.equal(v, reference[k]) for k, v in plain.state_dict().items())
+    # A Hugging Face directory, each file holding whole tensors assembled from both ranks' pieces
+    assert main(["export", str(fsdp), str(tmp_path / "hf"), "--max-shard-size", "1KB"]) == 0
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 4, index  # 0.weight alone (over 1 KB) ...
+    plain = _plain_model()
+    load_torch_model(plain, tmp_path / "hf", strict=True)
     assert all(torch.equal(v, reference[k]) for k, v in plain.state_dict().items())
 
 
@@ -186,6 +200,8 @@ def test_replicate_hsdp_and_zero_round_trip_on_four_ranks(four, saved) -> None:
         for kind in ("replicate", "hsdp", "zero4"):
             assert result[f"{kind}_identical"] and result[f"{kind}_wrong"] == [], (rank, kind)
         assert result["hsdp_digest_local"]
+    for kind, shown in (("hsdp", "FSDP2"), ("replicate", "replicate()")):
+        assert summary(root / kind)["sections"]["model"] == f"Sequential ({shown})"
     manifest = json.loads((root / "hsdp" / "manifest.json").read_text())
     writers = {p["file"] for s in manifest["shards"].values() for p in s["pieces"]}
     assert len(writers) >= 3, writers  # the replicas of each shard share the writing
@@ -196,6 +212,61 @@ def test_replicate_hsdp_and_zero_round_trip_on_four_ranks(four, saved) -> None:
     ddpckpt.load(root / "hsdp", model=model)  # 4 ranks -> 1 process
     reference = torch.load(root / "hsdp-reference.pt")["model"]
     assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def guarantees(s3_endpoint, tmp_path_factory) -> dict[int, dict]:
+    """FSDP2 on 2 ranks under the Checkpointer's guarantees (BatchNorm statistics, fallback,
+    preemption, S3): one launch, see ``scenario_guarantees``."""
+    import s3server
+    from ddpckpt.storage import storage_for
+
+    root = tmp_path_factory.mktemp("guarantees")
+    s3_root = f"s3://{s3server.BUCKET}/sharded-{root.name}"
+    try:
+        launch = torchrun("guarantees", root / "out", args=["--ckpt", str(root / "ckpt")],
+                          env={"SHARDED_S3_ROOT": s3_root}, worker=WORKER, timeout=180)  # fmt: skip
+        launch.ok()
+    finally:
+        storage_for(s3_root).delete_tree(s3_root)
+    return {rank: launch.result(rank) for rank in (0, 1)}
+
+
+def test_batchnorm_statistics_of_fsdp2_and_replicate_get_their_own_advice(guarantees) -> None:
+    for kind, wrapper in (("fsdp", "FSDP2"), ("replicate", "replicate()")):
+        (warning,) = [w for w in guarantees[0][f"{kind}_warnings"] if "differ" in w]
+        assert "running_mean" in warning and "running_var" in warning, warning
+        assert f"{wrapper} does not synchronize buffers" in warning, warning
+        assert "SyncBatchNorm" in warning and "DistributedDataParallel" not in warning, warning
+        assert guarantees[1][f"{kind}_warnings"] == []  # said once, on rank 0
+        for rank in (0, 1):
+            assert guarantees[rank][f"{kind}_own_statistics"], (rank, kind)
+
+
+def test_fsdp2_resume_falls_back_past_a_damaged_shard_and_resumes_exactly(guarantees) -> None:
+    damaged = guarantees[0]["damaged"]
+    for rank in (0, 1):  # only rank 1 reads the damaged piece: both fall back together
+        fallback = guarantees[rank]["fallback"]
+        assert fallback["resumed_from"] == 3 and fallback["identical"], (rank, fallback)
+        assert fallback["steps"] == [3], fallback  # the damaged one set aside
+    (cannot,) = [w for w in guarantees[0]["fallback"]["warnings"] if "cannot resume" in w]
+    assert f"step-{SAVED_AT:08d}" in cannot and damaged in cannot, cannot
+
+
+def test_a_signal_to_one_fsdp2_rank_saves_a_checkpoint_that_resumes_exactly(guarantees) -> None:
+    preempted = [guarantees[rank]["preempted"] for rank in (0, 1)]
+    assert preempted[0] == preempted[1], preempted  # the same step on both ranks
+    assert 4 <= preempted[0]["step"] < SAVED_AT + 3 and preempted[0]["exit_code"] == 138
+    for rank in (0, 1):
+        resumed = guarantees[rank]["preemption"]
+        assert resumed["resumed_from"] == preempted[0]["step"] and resumed["identical"], rank
+
+
+def test_fsdp2_on_two_ranks_saves_to_and_resumes_from_s3(guarantees) -> None:
+    for rank in (0, 1):
+        s3 = guarantees[rank]["s3"]
+        assert s3["resumed_from"] == SAVED_AT and s3["steps"] == [3, SAVED_AT], s3
+        assert s3["identical"], rank
 
 
 def test_sharded_state_on_s3_in_one_process(process_group, s3_root) -> None:

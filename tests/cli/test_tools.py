@@ -11,7 +11,8 @@ import torch
 
 import ddpckpt
 from conftest import TiedLM, make_mlp, train_steps
-from ddpckpt._cli.tools import diff, export, summary
+from ddpckpt._cli.export import export
+from ddpckpt._cli.tools import diff, summary
 from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, StateMismatchError
 
 

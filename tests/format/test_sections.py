@@ -106,3 +106,13 @@ def test_a_malformed_section_is_a_corrupt_checkpoint_naming_it() -> None:
     state = {"models": {}, "extra": {"e": {"kind": "pickle"}}}
     with pytest.raises(CorruptCheckpointError, match=r"extra\['e'\].*unknown kind 'pickle'"):
         StateSections.from_json(state, "ckpt")
+
+
+def test_what_made_a_models_parameters_dtensors_round_trips_and_is_checked() -> None:
+    section = ModelSection("Sequential", ["0.weight"], wrapped_by="FSDP2")
+    assert ModelSection.from_json(section.to_json(), "ckpt").wrapped_by == "FSDP2"
+    plain = ModelSection("Sequential", ["0.weight"]).to_json()
+    assert "wrapped_by" not in plain  # manifests of models without it stay as they were
+    assert ModelSection.from_json(plain, "ckpt").wrapped_by is None
+    with pytest.raises(CorruptCheckpointError, match=r"'wrapped_by' is a int"):
+        ModelSection.from_json({**plain, "wrapped_by": 2}, "ckpt")

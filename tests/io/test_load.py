@@ -431,7 +431,7 @@ def test_user_journey_compiled_ddp_to_plain_cpu_export_and_import(process_group,
     assert_state_equal(plain.state_dict(), model.state_dict())
     assert plain_sched.get_last_lr() == sched.get_last_lr()
 
-    from ddpckpt._cli.tools import export
+    from ddpckpt._cli.export import export
 
     weights = torch.load(export(path, os.fspath(tmp_path / "model.pt")), weights_only=True)
     assert_state_equal(weights, model.state_dict())

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
 from ddpckpt._resumecheck.digests import digest
+from dist_worker import Warnings
 from exiting import exit_now
 
 SAVED_AT, KILLED_AT, END = 5, 7, 8  # the resumed run trains from SAVED_AT to END
@@ -275,6 +276,108 @@ def scenario_four_ranks(args, rank: int) -> dict[str, Any]:
                                for i, s in state["optim"].items()}}  # fmt: skip
             result["hsdp_digest_local"] = digest(state) == digest(local)
     result["from_two"] = _two_rank_loads(args)
+    return result
+
+
+def _taken(warnings: Warnings) -> list[str]:
+    """The warnings ``warnings`` collected so far, forgotten there."""
+    taken = list(warnings.messages)
+    warnings.messages.clear()
+    return taken
+
+
+def _batchnorm_statistics(args, rank: int, warnings: Warnings) -> dict[str, Any]:
+    """A BatchNorm model under FSDP2 and under replicate(), one step on each rank's own
+    batch (so each rank's statistics differ), saved and loaded back: the warning each save
+    gives and whether each rank got its own statistics back."""
+    found: dict[str, Any] = {}
+    for kind, wrap in (("fsdp", fully_shard), ("replicate", replicate)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+        wrap(model)
+        torch.manual_seed(100 + rank)
+        model(torch.randn(8, 16)).sum().backward()
+        own = model[1].running_mean.clone()
+        path = os.path.join(args.ckpt, f"bn-{kind}")
+        ddpckpt.save(path, model=model, step=1)
+        found[f"{kind}_warnings"] = _taken(warnings)
+        model[1].running_mean.zero_()
+        ddpckpt.load(path, model=model)
+        found[f"{kind}_own_statistics"] = torch.equal(model[1].running_mean, own)
+    return found
+
+
+def _damage_a_shard(step_dir: str) -> str:
+    """Flip a byte of the piece of ``model/2.weight`` that only rank 1 reads back; the file."""
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        piece = json.load(f)["shards"]["model/2.weight"]["pieces"][1]
+    with open(os.path.join(step_dir, piece["file"]), "r+b") as f:
+        f.seek(piece["range"][0] + 3)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    return piece["file"]
+
+
+def _resumed_to_end(root: str, straight: str, **options: Any) -> dict[str, Any]:
+    """A fresh FSDP2 run (other weights) resumed by a Checkpointer on ``root`` and trained to
+    END: the step it resumed from, and whether it ends as the uninterrupted run did."""
+    model, wrapped, opt, sched = fsdp_run(seed=1)
+    with ddpckpt.Checkpointer(root, model=wrapped, optimizer=opt, scheduler=sched,
+                              **options) as ckpt:  # fmt: skip
+        info = ckpt.resume()
+        steps = ckpt.steps()
+    train(wrapped, opt, sched, END - info.step, 16)
+    return {
+        "resumed_from": info.step,
+        "steps": steps,
+        "identical": fingerprint(model, opt) == straight,
+    }
+
+
+def scenario_guarantees(args, rank: int) -> dict[str, Any]:
+    """On 2 ranks, FSDP2 with the Checkpointer's guarantees: BatchNorm statistics under FSDP2
+    and replicate() (the warning's advice); the newest checkpoint damaged (one rank's piece),
+    so that resume falls back; a SIGUSR1 to rank 1 alone, whose preemption checkpoint is
+    resumed; saves to S3 (the prefix in ``$SHARDED_S3_ROOT``) resumed. Each resume is compared with the
+    uninterrupted run."""
+    warnings = Warnings()
+    result = _batchnorm_statistics(args, rank, warnings)
+    model, wrapped, opt, sched = fsdp_run()
+    train(wrapped, opt, sched, END, 16)
+    straight = fingerprint(model, opt)
+    for kind, root in (
+        ("fallback", os.path.join(args.ckpt, "fallback")),
+        ("s3", os.environ["SHARDED_S3_ROOT"]),
+    ):
+        model, wrapped, opt, sched = fsdp_run()
+        with ddpckpt.Checkpointer(root, model=wrapped, optimizer=opt, scheduler=sched) as ckpt:
+            for step in range(1, SAVED_AT + 1):
+                train(wrapped, opt, sched, 1, 16)
+                if step in (3, SAVED_AT):
+                    ckpt.save(step)
+        if kind == "fallback":
+            dist.barrier()
+            if rank == 0:
+                result["damaged"] = _damage_a_shard(os.path.join(root, f"step-{SAVED_AT:08d}"))
+            dist.barrier()
+        _taken(warnings)
+        result[kind] = _resumed_to_end(root, straight)
+        result[kind]["warnings"] = _taken(warnings)
+    root = os.path.join(args.ckpt, "preempted")
+    model, wrapped, opt, sched = fsdp_run()
+    with ddpckpt.Checkpointer(root, model=wrapped, optimizer=opt, scheduler=sched,
+                              every_steps=100, preemption=True) as ckpt:  # fmt: skip
+        for step in range(1, END + 1):
+            train(wrapped, opt, sched, 1, 16)
+            if step == 4 and rank == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)  # as a scheduler tells one node
+            if ckpt.should_save(step):
+                ckpt.save(step)
+            if ckpt.preempted:
+                break
+        result["preempted"] = {"step": step, "exit_code": ckpt.exit_code}
+    result["preemption"] = _resumed_to_end(root, straight)
     return result
 
 

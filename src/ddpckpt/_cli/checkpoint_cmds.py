@@ -90,17 +90,27 @@ def _verify(args: argparse.Namespace) -> int:
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint directory (step-N/), local or s3://")
     p.add_argument(
-        "out", help="the file to write: OUT.safetensors (no pickle) or OUT.pt (torch.save)"
+        "out",
+        help="what to write: OUT.safetensors (no pickle), OUT.pt (torch.save), or OUT without "
+        "a suffix (or OUT/): a Hugging Face directory (model.safetensors, or model-0000i-of-0000n.safetensors "
+        "and model.safetensors.index.json)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--model", help="the model to export, of a checkpoint of several")
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        help="a directory's largest file before it is split, as 5GB, 500MB or bytes "
+        "(default 5GB; decimal units, as Hugging Face's)",
+    )
 
 
 def _export(args: argparse.Namespace) -> int:
-    from ddpckpt._cli.tools import export
+    from ddpckpt._cli.export import export
 
     try:
-        out = export(args.checkpoint, args.out, overwrite=args.overwrite, model=args.model)
+        out = export(args.checkpoint, args.out, overwrite=args.overwrite, model=args.model,
+                     max_shard_size=args.max_shard_size)  # fmt: skip
     except FileExistsError:
         raise CannotRun(f"{args.out} exists; pass --overwrite to replace it") from None
     print(f"wrote {out}")
@@ -170,12 +180,15 @@ VERIFY = Command(
 )
 EXPORT = Command(
     "export",
-    "write the model weights to OUT.safetensors or OUT.pt",
+    "write the model weights to OUT.safetensors, OUT.pt or a Hugging Face directory",
     _export_arguments,
     _export,
     description="Write one model's weights as a plain state dict (no 'module.' or "
     "'_orig_mod.' prefixes), for inference: load it with safetensors.torch.load_file or "
-    "torch.load and model.load_state_dict. The checkpoint is verified while it is read.",
+    "torch.load and model.load_state_dict, a directory with from_pretrained (add its "
+    "config.json) or huggingface_hub.load_torch_model. One tensor is in memory at a time "
+    "(a sharded one assembled from its pieces), and OUT appears only once complete. The "
+    "checkpoint is verified while it is read.",
 )
 IMPORT = Command(
     "import",

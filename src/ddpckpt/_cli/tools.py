@@ -1,4 +1,5 @@
-"""Read-only tools over checkpoints: summarise, compare, export. All local (one process).
+"""Read-only tools over checkpoints: summarise, compare (exporting: :mod:`ddpckpt._cli.export`).
+All local (one process).
 
 Each takes a checkpoint directory; given anything else (a run directory, an empty or
 unrelated directory) it raises :class:`~ddpckpt.errors.CheckpointNotFoundError` saying what
@@ -21,15 +22,11 @@ from ddpckpt._format.manifest import Manifest, read_manifest
 from ddpckpt._format.rankparts import fill_rank_parts
 from ddpckpt._format.sections import ROLE_KEYS, StateSections
 from ddpckpt._format.shards import ShardedEntry
-from ddpckpt._format.tensorwrite import write_file
-from ddpckpt._io.reader import FileSource, chosen_model, find_problems, load_state_dict
+from ddpckpt._io.reader import FileSource, find_problems
 from ddpckpt._run.rundir import size_problems
 from ddpckpt.errors import (
     CorruptCheckpointError,
-    UnsupportedValueError,
 )
-from ddpckpt.storage import Writer, storage_for
-from ddpckpt.storage._base import new_token, temp_name
 
 
 def open_manifest(path: str) -> Manifest:
@@ -103,6 +100,8 @@ def _section_types(stored: StateSections) -> dict[str, Any]:
     for role, (single, _) in ROLE_KEYS.items():
         for name, section in getattr(stored, role).items():
             kind = section.type
+            if getattr(section, "wrapped_by", None) is not None:
+                kind += f" ({section.wrapped_by})"
             if getattr(section, "zero", None) is not None:
                 kind += f" (ZeroRedundancyOptimizer over {section.zero.world_size} ranks)"
             found[single if not stored.layout.named else f"{single} {name}"] = kind
@@ -341,75 +340,3 @@ def _tree_diff(path: str, a: JSON, b: JSON) -> Iterator[tuple[str, Any, Any]]:
             yield from _tree_diff(f"{path}/{i}", x, y)
     elif a != b:
         yield path, _plain(a), _plain(b)
-
-
-def export(
-    path: str | os.PathLike[str],
-    out: str | os.PathLike[str],
-    *,
-    overwrite: bool = False,
-    model: str | None = None,
-) -> str:
-    """Write a checkpoint's model weights to ``out`` (``.safetensors`` or ``.pt``).
-
-    The result is a plain state dict under canonical keys, for inference code:
-    ``safetensors.torch.load_file`` / ``torch.load(weights_only=True)`` read it. The file
-    is written to a temporary name and renamed into place. Returns ``out``. A checkpoint
-    of several models (a ``TrainingState``) needs ``model``, the name of the one to write.
-    """
-    path, out = os.fspath(path), os.fspath(out)
-    if not out.endswith((".safetensors", ".pt", ".pth")):
-        raise ValueError(f"{out}: name the output *.safetensors or *.pt")
-    manifest = open_manifest(path)
-    model = chosen_model(path, StateSections.from_json(manifest.state, path), model)
-    store = storage_for(out)
-    if store.exists(out) and not overwrite:
-        raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
-    tmp = temp_name(out, new_token())
-    try:
-        if out.endswith(".safetensors"):
-            _export_safetensors(path, manifest, tmp, model)
-        else:
-            with store.create(tmp) as writer:
-                torch.save(load_state_dict(path, model=model), _TorchSink(writer))
-                writer.sync()
-        store.rename(tmp, out)
-    finally:
-        if store.exists(tmp):
-            store.delete(tmp)
-    return out
-
-
-class _TorchSink:
-    """The file-like object ``torch.save`` writes to, over a storage writer."""
-
-    def __init__(self, writer: Writer) -> None:
-        self._writer = writer
-
-    def write(self, data: bytes) -> int:
-        self._writer.write(data)
-        return len(data)
-
-    def flush(self) -> None:
-        """Nothing buffered here; the writer syncs when the export is complete."""
-
-
-def _export_safetensors(path: str, manifest: Manifest, tmp: str, name: str) -> None:
-    stored = StateSections.from_json(manifest.state, path)
-    section, prefix = stored.models[name], stored.layout.model_prefix(name)
-    if section.extra_keys:
-        raise UnsupportedValueError(
-            f"{path}: the model has non-tensor extra state ({', '.join(section.extra_keys)}), "
-            "which safetensors cannot hold; export to .pt instead"
-        )
-    source = FileSource(path, manifest)
-    stored = {key: key for key in section.keys} | dict(section.aliases)
-
-    def placeholder(key: str) -> torch.Tensor:  # what write_file lays out before any data
-        dtype, shape = source.meta(prefix + key)
-        return torch.empty(shape, dtype=dtype, device="meta")
-
-    # One tensor in memory at a time: a sharded one is assembled when its turn comes.
-    items = [(key, placeholder(name)) for key, name in stored.items()]
-    write_file(tmp, items, writer=0, metadata={"format": "pt", "exported_by": "ddpckpt"},
-               produce=lambda key: source.get(prefix + stored[key]))  # fmt: skip

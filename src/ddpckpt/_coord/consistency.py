@@ -120,39 +120,63 @@ def differing_unverified(
     names: list[str],
     call: str = "unverified",
     may_differ: Set[str] = frozenset(),
+    unsynced: Mapping[str, str] | None = None,
 ) -> set[str]:
     """Of ``names`` (unverified tensors, the same on every rank), those whose values in
     ``tensors`` (live, or this rank's copies) differ between ranks; collective. Rank 0
-    warns about them, except those in ``may_differ``: they are stored per rank."""
+    warns about them, except those in ``may_differ``: they are stored per rank. The
+    warning's advice follows ``unsynced`` (a tensor's name -> the DTensor wrapper of its
+    model, which leaves it unsynchronized: ``Snapshot.unsynced``)."""
     if comm.world_size == 1 or not names:
         return set()
     apart = _differing(comm, tensors, call, names)
     if apart - may_differ:
-        _warn(comm, sorted(apart - may_differ), diverged=False)
+        _warn(comm, sorted(apart - may_differ), diverged=False, unsynced=unsynced or {})
     return apart
 
 
-def _warn(comm: Comm, names: list[str], *, diverged: bool) -> None:
-    """Warn on rank 0, once per set of tensors, that state stored once would be wrong."""
-    if comm.rank != 0 or tuple(names) in _warned:
-        return
-    _warned.add(tuple(names))
-    shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+def _advice(diverged: bool, wrapper: str | None) -> str:
+    """What to do about replicated state that differs between ranks."""
     if diverged:
-        advice = (
+        return (
             "DistributedDataParallel should keep them identical: the ranks' replicas have "
             "diverged (a rank that skipped a step, or changed weights outside the optimizer)"
         )
-    else:
-        advice = (
+    if wrapper is None:
+        return (
             "if the model should be replicated, wrap it in DistributedDataParallel (an EMA "
             "copy: update it on every rank)"
         )
-    _log.warning(
-        "%s: %d tensor(s) stored once for all ranks differ between ranks: %s. They are "
-        "stored per rank and each rank loads its own; %s",
-        comm.path,
-        len(names),
-        shown,
-        advice,
+    applied = "fully_shard" if wrapper == "FSDP2" else wrapper
+    return (
+        f"{wrapper} does not synchronize buffers, so each rank's BatchNorm statistics follow "
+        "its own batches and every rank resumes exactly from its own; for statistics shared "
+        "by all ranks, convert the model with torch.nn.SyncBatchNorm.convert_sync_batchnorm "
+        f"before {applied}"
     )
+
+
+def _warn(
+    comm: Comm, names: list[str], *, diverged: bool, unsynced: Mapping[str, str] | None = None
+) -> None:
+    """Warn on rank 0, once per set of tensors and wrapper, that state stored once would be
+    wrong; one warning per advice (the tensors of an FSDP2 model apart from an EMA copy's)."""
+    if comm.rank != 0:
+        return
+    groups: dict[str | None, list[str]] = {}
+    for name in names:
+        groups.setdefault((unsynced or {}).get(name), []).append(name)
+    for wrapper, group in groups.items():
+        key = (str(wrapper), *group)
+        if key in _warned:
+            continue
+        _warned.add(key)
+        shown = ", ".join(group[:8]) + (f", ... ({len(group)} in all)" if len(group) > 8 else "")
+        _log.warning(
+            "%s: %d tensor(s) stored once for all ranks differ between ranks: %s. They are "
+            "stored per rank and each rank loads its own; %s",
+            comm.path,
+            len(group),
+            shown,
+            _advice(diverged, wrapper),
+        )

@@ -214,8 +214,9 @@ class DDPBuckets:
 
 @dataclass
 class ModelSection:
-    """A model: its stored keys, tied aliases, module versions, non-tensor extra state and
-    the DDP gradient bucket layout it trained with."""
+    """A model: its class (the user's, not FSDP2's dynamic subclass), stored keys, tied
+    aliases, module versions, non-tensor extra state, the DDP gradient bucket layout it
+    trained with, and what made its parameters DTensors (``"FSDP2"``, ``"replicate()"``)."""
 
     type: str
     keys: list[str]
@@ -224,6 +225,7 @@ class ModelSection:
     extra_keys: list[str] = field(default_factory=list)
     extra_state: JSON | None = None  # the encoded values of ``extra_keys``
     ddp_buckets: DDPBuckets = field(default_factory=lambda: DDPBuckets("unrecorded"))
+    wrapped_by: str | None = None
 
     def to_json(self) -> dict[str, JSON]:
         doc: dict[str, JSON] = {"type": self.type, "keys": self.keys, "aliases": self.aliases,
@@ -232,6 +234,8 @@ class ModelSection:
             doc["extra_state"] = self.extra_state
         if self.ddp_buckets.state != "unrecorded":
             doc["ddp_buckets"] = self.ddp_buckets.to_json()
+        if self.wrapped_by is not None:
+            doc["wrapped_by"] = self.wrapped_by
         return doc
 
     @classmethod
@@ -243,7 +247,8 @@ class ModelSection:
                    dict(r.mapping_of("versions", lambda v: type(v) is int, "integers")),
                    list(r.strings("extra_keys")), r.get("extra_state", object, None),
                    DDPBuckets("unrecorded") if buckets is None else DDPBuckets.from_json(
-                       buckets, f"{where} (ddp_buckets)"))  # fmt: skip
+                       buckets, f"{where} (ddp_buckets)"),
+                   r.get("wrapped_by", str, None))  # fmt: skip
 
 
 @dataclass

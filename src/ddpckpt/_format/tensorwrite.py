@@ -127,7 +127,10 @@ def _emit(
                         if progress is not None:
                             progress(len(chunk))
                     length += len(data)
-                    block = next(blocks, None)  # only now may the ring reuse this buffer
+                    # Only now may the ring reuse this buffer; and nothing here holds it while
+                    # the next tensor is made (an export holds one tensor at a time).
+                    block = data = chunk = None  # type: ignore[assignment]
+                    block = next(blocks, None)
                 entries.append(
                     TensorEntry(
                         file=name,
@@ -167,6 +170,7 @@ def _host_blocks(
         host = host_contiguous(tensor)
         if tensor_nbytes(host):
             yield index, byte_view(host)
+        del host  # freed (if produced) before the next one is made
 
 
 def _update(hashes: Sequence[Any], chunk: memoryview) -> None:
@@ -215,12 +219,13 @@ class _Hasher:
 
     def _run(self) -> None:
         while (task := self._tasks.get()) is not None:
+            error = None
             try:
                 _update(*task)
             except BaseException as exc:  # handed to the writing thread by wait()
-                self._done.put(exc)
-            else:
-                self._done.put(None)
+                error = exc
+            task = None  # holds the chunk: its memory is the writer's again
+            self._done.put(error)
 
     def start(self, hashes: Sequence[Any], chunk: memoryview) -> None:
         self._tasks.put((hashes, chunk))

@@ -37,7 +37,7 @@ def settle_plan(plan: WritePlan, attempt: int = 0) -> None:
     comm = plan.comm
     values = dict(plan.items + plan.checked)
     apart = differing_unverified(
-        comm, values, plan.pending, f"unverified.{attempt}", plan.may_differ
+        comm, values, plan.pending, f"unverified.{attempt}", plan.may_differ, plan.unsynced
     )
     if apart:
         own = plan.rank_state["own"] = dict(plan.rank_state.get("own", {}))

@@ -110,6 +110,7 @@ class WritePlan:
     rank_state: dict[str, Any]  # and its state, in the file's metadata
     pending: list[str] = field(default_factory=list)
     may_differ: frozenset[str] = frozenset()  # of the pending ones: apart by design, no warning
+    unsynced: Mapping[str, str] = field(default_factory=dict)  # Snapshot.unsynced
     checked: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     settled: bool = False
     rank_blob: bytes | None = None  # this rank's file, made to be sent to other domains
@@ -186,6 +187,7 @@ def plan_write(
         rank_state=dict(snapshot.rank_state),
         pending=pending,
         may_differ=frozenset(snapshot.may_differ),
+        unsynced=dict(snapshot.unsynced),
         checked=[(n, snapshot.tensors[n]) for n in pending if owners[n] != comm.rank],
         shards=shards,
         owned_state=snapshot.owned_state,

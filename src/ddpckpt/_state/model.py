@@ -27,7 +27,7 @@ from ddpckpt._format.sections import SINGLE, Layout, ModelSection
 from ddpckpt._log import get_logger
 from ddpckpt._state.dtensor import is_dtensor, local_tensor, restore_dtensor
 from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
-from ddpckpt._training.wrappers import inner_attr, unwrap_model
+from ddpckpt._training.wrappers import dtensor_wrapper, inner_attr, unwrap_model, user_class
 from ddpckpt.errors import CorruptCheckpointError, StateMismatchError
 
 _log = get_logger(__name__)
@@ -156,6 +156,7 @@ def capture_model(
     view = model_view(model)
     replication = _replication(model)
     parameters = {id(p) for p in view.root.parameters()}
+    wrapper = dtensor_wrapper(view.root)
     keys: list[str] = []
     aliases: dict[str, str] = {}
     seen: dict[tuple[Any, ...], str] = {}
@@ -179,6 +180,8 @@ def capture_model(
             snapshot.balanced.add(stored)
         elif id(value) in parameters or not replication.wrapped:
             snapshot.unverified.add(stored)  # no DDP keeps it identical: compared before writing
+            if wrapper is not None:
+                snapshot.unsynced[stored] = wrapper
     rank_buffers = None
     if replication.rank_buffers:
         elsewhere = snapshot.balanced | snapshot.per_rank | snapshot.unverified
@@ -186,8 +189,8 @@ def capture_model(
             key: snapshot.tensors[prefix + key] for key in keys if prefix + key not in elsewhere
         }
         rank_buffers = encode(buffers, layout.buffers_prefix(name), snapshot.rank_tensors)
-    section = ModelSection(type(view.root).__qualname__, keys, aliases, view.versions,
-                           list(extra_state))  # fmt: skip
+    section = ModelSection(user_class(view.root).__qualname__, keys, aliases, view.versions,
+                           list(extra_state), wrapped_by=wrapper)  # fmt: skip
     if extra_state:
         prefix = layout.model_extra_prefix(name)
         section.extra_state = encode(extra_state, prefix, snapshot.tensors)

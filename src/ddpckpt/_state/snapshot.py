@@ -58,7 +58,9 @@ class Snapshot:
     compares their digests across ranks, treats the identical ones as ``balanced`` and
     stores the others per rank; those also in ``may_differ`` (the buffers of a module-valued
     extra: an EMA copy's BatchNorm statistics copy each rank's own) do so without a
-    warning. Tensors in ``per_rank`` differ between ranks by design
+    warning. ``unsynced`` names, for the unverified tensors of a model whose parameters
+    FSDP2 or ``replicate()`` hold, that wrapper: it leaves buffers alone (the warning's
+    advice is not DDP's). Tensors in ``per_rank`` differ between ranks by design
     (parameters and buffers DDP ignores, and their optimizer state): stored per rank
     whenever there are several ranks. Every other shared tensor (buffers such as BatchNorm
     statistics, which each rank updates with its own batch until DDP broadcasts rank 0's
@@ -86,6 +88,7 @@ class Snapshot:
     unverified: set[str] = field(default_factory=set)
     per_rank: set[str] = field(default_factory=set)
     may_differ: set[str] = field(default_factory=set)  # unverified, apart by design: no warning
+    unsynced: dict[str, str] = field(default_factory=dict)  # unverified -> its DTensor wrapper
     rank_state: dict[str, JSON] = field(default_factory=dict)
     rank_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     stepped_by: dict[str, list[torch.optim.Optimizer]] = field(default_factory=dict)

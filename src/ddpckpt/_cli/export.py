@@ -1,0 +1,212 @@
+"""``ddpckpt export``: a checkpoint's model weights as one file or a Hugging Face directory.
+
+Local, one process. The weights are written one tensor at a time: each is read (a sharded
+one assembled from its pieces, :class:`~ddpckpt._io.reader.FileSource`), written and dropped
+before the next, so memory holds one tensor, never the model. Keys are the canonical ones
+(no ``module.``, ``_orig_mod.``, FSDP2 or DDP prefixes). The output appears whole or not at
+all: it is written under a temporary name and renamed into place.
+
+* ``OUT.safetensors`` or ``OUT.pt``: one file (``.pt`` goes through ``torch.save``, which
+  needs the state dict in memory).
+* ``OUT`` without a suffix (or ending in ``/``): a directory in Hugging Face's layout, ``model.safetensors`` or, above
+  ``max_shard_size``, ``model-0000i-of-0000n.safetensors`` and ``model.safetensors.index.json``
+  (split as ``huggingface_hub.split_torch_state_dict_into_shards`` splits them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+
+from ddpckpt._cli.tools import open_manifest
+from ddpckpt._format.manifest import Manifest
+from ddpckpt._format.sections import ModelSection, StateSections
+from ddpckpt._format.tensorwrite import write_file
+from ddpckpt._io.reader import FileSource, chosen_model, load_state_dict
+from ddpckpt.errors import UnsupportedValueError
+from ddpckpt.storage import Storage, Writer, storage_for
+from ddpckpt.storage._base import new_token, temp_name
+
+FILE_SUFFIXES = (".safetensors", ".pt", ".pth")
+DEFAULT_SHARD_SIZE = "5GB"
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_METADATA = {"format": "pt", "exported_by": "ddpckpt"}  # "pt": what transformers requires
+_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # Hugging Face's (decimal)
+
+
+def export(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    model: str | None = None,
+    max_shard_size: int | str | None = None,
+) -> str:
+    """Write a checkpoint's model weights to ``out``: a ``.safetensors`` or ``.pt`` file, or
+    a name without a suffix (or ending in ``/``), a Hugging Face directory (see the module).
+    Returns ``out``.
+
+    The result is a plain state dict under canonical keys, for inference code:
+    ``safetensors.torch.load_file`` / ``torch.load(weights_only=True)`` read a file,
+    ``huggingface_hub.load_torch_model`` or ``from_pretrained`` (with a ``config.json``
+    beside) a directory. A checkpoint of several models (a ``TrainingState``) needs
+    ``model``, the name of the one to write. ``max_shard_size`` (bytes, or ``"5GB"``,
+    ``"500MB"``: decimal units, as Hugging Face's) is for directories; default 5GB.
+
+    Raises:
+        FileExistsError: ``out`` exists and ``overwrite`` is not set.
+        ValueError: ``out`` has another suffix; ``max_shard_size`` is not a size, or is
+            given for a file.
+        UnsupportedValueError: The model has non-tensor extra state (for safetensors).
+        CheckpointError: The checkpoint is missing or damaged.
+    """
+    path, out = os.fspath(path), os.fspath(out)
+    directory = out.endswith("/") or not os.path.splitext(out)[1]
+    if not directory and not out.endswith(FILE_SUFFIXES):
+        raise ValueError(
+            f"{out}: name the output *.safetensors or *.pt, or a directory (no suffix, or "
+            "ending in /) for Hugging Face's layout"
+        )
+    if max_shard_size is not None and not directory:
+        raise ValueError(f"{out}: max_shard_size is for a directory; {out} names one file")
+    limit = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
+    manifest = open_manifest(path)
+    model = chosen_model(path, StateSections.from_json(manifest.state, path), model)
+    store = storage_for(out)
+    if store.exists(out) and not overwrite:
+        raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
+    tmp = temp_name(out.rstrip("/"), new_token())
+    try:
+        if directory:
+            _write_directory(_Weights(path, manifest, model), tmp, limit)
+        elif out.endswith(".safetensors"):
+            weights = _Weights(path, manifest, model)
+            weights.write(tmp, list(weights.keys))
+        else:
+            with store.create(tmp) as writer:
+                torch.save(load_state_dict(path, model=model), _TorchSink(writer))
+                writer.sync()
+        _put_in_place(store, tmp, out.rstrip("/"), directory)
+    finally:
+        if store.exists(tmp):
+            store.delete_tree(tmp)
+    return out
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``size``: an integer, or a string such as ``"5GB"`` (KB, MB, GB, TB, decimal)."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]B)?\s*", str(size), re.IGNORECASE)
+    if found is None or float(found[1]) <= 0:
+        raise ValueError(
+            f"{size!r} is not a shard size: pass bytes or e.g. '5GB' (KB, MB, GB, TB; decimal)"
+        )
+    unit = _UNITS[found[2].upper()] if found[2] else 1
+    return int(float(found[1]) * unit)
+
+
+class _Weights:
+    """One model's weights in a checkpoint, by canonical key (tied aliases included), read
+    one tensor at a time."""
+
+    def __init__(self, path: str, manifest: Manifest, name: str) -> None:
+        stored = StateSections.from_json(manifest.state, path)
+        section: ModelSection = stored.models[name]
+        if section.extra_keys:
+            raise UnsupportedValueError(
+                f"{path}: the model has non-tensor extra state "
+                f"({', '.join(section.extra_keys)}), which safetensors cannot hold; export to "
+                ".pt instead"
+            )
+        self.prefix = stored.layout.model_prefix(name)
+        self.source = FileSource(path, manifest)
+        self.keys = {key: key for key in section.keys} | dict(section.aliases)  # key -> stored
+
+    def nbytes(self, key: str) -> int:
+        dtype, shape = self.source.meta(self.prefix + self.keys[key])
+        return torch.Size(shape).numel() * dtype.itemsize
+
+    def write(self, file: str, keys: list[str]) -> None:
+        """Write the tensors ``keys`` to the safetensors file ``file``, one at a time."""
+
+        def placeholder(key: str) -> torch.Tensor:  # what write_file lays out before any data
+            dtype, shape = self.source.meta(self.prefix + self.keys[key])
+            return torch.empty(shape, dtype=dtype, device="meta")
+
+        def produce(key: str) -> torch.Tensor:  # read into a buffer of its own, not mapped:
+            name = self.prefix + self.keys[key]  # the pages of a mapped file would stay
+            dtype, shape = self.source.meta(name)  # resident (on S3: the whole file read)
+            return self.source.get(name, like=torch.empty(shape, dtype=dtype))
+
+        write_file(file, [(key, placeholder(key)) for key in keys], writer=0, metadata=_METADATA,
+                   produce=produce)  # fmt: skip
+
+
+def shard_keys(sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """The keys of each file, in order: a new file when the next tensor would take the current
+    one over ``limit``, a tensor larger than ``limit`` alone (Hugging Face's split)."""
+    files: list[list[str]] = []
+    current: list[str] = []
+    filled = 0
+    for key, size in sizes.items():
+        if size > limit:
+            files.append([key])
+            continue
+        if current and filled + size > limit:
+            files.append(current)
+            current, filled = [], 0
+        current.append(key)
+        filled += size
+    return [*files, current] if current or not files else files
+
+
+def _write_directory(weights: _Weights, directory: str, limit: int) -> None:
+    """The Hugging Face directory of ``weights`` at ``directory`` (made here)."""
+    store = storage_for(directory)
+    store.make_dirs(directory)
+    sizes = {key: weights.nbytes(key) for key in weights.keys}
+    files = shard_keys(sizes, limit)
+    if len(files) == 1:
+        weights.write(os.path.join(directory, WEIGHTS_NAME), files[0])
+    else:
+        weight_map = {}
+        for i, keys in enumerate(files):
+            name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            weights.write(os.path.join(directory, name), keys)
+            weight_map.update(dict.fromkeys(keys, name))
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"
+        store.write_new(os.path.join(directory, INDEX_NAME), text.encode())
+    store.sync_dir(directory)
+
+
+def _put_in_place(store: Storage, tmp: str, out: str, directory: bool) -> None:
+    """Rename ``tmp`` to ``out``; an existing directory ``out`` (overwrite) is first renamed
+    aside, then deleted: never a mix of the two under ``out``."""
+    if directory and store.exists(out):
+        aside = temp_name(out, new_token())
+        store.rename(out, aside)
+        store.rename(tmp, out)
+        store.delete_tree(aside)
+    else:
+        store.rename(tmp, out)
+    store.sync_dir(store.parent(out))
+
+
+class _TorchSink:
+    """The file-like object ``torch.save`` writes to, over a storage writer."""
+
+    def __init__(self, writer: Writer) -> None:
+        self._writer = writer
+
+    def write(self, data: bytes) -> int:
+        self._writer.write(data)
+        return len(data)
+
+    def flush(self) -> None:
+        """Nothing buffered here; the writer syncs when the export is complete."""
