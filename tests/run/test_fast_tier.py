@@ -147,3 +147,45 @@ def test_a_fast_tier_left_by_another_run_is_never_resumed_from(tmp_path, caplog)
     assert run(range(1, 2)) is None
     assert "holds steps 5 of another run" in caplog.text
     assert run(range(2, 3)) == 1
+
+
+def test_saves_without_resume_mark_the_fast_tier_so_a_restart_resumes_from_it(
+    tmp_path, caplog
+) -> None:
+    """One process: a job that saves without calling resume() (it starts fresh, or loaded
+    a checkpoint itself) used to leave its fast-tier steps unmarked, and the restarted
+    job deleted them as another run's. Its first save marks the tier as this run's; this
+    run's steps newer than it, and another run's, are deleted with a warning."""
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def checkpointer(run: str = "run") -> ddpckpt.Checkpointer:
+        return ddpckpt.Checkpointer(
+            tmp_path / run, model=model, optimizer=optimizer, every_steps=100,
+            fast_tier=tmp_path / "fast",
+        )  # fmt: skip
+
+    def train(steps: range) -> None:
+        with checkpointer() as ckpt:
+            for step in steps:
+                if ckpt.should_save(step):
+                    ckpt.save(step)
+
+    def resume() -> int | None:
+        with checkpointer() as ckpt:
+            info = ckpt.resume()
+        return info and info.step
+
+    train(range(1, 4))
+    assert resume() == 3
+    assert "another run" not in caplog.text
+
+    train(range(1, 2))  # started over without resume(): step 3 would mix branches
+    assert "held step(s) 3 of this run, newer than step 1" in caplog.text
+    assert resume() == 1
+
+    with checkpointer("other") as ckpt:  # another run, the same fast tier
+        assert ckpt.should_save(5)
+        ckpt.save(5)
+    assert "held step(s) 1 of another run" in caplog.text
+    assert resume() is None
