@@ -43,6 +43,7 @@ from typing import Any
 
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.replicate import repair_copies
+from ddpckpt._format.runfiles import FAST_TIER_OWNER, RUN_IDENTITY
 from ddpckpt._io.async_saver import AsyncSaver
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
@@ -63,8 +64,6 @@ from ddpckpt.policies import EverySteps, KeepLast
 from ddpckpt.storage import storage_for
 
 _log = get_logger(__name__)
-_OWNER_FILE = "owner.json"  # the identity of the durable run the tier's steps belong to
-_RUN_ID_FILE = "fast-tier-owner"  # in the durable run directory: that identity
 _SHARING = "auto"  # each node's memory is its own: probed, whatever $DDPCKPT_STORAGE says
 # A fast-tier step failing so is reported, and the next step (or the durable tier) serves.
 _CANNOT_SERVE = (CorruptCheckpointError, CheckpointNotFoundError, CheckpointWriteError)
@@ -318,7 +317,7 @@ class FastSaves:
                         _say_dropped(self.directory, newer, step, found, ours)
                     if not ours:
                         storage_for(self.directory).replace(
-                            os.path.join(self.directory, _OWNER_FILE), owner.encode()
+                            os.path.join(self.directory, FAST_TIER_OWNER), owner.encode()
                         )
                     return newest
 
@@ -332,7 +331,7 @@ def _owner(run: str) -> str:
     """On rank 0: the identity of the durable run directory ``run``, a random token kept
     in it (made by the first resume with a fast tier), so that a run directory deleted and
     made anew is another run."""
-    store, path = storage_for(run), os.path.join(run, _RUN_ID_FILE)
+    store, path = storage_for(run), os.path.join(run, RUN_IDENTITY)
     try:
         return store.read(path).decode()
     except FileNotFoundError:
@@ -344,7 +343,7 @@ def _owner(run: str) -> str:
 
 def _read_owner(directory: str) -> str | None:
     try:
-        return storage_for(directory).read(os.path.join(directory, _OWNER_FILE)).decode()
+        return storage_for(directory).read(os.path.join(directory, FAST_TIER_OWNER)).decode()
     except FileNotFoundError:
         return None
 
