@@ -189,3 +189,54 @@ def test_saves_without_resume_mark_the_fast_tier_so_a_restart_resumes_from_it(
         ckpt.save(5)
     assert "held step(s) 1 of another run" in caplog.text
     assert resume() is None
+
+
+def test_a_worker_killed_inside_a_fast_save_resumes_from_a_complete_step(tmp_path) -> None:
+    """2 ranks on 2 nodes, a fast-tier save every step, a durable one every 4 steps; a worker
+    SIGKILLed between two file-system operations of a fast-tier save (maybe on the thread
+    writing it in the background):
+
+    * rank 0 just before the rename that commits node 0's copy of step 6;
+    * rank 1 deleting step 8 once node 1's copy of step 9 is committed;
+    * rank 0 writing the file of rank 1 that it received for step 11 (node 0's copy; not
+      step 10: rank 0 may start that save before rank 1's kill in step 9 stops the job);
+
+    each restart resumes from the newest step committed on some node before the kill (an
+    oracle outside the library logs the commits), never from a torn or mixed step, and the
+    run ends bit-identical to the same job run without a restart."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    out = tmp_path / "out"
+    plans = [
+        {"step": 6, "rank": 0, "match": r"rename \.step-00000006\.tmp-\S+ step-00000006", "at": 0},
+        {"step": 9, "rank": 1, "match": r"rename step-00000008 \.step-00000008\.tmp-\S+", "at": 0},
+        {"step": 11, "rank": 0, "match": r"write rank-00001\.safetensors", "at": 0},
+    ]
+    args = ["--durable", str(tmp_path / "run"), "--fast", "fast", "--steps", "14",
+            "--kill-in-save", json.dumps(plans)]  # fmt: skip
+    launch = torchrun_restarting_nodes(
+        FAST, "train", out, cwds=nodes, nproc=1, args=args, max_restarts=3
+    ).ok()
+    assert sorted(p.name for p in out.glob("kill-*")) == ["kill-11", "kill-6", "kill-9"]
+    for rank in (0, 1):
+        seen = [
+            json.loads(line)
+            for line in (out / f"resumes-rank{rank}.jsonl").read_text().splitlines()
+        ]
+        assert len(seen) == 4, (seen, launch.output[-3000:])
+        for what in seen:  # the newest step committed on some node before the kill
+            step = what["step"]
+            assert step == (what["committed"] or 0), what
+            durable = str(tmp_path / "run" / f"step-{step:08d}")  # every 4 steps; first on a tie
+            expected = durable if step % 4 == 0 else f"fast/step-{step:08d}"
+            assert what["path"] == (expected if step else None), what
+    for rank in (0, 1):
+        final = json.loads((out / f"final-rank{rank}.json").read_text())
+        assert final["step"] == 14  # trained after the last resume: DDP's buffers agree
+        assert losses(out, rank) == final["reference"]["losses"], rank
+        assert final["digest"] == final["reference"]["digest"], rank
+    for node in nodes:
+        assert sorted(p.name for p in (node / "fast").iterdir() if "step" in p.name) == [
+            "step-00000014"
+        ]
