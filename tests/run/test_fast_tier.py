@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 import ddpckpt
+import ddpckpt._io.writing as writing
+import ddpckpt._run.checkpointer as checkpointer
+from conftest import make_mlp, train_steps
+from ddpckpt._io.staging import StagingPool
 from launch import WORKER, torchrun_restarting_nodes
 
 pytestmark = pytest.mark.distributed
@@ -240,3 +245,103 @@ def test_a_worker_killed_inside_a_fast_save_resumes_from_a_complete_step(tmp_pat
         assert sorted(p.name for p in (node / "fast").iterdir() if "step" in p.name) == [
             "step-00000014"
         ]
+
+
+def snapshot_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    moments = [v for state in opt.state.values() for v in state.values()]
+    return [v.clone() for v in [*model.state_dict().values(), *moments]]
+
+
+def holds(path: str, expected: list[torch.Tensor]) -> bool:
+    model = make_mlp(seed=9)
+    opt = torch.optim.AdamW(model.parameters())
+    ddpckpt.load(path, model=model, optimizer=opt)
+    return all(torch.equal(a, b) for a, b in zip(snapshot_of(model, opt), expected, strict=True))
+
+
+def test_a_step_both_tiers_save_is_captured_and_copied_once(tmp_path, monkeypatch) -> None:
+    """One process, async_save="overlap": at a step saved to both tiers the state used to
+    be captured twice and copied twice into host memory. Now once: the fast tier writes
+    from the durable tier's copies, and both checkpoints hold the state as of save(),
+    while training goes on before either is written."""
+    captures, staged = [], []
+    capture = checkpointer.capture
+    monkeypatch.setattr(checkpointer, "capture", lambda state: captures.append(1) or capture(state))
+    stage = StagingPool.stage
+
+    def counting(pool, items, defer=None):
+        staged.append(sum(t.numel() * t.element_size() for _, t in items))
+        return stage(pool, items, defer)
+
+    monkeypatch.setattr(StagingPool, "stage", counting)
+    gate = threading.Event()
+    write_file = writing.write_file
+
+    def gated(*args, **kwargs):
+        assert gate.wait(30), "the gate was never opened"
+        return write_file(*args, **kwargs)
+
+    monkeypatch.setattr(writing, "write_file", gated)
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    with ddpckpt.Checkpointer(
+        tmp_path / "run", model=model, optimizer=opt, every_steps=2, async_save="overlap",
+        fast_tier=tmp_path / "fast",
+    ) as ckpt:  # fmt: skip
+        ckpt.resume()
+        train_steps(model, opt, 1)
+        assert ckpt.should_save(1)
+        ckpt.save(1)  # the fast tier alone
+        gate.set()
+        ckpt.wait()
+        gate.clear()
+        train_steps(model, opt, 1)
+        expected = snapshot_of(model, opt)
+        assert ckpt.should_save(2)
+        del captures[:], staged[:]
+        ckpt.save(2)  # both tiers
+        assert len(captures) == 1
+        assert staged[1] == 0 and staged[0] > 0, staged  # the fast tier copied nothing
+        train_steps(model, opt, 2)  # the copies are read after this changed the state
+        gate.set()
+        ckpt.wait()
+    assert holds(str(tmp_path / "run" / "step-00000002"), expected)
+    assert holds(str(tmp_path / "fast" / "step-00000002"), expected)
+
+
+def test_the_durable_tier_copies_again_only_once_the_fast_tier_wrote_its_copies(
+    tmp_path, monkeypatch
+) -> None:
+    """Both tiers save every step: the durable save of step 2 stages into the buffer that
+    the fast tier's write of step 1 still reads; it waits for that write, so the fast
+    tier's step 1 holds step 1's state, not step 2's."""
+    gate, waiting = threading.Event(), threading.Event()
+    write_file = writing.write_file
+
+    def gated(*args, **kwargs):
+        if ".step-00000001.tmp" in str(args[0]) and "fast" in str(args[0]):
+            waiting.set()
+            assert gate.wait(30), "the gate was never opened"
+        return write_file(*args, **kwargs)
+
+    monkeypatch.setattr(writing, "write_file", gated)
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    with ddpckpt.Checkpointer(
+        tmp_path / "run", model=model, optimizer=opt, every_steps=1, async_save="overlap",
+        fast_tier=ddpckpt.FastTier(tmp_path / "fast", keep=2),
+    ) as ckpt:  # fmt: skip
+        ckpt.resume()
+        train_steps(model, opt, 1)
+        ckpt.save(1)
+        expected = snapshot_of(model, opt)
+        assert waiting.wait(30)
+        train_steps(model, opt, 1)
+        second = threading.Thread(target=ckpt.save, args=(2,))
+        second.start()
+        second.join(1.0)  # blocked until the fast write is done (or, if not, restaged)
+        gate.set()
+        second.join(30)
+        ckpt.wait()
+    assert holds(str(tmp_path / "fast" / "step-00000001"), expected)
+    assert holds(str(tmp_path / "run" / "step-00000001"), expected)

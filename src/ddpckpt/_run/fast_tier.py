@@ -118,14 +118,19 @@ class FastSaves:
         return step % self.every == 0 and (latest is None or step > latest)
 
     def save(
-        self, step: int, header: dict[str, Any], capture: Callable[[], Snapshot]
+        self,
+        step: int,
+        header: dict[str, Any],
+        capture: Callable[[], Snapshot],
+        borrow: AsyncSaver | None = None,
     ) -> str | None:
         """Collective: start saving ``step`` to the fast tier; its path, or ``None`` when the
-        save failed (logged; training goes on). The first save of a job that did not
-        resume marks the tier as this run's first (:meth:`_claim`)."""
+        save failed (logged; training goes on). ``borrow``: the durable tier's saver, when
+        it has just staged the same snapshot (copied once for both tiers). The first save of
+        a job that did not resume marks the tier as this run's first (:meth:`_claim`)."""
         if not self._owner and not self._claim(step):
             return None
-        return self.saves.save(step, header, capture, synchronous=False)
+        return self.saves.save(step, header, capture, synchronous=False, borrow=borrow)
 
     def _claim(self, step: int) -> bool:
         """Collective, at the first fast save of a job that did not call ``resume()``: set
