@@ -259,6 +259,22 @@ def holds(path: str, expected: list[torch.Tensor]) -> bool:
     return all(torch.equal(a, b) for a, b in zip(snapshot_of(model, opt), expected, strict=True))
 
 
+def gate_writes(monkeypatch, where: str = "") -> tuple[threading.Event, threading.Event]:
+    """The background writes of files whose path contains ``where`` wait for the first
+    event returned to be set; the second is set once one waits."""
+    gate, waiting = threading.Event(), threading.Event()
+    write_file = writing.write_file
+
+    def gated(*args, **kwargs):
+        if where in str(args[0]):
+            waiting.set()
+            assert gate.wait(30), "the gate was never opened"
+        return write_file(*args, **kwargs)
+
+    monkeypatch.setattr(writing, "write_file", gated)
+    return gate, waiting
+
+
 def test_a_step_both_tiers_save_is_captured_and_copied_once(tmp_path, monkeypatch) -> None:
     """One process, async_save="overlap": at a step saved to both tiers the state used to
     be captured twice and copied twice into host memory. Now once: the fast tier writes
@@ -274,14 +290,7 @@ def test_a_step_both_tiers_save_is_captured_and_copied_once(tmp_path, monkeypatc
         return stage(pool, items, defer)
 
     monkeypatch.setattr(StagingPool, "stage", counting)
-    gate = threading.Event()
-    write_file = writing.write_file
-
-    def gated(*args, **kwargs):
-        assert gate.wait(30), "the gate was never opened"
-        return write_file(*args, **kwargs)
-
-    monkeypatch.setattr(writing, "write_file", gated)
+    gate, _ = gate_writes(monkeypatch)
     model = make_mlp()
     opt = torch.optim.AdamW(model.parameters())
     with ddpckpt.Checkpointer(
@@ -315,16 +324,7 @@ def test_the_durable_tier_copies_again_only_once_the_fast_tier_wrote_its_copies(
     """Both tiers save every step: the durable save of step 2 stages into the buffer that
     the fast tier's write of step 1 still reads; it waits for that write, so the fast
     tier's step 1 holds step 1's state, not step 2's."""
-    gate, waiting = threading.Event(), threading.Event()
-    write_file = writing.write_file
-
-    def gated(*args, **kwargs):
-        if ".step-00000001.tmp" in str(args[0]) and "fast" in str(args[0]):
-            waiting.set()
-            assert gate.wait(30), "the gate was never opened"
-        return write_file(*args, **kwargs)
-
-    monkeypatch.setattr(writing, "write_file", gated)
+    gate, waiting = gate_writes(monkeypatch, str(tmp_path / "fast" / ".step-00000001.tmp"))
     model = make_mlp()
     opt = torch.optim.AdamW(model.parameters())
     with ddpckpt.Checkpointer(
