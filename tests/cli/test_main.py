@@ -193,6 +193,35 @@ def test_ls_json_gives_numbers(tmp_path, capsys) -> None:
     assert last["notes"] == ["latest"] and doc["leftovers"] == []
 
 
+def test_ls_tells_a_run_with_a_fast_tier_and_a_fast_tier_what_they_are(tmp_path, capsys) -> None:
+    """A run whose job has saved only to its fast tier holds just `fast-tier-owner`: ls used
+    to call it "not a run directory" (exit 2). It lists it, says the newer steps may be in
+    the nodes' fast tier, and ls of a fast tier names the run it belongs to."""
+    run, fast = tmp_path / "run", tmp_path / "fast"
+    with ddpckpt.Checkpointer(run, model=make_mlp(), every_steps=100, fast_tier=fast) as ckpt:
+        for step in (1, 2):
+            assert ckpt.should_save(step)
+            ckpt.save(step)
+    assert sorted(os.listdir(run)) == ["fast-tier-owner"]
+    capsys.readouterr()
+    assert main(["ls", os.fspath(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"no checkpoints in {run}" in out and "this run also has a fast tier" in out
+    assert main(["ls", "--json", os.fspath(run)]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["checkpoints"], doc["has_fast_tier"], doc["fast_tier_of"]) == ([], True, None)
+    assert main(["verify", os.fspath(run)]) == 2
+    assert "a run directory, not a checkpoint" in capsys.readouterr().out
+
+    assert main(["ls", os.fspath(fast)]) == 0
+    out = capsys.readouterr().out
+    assert "step-00000002" not in out and out.splitlines()[2].startswith("2 ")
+    assert f"is a fast tier (one node's copy, in memory) of the run directory {run}:" in out
+    (fast / "owner.json").write_text("\x1b[2J#forged")  # hostile: no terminal escape printed
+    assert main(["ls", "--json", os.fspath(fast)]) == 0
+    assert json.loads(capsys.readouterr().out)["fast_tier_of"] == "'\\x1b[2J'"
+
+
 def test_ls_quick_says_not_verified_and_catches_a_truncated_file(tmp_path, capsys) -> None:
     run = run_dir_with_checkpoints(tmp_path)
     capsys.readouterr()

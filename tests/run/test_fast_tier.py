@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 import ddpckpt
+import ddpckpt._io.writing as writing
+import ddpckpt._run.checkpointer as checkpointer
+from conftest import make_mlp, train_steps
+from ddpckpt._io.staging import StagingPool
 from launch import WORKER, torchrun_restarting_nodes
 
 pytestmark = pytest.mark.distributed
@@ -147,3 +152,196 @@ def test_a_fast_tier_left_by_another_run_is_never_resumed_from(tmp_path, caplog)
     assert run(range(1, 2)) is None
     assert "holds steps 5 of another run" in caplog.text
     assert run(range(2, 3)) == 1
+
+
+def test_saves_without_resume_mark_the_fast_tier_so_a_restart_resumes_from_it(
+    tmp_path, caplog
+) -> None:
+    """One process: a job that saves without calling resume() (it starts fresh, or loaded
+    a checkpoint itself) used to leave its fast-tier steps unmarked, and the restarted
+    job deleted them as another run's. Its first save marks the tier as this run's; this
+    run's steps newer than it, and another run's, are deleted with a warning."""
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def checkpointer(run: str = "run") -> ddpckpt.Checkpointer:
+        return ddpckpt.Checkpointer(
+            tmp_path / run, model=model, optimizer=optimizer, every_steps=100,
+            fast_tier=tmp_path / "fast",
+        )  # fmt: skip
+
+    def train(steps: range) -> None:
+        with checkpointer() as ckpt:
+            for step in steps:
+                if ckpt.should_save(step):
+                    ckpt.save(step)
+
+    def resume() -> int | None:
+        with checkpointer() as ckpt:
+            info = ckpt.resume()
+        return info and info.step
+
+    train(range(1, 4))
+    assert resume() == 3
+    assert "another run" not in caplog.text
+
+    train(range(1, 2))  # started over without resume(): step 3 would mix branches
+    assert "held step(s) 3 of this run, newer than step 1" in caplog.text
+    assert resume() == 1
+
+    with checkpointer("other") as ckpt:  # another run, the same fast tier
+        assert ckpt.should_save(5)
+        ckpt.save(5)
+    assert "held step(s) 1 of another run" in caplog.text
+    assert resume() is None
+
+
+def test_a_worker_killed_inside_a_fast_save_resumes_from_a_complete_step(tmp_path) -> None:
+    """2 ranks on 2 nodes, a fast-tier save every step, a durable one every 4 steps; a worker
+    SIGKILLed between two file-system operations of a fast-tier save (maybe on the thread
+    writing it in the background):
+
+    * rank 0 just before the rename that commits node 0's copy of step 6;
+    * rank 1 deleting step 8 once node 1's copy of step 9 is committed;
+    * rank 0 writing the file of rank 1 that it received for step 11 (node 0's copy; not
+      step 10: rank 0 may start that save before rank 1's kill in step 9 stops the job);
+
+    each restart resumes from the newest step committed on some node before the kill (an
+    oracle outside the library logs the commits), never from a torn or mixed step, and the
+    run ends bit-identical to the same job run without a restart."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    out = tmp_path / "out"
+    plans = [
+        {"step": 6, "rank": 0, "match": r"rename \.step-00000006\.tmp-\S+ step-00000006", "at": 0},
+        {"step": 9, "rank": 1, "match": r"rename step-00000008 \.step-00000008\.tmp-\S+", "at": 0},
+        {"step": 11, "rank": 0, "match": r"write rank-00001\.safetensors", "at": 0},
+    ]
+    args = ["--durable", str(tmp_path / "run"), "--fast", "fast", "--steps", "14",
+            "--kill-in-save", json.dumps(plans)]  # fmt: skip
+    launch = torchrun_restarting_nodes(
+        FAST, "train", out, cwds=nodes, nproc=1, args=args, max_restarts=3
+    ).ok()
+    assert sorted(p.name for p in out.glob("kill-*")) == ["kill-11", "kill-6", "kill-9"]
+    for rank in (0, 1):
+        seen = [
+            json.loads(line)
+            for line in (out / f"resumes-rank{rank}.jsonl").read_text().splitlines()
+        ]
+        assert len(seen) == 4, (seen, launch.output[-3000:])
+        for what in seen:  # the newest step committed on some node before the kill
+            step = what["step"]
+            assert step == (what["committed"] or 0), what
+            durable = str(tmp_path / "run" / f"step-{step:08d}")  # every 4 steps; first on a tie
+            expected = durable if step % 4 == 0 else f"fast/step-{step:08d}"
+            assert what["path"] == (expected if step else None), what
+    for rank in (0, 1):
+        final = json.loads((out / f"final-rank{rank}.json").read_text())
+        assert final["step"] == 14  # trained after the last resume: DDP's buffers agree
+        assert losses(out, rank) == final["reference"]["losses"], rank
+        assert final["digest"] == final["reference"]["digest"], rank
+    for node in nodes:
+        assert sorted(p.name for p in (node / "fast").iterdir() if "step" in p.name) == [
+            "step-00000014"
+        ]
+
+
+def snapshot_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    moments = [v for state in opt.state.values() for v in state.values()]
+    return [v.clone() for v in [*model.state_dict().values(), *moments]]
+
+
+def holds(path: str, expected: list[torch.Tensor]) -> bool:
+    model = make_mlp(seed=9)
+    opt = torch.optim.AdamW(model.parameters())
+    ddpckpt.load(path, model=model, optimizer=opt)
+    return all(torch.equal(a, b) for a, b in zip(snapshot_of(model, opt), expected, strict=True))
+
+
+def gate_writes(monkeypatch, where: str = "") -> tuple[threading.Event, threading.Event]:
+    """The background writes of files whose path contains ``where`` wait for the first
+    event returned to be set; the second is set once one waits."""
+    gate, waiting = threading.Event(), threading.Event()
+    write_file = writing.write_file
+
+    def gated(*args, **kwargs):
+        if where in str(args[0]):
+            waiting.set()
+            assert gate.wait(30), "the gate was never opened"
+        return write_file(*args, **kwargs)
+
+    monkeypatch.setattr(writing, "write_file", gated)
+    return gate, waiting
+
+
+def test_a_step_both_tiers_save_is_captured_and_copied_once(tmp_path, monkeypatch) -> None:
+    """One process, async_save="overlap": at a step saved to both tiers the state used to
+    be captured twice and copied twice into host memory. Now once: the fast tier writes
+    from the durable tier's copies, and both checkpoints hold the state as of save(),
+    while training goes on before either is written."""
+    captures, staged = [], []
+    capture = checkpointer.capture
+    monkeypatch.setattr(checkpointer, "capture", lambda state: captures.append(1) or capture(state))
+    stage = StagingPool.stage
+
+    def counting(pool, items, defer=None):
+        staged.append(sum(t.numel() * t.element_size() for _, t in items))
+        return stage(pool, items, defer)
+
+    monkeypatch.setattr(StagingPool, "stage", counting)
+    gate, _ = gate_writes(monkeypatch)
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    with ddpckpt.Checkpointer(
+        tmp_path / "run", model=model, optimizer=opt, every_steps=2, async_save="overlap",
+        fast_tier=tmp_path / "fast",
+    ) as ckpt:  # fmt: skip
+        ckpt.resume()
+        train_steps(model, opt, 1)
+        assert ckpt.should_save(1)
+        ckpt.save(1)  # the fast tier alone
+        gate.set()
+        ckpt.wait()
+        gate.clear()
+        train_steps(model, opt, 1)
+        expected = snapshot_of(model, opt)
+        assert ckpt.should_save(2)
+        del captures[:], staged[:]
+        ckpt.save(2)  # both tiers
+        assert len(captures) == 1
+        assert staged[1] == 0 and staged[0] > 0, staged  # the fast tier copied nothing
+        train_steps(model, opt, 2)  # the copies are read after this changed the state
+        gate.set()
+        ckpt.wait()
+    assert holds(str(tmp_path / "run" / "step-00000002"), expected)
+    assert holds(str(tmp_path / "fast" / "step-00000002"), expected)
+
+
+def test_the_durable_tier_copies_again_only_once_the_fast_tier_wrote_its_copies(
+    tmp_path, monkeypatch
+) -> None:
+    """Both tiers save every step: the durable save of step 2 stages into the buffer that
+    the fast tier's write of step 1 still reads; it waits for that write, so the fast
+    tier's step 1 holds step 1's state, not step 2's."""
+    gate, waiting = gate_writes(monkeypatch, str(tmp_path / "fast" / ".step-00000001.tmp"))
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    with ddpckpt.Checkpointer(
+        tmp_path / "run", model=model, optimizer=opt, every_steps=1, async_save="overlap",
+        fast_tier=ddpckpt.FastTier(tmp_path / "fast", keep=2),
+    ) as ckpt:  # fmt: skip
+        ckpt.resume()
+        train_steps(model, opt, 1)
+        ckpt.save(1)
+        expected = snapshot_of(model, opt)
+        assert waiting.wait(30)
+        train_steps(model, opt, 1)
+        second = threading.Thread(target=ckpt.save, args=(2,))
+        second.start()
+        second.join(1.0)  # blocked until the fast write is done (or, if not, restaged)
+        gate.set()
+        second.join(30)
+        ckpt.wait()
+    assert holds(str(tmp_path / "fast" / "step-00000001"), expected)
+    assert holds(str(tmp_path / "run" / "step-00000001"), expected)

@@ -16,10 +16,20 @@ Events, each at the start of a step (inside an epoch) and once (a marker file in
   replaced), then SIGKILLs itself;
 * ``--lose-both S``: every rank waits, each node's first rank deletes its fast tier, then the
   last rank SIGKILLs itself;
-* ``--full S1,S2``: node 1's fast tier refuses the files of those steps' saves (ENOSPC).
+* ``--full S1,S2``: node 1's fast tier refuses the files of those steps' saves (ENOSPC);
+* ``--kill-in-save JSON``: a list of ``{"step", "rank", "match", "at"}``: in the save of
+  that (fast-tier only) step, that rank SIGKILLs itself before the ``at``-th file-system
+  operation matching ``match`` (:class:`faults.Faults`, counting from the ``mkdir`` of the
+  step's temporary directory), maybe on the background thread writing it.
+
+Every rank logs each checkpoint committed (a rename of a temporary onto ``step-N``, either
+tier) to OUT/oracle-rank<r>, independently of the library.
 
 Each rank appends its loss per step to OUT/losses-rank<r>.jsonl, writes what each resume
-restored to OUT/resumed-<step>-rank<r>.json (with the warnings logged up to then) and, once
+restored to OUT/resumed-<step>-rank<r>.json (with the warnings logged up to then and the
+newest step the oracles saw committed before it; every resume in order in
+OUT/resumes-rank<r>.jsonl), the file-system operations of its last start to
+OUT/events-rank<r>.json and, once
 at the end, OUT/final-rank<r>.json: the digest of its state and the losses and digest of an
 uninterrupted run of the same job in the same processes.
 """
@@ -31,6 +41,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -45,6 +56,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import ddpckpt
 from ddpckpt.storage._posix import PosixStorage
 from exiting import exit_now
+from faults import Faults
 
 STEPS_PER_EPOCH, BATCH = 8, 4
 
@@ -137,10 +149,36 @@ def event(args: argparse.Namespace, step: int, ckpt: Any, node: int, local: int)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def newest_committed(out: str) -> int | None:
+    """The newest step any rank's oracle saw committed (in either tier)."""
+    steps = [
+        int(line.split()[1].removeprefix("step-"))
+        for oracle in Path(out).glob("oracle-rank*")
+        for line in oracle.read_text().splitlines()
+        if line.startswith("committed ")
+    ]
+    return max(steps, default=None)
+
+
+def arm(faults: Faults, args: argparse.Namespace, step: int, rank: int) -> None:
+    """Arm the kill planned in the save of ``step`` on this rank, once."""
+    for plan in json.loads(args.kill_in_save):
+        marker = Path(args.out, f"kill-{plan['step']}")
+        if plan["step"] == step and plan["rank"] == rank and not marker.exists():
+            marker.write_text(plan["match"])
+            faults.at, faults.fired = plan["at"], False
+            faults.match = re.compile(plan["match"])
+            faults.after = re.compile(rf"mkdir \.step-{step:08d}\.tmp-\S+")
+
+
 def train(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     node, local = int(Path.cwd().name.removeprefix("node")), int(os.environ["LOCAL_RANK"])
     messages = Messages()
+    committed = newest_committed(args.out)
+    faults = Faults(str(Path(args.out, f"oracle-rank{rank}")))
+    faults.install()
+    faults.armed = True
     if node == 1 and args.full:
         refuse_files(args.fast, [int(s) for s in args.full.split(",")])
     model, ddp, opt, sched, sampler, loader = build(world, rank)
@@ -150,11 +188,15 @@ def train(args: argparse.Namespace) -> None:
     )  # fmt: skip
     info = ckpt.resume()
     step, start_epoch = (info.step, info.epoch) if info else (0, 0)
-    Path(args.out, f"resumed-{step}-rank{rank}.json").write_text(
-        json.dumps({"path": info and info.path, "node": node, "messages": messages.lines})
-    )
+    seen = {"path": info and info.path, "node": node, "messages": messages.lines}
+    seen["committed"] = committed
+    Path(args.out, f"resumed-{step}-rank{rank}.json").write_text(json.dumps(seen))
+    with open(Path(args.out, f"resumes-rank{rank}.jsonl"), "a") as every:  # in order
+        every.write(json.dumps({"step": step, **seen}) + "\n")
     losses = open(Path(args.out, f"losses-rank{rank}.jsonl"), "a")  # noqa: SIM115
     for epoch in range(start_epoch, args.steps // STEPS_PER_EPOCH + 1):
+        if step == args.steps:  # resumed from the last step
+            break
         sampler.set_epoch(epoch)
         for batch in loader:
             event(args, step + 1, ckpt, node, local)
@@ -163,6 +205,7 @@ def train(args: argparse.Namespace) -> None:
             losses.write("\n")
             losses.flush()
             if ckpt.should_save(step):
+                arm(faults, args, step, rank)
                 ckpt.save(step, epoch=epoch)
             if step == args.steps:
                 break
@@ -170,6 +213,8 @@ def train(args: argparse.Namespace) -> None:
             break
         ckpt.save(step, epoch=epoch + 1)
     ckpt.close()
+    faults.uninstall()
+    Path(args.out, f"events-rank{rank}.json").write_text(json.dumps(faults.events))
     final = {"digest": digest(model, opt), "messages": messages.lines, "step": step}
     final["reference"] = uninterrupted(args.steps, world, rank)
     Path(args.out, f"final-rank{rank}.json").write_text(json.dumps(final))
@@ -200,6 +245,7 @@ def main() -> None:
     parser.add_argument("--replace", type=int, default=-1)
     parser.add_argument("--lose-both", type=int, default=-1)
     parser.add_argument("--full", default="")
+    parser.add_argument("--kill-in-save", default="[]")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

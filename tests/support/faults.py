@@ -44,15 +44,23 @@ def category(kind: str, name: str, target: str = "") -> str:
 
 class Faults:
     """``at``: the number of the event to fault, counting every event, or with ``match``
-    (a regular expression) only the events whose description matches it."""
+    (a regular expression) only the events whose description matches it; with ``after``
+    (another), counting only the events after the first that matches it (the ``mkdir`` of
+    one save's temporary, say, where saves overlap)."""
 
     def __init__(
-        self, oracle: str, at: int | None = None, action: str = "kill", match: str | None = None
+        self,
+        oracle: str,
+        at: int | None = None,
+        action: str = "kill",
+        match: str | None = None,
+        after: str | None = None,
     ) -> None:
         self.oracle = oracle
         self.at = at
         self.action = action
         self.match = re.compile(match) if match else None
+        self.after = re.compile(after) if after else None
         self.matched = 0
         self.count = 0
         self.armed = False
@@ -82,6 +90,10 @@ class Faults:
             return
         what = f"{kind} {name} {target}".strip()
         self.events.append((category(kind, name, target), what))
+        if self.after is not None:
+            if self.after.fullmatch(what):
+                self.after = None
+            return
         index = self.count
         self.count += 1
         if self.match is not None:

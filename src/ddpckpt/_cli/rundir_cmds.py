@@ -80,6 +80,47 @@ def _ls_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def _fast_tier(directory: str) -> tuple[bool, str | None]:
+    """Whether the run in ``directory`` has a fast tier (its identity file), and, if
+    ``directory`` is a fast tier, the run directory it belongs to (as its owner file says)."""
+    from ddpckpt._format.boundary import MAX_RUN_FILE_BYTES, read_small
+    from ddpckpt._format.runfiles import FAST_TIER_OWNER, RUN_IDENTITY
+    from ddpckpt.errors import CorruptCheckpointError
+    from ddpckpt.storage import storage_for
+
+    store = storage_for(directory)
+    has_tier = store.exists(os.path.join(directory, RUN_IDENTITY))
+    owner = os.path.join(directory, FAST_TIER_OWNER)
+    try:
+        token = read_small(owner, MAX_RUN_FILE_BYTES, "fast tier's owner file").decode(
+            errors="replace"
+        )
+    except FileNotFoundError:
+        return has_tier, None
+    except CorruptCheckpointError as exc:
+        return has_tier, f"(unreadable: {exc})"
+    run = token.rpartition("#")[0] or token  # "<run directory>#<random token>"
+    return has_tier, run if run.isprintable() else ascii(run)
+
+
+def _fast_tier_notes(directory: str, has_tier: bool, tier_of: str | None) -> list[str]:
+    """What to tell about the fast tier of the run listed, or that it is one."""
+    notes = []
+    if tier_of is not None:
+        notes.append(
+            f"{directory} is a fast tier (one node's copy, in memory) of the run directory "
+            f"{tier_of}: resume() restores its newest step when newer than the run's; "
+            f"`ddpckpt ls {tier_of}` lists the durable checkpoints"
+        )
+    if has_tier:
+        notes.append(
+            "this run also has a fast tier, in each node's memory, whose steps may be newer "
+            "than those listed: `ddpckpt ls <fast_tier directory>` on a node lists them; "
+            "resume() restores the newest of either"
+        )
+    return notes
+
+
 def _ls(args: argparse.Namespace) -> int:
     from ddpckpt._run.rundir import find_leftovers, restore_unless_locked
     from ddpckpt.storage import storage_for
@@ -90,6 +131,7 @@ def _ls(args: argparse.Namespace) -> int:
     restore_unless_locked(args.directory, storage_for(args.directory).list(args.directory))
     rows = _ls_rows(args)
     leftovers = find_leftovers(args.directory)
+    has_tier, tier_of = _fast_tier(args.directory)
     if not rows and not leftovers and _looks_unrelated(args.directory):
         raise CannotRun(
             f"{args.directory}: not a run directory: it has no step-N checkpoints, no `latest` "
@@ -102,6 +144,8 @@ def _ls(args: argparse.Namespace) -> int:
             "verified": not args.quick,
             "checkpoints": rows,
             "leftovers": [{"name": x.name, "kind": x.kind, "bytes": x.nbytes} for x in leftovers],
+            "has_fast_tier": has_tier,
+            "fast_tier_of": tier_of,
         }
         print(json.dumps(doc, indent=1))
         return 1 if bad else 0
@@ -134,18 +178,19 @@ def _ls(args: argparse.Namespace) -> int:
             )
     else:
         print(f"no checkpoints in {args.directory}")
+    for note in _fast_tier_notes(args.directory, has_tier, tier_of):
+        print(note)
     if leftovers:
         _print_leftovers(args.directory, leftovers)
     return 1 if bad else 0
 
 
 def _looks_unrelated(directory: str) -> bool:
-    from ddpckpt._format.runfiles import LATEST, RUN_FILE
-    from ddpckpt._run.runlock import LOCK_NAME
+    from ddpckpt._format.runfiles import RUN_MARKS
     from ddpckpt.storage import storage_for
 
     names = set(storage_for(directory).list(directory))
-    return bool(names) and not names & {LATEST, RUN_FILE, LOCK_NAME}
+    return bool(names) and not names & RUN_MARKS
 
 
 def _print_leftovers(directory: str, leftovers: Sequence[Any]) -> None:

@@ -4,6 +4,10 @@
     run/latest           "step-00000100": the newest checkpoint
     run/run.json         {"retention": ...}: the retention policy, for ``ddpckpt ls``
     run/.lock            {"host", "pid", "job", "since"}: the job writing here
+    run/fast-tier-owner  "<run>#<token>": the run's identity, for its fast tier (made by the
+                         first resume() or save() of a Checkpointer with ``fast_tier=``)
+    fast/owner.json      in a fast-tier directory (itself laid out as a run directory): the
+                         identity of the run its steps belong to
 
 Like a checkpoint's, their content is untrusted input (see
 :mod:`ddpckpt._format.boundary`): each is read as a bounded regular file and parsed into a
@@ -40,6 +44,9 @@ _log = get_logger(__name__)
 LATEST = "latest"
 RUN_FILE = "run.json"
 LOCK_NAME = ".lock"
+RUN_IDENTITY = "fast-tier-owner"  # in a run directory that has a fast tier
+FAST_TIER_OWNER = "owner.json"  # in a fast-tier directory: the RUN_IDENTITY of its run
+RUN_MARKS = frozenset({LATEST, RUN_FILE, LOCK_NAME, RUN_IDENTITY, FAST_TIER_OWNER})
 CORRUPT_MARK = ".corrupt-"  # step-N.corrupt-<token>: moved aside by Checkpointer.resume
 _STEP = re.compile(r"step-([0-9]{8,19})", re.ASCII)
 _MAX_PID = 2**31 - 1
@@ -209,7 +216,7 @@ def describe_path(path: str) -> str | None:
     if parse_step(base) is not None or is_temp_name(base) or CORRUPT_MARK in base:
         return None  # a checkpoint directory whose save never wrote anything
     steps = sorted(n for n in names if parse_step(n) is not None)
-    if steps or {LATEST, RUN_FILE, LOCK_NAME} & set(names):
+    if steps or RUN_MARKS & set(names):
         latest = read_latest(path) or (steps[-1] if steps else None)
         example = (
             f", or name one of its checkpoints, e.g. {os.path.join(path, latest)}"

@@ -7,6 +7,12 @@ buffer of, saves made elsewhere. A save stages this rank's tensors into the pool
 (:mod:`ddpckpt._io.staging`) and hands writing and committing to the persister
 (:mod:`ddpckpt._io.background`), which runs one save at a time and reports each save's
 outcome to its handle and to the next collective call.
+
+Two savers that save the same snapshot (a Checkpointer's durable and fast tiers at one
+step) copy it once: the second one's :meth:`AsyncSaver.start` is given the first
+(``borrow``, an ``AsyncSaver(lends=True)``) and reads the host copies that one staged of
+the same tensors, copying only the others; the lender then waits for the borrower's write
+before it stages again.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import contextvars
 import os
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +43,15 @@ def async_mode(async_save: bool | str, state: TrainingState) -> bool:
     return async_save == "overlap"
 
 
+@dataclass
+class _Staged:
+    """The host copies of a saver's last staging, for another saver of the same snapshot."""
+
+    snapshot: Snapshot  # held: the ids below stay those of its tensors
+    copies: dict[int, torch.Tensor]  # by id() of the source tensor
+    fence: Fence
+
+
 class AsyncSaver:
     """The staging pool, background persister and optimizer fences of one stream of saves.
 
@@ -43,12 +59,15 @@ class AsyncSaver:
     a step of a collective call, so that every rank raises together; the others are local.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lends: bool = False) -> None:
+        self.lends = lends  # whether another saver may borrow this one's copies
         self.pool = StagingPool()
         self.persister = Persister()
         self._fences: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Fence]] = (
             weakref.WeakKeyDictionary()
         )
+        self._staged: _Staged | None = None  # the last staging, until a borrower takes it
+        self._borrowers: list[AsyncSaver] = []  # savers whose writes may read this pool
 
     @property
     def latest(self) -> Completion | None:
@@ -74,9 +93,18 @@ class AsyncSaver:
         return self.pool.reserve(tensors)
 
     def release(self) -> None:
-        """Wait for the save in flight, then free the host buffer; local."""
+        """Wait for the save in flight (and borrowers' writes), then free the host buffer;
+        local."""
+        self._join_borrowers()
         self.persister.join()
+        self._staged = None
         self.pool.release()
+
+    def _join_borrowers(self) -> None:
+        """Wait for the writes of savers that read this pool's copies (see :meth:`start`)."""
+        for borrower in self._borrowers:
+            borrower.join()
+        self._borrowers = []
 
     def start(
         self,
@@ -85,6 +113,7 @@ class AsyncSaver:
         *,
         overlap: bool,
         persist: Callable[[WritePlan], object] = write_and_commit,
+        borrow: AsyncSaver | None = None,
     ) -> Completion:
         """Stage ``plan``'s tensors and persist them in the background; closes ``plan.comm``.
 
@@ -93,27 +122,40 @@ class AsyncSaver:
         and moments of the save's optimizers, ``snapshot.stepped_by``) are copied in the
         background too, and each of those optimizers' next ``step()`` waits for the copies;
         everything else (buffers, an EMA copy, parameters no known optimizer steps) is
-        copied before returning. Returns the save's completion.
+        copied before returning. With ``borrow``, a saver whose last :meth:`start` staged
+        this same ``snapshot``, the tensors it copied are read from its copies instead of
+        copied again. Returns the save's completion.
         """
+        comm = plan.comm  # a failure here or in the job reaches every rank at once
+        lent = borrow._lend(snapshot, self) if borrow is not None else None
+        copies = lent.copies if lent is not None else {}
         deferred = _changes_only_in_step(snapshot) if overlap else None
         steppers = {
             id(o): o
-            for n, _ in plan.items + plan.checked
-            if deferred and deferred(n)
+            for n, t in plan.items + plan.checked
+            if deferred and deferred(n) and id(t) not in copies
             for o in snapshot.stepped_by[n]
         }
-        comm = plan.comm  # a failure here or in the job reaches every rank at once
         parts = (len(plan.items), len(plan.checked))
         everything = plan.items + plan.checked + plan.rank_items
-        staged, fence = comm.alone(lambda: self.pool.stage(everything, defer=deferred))
+        own = [(n, t) for n, t in everything if id(t) not in copies]
+        self._join_borrowers()  # their writes may still read the pool staged into now
+        copied, fence = comm.alone(lambda: self.pool.stage(own, defer=deferred))
+        if self.lends:
+            by_source = {id(t): c for (_, t), (_, c) in zip(own, copied, strict=True)}
+            self._staged = _Staged(snapshot, by_source, fence)
+        mine = iter(copied)
+        staged = [(n, copies[id(t)]) if id(t) in copies else next(mine) for n, t in everything]
         plan.items, plan.checked = staged[: parts[0]], staged[parts[0] : sum(parts)]
         plan.rank_items = staged[sum(parts) :]
         for stepper in steppers.values():
             self._fence_before_step(stepper, fence)
+        fences = [fence] if lent is None else [lent.fence, fence]
 
         def job() -> None:
             try:
-                comm.alone(fence.wait)
+                for each in fences:
+                    comm.alone(each.wait)
                 persist(plan)
             except BaseException as exc:
                 comm.close(exc)
@@ -122,6 +164,16 @@ class AsyncSaver:
 
         context = contextvars.copy_context()  # the save call's (ddpckpt.events times it)
         return self.persister.submit(lambda: context.run(job), os.path.basename(plan.path))
+
+    def _lend(self, snapshot: Snapshot, borrower: AsyncSaver) -> _Staged | None:
+        """This saver's last staging if it was of ``snapshot`` (handed out once); its pool
+        is then not staged into again before ``borrower``'s write in flight is done."""
+        staged, self._staged = self._staged, None
+        if staged is None or staged.snapshot is not snapshot:
+            return None
+        if borrower not in self._borrowers:
+            self._borrowers.append(borrower)
+        return staged
 
     def _fence_before_step(self, optimizer: torch.optim.Optimizer, fence: Fence) -> None:
         """Make ``optimizer.step()`` wait for ``fence`` (a hook registered once per

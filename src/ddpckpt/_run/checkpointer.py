@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -202,10 +202,10 @@ class Checkpointer:
         self.model, self.optimizer = first["models"], first["optimizers"]
         self.scheduler, self.scaler = first["schedulers"], first["scalers"]
         self.extra, self.rng = self.state.extra, self.state.rng
-        self._saver = AsyncSaver()  # this run's own host buffer and background writer
+        fast = self.options.fast_tier
+        self._saver = AsyncSaver(lends=fast is not None)  # this run's host buffer and writer
         self._saves = RunSaves(self.directory, self.options, self._saver)
         self._reserved = False  # whether the buffer was sized ahead of the first save
-        fast = self.options.fast_tier
         self._fast = None if fast is None else FastSaves(
             isolate.for_write(fast.directory, "Checkpointer(fast_tier=...)", directory=True),
             fast, self.options, overlap=bool(self.state.optimizers), run=self.directory,
@@ -390,13 +390,16 @@ class Checkpointer:
             )
         header = header_fields(step, epoch, metrics)
         fast_only, self._fast_only = self._fast_only == step and not synchronous, None
+        both = self._fast is not None and not fast_only and not synchronous
+        capture = _once(self._capture) if both else self._capture  # one snapshot, both tiers
         path = None
         if not fast_only:
-            path = self._saves.save(step, dict(header), self._capture, synchronous)
+            path = self._saves.save(step, dict(header), capture, synchronous)
             if path is not None and (recorder := _resume_check.active()) is not None:
                 recorder.saved(self, step, epoch)
         if self._fast is not None and not synchronous:  # a preemption's save is durable at once
-            fast_path = self._fast.save(step, dict(header), self._capture)
+            borrow = self._saver if both else None  # the durable's copies, if it staged any
+            fast_path = self._fast.save(step, dict(header), capture, borrow)
             path = fast_path if fast_only else path
         return path
 
@@ -551,3 +554,15 @@ class Checkpointer:
 
     def _capture(self) -> Snapshot:
         return capture(self.state)
+
+
+def _once(make: Callable[[], Snapshot]) -> Callable[[], Snapshot]:
+    """``make``, called at most once: the durable and fast tiers save one snapshot."""
+    made: list[Snapshot] = []
+
+    def once() -> Snapshot:
+        if not made:
+            made.append(make())
+        return made[0]
+
+    return once

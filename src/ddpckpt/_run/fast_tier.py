@@ -41,7 +41,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.replicate import repair_copies
+from ddpckpt._format.runfiles import FAST_TIER_OWNER, RUN_IDENTITY
 from ddpckpt._io.async_saver import AsyncSaver
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
@@ -62,8 +64,6 @@ from ddpckpt.policies import EverySteps, KeepLast
 from ddpckpt.storage import storage_for
 
 _log = get_logger(__name__)
-_OWNER_FILE = "owner.json"  # the identity of the durable run the tier's steps belong to
-_RUN_ID_FILE = "fast-tier-owner"  # in the durable run directory: that identity
 _SHARING = "auto"  # each node's memory is its own: probed, whatever $DDPCKPT_STORAGE says
 # A fast-tier step failing so is reported, and the next step (or the durable tier) serves.
 _CANNOT_SERVE = (CorruptCheckpointError, CheckpointNotFoundError, CheckpointWriteError)
@@ -118,11 +118,47 @@ class FastSaves:
         return step % self.every == 0 and (latest is None or step > latest)
 
     def save(
-        self, step: int, header: dict[str, Any], capture: Callable[[], Snapshot]
+        self,
+        step: int,
+        header: dict[str, Any],
+        capture: Callable[[], Snapshot],
+        borrow: AsyncSaver | None = None,
     ) -> str | None:
         """Collective: start saving ``step`` to the fast tier; its path, or ``None`` when the
-        save failed (logged; training goes on)."""
-        return self.saves.save(step, header, capture, synchronous=False)
+        save failed (logged; training goes on). ``borrow``: the durable tier's saver, when
+        it has just staged the same snapshot (copied once for both tiers). The first save of
+        a job that did not resume marks the tier as this run's first (:meth:`_claim`)."""
+        if not self._owner and not self._claim(step):
+            return None
+        return self.saves.save(step, header, capture, synchronous=False, borrow=borrow)
+
+    def _claim(self, step: int) -> bool:
+        """Collective, at the first fast save of a job that did not call ``resume()``: set
+        the tier up and mark it as this run's, as a resume does, so that a restarted job
+        resumes from it; its steps of another run, and this run's steps newer than
+        ``step``, are deleted with a WARNING. False (the save's failure reported) if that
+        failed; the next save tries again."""
+        try:
+            with self.saves.comm("Checkpointer.save (fast tier set-up)") as comm:
+                self.saves.prepare(comm)
+                self._owner = self._agree_owner(comm)
+            self.keep_up_to(step, resumed=False)
+        except CheckpointWriteError as exc:
+            self._owner = ""
+            self.saves.failed(step, exc)
+            return False
+        return True
+
+    def _agree_owner(self, comm: Comm) -> str:
+        """Collective: the durable run's identity (:func:`_owner`), read or made by rank 0."""
+
+        def leader() -> str | None:
+            if comm.rank != 0:
+                return None
+            with run_storage_errors(self.run, "reading the run's identity for the fast tier"):
+                return _owner(self.run)
+
+        return str(comm.run_reduce("owner", leader, lambda found: found[0]))
 
     def settle(self) -> None:
         """Collective: wait for the fast save in flight; log its failure on every rank."""
@@ -144,8 +180,7 @@ class FastSaves:
         holds which step; the steps held anywhere, newest first."""
         with self.saves.comm("Checkpointer.resume (fast tier)") as comm:
             self.saves.prepare(comm)
-            leader = lambda: _owner(self.run) if comm.rank == 0 else None  # noqa: E731
-            owner = self._owner = comm.run_reduce("owner", leader, lambda found: found[0])
+            owner = self._owner = self._agree_owner(comm)
             self._held = comm.run_reduce(
                 "held", lambda: _held_here(self.directory, owner), _by_step
             )
@@ -265,10 +300,12 @@ class FastSaves:
                 world,
             )
 
-    def keep_up_to(self, step: int | None) -> None:
-        """Collective, after a resume from ``step`` (``None``: a fresh start): each node
-        deletes its fast-tier steps newer than it (those of an abandoned run, or that
-        failed to load) and what is not committed; later fast saves follow on."""
+    def keep_up_to(self, step: int | None, resumed: bool = True) -> None:
+        """Collective, after a resume from ``step`` (``None``: a fresh start), or before
+        the first save, of ``step``, of a job that did not resume (``resumed=False``): each
+        node deletes its fast-tier steps newer than it (those of an abandoned run, or that
+        failed to load; with a WARNING when not resumed), those of another run and what is
+        not committed; later fast saves follow on."""
         domains = self.saves.domains or []
         with self.saves.comm("Checkpointer.resume (fast tier tidy)") as comm:
             leader = any(domain[0] == comm.rank for domain in domains)
@@ -278,11 +315,14 @@ class FastSaves:
                     return None
                 with run_storage_errors(self.directory, "removing newer fast-tier steps"):
                     owner = self._owner
-                    ours = _read_owner(self.directory) == owner
-                    newest = _keep_up_to(self.directory, step if ours else None)
+                    found = _read_owner(self.directory)
+                    ours = found == owner
+                    newest, newer = _keep_up_to(self.directory, step if ours else None)
+                    if newer and not resumed:
+                        _say_dropped(self.directory, newer, step, found, ours)
                     if not ours:
                         storage_for(self.directory).replace(
-                            os.path.join(self.directory, _OWNER_FILE), owner.encode()
+                            os.path.join(self.directory, FAST_TIER_OWNER), owner.encode()
                         )
                     return newest
 
@@ -296,18 +336,19 @@ def _owner(run: str) -> str:
     """On rank 0: the identity of the durable run directory ``run``, a random token kept
     in it (made by the first resume with a fast tier), so that a run directory deleted and
     made anew is another run."""
-    store, path = storage_for(run), os.path.join(run, _RUN_ID_FILE)
+    store, path = storage_for(run), os.path.join(run, RUN_IDENTITY)
     try:
         return store.read(path).decode()
     except FileNotFoundError:
         token = f"{run}#{uuid.uuid4().hex}"
+        store.make_dirs(run)  # a job that saves the fast tier before the durable one
         store.replace(path, token.encode())
         return token
 
 
 def _read_owner(directory: str) -> str | None:
     try:
-        return storage_for(directory).read(os.path.join(directory, _OWNER_FILE)).decode()
+        return storage_for(directory).read(os.path.join(directory, FAST_TIER_OWNER)).decode()
     except FileNotFoundError:
         return None
 
@@ -339,18 +380,44 @@ def _by_step(views: list[dict[str, str]]) -> _Held:
     return held
 
 
-def _keep_up_to(directory: str, step: int | None) -> int | None:
+def _keep_up_to(directory: str, step: int | None) -> tuple[int | None, list[int]]:
     """Delete the steps of ``directory`` newer than ``step`` (all for ``None``) and those
-    not committed; the newest left."""
-    newest = None
+    not committed; the newest left, and the committed steps deleted."""
+    newest, newer = None, []
     for entry in scan(directory):
         if entry.status != "committed":
             why = entry.problem
         elif step is None or entry.step > step:
-            why = "newer than the step resumed from"
+            why = "newer than the step resumed from" if step is not None else "not resumed from"
+            newer.append(entry.step)
         else:
             newest = entry.step
             continue
         remove_checkpoint(entry.path)
         _log.info("removed %s from the fast tier (%s)", entry.path, why)
-    return newest
+    return newest, newer
+
+
+def _say_dropped(
+    directory: str, steps: list[int], step: int | None, found: str | None, ours: bool
+) -> None:
+    """Warn that the first save of a job that did not resume deleted the fast tier's
+    ``steps``: this run's steps newer than ``step``, or (not ``ours``) another run's."""
+    listed = ", ".join(str(s) for s in sorted(steps))
+    if ours:
+        _log.warning(
+            "the fast tier %s held step(s) %s of this run, newer than step %s, the first this "
+            "job saves without having called resume(): deleted, so that a restart cannot "
+            "resume from them",
+            directory,
+            listed,
+            step,
+        )
+    else:
+        _log.warning(
+            "the fast tier %s held step(s) %s of another run (%s): deleted; give each job a "
+            "fast-tier directory of its own",
+            directory,
+            listed,
+            found or "unknown",
+        )

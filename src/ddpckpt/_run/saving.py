@@ -112,9 +112,11 @@ class RunSaves:
         header: dict[str, Any],
         capture: Callable[[], Snapshot],
         synchronous: bool,
+        borrow: AsyncSaver | None = None,
     ) -> str | None:
         """Collective: capture and save checkpoint ``step``; its path, or ``None`` if storage
-        failed and ``on_error="warn"``."""
+        failed and ``on_error="warn"``. ``borrow``: a saver that staged the same snapshot
+        (see :meth:`AsyncSaver.start`)."""
         self.settle()
         if self.refused is not None:  # lost for good: counted as a failed save
             self.failed(step, CheckpointLockedError(str(self.refused)))
@@ -146,7 +148,9 @@ class RunSaves:
             asynchronous = self.options.asynchronous
             if asynchronous.enabled and not synchronous:
                 overlap = asynchronous.overlap
-                self.saver.start(plan, snapshot, overlap=overlap, persist=self._persist)
+                self.saver.start(
+                    plan, snapshot, overlap=overlap, persist=self._persist, borrow=borrow
+                )
                 handed_off = True
             else:
                 self._persist(plan)
