@@ -64,6 +64,8 @@ class StoreGroup:
     _open: dict[int, Beat] = field(default_factory=dict, repr=False)  # calls open here
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _unread: str | None = field(default=None, repr=False)  # rank 0's last answer's key
+    # the process may hold the store (the default group's): wait at exit until it is read
+    _wait_at_exit: bool = field(default=False, repr=False)
 
     def beat_record(self) -> bytes:
         """This rank's heartbeat record: one entry per call open on it."""
@@ -121,7 +123,7 @@ class StoreGroup:
         if self.rank == 0:
             value = decide()
             self.store.set(key, value)
-            if self._unread is None:
+            if self._wait_at_exit and self._unread is None:
                 atexit.register(self._wait_until_read)
             self._unread = key
             return value
@@ -171,7 +173,9 @@ def default_group() -> StoreGroup | None:
     process_group = distributed_c10d._get_default_group()
     group = _default_groups.get(id(process_group))
     if group is None or group._process_group is not process_group:  # type: ignore[attr-defined]
-        group = StoreGroup(_default_store(), dist.get_rank(), dist.get_world_size())
+        group = StoreGroup(
+            _default_store(), dist.get_rank(), dist.get_world_size(), _wait_at_exit=True
+        )
         group._process_group = process_group  # type: ignore[attr-defined]  # pins the id
         _default_groups[id(process_group)] = group
     return group
