@@ -24,7 +24,7 @@ pages included in the peak); the slowest (or largest) rank counts. The cases (``
   ``torch.save`` on rank 0 and ddpckpt ``save``.
 
 The report gives each method's times and load peak as ratios to the reference's (DCP ``save``
-for FSDP2, the consolidating save for ZeRO-1), measured in the same run.
+for FSDP2 and DDP, the consolidating save for ZeRO-1), measured in the same run.
 """
 
 from __future__ import annotations
