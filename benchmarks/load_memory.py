@@ -10,7 +10,7 @@ fresh model, each measured from the same baseline:
 * ``separate buffer``: the GPU path for a model whose load hooks must see the incoming
   value apart from the current one (a ``load_state_dict`` pre-hook), which is what every
   GPU load did before: a new tensor per weight, then ``load_state_dict``;
-* ``CPU path``: a CPU model (mapped file, copied by ``load_state_dict``).
+* ``CPU path``: a CPU model (read straight into its parameters).
 
 The ring itself (64 MiB of host memory, pinned on a GPU machine) is made once per process
 and kept; it is made before the measurements and not counted.

@@ -11,7 +11,7 @@ main benchmark's harness (``_bench_worker.measure_method``): the training stall 
 until durable (medians of ``--repeat`` saves), the peak extra resident memory of a rank while
 saving, and a cold load (best of ``--repeat``) with the most resident memory it added over
 what the rank held before it (model and optimizer included in that baseline, mapped file
-pages included in the peak); the slowest (or largest) rank counts. Two cases:
+pages included in the peak); the slowest (or largest) rank counts. The cases (``--cases``):
 
 * **FSDP2**: ``fully_shard`` on every layer and on the model. ddpckpt ``save`` and
   ``save(async_save=True)`` against DCP ``save`` and ``async_save`` (``get_state_dict``;
@@ -20,9 +20,11 @@ pages included in the peak); the slowest (or largest) rank counts. Two cases:
   ``state_dict()`` asks for ``consolidate_state_dict()`` first; the error is printed), so the
   reference is what torch's error advises and frameworks do: ``consolidate_state_dict(to=0)``,
   then ``torch.save`` on rank 0.
+* **DDP** (``--cases DDP``, for comparison): a replicated model with AdamW; DCP ``save``,
+  ``torch.save`` on rank 0 and ddpckpt ``save``.
 
 The report gives each method's times and load peak as ratios to the reference's (DCP ``save``
-for FSDP2, the consolidating save for ZeRO-1), measured in the same run.
+for FSDP2 and DDP, the consolidating save for ZeRO-1), measured in the same run.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class ZeroConsolidated(harness.Method):
 CASES: dict[str, list[type[harness.Method]]] = {
     "FSDP2": [harness.DCP, harness.DCPAsync, harness.Ddpckpt, harness.DdpckptAsync],
     "ZeRO-1": [ZeroConsolidated, harness.Ddpckpt, harness.DdpckptAsync],
+    "DDP": [harness.DCP, harness.TorchSaveRank0, harness.Ddpckpt],  # replicated, for comparison
 }
 
 
@@ -90,6 +93,11 @@ def build(case: str, mib: int) -> tuple[nn.Module, torch.optim.Optimizer]:
         fully_shard(model)
         wrapped: nn.Module = model
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    elif case == "DDP":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        wrapped = DDP(model)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     else:
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -123,8 +131,10 @@ def worker(args: argparse.Namespace) -> None:
     """Every rank: measure each case's methods; rank 0 writes the results to ``args.json``."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    results: dict[str, Any] = {"world_size": dist.get_world_size(), "mib": args.mib}
-    for case, methods in CASES.items():
+    results: dict[str, Any] = {"world_size": dist.get_world_size(), "mib": args.mib,
+                               "cases": args.cases}  # fmt: skip
+    for case in args.cases:
+        methods = CASES[case]
         model, optimizer = build(case, args.mib)
         if case == "ZeRO-1":  # before any method consolidates
             results["dcp_on_zero"] = _dcp_refusal(model, optimizer)
@@ -144,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
 def report(results: dict[str, Any]) -> str:
     """A markdown table per case: seconds, MiB, and ratios to the case's first method."""
     lines = [f"{results['world_size']} ranks, {results['mib']} MiB of fp32 weights + AdamW"]
-    for case in CASES:
+    for case in results.get("cases", ["FSDP2", "ZeRO-1"]):
         found = results[case]
         reference = found[next(iter(found))]
         lines += ["", f"### {case} (ratios: against {next(iter(found))}, same run)", "",
@@ -160,7 +170,8 @@ def report(results: dict[str, Any]) -> str:
                 f"| {m['load'] / reference['load']:.2f} "
                 f"| {_ratio(m['load_peak_extra_rss'], reference['load_peak_extra_rss'])} |"
             )
-    lines += ["", f"DCP on ZeRO-1 (get_state_dict): {results['dcp_on_zero']}"]
+    if "dcp_on_zero" in results:
+        lines += ["", f"DCP on ZeRO-1 (get_state_dict): {results['dcp_on_zero']}"]
     return "\n".join(lines)
 
 
@@ -182,6 +193,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--mib", type=int, default=256, help="fp32 weights in all")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=["FSDP2", "ZeRO-1"],
+                        help="DDP: a replicated model with AdamW, for comparison")  # fmt: skip
     parser.add_argument("--dir", default=None, help="where to save (default: a temporary one)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -193,7 +206,8 @@ def main() -> None:
         out = args.json or os.path.join(root, "results.json")
         torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
                     "--master-addr=127.0.0.1", f"--master-port={_free_port()}"]  # fmt: skip
-        options = [f"--mib={args.mib}", f"--repeat={args.repeat}", f"--dir={root}", f"--json={out}"]
+        options = [f"--mib={args.mib}", f"--repeat={args.repeat}", f"--dir={root}", f"--json={out}",
+                   "--cases", *args.cases]  # fmt: skip
         subprocess.run([*torchrun, __file__, "--worker", *options], check=True)
         print(report(json.loads(Path(out).read_text())))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import os
 import pickle
@@ -305,22 +306,81 @@ def test_objects_not_passed_are_left_alone(ckpt_dir) -> None:
     assert torch.equal(evaluation[0].weight, model[0].weight)
 
 
-def test_a_failed_load_leaves_the_optimizer_as_it_was(ckpt_dir) -> None:
+def test_a_resume_reads_into_the_optimizers_own_tensors(ckpt_dir) -> None:
+    """The resume case: the optimizer has state (it stepped since the save), so its tensors
+    take the checkpoint's values in place; a fresh one gets new tensors."""
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    train_steps(model, opt)
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    saved = copy.deepcopy(opt.state_dict())
+    train_steps(model, opt)  # the live state now differs from the checkpoint
+    live = {(p, k): v for p, s in opt.state.items() for k, v in s.items()}
+    ddpckpt.load(ckpt_dir, model=model, optimizer=opt)
+    assert all(opt.state[p][k] is v for (p, k), v in live.items())
+    for index, values in saved["state"].items():
+        assert_state_equal(opt.state_dict()["state"][index], values)
+
+
+def test_a_load_that_fails_a_checksum_says_the_objects_are_partly_restored(ckpt_dir) -> None:
     model = make_mlp()
     opt = torch.optim.Adam(model.parameters())
     train_steps(model, opt)
     ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    saved = copy.deepcopy(opt.state_dict())
     train_steps(model, opt)  # the live state now differs from the checkpoint
-    kept = opt.state_dict()  # holds the live state tensors themselves
-    before = {(i, k): v.clone() for i, s in kept["state"].items() for k, v in s.items()}
     state_file = os.path.join(ckpt_dir, "state-00000.safetensors")
     flip_byte(state_file, storage_for(state_file).size(state_file) - 3)  # the last tensor read
-    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as raised:
         ddpckpt.load(ckpt_dir, model=model, optimizer=opt)
-    after = opt.state_dict()["state"]
-    for (i, k), value in before.items():
-        assert torch.equal(after[i][k], value), (i, k)
-        assert torch.equal(kept["state"][i][k], value), (i, k)
+    message = str(raised.value)
+    assert "exp_avg_sq" in message and state_file in message
+    assert f"partly restored from {ckpt_dir}" in message and "load another checkpoint" in message
+    first = opt.param_groups[0]["params"][0]
+    assert torch.equal(opt.state[first]["exp_avg"], saved["state"][0]["exp_avg"])  # read in place
+
+
+@pytest.mark.disk_only("the peak resident memory of reading files, not of an in-memory store")
+def test_a_resume_holds_the_state_once_at_its_peak(ckpt_dir) -> None:
+    """Loading into a model and optimizer that already hold state (a resume) adds at its
+    peak far less than the state's size: nothing is read into second tensors or mapped.
+    It added the optimizer state (new tensors beside the live ones) and the mapped model
+    files before."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(4)))  # 16 MiB of weights
+    opt = torch.optim.AdamW(model.parameters())
+    one_step(model, opt, torch.randn(2, 1024))
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
+    state_bytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    expected = copy.deepcopy(opt.state_dict()["state"])
+    one_step(model, opt, torch.randn(2, 1024))
+    extra = peak_extra_resident(lambda: ddpckpt.load(ckpt_dir, model=model, optimizer=opt))
+    assert extra < 0.2 * state_bytes, f"{extra / 2**20:.0f} MiB for {state_bytes / 2**20:.0f}"
+    for index, values in expected.items():
+        assert_state_equal(opt.state_dict()["state"][index], values)
+
+
+def one_step(model: nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor) -> None:
+    opt.zero_grad()
+    model(batch).sum().backward()
+    opt.step()
+
+
+def peak_extra_resident(call) -> int:
+    """The most resident memory ``call`` added over what the process held before (Linux:
+    the high-water mark, reset first)."""
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident size
+    before = _status_kib("VmRSS")
+    call()
+    return (_status_kib("VmHWM") - before) * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1])
 
 
 def test_a_checkpoint_deleted_while_it_is_loaded_is_not_found_not_corrupt(

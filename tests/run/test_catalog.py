@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -13,6 +14,7 @@ import torch
 import ddpckpt
 from conftest import free_port, make_mlp, train_steps
 from ddpckpt.storage import storage_for
+from io_helpers import assert_state_equal, flip_byte
 
 
 def test_the_newest_committed_checkpoint_of_a_save_loop(ckpt_root, caplog) -> None:
@@ -124,6 +126,31 @@ def test_load_latest_falls_back_past_a_damaged_newest_checkpoint(ckpt_root, capl
     with pytest.raises(ddpckpt.CorruptCheckpointError, match="none can be loaded") as raised:
         ddpckpt.load_latest(ckpt, model=make_mlp())
     assert "step-1" in str(raised.value) and "step-2" in str(raised.value)
+
+
+def test_load_latest_past_damaged_optimizer_state_resumes_the_previous_checkpoint_exactly(
+    ckpt_root, caplog
+) -> None:
+    """The live optimizer has state, so the damaged checkpoint's moments were read into its
+    tensors until the damage was found: the fallback overwrites all of them, nothing of the
+    damaged checkpoint is left."""
+    ckpt = ckpt_root / "ckpt"
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for step in (1, 2):
+        train_steps(model, opt, steps=1)
+        ddpckpt.save(f"{ckpt}/step-{step}", model=model, optimizer=opt, step=step)
+        if step == 1:
+            expected = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    state_file = f"{ckpt}/step-2/state-00000.safetensors"
+    flip_byte(state_file, storage_for(state_file).size(state_file) - 3)  # the last tensor read
+    train_steps(model, opt, steps=2)  # a process that trained on, then reloads
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        info = ddpckpt.load_latest(ckpt, model=model, optimizer=opt)
+    assert info is not None and info.step == 1
+    assert "partly restored" in caplog.text and "step-2" in caplog.text
+    assert_state_equal(model.state_dict(), expected[0])
+    assert_state_equal(opt.state_dict(), expected[1])
 
 
 def test_load_latest_of_nothing_is_none_and_a_mismatch_is_no_damage(ckpt_root) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import logging
@@ -19,6 +20,7 @@ from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer, CheckpointLockedError, CheckpointStepError
 from ddpckpt._cli.main import main
 from ddpckpt.errors import CorruptCheckpointError, InsufficientSpaceError, StateMismatchError
+from io_helpers import assert_state_equal
 
 
 def objects(seed: int = 0):
@@ -149,6 +151,28 @@ def test_resume_falls_back_past_corrupt_and_incomplete_checkpoints(run_root, cap
     ckpt.save(2)  # the run goes on from step 1
     ckpt.save(3)
     assert (run / "latest").read_text() == "step-00000003\n"
+
+
+def test_resume_past_damaged_optimizer_state_is_exactly_the_previous_checkpoint(
+    ckpt_root,
+) -> None:
+    """The live optimizer has state (a process that trained on), so the damaged checkpoint's
+    moments were read into its tensors until the damage was found: the fallback overwrites
+    every one of them."""
+    run = ckpt_root / "run"
+    model, opt = objects()
+    with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as ckpt:
+        for step in (1, 2):
+            train_steps(model, opt, steps=1)
+            ckpt.save(step)
+            if step == 1:
+                expected = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        flip_last_byte(run / "step-00000002" / "state-00000.safetensors")  # the last tensor read
+        train_steps(model, opt, steps=2)
+    with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as ckpt:
+        assert ckpt.resume().step == 1
+    assert_state_equal(model.state_dict(), expected[0])
+    assert_state_equal(opt.state_dict(), expected[1])
 
 
 def test_nothing_loadable_is_an_error_not_a_fresh_start(run_root) -> None:

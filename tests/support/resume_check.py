@@ -75,10 +75,12 @@ def _assert_same(a: Any, b: Any, where: str) -> None:
 def assert_resume_is_exact(
     build: Callable[[int], Training], path: str | os.PathLike[str], before: int, after: int
 ) -> None:
-    """Train ``before`` steps, save, build afresh (other seed), load, train ``after`` more.
+    """Train ``before`` steps, save, build afresh (other seed), load, train ``after`` more;
+    then load again into those objects (an optimizer with state: read in place) and train
+    the ``after`` steps again.
 
-    Learning rates and parameters after loading and after every later step must equal
-    those of one uninterrupted run of ``before + after`` steps.
+    Learning rates, parameters and optimizer state after each load and after every later
+    step must equal those of one uninterrupted run of ``before + after`` steps.
     """
     reference = build(0)
     expected = []
@@ -99,3 +101,8 @@ def assert_resume_is_exact(
     for i in range(before, before + after):
         resumed.step(i)
         assert_same_observation(expected[i], observed(resumed), f"after step {i}")
+    ddpckpt.load(path, model=resumed.model, **objects, rng=False)
+    assert_same_observation(expected[before - 1], observed(resumed), "loaded into its own state")
+    for i in range(before, before + after):
+        resumed.step(i)
+        assert_same_observation(expected[i], observed(resumed), f"after step {i}, loaded again")

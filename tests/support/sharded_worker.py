@@ -203,6 +203,7 @@ def scenario_resume(args, rank: int) -> dict[str, Any]:
         train(wrapped, opt, sched, END, width)
         straight = fingerprint(model, opt)
         model, wrapped, opt, sched = build(seed=1)  # other weights: the load must replace them
+        train(wrapped, opt, sched, 1, width)  # optimizer state of its own, overwritten in place
         with ddpckpt.Checkpointer(os.path.join(args.ckpt, kind), model=wrapped, optimizer=opt,
                                   scheduler=sched) as ckpt:  # fmt: skip
             info = ckpt.resume()
@@ -307,10 +308,10 @@ def _batchnorm_statistics(args, rank: int, warnings: Warnings) -> dict[str, Any]
     return found
 
 
-def _damage_a_shard(step_dir: str) -> str:
-    """Flip a byte of the piece of ``model/2.weight`` that only rank 1 reads back; the file."""
+def _damage_a_shard(step_dir: str, name: str) -> str:
+    """Flip a byte of the piece of ``name`` that only rank 1 reads back; the file."""
     with open(os.path.join(step_dir, "manifest.json")) as f:
-        piece = json.load(f)["shards"]["model/2.weight"]["pieces"][1]
+        piece = json.load(f)["shards"][name]["pieces"][1]
     with open(os.path.join(step_dir, piece["file"]), "r+b") as f:
         f.seek(piece["range"][0] + 3)
         byte = f.read(1)
@@ -319,10 +320,12 @@ def _damage_a_shard(step_dir: str) -> str:
     return piece["file"]
 
 
-def _resumed_to_end(root: str, straight: str, **options: Any) -> dict[str, Any]:
-    """A fresh FSDP2 run (other weights) resumed by a Checkpointer on ``root`` and trained to
-    END: the step it resumed from, and whether it ends as the uninterrupted run did."""
+def _resumed_to_end(root: str, straight: str, stepped: int = 0, **options: Any) -> dict[str, Any]:
+    """A fresh FSDP2 run (other weights; trained ``stepped`` steps, so its optimizer has state
+    to overwrite) resumed by a Checkpointer on ``root`` and trained to END: the step it resumed
+    from, and whether it ends as the uninterrupted run did."""
     model, wrapped, opt, sched = fsdp_run(seed=1)
+    train(wrapped, opt, sched, stepped, 16)
     with ddpckpt.Checkpointer(root, model=wrapped, optimizer=opt, scheduler=sched,
                               **options) as ckpt:  # fmt: skip
         info = ckpt.resume()
@@ -359,10 +362,13 @@ def scenario_guarantees(args, rank: int) -> dict[str, Any]:
         if kind == "fallback":
             dist.barrier()
             if rank == 0:
-                result["damaged"] = _damage_a_shard(os.path.join(root, f"step-{SAVED_AT:08d}"))
+                # rank 1's moments of the last layer: read after the others, in place
+                result["damaged"] = _damage_a_shard(
+                    os.path.join(root, f"step-{SAVED_AT:08d}"), "optimizer/state/4.weight/exp_avg"
+                )
             dist.barrier()
         _taken(warnings)
-        result[kind] = _resumed_to_end(root, straight)
+        result[kind] = _resumed_to_end(root, straight, stepped=2 if kind == "fallback" else 0)
         result[kind]["warnings"] = _taken(warnings)
     root = os.path.join(args.ckpt, "preempted")
     model, wrapped, opt, sched = fsdp_run()

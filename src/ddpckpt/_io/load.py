@@ -3,9 +3,9 @@
 ``load`` is collective under ``torch.distributed``: every rank calls it, in the same order,
 with the same arguments (rank 0's path is used everywhere); it works unchanged in a single
 process. It finds the checkpoint on every rank (repairing node-local copies,
-:mod:`ddpckpt._coord.replicate`), checks every object against it, then copies memory-mapped,
-checksum-verified tensors (:class:`~ddpckpt._io.reader.FileSource`) into the live objects
-through :mod:`ddpckpt._state`. A failure on any rank raises the same error on every rank.
+:mod:`ddpckpt._coord.replicate`), checks every object against it, then reads checksum-verified
+tensors (:class:`~ddpckpt._io.reader.FileSource`) into the live objects through
+:mod:`ddpckpt._state`. A failure on any rank raises the same error on every rank.
 """
 
 from __future__ import annotations
@@ -67,10 +67,10 @@ def load(
     Every rank calls it, in the same order as its other ddpckpt calls, after building its
     model, optimizer etc. (before or after wrapping in DDP or ``torch.compile``), passed as
     a :class:`~ddpckpt.TrainingState` or its keyword shorthand, as to
-    :func:`ddpckpt.save`. Tensors are read from memory-mapped files and copied into the
-    live tensors, so they land on each rank's own devices. Every byte read is verified
-    against its checksum, and every check runs, on every rank, before anything is
-    modified.
+    :func:`ddpckpt.save`. Tensors are read straight into the live tensors (the model's, and
+    an optimizer's once it has state), so they land on each rank's own devices and a load
+    holds no second copy of the state. Every byte read is verified against its checksum,
+    and every check runs, on every rank, before anything is modified.
 
     Objects not passed are left alone; an object passed but absent from the checkpoint is
     an error naming it. Stateful ``extra`` objects get ``load_state_dict``; plain values
@@ -99,8 +99,11 @@ def load(
         CheckpointNotFoundError: No committed checkpoint at ``path``.
         StateMismatchError: The objects do not match the checkpoint (lists every
             difference).
-        CorruptCheckpointError: A file does not match its checksum (names it). One found
-            while copying may leave the objects partly updated: load another checkpoint.
+        CorruptCheckpointError: A file does not match its checksum (names it). Tensors are
+            read into the live ones (an optimizer that already has state keeps its tensors),
+            so one found while copying leaves the objects partly updated, as the error
+            says: load another checkpoint into them (:func:`ddpckpt.load_latest` and
+            :meth:`Checkpointer.resume <ddpckpt.Checkpointer.resume>` fall back so).
         CollectiveTimeoutError: A rank did not arrive within ``timeout``.
     """
     path = os.fspath(path)
@@ -124,7 +127,11 @@ def load(
             )
             comm.run("check", check)
             restore = _unless_changed(
-                path, manifest, lambda: _restore(manifest, source, state, strict, path, comm.rank)
+                path,
+                manifest,
+                _said_partial(
+                    path, lambda: _restore(manifest, source, state, strict, path, comm.rank)
+                ),
             )
             info = comm.run("restore", restore)
     if (recorder := _resume_check.active()) is not None:
@@ -155,6 +162,28 @@ def _unless_changed(path: str, manifest: Manifest, step: Callable[[], T]) -> Cal
                 f"{path}: the checkpoint was {what} while it was being loaded, by the job "
                 "saving there; the objects passed may be partly restored: load the newest "
                 "checkpoint again"
+            ) from exc
+
+    return run
+
+
+def _said_partial(path: str, restore: Callable[[], T]) -> Callable[[], T]:
+    """``restore``, whose damaged bytes are reported as leaving the objects partly restored.
+
+    Tensors are verified as they are read into the live ones (no second copy of the
+    state), so a checksum failure found then comes after earlier tensors took the damaged
+    checkpoint's values; callers that fall back (``load_latest``, ``Checkpointer.resume``)
+    load another checkpoint, which restores every object again.
+    """
+
+    def run() -> T:
+        try:
+            return restore()
+        except CorruptCheckpointError as exc:
+            raise type(exc)(
+                f"{exc}\nThe objects passed are partly restored from {path} (what was read "
+                "before the damage): load another checkpoint into them before training on "
+                "(load_latest() and Checkpointer.resume() fall back to the previous one)"
             ) from exc
 
     return run

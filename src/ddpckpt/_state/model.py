@@ -265,11 +265,13 @@ def restore_model(
     """Load the weights into ``model`` through its own ``load_state_dict`` (hooks run).
 
     Call :func:`check_model` first; with ``strict=False`` mismatched keys are skipped.
-    A GPU tensor is read straight into the live tensor through two small pinned buffers
-    (so a load needs no second copy of the weights in GPU memory), then handed to
+    A tensor is read straight into the live one (on a GPU through two small pinned
+    buffers), so a load holds no second copy of the weights, then handed to
     ``load_state_dict`` as its own value; a model whose load hooks must see the incoming
     value apart from the current one (a ``load_state_dict`` pre-hook, or a
-    ``_load_from_state_dict`` of its own) gets it in a separate GPU tensor instead.
+    ``_load_from_state_dict`` of its own) gets it in a separate GPU tensor or a view of the
+    mapped file instead. A checksum failure while reading in place leaves the model partly
+    updated (see :func:`ddpckpt._io.load.load`).
     A DTensor (FSDP2, ``replicate()``) is filled in place, its local shard only.
     """
     view = model_view(model)  # a sharded model's state dict hooks put its shards in place
@@ -283,11 +285,14 @@ def restore_model(
             restore_dtensor(target, name, source)
             sharded.add(view.live_key[key])
         elif isinstance(target, torch.Tensor) and tuple(target.shape) == source.meta(name)[1]:
-            # A CPU copy is mapped, then copied by load_state_dict; a GPU copy is read
-            # onto the GPU (pinned, pipelined), not copied from pageable memory.
+            # Read straight into the live tensor (a GPU one through pinned buffers, pipelined);
+            # for modules whose hooks compare, a GPU copy goes to a buffer of its own and a
+            # CPU one is mapped, then copied by load_state_dict.
             like = None
-            if passes_through(target):
-                like = target.detach() if in_place else torch.empty_like(target)
+            if in_place:
+                like = target.detach()
+            elif passes_through(target):
+                like = torch.empty_like(target)
             got = source.get(name, like=like)
             # Read into the live tensor: it is its own value, nothing left to copy.
             state[view.live_key[key]] = target if in_place and got is like else got

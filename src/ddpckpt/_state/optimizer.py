@@ -23,7 +23,7 @@ from torch import nn
 from ddpckpt._format.codec import decode, encode
 from ddpckpt._format.sections import SINGLE, Layout, OptimizerSection
 from ddpckpt._log import get_logger
-from ddpckpt._state.dtensor import is_dtensor, new_dtensor_like
+from ddpckpt._state.dtensor import is_dtensor, local_tensor, new_dtensor_like, restore_dtensor
 from ddpckpt._state.model import (
     Replication,
     canonical_key,
@@ -344,8 +344,9 @@ def restore_optimizer(
         kept = _Kept(fused, section.placement or {}, set(section.own_dtype or ()))
         for name, param in zip(names, group["params"], strict=True):
             if name in stored_state:
+                live = optimizer.state.get(param, {})
                 state[index] = {
-                    key: _materialize(value, key, param, kept, source)
+                    key: _materialize(value, key, param, kept, source, live.get(key))
                     for key, value in stored_state[name].items()
                 }
             indices.append(index)
@@ -385,33 +386,58 @@ class _Kept:
 
 
 def _materialize(
-    value: Any, key: str, param: torch.Tensor, kept: _Kept, source: TensorSource
+    value: Any, key: str, param: torch.Tensor, kept: _Kept, source: TensorSource, live: Any = None
 ) -> Any:
     """Read a stored optimizer value straight onto the device and dtype it had when saved.
 
     Follows ``Optimizer._process_value_according_to_param_policy`` (state beside its
     parameter, in its dtype; ``step`` on the host unless fused or capturable), corrected by
     what the save recorded (see :func:`note_placement`), so that ``load_state_dict`` has
-    nothing left to copy and the state never shares memory with the checkpoint file. New
-    tensors, never the optimizer's current ones: a load that fails a checksum halfway leaves
-    the optimizer as it was, and tensors that others still hold (a ``state_dict()`` kept
-    aside, a snapshot being copied) are not overwritten.
+    nothing left to copy and the state never shares memory with the checkpoint file.
+
+    ``live`` is the optimizer's current value under ``key`` (on a resume: the state of the
+    steps since): a tensor of the same shape, dtype and device (a DTensor: also the same
+    global shape) is overwritten in place, so a load never holds the optimizer's state
+    twice; otherwise (a fresh optimizer) the value is read into a new tensor. A checksum
+    failure found while reading in place leaves the optimizer partly updated (see
+    :func:`ddpckpt._io.load.load`).
     """
     if isinstance(value, _LazyTensor):
         stored_dtype, shape = source.meta(str(value))
         device, dtype = kept.target(key, param, stored_dtype)
         if is_dtensor(param) and shape == tuple(param.shape) and key != "step":
+            if _fits(live, shape, dtype, device, sharded=True):
+                restore_dtensor(live, str(value), source)
+                return live
             return new_dtensor_like(param, str(value), dtype, device, source)
-        target = torch.empty(shape, dtype=dtype, device=device)
+        fits = _fits(live, shape, dtype, device, sharded=False)
+        target = live if fits else torch.empty(shape, dtype=dtype, device=device)
         got = source.get(str(value), like=target)
         if got is not target:
-            target.copy_(got)
+            with torch.no_grad():
+                target.copy_(got)
         return target
     if isinstance(value, dict):
         return {k: _materialize(v, k, param, kept, source) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_materialize(v, key, param, kept, source) for v in value)
     return value
+
+
+def _fits(
+    live: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, *, sharded: bool
+) -> bool:
+    """Whether the live state value ``live`` can take a stored tensor of ``shape`` in place
+    (``sharded``: as a DTensor, its local shard)."""
+    if not isinstance(live, torch.Tensor) or is_dtensor(live) != sharded:
+        return False
+    local = local_tensor(live)
+    return (
+        tuple(live.shape) == tuple(shape)
+        and live.dtype == dtype
+        and local.device == torch.device(device)
+        and not live.requires_grad
+    )
 
 
 def _cloned(value: Any, source: TensorSource) -> Any:
