@@ -274,8 +274,9 @@ class FastSaves:
         elif held[0] < step:
             _log.warning(
                 "the fast tier %s holds step %d at newest, older than the durable tier's step "
-                "%d (its saves failed, or it was left by an earlier run): resumed from the "
-                "durable tier at step %d",
+                "%d (its save of a later step had not committed when the job stopped, its "
+                "saves failed, or it was left by an earlier run): resumed from the durable "
+                "tier at step %d, so no step is lost",
                 self.directory,
                 held[0],
                 step,
