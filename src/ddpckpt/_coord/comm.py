@@ -221,13 +221,13 @@ class Comm(Exchanges):
 
     def _wait_for_the_others(self, left: str) -> None:
         """Rank 0, after a call that succeeded: wait until the last rank has left it."""
+        limit = min(self.timeout, LEAVE_WAIT)
         try:
-            self._store.wait([left], timedelta(seconds=min(self.timeout, LEAVE_WAIT)))
+            self._store.wait([left], timedelta(seconds=limit))
         except StoreTimeout:
             _log.warning(
                 "ddpckpt: %s succeeded, but not every rank left it within %.0f s of its end "
-                "(a rank may have died since); rank 0 goes on",
-                self.call, min(self.timeout, LEAVE_WAIT),
+                "(a rank may have died since); rank 0 goes on", self.call, limit,
             )  # fmt: skip
             return
         self._store.delete_key(left)

@@ -121,11 +121,13 @@ class Recorder:
         self.hooked: set[int] = set()  # models whose inputs are digested
         self.undo: list[Any] = []
         isolate.install(self.isolation)
+        self.undo.append(lambda: isolate.install(None))
         self.exit_code: Any = None  # what the script passed to sys.exit, if it called it
         self._sys_exit = sys.exit
         sys.exit = self._exit  # type: ignore[assignment]
+        self.undo.append(lambda: setattr(sys, "exit", self._sys_exit))
         atexit.register(self._exited)
-        self.undo.append(lambda: isolate.install(None))
+        self.undo.append(lambda: atexit.unregister(self._exited))
         self.undo.append(register_optimizer_step_post_hook(self._optimizer_stepped).remove)
         self.undo.append(register_module_forward_pre_hook(self._any_forward).remove)
         self._watch_seeds()
