@@ -257,7 +257,8 @@ class Liveness:
         _log.warning(
             "rank 0 has waited %.0f s in %s for rank%s %s, which did not call it yet; every "
             "rank must call %s (not inside `if rank == 0`). Waiting up to %g s (timeout= or "
-            "DDPCKPT_TIMEOUT)",
+            "DDPCKPT_TIMEOUT): a rank that died before calling cannot be told from a slow one "
+            "until then (its launcher's log says whether it died)",
             time.monotonic() - watch.started,
             self.call,
             plural,
