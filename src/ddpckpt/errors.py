@@ -27,6 +27,7 @@ __all__ = [
     "IncompleteCheckpointError",
     "InexactResumeError",
     "InsufficientSpaceError",
+    "PartiallyRestoredError",
     "RankFailureError",
     "ResumeCheckRefusedError",
     "StateMismatchError",
@@ -59,6 +60,17 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 class IncompleteCheckpointError(CorruptCheckpointError):
     """A checkpoint directory lacks its manifest or one of the files the manifest lists."""
+
+
+class PartiallyRestoredError(CheckpointError, RuntimeError):
+    """A load failed after it had begun writing into the live objects: they hold part of a
+    checkpoint's state (and part of what they held before), so training on them or saving
+    them would go on from a state no checkpoint holds. The message names the checkpoint and
+    says what to do: load a checkpoint into them (the previous one, say), which restores
+    every object again. Until a load into them succeeds, saving them raises this error too.
+    The failure that stopped the load is chained as ``__cause__``; not a
+    :class:`CorruptCheckpointError`, so code that starts afresh on one never trains on
+    half-restored objects."""
 
 
 class CheckpointStepError(CheckpointError, ValueError):
@@ -131,6 +143,7 @@ _BY_NAME: dict[str, type[CheckpointError]] = {
         IncompleteCheckpointError,
         InexactResumeError,
         InsufficientSpaceError,
+        PartiallyRestoredError,
         RankFailureError,
         ResumeCheckRefusedError,
         StateMismatchError,

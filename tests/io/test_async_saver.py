@@ -17,6 +17,7 @@ import ddpckpt._io.writing as writing
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
 from ddpckpt._io.staging import StagingPool
+from held_copies import HeldCopies
 
 
 def objects():
@@ -376,3 +377,93 @@ def test_a_background_failure_asked_on_one_rank_only_is_raised_on_every_rank(tmp
         assert result["checkpointer_steps"] == [3], result
     assert "ENOSPC" in launch.result(0)["asked"] or "No space" in launch.result(0)["asked"]
     assert launch.result(0)["rank0_wait"] == "raised"
+
+
+def save_overlap(where: str, model, opt, how: str):
+    """An overlap save through ``ddpckpt.save`` or a Checkpointer; returns a waiter."""
+    if how == "save":
+        pending = ddpckpt.save(where, model=model, optimizer=opt, async_save="overlap")
+        return pending.wait
+    ckpt = Checkpointer(where, model=model, optimizer=opt, async_save="overlap")
+    ckpt.save(1)
+    return ckpt.close
+
+
+@pytest.mark.parametrize("how", ["save", "checkpointer"])
+def test_overlap_copies_an_embedding_that_renormalises_its_rows_before_save_returns(
+    tmp_path, monkeypatch, caplog, how
+) -> None:
+    # nn.Embedding(max_norm=...) rewrites the rows each forward looks up, in place, so its
+    # weight is not left to the background: the checkpoint holds the rows as of save(),
+    # not renormalised ones, with no warning, while the optimizer's state is still
+    # copied during the forward.
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(64, 8, max_norm=1.0)
+    with torch.no_grad():
+        model.weight.mul_(10)  # every row's norm is over max_norm
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.arange(2)).sum().backward()
+    opt.step()
+    before = model.weight.detach().clone()
+    momentum = opt.state[model.weight]["momentum_buffer"].clone()
+    held = HeldCopies(monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        done = save_overlap(os.fspath(tmp_path / "ckpt"), model, opt, how)
+        model(torch.arange(64))  # renormalises every row, at once
+        assert not torch.equal(model.weight, before)
+        held.release()  # the momentum, copied in the background
+        done()
+    where = os.fspath(tmp_path / "ckpt")
+    saved = ddpckpt.load_state_dict(where if how == "save" else ddpckpt.latest(where))
+    assert torch.equal(saved["weight"], before)
+    assert held.copied.is_set()  # the momentum was deferred
+    fresh = torch.nn.Embedding(64, 8, max_norm=1.0)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    ddpckpt.load(
+        where if how == "save" else ddpckpt.latest(where), model=fresh, optimizer=fresh_opt
+    )
+    assert torch.equal(fresh_opt.state[fresh.weight]["momentum_buffer"], momentum)
+    assert "written in place" not in caplog.text
+
+
+@pytest.mark.parametrize("write", ["no_grad", "data"])
+def test_overlap_copies_again_and_warns_about_a_tensor_written_before_its_copy(
+    tmp_path, monkeypatch, caplog, write
+) -> None:
+    # A write to a parameter after save() returns, by something other than step(): the
+    # checkpoint holds one value of it (never a mix of rows), a WARNING names it, and from
+    # then on this saver copies it before save() returns, so the next checkpoint is exact.
+    from ddpckpt._io.async_saver import DEFAULT_SAVER
+
+    monkeypatch.setattr(DEFAULT_SAVER, "_eager", set())  # what earlier tests taught it
+    model, opt = objects()
+    weight = model[0].weight
+
+    def scale(factor: float) -> None:
+        if write == "data":
+            weight.data.copy_(weight.data * factor)
+        else:
+            with torch.no_grad():
+                weight.mul_(factor)
+
+    held = HeldCopies(monkeypatch, hold_check=True)
+    first = os.fspath(tmp_path / "first")
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        pending = ddpckpt.save(first, model=model, optimizer=opt, async_save="overlap")
+        held.release()
+        assert held.copied.wait(30)
+        scale(2.0)  # after the copy landed, before it was checked: detected
+        held.checked.set()
+        pending.wait()
+    assert "0.weight" in caplog.text and "written in place after save() returned" in caplog.text
+    assert torch.equal(ddpckpt.load_state_dict(first)["0.weight"], weight)  # one value
+
+    caplog.clear()
+    at_save = weight.detach().clone()
+    second = os.fspath(tmp_path / "second")
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        pending = ddpckpt.save(second, model=model, optimizer=opt, async_save="overlap")
+        scale(3.0)  # at once: the copy was taken before save() returned
+        pending.wait()
+    assert torch.equal(ddpckpt.load_state_dict(second)["0.weight"], at_save)
+    assert "written in place" not in caplog.text

@@ -8,6 +8,7 @@ import logging
 import os
 import pickle
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from conftest import TiedLM, make_mlp, train_steps
 from ddpckpt import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    PartiallyRestoredError,
     StateMismatchError,
 )
 from ddpckpt.storage import storage_for
@@ -322,22 +324,159 @@ def test_a_resume_reads_into_the_optimizers_own_tensors(ckpt_dir) -> None:
         assert_state_equal(opt.state_dict()["state"][index], values)
 
 
-def test_a_load_that_fails_a_checksum_says_the_objects_are_partly_restored(ckpt_dir) -> None:
+def test_a_load_that_fails_after_writing_is_partly_restored_and_saving_waits_for_a_good_load(
+    ckpt_root,
+) -> None:
+    """A byte flipped in the optimizer's file, read after the model's: the load used to raise
+    CorruptCheckpointError, as for a checkpoint that could not be read at all, so
+    ``except CorruptCheckpointError: start fresh`` trained on the damaged checkpoint's
+    weights and a half-restored optimizer (and saved them)."""
     model = make_mlp()
     opt = torch.optim.Adam(model.parameters())
     train_steps(model, opt)
-    ddpckpt.save(ckpt_dir, model=model, optimizer=opt)
-    saved = copy.deepcopy(opt.state_dict())
-    train_steps(model, opt)  # the live state now differs from the checkpoint
-    state_file = os.path.join(ckpt_dir, "state-00000.safetensors")
+    good, damaged = str(ckpt_root / "step-1"), str(ckpt_root / "step-2")
+    ddpckpt.save(good, model=model, optimizer=opt, step=1)
+    expected = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    train_steps(model, opt)
+    ddpckpt.save(damaged, model=model, optimizer=opt, step=2)
+    saved_2 = copy.deepcopy(opt.state_dict())
+    train_steps(model, opt)  # the live state now differs from both
+    state_file = os.path.join(damaged, "state-00000.safetensors")
     flip_byte(state_file, storage_for(state_file).size(state_file) - 3)  # the last tensor read
-    with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as raised:
-        ddpckpt.load(ckpt_dir, model=model, optimizer=opt)
-    message = str(raised.value)
-    assert "exp_avg_sq" in message and state_file in message
-    assert f"partly restored from {ckpt_dir}" in message and "load another checkpoint" in message
+    with pytest.raises(PartiallyRestoredError) as raised:
+        ddpckpt.load(damaged, model=model, optimizer=opt)
+    error = raised.value
+    assert not isinstance(error, CorruptCheckpointError)  # never taken for "nothing loaded"
+    assert isinstance(error.__cause__, CorruptCheckpointError)
+    message = str(error)
+    assert "checksum mismatch" in message and "exp_avg_sq" in message and state_file in message
+    assert "partly restored from this checkpoint" in message and damaged in message
+    assert "Load a checkpoint into them" in message
     first = opt.param_groups[0]["params"][0]
-    assert torch.equal(opt.state[first]["exp_avg"], saved["state"][0]["exp_avg"])  # read in place
+    assert torch.equal(opt.state[first]["exp_avg"], saved_2["state"][0]["exp_avg"])  # in place
+
+    # Saving them is refused, by save() and by a Checkpointer, before anything is written.
+    with pytest.raises(
+        PartiallyRestoredError, match=f"refusing to save model 'model', .*{damaged}"
+    ):
+        ddpckpt.save(ckpt_root / "step-3", model=model, optimizer=opt, step=3)
+    with pytest.raises(PartiallyRestoredError, match="refusing to save"):
+        ddpckpt.save(ckpt_root / "weights", model=model)  # the model alone too
+    run = ddpckpt.Checkpointer(ckpt_root / "run", model=model, optimizer=opt)
+    with run as ckpt, pytest.raises(PartiallyRestoredError, match="refusing to save"):
+        ckpt.save(3)
+    assert not storage_for(str(ckpt_root)).exists(str(ckpt_root / "step-3"))
+    assert not storage_for(str(ckpt_root)).exists(str(ckpt_root / "weights"))
+
+    # A failed load into them that wrote nothing leaves the mark; a good load clears it.
+    with pytest.raises(CheckpointNotFoundError):
+        ddpckpt.load(ckpt_root / "nothing", model=model, optimizer=opt)
+    with pytest.raises(PartiallyRestoredError):
+        ddpckpt.save(ckpt_root / "step-3", model=model, optimizer=opt, step=3)
+    ddpckpt.load(good, model=model, optimizer=opt)
+    assert_state_equal(model.state_dict(), expected[0])
+    assert_state_equal(opt.state_dict(), expected[1])
+    ddpckpt.save(ckpt_root / "step-3", model=model, optimizer=opt, step=3)
+
+
+def test_objects_of_other_loads_are_not_marked_and_the_inner_module_is(ckpt_dir) -> None:
+    """The mark is by identity: a model built afresh saves, the module inside a wrapper of a
+    partly restored one does not; an object that is unhashable or has no weak reference
+    (an ``extra`` entry) is marked all the same."""
+
+    class Unhashable(Counter):
+        __hash__ = None  # type: ignore[assignment]
+
+        def __eq__(self, other: object) -> bool:
+            return isinstance(other, Unhashable) and self.seen == other.seen
+
+    class Slotted:
+        __slots__ = ("n",)
+
+        def __init__(self) -> None:
+            self.n = 0
+
+        def state_dict(self) -> dict:
+            return {"n": self.n}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.n = state["n"]
+
+    model, opt = make_mlp(), None
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    extra = {"data": Unhashable(), "slotted": Slotted()}
+    ddpckpt.save(ckpt_dir, model=model, optimizer=opt, extra=extra)
+    state_file = os.path.join(ckpt_dir, "state-00000.safetensors")
+    flip_byte(state_file, storage_for(state_file).size(state_file) - 3)
+    compiled = torch.compile(model, backend="eager")
+    with pytest.raises(PartiallyRestoredError):
+        ddpckpt.load(ckpt_dir, model=compiled, optimizer=opt, extra=extra)
+    with pytest.raises(PartiallyRestoredError, match="refusing to save model 'model'"):
+        ddpckpt.save(ckpt_dir + "-inner", model=model)  # the module inside torch.compile
+    for name in extra:
+        with pytest.raises(PartiallyRestoredError, match=f"extra\\[{name!r}\\]"):
+            ddpckpt.save(ckpt_dir + "-x", model=make_mlp(), extra={name: extra[name]})
+    ddpckpt.save(ckpt_dir + "-fresh", model=make_mlp())
+
+
+def test_a_load_that_fails_before_writing_raises_what_it_is_and_marks_nothing(ckpt_root) -> None:
+    """A manifest whose metrics refer to a tensor: found before any object is written (it
+    used to be found once the objects were restored, the last thing a load does)."""
+    from hostile import edit_manifest
+
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    train_steps(model, opt)
+    path = ckpt_root / "ckpt"
+    ddpckpt.save(path, model=model, optimizer=opt, metrics={"loss": 0.5})
+    edit_manifest(path, lambda doc: doc["metrics"].update(loss={"$tensor": "model/0.weight"}))
+    fresh = make_mlp(seed=1)
+    before = copy.deepcopy(fresh.state_dict())
+    with pytest.raises(CorruptCheckpointError, match="metrics refer to a tensor") as raised:
+        ddpckpt.load(path, model=fresh)
+    assert not isinstance(raised.value, PartiallyRestoredError)
+    assert_state_equal(fresh.state_dict(), before)  # untouched
+    ddpckpt.save(ckpt_root / "other", model=fresh)  # not marked
+
+
+def test_load_waits_for_a_checkpointers_overlap_save_still_copying(ckpt_root, monkeypatch) -> None:
+    """A rollback (ddpckpt.load) while a Checkpointer's overlap save was still copying the
+    parameters: load() waited for the default saver only, so the save copied a mix of the
+    state at save() and the loaded values."""
+    import ddpckpt._io.staging as staging
+
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters())
+    train_steps(model, opt)
+    rollback = str(ckpt_root / "rollback")
+    ddpckpt.save(rollback, model=model, optimizer=opt)  # what a loss spike rolls back to
+    train_steps(model, opt)
+    at_save = copy.deepcopy(model.state_dict())
+    real_copy = staging._copy
+    release = threading.Event()
+
+    def held_copy(pairs):
+        if pairs and threading.current_thread().name == "ddpckpt-snapshot":
+            assert release.wait(30)
+        real_copy(pairs)
+
+    monkeypatch.setattr(staging, "_copy", held_copy)
+    with ddpckpt.Checkpointer(
+        ckpt_root / "run", model=model, optimizer=opt, async_save="overlap"
+    ) as ckpt:
+        ckpt.save(1)  # returns with the parameters' copies held back
+        opener = threading.Timer(0.5, release.set)
+        opener.start()
+        try:
+            ddpckpt.load(rollback, model=model, optimizer=opt)  # must wait for the copies
+        finally:
+            release.set()
+            opener.join()
+        ckpt.wait()
+    saved = ddpckpt.load_state_dict(ckpt_root / "run" / "step-00000001")
+    for key, value in at_save.items():
+        assert torch.equal(saved[key], value), key
 
 
 @pytest.mark.disk_only("the peak resident memory of reading files, not of an in-memory store")
@@ -506,3 +645,27 @@ def test_user_journey_compiled_ddp_to_plain_cpu_export_and_import(process_group,
     fresh = make_mlp(seed=13)
     ddpckpt.load(imported, model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()))
     assert_state_equal(fresh.state_dict(), model.state_dict())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_load_partial_on_one_rank_is_partial_on_every_rank(tmp_path) -> None:
+    """Rank 1's copy of the optimizer's file is damaged, rank 0's is sound (memory:// is per
+    process): rank 0 restores everything, rank 1 part of it. Both raise
+    PartiallyRestoredError and refuse to save, and load_latest restores step 1 exactly on
+    both (the job's state must never be step 2 on one rank and a mix on the other)."""
+    from pathlib import Path
+
+    from launch import torchrun
+
+    worker = Path(__file__).resolve().parents[1] / "support" / "partial_worker.py"
+    launch = torchrun("partial", tmp_path / "out", worker=worker, timeout=180).ok()
+    for rank in (0, 1):
+        seen = launch.result(rank)
+        assert seen["load"].startswith("PartiallyRestoredError from CorruptCheckpointError")
+        assert "checksum mismatch" in seen["load"] and "(on rank 1)" in seen["load"], seen
+        assert seen["save"].startswith("PartiallyRestoredError"), seen["save"]
+        assert "refusing to save" in seen["save"]
+        assert seen["latest_step"] == 1 and seen["exact"] is True
+        assert seen["save_after"] == "ok"
+    assert launch.result(0)["load"] == launch.result(1)["load"]

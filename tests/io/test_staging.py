@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from unittest import mock
 
 import pytest
 import torch
@@ -23,6 +24,8 @@ class FakeCuda:
         self.device_now = 0
         self.current: dict[int, FakeStream] = {}
         self.log: list[tuple] = []
+        self.landing = threading.Event()  # cleared: the copies have not landed yet
+        self.landing.set()
 
     @contextlib.contextmanager
     def device(self, device: torch.device):
@@ -51,6 +54,16 @@ class FakeCuda:
     def Event(self) -> FakeEvent:
         return FakeEvent(self)
 
+    def synchronize(self, device: torch.device) -> None:
+        self.log.append(("synchronize", device.index))
+
+
+def fake_digests(monkeypatch) -> None:
+    """Digests of fake tensors: what ``bytes_now`` says they hold."""
+    monkeypatch.setattr(staging, "_digest", lambda t, words: t.bytes_now)
+    monkeypatch.setattr(staging, "_words", lambda t: False)
+    monkeypatch.setattr(staging, "_fetch", list)
+
 
 class FakeStream:
     def __init__(self, cuda: FakeCuda, device: int, name: str) -> None:
@@ -73,6 +86,7 @@ class FakeEvent:
         self.cuda.log.append(("record", stream.device, stream.name))
 
     def synchronize(self) -> None:
+        assert self.cuda.landing.wait(30), "the copies were never let land"
         self.synchronized += 1
 
     def query(self) -> bool:
@@ -88,13 +102,21 @@ class FakeGpuTensor:
             True,
         )
         self.kept_for: list[FakeStream] = []
+        self._version = 0
+        self.bytes_now = 0  # what a digest of it reads: changed by a write through .data
+
+    def is_contiguous(self) -> bool:
+        return True
 
     def record_stream(self, stream: FakeStream) -> None:
         self.kept_for.append(stream)
 
 
 class FakeHost:
+    bytes_now = 0
+
     def copy_(self, source: FakeGpuTensor, non_blocking: bool = False) -> None:
+        self.bytes_now = source.bytes_now
         cuda = source.cuda
         # torch runs a device-to-host copy on the source device's current stream
         stream = cuda.current_stream(source.device)
@@ -141,13 +163,121 @@ def test_copies_are_grouped_by_source_device_and_ordered_on_that_device(monkeypa
 def test_deferred_copies_wait_on_every_device(monkeypatch) -> None:
     cuda = FakeCuda()
     monkeypatch.setattr(staging, "_cuda", cuda)
-    pairs = [(FakeHost(), FakeGpuTensor(cuda, i, f"t{i}")) for i in (2, 0, 3)]
+    fake_digests(monkeypatch)
+    deferred = [
+        staging.Deferred(f"t{i}", FakeHost(), FakeGpuTensor(cuda, i, f"t{i}"), 0) for i in (2, 0, 3)
+    ]
     earlier = FakeEvent(cuda)
-    fence = staging._copy_later(pairs, [earlier])
+    fence = staging._copy_later(deferred, [earlier])
     fence.wait()
     recorded = {entry[1] for entry in cuda.log if entry[0] == "record"}
     assert recorded == {0, 2, 3}
     assert earlier.synchronized == 1 and len(fence._events) == 0
+
+
+def test_a_cuda_tensor_written_before_its_copy_landed_is_copied_again(monkeypatch) -> None:
+    # The version counter moves at the write's launch, on the training thread: a counter
+    # unchanged once the copy's event is done means no write could reach the copy.
+    cuda = FakeCuda()
+    monkeypatch.setattr(staging, "_cuda", cuda)
+    fake_digests(monkeypatch)
+    sources = [FakeGpuTensor(cuda, 0, name) for name in ("kept", "written")]
+    deferred = [staging.Deferred(s.name, FakeHost(), s, 0) for s in sources]
+    reported: list[list[str]] = []
+    cuda.landing.clear()
+    fence = staging._copy_later(deferred, [], reported.append)
+    sources[1]._version = 1  # e.g. torch.no_grad(): weight.mul_(...) after save()
+    assert not fence.done()
+    cuda.landing.set()
+    fence.wait()
+    fence.wait()  # checked once
+    assert reported == [["written"]]
+    copies = [entry[1] for entry in cuda.log if entry[0] in ("copy", "synchronize")]
+    assert copies == ["kept", "written", 0, "written"]  # again, after every stream's writes
+    assert fence.done()
+
+
+class WrittenAfterItsCopyRead(FakeHost):
+    """A copy whose source a `.data` write changes right after the copy read it (the write's
+    kernel on the current stream is not ordered after the side stream's copy)."""
+
+    def copy_(self, source: FakeGpuTensor, non_blocking: bool = False) -> None:
+        super().copy_(source, non_blocking)
+        if non_blocking:
+            source.bytes_now += 1
+
+
+def test_a_cuda_tensor_written_through_data_while_copied_is_caught_by_its_digest(
+    monkeypatch,
+) -> None:
+    # `.data` writes leave the version counter alone: the sum of the source's bytes, read on
+    # its stream right after the copy, differs from the copy's.
+    cuda = FakeCuda()
+    monkeypatch.setattr(staging, "_cuda", cuda)
+    fake_digests(monkeypatch)
+    sources = [FakeGpuTensor(cuda, 0, name) for name in ("kept", "written")]
+    hosts = [FakeHost(), WrittenAfterItsCopyRead()]
+    deferred = [staging.Deferred(s.name, h, s, 0) for s, h in zip(sources, hosts, strict=True)]
+    reported: list[list[str]] = []
+    fence = staging._copy_later(deferred, [], reported.append)
+    fence.wait()
+    assert reported == [["written"]]
+    assert hosts[1].bytes_now == sources[1].bytes_now == 1  # copied again: one value
+
+
+def test_a_digest_sums_the_bytes_of_any_dtype() -> None:
+    for tensor in (torch.arange(6, dtype=torch.float16), torch.ones(3, dtype=torch.bool)):
+        words = staging._words(tensor)
+        assert int(staging._digest(tensor, words)) == int(staging._digest(tensor.clone(), words))
+    x = torch.arange(8, dtype=torch.float32)
+    y = x.clone()
+    y[5] = -1
+    assert int(staging._digest(x, True)) != int(staging._digest(y, True))
+    # a view at a 2-byte offset is summed as bytes, and so is its (aligned) copy
+    flat = torch.arange(9, dtype=torch.bfloat16)
+    view = flat[1:]
+    assert not staging._words(view)
+    assert int(staging._digest(view, False)) == int(staging._digest(view.clone(), False))
+
+
+@pytest.mark.parametrize("how", ["no_grad", "data"])
+def test_a_cpu_tensor_written_during_its_deferred_copy_is_copied_again(how) -> None:
+    # The write lands once the copy thread has copied, before it checked; `.data` bypasses
+    # the version counter, so the copy is also compared with the tensor.
+    source = torch.arange(8, dtype=torch.float32)
+    host = torch.empty_like(source)
+    copied, gate, reported = threading.Event(), threading.Event(), []
+    original = staging._copy
+
+    def held_copy(pairs) -> None:
+        original(pairs)
+        copied.set()
+        gate.wait(30)
+
+    with mock.patch.object(staging, "_copy", held_copy):
+        deferred = [staging.Deferred("w", host, source.detach(), source._version)]
+        fence = staging._copy_later(deferred, [], reported.append)
+        assert copied.wait(30)
+        if how == "data":
+            source.data.copy_(torch.full((8,), 7.0))
+        else:
+            with torch.no_grad():
+                source.fill_(7.0)
+        gate.set()
+        fence.wait()
+    assert reported == [["w"]]
+    assert torch.equal(host, source)  # one value of the tensor, never a mix
+
+
+def test_a_deferred_copy_nothing_wrote_is_not_reported() -> None:
+    source = torch.arange(8, dtype=torch.float32)
+    source[3] = float("nan")  # NaN compares as its bytes
+    reported: list[list[str]] = []
+    pool = StagingPool()
+    staged, fence = pool.stage([("w", source)], lambda name: True, reported.append)
+    fence.wait()
+    assert reported == []
+    assert torch.equal(staged[0][1].view(torch.int32), source.view(torch.int32))
 
 
 class InterleavedFence(Fence):
@@ -368,3 +498,38 @@ def test_sizing_ahead_never_makes_should_save_raise(tmp_path) -> None:
     with pytest.raises(TypeError, match="not today"):
         ckpt.save(5)
     ckpt.close()
+
+
+class Restless:
+    """A CPU source something writes again between every two looks at it."""
+
+    is_cuda = False
+    device = torch.device("cpu")
+
+    def __init__(self) -> None:
+        self.looks = 0
+
+    @property
+    def _version(self) -> int:
+        self.looks += 1
+        return self.looks
+
+
+class Sink:
+    def copy_(self, source, non_blocking: bool = False) -> None:
+        pass
+
+
+def test_a_tensor_that_keeps_changing_while_copied_again_fails_the_save() -> None:
+    from ddpckpt.errors import CheckpointWriteError
+
+    reported: list[list[str]] = []
+    check = staging._checked([staging.Deferred("w", Sink(), Restless(), 0)], reported.append)
+    with pytest.raises(CheckpointWriteError, match="w kept changing while they were copied"):
+        check()
+    assert reported == []  # nothing claims a good copy
+
+
+def test_digests_are_fetched_once_per_device() -> None:
+    assert staging._fetch([torch.tensor(3), torch.tensor(-5), torch.tensor(7)]) == [3, -5, 7]
+    assert staging._fetch([]) == []

@@ -120,12 +120,19 @@ def test_load_latest_falls_back_past_a_damaged_newest_checkpoint(ckpt_root, capl
         )
     assert info is not None and info.step == 1
     assert all(torch.equal(v, saved[1][k]) for k, v in fresh.state_dict().items())
-    (warning,) = caplog.messages
-    assert os.path.join(ckpt, "step-2") in warning and "checksum mismatch" in warning
+    skipped, instead = caplog.messages  # why step-2 was skipped; what was loaded instead
+    assert os.path.join(ckpt, "step-2") in skipped and "checksum mismatch" in skipped
+    assert f"loaded {os.path.join(ckpt, 'step-1')} (step 1) instead" in instead
+    assert os.path.join(ckpt, "step-2") in instead
     _damage_data(ckpt / "step-1")
-    with pytest.raises(ddpckpt.CorruptCheckpointError, match="none can be loaded") as raised:
-        ddpckpt.load_latest(ckpt, model=make_mlp())
+    # Both damaged where the model's tensors are read into the live ones: partly restored.
+    live = make_mlp()
+    with pytest.raises(ddpckpt.PartiallyRestoredError, match="none can be loaded") as raised:
+        ddpckpt.load_latest(ckpt, model=live)
     assert "step-1" in str(raised.value) and "step-2" in str(raised.value)
+    assert isinstance(raised.value.__cause__, ddpckpt.PartiallyRestoredError)
+    with pytest.raises(ddpckpt.PartiallyRestoredError, match="refusing to save"):
+        ddpckpt.save(ckpt / "step-3", model=live, step=3)
 
 
 def test_load_latest_past_damaged_optimizer_state_resumes_the_previous_checkpoint_exactly(

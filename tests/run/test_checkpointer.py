@@ -19,7 +19,7 @@ import ddpckpt
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer, CheckpointLockedError, CheckpointStepError
 from ddpckpt._cli.main import main
-from ddpckpt.errors import CorruptCheckpointError, InsufficientSpaceError, StateMismatchError
+from ddpckpt.errors import InsufficientSpaceError, StateMismatchError
 from io_helpers import assert_state_equal
 
 
@@ -181,7 +181,8 @@ def test_nothing_loadable_is_an_error_not_a_fresh_start(run_root) -> None:
     with Checkpointer(run, model=model) as ckpt:
         ckpt.save(1)
     flip_last_byte(run / "step-00000001" / "model-00000.safetensors")
-    with pytest.raises(CorruptCheckpointError, match="none can be loaded"):
+    # found while its tensors were read into the model: partly restored, not a fresh start
+    with pytest.raises(ddpckpt.PartiallyRestoredError, match="none can be loaded"):
         Checkpointer(run, model=model).resume()
 
 

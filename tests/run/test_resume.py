@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
+import copy
+import logging
 
-from conftest import make_mlp
+import pytest
+import torch
+
+from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
 from ddpckpt._format.runfiles import read_latest
 from ddpckpt._run.resume import _merged, load_first, nothing_loads, point_latest, set_aside
-from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, PartiallyRestoredError
+from hostile import edit_manifest
+from io_helpers import assert_state_equal, flip_byte
 
 
 def loader(broken: dict[int, Exception]):
@@ -90,3 +96,100 @@ def test_a_checkpoint_moved_aside_at_resume_says_what_is_wrong_with_it(tmp_path,
     moved = [r.getMessage() for r in caplog.records if "aside" in r.getMessage()]
     assert len(moved) == 1 and "step-00000002" in moved[0]
     assert "manifest is not valid JSON" in moved[0]
+
+
+def _run_of_two_steps(run):
+    """A run with steps 1 and 2 (model and AdamW); the state saved at step 1, and the
+    objects, trained on since."""
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    with Checkpointer(run, model=model, optimizer=opt) as ckpt:
+        train_steps(model, opt, steps=1)
+        ckpt.save(1)
+        at_1 = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        train_steps(model, opt, steps=1)
+        ckpt.save(2)
+    train_steps(model, opt, steps=2)  # a process that trained on, then resumes
+    return model, opt, at_1
+
+
+def test_resume_past_a_damaged_optimizer_file_restores_the_previous_step_exactly(
+    tmp_path, caplog
+) -> None:
+    """The model's file of step 2 loads, then its optimizer's file fails its checksum: the
+    objects are partly restored from step 2, and the fallback restores every one from
+    step 1, bit for bit; saving works again."""
+    run = tmp_path / "run"
+    model, opt, at_1 = _run_of_two_steps(run)
+    flip_byte(str(run / "step-00000002" / "state-00000.safetensors"), -3)
+    quiet = caplog.at_level(logging.WARNING, logger="ddpckpt")
+    with quiet, Checkpointer(run, model=model, optimizer=opt) as ckpt:
+        assert ckpt.resume().step == 1
+        assert_state_equal(model.state_dict(), at_1[0])
+        assert_state_equal(opt.state_dict(), at_1[1])
+        ckpt.save(2)  # the objects are no longer marked
+    skipped = [m for m in caplog.messages if m.startswith("cannot resume from")]
+    assert len(skipped) == 1 and "step-00000002" in skipped[0]
+    assert "checksum mismatch" in skipped[0] and "partly restored" in skipped[0]
+    (instead,) = [m for m in caplog.messages if "instead of" in m]
+    assert "step-00000001 (step 1)" in instead and "step 2 (" in instead
+
+
+def test_resume_that_loads_nothing_after_a_partial_load_says_the_objects_are_partly_restored(
+    tmp_path,
+) -> None:
+    run = tmp_path / "run"
+    model, opt, _ = _run_of_two_steps(run)
+    for step in ("step-00000001", "step-00000002"):
+        flip_byte(str(run / step / "state-00000.safetensors"), -3)
+    with Checkpointer(run, model=model, optimizer=opt) as ckpt:
+        with pytest.raises(PartiallyRestoredError, match="none can be loaded") as raised:
+            ckpt.resume()
+        assert not isinstance(raised.value, CorruptCheckpointError)  # no "nothing to resume"
+        with pytest.raises(PartiallyRestoredError, match="refusing to save"):
+            ckpt.save(3)
+
+
+def test_resume_past_a_checkpoint_whose_metrics_refer_to_a_tensor(tmp_path) -> None:
+    """resume() raised (listing the run decoded every checkpoint's metrics) instead of
+    falling back; a plain load found it only after writing into the objects."""
+    run = tmp_path / "run"
+    model, opt, at_1 = _run_of_two_steps(run)
+    edit_manifest(
+        run / "step-00000002",
+        lambda doc: doc["metrics"].update(loss={"$tensor": "model/0.weight"}),
+    )
+    with Checkpointer(run, model=model, optimizer=opt) as ckpt:
+        assert ckpt.resume().step == 1
+        assert_state_equal(model.state_dict(), at_1[0])
+        assert_state_equal(opt.state_dict(), at_1[1])
+        ckpt.save(2)
+    assert [p.name.split(".corrupt-")[0] for p in run.glob("step-00000002.corrupt-*")] == [
+        "step-00000002"
+    ]
+
+
+def test_resume_with_latest_a_directory_ignores_it_as_ls_does(tmp_path, caplog) -> None:
+    """``latest`` a directory: resume() failed ("moving broken checkpoints aside failed at
+    .../.latest.tmp-...: Is a directory"); it is reported and left, and the run goes on."""
+    run = tmp_path / "run"
+    model, opt, _ = _run_of_two_steps(run)
+    (run / "latest").unlink()
+    (run / "latest").mkdir()
+    (run / "latest" / "notes.txt").write_text("someone's")
+    (run / "step-00000002" / "manifest.json").write_text("{ not json")  # latest is moved
+    quiet = caplog.at_level(logging.WARNING, logger="ddpckpt")
+    with quiet, Checkpointer(run, model=model, optimizer=opt) as ckpt:
+        assert ckpt.resume().step == 1
+        ckpt.save(2)
+        ckpt.save(3)
+    assert (run / "latest" / "notes.txt").read_text() == "someone's"
+    left = [m for m in caplog.messages if "left as it is" in m]  # said once, not at each save
+    assert len(left) == 1 and f"{run / 'latest'} is a directory" in left[0]
+    assert main_ls(run) == 0  # ddpckpt ls still lists the run
+
+
+def main_ls(run) -> int:
+    from ddpckpt._cli.main import main
+
+    return main(["ls", str(run)])

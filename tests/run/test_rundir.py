@@ -90,3 +90,23 @@ def test_while_a_live_job_holds_the_lock_latest_names_it_where_it_is(tmp_path) -
         holder.kill()
         holder.wait()
     assert ddpckpt.latest(run) == os.path.join(run, "step-00000001")
+
+
+def test_latest_a_directory_is_left_with_one_warning_and_a_file_is_replaced(
+    tmp_path, caplog
+) -> None:
+    """Writing ``latest`` over a directory failed ("Is a directory") and broke resume()."""
+    from ddpckpt._format.runfiles import read_latest
+    from ddpckpt._run.rundir import write_latest
+
+    (tmp_path / "latest").mkdir()
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert write_latest(str(tmp_path), "step-00000001") is False
+        assert write_latest(str(tmp_path), "step-00000002") is False
+    (warning,) = [m for m in caplog.messages if "left as it is" in m]
+    assert f"{tmp_path / 'latest'} is a directory" in warning and "step-00000001" in warning
+    assert (tmp_path / "latest").is_dir() and not list(tmp_path.glob(".latest.tmp-*"))
+    (tmp_path / "latest").rmdir()
+    (tmp_path / "latest").symlink_to(tmp_path / "elsewhere")  # a stale link: replaced
+    assert write_latest(str(tmp_path), "step-00000003") is True
+    assert read_latest(str(tmp_path)) == "step-00000003"

@@ -36,6 +36,7 @@ from ddpckpt._convert.legacy import import_checkpoint
 from ddpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    PartiallyRestoredError,
     StateMismatchError,
     UnsafeCheckpointError,
     UnsupportedValueError,
@@ -56,9 +57,10 @@ MEMORY = 512 << 20  # peak resident memory any example may add
 # What a checkpoint whose checksums the attacker recomputed may raise: it is damaged, or
 # it describes other objects than the live ones (a self-consistent checkpoint may).
 DOCUMENTED = (CorruptCheckpointError, CheckpointNotFoundError, StateMismatchError,
-              UnsupportedValueError)  # fmt: skip
-# What damage that leaves checksums as they were may raise.
-DAMAGED = (CorruptCheckpointError, CheckpointNotFoundError)
+              UnsupportedValueError, PartiallyRestoredError)  # fmt: skip
+# What damage that leaves checksums as they were may raise (a load that found it after
+# writing into the objects says they are partly restored).
+DAMAGED = (CorruptCheckpointError, CheckpointNotFoundError, PartiallyRestoredError)
 
 HOSTILE_NAMES = ["../model-00000.safetensors", "/etc/passwd", "model-00000.safetensors/../x",
                  "", ".", "..", "model-1.safetensors", ".next-a/../../x", "rank-00000.safetensors",

@@ -18,7 +18,9 @@ before it stages again.
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +30,10 @@ import torch
 from ddpckpt._io.background import Completion, Persister
 from ddpckpt._io.staging import Fence, StagingPool
 from ddpckpt._io.writing import WritePlan, write_and_commit
+from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot, TrainingState
+
+_log = get_logger(__name__)
 
 
 def async_mode(async_save: bool | str, state: TrainingState) -> bool:
@@ -66,8 +71,20 @@ class AsyncSaver:
         self._fences: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Fence]] = (
             weakref.WeakKeyDictionary()
         )
+        self._eager: set[str] = set()  # deferred once, and seen written meanwhile
         self._staged: _Staged | None = None  # the last staging, until a borrower takes it
         self._borrowers: list[AsyncSaver] = []  # savers whose writes may read this pool
+        self._copying: Fence | None = None  # the last staging's fence, until it is waited on
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+
+    def wait_for_copies(self) -> None:
+        """Local: block until the host copies of this saver's last save have landed (its
+        write may go on), so that the live tensors may be written; raises nothing (a failed
+        copy is the save's failure, reported by the save)."""
+        fence, self._copying = self._copying, None
+        if fence is not None:
+            fence.outcome()  # a failed copy is the save's failure: the save reports it
 
     @property
     def latest(self) -> Completion | None:
@@ -121,15 +138,17 @@ class AsyncSaver:
         ``overlap`` the tensors that only known optimizers' ``step()`` writes (parameters
         and moments of the save's optimizers, ``snapshot.stepped_by``) are copied in the
         background too, and each of those optimizers' next ``step()`` waits for the copies;
-        everything else (buffers, an EMA copy, parameters no known optimizer steps) is
-        copied before returning. With ``borrow``, a saver whose last :meth:`start` staged
+        everything else (buffers, an EMA copy, parameters no known optimizer steps, those a
+        module's forward writes, an ``nn.Embedding`` with ``max_norm``, and tensors an
+        earlier save saw written before their copy landed) is copied before returning. A deferred tensor written anyway is
+        copied again, with a WARNING (:meth:`_written`). With ``borrow``, a saver whose last :meth:`start` staged
         this same ``snapshot``, the tensors it copied are read from its copies instead of
         copied again. Returns the save's completion.
         """
         comm = plan.comm  # a failure here or in the job reaches every rank at once
         lent = borrow._lend(snapshot, self) if borrow is not None else None
         copies = lent.copies if lent is not None else {}
-        deferred = _changes_only_in_step(snapshot) if overlap else None
+        deferred = self._deferrable(snapshot) if overlap else None
         steppers = {
             id(o): o
             for n, t in plan.items + plan.checked
@@ -140,7 +159,9 @@ class AsyncSaver:
         everything = plan.items + plan.checked + plan.rank_items
         own = [(n, t) for n, t in everything if id(t) not in copies]
         self._join_borrowers()  # their writes may still read the pool staged into now
-        copied, fence = comm.alone(lambda: self.pool.stage(own, defer=deferred))
+        on_written = functools.partial(self._written, os.path.basename(plan.path))
+        copied, fence = comm.alone(lambda: self.pool.stage(own, deferred, on_written))
+        self._copying = fence
         if self.lends:
             by_source = {id(t): c for (_, t), (_, c) in zip(own, copied, strict=True)}
             self._staged = _Staged(snapshot, by_source, fence)
@@ -175,6 +196,34 @@ class AsyncSaver:
             self._borrowers.append(borrower)
         return staged
 
+    def _deferrable(self, snapshot: Snapshot) -> Callable[[str], bool]:
+        """The tensors whose copy may wait for the next ``step()`` of the optimizers that
+        write them: those nothing else is known to write (a module's forward,
+        ``snapshot.written_in_forward``) or was seen writing (see :meth:`_written`)."""
+        eager = snapshot.written_in_forward.keys() | self._eager
+        return lambda name: bool(snapshot.stepped_by.get(name)) and name not in eager
+
+    def _written(self, checkpoint: str, names: list[str]) -> None:
+        """Called once the copies of a save landed, with the deferred tensors that were
+        written before their copy did (copied again since): warn, and copy them before
+        ``save()`` returns from now on."""
+        self._eager.update(names)
+        shown = ", ".join(sorted(names)[:5]) + (
+            f" and {len(names) - 5} more" if len(names) > 5 else ""
+        )
+        _log.warning(
+            "%s: %d tensor(s) were written in place after save() returned and before their "
+            "copy for async_save='overlap' was taken, by something other than "
+            "optimizer.step() (which waits for the copy): %s. The checkpoint holds their "
+            "values after that write (never a mix), so a resume from it is not exact at its "
+            "step. From the next save on, this saver copies them before save() returns. "
+            "Write them only before save() or in optimizer.step(), or use async_save=True, "
+            "to keep every checkpoint exact",
+            checkpoint,
+            len(names),
+            shown,
+        )
+
     def _fence_before_step(self, optimizer: torch.optim.Optimizer, fence: Fence) -> None:
         """Make ``optimizer.step()`` wait for ``fence`` (a hook registered once per
         optimizer and saver)."""
@@ -190,9 +239,19 @@ class AsyncSaver:
         self._fences[optimizer].append(fence)
 
 
-def _changes_only_in_step(snapshot: Snapshot) -> Callable[[str], bool]:
-    """Tensors that nothing but the ``step()`` of optimizers we can fence writes."""
-    return lambda name: bool(snapshot.stepped_by.get(name))
+_LIVE: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+_LIVE_LOCK = threading.Lock()
+
+
+def wait_for_live_copies() -> None:
+    """Local: block until every live saver of this process (the default one and every
+    Checkpointer's) has finished copying the tensors of its last save, so that a call
+    that writes into live objects (a load, say to roll back after a loss spike) cannot
+    change what a save in flight is still copying. Cheap when nothing is in flight."""
+    with _LIVE_LOCK:
+        savers = list(_LIVE)
+    for saver in savers:
+        saver.wait_for_copies()
 
 
 DEFAULT_SAVER = AsyncSaver()

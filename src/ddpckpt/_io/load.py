@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -22,10 +23,10 @@ from ddpckpt._format.codec import decode
 from ddpckpt._format.manifest import Manifest, read_manifest
 from ddpckpt._format.rankparts import rank_has, rank_part
 from ddpckpt._format.sections import Layout, StateSections
-from ddpckpt._io.async_saver import DEFAULT_SAVER
+from ddpckpt._io.async_saver import DEFAULT_SAVER, wait_for_live_copies
 from ddpckpt._io.load_checks import check_state
 from ddpckpt._io.progress import Progress
-from ddpckpt._io.reader import CheckpointInfo, FileSource
+from ddpckpt._io.reader import CheckpointInfo, FileSource, read_metrics
 from ddpckpt._log import get_logger
 from ddpckpt._resumecheck import isolate
 from ddpckpt._resumecheck import record as _resume_check
@@ -34,11 +35,15 @@ from ddpckpt._state.ddp_buckets import restore_buckets
 from ddpckpt._state.model import restore_model, restore_rank_buffers
 from ddpckpt._state.objects import restore_stateful
 from ddpckpt._state.optimizer import param_names, restore_optimizer
+from ddpckpt._state.partial import clear, mark
 from ddpckpt._state.rng import derive_rng, restore_rng
 from ddpckpt.errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    PartiallyRestoredError,
+    RankFailureError,
     error_class,
 )
 from ddpckpt.storage import configure
@@ -70,7 +75,10 @@ def load(
     :func:`ddpckpt.save`. Tensors are read straight into the live tensors (the model's, and
     an optimizer's once it has state), so they land on each rank's own devices and a load
     holds no second copy of the state. Every byte read is verified against its checksum,
-    and every check runs, on every rank, before anything is modified.
+    and every check runs, on every rank, before anything is modified. It first waits until
+    every save in flight in this process (of :func:`ddpckpt.save` and of every
+    :class:`~ddpckpt.Checkpointer`) has copied the tensors it saves, so that none of them
+    holds loaded values.
 
     Objects not passed are left alone; an object passed but absent from the checkpoint is
     an error naming it. Stateful ``extra`` objects get ``load_state_dict``; plain values
@@ -99,11 +107,16 @@ def load(
         CheckpointNotFoundError: No committed checkpoint at ``path``.
         StateMismatchError: The objects do not match the checkpoint (lists every
             difference).
-        CorruptCheckpointError: A file does not match its checksum (names it). Tensors are
-            read into the live ones (an optimizer that already has state keeps its tensors),
-            so one found while copying leaves the objects partly updated, as the error
-            says: load another checkpoint into them (:func:`ddpckpt.load_latest` and
-            :meth:`Checkpointer.resume <ddpckpt.Checkpointer.resume>` fall back so).
+        CorruptCheckpointError: A file does not match its checksum (names it), found
+            before anything was written into the objects.
+        PartiallyRestoredError: The load failed (the error chained as ``__cause__``, e.g. a
+            :class:`CorruptCheckpointError` for a file found damaged while it was read)
+            after it began writing into the objects, on any rank: tensors are read straight
+            into the live ones, so the objects hold part of this checkpoint's state. Load a
+            checkpoint into them (:func:`ddpckpt.load_latest` and
+            :meth:`Checkpointer.resume <ddpckpt.Checkpointer.resume>` fall back to the
+            previous one so) before training on them; saving them raises this error until
+            a load into them succeeds.
         CollectiveTimeoutError: A rank did not arrive within ``timeout``.
     """
     path = os.fspath(path)
@@ -113,6 +126,7 @@ def load(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         extra=extra, rng=rng,
     )  # fmt: skip
+    wait_for_live_copies()  # a save in flight (any Checkpointer's) may still copy them
     DEFAULT_SAVER.join()
     with Comm.open("ddpckpt.load", path=path, timeout=timeout) as comm:
         comm.run("previous save", DEFAULT_SAVER.raise_unseen)  # every rank raises if one does
@@ -122,21 +136,156 @@ def load(
             source = FileSource(path, manifest, progress=bar)
             own = _unless_changed(path, manifest, lambda: own_tensors(manifest, comm.rank, path))
             source.own = comm.run("rank part", own)
-            check = _unless_changed(
-                path, manifest, lambda: check_state(manifest, source, state, strict, path)
-            )
-            comm.run("check", check)
+
+            def check() -> None:
+                check_state(manifest, source, state, strict, path)
+                read_metrics(manifest, path)  # what the info returns: damage found before writing
+
+            comm.run("check", _unless_changed(path, manifest, check))
+            began = _Began()
             restore = _unless_changed(
                 path,
                 manifest,
-                _said_partial(
-                    path, lambda: _restore(manifest, source, state, strict, path, comm.rank)
-                ),
+                lambda: _restore(manifest, source, state, strict, path, comm.rank, began),
             )
-            info = comm.run("restore", restore)
+            info = _restore_on_every_rank(comm, path, state, restore, began)
     if (recorder := _resume_check.active()) is not None:
         recorder.loaded_plain(path, state, info)
     return info
+
+
+def failure_of(error: BaseException) -> BaseException:
+    """What stopped a load: ``error`` itself, or the failure a
+    :class:`PartiallyRestoredError` chains. Callers that fall back past a damaged checkpoint
+    (``load_latest``, ``Checkpointer.resume``) decide by it: damage falls back (the next
+    load restores every object again), a mismatch of the objects is raised."""
+    if isinstance(error, PartiallyRestoredError) and error.__cause__ is not None:
+        return error.__cause__
+    return error
+
+
+def damage_of(error: BaseException) -> BaseException | None:
+    """The damage that stopped a load, which a fallback to another checkpoint steps over
+    (:func:`failure_of` ``error``, when it is a damaged or missing checkpoint); ``None``
+    for any other failure (the objects do not match it: another would fail too)."""
+    cause = failure_of(error)
+    return cause if isinstance(cause, (CorruptCheckpointError, CheckpointNotFoundError)) else None
+
+
+def partly_note(error: BaseException) -> str:
+    """What a fallback's warning adds when the failed load had written into the objects."""
+    if not isinstance(error, PartiallyRestoredError):
+        return ""
+    return " (the objects were partly restored from it: loading another restores every one again)"
+
+
+def none_loaded(
+    directory: str, failures: list[str], partial: PartiallyRestoredError | None
+) -> CheckpointError:
+    """The error when ``directory`` holds checkpoints but none of them loads (``failures``:
+    why each failed): a :class:`PartiallyRestoredError` if a failed load (``partial``) left
+    the objects partly restored, never "nothing to resume"."""
+    listing = "\n  ".join(failures)
+    if partial is not None:
+        error: CheckpointError = PartiallyRestoredError(
+            f"{directory}: holds checkpoints but none can be loaded, and a failed load left "
+            "the objects partly restored: load a checkpoint into them (or build them afresh) "
+            "before training on or saving them; saving them is refused until a load into "
+            f"them succeeds. Why each failed:\n  {listing}"
+        )
+        error.__cause__ = partial
+        return error
+    return CorruptCheckpointError(
+        f"{directory}: holds checkpoints but none can be loaded:\n  {listing}"
+    )
+
+
+@dataclass
+class _Began:
+    """Whether this rank's restore began writing into the live objects."""
+
+    writing: bool = False
+
+
+@dataclass
+class _Attempt:
+    """This rank's restore: its result, or what stopped it."""
+
+    info: CheckpointInfo | None = None
+    error: Exception | None = None
+
+
+def _restore_on_every_rank(
+    comm: Comm,
+    path: str,
+    state: TrainingState,
+    restore: Callable[[], CheckpointInfo],
+    began: _Began,
+) -> CheckpointInfo:
+    """Run ``restore`` on every rank; collective. Returns this rank's info when it succeeded
+    on every rank, and clears the objects' marks (:mod:`ddpckpt._state.partial`).
+
+    If it failed on any rank, every rank raises the same error; and if any rank had begun
+    writing into its objects, every rank raises :class:`PartiallyRestoredError` (chaining
+    that error) and marks its objects, so that saving them is refused until a load into
+    them succeeds. Whether writing began is combined across ranks, not taken per rank: a
+    rank that restored everything holds the checkpoint's state while another holds part of
+    it, which no checkpoint describes either. A failure before any rank wrote raises what
+    it is (e.g. :class:`CorruptCheckpointError`). If the ranks cannot combine it (a rank
+    silent or interrupted), each rank decides by its own writes.
+    """
+    attempt = _Attempt()
+
+    def run() -> dict[str, bool]:
+        try:
+            attempt.info = restore()
+        except Exception as exc:  # raised on every rank below, once every rank says how it went
+            attempt.error = exc
+        return {"failed": attempt.error is not None, "began": began.writing}
+
+    try:
+        verdict = comm.run_reduce("restore", run, _combined)
+    except BaseException as exc:
+        if began.writing:
+            mark(state, path)
+            if isinstance(exc, Exception):
+                raise _partly_restored(path, exc) from exc
+        raise
+    if not verdict["failed"] and attempt.info is not None:
+        clear(state)  # saving them is allowed again
+        return attempt.info
+
+    def fail() -> None:
+        if attempt.error is not None:
+            raise attempt.error
+
+    try:
+        comm.run("restore failed", fail)  # every rank raises what failed (where it failed)
+    except Exception as exc:
+        if not verdict["began"]:
+            raise  # no rank wrote into its objects: as if the load had failed in its checks
+        mark(state, path)
+        raise _partly_restored(path, exc) from exc
+    raise RankFailureError(f"{path}: restoring failed on a rank that did not say why")
+
+
+def _combined(outcomes: list[dict[str, bool]]) -> dict[str, bool]:
+    """Rank 0's reduction of every rank's restore: whether any failed, any began writing."""
+    return {key: any(o[key] for o in outcomes) for key in ("failed", "began")}
+
+
+def _partly_restored(path: str, error: BaseException) -> PartiallyRestoredError:
+    """The error of a load that failed (``error``) after it began writing into the objects."""
+    partial = PartiallyRestoredError(
+        f"{path}: loading failed after it began writing into the objects passed, so they are "
+        "partly restored from this checkpoint (part of its state, part of what they held "
+        "before). Load a checkpoint into them (the previous one: ddpckpt.load_latest() and "
+        "Checkpointer.resume() fall back past a damaged one) before training on or saving "
+        f"them; saving them is refused until then. The load failed with: {error}"
+    )
+    if isinstance(error, CheckpointError):
+        partial.failures = error.failures
+    return partial
 
 
 def _unless_changed(path: str, manifest: Manifest, step: Callable[[], T]) -> Callable[[], T]:
@@ -160,30 +309,7 @@ def _unless_changed(path: str, manifest: Manifest, step: Callable[[], T]) -> Cal
             what = "deleted" if now is None else "replaced (that step saved again)"
             raise CheckpointNotFoundError(
                 f"{path}: the checkpoint was {what} while it was being loaded, by the job "
-                "saving there; the objects passed may be partly restored: load the newest "
-                "checkpoint again"
-            ) from exc
-
-    return run
-
-
-def _said_partial(path: str, restore: Callable[[], T]) -> Callable[[], T]:
-    """``restore``, whose damaged bytes are reported as leaving the objects partly restored.
-
-    Tensors are verified as they are read into the live ones (no second copy of the
-    state), so a checksum failure found then comes after earlier tensors took the damaged
-    checkpoint's values; callers that fall back (``load_latest``, ``Checkpointer.resume``)
-    load another checkpoint, which restores every object again.
-    """
-
-    def run() -> T:
-        try:
-            return restore()
-        except CorruptCheckpointError as exc:
-            raise type(exc)(
-                f"{exc}\nThe objects passed are partly restored from {path} (what was read "
-                "before the damage): load another checkpoint into them before training on "
-                "(load_latest() and Checkpointer.resume() fall back to the previous one)"
+                "saving there; load the newest checkpoint again"
             ) from exc
 
     return run
@@ -269,9 +395,14 @@ def _restore(
     strict: bool,
     path: str,
     rank: int,
+    began: _Began,
 ) -> CheckpointInfo:
+    """Write the checkpoint's state into the objects of ``state``; local. ``began`` says
+    from when a failure leaves them partly restored: tensors are read straight into the
+    live ones, and verified as they are read, so from the first object on."""
     stored = StateSections.from_json(manifest.state, path)
     layout = stored.layout
+    began.writing = True
     for name, model in state.models.items():
         section = stored.models[name]
         restore_model(model, section, source, path, strict, layout.model_prefix(name))

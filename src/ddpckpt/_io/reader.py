@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +63,7 @@ class CheckpointInfo:
             path=path,
             step=manifest.step,
             epoch=manifest.epoch,
-            metrics=decode(manifest.metrics, _no_tensors(path), where=path),
+            metrics=read_metrics(manifest, path),
             extra=extra,
             world_size=manifest.world_size,
             created=manifest.created,
@@ -73,11 +72,18 @@ class CheckpointInfo:
         )
 
 
-def _no_tensors(where: str) -> Callable[[str], torch.Tensor]:
-    def fail(name: str) -> torch.Tensor:
-        raise CorruptCheckpointError(f"{where}: metrics refer to a tensor ({name})")
+def read_metrics(manifest: Manifest, path: str) -> dict[str, Any]:
+    """The metrics of the checkpoint at ``path``, decoded; :class:`CorruptCheckpointError`
+    if they are no mapping or refer to a tensor (metrics are plain scalars, stored in the
+    manifest). :func:`ddpckpt.load` calls it before it changes any object."""
 
-    return fail
+    def fail(name: str) -> torch.Tensor:
+        raise CorruptCheckpointError(f"{path}: metrics refer to a tensor ({name})")
+
+    metrics = decode(manifest.metrics, fail, where=path)
+    if not isinstance(metrics, dict):
+        raise CorruptCheckpointError(f"{path}: the metrics are no mapping")
+    return metrics
 
 
 class FileSource:

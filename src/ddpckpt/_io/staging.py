@@ -20,6 +20,14 @@ fence is waited on: parameters and optimizer state, which change only in
 ``optimizer.step()``. Work queued on other streams than a device's current one is not
 ordered before the copies.
 
+That assumption is checked, not trusted: each deferred tensor's version counter is read
+when it is staged and again once its copy has landed, and, for writes through ``.data``
+(which leave the counter alone), a CPU tensor's copy is compared with the tensor itself and
+a CUDA tensor's bytes are summed on its device right after the copy read them and compared
+with the copy's. A tensor written in between is copied again at once, so the checkpoint is
+never torn, and reported to the fence's ``on_written`` (the saver warns and stops
+deferring it).
+
 CUDA copies are grouped by the source tensor's device, and each group has its own
 stream and event on its own device. Waiting on the current device alone would let a
 rank that never called ``torch.cuda.set_device`` write its buffer before the copies
@@ -28,15 +36,18 @@ from its own GPU landed.
 
 from __future__ import annotations
 
+import errno
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ddpckpt._format.tensorfile import tensor_nbytes
 from ddpckpt._log import get_logger
+from ddpckpt.errors import CheckpointWriteError
 
 _log = get_logger(__name__)
 _ALIGN = 64
@@ -45,12 +56,26 @@ _cuda: Any = torch.cuda  # the CUDA calls staging makes, replaceable in CPU-only
 _Pair = tuple[torch.Tensor, torch.Tensor]  # (host destination, source)
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A copy left to the background and the source's version counter when staged; for a
+    CUDA source, also the digest of its bytes read right after the copy (see
+    :func:`_digest`, whose word size ``words`` is chosen once, by the source)."""
+
+    name: str
+    host: torch.Tensor
+    source: torch.Tensor
+    version: int
+    digest: torch.Tensor | None = None
+    words: bool = False
+
+
 class Fence:
     """Completion of deferred copies; :meth:`wait` blocks until they are done.
 
     Thread-safe: the training thread (``optimizer.step()``) and the background writer
-    may wait at the same time; each waiter returns once the copies are done and raises
-    their error, if any.
+    may wait at the same time; each waiter returns once the copies are done (and checked,
+    see the module docstring) and raises their error, if any.
     """
 
     def __init__(self, events: Sequence[Any] = (), thread: threading.Thread | None = None) -> None:
@@ -60,6 +85,12 @@ class Fence:
         self._error: BaseException | None = None
 
     def wait(self) -> None:
+        error = self.outcome()
+        if error is not None:
+            raise error
+
+    def outcome(self) -> BaseException | None:
+        """Block until the copies are done; their error or ``None``, without raising it."""
         with self._lock:
             for event in self._events:
                 event.synchronize()
@@ -67,8 +98,7 @@ class Fence:
             if self._thread is not None:
                 self._thread.join()
                 self._thread = None
-        if self._error is not None:
-            raise self._error
+        return self._error
 
     def done(self) -> bool:
         events, thread = self._events, self._thread  # one read each: a waiter may clear them
@@ -165,11 +195,14 @@ class StagingPool:
         self,
         items: Sequence[tuple[str, torch.Tensor]],
         defer: Callable[[str], bool] | None = None,
+        on_written: Callable[[list[str]], None] | None = None,
     ) -> tuple[list[tuple[str, torch.Tensor]], Fence]:
         """Copy ``items`` into the pool; the names for which ``defer`` is true are copied
         in the background. Returns the host copies (valid until the next ``stage``) and the
         fence to wait on before reading them: it covers the deferred copies and every CUDA
-        copy. The previous save's copies must no longer be in use.
+        copy. The previous save's copies must no longer be in use. ``on_written`` is called
+        (once, by the fence's first waiter or the copy thread) with the names of deferred
+        tensors written before their copy landed; they have been copied again.
         """
         tensors = [t for _, t in items]
         buffer = self._reserve(staged_nbytes(tensors), _pinned_for(tensors))
@@ -183,11 +216,15 @@ class StagingPool:
                 host = buffer[offset : offset + nbytes].view(tensor.dtype).view(tensor.shape)
             offset += _aligned(nbytes)
             staged.append((name, host))
-            (later if defer is not None and defer(name) else now).append((host, tensor.detach()))
+            source = tensor.detach()  # shares the tensor's version counter
+            if nbytes and defer is not None and defer(name):
+                later.append(Deferred(name, host, source, source._version))
+            else:
+                now.append((host, source))
         events = _start_copies(now)
         for device, event in events:  # later kernels there run after the copies
             _cuda.current_stream(device).wait_event(event)
-        return staged, _copy_later(later, [event for _, event in events])
+        return staged, _copy_later(later, [event for _, event in events], on_written)
 
 
 def _host_buffer(
@@ -231,12 +268,16 @@ def by_device(pairs: Sequence[_Pair]) -> dict[torch.device, list[_Pair]]:
     return groups
 
 
-def _start_copies(pairs: Sequence[_Pair]) -> list[tuple[torch.device, Any]]:
+def _start_copies(
+    pairs: Sequence[_Pair], digests: dict[int, tuple[torch.Tensor, bool]] | None = None
+) -> list[tuple[torch.device, Any]]:
     """Copy every pair; returns each CUDA device with the event recorded after its copies.
 
     CPU sources are copied before this returns. Each CUDA device's copies are queued on a
     new stream of that device which first waits for the device's current stream, so they
-    see the values as of now while the training thread goes on.
+    see the values as of now while the training thread goes on. With ``digests``, each
+    contiguous CUDA source's :func:`_digest` (and its word size) is queued right after its
+    copy, on the same stream, by ``id()`` of its host copy.
     """
     events = []
     for device, group in by_device(pairs).items():
@@ -250,6 +291,9 @@ def _start_copies(pairs: Sequence[_Pair]) -> list[tuple[torch.device, Any]]:
                 for host, tensor in group:
                     host.copy_(tensor, non_blocking=True)
                     tensor.record_stream(stream)  # not reused by the allocator meanwhile
+                    if digests is not None and tensor.is_contiguous():
+                        words = _words(tensor)
+                        digests[id(host)] = (_digest(tensor, words), words)
                 event = _cuda.Event()
                 event.record(stream)
         events.append((device, event))
@@ -262,17 +306,143 @@ def _copy(pairs: Sequence[_Pair]) -> None:
         host.copy_(tensor)
 
 
-def _copy_later(pairs: Sequence[_Pair], events: list[Any]) -> Fence:
-    """The fence of ``events`` and of copying ``pairs`` in the background."""
-    if any(t.is_cuda for _, t in pairs):
-        return Fence(events=events + [event for _, event in _start_copies(pairs)])
-    if not pairs:
+def written_since_staged(deferred: Sequence[Deferred]) -> list[Deferred]:
+    """The deferred copies whose source was written after it was staged. Call it once the
+    copies have landed. Written means: its version counter moved; or, for writes through
+    ``.data``, which leave the counter alone, a CPU source no longer equals its copy, or a
+    CUDA source's bytes read right after its copy (its digest) differ from the copy's (a
+    write that landed while the copy read it). Other devices: the counter only."""
+    cuda = [(d, d.digest) for d in deferred if d.source.is_cuda and d.digest is not None]
+    values = _fetch([digest for _, digest in cuda])
+    fetched = {id(d): value for (d, _), value in zip(cuda, values, strict=True)}
+    return [d for d in deferred if _differs(d, fetched.get(id(d)))]
+
+
+def _fetch(digests: list[torch.Tensor]) -> list[int]:
+    """The values of device digests, one transfer per device."""
+    values: dict[int, int] = {}
+    by_device: dict[Any, list[int]] = {}
+    for i, digest in enumerate(digests):
+        by_device.setdefault(digest.device, []).append(i)
+    for indices in by_device.values():
+        stacked = torch.stack([digests[i] for i in indices]).tolist()
+        values.update(zip(indices, stacked, strict=True))
+    return [values[i] for i in range(len(digests))]
+
+
+def _differs(d: Deferred, digest: int | None) -> bool:
+    """Whether ``d``'s source was seen written since it was staged (``digest``: the value
+    of its CUDA digest, read after the copy)."""
+    if d.source._version != d.version:
+        return True
+    if d.source.device.type == "cpu":
+        return not torch.equal(_as_bytes(d.host), _as_bytes(d.source))
+    return digest is not None and digest != int(_digest(d.host, d.words))
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)  # NaNs compare as the bytes they are
+
+
+def _words(tensor: torch.Tensor) -> bool:
+    """Whether :func:`_digest` reads ``tensor``'s bytes as 32-bit words: when they divide
+    so and its data is aligned to them (decided by the source, used for its copy too)."""
+    return tensor_nbytes(tensor) % 4 == 0 and tensor.data_ptr() % 4 == 0
+
+
+def _digest(tensor: torch.Tensor, words: bool) -> torch.Tensor:
+    """The sum of a contiguous tensor's bytes, as 32-bit ``words`` or single bytes, on its
+    device: equal bytes give equal sums, and a GPU reads them at memory speed, far faster
+    than the copy to the host it follows."""
+    flat = _as_bytes(tensor)
+    return (flat.view(torch.int32) if words else flat).sum(dtype=torch.int64)
+
+
+_RECOPIES = 3  # tries at a copy nothing writes meanwhile, before the save fails
+
+
+def _recopy(d: Deferred) -> bool:
+    """Copy ``d`` again, after every write queued on its device so far; True once a copy was
+    taken that nothing wrote during (the version counter and the bytes agree after it)."""
+    for _ in range(_RECOPIES):
+        if d.source.is_cuda:
+            _cuda.synchronize(d.source.device)  # the writes of every stream, the user's own too
+        taken = replace(d, version=d.source._version, digest=None)
+        d.host.copy_(d.source)
+        digest = None
+        if d.source.is_cuda and d.source.is_contiguous():
+            digest = int(_digest(d.source, d.words))
+        if not _differs(taken, digest):
+            return True
+    return False
+
+
+def _checked(
+    deferred: Sequence[Deferred], on_written: Callable[[list[str]], None] | None
+) -> Callable[[], None]:
+    """The check run once the copies have landed: copy again what was written meanwhile
+    (the checkpoint then holds one value of it, never a mix, or the save fails), and
+    report it."""
+
+    def check() -> None:
+        written = written_since_staged(deferred)
+        if not written:
+            return
+        unsettled = [d.name for d in written if not _recopy(d)]
+        if unsettled:
+            raise CheckpointWriteError(
+                errno.EBUSY,
+                f"{', '.join(unsettled[:5])} kept changing while they were copied for "
+                f"async_save='overlap' ({_RECOPIES} tries): this checkpoint is not written, "
+                "and the previous one stays the newest. Write them only in optimizer.step() "
+                "or before save(), or use async_save=True",
+            )
+        if on_written is not None:
+            on_written([d.name for d in written])
+
+    return check
+
+
+def _copy_later(
+    deferred: Sequence[Deferred],
+    events: list[Any],
+    on_written: Callable[[list[str]], None] | None = None,
+) -> Fence:
+    """The fence of ``events`` and of copying ``deferred`` in the background: a helper
+    thread waits for the copies (CUDA: queued on side streams here; CPU: made there), then
+    checks them (see :func:`written_since_staged`), so that a waiter on the training
+    thread pays for neither."""
+    if not deferred:
         return Fence(events=events)
-    fence = Fence(events=events)
+    pairs = [(d.host, d.source) for d in deferred]
+    if any(t.is_cuda for _, t in pairs):
+        digests: dict[int, tuple[torch.Tensor, bool]] = {}
+        landed = events + [event for _, event in _start_copies(pairs, digests)]
+        deferred = [
+            replace(d, digest=found[0], words=found[1]) if found else d
+            for d in deferred
+            for found in [digests.get(id(d.host))]
+        ]
+
+        def land() -> None:
+            for event in landed:
+                event.synchronize()
+
+    else:
+        events_before = list(events)
+
+        def land() -> None:
+            for event in events_before:
+                event.synchronize()
+            _copy(pairs)
+
+    check = _checked(deferred, on_written)
+    fence = Fence()
 
     def copy() -> None:
         try:
-            _copy(pairs)
+            land()
+            check()
         except BaseException as exc:  # re-raised by Fence.wait on the training thread
             fence._error = exc
 

@@ -21,7 +21,7 @@ from torch import nn
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt._format.runfiles import CORRUPT_MARK
-from ddpckpt._io.load import load
+from ddpckpt._io.load import damage_of, load, none_loaded, partly_note
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._resumecheck import isolate
@@ -32,6 +32,7 @@ from ddpckpt.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
+    PartiallyRestoredError,
 )
 from ddpckpt.storage import configure, storage_for
 from ddpckpt.storage._base import BucketNotFoundError, is_temp_name, previous_of
@@ -128,13 +129,16 @@ def load_latest(
     Every rank lists the directory (as :func:`latest` checks it) and the lists are merged,
     so a node whose disk lacks a checkpoint still loads it (a copy is sent to it). The
     newest is loaded, every byte read verified; if it is damaged (a checksum fails, a file
-    is missing or malformed) or deleted meanwhile, a warning names it and the next newer
-    one is loaded, which restores every object passed again. A damaged checkpoint is left
-    where it is: a run that saves the same step again later replaces it with
-    ``save(..., overwrite=True)``. Raises :class:`CorruptCheckpointError` listing each
-    checkpoint's problem when there are checkpoints but none loads (never a silent fresh
-    start), and any other error of :func:`ddpckpt.load` (a mismatch of the objects passed
-    is no damage: it is raised at once).
+    is missing or malformed) or deleted meanwhile, a warning names it and why, and the next
+    newer one is loaded, which restores every object passed again (also after a damaged
+    file was found halfway through writing them); a second warning then names the
+    checkpoint loaded instead. A damaged checkpoint is left where it is: a run that saves
+    the same step again later replaces it with ``save(..., overwrite=True)``. Raises
+    :class:`CorruptCheckpointError` listing each checkpoint's problem when there are
+    checkpoints but none loads (never a silent fresh start), or
+    :class:`PartiallyRestoredError` if a failed load had begun writing into the objects
+    (they must not be trained on or saved), and any other error of :func:`ddpckpt.load`
+    (a mismatch of the objects passed is no damage: it is raised at once).
     """
     directory = isolate.for_lookup(directory, "load_latest")  # under check-resume: its own run
     configure(directory, storage_options)
@@ -143,26 +147,44 @@ def load_latest(
         merged = comm.run_reduce(
             "list", lambda: newest_first(directory, "load_latest()"), _merged_candidates
         )
-    failures = []
+    failures: list[str] = []
+    skipped: list[str] = []
+    partial: PartiallyRestoredError | None = None  # the last load that left them partly restored
     for *_, name in merged:
         path = os.path.join(directory, name)
         try:
-            return load(
+            info = load(
                 path, state, model=model, optimizer=optimizer, scheduler=scheduler,
                 scaler=scaler, extra=extra, strict=strict, rng=rng, timeout=timeout,
             )  # fmt: skip
-        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
+        except (CorruptCheckpointError, CheckpointNotFoundError, PartiallyRestoredError) as exc:
+            damage = damage_of(exc)
+            if damage is None:
+                raise  # e.g. the objects do not match it: no damage, the next would fail too
+            if isinstance(exc, PartiallyRestoredError):
+                partial = exc
             _log.warning(
-                "load_latest(): cannot load %s (%s); loading the previous checkpoint instead",
+                "load_latest(): cannot load %s (%s); loading the previous checkpoint instead%s",
                 path,
-                exc,
+                damage,
+                partly_note(exc),
                 extra=same_on_every_rank(exc),
             )
-            failures.append(f"{path}: {exc}")
+            failures.append(f"{path}: {damage}")
+            skipped.append(path)
+            continue
+        if skipped:
+            _log.warning(
+                "load_latest(): loaded %s%s instead of %s, which could not be loaded (see "
+                "above); every object passed was restored from it, and nothing more needs doing",
+                path,
+                f" (step {info.step})" if info.step is not None else "",
+                ", ".join(skipped),
+                extra=same_on_every_rank(),
+            )
+        return info
     if failures:
-        raise CorruptCheckpointError(
-            f"{directory}: holds checkpoints but none can be loaded:\n  " + "\n  ".join(failures)
-        )
+        raise none_loaded(directory, failures, partial)
     return None
 
 

@@ -123,7 +123,12 @@ class Checkpointer:
             :class:`~ddpckpt.FastTier`: every :meth:`save` also writes there,
             :meth:`should_save` says True at every ``FastTier.every_steps``-th step for it,
             and :meth:`resume` restores the newest step either tier holds, so a crash loses
-            at most the steps since the last fast save.
+            at most the steps since the last fast save. The directory is this user's alone
+            (created ``0700``, files ``0600``); one that is a symbolic link, another user's,
+            writable by others, or no fast tier (another run's directory) is refused with an
+            ERROR and never read, written or deleted. A fast save never raises its failure
+            (an ERROR; training goes on), nor does a fast tier :meth:`resume` cannot set up
+            (it resumes from the durable tier).
         storage: Deprecated spelling of ``sharing`` (warns; may be removed after
             2027-06-01).
 
@@ -226,7 +231,10 @@ class Checkpointer:
 
         Every rank calls it once, before training. A newer checkpoint that is corrupt or
         incomplete is reported (naming the file), moved aside as ``step-N.corrupt-*`` and
-        skipped. Later saves must still be newer than the newest checkpoint.
+        skipped, also when the damage was found while its tensors were read into the
+        objects (the next checkpoint loaded restores every one of them again; a WARNING
+        names the step loaded instead). Later saves must still be newer than the newest
+        checkpoint.
 
         Read-only (``read_only=True``): nothing is moved aside or written, and a checkpoint
         that disappears or changes while it is loaded (the writing job's retention deleted it)
@@ -244,6 +252,9 @@ class Checkpointer:
 
         Raises:
             CorruptCheckpointError: Checkpoints exist but none loads (lists why each failed).
+            PartiallyRestoredError: None loads, and a load that failed had begun writing
+                into the objects: they must not be trained on, and saving them is refused
+                until a load into them succeeds.
             CheckpointLockedError: Another live job holds the run directory's lock.
             StateMismatchError: The objects do not match the checkpoint (as :func:`ddpckpt.load`).
             ValueError: Both ``step`` and ``best`` were given.
@@ -353,8 +364,9 @@ class Checkpointer:
         :attr:`preempted` is True once it returns (or raises).
 
         With a fast tier, every save but a preemption's also starts one there (whose
-        failure is logged, never raised); a save :meth:`should_save` asked for the fast
-        tier alone writes only there and returns that path.
+        failure, a refused directory or another job's lock on it included, is logged as an
+        ERROR, never raised); a save :meth:`should_save` asked for the fast tier alone
+        writes only there and returns that path (``None`` if it failed).
 
         Args:
             step: The training step; checkpoint ``step-N`` of the run directory.

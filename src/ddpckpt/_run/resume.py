@@ -17,18 +17,24 @@ of step 2 (:mod:`ddpckpt._run.fast_tier`), and it keeps nothing newer than the s
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.runfiles import read_latest, step_dirname
+from ddpckpt._io.load import damage_of, none_loaded, partly_note
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._run.catalog import SET_ASIDE_MARK
 from ddpckpt._run.rundir import scan, write_latest
-from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ddpckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    PartiallyRestoredError,
+)
 from ddpckpt.storage import storage_for
 from ddpckpt.storage._base import new_token
 
@@ -57,6 +63,15 @@ def resume_run(
     directory = saves.directory
     failed: list[int] = []
     failures: list[str] = []
+    partial: list[PartiallyRestoredError] = []  # loads that left the objects partly restored
+
+    def load_noting(step: int | str) -> CheckpointInfo:
+        try:
+            return load(step)
+        except PartiallyRestoredError as exc:
+            partial.append(exc)
+            raise
+
     # A reader whose candidates were all deleted meanwhile lists the directory again.
     for listing in range(READER_LISTINGS if read_only else 1):
         with saves.comm("Checkpointer.resume") as comm:
@@ -70,12 +85,12 @@ def resume_run(
             if fast is not None:
                 fast.keep_up_to(None)
             return None
-        load_durable = partial(
-            load_first, load=load, directory=directory, read_only=read_only, failed=failed,
-            failures=failures,
+        load_durable = functools.partial(
+            load_first, load=load_noting, directory=directory, read_only=read_only,
+            failed=failed, failures=failures,
         )  # fmt: skip
         if fast is not None and newest:
-            loaded = fast.resume(held, candidates, load, load_durable, failures)
+            loaded = fast.resume(held, candidates, load_noting, load_durable, failures)
         else:
             loaded = load_durable(candidates)
         if loaded is not None:
@@ -86,7 +101,7 @@ def resume_run(
             return loaded[1]
         if not candidates:
             break
-    raise nothing_loads(directory, failures, broken)
+    raise nothing_loads(directory, failures, broken, partial[-1] if partial else None)
 
 
 def list_candidates(comm: Comm, directory: str) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
@@ -111,38 +126,61 @@ def load_first(
     """The first of ``candidates`` that ``load`` restores, with its info; ``None`` if none does.
 
     Each one that is damaged (or, for a reader, gone) is reported and added to ``failed``
-    (its step) and ``failures`` (the reason). For a writer a missing checkpoint raises: it
-    was listed a moment ago under this job's lock, so it is no race.
+    (its step) and ``failures`` (the reason), also when its load had begun writing into the
+    objects (a :class:`PartiallyRestoredError`: the next load restores every object again);
+    once one loads after others failed, a warning names it and the steps skipped. For a
+    writer a missing checkpoint raises: it was listed a moment ago under this job's lock, so
+    it is no race; so does any failure that is no damage (a mismatch of the objects).
     """
+    skipped: list[str] = []
     for step in candidates:
         path = os.path.join(directory, step_dirname(step))
         try:
-            return step, load(step)
-        except (CorruptCheckpointError, CheckpointNotFoundError) as exc:
-            if isinstance(exc, CheckpointNotFoundError) and not read_only:
+            info = load(step)
+        except (CorruptCheckpointError, CheckpointNotFoundError, PartiallyRestoredError) as exc:
+            cause = damage_of(exc)
+            if cause is None:
+                raise  # e.g. the objects do not match it: no damage, an older one fails too
+            if isinstance(cause, CheckpointNotFoundError) and not read_only:
                 raise
             _log.warning(
-                "cannot resume from %s: %s; trying %s",
+                "cannot resume from %s: %s; trying %s%s",
                 path,
-                exc,
+                cause,
                 "the next candidate (the job writing there may have deleted or replaced it)"
                 if read_only
                 else "an older checkpoint",
+                partly_note(exc),
                 extra=same_on_every_rank(exc),
             )
             failed.append(step)
-            failures.append(f"{path}: {exc}")
+            failures.append(f"{path}: {cause}")
+            skipped.append(f"step {step} ({cause})")
+            continue
+        if skipped:
+            _log.warning(
+                "resumed from %s (step %d) instead of the checkpoint(s) tried first, which "
+                "could not be loaded: %s; every object was restored from step %d",
+                path,
+                step,
+                "; ".join(skipped),
+                step,
+                extra=same_on_every_rank(),
+            )
+        return step, info
     return None
 
 
 def nothing_loads(
-    directory: str, failures: list[str], broken: dict[int, str]
-) -> CorruptCheckpointError:
-    """The error when checkpoints exist but none loads."""
-    if failures:
-        return CorruptCheckpointError(
-            f"{directory}: holds checkpoints but none can be loaded:\n  " + "\n  ".join(failures)
-        )
+    directory: str,
+    failures: list[str],
+    broken: dict[int, str],
+    partial: PartiallyRestoredError | None = None,
+) -> CheckpointError:
+    """The error when checkpoints exist but none loads (:func:`none_loaded`), or when only
+    incomplete ones (``broken``) exist."""
+    if failures or partial is not None:
+        return none_loaded(directory, failures, partial)
     return CorruptCheckpointError(
         f"{directory}: holds only incomplete checkpoints; nothing to resume:\n  "
         + "\n  ".join(broken.values())

@@ -22,7 +22,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ddpckpt._format.codec import decode
 from ddpckpt._format.manifest import Manifest, read_manifest
 from ddpckpt._format.runfiles import (
     CORRUPT_MARK,
@@ -36,6 +35,7 @@ from ddpckpt._format.runfiles import (
     warn_stray,
 )
 from ddpckpt._format.runfiles import step_dirname as step_dirname  # the run's layout
+from ddpckpt._io.reader import read_metrics
 from ddpckpt._log import get_logger
 from ddpckpt._run.runlock import RunLock
 from ddpckpt.errors import CheckpointError, CheckpointLockedError, IncompleteCheckpointError
@@ -59,14 +59,11 @@ class Entry:
 
     @property
     def metrics(self) -> dict[str, Any]:
-        """The metrics saved with it (empty unless committed)."""
+        """The metrics saved with it (empty unless committed; :func:`scan` lists one whose
+        metrics cannot be decoded as corrupt)."""
         if self.manifest is None:
             return {}
-
-        def no_tensor(name: str) -> Any:
-            raise CheckpointError(f"{self.path}: metrics refer to a tensor ({name})")
-
-        return decode(self.manifest.metrics, no_tensor, where=self.path)
+        return read_metrics(self.manifest, self.path)
 
 
 def scan(directory: str) -> list[Entry]:
@@ -95,8 +92,12 @@ def scan(directory: str) -> list[Entry]:
 
 
 def _entry(step: int, path: str) -> Entry:
+    """The checkpoint at ``path``: committed if its manifest reads and its metrics decode
+    (what ``resume(best=...)``, retention and ``ddpckpt ls`` rank by), else why not."""
     try:
-        return Entry(step, path, "committed", read_manifest(path))
+        entry = Entry(step, path, "committed", read_manifest(path))
+        entry.metrics  # noqa: B018 - decoded here, so that a damaged one is listed as corrupt
+        return entry
     except IncompleteCheckpointError as exc:
         return Entry(step, path, "incomplete", problem=str(exc))
     except CheckpointError as exc:
@@ -167,9 +168,38 @@ def size_problems(path: str, manifest: Manifest) -> list[str]:
     return problems
 
 
-def write_latest(directory: str, name: str) -> None:
-    """Point ``latest`` at ``name``, atomically and durably."""
-    storage_for(directory).replace(os.path.join(directory, LATEST), f"{name}\n".encode())
+def write_latest(directory: str, name: str) -> bool:
+    """Point ``latest`` at ``name``, atomically and durably; whether it was written.
+
+    ``latest`` is this library's file, replaced whole: a stale link or another file under
+    that name becomes the file it should be. A directory there cannot be replaced
+    atomically and may hold someone's data, so it is left as it is, with a warning (once
+    per process for each run directory), and ``latest`` is not written: nothing depends on
+    it (``resume()``, ``ddpckpt.latest()`` and ``ddpckpt ls`` list the run's checkpoints,
+    and report a ``latest`` they cannot read, ignoring it).
+    """
+    store = storage_for(directory)
+    location = os.path.join(directory, LATEST)
+    try:
+        store.replace(location, f"{name}\n".encode())
+    except OSError:
+        if not store.is_dir(location):
+            raise
+        if location not in _LATEST_LEFT:
+            _LATEST_LEFT.add(location)
+            _log.warning(
+                "%s is a directory, not the file this library keeps there, so it was left as "
+                "it is and does not name the newest checkpoint (%s), now or after later "
+                "saves; nothing depends on it (resume() and ddpckpt ls list the checkpoints). "
+                "Move it away to have latest written again",
+                location,
+                name,
+            )
+        return False
+    return True
+
+
+_LATEST_LEFT: set[str] = set()  # the ``latest`` directories already reported by this process
 
 
 def write_run_file(directory: str, policy: dict[str, Any]) -> None:

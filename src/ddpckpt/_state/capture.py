@@ -26,6 +26,7 @@ from ddpckpt._format.codec import encode
 from ddpckpt._format.sections import NAMED, SINGLE, Layout, StateSections
 from ddpckpt._state.ddp_buckets import record_buckets
 from ddpckpt._state.dtensor import split_sharded
+from ddpckpt._state.inplace import record_forward_writers
 from ddpckpt._state.model import Replication, capture_model
 from ddpckpt._state.objects import capture_extra, capture_stateful
 from ddpckpt._state.optimizer import (
@@ -33,6 +34,7 @@ from ddpckpt._state.optimizer import (
     param_names,
     record_steppers,
 )
+from ddpckpt._state.partial import refuse_marked
 from ddpckpt._state.rng import capture_rng
 from ddpckpt._state.snapshot import Snapshot
 from ddpckpt._state.training_state import TrainingState
@@ -47,7 +49,10 @@ def capture(state: TrainingState) -> Snapshot:
     """Capture the training state of this process (no I/O, no communication).
 
     Tensors in the snapshot are the live tensors themselves (detached), not copies.
+    Raises :class:`~ddpckpt.errors.PartiallyRestoredError` first if a failed load left an
+    object of ``state`` partly restored (:mod:`ddpckpt._state.partial`).
     """
+    refuse_marked(state)
     layout = layout_for(state)
     snapshot = Snapshot()
     sections = StateSections(layout)
@@ -80,5 +85,6 @@ def capture(state: TrainingState) -> Snapshot:
         snapshot.rank_state["rng"] = encode(capture_rng(), "rng", snapshot.rank_tensors)
     split_sharded(snapshot)
     record_steppers(state.all_optimizers(), snapshot)
+    record_forward_writers(list(state.models.values()), snapshot)
     snapshot.state = sections.to_json()
     return snapshot
