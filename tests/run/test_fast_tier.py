@@ -285,9 +285,9 @@ def test_a_step_both_tiers_save_is_captured_and_copied_once(tmp_path, monkeypatc
     monkeypatch.setattr(checkpointer, "capture", lambda state: captures.append(1) or capture(state))
     stage = StagingPool.stage
 
-    def counting(pool, items, defer=None):
+    def counting(pool, items, *args, **kwargs):
         staged.append(sum(t.numel() * t.element_size() for _, t in items))
-        return stage(pool, items, defer)
+        return stage(pool, items, *args, **kwargs)
 
     monkeypatch.setattr(StagingPool, "stage", counting)
     gate, _ = gate_writes(monkeypatch)
@@ -345,3 +345,29 @@ def test_the_durable_tier_copies_again_only_once_the_fast_tier_wrote_its_copies(
         ckpt.wait()
     assert holds(str(tmp_path / "fast" / "step-00000001"), expected)
     assert holds(str(tmp_path / "run" / "step-00000001"), expected)
+
+
+def test_a_fast_save_copies_an_embedding_that_renormalises_its_rows_before_save_returns(
+    tmp_path,
+) -> None:
+    """Every fast save is an overlap save: an nn.Embedding(max_norm=...) rewrites the rows
+    it looks up in forward, so its weight is copied before save() returns, and the fast
+    tier holds the rows as of save()."""
+    torch.manual_seed(0)
+    model = torch.nn.Embedding(64, 8, max_norm=1.0)
+    with torch.no_grad():
+        model.weight.mul_(10)  # every row's norm is over max_norm
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ddpckpt.Checkpointer(
+        tmp_path / "run", model=model, optimizer=opt, every_steps=100,
+        fast_tier=tmp_path / "fast",
+    ) as ckpt:  # fmt: skip
+        ckpt.resume()
+        assert ckpt.should_save(1)
+        before = model.weight.detach().clone()
+        ckpt.save(1)  # the fast tier alone
+        model(torch.arange(64))  # renormalises every row, at once
+        assert not torch.equal(model.weight, before)
+        ckpt.wait()
+    saved = ddpckpt.load_state_dict(str(tmp_path / "fast" / "step-00000001"))
+    assert torch.equal(saved["weight"], before)

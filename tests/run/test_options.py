@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 
 import pytest
@@ -87,6 +88,7 @@ def test_defaults_and_policy_objects_are_kept() -> None:
         ({"fast_tier": "/dev/shm/job", "read_only": True}, "a read_only Checkpointer cannot"),
         ({"fast_tier": FastTier("/dev/shm/job", every_steps=0)}, "every_steps"),
         ({"fast_tier": FastTier("/dev/shm/job", keep=1.5)}, "keep"),
+        ({"fast_tier": FastTier("/dev/shm/job", overlap="no")}, "overlap"),
     ],
 )
 def test_bad_options_are_refused_before_anything_is_touched(
@@ -111,3 +113,21 @@ def test_a_fast_tier_holding_or_held_by_the_run_directory_is_refused(tmp_path, i
     with pytest.raises(TypeError, match="fast_tier must be a directory or a ddpckpt"):
         Checkpointer(tmp_path / "run", model=make_mlp(), fast_tier=5)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_fast_tier_nesting_with_the_run_directory_through_a_link_is_refused(tmp_path) -> None:
+    """The nesting check compared absolute paths: a fast tier under a link to the run
+    directory, or a run directory reached through a link to the fast tier, passed."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "to-run").symlink_to(tmp_path / "run")
+    (tmp_path / "fast").mkdir()
+    (tmp_path / "to-fast").symlink_to(tmp_path / "fast")
+    for run, fast in (("run", "to-run/fast"), ("to-fast/run", "fast"), ("to-run", "run")):
+        with pytest.raises(ValueError, match="symbolic links resolved"):
+            Checkpointer(tmp_path / run, model=make_mlp(), fast_tier=tmp_path / fast)
+    assert os.listdir(tmp_path / "run") == [] and os.listdir(tmp_path / "fast") == []
+
+
+def test_fast_tier_overlap_is_an_option_true_by_default() -> None:
+    assert FastTier("/dev/shm/job").overlap is True
+    assert FastTier("/dev/shm/job", overlap=False).overlap is False

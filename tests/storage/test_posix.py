@@ -200,3 +200,27 @@ def test_without_exchange_the_replaced_copy_goes_only_after_the_parent_is_synced
     assert renames[2][0] == ".step-1.previous" and is_temp_name(renames[2][1])
     between = order[order.index(("rename", *renames[1])) + 1 : order.index(("rename", *renames[2]))]
     assert ("sync", os.fspath(tmp_path)) in between
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+@pytest.mark.parametrize("how", ["other-users-parent", "writable-not-sticky", "through-a-link"])
+def test_a_private_directory_under_one_another_user_could_replace_is_refused(tmp_path, how) -> None:
+    # The directory itself may be ours and 0700, yet a user who may rename entries in a
+    # directory above it can move it away and put one of theirs in its place.
+    parent = tmp_path / "parent"
+    parent.mkdir()
+    if how == "other-users-parent":
+        os.chown(parent, 65534, 65534)
+        says = "belongs to"
+    else:
+        parent.chmod(0o777)  # no sticky bit
+        says = "not sticky"
+    target = parent / "fast"
+    if how == "through-a-link":
+        (tmp_path / "link").symlink_to(parent)
+        target = tmp_path / "link" / "fast"
+    problem = PosixStorage().make_private_dir(os.fspath(target))
+    assert problem is not None and says in problem and os.fspath(parent) in problem
+    parent.chmod(0o1777)  # sticky, as /dev/shm and /tmp are
+    os.chown(parent, 0, 0)
+    assert PosixStorage().make_private_dir(os.fspath(target)) is None

@@ -2,6 +2,7 @@
 (tests/test_fast_tier.py).
 
     fast_worker.py train --out OUT --durable RUN --fast DIR --steps T
+    fast_worker.py trust --out OUT --durable RUN --fast DIR --steps T
 
 Each node's torchrun starts in its own directory (``node0``, ``node1``), holding its fast tier
 at the relative ``--fast DIR``; the durable run directory ``RUN`` is shared. Dropout,
@@ -21,6 +22,11 @@ Events, each at the start of a step (inside an epoch) and once (a marker file in
   that (fast-tier only) step, that rank SIGKILLs itself before the ``at``-th file-system
   operation matching ``match`` (:class:`faults.Faults`, counting from the ``mkdir`` of the
   step's temporary directory), maybe on the background thread writing it.
+
+``trust``: a plain job (resume, then a save at every step the Checkpointer asks for) whose
+nodes' fast tiers the test prepared (a damaged marker, say); each rank writes what it resumed
+from, what each save returned and the library's warnings and errors to
+OUT/trust-rank<r>.json.
 
 Every rank logs each checkpoint committed (a rename of a temporary onto ``step-N``, either
 tier) to OUT/oracle-rank<r>, independently of the library.
@@ -220,6 +226,31 @@ def train(args: argparse.Namespace) -> None:
     Path(args.out, f"final-rank{rank}.json").write_text(json.dumps(final))
 
 
+def trust(args: argparse.Namespace) -> None:
+    """The ``trust`` mode (see the module docstring): nothing here may raise."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    messages = Messages()
+    _model, ddp, opt, sched, _sampler, loader = build(world, rank)
+    ckpt = ddpckpt.Checkpointer(
+        args.durable, model=ddp, optimizer=opt, every_steps=4, timeout=60,
+        fast_tier=ddpckpt.FastTier(args.fast),
+    )  # fmt: skip
+    info = ckpt.resume()
+    step, saved = info.step if info else 0, []
+    for batch in loader:
+        step += 1
+        train_step(ddp, opt, sched, batch)
+        if ckpt.should_save(step):
+            saved.append(ckpt.save(step))
+        if step == args.steps:
+            break
+    ckpt.close()
+    seen = {"resumed": info and info.path, "step": step, "saved": saved}
+    Path(args.out, f"trust-rank{rank}.json").write_text(
+        json.dumps({**seen, "messages": messages.lines})
+    )
+
+
 def uninterrupted(steps: int, world: int, rank: int) -> dict[str, Any]:
     """The same job without a checkpoint or a restart: its losses and final digest."""
     model, ddp, opt, sched, sampler, loader = build(world, rank)
@@ -236,7 +267,7 @@ def uninterrupted(steps: int, world: int, rank: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["train"])
+    parser.add_argument("mode", choices=["train", "trust"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--durable", required=True)
     parser.add_argument("--fast", required=True)
@@ -249,7 +280,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    train(args)
+    (trust if args.mode == "trust" else train)(args)
     dist.destroy_process_group()
 
 

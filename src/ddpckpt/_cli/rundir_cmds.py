@@ -82,24 +82,23 @@ def _ls_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def _fast_tier(directory: str) -> tuple[bool, str | None]:
     """Whether the run in ``directory`` has a fast tier (its identity file), and, if
-    ``directory`` is a fast tier, the run directory it belongs to (as its owner file says)."""
-    from ddpckpt._format.boundary import MAX_RUN_FILE_BYTES, read_small
-    from ddpckpt._format.runfiles import FAST_TIER_OWNER, RUN_IDENTITY
+    ``directory`` is a fast tier, the run directory it belongs to (as its marker says,
+    read through the same parser as the Checkpointer's)."""
+    from ddpckpt._format.runfiles import RUN_DIR_IDENTITY, read_fast_tier_marker
     from ddpckpt.errors import CorruptCheckpointError
     from ddpckpt.storage import storage_for
 
     store = storage_for(directory)
-    has_tier = store.exists(os.path.join(directory, RUN_IDENTITY))
-    owner = os.path.join(directory, FAST_TIER_OWNER)
+    has_tier = store.exists(os.path.join(directory, RUN_DIR_IDENTITY))
     try:
-        token = read_small(owner, MAX_RUN_FILE_BYTES, "fast tier's owner file").decode(
-            errors="replace"
-        )
-    except FileNotFoundError:
-        return has_tier, None
+        marker = read_fast_tier_marker(directory, store)
     except CorruptCheckpointError as exc:
         return has_tier, f"(unreadable: {exc})"
-    run = token.rpartition("#")[0] or token  # "<run directory>#<random token>"
+    except OSError as exc:
+        return has_tier, f"(unreadable: {exc.strerror or exc})"
+    if marker is None:
+        return has_tier, None
+    run = marker.run_directory  # "<run directory>#<random token>"
     return has_tier, run if run.isprintable() else ascii(run)
 
 

@@ -5,9 +5,13 @@
     run/run.json         {"retention": ...}: the retention policy, for ``ddpckpt ls``
     run/.lock            {"host", "pid", "job", "since"}: the job writing here
     run/fast-tier-owner  "<run>#<token>": the run's identity, for its fast tier (made by the
-                         first resume() or save() of a Checkpointer with ``fast_tier=``)
-    fast/owner.json      in a fast-tier directory (itself laid out as a run directory): the
-                         identity of the run its steps belong to
+                         first resume() or save() of a Checkpointer with ``fast_tier=``;
+                         plain UTF-8 text, unchanged since it was introduced)
+    fast/owner.json      in a fast-tier directory (itself laid out as a run directory, with
+                         its own ``latest``, ``run.json`` and ``.lock``): the marker saying it
+                         is a fast tier and which run its steps belong to, JSON
+                         ``{"format": 1, "kind": "ddpckpt-fast-tier", "run": "<identity>"}``;
+                         the previous release wrote the bare identity (read as format 0)
 
 Like a checkpoint's, their content is untrusted input (see
 :mod:`ddpckpt._format.boundary`): each is read as a bounded regular file and parsed into a
@@ -44,9 +48,13 @@ _log = get_logger(__name__)
 LATEST = "latest"
 RUN_FILE = "run.json"
 LOCK_NAME = ".lock"
-RUN_IDENTITY = "fast-tier-owner"  # in a run directory that has a fast tier
-FAST_TIER_OWNER = "owner.json"  # in a fast-tier directory: the RUN_IDENTITY of its run
-RUN_MARKS = frozenset({LATEST, RUN_FILE, LOCK_NAME, RUN_IDENTITY, FAST_TIER_OWNER})
+RUN_DIR_IDENTITY = "fast-tier-owner"  # in a run directory that has a fast tier
+FAST_TIER_MARKER = "owner.json"  # in a fast-tier directory: its marker (FastTierMarker)
+RUN_MARKS = frozenset({LATEST, RUN_FILE, LOCK_NAME, RUN_DIR_IDENTITY, FAST_TIER_MARKER})
+FAST_TIER_KIND = "ddpckpt-fast-tier"
+FAST_TIER_FORMAT = 1  # the marker's format this release writes (0: the previous, bare text)
+MAX_IDENTITY_BYTES = 16 << 10  # a run's identity: its path (at most PATH_MAX) and a token
+_MAX_IDENTITY_CHARS = 8192
 CORRUPT_MARK = ".corrupt-"  # step-N.corrupt-<token>: moved aside by Checkpointer.resume
 _STEP = re.compile(r"step-([0-9]{8,19})", re.ASCII)
 _MAX_PID = 2**31 - 1
@@ -201,6 +209,118 @@ def read_retention(directory: str) -> dict[str, Any]:
 def run_file_text(policy: dict[str, Any]) -> bytes:
     """The ``run.json`` holding ``policy`` (``{"retention": ...}``)."""
     return json.dumps(policy, indent=1).encode()
+
+
+def parse_run_identity(data: bytes, where: str) -> str:
+    """The identity a run directory's ``fast-tier-owner`` holds (``"<run>#<token>"``, as
+    UTF-8 text): compared, never interpreted, so any text but an empty one, one with a NUL
+    or one longer than 8192 characters is accepted."""
+    if len(data) > MAX_IDENTITY_BYTES:
+        raise CorruptCheckpointError(
+            f"{where}: the run's identity is {len(data)} bytes, more than the "
+            f"{MAX_IDENTITY_BYTES} it may have; refused"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptCheckpointError(
+            f"{where}: the run's identity is not UTF-8 text; refused"
+        ) from None
+    return _check_identity(text, where, "the run's identity")
+
+
+def _check_identity(text: str, where: str, what: str) -> str:
+    if not text:
+        raise CorruptCheckpointError(f"{where}: {what} is empty; refused")
+    if len(text) > _MAX_IDENTITY_CHARS:
+        raise CorruptCheckpointError(
+            f"{where}: {what} is {len(text)} characters long (at most "
+            f"{_MAX_IDENTITY_CHARS}); refused"
+        )
+    if "\0" in text:
+        raise CorruptCheckpointError(f"{where}: {what} holds a NUL character; refused")
+    return text
+
+
+def read_run_identity(directory: str, storage: Storage | None = None) -> str | None:
+    """The identity of the run in ``directory`` (its ``fast-tier-owner``), ``None`` if it
+    has none; :class:`CorruptCheckpointError` if that file is no regular file (a FIFO is
+    never opened for long), is larger than :data:`MAX_IDENTITY_BYTES` (checked before
+    reading) or is not an identity; an :class:`OSError` if it cannot be read."""
+    location = os.path.join(directory, RUN_DIR_IDENTITY)
+    data = _read_if_there(location, "run's identity file", storage)
+    return None if data is None else parse_run_identity(data, location)
+
+
+def _read_if_there(location: str, what: str, storage: Storage | None) -> bytes | None:
+    """The bytes of the small file ``location`` (at most :data:`MAX_IDENTITY_BYTES`, a
+    regular file), ``None`` if there is none."""
+    try:
+        return read_small(location, MAX_IDENTITY_BYTES, what, storage)
+    except FileNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class FastTierMarker:
+    """What a fast-tier directory's marker (``owner.json``) says: the ``run`` whose steps
+    it holds (the identity in that run directory's ``fast-tier-owner``) and the marker's
+    ``format`` (1; 0 for the bare identity the previous release wrote)."""
+
+    run: str
+    format: int = FAST_TIER_FORMAT
+
+    @property
+    def run_directory(self) -> str:
+        """The run directory named in the identity, for messages (``"<run>#<token>"``)."""
+        return self.run.rpartition("#")[0] or self.run
+
+    def as_bytes(self) -> bytes:
+        """The marker as this release writes it (format 1, whatever it was read as)."""
+        document = {"format": FAST_TIER_FORMAT, "kind": FAST_TIER_KIND, "run": self.run}
+        return json.dumps(document).encode()
+
+
+def parse_fast_tier_marker(data: bytes, where: str) -> FastTierMarker:
+    """The marker of a fast-tier directory: a JSON object (format 1; a later format is
+    refused, naming it), or, where the first byte that is not white space is no ``{``, the
+    bare identity the previous release wrote (format 0). Anything else raises
+    :class:`CorruptCheckpointError` naming ``where`` and the field."""
+    if len(data) > MAX_IDENTITY_BYTES:
+        raise CorruptCheckpointError(
+            f"{where}: the fast tier's marker is {len(data)} bytes, more than the "
+            f"{MAX_IDENTITY_BYTES} it may have; refused"
+        )
+    if data.lstrip()[:1] != b"{":
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise CorruptCheckpointError(
+                f"{where}: the fast tier's marker is neither JSON nor the UTF-8 text an "
+                "earlier release wrote; refused"
+            ) from None
+        return FastTierMarker(_check_identity(text, where, "the fast tier's marker"), 0)
+    what = "fast tier's marker"
+    fields = Fields(load_json(data, where, what, limit=MAX_IDENTITY_BYTES), where, what)
+    version = fields.integer("format", 0)
+    if version != FAST_TIER_FORMAT:
+        raise fields.error(
+            f"is {version}: this release reads format {FAST_TIER_FORMAT} (written by another "
+            "release of ddpckpt?)",
+            "format",
+        )
+    if fields.text("kind", max_length=64) != FAST_TIER_KIND:
+        raise fields.error(f"is not {FAST_TIER_KIND!r}", "kind")
+    run = fields.text("run", max_length=_MAX_IDENTITY_CHARS)
+    return FastTierMarker(_check_identity(run, where, "the marker's run"), version)
+
+
+def read_fast_tier_marker(directory: str, storage: Storage | None = None) -> FastTierMarker | None:
+    """The marker of the fast tier ``directory``, ``None`` if it has none; as
+    :func:`read_run_identity` otherwise (:class:`CorruptCheckpointError` for any damage)."""
+    location = os.path.join(directory, FAST_TIER_MARKER)
+    data = _read_if_there(location, "fast tier's marker", storage)
+    return None if data is None else parse_fast_tier_marker(data, location)
 
 
 def describe_path(path: str) -> str | None:

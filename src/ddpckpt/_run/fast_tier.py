@@ -15,8 +15,9 @@ With ``Checkpointer(..., fast_tier="/dev/shm/<job>")`` (or a
   point (:mod:`ddpckpt._io.settling`), so any one node can restore every rank. Saves are
   always asynchronous (``"overlap"`` when an optimizer is saved): the training thread only
   copies its share, and the next fast save waits for the one in flight. The tier keeps
-  ``FastTier.keep`` steps. A fast save that fails (a full tmpfs) is an ERROR on stderr
-  and training goes on, whatever ``on_error`` says.
+  ``FastTier.keep`` steps. A fast save that fails (a full tmpfs, a refused directory, a
+  damaged marker, another job's live lock) is an ERROR on stderr and training goes on,
+  whatever ``on_error`` says; the next fast save tries again (:meth:`FastSaves.save`).
 * the **durable tier**, the run directory, as without a fast tier: written when its own
   schedule (``every_steps``, ``every_seconds``, preemption) is due, or when ``save()`` is
   called without ``should_save`` having asked for the fast tier alone. Retention,
@@ -31,20 +32,50 @@ rank is reported and the next is tried; a WARNING says when the durable tier ser
 place of a newer fast-tier step, or because no node holds one. Whichever tier served, the
 fast tier then keeps nothing newer than the step resumed from (:meth:`FastSaves.keep_up_to`).
 
+Ownership and trust (:meth:`FastSaves._set_up`, before anything is read from the directory
+or written there, on every rank): the directory is this user's alone, made ``0700`` with
+files ``0600`` (:meth:`~ddpckpt.storage._posix.PosixStorage.make_private_dir`); one that is
+a symbolic link, another user's, or writable by its group or others is refused. It must
+then be a fast tier: its marker (``owner.json``, :class:`~ddpckpt._format.runfiles.FastTierMarker`)
+names the run whose steps it holds; a directory without one is used only if it holds
+nothing but ddpckpt's bookkeeping (a lock, temporaries), and one with a durable run's
+identity file never. Steps are deleted (with a WARNING) only where a valid marker names
+another run; a marker written by the previous release (the bare identity, format 0) is
+this run's if it names this run, and is refused otherwise. A refused tier, a damaged
+marker among its reasons, is reported as a :class:`~ddpckpt.errors.CheckpointWriteError`
+(the tier cannot be written), a damaged run identity as the
+:class:`~ddpckpt.errors.CorruptCheckpointError` its parser raised: an ERROR either way, at
+``resume()`` (which goes on with the durable tier) or at a fast save.
+
 Collective methods are called by the Checkpointer on every rank at the same points.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import platform
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.replicate import repair_copies
-from ddpckpt._format.runfiles import FAST_TIER_OWNER, RUN_IDENTITY
+from ddpckpt._format.runfiles import (
+    FAST_TIER_FORMAT,
+    FAST_TIER_MARKER,
+    LATEST,
+    LOCK_NAME,
+    RUN_DIR_IDENTITY,
+    RUN_FILE,
+    FastTierMarker,
+    parse_step,
+    read_fast_tier_marker,
+    read_run_identity,
+)
 from ddpckpt._io.async_saver import AsyncSaver
+from ddpckpt._io.load import failure_of, partly_note
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._run.options import (
@@ -55,13 +86,26 @@ from ddpckpt._run.options import (
     Keeping,
     Schedule,
     Storage,
+    nests,
 )
 from ddpckpt._run.rundir import remove_checkpoint, scan
 from ddpckpt._run.saving import RunSaves, run_storage_errors
 from ddpckpt._state.capture import Snapshot
-from ddpckpt.errors import CheckpointNotFoundError, CheckpointWriteError, CorruptCheckpointError
+from ddpckpt.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CheckpointStepError,
+    CheckpointWriteError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CorruptCheckpointError,
+    PartiallyRestoredError,
+    StateMismatchError,
+    UnsupportedValueError,
+)
 from ddpckpt.policies import EverySteps, KeepLast
 from ddpckpt.storage import storage_for
+from ddpckpt.storage._base import is_temp_name
 
 _log = get_logger(__name__)
 _SHARING = "auto"  # each node's memory is its own: probed, whatever $DDPCKPT_STORAGE says
@@ -69,6 +113,35 @@ _SHARING = "auto"  # each node's memory is its own: probed, whatever $DDPCKPT_ST
 _CANNOT_SERVE = (CorruptCheckpointError, CheckpointNotFoundError, CheckpointWriteError)
 _Held = dict[str, dict[str, list[int]]]  # step: checkpoint id: the ranks whose node holds it
 Loaded = tuple[int, CheckpointInfo]
+# Raised whatever the tier: a caller's mistake, or ranks out of step (a fast save that
+# swallowed them would only move the failure to the next collective call).
+_RAISED = (
+    PartiallyRestoredError,  # objects a failed load left half-restored are never saved
+    CheckpointStepError,
+    UnsupportedValueError,
+    StateMismatchError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+)
+_MAX_SKIPPED = 255  # fast saves skipped at most between two tries at setting the tier up
+_AVOID = (
+    "give fast_tier= a directory of this user's own that does not exist yet (it is created "
+    "private), such as /dev/shm/ddpckpt-<uid>-<job>, or remove this one"
+)
+
+
+@contextmanager
+def _reported(report: Callable[[CheckpointError], None]) -> Iterator[None]:
+    """Run the body; a failure of the fast tier is handed to ``report`` (an ERROR) instead
+    of raised, so that training goes on. What every save raises (:data:`_RAISED`: a
+    caller's mistake, ranks out of step, objects a failed load left half-restored) is
+    raised still."""
+    try:
+        yield
+    except CheckpointError as exc:
+        if isinstance(exc, _RAISED):
+            raise
+        report(exc)
 
 
 def fast_options(
@@ -81,7 +154,7 @@ def fast_options(
         schedule=Schedule(EverySteps(config.every_steps), None),
         keeping=Keeping(KeepLast(config.keep), durable.keeping.mode),
         failures=FailureHandling("warn", 0, 0.0),  # a full tmpfs is not transient
-        asynchronous=Asynchronous(True, overlap),
+        asynchronous=Asynchronous(True, overlap and config.overlap),
         storage=Storage(_SHARING, storage.timeout, storage.lock_stale_after, False),
     )
 
@@ -105,7 +178,11 @@ class FastSaves:
         self.saves = RunSaves(directory, options, self.saver, tier=f"fast tier {directory}")
         self._held: _Held = {}  # known once listed, with this job's number of ranks
         self._world = 1
-        self._owner = ""  # the durable run's identity, known once listed
+        self._owner = ""  # the durable run's identity, once the tier is set up (see _set_up)
+        self._found: FastTierMarker | None = None  # this node's marker, as set-up read it
+        self._refused = False  # resume() could not set the tier up (reported)
+        self._set_up_failures = 0  # in a row: the next try waits 2**n - 1 fast saves
+        self._skip = 0  # fast saves left to skip before the set-up is tried again
 
     @property
     def latest(self) -> int | None:
@@ -125,29 +202,137 @@ class FastSaves:
         borrow: AsyncSaver | None = None,
     ) -> str | None:
         """Collective: start saving ``step`` to the fast tier; its path, or ``None`` when the
-        save failed (logged; training goes on). ``borrow``: the durable tier's saver, when
-        it has just staged the same snapshot (copied once for both tiers). The first save of
-        a job that did not resume marks the tier as this run's first (:meth:`_claim`)."""
-        if not self._owner and not self._claim(step):
+        save failed (an ERROR; training goes on, whatever failed: a full tmpfs, a refused
+        directory, a damaged marker, another job's live lock). ``borrow``: the durable
+        tier's saver, when it has just staged the same snapshot (copied once for both
+        tiers). A tier not set up yet (a job that did not resume, or whose resume could not
+        set it up) is set up first (:meth:`_claim`). Raises only what every save raises: a
+        step older than the newest, a value that cannot be stored, ranks out of step. After
+        a failed set-up, the next ``2**n - 1`` fast saves are skipped (``n`` failures in a
+        row, at most :data:`_MAX_SKIPPED`; said in the ERROR), so that a tier refused for
+        good costs, and prints, little."""
+        if not self._owner and self._skip > 0:
+            self._skip -= 1  # every rank alike: set-up failures reach every rank
             return None
-        return self.saves.save(step, header, capture, synchronous=False, borrow=borrow)
+        with _reported(lambda exc: self.saves.failed(step, exc)):
+            if self._owner or self._claim(step):
+                return self.saves.save(step, header, capture, synchronous=False, borrow=borrow)
+        return None
 
     def _claim(self, step: int) -> bool:
-        """Collective, at the first fast save of a job that did not call ``resume()``: set
-        the tier up and mark it as this run's, as a resume does, so that a restarted job
-        resumes from it; its steps of another run, and this run's steps newer than
+        """Collective, at the first fast save of a job whose ``resume()`` did not set the
+        tier up: set it up and mark it as this run's, as a resume does, so that a restarted
+        job resumes from it; its steps of another run, and this run's steps newer than
         ``step``, are deleted with a WARNING. False (the save's failure reported) if that
         failed; the next save tries again."""
-        try:
-            with self.saves.comm("Checkpointer.save (fast tier set-up)") as comm:
-                self.saves.prepare(comm)
-                self._owner = self._agree_owner(comm)
-            self.keep_up_to(step, resumed=False)
-        except CheckpointWriteError as exc:
+
+        def failed(exc: CheckpointError) -> None:
             self._owner = ""
+            self._set_up_failures += 1
+            self._skip = min(2**self._set_up_failures - 1, _MAX_SKIPPED)
             self.saves.failed(step, exc)
-            return False
-        return True
+            _log.warning(
+                "the fast tier %s is tried again at the fast save after the next %d (fast "
+                "saves until then are skipped; the durable tier saves as scheduled)",
+                self.directory,
+                self._skip,
+                extra=same_on_every_rank(exc),
+            )
+
+        with _reported(failed):
+            with self.saves.comm("Checkpointer.save (fast tier set-up)") as comm:
+                self._set_up(comm)
+            self._tidy(step, resumed=False)
+            self._set_up_failures = 0
+            return True
+        return False
+
+    def _set_up(self, comm: Comm) -> None:
+        """Collective: learn the run's identity (rank 0), check on every rank that its
+        node's directory may be used (:meth:`_check_here`: nothing is read from it or
+        written there before), then set it up as a run directory (storage domains, each
+        node's lock, leftovers) and mark the nodes' new directories as this run's.
+
+        Raises :class:`CheckpointWriteError` (``EACCES``) naming every node's reason if
+        any node's directory is refused, :class:`CorruptCheckpointError` if the run's
+        identity file is damaged, or what the set-up raises (another job's live lock)."""
+        self._owner = ""
+        owner = self._agree_owner(comm)
+        problems = comm.run_reduce("trust", lambda: self._check_here(owner), _by_problem)
+        if problems:
+            error = CheckpointWriteError(
+                errno.EACCES,
+                f"the fast tier {self.directory} is refused: {'; '.join(problems)}. Nothing "
+                "in it is used, written or deleted, and the durable tier is not affected",
+            )
+            # As a combined error's: printed by rank 0, and by the refusing ranks if not it.
+            error.failures = {r: p for p, ranks in problems.items() for r in ranks}
+            raise error
+        self.saves.prepare(comm)
+        leader = any(domain[0] == comm.rank for domain in self.saves.domains or [])
+
+        def mark() -> None:
+            if leader and self._found is None:
+                with run_storage_errors(self.directory, "marking the fast tier as this run's"):
+                    _write_marker(self.directory, owner)
+
+        comm.run("mark", mark)
+        if self._found is None:  # a new directory: its node's leader marked it
+            self._found = FastTierMarker(owner)
+        self._owner = owner
+
+    def _check_here(self, owner: str) -> str | None:
+        """On every rank, before anything is read from the directory or written there: why
+        this node's directory may not be the fast tier of the run ``owner``, or ``None``
+        (then it exists, private, and :attr:`_found` holds its marker, if any)."""
+        where = f"{self.directory} on {platform.node()}"
+        self._found = None
+        with run_storage_errors(self.directory, "setting up the fast tier"):
+            if "://" not in self.run and nests(self.directory, self.run):
+                return (
+                    f"{where} is the run directory {self.run}, or one of them holds the other "
+                    f"once symbolic links are resolved: {_AVOID}"
+                )
+            store = storage_for(self.directory)
+            make_private = getattr(store, "make_private_dir", None)
+            if make_private is None:  # FastTier.check refuses URLs: a storage of the user's
+                return f"{where} is not on a local file system: {_AVOID}"
+            problem = make_private(self.directory)
+            if problem is not None:
+                return f"{where}: {problem}: {_AVOID}"
+            names = set(store.list(self.directory))
+            if RUN_DIR_IDENTITY in names:
+                return (
+                    f"{where} is a durable run directory (it holds {RUN_DIR_IDENTITY}, a run's "
+                    f"identity), not a fast tier: check fast_tier= (a typo, swapped paths?); "
+                    f"{_AVOID}"
+                )
+            try:
+                found = read_fast_tier_marker(self.directory)
+            except CorruptCheckpointError as exc:
+                return (
+                    f"{where}: its marker is damaged ({exc}): remove the directory if no job "
+                    "uses it (it holds only copies in memory), or give fast_tier= another one"
+                )
+        if found is None:
+            foreign = sorted(n for n in names if n != LOCK_NAME and not is_temp_name(n))
+            if foreign:
+                steps = [n for n in foreign if parse_step(n) is not None]
+                marks = [n for n in foreign if n in (LATEST, RUN_FILE)]
+                what = "checkpoints of a run" if steps or marks else "files of another program"
+                shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+                return (
+                    f"{where} is no fast tier (it has no {FAST_TIER_MARKER}) and holds {what} "
+                    f"({shown}): nothing there is used or deleted; check fast_tier= (a typo, "
+                    f"swapped paths?) and {_AVOID}"
+                )
+        elif found.format < FAST_TIER_FORMAT and found.run != owner:
+            return (
+                f"{where} was marked by an earlier release of ddpckpt for another run "
+                f"({found.run_directory!r}): its steps are not used or deleted; {_AVOID}"
+            )
+        self._found = found
+        return None
 
     def _agree_owner(self, comm: Comm) -> str:
         """Collective: the durable run's identity (:func:`_owner`), read or made by rank 0."""
@@ -161,31 +346,77 @@ class FastSaves:
         return str(comm.run_reduce("owner", leader, lambda found: found[0]))
 
     def settle(self) -> None:
-        """Collective: wait for the fast save in flight; log its failure on every rank."""
-        self.saves.settle()
+        """Collective: wait for the fast save in flight; log its failure on every rank
+        (never raised: see :meth:`save`)."""
+        with _reported(lambda exc: self.saves.failed(self.saves.latest, exc)):
+            self.saves.settle()  # fails if another job took this tier's lock over
 
     def report_locally(self) -> None:
-        """Local: wait for the fast save in flight; log its failure here."""
-        self.saves.report_locally()
+        """Local: wait for the fast save in flight; log its failure here (never raised)."""
+        with _reported(self._say_background_failed):
+            self.saves.report_locally()
 
     def close(self) -> None:
         """Local: wait for the save in flight, free the host buffer, release the node's lock.
         The steps stay in host memory for the next start of the job."""
-        self.saves.close()
+        with _reported(self._say_background_failed):
+            self.saves.close()
+
+    def _say_background_failed(self, exc: CheckpointError) -> None:
+        _log.error(
+            "fast tier %s: a background save failed and training goes on (a fast save never "
+            "stops training); its newest good step is %s. Cause: %s",
+            self.directory,
+            self.saves.newest(),
+            exc,
+            extra=same_on_every_rank(exc),
+        )
 
     # ------------------------------------------------------------------ resume
 
     def list(self) -> list[int]:
-        """Collective: set the tier up (each node's lock, leftovers) and learn which node
-        holds which step; the steps held anywhere, newest first."""
-        with self.saves.comm("Checkpointer.resume (fast tier)") as comm:
-            self.saves.prepare(comm)
-            owner = self._owner = self._agree_owner(comm)
-            self._held = comm.run_reduce(
-                "held", lambda: _held_here(self.directory, owner), _by_step
-            )
+        """Collective: set the tier up (:meth:`_set_up`) and learn which node holds which
+        step; the steps held anywhere, newest first. A tier that cannot be set up is an
+        ERROR and holds nothing: ``resume()`` goes on with the durable tier, and the next
+        fast save tries to set it up again."""
+        self._held, self._refused = {}, False
+        with _reported(self._refuse), self.saves.comm("Checkpointer.resume (fast tier)") as comm:
+            self._set_up(comm)
+            owner = self._owner
+            self._held = comm.run_reduce("held", lambda: self._held_here(owner), _by_step)
             self._world = comm.world_size
         return sorted((int(s) for s in self._held), reverse=True)
+
+    def _refuse(self, exc: CheckpointError) -> None:
+        """Report that :meth:`list` could not set the tier up: it holds nothing."""
+        self._owner, self._held, self._refused = "", {}, True
+        _log.error(
+            "the fast tier %s cannot be used: %s. resume() goes on with the durable tier "
+            "%s alone (its newest step is what it resumes from), and each later fast save "
+            "tries the fast tier again",
+            self.directory,
+            exc,
+            self.run,
+            extra=same_on_every_rank(exc),
+        )
+
+    def _held_here(self, owner: str) -> dict[str, str]:
+        """The committed steps this rank's node holds for the run ``owner``, with their
+        checkpoint ids; none, with a WARNING, if its marker names another run (they are
+        deleted after the resume, :meth:`keep_up_to`)."""
+        held = {str(e.step): e.manifest.id for e in scan(self.directory) if e.manifest is not None}
+        found = self._found
+        if held and (found is None or found.run != owner):
+            _log.warning(
+                "the fast tier %s holds steps %s of another run (%s, not %s): not resumed "
+                "from, and deleted; give each job a fast-tier directory of its own",
+                self.directory,
+                ", ".join(sorted(held, key=int)),
+                found.run if found is not None else "unknown",
+                owner,
+            )
+            return {}
+        return held
 
     def resume(
         self,
@@ -241,15 +472,19 @@ class FastSaves:
                     have = [rank in ranks for rank in range(comm.world_size)]
                     repair_copies(comm, path, have, _SHARING)
             return step, load(path)
-        except _CANNOT_SERVE as exc:
+        except (*_CANNOT_SERVE, PartiallyRestoredError) as exc:
+            cause = failure_of(exc)
+            if not isinstance(cause, _CANNOT_SERVE):
+                raise  # the objects do not match it: no other step would do
             _log.warning(
-                "the fast tier cannot restore step %d on every rank: %s; trying %s",
+                "the fast tier cannot restore step %d on every rank: %s; trying %s%s",
                 step,
-                exc,
+                cause,
                 "an older step" if more else "nothing else: no older checkpoint is left",
+                partly_note(exc),
                 extra=same_on_every_rank(exc),
             )
-            failures.append(f"{path}: {exc}")
+            failures.append(f"{path}: {cause}")
             return None
 
     def _say_durable_served(self, step: int, tried: list[int]) -> None:
@@ -263,6 +498,12 @@ class FastSaves:
                 self.directory,
                 step,
                 max(tried) - step,
+            )
+        elif self._refused:
+            _log.info(
+                "resumed from the durable tier at step %d: the fast tier could not be used "
+                "(see the ERROR above)",
+                step,
             )
         elif not held:
             _log.warning(
@@ -302,12 +543,34 @@ class FastSaves:
             )
 
     def keep_up_to(self, step: int | None, resumed: bool = True) -> None:
-        """Collective, after a resume from ``step`` (``None``: a fresh start), or before
-        the first save, of ``step``, of a job that did not resume (``resumed=False``): each
-        node deletes its fast-tier steps newer than it (those of an abandoned run, or that
-        failed to load; with a WARNING when not resumed), those of another run and what is
-        not committed; later fast saves follow on."""
+        """Collective, after a resume from ``step`` (``None``: a fresh start): each node
+        deletes its fast-tier steps newer than it (those of an abandoned run, or that failed
+        to load), those of another run and what is not committed (:meth:`_tidy`); later
+        fast saves follow on. Nothing is done where :meth:`list` could not set the tier up;
+        a failure is an ERROR (the next fast save sets the tier up again), never raised."""
+        if not self._owner:
+            return
+
+        def failed(exc: CheckpointError) -> None:
+            self._owner = ""
+            _log.error(
+                "the fast tier %s: removing steps newer than the one resumed from failed: %s. "
+                "Training goes on; the next fast save sets the fast tier up again",
+                self.directory,
+                exc,
+                extra=same_on_every_rank(exc),
+            )
+
+        with _reported(failed):
+            self._tidy(step, resumed)
+
+    def _tidy(self, step: int | None, resumed: bool) -> None:
+        """Collective: :meth:`keep_up_to`, raising its failure; also before the first save,
+        of ``step``, of a job whose resume did not set the tier up (``resumed=False``: this
+        run's steps newer than it are deleted with a WARNING). A node whose marker names
+        another run deletes every step, then marks the tier as this run's."""
         domains = self.saves.domains or []
+        owner = self._owner
         with self.saves.comm("Checkpointer.resume (fast tier tidy)") as comm:
             leader = any(domain[0] == comm.rank for domain in domains)
 
@@ -315,61 +578,58 @@ class FastSaves:
                 if not leader:
                     return None
                 with run_storage_errors(self.directory, "removing newer fast-tier steps"):
-                    owner = self._owner
-                    found = _read_owner(self.directory)
-                    ours = found == owner
+                    found = read_fast_tier_marker(self.directory)
+                    ours = found is not None and found.run == owner
                     newest, newer = _keep_up_to(self.directory, step if ours else None)
                     if newer and not resumed:
                         _say_dropped(self.directory, newer, step, found, ours)
-                    if not ours:
-                        storage_for(self.directory).replace(
-                            os.path.join(self.directory, FAST_TIER_OWNER), owner.encode()
-                        )
+                    if not ours or found is None or found.format != FAST_TIER_FORMAT:
+                        _write_marker(self.directory, owner)
                     return newest
 
             newest = comm.run_reduce(
                 "tidy", tidy, lambda found: max((s for s in found if s is not None), default=None)
             )
+        self._found = FastTierMarker(owner)
         self.saves.latest = self.saves.committed = newest
 
 
 def _owner(run: str) -> str:
     """On rank 0: the identity of the durable run directory ``run``, a random token kept
     in it (made by the first resume with a fast tier), so that a run directory deleted and
-    made anew is another run."""
-    store, path = storage_for(run), os.path.join(run, RUN_IDENTITY)
+    made anew is another run. A damaged one (no regular file, too large, not UTF-8 text)
+    raises :class:`CorruptCheckpointError` saying what to do; it is never replaced."""
+    store, path = storage_for(run), os.path.join(run, RUN_DIR_IDENTITY)
     try:
-        return store.read(path).decode()
-    except FileNotFoundError:
-        token = f"{run}#{uuid.uuid4().hex}"
-        store.make_dirs(run)  # a job that saves the fast tier before the durable one
-        store.replace(path, token.encode())
-        return token
+        found = read_run_identity(run, store)
+    except CorruptCheckpointError as exc:
+        raise CorruptCheckpointError(
+            f"{exc}. The fast tier is not used while the run's identity is unreadable: "
+            f"delete {path} to give the run a new one (the fast tier's steps then count as "
+            "another run's, and are deleted at the next start)"
+        ) from None
+    if found is not None:
+        return found
+    token = f"{run}#{uuid.uuid4().hex}"
+    store.make_dirs(run)  # a job that saves the fast tier before the durable one
+    store.replace(path, token.encode())
+    return token
 
 
-def _read_owner(directory: str) -> str | None:
-    try:
-        return storage_for(directory).read(os.path.join(directory, FAST_TIER_OWNER)).decode()
-    except FileNotFoundError:
-        return None
+def _write_marker(directory: str, owner: str) -> None:
+    """Mark the fast tier ``directory`` as the run ``owner``'s (replaced atomically)."""
+    location = os.path.join(directory, FAST_TIER_MARKER)
+    storage_for(directory).replace(location, FastTierMarker(owner).as_bytes())
 
 
-def _held_here(directory: str, owner: str) -> dict[str, str]:
-    """The committed steps this rank's node holds for the run ``owner``, with their
-    checkpoint ids; none, with a WARNING, if its steps belong to another run."""
-    held = {str(e.step): e.manifest.id for e in scan(directory) if e.manifest is not None}
-    found = _read_owner(directory)
-    if held and found != owner:
-        _log.warning(
-            "the fast tier %s holds steps %s of another run (%s, not %s): not resumed from, "
-            "and deleted; give each job a fast-tier directory of its own",
-            directory,
-            ", ".join(sorted(held, key=int)),
-            found or "unknown",
-            owner,
-        )
-        return {}
-    return held
+def _by_problem(problems: list[str | None]) -> dict[str, list[int]]:
+    """On rank 0: each problem the ranks found (those of a node find the same), with the
+    ranks that found it."""
+    found: dict[str, list[int]] = {}
+    for rank, problem in enumerate(problems):
+        if problem is not None:
+            found.setdefault(problem, []).append(rank)
+    return found
 
 
 def _by_step(views: list[dict[str, str]]) -> _Held:
@@ -400,7 +660,7 @@ def _keep_up_to(directory: str, step: int | None) -> tuple[int | None, list[int]
 
 
 def _say_dropped(
-    directory: str, steps: list[int], step: int | None, found: str | None, ours: bool
+    directory: str, steps: list[int], step: int | None, found: FastTierMarker | None, ours: bool
 ) -> None:
     """Warn that the first save of a job that did not resume deleted the fast tier's
     ``steps``: this run's steps newer than ``step``, or (not ``ours``) another run's."""
@@ -408,8 +668,8 @@ def _say_dropped(
     if ours:
         _log.warning(
             "the fast tier %s held step(s) %s of this run, newer than step %s, the first this "
-            "job saves without having called resume(): deleted, so that a restart cannot "
-            "resume from them",
+            "job saves to it without having resumed from it: deleted, so that a restart "
+            "cannot resume from them",
             directory,
             listed,
             step,
@@ -420,5 +680,5 @@ def _say_dropped(
             "fast-tier directory of its own",
             directory,
             listed,
-            found or "unknown",
+            found.run if found is not None else "unknown",
         )

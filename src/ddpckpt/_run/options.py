@@ -110,16 +110,26 @@ class FastTier:
         every_steps: The steps whose ``save()`` it takes (every step by default;
             :meth:`~ddpckpt.Checkpointer.should_save` says True then).
         keep: How many steps it keeps (1 by default; one more while a save is written).
+        overlap: Whether a fast save with an optimizer copies parameters and optimizer
+            state during the next forward/backward (``async_save="overlap"``; the default),
+            or before ``save()`` returns (``async_save=True``: the training thread waits
+            for the copy, and ``optimizer.step()`` is never held up by it).
+
+    The directory is this user's alone: created ``0700`` (its files ``0600``); an
+    existing one that is a symbolic link, another user's, or writable by its group or
+    others is refused (an ERROR; the job goes on with the durable tier), never read or
+    written. See the fast-tier page of the documentation.
 
     Raises:
         ValueError: From the ``Checkpointer``: ``every_steps`` or ``keep`` is not a
-            positive int, ``directory`` is a URL or nests with the run directory, or the
-            Checkpointer is ``read_only``.
+            positive int, ``overlap`` is not a bool, ``directory`` is a URL or nests with
+            the run directory (links resolved), or the Checkpointer is ``read_only``.
     """
 
     directory: str | os.PathLike[str]
     every_steps: int = 1
     keep: int = 1
+    overlap: bool = True
 
     @classmethod
     def of(cls, value: str | os.PathLike[str] | FastTier | None) -> FastTier | None:
@@ -145,13 +155,22 @@ class FastTier:
         for name, value in (("every_steps", self.every_steps), ("keep", self.keep)):
             if type(value) is not int or value < 1:
                 raise ValueError(f"FastTier({name}=...) must be a positive int, got {value!r}")
-        if "://" not in durable:
-            fast, run = os.path.abspath(directory), os.path.abspath(durable)
-            if os.path.commonpath([fast, run]) in (fast, run):
-                raise ValueError(
-                    f"fast_tier {directory!r} and the run directory {durable!r} must not hold "
-                    "one another: the fast tier is a directory of its own (in host memory)"
-                )
+        if type(self.overlap) is not bool:
+            raise ValueError(f"FastTier(overlap=...) must be True or False, got {self.overlap!r}")
+        if "://" not in durable and nests(directory, durable):
+            raise ValueError(
+                f"fast_tier {directory!r} and the run directory {durable!r} must not hold "
+                "one another (symbolic links resolved): the fast tier is a directory of its "
+                "own (in host memory)"
+            )
+
+
+def nests(a: str, b: str) -> bool:
+    """Whether the local paths ``a`` and ``b`` are one directory or one holds the other,
+    once symbolic links are resolved (``os.path.realpath``; what does not exist yet is
+    taken as written)."""
+    real_a, real_b = os.path.realpath(a), os.path.realpath(b)
+    return os.path.commonpath([real_a, real_b]) in (real_a, real_b)
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,13 @@ class SaveFailures:
         self.failed_saves = 0
         self._reported: BaseException | None = None  # a background failure already logged here
 
+    def _newest_good(self, newest: str | None) -> str:
+        if newest is not None:
+            return f"the newest good checkpoint is still {newest}"
+        if self.tier:  # the fast tier: the durable tier keeps its own checkpoints
+            return "the fast tier holds no good step yet (the durable tier is not affected)"
+        return "the newest good checkpoint is NONE: this run has no checkpoint to resume from"
+
     def retrying(self, path: str, attempt: Callable[[int], None]) -> None:
         """Call ``attempt(n)`` until it succeeds, retrying transient storage errors."""
         for n in range(self.retries + 1):
@@ -79,7 +86,7 @@ class SaveFailures:
             self.tier,
             step,
             _consecutive(self.failed_saves),
-            _newest_good(newest),
+            self._newest_good(newest),
             exc,
             extra=same_on_every_rank(exc),
         )
@@ -98,7 +105,7 @@ class SaveFailures:
             "%sa background save failed (%s) and training goes on (on_error='warn'); %s. Cause: %s",
             self.tier,
             _consecutive(self.failed_saves + 1),
-            _newest_good(newest),
+            self._newest_good(newest),
             error,
             extra=same_on_every_rank(error),
         )
@@ -106,9 +113,3 @@ class SaveFailures:
 
 def _consecutive(count: int) -> str:
     return f"{count} consecutive failed save{'' if count == 1 else 's'}"
-
-
-def _newest_good(newest: str | None) -> str:
-    if newest is None:
-        return "the newest good checkpoint is NONE: this run has no checkpoint to resume from"
-    return f"the newest good checkpoint is still {newest}"

@@ -13,6 +13,12 @@ Where ``renameat2(RENAME_EXCHANGE)`` is unsupported (NFS, Lustre, macOS, many FU
 systems) an overwrite takes two renames instead. ``PosixStorage(rename_exchange=False)``, or
 ``DDPCKPT_RENAME_EXCHANGE=0`` in the environment for the default instance, takes that path on
 any file system: for testing it, or for a file system whose exchange cannot be trusted.
+
+Files are created ``0644`` and directories ``0777``, less the process's umask (usually
+``0755``), as ``open`` and ``mkdir`` do: a run directory is as private as the directory
+the user puts it in. Under a directory made with :meth:`PosixStorage.make_private_dir`
+(a fast tier, in a tmpfs other users share), files are created ``0600`` and directories
+``0700``.
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ import ctypes.util
 import errno
 import mmap
 import os
+import pwd
 import shutil
 import stat
+import threading
 import time
 from typing import Any
 
@@ -41,11 +49,39 @@ from ddpckpt.storage._commit import RenameCommit
 
 _log = get_logger(__name__)
 _WRITEBACK_BYTES = 32 << 20  # start the disk writing after this many new bytes
+_FILE_MODE, _DIR_MODE = 0o644, 0o777  # less the umask, as open() and mkdir() default to
+_PRIVATE_FILE_MODE, _PRIVATE_DIR_MODE = 0o600, 0o700
+_private_roots: tuple[str, ...] = ()  # made by make_private_dir; replaced, never mutated
+_private_lock = threading.Lock()
+
+
+def _is_private(location: str) -> bool:
+    """Whether ``location`` lies under a directory made with ``make_private_dir``."""
+    roots = _private_roots
+    if not roots:
+        return False
+    absolute = os.path.abspath(location)
+    return any(absolute == root or absolute.startswith(root + os.sep) for root in roots)
+
+
+def _create_file(path: str) -> int:
+    """A new file at ``path`` (``O_EXCL``), open for writing, with the mode its place calls
+    for (see the module docstring)."""
+    mode = _PRIVATE_FILE_MODE if _is_private(path) else _FILE_MODE
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), mode)
+
+
+def _user(uid: int) -> str:
+    """``name (uid N)``, or ``uid N`` for a uid without a name here."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 class _FileWriter(Writer):
     def __init__(self, path: str) -> None:
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self._fd: int | None = _create_file(path)
         self._written = self._flushed = 0
 
     def write(self, data: Any) -> None:
@@ -200,7 +236,10 @@ class PosixStorage(Storage):
         os.unlink(location)
 
     def copy(self, source: str, target: str) -> None:
-        with os.fdopen(open_regular(source), "rb") as src, open(target, "xb") as dst:
+        with (
+            os.fdopen(open_regular(source), "rb") as src,
+            os.fdopen(_create_file(target), "wb") as dst,
+        ):
             shutil.copyfileobj(src, dst, 16 << 20)
             dst.flush()
             os.fsync(dst.fileno())
@@ -222,7 +261,60 @@ class PosixStorage(Storage):
         return found
 
     def make_dirs(self, location: str) -> None:
-        os.makedirs(location, exist_ok=True)
+        mode = _PRIVATE_DIR_MODE if _is_private(location) else _DIR_MODE
+        os.makedirs(location, mode, exist_ok=True)
+
+    def make_private_dir(self, location: str) -> str | None:
+        """Make ``location`` a directory that only this process's user may use, and create
+        what is made beneath it from now on private too (files ``0600``, directories
+        ``0700``, in this process). Returns ``None``, or why it may not be used: it exists
+        and is a symbolic link (even to a good directory), no directory, owned by another
+        user, or writable by its group or others; nothing is then read from it or written
+        through it. A directory of this user that others may only read or enter is made
+        ``0700`` (logged). Missing parents are created as :meth:`make_dirs` does.
+
+        The directory is checked on a descriptor opened without following a link, so a
+        link swapped in after a look cannot pass; and every directory above it (as named,
+        and with links resolved) must be root's or this user's, and sticky where others may
+        write in it (as ``/dev/shm`` and ``/tmp`` are), so that no other user can rename it
+        away and put another in its place.
+        """
+        global _private_roots
+        absolute = os.path.abspath(location)
+        os.makedirs(os.path.dirname(absolute), exist_ok=True)
+        problem = _unsafe_ancestor(absolute)
+        if problem is not None:
+            return problem
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(absolute, _PRIVATE_DIR_MODE)
+        flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(absolute, flags | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            return _not_a_directory(absolute)
+        try:
+            found = os.fstat(fd)
+            if not stat.S_ISDIR(found.st_mode):  # O_NOFOLLOW|O_DIRECTORY where unsupported
+                return _not_a_directory(absolute)
+            mode = stat.S_IMODE(found.st_mode)
+            if found.st_uid != os.geteuid():
+                return (
+                    f"it is owned by {_user(found.st_uid)}, not by this job's user "
+                    f"{_user(os.geteuid())}"
+                )
+            if mode & 0o022:
+                return f"its group or other users may write in it (mode {mode:04o})"
+            if mode != _PRIVATE_DIR_MODE:
+                os.fchmod(fd, _PRIVATE_DIR_MODE)
+                _log.info("%s: made private (mode %04o, was %04o)", absolute, 0o700, mode)
+        finally:
+            os.close(fd)
+        with _private_lock:
+            roots = {absolute, os.path.realpath(absolute), *_private_roots}
+            _private_roots = tuple(sorted(roots))
+        return None
 
     def delete_tree(self, location: str) -> None:
         if os.path.isdir(location) and not os.path.islink(location):
@@ -275,6 +367,50 @@ class PosixStorage(Storage):
                 with contextlib.suppress(FileNotFoundError):
                     total += os.lstat(os.path.join(root, name)).st_size
         return total
+
+
+def _unsafe_ancestor(path: str) -> str | None:
+    """Why another user could replace ``path`` through a directory above it (owned by
+    someone but root and this user, or writable by others without the sticky bit), or
+    ``None``. Both the path as named and with its links resolved are walked."""
+    me, seen = os.geteuid(), set()
+    for chain in (os.path.dirname(path), os.path.dirname(os.path.realpath(path))):
+        prefix = os.sep
+        for part in [p for p in chain.split(os.sep) if p] or [""]:
+            prefix = os.path.join(prefix, part)
+            if prefix in seen:
+                continue
+            seen.add(prefix)
+            found = os.lstat(prefix)
+            if found.st_uid not in (0, me):
+                return (
+                    f"{prefix}, above it, belongs to {_user(found.st_uid)}, who could put "
+                    "another directory in its place"
+                )
+            mode = found.st_mode
+            if stat.S_ISDIR(mode) and mode & 0o022 and not mode & stat.S_ISVTX:
+                return (
+                    f"{prefix}, above it, may be written by its group or other users and is "
+                    f"not sticky (mode {stat.S_IMODE(mode):04o}): they could put another "
+                    "directory in its place"
+                )
+    return None
+
+
+def _not_a_directory(path: str) -> str:
+    """Why ``path``, found to be no directory of its own, cannot be used as one."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return "it vanished while it was checked (another process removed it)"
+    if stat.S_ISLNK(mode):
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        return f"it is a symbolic link (to {target}), which is never followed"
+    kind = "a regular file" if stat.S_ISREG(mode) else _kind(mode)
+    return f"it is {kind}, not a directory"
 
 
 _RENAME_EXCHANGE = 2
