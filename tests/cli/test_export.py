@@ -18,6 +18,7 @@ from torch import nn
 import ddpckpt
 from ddpckpt._cli.export import export, parse_size, shard_keys
 from ddpckpt._cli.main import main
+from hostile import manifest_doc, write_manifest
 from io_helpers import flip_byte
 
 huggingface_hub = pytest.importorskip("huggingface_hub")
@@ -153,3 +154,40 @@ def test_sizes_and_the_split() -> None:
     sizes = {"a": 6, "b": 6, "c": 2, "d": 12, "e": 2, "f": 2}
     assert shard_keys(sizes, 10) == [["a"], ["d"], ["b", "c", "e"], ["f"]]
     assert shard_keys({}, 10) == [[]]
+
+
+def test_a_shard_size_out_of_range_is_an_error_naming_the_option_not_a_traceback(
+    tmp_path, capsys
+) -> None:
+    ddpckpt.save(tmp_path / "ckpt", model=nn.Linear(4, 3))
+    for size in ("9" * 400, str(2**62 + 1), "0.1", "1e3"):
+        with pytest.raises(SystemExit) as exited:  # a usage error, as argparse reports one
+            main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--max-shard-size",
+                  size])  # fmt: skip
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert "--max-shard-size" in err and "2**62" in err and "Traceback" not in err
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(ValueError, match="max_shard_size"):
+        export(tmp_path / "ckpt", tmp_path / "hf", max_shard_size=2**64)
+    assert parse_size(2**62) == 2**62 and parse_size("4611686018427387904") == 2**62
+
+
+def test_a_sharded_record_of_an_empty_tensor_with_a_huge_dimension_is_corrupt(
+    tmp_path, capsys
+) -> None:
+    """The manifest of a checkpoint records the bias as an empty sharded tensor whose second
+    dimension is 2**63: ``export`` says the checkpoint is corrupt (exit 2), no traceback."""
+    ckpt = tmp_path / "ckpt"
+    ddpckpt.save(ckpt, model=nn.Linear(4, 3))
+    manifest = manifest_doc(ckpt)
+    entry = manifest["tensors"].pop("model/bias")
+    manifest["shards"] = {"model/bias": {"dtype": entry["dtype"], "shape": [0, 2**63],
+                          "mesh": [1], "placements": ["R"], "chunk": 64, "pieces": []}}  # fmt: skip
+    manifest["format_version"] = max(manifest["format_version"], 5)
+    write_manifest(ckpt, manifest)  # its checksum recomputed, as whoever crafted it would
+    with pytest.raises(ddpckpt.CorruptCheckpointError, match=r"2\*\*62"):
+        export(ckpt, tmp_path / "w.safetensors")
+    assert main(["export", str(ckpt), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert "model/bias" in err and "Traceback" not in err and not (tmp_path / "hf").exists()

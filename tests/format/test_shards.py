@@ -104,3 +104,37 @@ def test_an_empty_tensor_has_no_shards() -> None:
     with pytest.raises(CorruptCheckpointError, match="outside"):
         ShardedEntry.from_json(doc, "ckpt")
     assert ShardedEntry.from_json({**doc, "pieces": []}, "ckpt").pieces == ()
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        [0, 2**63],  # beyond torch's 64-bit sizes
+        [0, 2**62],
+        [0, 2**61, 2**61],  # each below, together beyond torch's strides
+        [2**200, 0],
+        [0, 10**4299],  # as long as an integer JSON parses may be
+    ],
+)
+def test_an_empty_tensor_of_huge_dimensions_is_refused_before_torch_sees_it(shape) -> None:
+    """An empty tensor has no shards, so nothing else bounds its dims: each and their
+    product are checked here, never handed to torch (whose TypeError/RuntimeError would
+    escape as a traceback)."""
+    doc = {**_record(), "shape": shape, "pieces": []}
+    with pytest.raises(CorruptCheckpointError, match=r"shape .*(2\*\*62)"):
+        ShardedEntry.from_json(doc, "ckpt")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _set(["pieces", 0, "offsets"], [2**64, 0]),
+        _set(["pieces", 0, "range"], [2**63, 2**63 + 80]),
+        _set(["pieces", 1, "shape"], [2**62, 5]),
+    ],
+)
+def test_offsets_and_ranges_beyond_2_62_are_refused(change) -> None:
+    doc = copy.deepcopy(_record())
+    change(doc)
+    with pytest.raises(CorruptCheckpointError, match=r"2\*\*62"):
+        ShardedEntry.from_json(doc, "ckpt")

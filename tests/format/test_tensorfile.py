@@ -84,3 +84,25 @@ def test_unstorable_tensors_are_refused_naming_the_key(tmp_path, tensor, why) ->
     with pytest.raises(UnsupportedValueError, match=f"model/bad.*{why}|{why}.*"):
         write_file(os.fspath(tmp_path / "x"), [("model/bad", tensor)], writer=0, metadata={})
     assert not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.parametrize(
+    "shape", [[0, 2**61, 2**61], [2**62, 0], [0, 2**63 - 1]], ids=["product", "one", "largest"]
+)
+def test_an_empty_tensor_whose_strides_overflow_is_refused_as_damaged(shape) -> None:
+    # No bytes, yet torch's strides over such dimensions overflow 64 bits: refused when the
+    # header is read, before anything reaches torch.
+    import json
+    import struct
+
+    from ddpckpt._format.tensorfile import read_header
+    from ddpckpt.errors import CorruptCheckpointError
+
+    doc = json.dumps({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode()
+    blob = struct.pack("<Q", len(doc)) + doc
+
+    def read(offset: int, length: int) -> bytes:
+        return blob[offset : offset + length]
+
+    with pytest.raises(CorruptCheckpointError, match="spans 2\\*\\*62 bytes or more"):
+        read_header(read, len(blob), "ckpt/model-00000.safetensors", "model-00000.safetensors")

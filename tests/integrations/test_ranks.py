@@ -53,3 +53,15 @@ def test_a_rank_beyond_the_saved_world_gets_derived_streams_and_rank_0_says_so(
     assert not torch.equal(derived["torch"], saved[0]["rng"]["torch"])
     assert torch.equal(derived["torch"], own_streams(saved, "ExactResume")["torch"])  # the same
     restore_streams(derived, "here")  # numpy's key in the form restore_streams takes
+
+
+@pytest.mark.parametrize(
+    "state",
+    [[], {"python": None, "torch": None, "numpy": {"no": "state"}}, {"numpy": 3}],
+    ids=["not-a-dict", "numpy-without-state", "numpy-not-a-dict"],
+)
+def test_random_streams_that_are_not_ones_are_a_damaged_checkpoint(state) -> None:
+    from ddpckpt.errors import CorruptCheckpointError
+
+    with pytest.raises(CorruptCheckpointError, match="ExactResume"):
+        restore_streams(state, "ExactResume")

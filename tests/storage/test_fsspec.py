@@ -50,3 +50,33 @@ def test_storage_options_make_the_file_system_and_a_missing_object_is_named(fssp
     with pytest.raises(ddpckpt.CorruptCheckpointError, match=r"model-00000\.safetensors"):
         ddpckpt.load(path, model=make_mlp())
     storage_for(path).delete_tree(path)
+
+
+def test_keys_with_empty_dot_or_dotdot_segments_are_skipped_with_a_warning(
+    fsspec_root, caplog
+) -> None:
+    """An object store's keys are names: ``run//x`` or ``step-6/./manifest.json`` is never
+    listed as ``run`` or ``.`` (another name), but skipped and reported; resume() works
+    (the prefix holding nothing else is moved aside, as a save that did not finish)."""
+    import logging
+
+    model = make_mlp()
+    run = fsspec_root / "run"
+    with Checkpointer(run, model=model, keep_last=None) as ckpt:
+        ckpt.save(2)
+    fs = MemoryFileSystem()
+    root = f"/{fsspec_root.name}/run"
+    manifest = fs.cat_file(f"{root}/step-00000002/manifest.json")
+    fs.pipe_file(f"{root}/step-00000006/./manifest.json", manifest)
+    fs.pipe_file(f"{root}//step-00000007", b"x")
+    storage = storage_for(run)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        names = storage.list(run)
+        assert "run" not in names and "" not in names and "step-00000002" in names
+        assert storage.list(f"{run}/step-00000006") == []
+        assert storage.walk(f"{run}/step-00000006") == []
+        fresh = make_mlp(seed=1)
+        assert Checkpointer(run, model=fresh).resume().step == 2
+    assert torch.equal(fresh[0].weight, model[0].weight)
+    assert f"{root}/step-00000006/./manifest.json" in caplog.text
+    assert f"{root}//step-00000007" in caplog.text or f"{root}/" in caplog.text

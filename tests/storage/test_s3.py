@@ -695,3 +695,35 @@ def test_a_server_that_stops_answering_is_reported_at_its_first_timeout(
     warnings = [r.getMessage() for r in caplog.records if "got no answer" in r.getMessage()]
     assert len(warnings) == 1
     assert "retrying up to 1 times" in warnings[0] and "read_timeout=" in warnings[0]
+
+
+def test_a_dot_segment_key_under_the_run_is_skipped_with_a_warning_not_re_split(
+    s3_root, caplog
+) -> None:
+    """An object named ``step-00000006/./manifest.json`` (put there by another tool) is no
+    name ddpckpt writes: listing skips it with a WARNING naming it, and never reads it as
+    ``step-00000006/manifest.json``, so resume() still works."""
+    run = s3_root / "run"
+    model = saved_run(run, steps=(1, 2))
+    storage = storage_for(run)
+    bucket, key = storage._split(run)
+    manifest = storage.read(f"{run}/step-00000002/manifest.json")
+    storage._client.put_object(Bucket=bucket, Key=f"{key}/step-00000006/./manifest.json",
+                               Body=manifest)  # fmt: skip
+    storage._client.put_object(Bucket=bucket, Key=f"{key}/step-00000002/../x", Body=b"x")
+    storage._client.put_object(Bucket=bucket, Key=f"{key}//step-00000007", Body=b"x")
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        restored = make_mlp()
+        for _ in range(2):  # the second resume() is not blocked by what the first did
+            assert Checkpointer(run, model=restored).resume().step == 2
+        listed = storage.walk(f"{run}/step-00000002")
+        assert "manifest.json" in listed and not [n for n in listed if ".." in n]
+        assert storage.list(f"{run}/step-00000006") == []  # all it holds was skipped
+    for weight, saved in zip(restored.parameters(), model.parameters(), strict=True):
+        assert torch.equal(weight, saved)
+    assert f"'{key}/step-00000006/./'" in caplog.text  # the prefix holding it, as listed
+    assert "step-00000006 aside" not in caplog.text  # nothing there can be moved: none said
+    assert f"{key}/step-00000002/../x" in caplog.text
+    assert "skipped" in caplog.text
+    listed = storage._client.list_objects_v2(Bucket=bucket, Prefix=f"{key}/")["Contents"]
+    assert f"{key}/step-00000006/./manifest.json" in {item["Key"] for item in listed}

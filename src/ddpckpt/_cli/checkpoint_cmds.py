@@ -87,6 +87,16 @@ def _verify(args: argparse.Namespace) -> int:
     return status
 
 
+def _shard_size(text: str) -> int:
+    """``--max-shard-size`` read by argparse: out of range is a usage error (exit 2)."""
+    from ddpckpt._cli.export import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a checkpoint directory (step-N/), local or s3://")
     p.add_argument(
@@ -100,6 +110,7 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-shard-size",
         metavar="SIZE",
+        type=_shard_size,
         help="a directory's largest file before it is split, as 5GB, 500MB or bytes "
         "(default 5GB; decimal units, as Hugging Face's)",
     )

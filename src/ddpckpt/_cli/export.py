@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from fractions import Fraction
 
 import torch
 
@@ -36,6 +37,8 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 _METADATA = {"format": "pt", "exported_by": "ddpckpt"}  # "pt": what transformers requires
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # Hugging Face's (decimal)
+MAX_SHARD_SIZE = 1 << 62  # bytes: beyond any file, within every size torch and the OS count
+_SIZE_HELP = "pass 1 to 2**62 bytes, or e.g. '5GB' or '500MB' (KB, MB, GB, TB; decimal)"
 
 
 def export(
@@ -73,7 +76,10 @@ def export(
         )
     if max_shard_size is not None and not directory:
         raise ValueError(f"{out}: max_shard_size is for a directory; {out} names one file")
-    limit = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
+    try:
+        limit = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
+    except ValueError as exc:
+        raise ValueError(f"max_shard_size (--max-shard-size): {exc}") from None
     manifest = open_manifest(path)
     model = chosen_model(path, StateSections.from_json(manifest.state, path), model)
     store = storage_for(out)
@@ -98,16 +104,22 @@ def export(
 
 
 def parse_size(size: int | str) -> int:
-    """Bytes from ``size``: an integer, or a string such as ``"5GB"`` (KB, MB, GB, TB, decimal)."""
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]B)?\s*", str(size), re.IGNORECASE)
-    if found is None or float(found[1]) <= 0:
-        raise ValueError(
-            f"{size!r} is not a shard size: pass bytes or e.g. '5GB' (KB, MB, GB, TB; decimal)"
-        )
-    unit = _UNITS[found[2].upper()] if found[2] else 1
-    return int(float(found[1]) * unit)
+    """Bytes from ``size``: an integer, or a string such as ``"5GB"`` (KB, MB, GB, TB,
+    decimal), from 1 byte to :data:`MAX_SHARD_SIZE`; :class:`ValueError` naming the range
+    otherwise (never an overflow: the number is read exactly, its length capped)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        bytes_ = size
+    else:
+        text = str(size)
+        found = re.fullmatch(r"\s*(\d{1,30})(?:\.(\d{1,30}))?\s*([KMGT]B)?\s*", text, re.I | re.A)
+        if found is None:
+            raise ValueError(f"{text[:60]!r} is not a shard size: {_SIZE_HELP}")
+        unit = _UNITS[found[3].upper()] if found[3] else 1
+        bytes_ = int(Fraction(f"{found[1]}.{found[2] or 0}") * unit)
+    if not 1 <= bytes_ <= MAX_SHARD_SIZE:
+        shown = size if isinstance(size, str) else bytes_
+        raise ValueError(f"{str(shown)[:60]!r} is not a shard size: {_SIZE_HELP}")
+    return bytes_
 
 
 class _Weights:

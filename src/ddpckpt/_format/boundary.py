@@ -160,6 +160,11 @@ class Fields:
         what = self.what() if callable(self.what) else self.what
         return CorruptCheckpointError(f"{self.where}: malformed {what}:{field} {problem}")
 
+    def value(self, key: str, default: Any = _REQUIRED) -> Any:
+        """The value of ``key``, of any type: ``default`` if absent (a missing field
+        without one is :class:`CorruptCheckpointError` naming the file and the field)."""
+        return self._get(key, default)
+
     def _get(self, key: str, default: Any) -> Any:
         if key not in self.doc:
             if default is _REQUIRED:
@@ -232,3 +237,17 @@ def _kind(value: Any) -> str:
     if isinstance(value, str):
         return f"the string {value[:40]!r}"
     return {dict: "a JSON object", list: "a list"}.get(type(value), type(value).__name__)
+
+
+# ---- check-resume's records (ddpckpt._resumecheck.records) read their fields with these
+
+
+def describe(value: Any) -> str:
+    """How an error names ``value``: ``null``, ``the string 'x'``, ``a list``, ..."""
+    return _kind(value)
+
+
+def field_value(fields: Fields, key: str, *, optional: bool) -> Any:
+    """The value of ``key`` in ``fields`` (``None`` if ``optional`` and absent); a missing
+    required field is :class:`CorruptCheckpointError` naming the file and the field."""
+    return fields.value(key, None if optional else _REQUIRED)

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ddpckpt._format.tensorfile import TensorEntry, dtype_from_name
+from ddpckpt._format.tensorfile import MAX_EXTENT, TensorEntry, dtype_from_name, spanned_bytes
 from ddpckpt.errors import CorruptCheckpointError
 
 REPLICATE = "R"
@@ -38,6 +38,9 @@ _MAX_DIMS = 64
 _MAX_MESH_DIMS = 8
 _MAX_MESH_SIZE = 1 << 24
 _MAX_CHUNK = 1 << 40
+# Every dimension, offset, byte position and size in a record is below MAX_EXTENT, and so
+# is any tensor's size in bytes with its empty dimensions counted as 1 (what torch's
+# strides reach): nothing read from a manifest overflows torch's 64-bit sizes or strides.
 
 
 def shard_placement(dim: int) -> str:
@@ -111,6 +114,7 @@ class ShardedEntry:
         dtype = _field(doc, "dtype", str, bad)
         itemsize = dtype_from_name(dtype, where).itemsize
         shape = _ints(_field(doc, "shape", list, bad), "shape", bad, limit=_MAX_DIMS)
+        _extent(shape, itemsize, "shape", bad)
         mesh = _ints(_field(doc, "mesh", list, bad), "mesh", bad, limit=_MAX_MESH_DIMS, low=1)
         if not mesh or math.prod(mesh) > _MAX_MESH_SIZE:
             raise bad(f"mesh {mesh} is empty or larger than {_MAX_MESH_SIZE} ranks")
@@ -143,9 +147,29 @@ def _field(doc: dict[str, Any], key: str, kind: type, bad: Any) -> Any:
 
 
 def _ints(values: list[Any], what: str, bad: Any, *, limit: int, low: int = 0) -> list[int]:
-    if len(values) > limit or not all(type(v) is int and v >= low for v in values):
-        raise bad(f"{what} {values!r} is not a list of at most {limit} integers >= {low}")
+    if len(values) > limit or not all(type(v) is int and low <= v < MAX_EXTENT for v in values):
+        raise bad(
+            f"{what} {_shown(values)} is not a list of at most {limit} integers in [{low}, 2**62)"
+        )
     return values
+
+
+def _shown(values: list[Any]) -> str:
+    """``values`` for a message: short, whatever they hold (an int of thousands of digits
+    cannot even be printed)."""
+    items = [
+        repr(v)[:40] if not isinstance(v, int) or v.bit_length() <= 64 else "<a huge integer>"
+        for v in values[:8]
+    ]
+    return f"[{', '.join(items)}{', ...' if len(values) > 8 else ''}]"
+
+
+def _extent(shape: list[int], itemsize: int, what: str, bad: Any) -> int:
+    """:func:`~ddpckpt._format.tensorfile.spanned_bytes`, or ``bad``'s error from 2**62 bytes on."""
+    total = spanned_bytes(shape, itemsize)
+    if total is None:
+        raise bad(f"{what} {_shown(shape)} of {itemsize}-byte elements spans 2**62 bytes or more")
+    return total
 
 
 def _valid_placement(placement: Any, ndim: int) -> bool:
@@ -167,7 +191,7 @@ def _piece(doc: Any, dtype: str, shape: list[int], itemsize: int, chunk: int, ba
     if any(o + s > g for o, s, g in zip(offsets, size, shape, strict=True)):
         raise bad(f"shard at {offsets} of shape {size} lies outside the shape {shape}")
     span = _ints(_field(doc, "range", list, bad), "range", bad, limit=2)
-    nbytes = math.prod(size) * itemsize
+    nbytes = _extent(size, itemsize, "shard shape", bad)  # no empty dim (low=1): its bytes
     if len(span) != 2 or span[1] - span[0] != nbytes:
         raise bad(f"shard at {offsets}: byte range {span} does not hold {nbytes} bytes")
     chunks = _field(doc, "chunks", list, bad)

@@ -120,6 +120,21 @@ class FileEntry:
     writer: int
 
 
+MAX_EXTENT = 1 << 62  # the bytes a tensor may span, its empty dimensions counted as 1
+
+
+def spanned_bytes(shape: Sequence[int], itemsize: int) -> int | None:
+    """The bytes a tensor of ``shape`` spans with its empty dimensions counted as 1 (its
+    largest stride, in bytes), or ``None`` from :data:`MAX_EXTENT` on: checked one factor
+    at a time, so no product of hostile numbers is ever formed."""
+    total = itemsize
+    for size in shape:
+        total *= max(size, 1)
+        if total >= MAX_EXTENT:
+            return None
+    return total
+
+
 def checked_layout(
     fields: Fields, file_size: int, base: int = 0, offsets_key: str = "offsets"
 ) -> tuple[str, tuple[int, ...], int, int]:
@@ -136,6 +151,7 @@ def checked_layout(
         and type(shape) is list
         and len(shape) <= MAX_DIMS
         and all(type(d) is int and 0 <= d <= MAX_INT for d in shape)
+        and spanned_bytes(shape, itemsize) is not None
         and type(span) is list
         and len(span) == 2
         and type(span[0]) is int
@@ -157,12 +173,14 @@ def _refused_layout(fields: Fields, file_size: int, base: int, offsets_key: str)
     if len(shape_doc) > MAX_DIMS:
         raise fields.error(f"has {len(shape_doc)} dimensions (at most {MAX_DIMS})", "shape")
     shape = tuple(check_int(d, 0, MAX_INT, lambda p: fields.error(p, "shape")) for d in shape_doc)
+    itemsize = _ITEMSIZES[dtype]
+    if spanned_bytes(shape, itemsize) is None:
+        raise fields.error(f"of {dtype} spans 2**62 bytes or more (a dimension too large)", "shape")
     span = fields.sequence(offsets_key)
     if len(span) != 2:
         raise fields.error("is not a pair [begin, end]", offsets_key)
     limit = file_size - base
     begin, end = (check_int(x, 0, limit, lambda p: fields.error(p, offsets_key)) for x in span)
-    itemsize = _ITEMSIZES[dtype]
     if end < begin or end - begin != math.prod(shape) * itemsize:
         raise fields.error(
             f"is [{begin}, {end}]: {end - begin} bytes, where {dtype} of shape {list(shape)} "

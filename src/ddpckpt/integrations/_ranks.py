@@ -42,15 +42,24 @@ def _numpy_key_as_tensor(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def restore_streams(state: dict[str, Any], where: str) -> None:
-    """Set every generator to ``state`` (from :func:`capture_streams`)."""
+    """Set every generator to ``state`` (from :func:`capture_streams`); a state that is not
+    one is a :class:`~ddpckpt.errors.CorruptCheckpointError` naming ``where``."""
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(f"{where}: the random streams are a {type(state).__name__}")
     state = dict(state)
     if "numpy" in state:
         numpy = sys.modules.get("numpy")
         if numpy is None:
             import numpy
-        numpy_state = dict(state["numpy"])
-        inner = dict(numpy_state["state"])
-        inner["key"] = inner["key"].numpy().astype(numpy.uint32)
+        try:
+            numpy_state = dict(state["numpy"])
+            inner = dict(numpy_state["state"])
+            inner["key"] = inner["key"].numpy().astype(numpy.uint32)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptCheckpointError(
+                f"{where}: numpy's random stream is not one numpy saved ({type(exc).__name__}: "
+                f"{exc})"
+            ) from exc
         numpy_state["state"] = inner
         state["numpy"] = numpy_state
     restore_rng(state, where)

@@ -30,20 +30,36 @@ require("transformers", "Hugging Face transformers", "transformers")
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import Trainer, TrainerState  # noqa: E402
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, sort_checkpoints  # noqa: E402
+from transformers.trainer_utils import (  # noqa: E402
+    PREFIX_CHECKPOINT_DIR,
+    compare_trainer_and_checkpoint_args,
+    sort_checkpoints,
+)
 
 import ddpckpt  # noqa: E402
 from ddpckpt._format.codec import decode  # noqa: E402
-from ddpckpt._format.manifest import MANIFEST_NAME, read_manifest  # noqa: E402
+from ddpckpt._format.manifest import manifest_path, read_manifest  # noqa: E402
 from ddpckpt._format.sections import StateSections  # noqa: E402
+from ddpckpt._io.reader import FileSource  # noqa: E402
 from ddpckpt._log import get_logger  # noqa: E402
 from ddpckpt.events import SaveEvent, add_listener  # noqa: E402
+from ddpckpt.integrations._hf_records import (  # noqa: E402
+    SavedModelConfig,
+    config_class,
+    model_class,
+    model_config_from_json,
+    trainer_state_from_json,
+)
 from ddpckpt.integrations._ranks import capture_streams, restore_streams  # noqa: E402
+from ddpckpt.storage import storage_for  # noqa: E402
 
 __all__ = ["DdpckptTrainer", "export_pretrained"]
 
@@ -71,15 +87,44 @@ class _PerRankRun:
             "flos": float(trainer.current_flos),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Any) -> None:
+        """Keep this process's saved run state, its types checked, until :meth:`apply`."""
+        kinds = {"rng": dict, "tr_loss": torch.Tensor, "total_loss": (int, float),
+                 "last_logged": int, "flos": (int, float)}  # fmt: skip
+        where = self._where()
+        if not isinstance(state, dict) or any(
+            not isinstance(state.get(k), kind) or isinstance(state.get(k), bool)
+            for k, kind in kinds.items()
+        ):
+            raise ddpckpt.CorruptCheckpointError(
+                f"{where}: malformed saved per-process run state: not "
+                f"{{{', '.join(kinds)}}} of the types it saves"
+            )
+        if state["tr_loss"].numel() != 1:
+            raise ddpckpt.CorruptCheckpointError(
+                f"{where}: malformed saved per-process run state: field 'tr_loss' is "
+                f"a tensor of shape {list(state['tr_loss'].shape)[:8]}, not one number"
+            )
         self.loaded = dict(state)
+
+    def _where(self) -> str:
+        resuming = self.trainer._resuming
+        return resuming.path if resuming is not None else "DdpckptTrainer"
 
     def apply(self) -> None:
         state, self.loaded = self.loaded, None
         if state is None:
             return
         trainer = self.trainer
-        restore_streams(state["rng"], "DdpckptTrainer")
+        try:
+            restore_streams(state["rng"], "DdpckptTrainer")
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
+            if isinstance(exc, ddpckpt.CheckpointError):
+                raise
+            raise ddpckpt.CorruptCheckpointError(
+                f"{self._where()}: malformed saved random streams of this process "
+                f"({type(exc).__name__}: {str(exc)[:200]})"
+            ) from exc
         trainer._tr_loss = state["tr_loss"].to(trainer.args.device)
         trainer._total_loss_scalar = state["total_loss"]
         trainer._globalstep_last_logged = state["last_logged"]
@@ -101,6 +146,7 @@ class DdpckptTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self._save_options = dict(save_options or {})
         self._per_rank = _PerRankRun(self)
+        self._resuming: _Resuming | None = None
 
     # ------------------------------------------------------------------ saving
 
@@ -175,21 +221,94 @@ class DdpckptTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
         """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest committed
-        checkpoint in ``output_dir`` that verifies (damaged ones are skipped, with a warning)."""
+        checkpoint in ``output_dir`` that verifies (damaged ones are skipped, with a warning).
+
+        A ddpckpt checkpoint is only read: the ``TrainerState`` comes from its manifest
+        (checked field by field) and goes to the Trainer in memory; the
+        ``trainer_state.json`` beside it is never read, and nothing is written into it.
+        """
         if resume_from_checkpoint is True:
             resume_from_checkpoint = ddpckpt.latest(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(
                     f"No valid checkpoint found in output directory ({self.args.output_dir})"
                 )
-        if resume_from_checkpoint and _is_checkpoint(resume_from_checkpoint):
-            self._ensure_trainer_state(os.fspath(resume_from_checkpoint))
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        if not resume_from_checkpoint or not _is_checkpoint(resume_from_checkpoint):
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        path = os.fspath(resume_from_checkpoint)
+        state = trainer_state_from_json(_saved_value(path, "trainer_state"), path)
+        if self.args.auto_find_batch_size and state.train_batch_size is not None:
+            self._train_batch_size = state.train_batch_size  # as the Trainer's own resume
+        self._resuming = _Resuming(path, state)
+        try:  # the Trainer is told of no checkpoint: it would read its files (see _Resuming)
+            return super().train(None, *args, **kwargs)
+        finally:
+            self._resuming = None
 
-    def _ensure_trainer_state(self, path: str) -> None:
-        """The Trainer reads ``trainer_state.json``; a save killed after its commit left none."""
-        if not os.path.isfile(os.path.join(path, TRAINER_STATE_NAME)):
-            _write_trainer_state(path, _saved_value(path, "trainer_state"))  # the same bytes
+    def _init_training_state(
+        self, max_steps: int, num_update_steps_per_epoch: int, num_train_epochs: int,
+        resume_from_checkpoint: str | None, trial: Any,
+    ) -> tuple[int, int]:  # fmt: skip
+        """The Trainer's own, with the resumed ``TrainerState`` given in memory."""
+        resuming = self._resuming
+        counts = super()._init_training_state(max_steps, num_update_steps_per_epoch,
+                                              num_train_epochs, resume_from_checkpoint, trial)  # fmt: skip
+        if resuming is None:
+            return counts
+        self.state = dataclasses.replace(resuming.state)
+        best = self.state.best_model_checkpoint
+        if best is not None and not _is_checkpoint(best) and not os.path.isdir(best):
+            _log.warning(
+                "%s: the best checkpoint it records, %s, does not exist anymore; this run "
+                "ignores it", resuming.path, best,
+            )  # fmt: skip
+            self.state.best_model_checkpoint = None
+        compare_trainer_and_checkpoint_args(self.args, self.state)
+        self._check_callback_states(resuming.path)
+        self._load_callback_state()
+        epochs_trained = int(self.state.global_step // num_update_steps_per_epoch)
+        steps_trained = 0
+        if not self.args.ignore_data_skip:
+            steps_trained = self.state.global_step % num_update_steps_per_epoch
+            steps_trained *= self.args.gradient_accumulation_steps
+        self.state.init_training_references(self, max_steps, num_train_epochs, trial)
+        _log.info("resuming from %s at step %d", resuming.path, self.state.global_step)
+        return epochs_trained, steps_trained
+
+    def _check_callback_states(self, path: str) -> None:
+        """Refuse saved callback states the live callbacks do not export (the Trainer makes
+        each callback anew from its saved arguments and sets its saved attributes)."""
+        if not self.args.restore_callback_states_from_checkpoint:
+            return
+        live = [*self.callback_handler.callbacks, self.control]
+        for name, saved in self.state.stateful_callbacks.items():
+            matching = [c for c in live if type(c).__name__ == name]
+            states = saved if isinstance(saved, list) else [saved]
+            for callback, data in zip(matching, states, strict=False):  # as the Trainer pairs
+                own = callback.state()
+                for part in ("args", "attributes"):
+                    for key, value in data[part].items():
+                        known = own.get(part, {})
+                        if key not in known or not _same_kind(value, known[key]):
+                            raise ddpckpt.CorruptCheckpointError(
+                                f"{path}: malformed saved trainer_state: field "
+                                f"'stateful_callbacks': {name}'s {part} {key[:80]!r} is "
+                                f"{value!r:.60}, which {name} does not export as such"
+                            )
+
+    def _prepare_for_training(
+        self, max_steps: int, train_dataloader: Any, resume_from_checkpoint: str | None
+    ) -> Any:
+        resuming = self._resuming
+        if resuming is not None:  # loads through the methods below, reads no file of its own
+            resume_from_checkpoint = resuming.path
+        return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        resuming = self._resuming
+        if resuming is not None:  # skips the batches trained, restores the streams after
+            kwargs["resume_from_checkpoint"] = resuming.path
+        return super()._run_epoch(*args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if not _is_checkpoint(resume_from_checkpoint):
@@ -201,14 +320,13 @@ class DdpckptTrainer(Trainer):
             super()._load_optimizer_and_scheduler(checkpoint)
             return
         info = ddpckpt.load(checkpoint, self._ddpckpt_state())
-        saved = TrainerState(**json.loads(info.extra["trainer_state"]))
+        saved = trainer_state_from_json(info.extra["trainer_state"], checkpoint)
         if saved.global_step != self.state.global_step:
             raise ddpckpt.StateMismatchError(
-                f"{checkpoint}: {TRAINER_STATE_NAME} says step {self.state.global_step}, the "
-                f"checkpoint itself step {saved.global_step}; delete {TRAINER_STATE_NAME} there "
-                "(it is written again from the checkpoint) and resume again"
+                f"{checkpoint}: changed while this run resumed from it (step "
+                f"{self.state.global_step} when it began, step {saved.global_step} now); "
+                "resume again"
             )
-        self.state = saved
 
     def _load_scaler(self, checkpoint: str | None) -> None:
         if checkpoint is None or not _is_checkpoint(checkpoint):
@@ -229,8 +347,32 @@ class DdpckptTrainer(Trainer):
         ddpckpt.load(best, ddpckpt.TrainingState(model=self.model_wrapped, rng=False))
 
 
+@dataclasses.dataclass(frozen=True)
+class _Resuming:
+    """The ddpckpt checkpoint a ``train()`` resumes from, and the ``TrainerState`` read
+    from its manifest. While it is set the Trainer's own code is told of no checkpoint
+    where it would read ``trainer_state.json`` (which may be missing, stale, or a link
+    planted by whoever made the checkpoint), and of this one where it loads through this
+    class's methods."""
+
+    path: str
+    state: TrainerState
+
+
 def _is_checkpoint(path: str | os.PathLike[str]) -> bool:
-    return os.path.isfile(os.path.join(os.fspath(path), MANIFEST_NAME))
+    location = os.fspath(path)
+    return storage_for(location).exists(manifest_path(location))
+
+
+def _same_kind(value: Any, own: Any) -> bool:
+    """Whether a saved callback value may stand for the live one ``own``."""
+    if own is None or value is None:
+        return True
+    if isinstance(own, bool) or isinstance(value, bool):
+        return type(own) is type(value)
+    if isinstance(own, (int, float)):
+        return isinstance(value, (int, float))
+    return type(value) is type(own)
 
 
 def _state_json(state: TrainerState) -> str:
@@ -239,13 +381,10 @@ def _state_json(state: TrainerState) -> str:
 
 
 def _write_trainer_state(directory: str, text: str) -> None:
-    target = os.path.join(directory, TRAINER_STATE_NAME)
-    temporary = f"{target}.{os.getpid()}.tmp"
-    with open(temporary, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, target)
+    """``trainer_state.json`` in the checkpoint this process has just committed, through the
+    storage serving it: atomically (a new file renamed over any old one, never written
+    through a link), so a reader sees the previous file or this one."""
+    storage_for(directory).replace(os.path.join(directory, TRAINER_STATE_NAME), text.encode())
 
 
 def export_pretrained(
@@ -254,8 +393,12 @@ def export_pretrained(
     """Write a ``from_pretrained`` directory (``config.json``, ``model.safetensors``) from a
     :class:`DdpckptTrainer` checkpoint; local, one process. Returns ``out_dir``.
 
-    The model is rebuilt from the configuration saved in the checkpoint (its
-    ``architectures`` name a class of ``transformers``); pass ``model`` (an instance of
+    The model is rebuilt from the configuration saved in the checkpoint, read as untrusted
+    input: its ``model_type`` must be one of transformers and its ``architectures`` name one
+    of the model classes transformers' auto mappings give that type (a
+    ``PreTrainedModel``); every field is type-checked, and the model is first built on the
+    meta device and its shapes compared with the checkpoint's tensors, so that nothing is
+    allocated for a configuration that does not match them. Pass ``model`` (an instance of
     the trained class, e.g. ``MyModel(config)``) for a class of your own. Save the
     tokenizer or processor next to it yourself (``tokenizer.save_pretrained(out_dir)``).
 
@@ -269,9 +412,11 @@ def export_pretrained(
         ``out_dir``.
 
     Raises:
-        CheckpointError: The checkpoint is missing or damaged.
-        StateMismatchError: Its configuration names no class of ``transformers`` and
-            ``model`` was not passed.
+        CorruptCheckpointError: The checkpoint is damaged, or its saved configuration is
+            malformed, names no model class of transformers for its model type, or does
+            not match its tensors (the message names the field or the tensor).
+        CheckpointError: The checkpoint is missing.
+        StateMismatchError: It is no checkpoint of :class:`DdpckptTrainer`.
     """
     checkpoint = os.fspath(checkpoint)
     if model is None:
@@ -283,16 +428,118 @@ def export_pretrained(
 
 
 def _model_from_saved_config(checkpoint: str) -> torch.nn.Module:
-    doc = json.loads(_saved_value(checkpoint, "config"))
-    names = doc.get("architectures") or []
-    cls = getattr(transformers, names[0], None) if names else None
-    if cls is None:
-        raise ddpckpt.StateMismatchError(
-            f"{checkpoint}: the saved configuration names the architecture {names!r}, which "
-            "is not a class of transformers; pass model= (an instance of it) to export_pretrained"
+    """The model the checkpoint's saved configuration describes, on the CPU, built only
+    once a meta-device build of it has the checkpoint's tensors' names and shapes."""
+    saved = model_config_from_json(_saved_value(checkpoint, "config"), checkpoint)
+    cls = model_class(saved, checkpoint)
+    stored = _stored_shapes(checkpoint)
+    config = _config(saved, checkpoint)
+    with _bounded_build(checkpoint, len(stored)), torch.device("meta"):
+        skeleton = _build(cls, config, saved, checkpoint)
+    built = {key: tuple(t.shape) for key, t in skeleton.state_dict().items()}
+    for key in sorted(set(built) | set(stored)):
+        if built.get(key) != stored.get(key):
+            raise ddpckpt.CorruptCheckpointError(
+                f"{checkpoint}: malformed saved model config: {saved.architecture} built from "
+                f"it has {_described(built.get(key))} for {key[:200]!r}, where the checkpoint "
+                f"has {_described(stored.get(key))}"
+            )
+    _check_size(skeleton, checkpoint, saved)
+    return _build(cls, config, saved, checkpoint)
+
+
+def _check_size(skeleton: torch.nn.Module, checkpoint: str, saved: SavedModelConfig) -> None:
+    """Refuse a model that would take far more memory than the checkpoint stores: buffers
+    left out of its state (a causal mask sized by ``max_position_embeddings``) are not
+    compared with the checkpoint's tensors, but are allocated all the same."""
+    tensors = [*skeleton.parameters(), *skeleton.buffers()]
+    needed = sum(t.numel() * t.element_size() for t in tensors)
+    stored = sum(f.size for f in read_manifest(checkpoint).files.values())
+    if needed > 2 * stored + (64 << 20):
+        raise ddpckpt.CorruptCheckpointError(
+            f"{checkpoint}: malformed saved model config: {saved.architecture} built from it "
+            f"would take {needed} bytes of parameters and buffers, where the checkpoint "
+            f"stores {stored} bytes in all"
         )
-    config = transformers.AutoConfig.for_model(doc.pop("model_type"), **doc)
-    return cls(config)
+
+
+def _described(shape: tuple[int, ...] | None) -> str:
+    return "no tensor" if shape is None else f"a tensor of shape {list(shape)}"
+
+
+def _stored_shapes(checkpoint: str) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of the checkpoint's model ``model`` (tied aliases too), from
+    the manifest: no tensor is read."""
+    manifest = read_manifest(checkpoint)
+    stored = StateSections.from_json(manifest.state, checkpoint)
+    section = stored.models.get("model")
+    if section is None:
+        raise ddpckpt.StateMismatchError(
+            f"{checkpoint}: not a checkpoint of DdpckptTrainer (it holds no model 'model')"
+        )
+    prefix, source = stored.layout.model_prefix("model"), FileSource(checkpoint, manifest)
+    names = {key: key for key in section.keys} | dict(section.aliases)
+    return {key: tuple(source.meta(prefix + name)[1]) for key, name in names.items()}
+
+
+_BUILD_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError, ArithmeticError,
+                 AssertionError, RuntimeError, NotImplementedError)  # fmt: skip
+
+
+def _config(saved: SavedModelConfig, checkpoint: str) -> Any:
+    try:
+        return config_class(saved.model_type).from_dict(dict(saved.values))
+    except ddpckpt.CheckpointError:
+        raise
+    except _BUILD_ERRORS as exc:  # a value its configuration class refuses
+        raise ddpckpt.CorruptCheckpointError(
+            f"{checkpoint}: malformed saved model config: transformers refuses it as a "
+            f"{saved.model_type!r} configuration ({type(exc).__name__}: {str(exc)[:300]})"
+        ) from exc
+
+
+def _build(cls: type, config: Any, saved: SavedModelConfig, checkpoint: str) -> torch.nn.Module:
+    try:
+        return cls(config)
+    except ddpckpt.CheckpointError:
+        raise
+    except _BUILD_ERRORS as exc:  # values of the right types that do not fit together
+        raise ddpckpt.CorruptCheckpointError(
+            f"{checkpoint}: malformed saved model config: {saved.architecture} cannot be built "
+            f"from it ({type(exc).__name__}: {str(exc)[:300]})"
+        ) from exc
+
+
+@contextmanager
+def _bounded_build(checkpoint: str, tensors: int) -> Iterator[None]:
+    """Stop a model's construction (on this thread) once it has registered far more
+    modules, parameters or buffers than the checkpoint's ``tensors`` could belong to: a
+    configuration claiming thousands of layers is refused in a moment, not built."""
+    limit = 4 * tensors + 1024
+    counted = [0]
+    thread = threading.get_ident()
+
+    def count(*_: Any) -> None:
+        if threading.get_ident() != thread:
+            return
+        counted[0] += 1
+        if counted[0] > limit:
+            raise ddpckpt.CorruptCheckpointError(
+                f"{checkpoint}: malformed saved model config: the model it describes has more "
+                f"than {limit} modules and tensors, where the checkpoint holds {tensors} tensors"
+            )
+
+    modules = torch.nn.modules.module
+    handles = [
+        modules.register_module_module_registration_hook(count),
+        modules.register_module_parameter_registration_hook(count),
+        modules.register_module_buffer_registration_hook(count),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _saved_value(checkpoint: str, name: str) -> str:

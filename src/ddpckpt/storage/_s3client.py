@@ -214,10 +214,18 @@ def _is_precondition_failure(exc: Exception) -> bool:
 
 
 def split(location: str) -> tuple[str, str]:
-    """``s3://bucket/a/b`` as ``("bucket", "a/b")``."""
+    """``s3://bucket/a/b`` as ``("bucket", "a/b")``; repeated or trailing slashes are one
+    (``s3://bucket/run/`` is ``run``). A ``.`` or ``..`` segment is refused
+    (:class:`ValueError`): an object key is a name, not a path, so none is resolved into
+    another key (listings never yield such names: :mod:`~ddpckpt.storage._names`)."""
     if not location.startswith(SCHEME):
         raise ValueError(f"{location}: not an {SCHEME} location")
-    parts = [p for p in location[len(SCHEME) :].split("/") if p not in ("", ".")]
+    parts = [p for p in location[len(SCHEME) :].split("/") if p]
+    if any(p in (".", "..") for p in parts):
+        raise ValueError(
+            f"{location}: a '.' or '..' segment in an {SCHEME} location; object keys are "
+            "names, not paths: write the location without it"
+        )
     if not parts:
         raise ValueError(f"{location}: name a bucket, as in {SCHEME}BUCKET/prefix")
     return parts[0], "/".join(parts[1:])

@@ -21,7 +21,7 @@ import contextlib
 import datetime
 import errno
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 try:
@@ -34,6 +34,7 @@ except ImportError as _missing:  # pragma: no cover - depends on the installatio
 from ddpckpt.storage import register
 from ddpckpt.storage._base import RangedReader, Reader, Storage, Writer
 from ddpckpt.storage._commit import ManifestLastCommit
+from ddpckpt.storage._names import plain_name
 
 __all__ = ["FsspecStorage", "use"]
 
@@ -202,15 +203,28 @@ class FsspecStorage(Storage):
     def list(self, location: str) -> list[str]:
         if not self.is_dir(location):
             raise FileNotFoundError(errno.ENOENT, "no such directory", location)
-        names = self._call(location, lambda path: self.fs.ls(path, detail=False))
-        return sorted({str(n).rstrip("/").rpartition("/")[2] for n in names})
+        listed = self._call(location, lambda path: self.fs.ls(path, detail=False))
+        return sorted(set(self._names(location, listed, one_level=True)))
 
     def walk(self, location: str) -> list[str]:
         if not self.is_dir(location):
             return []
+        return sorted(self._names(location, self._call(location, self.fs.find), one_level=False))
+
+    def _names(self, location: str, listed: Iterable[Any], *, one_level: bool) -> list[str]:
+        """The names under ``location`` of the paths the file system ``listed``, each exactly
+        as listed: one with an empty, ``.`` or ``..`` segment (an object store's key
+        ``run//x`` or ``step-6/./manifest.json``), or outside ``location``, is skipped with a
+        WARNING (:mod:`~ddpckpt.storage._names`), never re-split into another name."""
         root = self.path(location).rstrip("/") + "/"
-        found = self._call(location, self.fs.find)
-        return sorted(str(p)[len(root) :] for p in found if str(p).startswith(root))
+        names = []
+        for path in map(str, listed):
+            name = path[len(root) :] if path.startswith(root) else ""
+            if one_level and name.endswith("/"):  # a directory's own trailing slash
+                name = name[:-1]
+            if plain_name(name, path, location) is not None:
+                names.append(name)
+        return names
 
     def make_dirs(self, location: str) -> None:
         self._call(location, lambda path: self.fs.makedirs(path, exist_ok=True))

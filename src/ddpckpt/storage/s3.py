@@ -39,6 +39,7 @@ from typing import Any
 from ddpckpt._log import get_logger
 from ddpckpt.storage._base import Reader, Storage, Writer
 from ddpckpt.storage._commit import ManifestLastCommit
+from ddpckpt.storage._names import plain_name
 from ddpckpt.storage._s3client import (
     CLIENT_ERRORS,
     SCHEME,
@@ -173,8 +174,11 @@ class S3Storage(Storage):
     def _split(location: str) -> tuple[str, str]:
         return split(location)
 
-    def _keys(self, location: str, *, delimiter: bool) -> Iterator[str]:
-        """Names under the prefix ``location/`` (one level with ``delimiter``), paginated."""
+    def _listing(self, location: str, *, delimiter: bool) -> Iterator[str | None]:
+        """Each name under the prefix ``location/`` (one level with ``delimiter``), page by
+        page as listed; ``None`` for a key whose name has an empty, ``.`` or ``..`` segment,
+        skipped with a WARNING (:mod:`~ddpckpt.storage._names`): every name given is a key
+        (or prefix) exactly as listed, never re-split into another."""
         bucket, key = split(location)
         prefix = f"{key}/" if key else ""
         paginator = self._client.get_paginator("list_objects_v2")
@@ -184,12 +188,26 @@ class S3Storage(Storage):
                 Bucket=bucket, Prefix=prefix, PaginationConfig={"PageSize": _LIST_PAGE}, **extra
             )
             for page in pages:
-                for item in page.get("CommonPrefixes", []):
-                    yield item["Prefix"][len(prefix) :].rstrip("/")
-                for item in page.get("Contents", []):
-                    yield item["Key"][len(prefix) :]
+                listed = (
+                    [
+                        (item["Prefix"], item["Prefix"][len(prefix) : -1])  # less its "/"
+                        for item in page.get("CommonPrefixes", [])
+                    ]
+                    + [
+                        (item["Key"], item["Key"][len(prefix) :])
+                        for item in page.get("Contents", [])
+                        if item["Key"] != prefix  # a console's "folder" marker: the prefix itself
+                    ]
+                )
+                for full, name in listed:
+                    yield plain_name(name, full, location)
         except CLIENT_ERRORS as exc:
             raise os_error(exc, location) from exc
+
+    def _keys(self, location: str, *, delimiter: bool) -> tuple[list[str], bool]:
+        """The names :meth:`_listing` gives, and whether anything at all lies there."""
+        listed = list(self._listing(location, delimiter=delimiter))
+        return [name for name in listed if name is not None], bool(listed)
 
     def _has_object(self, location: str) -> bool:
         try:
@@ -261,31 +279,29 @@ class S3Storage(Storage):
 
     # --------------------------------------------------------------- prefixes
     def is_dir(self, location: str) -> bool:
-        bucket, key = split(location)
-        prefix = f"{key}/" if key else ""
-        response = self._requests.call(
-            location, self._requests.client.list_objects_v2, Bucket=bucket, Prefix=prefix, MaxKeys=1
-        )
-        return bool(response.get("KeyCount", 0))
+        """Whether a name ddpckpt could use lies under ``location/`` (a prefix holding only
+        skipped keys is none: nothing there can be read, moved or deleted by name)."""
+        return any(name is not None for name in self._listing(location, delimiter=True))
 
     def exists(self, location: str) -> bool:
         return self._has_object(location) or self.is_dir(location)
 
     def list(self, location: str) -> list[str]:
-        names = sorted(set(self._keys(location, delimiter=True)))
-        if not names:
+        names, found = self._keys(location, delimiter=True)
+        if not found:
             raise FileNotFoundError(errno.ENOENT, "no such prefix", location)
-        return names
+        return sorted(set(names))  # empty where all it holds was skipped (and reported)
 
     def walk(self, location: str) -> list[str]:
-        return sorted(self._keys(location, delimiter=False))
+        return sorted(self._keys(location, delimiter=False)[0])
 
     def make_dirs(self, location: str) -> None:
         split(location)  # prefixes need not be made; the location must be valid
 
     def delete_tree(self, location: str) -> None:
         bucket, key = split(location)
-        keys = [f"{key}/{name}" if key else name for name in self._keys(location, delimiter=False)]
+        names = self._keys(location, delimiter=False)[0]
+        keys = [f"{key}/{name}" if key else name for name in names]
         if key and self._has_object(location):
             keys.append(key)
         for start in range(0, len(keys), _DELETE_BATCH):
