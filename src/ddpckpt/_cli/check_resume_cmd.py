@@ -22,7 +22,10 @@ ddpckpt.save / ddpckpt.latest + ddpckpt.load, under torchrun, torch.multiprocess
 python. Every path it gives ddpckpt is mapped into OUT/runs/*/checkpoints: the user's own
 checkpoints are never read for resuming nor written. Exit status 0 only when the resume is
 exact at every step compared on every rank; 1 when it is not, or when two uninterrupted runs
-differ so that it cannot be judged."""
+differ so that it cannot be judged; 2 when the check cannot be done: the script failed
+(any exit with an error code; only a process killed by a signal in the interpreter's
+teardown after every rank's script ended is let go, with a note), or the records it reads
+(its runs', those of --reference) are damaged."""
 
 
 def _progress(line: str) -> None:
@@ -31,7 +34,8 @@ def _progress(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``check-resume``; the exit status (0: exact, 1: not exact or cannot judge)."""
+    """Run ``check-resume``; the exit status (0: exact, 1: not exact or cannot judge; a
+    failed script or damaged records raise, which the command reports with status 2)."""
     from ddpckpt._resumecheck.check import check_resume
     from ddpckpt._resumecheck.report import format_report, write_outputs
     from ddpckpt._resumecheck.runner import parse_kill

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ddpckpt._resumecheck.check import CheckReport, check_resume
+from ddpckpt._resumecheck.records import read_records
 from ddpckpt._resumecheck.report import write_outputs
-from ddpckpt._resumecheck.runner import KillPoint, read_records
+from ddpckpt._resumecheck.runner import KillPoint
 
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "demo_train.py"
 

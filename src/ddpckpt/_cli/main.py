@@ -8,8 +8,9 @@ Exit status (the same for every command, see ``_EXIT_STATUS``): 0 when it did it
 found nothing wrong; 1 when it did its job and found problems or differences (``verify``,
 ``ls``: a corrupt or incomplete checkpoint; ``diff``: the checkpoints differ; ``demo``,
 ``check-resume``: the resume was not exact); 2 when it cannot do its job (a wrong or missing input, an unreadable
-or corrupt input to ``inspect``/``export``/``diff``, a missing optional dependency, a refused
-pickle, a run directory locked by a live job). A closed output pipe (``| head``) ends it
+or corrupt input to ``inspect``/``export``/``diff``, a script that failed or damaged records
+for ``check-resume``, a missing optional dependency, a refused pickle, a run directory locked
+by a live job). A closed output pipe (``| head``) ends it
 quietly with status 141, as it does other Unix tools.
 """
 
@@ -52,7 +53,8 @@ _EXIT_STATUS = """exit status:
   1  done, and found problems or differences (verify, ls: a bad checkpoint; diff: they
      differ; demo, check-resume: the resume was not exact)
   2  cannot do its job (wrong or missing input, corrupt input to inspect/export/diff,
-     missing optional dependency, run locked by a live job)
+     a failed script or damaged records for check-resume, missing optional dependency,
+     run locked by a live job)
   141  the output pipe was closed early (`| head`); nothing is printed about it"""
 _BROKEN_PIPE = 141  # 128 + SIGPIPE, what a tool killed by the signal reports
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpckpt._resumecheck.compare import PointResult, compare_point
-from ddpckpt._resumecheck.runner import KillPoint, read_records, run
+from ddpckpt._resumecheck.records import Records, read_records
+from ddpckpt._resumecheck.runner import KillPoint, run
 
-Records = dict[int, list[list[dict[str, Any]]]]
 SEVERITY = {"exact": 0, "cannot-judge": 1, "different": 2}
 
 

@@ -22,7 +22,11 @@ has made one):
 * ``seed``, ``warning``, ``route``, ``refused``: a seeding call, a ddpckpt warning, where a
   path went, a call the check refused;
 * ``exit``: the script's code ended (from atexit, before the interpreter's teardown), and
-  whether it failed.
+  whether it failed as far as the process can see (an unhandled exception, ``sys.exit``
+  with an error). A ``SystemExit`` raised otherwise (``raise SystemExit(3)``, the builtin
+  ``exit(3)``, a ``sys.exit`` bound before ddpckpt was imported) is not visible from
+  atexit: the checker learns the exit code from the launcher (:mod:`.ending`), and
+  ``os._exit`` writes no ``exit`` event at all.
 
 Two kinds of loop are followed. A script with a writable :class:`~ddpckpt.Checkpointer` (the
 first one it makes) ends a step at each ``should_save(step)``, numbered as the script numbers
@@ -56,8 +60,9 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ddpckpt._log import current_rank, observe
-from ddpckpt._resumecheck import digests, isolate
+from ddpckpt._resumecheck import digests, isolate, records
 from ddpckpt._training.watchers import watch_batches
+from ddpckpt.errors import CorruptCheckpointError
 
 ENV = "DDPCKPT_CHECK_RESUME"
 _LOOKED = False
@@ -286,20 +291,19 @@ class Recorder:
     def _count_of(self, path: str) -> int | None:
         """The step count at which this run saved the checkpoint ``path``, from its records
         (this rank's first: every rank records every save)."""
-        folder = os.path.join(self.dir, "records")
+        folder = os.path.join(self.dir, records.RECORDS)
         own = f"rank{current_rank()}.jsonl"
         names = sorted(os.listdir(folder), key=lambda n: n != own) if os.path.isdir(folder) else []
-        for name in names:
+        for name in filter(records.is_rank_file, names):
             found = None
-            with open(os.path.join(folder, name)) as f:
-                for line in f:
-                    if '"save"' in line:
-                        try:
-                            event = json.loads(line)
-                        except json.JSONDecodeError:
-                            continue
-                        if event.get("event") == "save" and event.get("path") == path:
-                            found = event["step"]
+            try:
+                processes = records.read_rank_file(os.path.join(folder, name)).processes
+            except CorruptCheckpointError:  # the checker reports damaged records, not a load
+                continue
+            for events in processes:
+                for event in events:
+                    if event["event"] == "save" and event["path"] == path:
+                        found = event["step"]
             if found is not None:
                 return found
         return None
@@ -385,6 +389,11 @@ class Recorder:
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, f"rank{current_rank()}.jsonl")
             self.file = open(path, "a")  # noqa: SIM115 - open while the process records
+            if self.file.tell() > 0:  # an earlier process of this rank, killed mid-line: its
+                with open(path, "rb") as f:  # torn record stays on a line of its own
+                    f.seek(-1, os.SEEK_END)
+                    if f.read(1) != b"\n":
+                        self.file.write("\n")
             self._line({"event": "start", "pid": self.pid, "world": _world(),
                         "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                         "initial": self.initial, "time": time.time()})  # fmt: skip
@@ -394,7 +403,8 @@ class Recorder:
         self._line(record)
 
     def _line(self, record: Mapping[str, Any]) -> None:
-        self.file.write(json.dumps(record, default=digests.json_default) + "\n")
+        fitted = records.within_limits(record)  # never what the checker refuses as damaged
+        self.file.write(json.dumps(fitted, default=digests.json_default) + "\n")
         self.file.flush()
 
     def _maybe_kill(self, event: str, step: int, count: int) -> None:

@@ -5,7 +5,10 @@ the script writes, mapped by :mod:`.isolate`, the launch logs) and the environme
 of :mod:`.record`. A call the check refused (reading the user's run for resuming) stops the
 check with its message. A killed run whose launcher
 gave up (``torchrun --max-restarts 0``, a plain ``python``) is started again with the same
-command plus ``resume_args``; a launcher that restarts by itself needs nothing more.
+command plus ``resume_args``; a launcher that restarts by itself needs nothing more. A launch
+that exits non-zero is a failure unless :mod:`.ending` finds a death by a signal in the
+interpreter's teardown after every rank's script ended. Records are read through
+:mod:`.records` (the trust boundary).
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpckpt._resumecheck.ending import judge, reached_end_everywhere
 from ddpckpt._resumecheck.record import ENV
+from ddpckpt._resumecheck.records import Records, by_process, read_marker, read_records
+
+_LOG_END = 1 << 20  # of a launch's log, read for its launcher's report of failed processes
 
 
 @dataclass(frozen=True)
@@ -64,29 +71,6 @@ class Run:
     notes: list[str] = field(default_factory=list)
 
 
-def read_records(run_dir: str) -> dict[int, list[list[dict[str, Any]]]]:
-    """Each rank's records, split into the processes that wrote them (one per start)."""
-    found: dict[int, list[list[dict[str, Any]]]] = {}
-    folder = os.path.join(run_dir, "records")
-    if not os.path.isdir(folder):
-        return found
-    for name in sorted(os.listdir(folder)):
-        if not (name.startswith("rank") and name.endswith(".jsonl")):
-            continue
-        processes: list[list[dict[str, Any]]] = []
-        with open(os.path.join(folder, name)) as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # the last line of a process killed while writing it
-                if record["event"] == "start" or not processes:
-                    processes.append([])
-                processes[-1].append(record)
-        found[int(name[4:-6])] = processes
-    return found
-
-
 def _launch(
     command: Sequence[str], env: Mapping[str, str], log: str, timeout: float
 ) -> dict[str, Any]:
@@ -114,6 +98,7 @@ def _launch(
             process.wait()
     return {
         "command": list(command),
+        "pid": process.pid,
         "exit": code,
         "timed_out": timed_out,
         "seconds": time.perf_counter() - started,
@@ -121,9 +106,15 @@ def _launch(
     }
 
 
+def _log_end(path: str) -> str:
+    """The end of a launch's log (where launchers report the processes that failed)."""
+    with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - _LOG_END))
+        return f.read(_LOG_END).decode(errors="replace")
+
+
 def _tail(path: str, lines: int = 25) -> str:
-    with open(path, errors="replace") as f:
-        return "".join(f.readlines()[-lines:])
+    return "".join(_log_end(path).splitlines(keepends=True)[-lines:])
 
 
 def run(
@@ -162,16 +153,15 @@ def run(
     launch = _launch(command, env, os.path.join(run_dir, "launch-1.log"), timeout)
     result.launches.append(launch)
     marker = os.path.join(run_dir, "killed")
-    if kill is not None and os.path.exists(marker):
-        with open(marker) as f:
-            result.killed = json.load(f)
-        if launch["exit"] != 0 and not _finished_everywhere(run_dir):
-            # the launcher gave up: start it again, as a user would
-            again = [*command, *resume_args]
-            launch = _launch(again, env, os.path.join(run_dir, "launch-2.log"), timeout)
-            result.launches.append(launch)
+    result.killed = read_marker(marker) if kill is not None else None
+    if result.killed is not None and launch["exit"] != 0 and not _finished_everywhere(run_dir):
+        # the launcher gave up: start it again, as a user would
+        again = [*command, *resume_args]
+        launch = _launch(again, env, os.path.join(run_dir, "launch-2.log"), timeout)
+        result.launches.append(launch)
     result.seconds = time.perf_counter() - started
-    refused = _refusal(run_dir)
+    records = read_records(run_dir)
+    refused = _refusal(records)
     if refused is not None:
         raise RuntimeError(f"{name}: {refused}; log: {launch['log']}")
     if launch["timed_out"]:
@@ -180,15 +170,19 @@ def run(
             f"log: {launch['log']}\n{_tail(launch['log'])}"
         )
     if launch["exit"] != 0:
-        if not _finished_everywhere(run_dir):
+        ending = judge(by_process(records), launch["pid"], launch["exit"], _log_end(launch["log"]))
+        if ending.failed:
+            why = f": {ending.why}" if ending.why else ""
             raise RuntimeError(
-                f"{name}: the script failed (exit {launch['exit']}); log: {launch['log']}\n"
+                f"{name}: the script failed (exit {launch['exit']}){why}; log: {launch['log']}\n"
                 f"{_tail(launch['log'])}"
             )
+        died = ", ".join(f"rank {rank} by {sig}" for rank, sig in ending.teardown.items())
         result.notes.append(
             f"{name}: every rank's script ran to its end, then the launcher exited with "
-            f"{launch['exit']}: a process died in the interpreter's teardown, after its last "
-            "record (torch 2.13's gloo threads abort finished processes there at random, "
+            f"{launch['exit']}: a process died in the interpreter's teardown ({died}), after "
+            "its last record "
+            "(torch 2.13's gloo threads abort finished processes there at random, "
             "pytorch/pytorch#190489; see the FAQ). The run's records are complete, so the "
             f"check goes on; log: {launch['log']}"
         )
@@ -197,7 +191,7 @@ def run(
             f"{name}: rank {rank} never reached the kill point ({kill.describe()}); the run "
             "ended without it. Choose a --kill-at inside the run"
         )
-    if not read_records(run_dir):
+    if not records:
         raise RuntimeError(
             f"{name}: the script recorded nothing: check-resume needs a script started by the "
             "command after '--' that checkpoints with ddpckpt: a ddpckpt.Checkpointer whose "
@@ -210,19 +204,12 @@ def run(
 def _finished_everywhere(run_dir: str) -> bool:
     """Whether the last process of every rank recorded that its script ended without failing
     (the ``exit`` event, written before the interpreter's teardown)."""
-    records = read_records(run_dir)
-    if not records:
-        return False
-    last = {rank: processes[-1] for rank, processes in records.items() if processes}
-    world = max((e.get("world", 0) for events in last.values() for e in events[:1]), default=0)
-    return set(last) == set(range(world)) and all(
-        events[-1]["event"] == "exit" and not events[-1]["failed"] for events in last.values()
-    )
+    return reached_end_everywhere(by_process(read_records(run_dir)))
 
 
-def _refusal(run_dir: str) -> str | None:
+def _refusal(records: Records) -> str | None:
     """The message of the first call the check refused in this run, if any."""
-    for processes in read_records(run_dir).values():
+    for processes in records.values():
         for events in processes:
             for event in events:
                 if event["event"] == "refused":
