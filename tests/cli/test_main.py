@@ -319,11 +319,27 @@ def test_diff_ignore_rng_compares_runs_that_differ_only_in_unseeded_generators(
     assert main(["diff", a, b]) == 1
     out = capsys.readouterr().out
     assert "differences by section: rng" in out and "--ignore rng" in out
+    assert "seeded their generators differently or not at all" in out
     assert main(["diff", "--ignore", "rng", a, b]) == 0
     out = capsys.readouterr().out
     assert "0 differ, 0 other differences" in out and "ignored: rng" in out
     assert main(["diff", "--ignore", "rgn", a, b]) == 2
     assert "nothing called rgn to ignore" in capsys.readouterr().err
+
+
+def test_diff_of_two_steps_of_one_run_blames_the_steps_for_the_rng(tmp_path, capsys) -> None:
+    # Training 20 more steps moves every generator: not a seeding problem.
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    a, b = os.fspath(tmp_path / "a"), os.fspath(tmp_path / "b")
+    ddpckpt.save(a, model=model, optimizer=opt, step=19)
+    train_steps(model, opt)
+    ddpckpt.save(b, model=model, optimizer=opt, step=39)
+    capsys.readouterr()
+    assert main(["diff", a, b]) == 1
+    out = capsys.readouterr().out
+    assert "the checkpoints are at steps 19 and 39, and training draws from them" in out
+    assert "seeded" not in out
 
 
 def test_a_run_directorys_own_files_are_named_for_what_they_are(tmp_path, capsys) -> None:
@@ -367,3 +383,28 @@ def test_every_subcommand_explains_itself_and_each_of_its_arguments() -> None:
             if isinstance(action, argparse._HelpAction):
                 continue
             assert action.help, f"ddpckpt {name}: {action.dest} has no help text"
+
+
+def test_inspect_names_a_safetensors_file_for_what_it_is(tmp_path, capsys) -> None:
+    from safetensors.torch import save_file
+
+    path = os.fspath(tmp_path / "model.safetensors")
+    save_file({"w": torch.zeros(3)}, path)
+    assert main(["inspect", path]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: a safetensors file (tensors only), not a ddpckpt checkpoint" in err
+    assert "safetensors.torch.load_file" in err and "torch.save file run" not in err
+
+
+def test_a_long_tensor_name_gets_a_line_of_its_own_in_a_table() -> None:
+    from ddpckpt._cli._format import table
+
+    long = "optimizer/state/" + "layer." * 20 + "weight/exp_avg"
+    lines = table(("tensor", "dtype"), [(long, "float32"), ("model/w", "float16")]).splitlines()
+    assert lines == [
+        "tensor   dtype",
+        "-------  -------",
+        long,
+        "         float32",
+        "model/w  float16",
+    ]

@@ -127,6 +127,7 @@ def _check_resume(snippet: Snippet, script: Path, cwd: Path) -> None:
     )
     assert "verdict: the resume is exact at every kill point" in done.stdout
     assert "bit-identical at every step compared on every rank" in done.stdout
+    assert not re.search(r"steps? [\d-]+ not compared", done.stdout), done.stdout  # all of them
     assert "ckpt (load_latest, save)" in done.stdout  # mapped into the check's directory
     home = (".cache", ".config")  # matplotlib's in HOME, which _run sets to cwd
     after = {k: v for k, v in _files(cwd).items() if not k.startswith(("resume-check", *home))}

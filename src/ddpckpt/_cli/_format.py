@@ -15,12 +15,19 @@ def size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], first_at_most: int = 60) -> str:
+    """Rows under their headers, columns aligned. A first cell longer than
+    ``first_at_most`` (a deeply nested tensor name) gets a line of its own, the row's
+    other cells under it, so that one long name does not widen every row."""
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    ]
+    widths[0] = max(len(row[0]) for row in cells if len(row[0]) <= first_at_most or row is cells[0])
+    lines = []
+    for row in cells:
+        if len(row[0]) > widths[0]:
+            lines.append(row[0])
+            row = ["", *row[1:]]
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

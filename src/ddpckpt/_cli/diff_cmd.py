@@ -60,10 +60,14 @@ def _diff(args: argparse.Namespace) -> int:
     if report.ignored:
         print("ignored: " + ", ".join(f"{k} ({v} differences)" for k, v in report.ignored.items()))
     if "rng" in sections:
-        print(
-            "(rng: random generator states differ, e.g. of unseeded Python/numpy generators; "
-            "--ignore rng compares the rest)"
+        steps = next(((a, b) for name, a, b in report.header if name == "step"), None)
+        why = (
+            f"the checkpoints are at steps {steps[0]} and {steps[1]}, and training draws from "
+            "them at every step"
+            if steps is not None
+            else "at the same step, the runs seeded their generators differently or not at all"
         )
+        print(f"(rng: random generator states differ: {why}; --ignore rng compares the rest)")
     return 0 if report.same else 1
 
 

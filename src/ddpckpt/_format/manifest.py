@@ -339,11 +339,7 @@ def read_manifest(path: str) -> Manifest:
     storage = storage_for(path)
     if not storage.is_dir(path):
         if storage.exists(path):
-            raise CheckpointNotFoundError(
-                describe_path(path)
-                or f"{path}: is a file, not a ddpckpt checkpoint directory; to convert a "
-                "torch.save file run `ddpckpt import`"
-            )
+            raise CheckpointNotFoundError(describe_path(path) or _describe_file(path))
         raise CheckpointNotFoundError(f"{path}: no checkpoint at this path")
     try:
         text = read_small(manifest_path(path), MAX_MANIFEST_BYTES, "manifest")
@@ -355,6 +351,21 @@ def read_manifest(path: str) -> Manifest:
             f"{path}: has no {MANIFEST_NAME}; the save that created it did not finish"
         ) from None
     return Manifest.from_json(text, path)
+
+
+def _describe_file(path: str) -> str:
+    """The message for a file named where a checkpoint directory was expected."""
+    if path.endswith(".safetensors"):
+        return (
+            f"{path}: a safetensors file (tensors only), not a ddpckpt checkpoint directory; "
+            "read it with safetensors.torch.load_file (`ddpckpt import` converts torch.save "
+            "files and Lightning .ckpt files)"
+        )
+    return (
+        f"{path}: is a file, not a ddpckpt checkpoint directory (a directory holding "
+        f"{MANIFEST_NAME}); if it is a torch.save file or a Lightning .ckpt file, "
+        "`ddpckpt import` converts it"
+    )
 
 
 def relocated(manifest: bytes, prefix: str, where: str) -> bytes:
