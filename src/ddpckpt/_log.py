@@ -71,7 +71,8 @@ def same_on_every_rank(error: BaseException | None = None) -> Mapping[str, Any]:
     return {_SAME_EVERYWHERE: not own}
 
 
-def _all_ranks() -> bool:
+def all_ranks() -> bool:
+    """Whether the user asked for every rank's messages (``DDPCKPT_LOG_ALL_RANKS=1``)."""
     return os.environ.get("DDPCKPT_LOG_ALL_RANKS", "") not in ("", "0")
 
 
@@ -82,7 +83,7 @@ class _RankFilter(logging.Filter):
         if record.levelno >= logging.WARNING:
             for callback in _OBSERVERS:
                 callback(record)
-        if rank == 0 or _all_ranks():
+        if rank == 0 or all_ranks():
             return True
         if getattr(record, _SAME_EVERYWHERE, False):
             return False

@@ -7,7 +7,8 @@ a missing checkpoint, ``TimeoutError`` for a rank that never arrived, ...) and
 Under ``torch.distributed`` a failure on any rank is re-raised on *every* rank with the
 same message; :attr:`CheckpointError.failures` then maps each failing rank to what went
 wrong there, and on the rank that failed the original exception is chained as
-``__cause__``.
+``__cause__`` (unless it is itself a ddpckpt error, as every rank's failure is: ``save``
+then raises the combined error alone, its full traceback logged at DEBUG level).
 """
 
 from __future__ import annotations

@@ -207,6 +207,11 @@ def test_ls_tells_a_run_with_a_fast_tier_and_a_fast_tier_what_they_are(tmp_path,
     assert main(["ls", os.fspath(run)]) == 0
     out = capsys.readouterr().out
     assert f"no checkpoints in {run}" in out and "this run also has a fast tier" in out
+    from ddpckpt._format.runfiles import read_run_identity
+    from ddpckpt._run.options import auto_directory
+
+    where = auto_directory(read_run_identity(os.fspath(run)))  # what fast_tier="auto" uses
+    assert f"(with fast_tier='auto', {where}, this user's)" in out
     assert main(["ls", "--json", os.fspath(run)]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert (doc["checkpoints"], doc["has_fast_tier"], doc["fast_tier_of"]) == ([], True, None)

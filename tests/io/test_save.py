@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from conftest import make_mlp, train_steps
 from ddpckpt import CheckpointExistsError, CheckpointWriteError, UnsupportedValueError
 from ddpckpt.storage import storage_for
 from io_helpers import names_in, parent_of
+from launch import torchrun
 
 
 @pytest.fixture
@@ -129,3 +133,48 @@ def test_each_ranks_own_file_is_streamed_not_built_in_memory(ckpt_dir, monkeypat
     ddpckpt.save(ckpt_dir, model=make_mlp())
     assert into["rank-00000.safetensors"] not in ("bytearray", "BytesIO"), into
     assert into["rank-00000.safetensors"] == into["model-00000.safetensors"]
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 600 KiB tmpfs mounted for the test (needs root, as in CI)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", os.fspath(mount)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tiny tmpfs here (not root?): {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", os.fspath(mount)], check=False)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_full_disk_is_one_message_without_internals_and_small_saves_fit(
+    tiny_disk, tmp_path
+) -> None:
+    # 4 ranks save ~50 KiB into 600 KiB (refused by a fixed 1 MiB reserve before), then the
+    # disk fills and the next save fails on every rank.
+    launch = torchrun(
+        "full", tmp_path / "out", nproc=4, args=["--dir", os.fspath(tiny_disk)],
+        worker=Path(__file__).parents[1] / "support" / "full_disk_worker.py", timeout=180,
+        env={"DDPCKPT_LOG_ALL_RANKS": "0"},
+    )  # fmt: skip
+    assert launch.returncode != 0
+    assert sorted(launch.results) == [0, 1, 2, 3], launch.output[-4000:]
+    lines = launch.output.splitlines()
+    reports = [line for line in lines if "InsufficientSpaceError" in line]
+    # Python prints the uncaught error once per process; ddpckpt adds nothing to it: one
+    # text, no copy chained on rank 0, no ddpckpt log lines, no frames of its internals.
+    assert len(reports) == 4, "\n".join(reports)
+    assert len({line.split(":", 1)[1] for line in reports}) == 1, "\n".join(reports)
+    assert not [line for line in lines if line.startswith("ddpckpt ")]
+    assert not [line for line in lines if "direct cause" in line or "/_coord/" in line]
+    text = reports[0]
+    assert f"{tiny_disk / 'second'}: the checkpoint needs " in text
+    assert re.search(
+        r"only [0-9,]+ bytes \([0-9.]+ KiB\) are free in " + re.escape(str(tiny_disk)), text
+    )
+    assert "free space there" in text

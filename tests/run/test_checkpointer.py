@@ -335,7 +335,7 @@ def test_a_save_that_cannot_fit_fails_before_writing(run_root, monkeypatch) -> N
     monkeypatch.setattr(type(storage_for(run_root)), "free_bytes", lambda self, path: 1000)
     model, _ = objects()
     ckpt = Checkpointer(run_root / "run", model=model, on_error="raise")
-    with pytest.raises(InsufficientSpaceError, match=r"only 0\.0 MiB are free"):
+    with pytest.raises(InsufficientSpaceError, match=r"only 1,000 bytes \(1\.0 KiB\) are free in "):
         ckpt.save(1)
     assert steps_on_disk(run_root / "run") == []
 

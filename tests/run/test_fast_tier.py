@@ -9,8 +9,13 @@ the suite pays for the processes' start-up once per restart only.
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
+import signal
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,8 @@ import ddpckpt._io.writing as writing
 import ddpckpt._run.checkpointer as checkpointer
 from conftest import make_mlp, train_steps
 from ddpckpt._io.staging import StagingPool
-from launch import WORKER, torchrun_restarting_nodes
+from launch import _BIN, WORKER, _env, _finish, _start, torchrun_restarting_nodes
+from snippets import ROOT, RUNNABLE
 
 pytestmark = pytest.mark.distributed
 FAST = WORKER.with_name("fast_worker.py")
@@ -98,6 +104,70 @@ def test_restarts_resume_from_memory_or_a_peer_and_lose_at_most_one_step(tmp_pat
         ), errors
     for node in nodes:
         assert sorted(p.name for p in (node / "fast").glob("step-*")) == ["step-00000020"]
+
+
+def guide_launch(script: Path, out: Path, **env: str) -> subprocess.Popen[str]:
+    """Start the fast-tier guide's script with the guide's launch command (its ``bash``
+    block), through fast_guide.py, in the script's directory."""
+    page = (ROOT / "docs" / "guides" / "fast-tier.md").read_text()
+    (line,) = [ln for ln in page.splitlines() if " torchrun " in ln and ln.endswith("train.py")]
+    words = shlex.split(line)
+    settings = dict(w.split("=", 1) for w in words[: words.index("torchrun")])
+    launcher = words[words.index("torchrun") + 1 : -1]
+    cmd = [str(_BIN / "torchrun"), *launcher, "--monitor-interval=0.2",
+           str(FAST.with_name("fast_guide.py")), str(out), str(script)]  # fmt: skip
+    return _start(cmd, _env({**settings, **env}), script.parent)
+
+
+@pytest.mark.slow
+def test_the_guides_script_relaunched_after_a_crash_resumes_from_memory(tmp_path) -> None:
+    """The guide's script and launch command, the whole job killed once the fast tier held
+    step 25 (the durable tier: step 20), then launched again the same way: the new launch
+    resumes from the fast tier's step 25, ends with the durable tier at step 29 and frees
+    the memory. The guide named the tier by TORCHELASTIC_RUN_ID, new at every launch: the
+    relaunch resumed from the durable tier's step 20."""
+    (snippet,) = [s for s in RUNNABLE if s.page == "docs/guides/fast-tier.md"]
+    script, out = tmp_path / "train.py", tmp_path / "out"
+    script.write_text(snippet.code)
+    out.mkdir()
+    job = guide_launch(script, out, FAST_GUIDE_STOP_AT="25")
+    fast: set[str] = set()
+    try:
+        stopped = [out / f"stopped-rank{r}" for r in (0, 1)]
+        deadline = time.monotonic() + 180
+        while not all(p.exists() for p in stopped) and job.poll() is None:
+            assert time.monotonic() < deadline, "the first launch did not reach step 25"
+            time.sleep(0.2)
+        time.sleep(0.2)  # both pids written
+        os.killpg(job.pid, signal.SIGKILL)  # torchrun, then its workers (sessions of their own)
+        for path in stopped:
+            if path.exists():
+                os.kill(int(path.read_text()), signal.SIGKILL)
+        output = job.communicate()[0]
+        assert all(p.exists() for p in stopped), output[-6000:]
+        first = [json.loads((out / f"resumed-rank{r}.jsonl").read_text()) for r in (0, 1)]
+        fast = {seen["fast"] for seen in first}
+        ((code, output),) = _finish([guide_launch(script, out)], timeout=180)
+        assert code == 0, output[-6000:]
+        seen = [
+            json.loads(ln)
+            for r in (0, 1)
+            for ln in (out / f"resumed-rank{r}.jsonl").read_text().splitlines()
+        ]
+        fast |= {s["fast"] for s in seen}
+        (directory,) = fast
+        assert directory.startswith(f"/dev/shm/ddpckpt-{os.getuid()}-"), fast
+        relaunched = [s for s in seen if s["step"] is not None]
+        assert [s["path"] for s in relaunched] == [f"{directory}/step-00000025"] * 2, seen
+        durable = sorted(p.name for p in (tmp_path / "runs" / "exp2").glob("step-*"))
+        assert durable[-1] == "step-00000029", durable  # the final save, before the memory went
+        assert not os.path.exists(directory)  # freed by the job that ended
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+        for directory in fast:
+            if directory:
+                shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_one_node_resumes_from_memory_then_with_fewer_ranks_says_so(tmp_path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from conftest import make_mlp
 from ddpckpt import Checkpointer, FastTier, Preemption
-from ddpckpt._run.options import resolve
+from ddpckpt._run.options import auto_directory, resolve
 from ddpckpt.policies import EverySteps, KeepAll, KeepBest, KeepLast, Never, Union
 
 
@@ -110,7 +111,7 @@ def test_policies_of_the_wrong_type_are_refused_before_the_first_save(tmp_path, 
 def test_a_fast_tier_holding_or_held_by_the_run_directory_is_refused(tmp_path, inside) -> None:
     with pytest.raises(ValueError, match="must not hold one another"):
         Checkpointer(tmp_path / "run", model=make_mlp(), fast_tier=tmp_path / inside)
-    with pytest.raises(TypeError, match="fast_tier must be a directory or a ddpckpt"):
+    with pytest.raises(TypeError, match="fast_tier must be a directory, 'auto' or a ddpckpt"):
         Checkpointer(tmp_path / "run", model=make_mlp(), fast_tier=5)
     assert not (tmp_path / "run").exists()
 
@@ -131,3 +132,26 @@ def test_a_fast_tier_nesting_with_the_run_directory_through_a_link_is_refused(tm
 def test_fast_tier_overlap_is_an_option_true_by_default() -> None:
     assert FastTier("/dev/shm/job").overlap is True
     assert FastTier("/dev/shm/job", overlap=False).overlap is False
+
+
+def test_an_auto_fast_tier_is_named_by_the_run_directory_and_the_user(tmp_path) -> None:
+    """``fast_tier="auto"``: one directory under /dev/shm per user and run directory, the
+    same for every Checkpointer (every launch) of that run directory, named once set up."""
+    assert FastTier.of("auto") == FastTier() and FastTier().directory is None
+    model = make_mlp()
+    named: list[str] = []
+    try:
+        for run in ("a", "a", "b"):
+            with Checkpointer(tmp_path / run, model=model, fast_tier="auto") as ckpt:
+                assert ckpt.fast_tier_directory is None  # not named before the set-up
+                ckpt.resume()
+                named.append(str(ckpt.fast_tier_directory))
+        identity = (tmp_path / "a" / "fast-tier-owner").read_text()
+        assert named[0] == named[1] == auto_directory(identity) != named[2], named
+        assert all(n.startswith(f"/dev/shm/ddpckpt-{os.getuid()}-") for n in named), named
+        assert os.stat(named[0]).st_mode & 0o777 == 0o700
+    finally:
+        for directory in set(named):
+            shutil.rmtree(directory, ignore_errors=True)
+    assert auto_directory(identity, uid=1000) != auto_directory(identity, uid=1001)
+    assert auto_directory(identity, uid=1000).startswith("/dev/shm/ddpckpt-1000-")

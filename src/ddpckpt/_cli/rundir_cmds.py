@@ -1,4 +1,5 @@
-"""Commands on a run directory (a ``Checkpointer``'s): ``ls`` and ``clean``."""
+"""Commands on a run directory (a ``Checkpointer``'s): ``ls`` and ``clean``; ``ls`` also
+lists any directory of checkpoints (:mod:`ddpckpt._cli.saves_ls`)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,11 @@ def _not_a_run_directory(directory: str) -> str | None:
 
 
 def _ls_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("directory", help="a run directory (a Checkpointer's), local or s3://")
+    p.add_argument(
+        "directory",
+        help="a run directory (a Checkpointer's) or any directory of checkpoints (ckpt/ of "
+        "ddpckpt.save, Lightning's checkpoints/, a Trainer's output_dir), local or s3://",
+    )
     p.add_argument(
         "--quick",
         action="store_true",
@@ -112,34 +117,58 @@ def _fast_tier_notes(directory: str, has_tier: bool, tier_of: str | None) -> lis
             f"`ddpckpt ls {tier_of}` lists the durable checkpoints"
         )
     if has_tier:
+        where = _auto_directory(directory)
         notes.append(
             "this run also has a fast tier, in each node's memory, whose steps may be newer "
-            "than those listed: `ddpckpt ls <fast_tier directory>` on a node lists them; "
-            "resume() restores the newest of either"
+            "than those listed: `ddpckpt ls <fast_tier directory>` on a node lists them"
+            + (f" (with fast_tier='auto', {where}, this user's)" if where else "")
+            + "; resume() restores the newest of either"
         )
     return notes
 
 
+def _auto_directory(directory: str) -> str | None:
+    """Where ``fast_tier="auto"`` keeps the fast tier of the run ``directory`` for this
+    user (from the run's identity), or ``None`` if that cannot be read."""
+    from ddpckpt._format.runfiles import read_run_identity
+    from ddpckpt._run.options import auto_directory
+    from ddpckpt.errors import CorruptCheckpointError
+
+    try:
+        identity = read_run_identity(directory)
+    except (CorruptCheckpointError, OSError):  # said by the fast tier itself when it is used
+        return None
+    return auto_directory(identity) if identity is not None else None
+
+
 def _ls(args: argparse.Namespace) -> int:
     from ddpckpt._run.rundir import find_leftovers, restore_unless_locked
+    from ddpckpt._run.savesdir import holds_saves, is_run_layout
     from ddpckpt.storage import storage_for
 
     wrong = _not_a_run_directory(args.directory)
     if wrong:
         raise CannotRun(wrong)
-    restore_unless_locked(args.directory, storage_for(args.directory).list(args.directory))
+    names = storage_for(args.directory).list(args.directory)
+    if not is_run_layout(names) and holds_saves(args.directory, names):
+        from ddpckpt._cli.saves_ls import ls_saves
+
+        return ls_saves(args.directory, quick=args.quick, as_json=args.json)
+    restore_unless_locked(args.directory, names)
     rows = _ls_rows(args)
     leftovers = find_leftovers(args.directory)
     has_tier, tier_of = _fast_tier(args.directory)
     if not rows and not leftovers and _looks_unrelated(args.directory):
         raise CannotRun(
             f"{args.directory}: not a run directory: it has no step-N checkpoints, no `latest` "
-            "and no run.json (a Checkpointer's directory has them)"
+            "and no run.json (a Checkpointer's directory has them), and no checkpoint saved "
+            "with ddpckpt.save directly inside it"
         )
     bad = any(row["status"] in ("corrupt", "incomplete") for row in rows)
     if args.json:
         doc = {
             "directory": args.directory,
+            "kind": "run",
             "verified": not args.quick,
             "checkpoints": rows,
             "leftovers": [{"name": x.name, "kind": x.kind, "bytes": x.nbytes} for x in leftovers],
@@ -180,7 +209,7 @@ def _ls(args: argparse.Namespace) -> int:
     for note in _fast_tier_notes(args.directory, has_tier, tier_of):
         print(note)
     if leftovers:
-        _print_leftovers(args.directory, leftovers)
+        print_leftovers(args.directory, leftovers)
     return 1 if bad else 0
 
 
@@ -192,7 +221,8 @@ def _looks_unrelated(directory: str) -> bool:
     return bool(names) and not names & RUN_MARKS
 
 
-def _print_leftovers(directory: str, leftovers: Sequence[Any]) -> None:
+def print_leftovers(directory: str, leftovers: Sequence[Any]) -> None:
+    """The leftovers table of ``ddpckpt ls`` and what ``ddpckpt clean`` would do with them."""
     what = {
         "temporary": "temporary: a save in progress, or left by a crash",
         "corrupt": "moved aside as corrupt by resume(); never loaded",
@@ -249,12 +279,14 @@ def _clean(args: argparse.Namespace) -> int:
 
 LS = Command(
     "ls",
-    "list a run directory's checkpoints and leftovers (exit 1 if any is bad)",
+    "list a directory's checkpoints and leftovers (exit 1 if any is bad)",
     _ls_arguments,
     _ls,
     description="List a run directory's checkpoints: step, time, size, metrics, whether "
     "each verifies (corrupt, incomplete), which one 'latest' names and which are kept as "
-    "best; then leftovers of interrupted saves and checkpoints moved aside, with sizes.",
+    "best; then leftovers of interrupted saves and checkpoints moved aside, with sizes. "
+    "A directory of checkpoints saved with ddpckpt.save (or Lightning's or a Trainer's) "
+    "is listed by saved step, with the one ddpckpt.load_latest would load.",
 )
 CLEAN = Command(
     "clean",

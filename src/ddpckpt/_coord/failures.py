@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import builtins
 import json
+import logging
 import platform
 from collections.abc import Sequence
 from typing import Any
 
+from ddpckpt._log import all_ranks, get_logger
 from ddpckpt.errors import (
     CheckpointError,
     CheckpointWriteError,
@@ -21,6 +23,8 @@ from ddpckpt.errors import (
     RankFailureError,
     error_class,
 )
+
+_log = get_logger(__name__)
 
 
 class PeerFailure(Exception):
@@ -169,3 +173,41 @@ def _common_error(kinds: set[str]) -> type[CheckpointError] | None:
 def _is_os_error(name: str) -> bool:
     builtin = getattr(builtins, name, None)
     return isinstance(builtin, type) and issubclass(builtin, OSError)
+
+
+def shorten(error: BaseException) -> bool:
+    """Make ``error`` ready to leave a public collective call, on each rank that raises
+    it; whether it changed (then raise it with ``raise error``, not a bare ``raise``).
+
+    A failure every rank raises (a ddpckpt error with ``failures``, each rank's part one of
+    ddpckpt's own errors, whose message says all there is) loses its traceback through the
+    coordination and the chained copy of the same failure on the rank that saw it: the
+    user's traceback then ends at the call they made, once per process, with the one
+    message. Its full traceback goes to the ``ddpckpt`` logger at DEBUG level; with that
+    level set, or ``DDPCKPT_LOG_ALL_RANKS=1``, ``error`` is left whole. Anything else (a
+    bug's exception, KeyboardInterrupt) is left whole too.
+    """
+    failures = getattr(error, "failures", None)
+    cause = error.__cause__
+    if (
+        not isinstance(error, CheckpointError)
+        or not failures
+        or not all(_own_error(text) for text in failures.values())
+        or (cause is not None and not isinstance(cause, CheckpointError))
+        or all_ranks()
+        or logging.getLogger("ddpckpt").isEnabledFor(logging.DEBUG)
+    ):
+        return False
+    _log.debug(
+        "where %s was raised on this rank", type(error).__name__,
+        exc_info=(type(error), error, error.__traceback__),
+    )  # fmt: skip
+    error.__cause__ = None  # also suppresses the context: the same failure, once
+    error.with_traceback(None)
+    return True
+
+
+def _own_error(failure: str) -> bool:
+    """Whether a rank's part of ``failures`` (``"Type: message"``) is a ddpckpt error."""
+    kind = failure.split(":", 1)[0]
+    return error_class(kind) is not RankFailureError or kind == RankFailureError.__name__

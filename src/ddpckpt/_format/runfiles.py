@@ -58,6 +58,7 @@ _MAX_IDENTITY_CHARS = 8192
 CORRUPT_MARK = ".corrupt-"  # step-N.corrupt-<token>: moved aside by Checkpointer.resume
 _STEP = re.compile(r"step-([0-9]{8,19})", re.ASCII)
 _MAX_PID = 2**31 - 1
+_NUMBERS = re.compile(r"([0-9]+)", re.ASCII)  # natural_key: digits apart from the rest
 _DATA_FILE_LIKE = re.compile(r"(?:model|state|rank)-[0-9]+\.safetensors", re.ASCII)  # describing
 _warned: set[str] = set()  # stray names already reported by this process
 
@@ -78,6 +79,14 @@ def parse_step(name: str) -> int | None:
         return None
     step = int(match.group(1))
     return step if step_dirname(step) == name else None
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """A sort key ordering the numbers in a name as numbers (``step-9`` before
+    ``step-19``, ``checkpoint-8`` before ``checkpoint-64``), the rest as text."""
+    return tuple(
+        (1, int(part)) if part.isdigit() else (0, part) for part in _NUMBERS.split(name) if part
+    )
 
 
 def is_stray_step(name: str) -> bool:
@@ -335,7 +344,7 @@ def describe_path(path: str) -> str | None:
     base = os.path.basename(path.rstrip("/"))
     if parse_step(base) is not None or is_temp_name(base) or CORRUPT_MARK in base:
         return None  # a checkpoint directory whose save never wrote anything
-    steps = sorted(n for n in names if parse_step(n) is not None)
+    steps = sorted((n for n in names if parse_step(n) is not None), key=parse_step)
     if steps or RUN_MARKS & set(names):
         latest = read_latest(path) or (steps[-1] if steps else None)
         example = (
@@ -344,12 +353,16 @@ def describe_path(path: str) -> str | None:
             else " (it holds no checkpoint yet)"
         )
         return f"{path}: a run directory, not a checkpoint: try `ddpckpt ls {path}`{example}"
-    inner = sorted(n for n in names if store.exists(os.path.join(path, n, MANIFEST)))
+    inner = sorted(
+        (n for n in names if not is_temp_name(n) and store.exists(os.path.join(path, n, MANIFEST))),
+        key=natural_key,
+    )
     if inner:
-        shown = ", ".join(inner[:3]) + (", ..." if len(inner) > 3 else "")
+        shown = ", ".join(inner) if len(inner) <= 4 else f"{inner[0]}, ..., {', '.join(inner[-2:])}"
         return (
             f"{path}: a directory holding checkpoints ({shown}), not a checkpoint itself: "
-            f"name one of them, e.g. {os.path.join(path, inner[0])}"
+            f"`ddpckpt ls {path}` lists them and says which one ddpckpt.load_latest picks; "
+            f"or name one of them, e.g. {os.path.join(path, inner[-1])}"
         )
     if not names:
         return f"{path}: an empty directory, not a checkpoint"

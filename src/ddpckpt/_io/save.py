@@ -19,6 +19,7 @@ from torch import nn
 
 from ddpckpt import events
 from ddpckpt._coord.comm import Comm
+from ddpckpt._coord.failures import shorten
 from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import DEFAULT_SAVER, async_mode
 from ddpckpt._io.background import PendingSave
@@ -133,6 +134,9 @@ def save(
             saved = write_and_commit(plan)
     except BaseException as exc:
         comm.close(exc)  # a failure only this rank saw reaches the others at once
+        if shorten(exc):  # every rank raises it: its message, not our internals
+            # Not a bare raise, which would keep the whole traceback on Python 3.10.
+            raise exc
         raise
     if not async_save:
         comm.close()

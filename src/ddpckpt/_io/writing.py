@@ -285,14 +285,18 @@ def _prepare(plan: WritePlan, tmp: str) -> bool:
                 f"{path}: a checkpoint already exists here; pass overwrite=True to replace it, "
                 "or save under a new name"
             )
-        free = store.free_bytes(store.parent(path))
-        needed = plan.needed + (1 << 20)
+        where = store.parent(path)
+        free = store.free_bytes(where)
+        reserve = space_reserve(plan.needed, files=3 * plan.comm.world_size + 1)
+        needed = plan.needed + reserve
         if free is not None and free < needed:
             raise InsufficientSpaceError(
                 errno.ENOSPC,
-                f"{path}: the checkpoint needs about {_readable(needed)} (with 1 MiB to "
-                f"spare) but only {_readable(free)} are free there; free space (e.g. keep "
-                "fewer checkpoints) or save elsewhere. Nothing was written",
+                f"{path}: the checkpoint needs {needed:,} bytes ({_readable(needed)}: "
+                f"{plan.needed:,} of files and {reserve:,} to spare for the file system's "
+                f"overhead) but only {free:,} bytes ({_readable(free)}) are free in {where}; "
+                "free space there (e.g. keep fewer "
+                "checkpoints) or save elsewhere. Nothing was written",
             )
         store.commit.begin(store, path, tmp, overwrite=plan.overwrite)
     return False
@@ -425,5 +429,24 @@ def storage_errors(path: str) -> Iterator[None]:
         ) from exc
 
 
+def space_reserve(needed: int, files: int) -> int:
+    """The free space a checkpoint of ``needed`` bytes in ``files`` files must leave, beyond
+    its own bytes; local.
+
+    It scales with the checkpoint: a fixed amount either refuses a small checkpoint on a
+    small disk or is too little for a large one. One block (4 KiB) per file covers the
+    file system's rounding of each file's last block; 1% of ``needed`` covers what the
+    planned size leaves out and grows with it: inodes, extents and directory entries, the
+    tensor files' headers and the manifest's entry for every tensor.
+    """
+    return files * _BLOCK + needed // 100
+
+
+_BLOCK = 4096
+
+
 def _readable(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= size:
+            return f"{nbytes / size:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{nbytes / 1024:.1f} KiB"

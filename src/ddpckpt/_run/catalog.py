@@ -103,9 +103,16 @@ def newest_first(directory: str, caller: str = "latest()") -> list[Candidate]:
             continue  # a replaced copy: the checkpoint is the one under its own name
         manifest = _committed(os.path.join(directory, name), caller)
         if manifest is not None:
-            step = manifest.step
-            found.append((step is not None, step or 0, manifest.created, name))
+            found.append(candidate(name, manifest))
     return sorted(found, reverse=True)
+
+
+def candidate(name: str, manifest: Manifest) -> Candidate:
+    """How :func:`newest_first` ranks the checkpoint ``name`` whose manifest is
+    ``manifest``: by its saved step (none counts as older than any), then when it was
+    saved, then by name; pure, so that ``ddpckpt ls`` orders rows as the selection does."""
+    step = manifest.step
+    return (step is not None, step or 0, manifest.created, name)
 
 
 def load_latest(

@@ -119,7 +119,9 @@ class Checkpointer:
             stop and exit with :attr:`exit_code`.
         storage_options: Configures an ``s3://`` URL's client
             (:func:`ddpckpt.storage.configure`).
-        fast_tier: A directory in each node's memory (such as ``"/dev/shm/<job>"``) or a
+        fast_tier: A directory in each node's memory (such as ``"/dev/shm/<job>"``),
+            ``"auto"`` (one named for this user and run directory under ``/dev/shm``: the
+            same at every launch of the job; see :attr:`fast_tier_directory`) or a
             :class:`~ddpckpt.FastTier`: every :meth:`save` also writes there,
             :meth:`should_save` says True at every ``FastTier.every_steps``-th step for it,
             and :meth:`resume` restores the newest step either tier holds, so a crash loses
@@ -211,9 +213,11 @@ class Checkpointer:
         self._saver = AsyncSaver(lends=fast is not None)  # this run's host buffer and writer
         self._saves = RunSaves(self.directory, self.options, self._saver)
         self._reserved = False  # whether the buffer was sized ahead of the first save
+        place = lambda path: isolate.for_write(path, "Checkpointer(fast_tier=...)", directory=True)  # noqa: E731
         self._fast = None if fast is None else FastSaves(
-            isolate.for_write(fast.directory, "Checkpointer(fast_tier=...)", directory=True),
+            None if fast.directory is None else place(fast.directory),
             fast, self.options, overlap=bool(self.state.optimizers), run=self.directory,
+            place=place,
         )  # fmt: skip
         self._fast_only: int | None = None  # the step should_save asked the fast tier alone for
         self._closed = False
@@ -414,6 +418,15 @@ class Checkpointer:
             fast_path = self._fast.save(step, dict(header), capture, borrow)
             path = fast_path if fast_only else path
         return path
+
+    @property
+    def fast_tier_directory(self) -> str | None:
+        """This node's fast-tier directory (``None`` without a fast tier); local. With
+        ``fast_tier="auto"`` it is known once :meth:`resume` or the first :meth:`save` has
+        named it for the run (``None`` before). The job that is done may delete it once every
+        rank of the node has closed the Checkpointer (the fast-tier page shows how)."""
+        fast = self._fast
+        return fast.directory if fast is not None and fast.named else None
 
     @property
     def preempted(self) -> bool:

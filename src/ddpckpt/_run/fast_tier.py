@@ -2,7 +2,10 @@
 memory, as often as every step, that a restarted job resumes from.
 
 With ``Checkpointer(..., fast_tier="/dev/shm/<job>")`` (or a
-:class:`~ddpckpt._run.options.FastTier`) a Checkpointer keeps two tiers:
+:class:`~ddpckpt._run.options.FastTier`) a Checkpointer keeps two tiers. With
+``fast_tier="auto"`` the directory is named at the first set-up, once rank 0 has read or made
+the run's identity: :func:`~ddpckpt._run.options.auto_directory`, the same on every node and
+at every launch writing the run directory (:meth:`FastSaves._resolve`).
 
 * the **fast tier** (:class:`FastSaves`): a run directory of its own on every node, in
   memory that outlives the worker processes (a tmpfs), written by every ``save()``.
@@ -86,6 +89,7 @@ from ddpckpt._run.options import (
     Keeping,
     Schedule,
     Storage,
+    auto_directory,
     nests,
 )
 from ddpckpt._run.rundir import remove_checkpoint, scan
@@ -126,7 +130,7 @@ _RAISED = (
 _MAX_SKIPPED = 255  # fast saves skipped at most between two tries at setting the tier up
 _AVOID = (
     "give fast_tier= a directory of this user's own that does not exist yet (it is created "
-    "private), such as /dev/shm/ddpckpt-<uid>-<job>, or remove this one"
+    "private), or fast_tier='auto' (one named for this user and run), or remove this one"
 )
 
 
@@ -164,18 +168,24 @@ class FastSaves:
 
     def __init__(
         self,
-        directory: str,
+        directory: str | None,
         config: FastTier,
         durable: CheckpointerOptions,
         overlap: bool,
         run: str,
+        place: Callable[[str], str] = lambda path: path,
     ) -> None:
-        self.directory = directory
+        # None (fast_tier="auto"): named by the run's identity at the first set-up
+        # (_resolve); until then messages name the pattern.
+        self.auto = directory is None
+        self.named = not self.auto  # whether self.directory is the tier's (not the pattern)
+        self.directory = directory or auto_directory("<this run's identity>")
         self.run = run  # the durable run directory whose steps this tier holds
         self.every = config.every_steps
         self.saver = AsyncSaver()  # its own host buffer and background writer
-        options = fast_options(config, durable, overlap)
-        self.saves = RunSaves(directory, options, self.saver, tier=f"fast tier {directory}")
+        self._options = fast_options(config, durable, overlap)
+        self._place = place  # where this process writes a path (check-resume maps it)
+        self.saves = self._saves_in(self.directory)
         self._held: _Held = {}  # known once listed, with this job's number of ranks
         self._world = 1
         self._owner = ""  # the durable run's identity, once the tier is set up (see _set_up)
@@ -183,6 +193,22 @@ class FastSaves:
         self._refused = False  # resume() could not set the tier up (reported)
         self._set_up_failures = 0  # in a row: the next try waits 2**n - 1 fast saves
         self._skip = 0  # fast saves left to skip before the set-up is tried again
+
+    def _saves_in(self, directory: str) -> RunSaves:
+        return RunSaves(directory, self._options, self.saver, tier=f"fast tier {directory}")
+
+    def _resolve(self, owner: str) -> None:
+        """Collective (every rank alike, after :meth:`_agree_owner`): with ``"auto"``, name
+        the directory for the run ``owner`` once, before anything touches it; said at INFO
+        (``resume()``'s log names it too). Nothing was written through :attr:`saves` yet:
+        every save and listing comes after a set-up."""
+        if not self.auto or self.saves.domains is not None:
+            return  # named already (a set-up got as far as preparing it)
+        directory = self._place(auto_directory(owner))
+        if directory != self.directory:
+            self.directory, self.saves = directory, self._saves_in(directory)
+            _log.info("fast tier of %s (fast_tier='auto'): %s", self.run, directory)
+        self.named = True
 
     @property
     def latest(self) -> int | None:
@@ -258,6 +284,7 @@ class FastSaves:
         identity file is damaged, or what the set-up raises (another job's live lock)."""
         self._owner = ""
         owner = self._agree_owner(comm)
+        self._resolve(owner)
         problems = comm.run_reduce("trust", lambda: self._check_here(owner), _by_problem)
         if problems:
             error = CheckpointWriteError(

@@ -39,6 +39,7 @@ holds a newer step than the durable run directory (see :mod:`ddpckpt._run.fast_t
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 import os
 from dataclasses import dataclass
@@ -106,7 +107,12 @@ class FastTier:
         directory: The same path on every node, in node-local memory that outlives the
             worker processes (a tmpfs such as ``/dev/shm/<job>``); each node keeps there
             a complete copy of the newest steps, every rank's own state included. Not a
-            URL, and neither inside the run directory nor holding it.
+            URL, and neither inside the run directory nor holding it. ``None`` (or
+            ``fast_tier="auto"``): ``/dev/shm/ddpckpt-<uid>-<hash of the run's identity>``,
+            named by the first ``resume()`` or ``save()`` (:func:`auto_directory`): the same
+            on every node and at every launch of a job writing the same run directory,
+            another for another run directory or user (a directory named ``auto`` is
+            ``"./auto"``).
         every_steps: The steps whose ``save()`` it takes (every step by default;
             :meth:`~ddpckpt.Checkpointer.should_save` says True then).
         keep: How many steps it keeps (1 by default; one more while a save is written).
@@ -126,7 +132,7 @@ class FastTier:
             the run directory (links resolved), or the Checkpointer is ``read_only``.
     """
 
-    directory: str | os.PathLike[str]
+    directory: str | os.PathLike[str] | None = None
     every_steps: int = 1
     keep: int = 1
     overlap: bool = True
@@ -136,17 +142,28 @@ class FastTier:
         """The options ``Checkpointer(fast_tier=value)`` stands for (``None``: no fast tier)."""
         if value is None or isinstance(value, FastTier):
             return value
+        if value == AUTO:
+            return cls(None)
         if isinstance(value, (str, os.PathLike)):
             return cls(value)
         raise TypeError(
-            f"fast_tier must be a directory or a ddpckpt.FastTier, got {type(value).__qualname__}"
+            "fast_tier must be a directory, 'auto' or a ddpckpt.FastTier, got "
+            f"{type(value).__qualname__}"
         )
 
     def check(self, durable: str, read_only: bool) -> None:
         """Refuse what this fast tier cannot be next to the durable run directory ``durable``."""
-        directory = os.fspath(self.directory)
         if read_only:
             raise ValueError("fast_tier= saves checkpoints; a read_only Checkpointer cannot")
+        if self.directory is None:
+            if not os.path.isdir(AUTO_ROOT):
+                raise ValueError(
+                    f"fast_tier='auto' keeps the fast tier under {AUTO_ROOT}, which this "
+                    "machine lacks: give fast_tier= a directory in node-local memory (a tmpfs)"
+                )
+            directory = auto_directory("")  # any run's: its parent is what may nest
+        else:
+            directory = os.fspath(self.directory)
         if "://" in directory:
             raise ValueError(
                 f"fast_tier must be a directory on each node (a tmpfs such as /dev/shm/<job>), "
@@ -163,6 +180,18 @@ class FastTier:
                 "one another (symbolic links resolved): the fast tier is a directory of its "
                 "own (in host memory)"
             )
+
+
+AUTO = "auto"  # fast_tier="auto": FastTier(directory=None)
+AUTO_ROOT = "/dev/shm"  # node-local memory that outlives the workers, on Linux
+
+
+def auto_directory(identity: str, uid: int | None = None) -> str:
+    """The fast tier ``fast_tier="auto"`` names for the run whose identity (the run
+    directory's ``fast-tier-owner``) is ``identity``, for the user ``uid`` (this process's
+    by default): ``/dev/shm/ddpckpt-<uid>-<16 hex digits of its SHA-256>``. Local, pure."""
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return os.path.join(AUTO_ROOT, f"ddpckpt-{os.getuid() if uid is None else uid}-{digest}")
 
 
 def nests(a: str, b: str) -> bool:
