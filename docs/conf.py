@@ -39,6 +39,7 @@ nitpicky = False
 
 html_theme = "furo"
 html_title = f"ddpckpt {version}"
-html_static_path: list[str] = []
+html_static_path = ["_static"]
+html_css_files = ["ddpckpt.css"]  # long lines in code blocks: wrap output, scroll code
 copybutton_prompt_text = r"\$ "
 copybutton_prompt_is_regexp = True
