@@ -336,12 +336,21 @@ def _differs(d: Deferred, digest: int | None) -> bool:
     if d.source._version != d.version:
         return True
     if d.source.device.type == "cpu":
-        return not torch.equal(_as_bytes(d.host), _as_bytes(d.source))
+        return not torch.equal(_as_compared(d.host), _as_compared(d.source))
     return digest is not None and digest != int(_digest(d.host, d.words))
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)  # NaNs compare as the bytes they are
+
+
+def _as_compared(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as 64-bit words where they divide so and are aligned (eight times
+    fewer elements to compare than bytes), else as bytes."""
+    flat = _as_bytes(tensor)
+    if flat.numel() % 8 == 0 and flat.data_ptr() % 8 == 0:
+        return flat.view(torch.int64)
+    return flat
 
 
 def _words(tensor: torch.Tensor) -> bool:
