@@ -200,7 +200,7 @@ class AsyncSaver:
         """The tensors whose copy may wait for the next ``step()`` of the optimizers that
         write them: those nothing else is known to write (a module's forward,
         ``snapshot.written_in_forward``) or was seen writing (see :meth:`_written`)."""
-        eager = snapshot.written_in_forward.keys() | self._eager
+        eager = snapshot.written_in_forward | self._eager
         return lambda name: bool(snapshot.stepped_by.get(name)) and name not in eager
 
     def _written(self, checkpoint: str, names: list[str]) -> None:

@@ -35,18 +35,17 @@ def forward_writers(model: nn.Module) -> list[nn.Module]:
 
 
 def record_forward_writers(models: list[nn.Module], snapshot: Snapshot) -> None:
-    """Note, in ``snapshot.written_in_forward``, which captured tensors a module's
-    forward writes, and those modules."""
-    by_identity: dict[tuple[object, ...], list[nn.Module]] = {}
-    for model in models:
-        for module in forward_writers(model):
-            identity = tensor_identity(module.weight)
-            if identity is not None:
-                by_identity.setdefault(identity, []).append(module)
-    if not by_identity:
+    """Note, in ``snapshot.written_in_forward``, the captured tensors a module's forward
+    writes."""
+    written = {
+        identity
+        for model in models
+        for module in forward_writers(model)
+        if (identity := tensor_identity(module.weight)) is not None
+    }
+    if not written:
         return
     captured = {**snapshot.tensors, **{n: s.local for n, s in snapshot.sharded.items()}}
-    for name, tensor in captured.items():
-        modules = by_identity.get(tensor_identity(tensor) or ())
-        if modules:
-            snapshot.written_in_forward[name] = modules
+    snapshot.written_in_forward.update(
+        name for name, tensor in captured.items() if tensor_identity(tensor) in written
+    )

@@ -71,8 +71,8 @@ class Snapshot:
     shared tensors that differ between ranks; see :meth:`keep_per_rank`): stored per rank.
     ``stepped_by`` maps a shared tensor to the optimizers whose ``step()`` writes it (for
     the overlap mode, which may copy such tensors until the first of those steps);
-    ``written_in_forward`` maps those that a module's forward also writes in place (an
-    ``nn.Embedding`` with ``max_norm``) to those modules (:mod:`ddpckpt._state.inplace`).
+    ``written_in_forward`` names those that a module's forward also writes in place (an
+    ``nn.Embedding`` with ``max_norm``: :mod:`ddpckpt._state.inplace`).
     Tensors are referenced from the trees by name.
 
     Sharded state: ``sharded`` holds the DTensors among the shared tensors, as this rank's
@@ -94,7 +94,7 @@ class Snapshot:
     rank_state: dict[str, JSON] = field(default_factory=dict)
     rank_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     stepped_by: dict[str, list[torch.optim.Optimizer]] = field(default_factory=dict)
-    written_in_forward: dict[str, list[torch.nn.Module]] = field(default_factory=dict)
+    written_in_forward: set[str] = field(default_factory=set)
     sharded: dict[str, ShardedTensor] = field(default_factory=dict)
     owned: dict[str, torch.Tensor] = field(default_factory=dict)
     owned_state: dict[str, dict[str, JSON]] = field(default_factory=dict)
