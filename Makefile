@@ -6,9 +6,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# Test files run in parallel worker processes (pytest-xdist); most tests wait on other
-# processes (torchrun jobs, servers), so two workers fit a 2-core machine.
+# Tests run in parallel worker processes (pytest-xdist), dealt one by one to whichever worker
+# is free; tests sharing a module-scoped fixture stay on one worker (tests/support/tiers.py).
 TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: demo bench docs test test-fast lint fuzz clean
 FUZZ_SECONDS ?= 1800
@@ -35,8 +36,9 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# Every tier: unit, processes and long (tests/support/tiers.py).
 test: lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST)
 
 # The long-running fuzz target (outside CI, which runs tests/test_fuzz.py): coverage-guided,
 # each target for FUZZ_SECONDS; a violation leaves its input as crash-* in fuzz-output/.
@@ -46,10 +48,10 @@ fuzz: $(STAMP)
 	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py checkpoint -max_total_time=$(FUZZ_SECONDS) checkpoint
 	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py torchfile -max_total_time=$(FUZZ_SECONDS) torchfile
 
-# The quick loop while developing: one process, no multi-process or slow tests (about a
-# minute); `make test` (what CI runs) is the whole suite.
+# The quick loop while developing: the unit tier (no test in it starts a process or a
+# server); `make test` (what CI runs) is the whole suite.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow and not distributed" -q
+	$(PYTEST) -m "not processes and not long" -q
 
 clean:
 	rm -rf $(VENV) demo-output bench-output fuzz-output .pytest_cache docs/_build

@@ -21,7 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).with_name("support")))
 # Fixtures of one subpackage's tests live there too, as plugins: a second conftest.py would
 # take the module name "conftest" that the tests import the helpers below from.
-pytest_plugins = ["check_recorder"]
+pytest_plugins = ["check_recorder", "tiers"]
 
 
 class TiedLM(nn.Module):

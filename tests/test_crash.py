@@ -15,12 +15,12 @@ import random
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from crash_worker import corrupt, read_oracle
-from launch import WORKER, _env, _finish, _start, free_port
+from forked import run_ranks
+from launch import WORKER, _env
 
 CRASH_WORKER = WORKER.with_name("crash_worker.py")
 KEEP = 2
@@ -119,7 +119,7 @@ def plan_overwrite_trials(events: list, window: list[int], rng: random.Random) -
     ]  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_crash_consistency_single_process(tmp_path, capsys) -> None:
     """Also on a file system without RENAME_EXCHANGE: the run keeps one checkpoint and saves
     a step twice, the second save replacing the first in two renames."""
@@ -155,18 +155,17 @@ def test_crash_consistency_single_process(tmp_path, capsys) -> None:
     assert not failures, "\n".join(failures)
 
 
-def torchrun_crash(mode: str, *args: str, timeout: float = 120) -> tuple[int, str]:
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "--max-restarts=0", str(CRASH_WORKER), mode, *args]  # fmt: skip
-    ((code, out),) = _finish([_start(cmd, _env({"OMP_NUM_THREADS": "1"}), None)], timeout)
-    return code, out
+def two_ranks(mode: str, *args: str, timeout: float = 120) -> tuple[int, str]:
+    """``crash_worker.py MODE ARGS`` on 2 ranks, stopped as torchrun stops them (forked.py)."""
+    return run_ranks(
+        CRASH_WORKER, [mode, *args], nproc=2, env=_env({"OMP_NUM_THREADS": "1"}), timeout=timeout
+    )
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.timeout(900)  # about ten torchrun launches, each bounded on its own
-def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
-    code, out = torchrun_crash("train", str(tmp_path / "calibration"), str(tmp_path / "cal-oracle"))
+@pytest.mark.long
+@pytest.mark.timeout(900)  # about twenty launches of 2 ranks, each bounded on its own
+def test_crash_consistency_on_two_ranks(tmp_path, capsys) -> None:
+    code, out = two_ranks("train", str(tmp_path / "calibration"), str(tmp_path / "cal-oracle"))
     assert code == 0, out[-4000:]
     events = {r: json.loads((tmp_path / f"cal-oracle.events.rank{r}").read_text()) for r in (0, 1)}
     rng = random.Random(SEED)
@@ -203,11 +202,11 @@ def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
         run, oracle = tmp_path / f"t{i}" / "run", tmp_path / f"t{i}" / "oracle"
         run.parent.mkdir()
         if spec["action"] == "flip":
-            torchrun_crash("train", str(run), str(oracle))
+            two_ranks("train", str(run), str(oracle))
             spec["note"] = corrupt(str(run), "flip", random.Random(spec["seed"]))
         else:
-            torchrun_crash("train", str(run), str(oracle), json.dumps(spec))
-        code, out = torchrun_crash("resume", str(run), str(tmp_path / f"t{i}" / "found"))
+            two_ranks("train", str(run), str(oracle), json.dumps(spec))
+        code, out = two_ranks("resume", str(run), str(tmp_path / f"t{i}" / "found"))
         found = (
             [json.loads((tmp_path / f"t{i}" / f"found.rank{r}").read_text()) for r in (0, 1)]
             if code == 0
@@ -216,7 +215,7 @@ def test_crash_consistency_under_torchrun(tmp_path, capsys) -> None:
         if len(found) == 2 and found[0] != found[1]:
             found = [{"error": f"ranks resumed differently: {found}"}]
         results.append({**spec, "oracle": read_oracle(f"{oracle}.rank0"), "found": found[0]})
-    failures = report("crash suite, torchrun 2 ranks", results, capsys)
+    failures = report("crash suite, 2 ranks", results, capsys)
     assert len(results) >= 8
     assert results[-1]["oracle"]["committed"] == [1]  # died replacing step 1, as planned
     assert not failures, "\n".join(failures)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import ddpckpt
-from launch import processes, spawn, torchrun, torchrun_nodes
+from launch import forked_ranks, processes, spawn, torchrun, torchrun_nodes
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.processes
 
 
 def manifest_of(path: Path) -> dict:
@@ -28,7 +28,7 @@ def manifest_of(path: Path) -> dict:
 def four_rank_checkpoint(tmp_path_factory):
     """A checkpoint saved by 4 torchrun ranks, with every file creation recorded."""
     root = tmp_path_factory.mktemp("four")
-    launch = torchrun(
+    launch = forked_ranks(
         "audit_writers", root / "out", nproc=4, args=["--ckpt", str(root / "ckpt")]
     ).ok()
     return root / "ckpt", launch.results
@@ -60,7 +60,7 @@ def test_world_size_changes_restore_the_same_model_and_optimizer(
     ckpt, saved = four_rank_checkpoint
     for world in (2, 3):
         loaded = (
-            torchrun("load", tmp_path / f"load{world}", nproc=world, args=["--ckpt", str(ckpt)])
+            forked_ranks("load", tmp_path / f"load{world}", nproc=world, args=["--ckpt", str(ckpt)])
             .ok()
             .results
         )
@@ -76,12 +76,12 @@ def test_world_size_changes_restore_the_same_model_and_optimizer(
 
 def test_growing_and_shrinking_the_world(tmp_path) -> None:
     one = (
-        torchrun("train_save", tmp_path / "s1", nproc=1, args=["--ckpt", str(tmp_path / "c1")])
+        forked_ranks("train_save", tmp_path / "s1", nproc=1, args=["--ckpt", str(tmp_path / "c1")])
         .ok()
         .results
     )
     grown = (
-        torchrun("load", tmp_path / "l4", nproc=4, args=["--ckpt", str(tmp_path / "c1")])
+        forked_ranks("load", tmp_path / "l4", nproc=4, args=["--ckpt", str(tmp_path / "c1")])
         .ok()
         .results
     )
@@ -91,7 +91,7 @@ def test_growing_and_shrinking_the_world(tmp_path) -> None:
         assert any(f"rank {rank} has no stored RNG state" in w for w in grown[rank]["warnings"])
     assert len({tuple(r["draws"]) for r in grown.values()}) == 4  # derived streams differ per rank
     again = (
-        torchrun("load", tmp_path / "l4b", nproc=4, args=["--ckpt", str(tmp_path / "c1")])
+        forked_ranks("load", tmp_path / "l4b", nproc=4, args=["--ckpt", str(tmp_path / "c1")])
         .ok()
         .results
     )
@@ -100,12 +100,12 @@ def test_growing_and_shrinking_the_world(tmp_path) -> None:
     ]  # deterministic
 
     two = (
-        torchrun("train_save", tmp_path / "s2", nproc=2, args=["--ckpt", str(tmp_path / "c2")])
+        forked_ranks("train_save", tmp_path / "s2", nproc=2, args=["--ckpt", str(tmp_path / "c2")])
         .ok()
         .results
     )
     shrunk = (
-        torchrun("load", tmp_path / "l1", nproc=1, args=["--ckpt", str(tmp_path / "c2")])
+        forked_ranks("load", tmp_path / "l1", nproc=1, args=["--ckpt", str(tmp_path / "c2")])
         .ok()
         .results
     )
@@ -143,7 +143,7 @@ def test_a_script_ending_right_after_a_call_ends_cleanly_on_every_rank(
 def test_save_called_on_rank_zero_only_fails_fast_naming_the_others(tmp_path) -> None:
     """``if rank == 0: ddpckpt.save(...)`` then ``dist.barrier()``, no logging set up: rank 0
     says on stderr whom it waits for once the notice period has passed, then fails."""
-    launch = torchrun(
+    launch = forked_ranks(
         "rank0_only",
         tmp_path / "out",
         nproc=3,
@@ -163,7 +163,7 @@ def test_save_called_on_rank_zero_only_fails_fast_naming_the_others(tmp_path) ->
 
 
 def test_mismatched_calls_fail_at_once_on_every_rank(tmp_path) -> None:
-    launch = torchrun(
+    launch = forked_ranks(
         "mismatch",
         tmp_path / "out",
         nproc=2,
@@ -177,7 +177,7 @@ def test_mismatched_calls_fail_at_once_on_every_rank(tmp_path) -> None:
 
 
 def test_slow_writer_does_not_trip_a_short_training_group_timeout(tmp_path) -> None:
-    launch = torchrun(
+    launch = forked_ranks(
         "slow_writer", tmp_path / "out", nproc=2,
         args=["--ckpt", str(tmp_path / "ck"), "--pg-timeout", "3", "--sleep", "4"],
         env={"DDPCKPT_TIMEOUT": "3"},  # liveness, not duration: the sleeping writer heartbeats
@@ -188,7 +188,9 @@ def test_slow_writer_does_not_trip_a_short_training_group_timeout(tmp_path) -> N
 
 
 def test_disk_full_on_one_rank_is_reported_on_every_rank(tmp_path) -> None:
-    launch = torchrun("disk_full", tmp_path / "out", nproc=3, args=["--ckpt", str(tmp_path / "ck")])
+    launch = forked_ranks(
+        "disk_full", tmp_path / "out", nproc=3, args=["--ckpt", str(tmp_path / "ck")]
+    )
     for rank in (0, 1, 2):
         report = launch.ok().result(rank)
         assert report["error"] == "CheckpointWriteError" and report["is_oserror"]
@@ -203,7 +205,7 @@ def test_a_failure_on_one_rank_reaches_every_rank_within_seconds_in_every_phase(
     every rank raises that rank's error, not a timeout blaming it for dying. With
     timeout=5 a rank used to wait 5 s (600 s by default) and then call the failing rank
     dead; the latencies printed here are recorded in BENCHMARKS.md."""
-    launch = torchrun(
+    launch = forked_ranks(
         "one_rank_fails", tmp_path / "out", nproc=3, args=["--ckpt", str(tmp_path / "ck")],
         env={"DDPCKPT_TIMEOUT": "5", "DDPCKPT_LOG_ALL_RANKS": "1"},
     ).ok()  # fmt: skip
@@ -323,7 +325,7 @@ def test_node_local_repair_never_writes_outside_the_checkpoint(tmp_path) -> None
     assert sorted(p.name for p in nodes[1].iterdir()) == ["target"]  # nothing received
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_loading_adds_little_memory_per_rank(tmp_path) -> None:
     args = ["--ckpt", str(tmp_path / "ckpt"), "--width", "600000", "--steps", "1"]
     torchrun("train_save", tmp_path / "save", nproc=2, args=args, timeout=300).ok()
@@ -375,7 +377,7 @@ def test_checkpointer_on_node_local_storage_survives_losing_a_node(tmp_path) -> 
 @pytest.mark.parametrize("mode", ["True", "overlap"])
 def test_async_saves_across_ranks(tmp_path, mode) -> None:
     args = ["--ckpt", str(tmp_path / "run"), "--mode", mode]
-    results = torchrun("async_props", tmp_path / "out", nproc=2, args=args).ok().results
+    results = forked_ranks("async_props", tmp_path / "out", nproc=2, args=args).ok().results
     for rank, result in results.items():
         assert result["loaded_digest"] == results[0]["saved_digest"], rank  # the state as of save()
         assert result["latest_right_after"] == "step-00000001"  # step 2 was still being written
@@ -394,7 +396,7 @@ def test_async_saves_across_ranks(tmp_path, mode) -> None:
 
 
 def test_ranks_waiting_for_each_other_time_out_instead_of_hanging(tmp_path) -> None:
-    results = torchrun("wait_cycle", tmp_path / "out", nproc=2, timeout=150).ok().results
+    results = forked_ranks("wait_cycle", tmp_path / "out", nproc=2, timeout=150).ok().results
     for rank in (0, 1):
         for outcome in results[rank]["outcomes"]:
             assert outcome["error"] == "CollectiveTimeoutError", (rank, outcome)
@@ -407,7 +409,7 @@ def test_state_that_is_not_replicated_is_stored_and_restored_per_rank(tmp_path) 
     EMA of a BatchNorm model updated on every rank holds each rank's own statistics: stored
     per rank too, without the warning meant for an EMA updated on one rank."""
     args = ["--ckpt", str(tmp_path / "ck")]
-    results = torchrun("per_rank_state", tmp_path / "out", nproc=2, args=args).ok().results
+    results = forked_ranks("per_rank_state", tmp_path / "out", nproc=2, args=args).ok().results
     assert results[0]["saved"]["ddp"] != results[1]["saved"]["ddp"]  # the set-up differs
     assert results[0]["saved"]["plain"] != results[1]["saved"]["plain"]
     assert results[0]["saved"]["ema_bn"] != results[1]["saved"]["ema_bn"]  # own statistics

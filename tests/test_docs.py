@@ -1,8 +1,7 @@
 """The documentation: the site builds with warnings as errors, and every Python snippet in
 the README and on the site runs, copied literally, the way the page says to run it (how a
 block is marked: tests/support/snippets.py). A block without a marker fails here, so a
-snippet cannot silently escape; half of the snippets run here, half in
-test_docs_snippets.py.
+snippet cannot silently escape.
 """
 
 from __future__ import annotations
@@ -29,8 +28,9 @@ def test_the_pages_have_snippets_and_every_one_says_how_it_runs() -> None:
             assert HOW.match(snippet.how), f"{snippet.id}: unknown marker {snippet.how!r}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("snippet", RUNNABLE[0::2], ids=lambda s: s.id)
+@pytest.mark.processes
+@pytest.mark.long
+@pytest.mark.parametrize("snippet", RUNNABLE, ids=lambda s: s.id)
 def test_readme_snippet_runs_as_written(snippet: Snippet, tmp_path: Path) -> None:
     run_as_written(snippet, tmp_path)
 
@@ -48,7 +48,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_site_builds_with_warnings_as_errors(site: Path) -> None:
     """``sphinx-build -W``: a broken reference, a page missing from the navigation, a
     docstring that does not parse or an unknown directive fails the build."""
@@ -81,7 +81,7 @@ def _public_names() -> dict[str, object]:
     return names
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_api_reference_documents_every_public_name(site: Path) -> None:
     """A name in a public ``__all__`` is documented under that name, or is the same object
     as one documented elsewhere (``ddpckpt.CheckpointError`` is ``ddpckpt.errors``'s)."""

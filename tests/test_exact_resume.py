@@ -19,17 +19,16 @@ from pathlib import Path
 
 import pytest
 
-from launch import RUN_SCRIPT, WORKER, _env, _finish, _start, free_port, torchrun
+from forked import run_ranks
+from launch import ONE_NODE, RUN_SCRIPT, WORKER, _env, _finish, _start, torchrun
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.processes, pytest.mark.long]
 EXACT = WORKER.with_name("exact_worker.py")
 
 
 def launch(nproc: int, *args: str, expect_ok: bool = True) -> None:
-    cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nproc-per-node={nproc}",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
-           str(EXACT), *args]  # fmt: skip
-    ((code, out),) = _finish([_start(cmd, _env({"OMP_NUM_THREADS": "1"}), None)], 240)
+    """``exact_worker.py ARGS`` on ``nproc`` ranks, stopped as torchrun stops them (forked.py)."""
+    code, out = run_ranks(EXACT, args, nproc=nproc, env=_env({"OMP_NUM_THREADS": "1"}), timeout=240)
     if expect_ok:
         assert code == 0, out[-5000:]
 
@@ -142,7 +141,7 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "train_ddp.py"
 def run_example(out: Path, kill_when: Callable[[Path], bool] | None = None) -> int:
     """Run the example on 2 ranks; SIGKILL the whole job once ``kill_when(checkpoints)``."""
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+           *ONE_NODE, "--max-restarts=0",
            str(RUN_SCRIPT), str(EXAMPLE), f"--out={out}", "--epochs=3"]  # fmt: skip
     proc = _start(cmd, _env({"OMP_NUM_THREADS": "1"}), None)
     deadline = time.monotonic() + 240

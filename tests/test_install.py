@@ -18,7 +18,7 @@ import torch
 
 from ddpckpt._cli.bench_cmd import NOT_INSTALLED
 
-pytestmark = [pytest.mark.slow, pytest.mark.distributed, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.long, pytest.mark.processes, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[1]
 OPTIONAL = ("numpy", "torchdata", "matplotlib", "safetensors", "tqdm")

@@ -44,6 +44,7 @@ def run_script(code: str) -> subprocess.CompletedProcess[str]:
     return done
 
 
+@pytest.mark.processes
 def test_a_failing_save_is_on_stderr_without_any_logging_set_up(tmp_path) -> None:
     done = run_script(FAILING_RUN.format(setup="", run=str(tmp_path / "run")))
     assert done.stdout.split("\n")[:3] == ["not saved"] * 3
@@ -54,6 +55,7 @@ def test_a_failing_save_is_on_stderr_without_any_logging_set_up(tmp_path) -> Non
     assert all("step-00000000 (step 0)" in line for line in errors)  # the newest good one
 
 
+@pytest.mark.processes
 def test_with_logging_configured_each_message_appears_once(tmp_path) -> None:
     setup = "import logging, sys\nlogging.basicConfig(stream=sys.stderr, format='APP %(message)s')"
     done = run_script(FAILING_RUN.format(setup=setup, run=str(tmp_path / "run")))
@@ -62,6 +64,7 @@ def test_with_logging_configured_each_message_appears_once(tmp_path) -> None:
     assert "ddpckpt ERROR" not in done.stderr  # the library's own handler stood aside
 
 
+@pytest.mark.processes
 def test_a_handler_on_the_ddpckpt_logger_also_counts_as_configured(tmp_path) -> None:
     setup = (
         "import logging, sys\nh = logging.StreamHandler(sys.stdout)\n"
@@ -72,6 +75,7 @@ def test_a_handler_on_the_ddpckpt_logger_also_counts_as_configured(tmp_path) -> 
     assert "consecutive failed save" not in done.stderr
 
 
+@pytest.mark.processes
 def test_fallbacks_are_on_stderr_without_any_logging_set_up(tmp_path) -> None:
     run = tmp_path / "run"
     code = f"""
@@ -127,11 +131,12 @@ def test_a_failure_every_rank_raises_is_printed_by_rank_zero(
     assert logger.filter(plain)  # other warnings pass on every rank
 
 
+@pytest.mark.processes
 def test_a_failure_on_every_rank_is_printed_once_and_one_ranks_own_failure_there(tmp_path):
-    from launch import torchrun
+    from launch import forked_ranks
 
     args = ["--ckpt", str(tmp_path / "run")]
-    launch = torchrun("failing_saves", tmp_path / "out", nproc=2, args=args).ok()
+    launch = forked_ranks("failing_saves", tmp_path / "out", nproc=2, args=args).ok()
     assert {r["failed_saves"] for r in launch.results.values()} == {2}
     every = [line for line in launch.output.splitlines() if "saving step 2 failed" in line]
     assert len(every) == 1 and every[0].startswith("ddpckpt ERROR [rank 0]"), launch.output

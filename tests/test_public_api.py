@@ -67,6 +67,19 @@ def test_internal_modules_are_private_and_export_nothing() -> None:
         assert "__all__" not in path.read_text(), f"{name} is internal but has __all__"
 
 
+def test_the_public_surface_is_the_one_which_call_md_counts() -> None:
+    page = Path(__file__).parents[1] / "docs" / "reference" / "which-call.md"
+    section = page.read_text().split("## The public surface", 1)[1].split("\n## ", 1)[0]
+    stated = {
+        cells[0].strip("` "): int(cells[1])
+        for line in section.splitlines()
+        if line.startswith("| ")
+        and (cells := [c.strip() for c in line.strip("|").split("|")])[1].isdigit()
+    }
+    counted = {module: len(importlib.import_module(module).__all__) for module in PUBLIC}
+    assert stated == {**counted, "all": sum(counted.values())}
+
+
 def test_the_package_ships_its_type_information() -> None:
     assert (Path(ddpckpt.__file__).parent / "py.typed").is_file()
 
@@ -88,6 +101,7 @@ def test_resumable_loader_still_works_with_a_warning_naming_the_replacement() ->
     assert len(list(make(data, sampler=sampler, batch_size=2, num_workers=0))) == 4
 
 
+@pytest.mark.processes
 def test_a_script_using_an_old_name_sees_the_warning_on_stderr() -> None:
     """Python shows DeprecationWarning for code in ``__main__``: a user's script."""
     done = subprocess.run(

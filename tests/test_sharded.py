@@ -26,9 +26,9 @@ import ddpckpt
 from ddpckpt._cli.export import export
 from ddpckpt._cli.main import main
 from ddpckpt._cli.tools import diff, summary
-from launch import torchrun
+from launch import forked_ranks
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.processes
 WORKER = Path(__file__).parent / "support" / "sharded_worker.py"
 SAVED_AT = 5
 
@@ -37,7 +37,7 @@ SAVED_AT = 5
 def saved(tmp_path_factory) -> tuple[Path, dict]:
     """ZeRO-1 and FSDP2 checkpoints of 2 ranks (steps 3 and 5), after which rank 1 was killed."""
     root = tmp_path_factory.mktemp("sharded")
-    launch = torchrun("save_then_die", root / "out", args=["--ckpt", str(root / "ckpt")],
+    launch = forked_ranks("save_then_die", root / "out", args=["--ckpt", str(root / "ckpt")],
                       worker=WORKER, timeout=180)  # fmt: skip
     assert launch.returncode != 0, "rank 1 should have been SIGKILLed"
     return root / "ckpt", {rank: launch.result(rank) for rank in (0, 1)}
@@ -49,7 +49,7 @@ def _step(root: Path, kind: str, step: int = SAVED_AT) -> Path:
 
 def test_zero_and_fsdp2_resume_bit_identical_after_a_kill(saved, tmp_path) -> None:
     root, _ = saved
-    launch = torchrun("resume", tmp_path, args=["--ckpt", str(root)], worker=WORKER,
+    launch = forked_ranks("resume", tmp_path, args=["--ckpt", str(root)], worker=WORKER,
                       timeout=180).ok()  # fmt: skip
     for rank in (0, 1):
         result = launch.result(rank)
@@ -64,7 +64,7 @@ def four(saved, tmp_path_factory) -> dict[int, dict]:
     """On 4 ranks: replicate(), HSDP (2 x 2) and ZeRO-1 saved beside the 2-rank checkpoints
     and round-tripped; the 2-rank checkpoints loaded."""
     root, _ = saved
-    launch = torchrun("four_ranks", tmp_path_factory.mktemp("four"), nproc=4,
+    launch = forked_ranks("four_ranks", tmp_path_factory.mktemp("four"), nproc=4,
                       args=["--ckpt", str(root)], worker=WORKER, timeout=180).ok()  # fmt: skip
     return {rank: launch.result(rank) for rank in range(4)}
 
@@ -86,7 +86,7 @@ def test_two_rank_checkpoints_load_on_four_ranks(four) -> None:
 
 def test_two_and_four_rank_checkpoints_load_on_three_ranks(four, saved, tmp_path) -> None:
     root, _ = saved
-    launch = torchrun("reshard", tmp_path, nproc=3, args=["--ckpt", str(root)],
+    launch = forked_ranks("reshard", tmp_path, nproc=3, args=["--ckpt", str(root)],
                       worker=WORKER, timeout=180).ok()  # fmt: skip
     owned = {"zero": 0, "zero4": 0}
     for rank in range(3):
@@ -226,7 +226,7 @@ def guarantees(s3_endpoint, tmp_path_factory) -> dict[int, dict]:
     root = tmp_path_factory.mktemp("guarantees")
     s3_root = f"s3://{s3server.BUCKET}/sharded-{root.name}"
     try:
-        launch = torchrun("guarantees", root / "out", args=["--ckpt", str(root / "ckpt")],
+        launch = forked_ranks("guarantees", root / "out", args=["--ckpt", str(root / "ckpt")],
                           env={"SHARDED_S3_ROOT": s3_root}, worker=WORKER, timeout=180)  # fmt: skip
         launch.ok()
     finally:

@@ -19,18 +19,18 @@ __all__ = [
     "EverySeconds",
     "EverySteps",
     "KeepAll",
+    "KeepAnyOf",
     "KeepBest",
     "KeepLast",
     "Never",
     "Record",
     "Retention",
     "SavePolicy",
-    "Union",
-    "best_first",
-    "keeping",
-    "retention_from",
-    "schedule",
 ]
+# Earlier names: the retention union (shadowing typing.Union), and the Checkpointer's own
+# factories, which are internal now (each old name warns; see __getattr__).
+_RENAMED = {"Union": "KeepAnyOf"}
+_INTERNAL = ("schedule", "keeping", "retention_from", "best_first")
 
 
 class SavePolicy(ABC):
@@ -304,7 +304,7 @@ class KeepBest(Retention):
         return {"type": "KeepBest", "k": self.k, "monitor": self.monitor, "mode": self.mode}
 
 
-class Union(Retention):
+class KeepAnyOf(Retention):
     """Keep what any of ``policies`` keeps.
 
     Args:
@@ -327,10 +327,11 @@ class Union(Retention):
         return notes
 
     def describe(self) -> dict[str, Any]:
+        # "Union": the name run.json files have held since the first release
         return {"type": "Union", "policies": [p.describe() for p in self.policies]}
 
 
-def retention_from(description: Mapping[str, Any]) -> Retention | None:
+def _retention_from(description: Mapping[str, Any]) -> Retention | None:
     """Rebuild a built-in retention policy from what its :meth:`Retention.describe` said
     (``ddpckpt ls`` does, from ``run.json``); local.
 
@@ -339,7 +340,7 @@ def retention_from(description: Mapping[str, Any]) -> Retention | None:
 
     Returns:
         The policy, or ``None`` for a ``"type"`` it does not know (a policy of your own).
-        A :class:`Union` drops the parts it does not know.
+        A :class:`KeepAnyOf` drops the parts it does not know.
 
     Raises:
         KeyError: A built-in type's field is missing.
@@ -355,8 +356,8 @@ def retention_from(description: Mapping[str, Any]) -> Retention | None:
     if kind == "KeepAll":
         return KeepAll()
     if kind == "Union":
-        parts = [retention_from(p) for p in description.get("policies", [])]
-        return Union(*(p for p in parts if p is not None))
+        parts = [_retention_from(p) for p in description.get("policies", [])]
+        return KeepAnyOf(*(p for p in parts if p is not None))
     return None
 
 
@@ -371,7 +372,7 @@ class Never(SavePolicy):
         return False
 
 
-def schedule(every_steps: int | None, every_seconds: float | None) -> SavePolicy:
+def _schedule(every_steps: int | None, every_seconds: float | None) -> SavePolicy:
     """The save policy of ``Checkpointer(every_steps=..., every_seconds=...)``; local.
 
     Args:
@@ -394,7 +395,7 @@ def schedule(every_steps: int | None, every_seconds: float | None) -> SavePolicy
     return policies[0] if len(policies) == 1 else AnyOf(*policies)
 
 
-def keeping(
+def _keeping(
     keep_last: int | None, keep_best: int | None, monitor: str | None, mode: str
 ) -> Retention:
     """The retention of ``Checkpointer(keep_last=..., keep_best=..., monitor=..., mode=...)``;
@@ -407,7 +408,7 @@ def keeping(
         mode: ``"min"`` or ``"max"``.
 
     Returns:
-        The policy; a :class:`Union` of both when ``keep_best`` is given.
+        The policy; a :class:`KeepAnyOf` of both when ``keep_best`` is given.
 
     Raises:
         ValueError: ``keep_best`` without ``monitor``, or an invalid count or ``mode``.
@@ -417,10 +418,10 @@ def keeping(
         if monitor is None:
             raise ValueError("keep_best needs monitor=, the name of a metric passed to save()")
         parts.append(KeepBest(keep_best, monitor, mode))
-    return parts[0] if len(parts) == 1 else Union(*parts)
+    return parts[0] if len(parts) == 1 else KeepAnyOf(*parts)
 
 
-def best_first(committed: Mapping[int, Mapping[str, Any]], metric: str, mode: str) -> list[int]:
+def _best_first(committed: Mapping[int, Mapping[str, Any]], metric: str, mode: str) -> list[int]:
     """Rank checkpoints by a metric, as ``Checkpointer.resume(best=...)`` does; local.
 
     Args:
@@ -436,3 +437,20 @@ def best_first(committed: Mapping[int, Mapping[str, Any]], metric: str, mode: st
     """
     records = [Record(step, dict(metrics)) for step, metrics in committed.items()]
     return KeepBest(max(len(records), 1), metric, mode).best(records)
+
+
+def __getattr__(name: str) -> Any:
+    """Earlier names, each with a DeprecationWarning naming what replaced it."""
+    from ddpckpt._deprecation import warn_renamed
+
+    if name in _RENAMED:
+        warn_renamed(f"ddpckpt.policies.{name}", f"ddpckpt.policies.{_RENAMED[name]}")
+        return globals()[_RENAMED[name]]
+    if name in _INTERNAL:
+        warn_renamed(
+            f"ddpckpt.policies.{name}",
+            "Checkpointer(every_steps=..., every_seconds=..., keep_last=..., keep_best=...) or "
+            "the policy classes (it is internal now)",
+        )
+        return globals()[f"_{name}"]
+    raise AttributeError(f"module 'ddpckpt.policies' has no attribute {name!r}")

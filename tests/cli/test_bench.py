@@ -39,6 +39,7 @@ def _run(command: list[str], env: dict[str, str], cwd: Path) -> subprocess.Compl
     )
 
 
+@pytest.mark.processes
 def test_the_package_holds_no_benchmark_and_a_plain_install_says_how_to_run_it(tmp_path):
     # A plain install: the package files alone, as a wheel lays them out, no source tree.
     site = tmp_path / "site-packages"
@@ -52,6 +53,7 @@ def test_the_package_holds_no_benchmark_and_a_plain_install_says_how_to_run_it(t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.processes
 def test_a_source_checkout_finds_the_benchmark_and_runs_it_as_a_script(tmp_path):
     assert harness_path() == ROOT / "benchmarks" / "bench.py"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
@@ -64,8 +66,7 @@ def test_a_source_checkout_finds_the_benchmark_and_runs_it_as_a_script(tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.long
 def test_bench_reports_every_method_against_same_run_references(tmp_path):
     bench = load_harness()
     out = tmp_path / "bench"

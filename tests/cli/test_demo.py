@@ -14,7 +14,7 @@ import pytest
 
 from ddpckpt._cli.demo import SCRIPT
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.processes, pytest.mark.long]
 
 
 def _png_size(path: Path) -> tuple[int, int]:

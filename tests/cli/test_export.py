@@ -121,6 +121,7 @@ print(json.dumps([exported, whole]))
 """
 
 
+@pytest.mark.processes
 def test_export_holds_one_tensor_at_a_time(tmp_path) -> None:
     """A 96 MiB model exported in 3 files by a process of its own: the resident memory the
     export adds (mapped file pages included) stays near one tensor (16 MiB), where reading

@@ -76,6 +76,7 @@ def test_diff_export_import_commands(tmp_path, capsys) -> None:
     assert "no checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.processes
 def test_console_script_runs(ckpt_dir) -> None:
     saved(ckpt_dir)
     result = subprocess.run(
@@ -158,6 +159,7 @@ def test_messages_name_command_line_flags(tmp_path, ckpt_dir, capsys) -> None:
     assert main([*args, "--overwrite"]) == 0
 
 
+@pytest.mark.processes
 def test_a_closed_pipe_ends_quietly(ckpt_dir) -> None:
     saved(ckpt_dir)
     process = subprocess.Popen(
@@ -266,6 +268,7 @@ def test_ls_shows_leftovers_with_their_size_and_clean_removes_them(tmp_path, cap
     assert ddpckpt.verify(os.path.join(run, "step-00000020")).step == 20
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("same_job", [False, True], ids=["other job", "shell in the same job"])
 def test_clean_refuses_while_a_live_job_holds_the_lock(
     tmp_path, capsys, monkeypatch, same_job

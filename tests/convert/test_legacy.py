@@ -110,6 +110,7 @@ def test_lightning_checkpoint(tmp_path) -> None:
     assert "callbacks" in got.extra
 
 
+@pytest.mark.processes
 def test_malicious_pickle_is_refused_without_running(tmp_path) -> None:
     marker = tmp_path / "PWNED"
 

@@ -18,6 +18,7 @@ from launch import torchrun_nodes
 from thread_ranks import ranks, sim
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("failing_save", ["first", "second"])
 def test_saves_and_user_groups_work_after_a_failed_copy(tmp_path, failing_save) -> None:
     """Rank 1 fails in the copies step of one save (before the transfer group was ever made,

@@ -21,8 +21,7 @@ pytestmark = pytest.mark.skipif(find_spec("accelerate") is None, reason="no acce
 SCRIPT = WORKER.with_name("accelerate_worker.py")
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_run_killed_inside_an_epoch_resumes_bit_for_bit(tmp_path: Path) -> None:
     run = launch_killed_run(SCRIPT, tmp_path)
     assert_resumed_exactly(run, resumed_from=9, steps=7)  # inside the second epoch of 8 steps

@@ -16,7 +16,7 @@ from ddpckpt.errors import CorruptCheckpointError
 
 pytestmark = [
     pytest.mark.skipif(find_spec("transformers") is None, reason="no transformers extra"),
-    pytest.mark.slow,  # transformers' import, then a few hundred documents
+    pytest.mark.long,  # transformers' import, then a few hundred documents
 ]
 
 WHERE = "ckpt/checkpoint-7"

@@ -3,6 +3,8 @@ epoch resumes bit for bit; the CheckpointIO on its own; a missing Lightning."""
 
 from __future__ import annotations
 
+import pickle
+import sys
 from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
@@ -26,8 +28,7 @@ def io() -> Any:
     return DdpckptCheckpointIO()
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_run_killed_inside_an_epoch_resumes_bit_for_bit(tmp_path: Path) -> None:
     run = launch_killed_run(SCRIPT, tmp_path)
     assert_resumed_exactly(run, resumed_from=9, steps=7)  # inside the second epoch of 8 steps
@@ -80,3 +81,233 @@ def test_it_composes_with_lightnings_async_checkpoint_io(tmp_path: Path, io: Any
     wrapped.teardown()  # waits for the save
     loaded = io.load_checkpoint(tmp_path / "a.ckpt")
     assert torch.equal(loaded["state_dict"]["w"], torch.ones(3))
+
+
+# ---------------------------------------------------------------- load_from_checkpoint
+
+
+def _classifier_classes() -> tuple[type, type, type]:
+    """A module that saves its hyperparameters, the same with one parameter more, and a data
+    module that saves its hyperparameters and a state."""
+    import lightning.pytorch as pl
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Classifier(pl.LightningModule):
+        def __init__(self, width: int = 8, lr: float = 0.1) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, 2))
+            self.loaded_step: int | None = None
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            inputs, targets = batch
+            return nn.functional.cross_entropy(self.net(inputs), targets)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+        def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+            self.loaded_step = checkpoint["global_step"]
+
+    class Wider(Classifier):
+        def __init__(self, width: int = 8, lr: float = 0.1) -> None:
+            super().__init__(width, lr)
+            self.extra = nn.Linear(2, 2)
+
+    class Data(pl.LightningDataModule):
+        def __init__(self, batch_size: int = 4) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.batches = 0
+
+        def train_dataloader(self) -> DataLoader:
+            generator = torch.Generator().manual_seed(0)
+            data = TensorDataset(
+                torch.randn(16, 4, generator=generator), torch.randint(0, 2, (16,))
+            )
+            self.batches = len(data) // self.hparams.batch_size
+            return DataLoader(data, batch_size=self.hparams.batch_size)
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"batches": self.batches}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.batches = state_dict["batches"]
+
+    return Classifier, Wider, Data
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """A Classifier(width=6) trained 4 steps (batches of 4) with DdpckptCheckpointIO, and
+    its last.ckpt."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ddpckpt.integrations.lightning import DdpckptCheckpointIO
+
+    classifier, _, data = _classifier_classes()
+    out = tmp_path_factory.mktemp("lightning-trained")
+    model = classifier(width=6)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+        plugins=[DdpckptCheckpointIO()],
+        callbacks=[ModelCheckpoint(dirpath=out / "checkpoints", save_last=True)],
+    )
+    trainer.fit(model, datamodule=data(batch_size=4))
+    last = out / "checkpoints" / "last.ckpt"
+    assert (last / "manifest.json").is_file()  # a ddpckpt checkpoint directory
+    return model, last
+
+
+def test_load_from_checkpoint_rebuilds_the_trained_module(trained: tuple[Any, Path]) -> None:
+    from ddpckpt.integrations.lightning import load_from_checkpoint
+
+    model, last = trained
+    loaded = load_from_checkpoint(type(model), last)
+    assert type(loaded) is type(model)
+    assert dict(loaded.hparams) == {"width": 6, "lr": 0.1}  # from save_hyperparameters()
+    assert loaded.loaded_step == 4  # its on_load_checkpoint hook ran
+    expected = model.state_dict()
+    assert loaded.state_dict().keys() == expected.keys()
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name  # bit for bit
+        assert tensor.device == torch.device("cpu")
+    assert load_from_checkpoint(type(model), str(last), map_location="cpu").hparams.width == 6
+
+
+def test_load_from_checkpoint_keyword_arguments_override_the_hyperparameters(
+    trained: tuple[Any, Path],
+) -> None:
+    from ddpckpt.integrations.lightning import load_from_checkpoint
+
+    model, last = trained
+    loaded = load_from_checkpoint(type(model), last, lr=0.5)
+    assert loaded.hparams.lr == 0.5 and loaded.hparams.width == 6
+    assert torch.equal(loaded.net[0].weight, model.net[0].weight)
+
+
+def test_load_from_checkpoint_hparams_file_overrides_as_lightning(
+    trained: tuple[Any, Path], tmp_path: Path
+) -> None:
+    from ddpckpt.integrations.lightning import load_from_checkpoint
+
+    model, last = trained
+    (tmp_path / "hparams.yaml").write_text("width: 6\nlr: 0.25\n")
+    assert (
+        load_from_checkpoint(type(model), last, hparams_file=tmp_path / "hparams.yaml").hparams.lr
+        == 0.25
+    )
+
+
+def test_load_from_checkpoint_strict_as_lightning(trained: tuple[Any, Path]) -> None:
+    from ddpckpt.integrations.lightning import load_from_checkpoint
+
+    model, last = trained
+    _, wider, _ = _classifier_classes()
+    with pytest.raises(RuntimeError, match="Missing key"):
+        load_from_checkpoint(wider, last)  # strict by default: extra.weight is not saved
+    with pytest.warns(UserWarning, match=r"not in the checkpoint: \['extra.weight'"):
+        loaded = load_from_checkpoint(wider, last, strict=False)
+    assert torch.equal(loaded.net[2].bias, model.net[2].bias)
+
+
+def test_load_from_checkpoint_rebuilds_a_data_module(trained: tuple[Any, Path]) -> None:
+    from ddpckpt.integrations.lightning import load_from_checkpoint
+
+    *_, data = _classifier_classes()
+    loaded = load_from_checkpoint(data, trained[1])
+    assert dict(loaded.hparams) == {"batch_size": 4} and loaded.batches == 4
+    assert load_from_checkpoint(data, trained[1], batch_size=2).hparams.batch_size == 2
+
+
+def test_load_from_checkpoint_refuses_a_torch_save_file_unread(tmp_path: Path) -> None:
+    from ddpckpt.integrations.lightning import load_from_checkpoint
+
+    classifier, *_ = _classifier_classes()
+    path = tmp_path / "last.ckpt"
+    marker = tmp_path / "unpickled"
+    path.write_bytes(pickle.dumps(_TouchOnUnpickle(str(marker))))  # code, were it unpickled
+    with pytest.raises(ddpckpt.CheckpointNotFoundError) as caught:
+        load_from_checkpoint(classifier, path)
+    assert f"Classifier.load_from_checkpoint({str(path)!r})" in str(caught.value)
+    assert "torch.save" in str(caught.value)
+    assert not marker.exists()
+
+
+class _TouchOnUnpickle:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (Path(self.path),))
+
+
+@pytest.mark.parametrize(
+    ("key", "named", "trusted", "refusal"),
+    [
+        ("hyper_parameters", "ddpckpt_hostile_instantiator.build", True, "not in Lightning's allowlist"),
+        ("hparams", "ddpckpt_hostile_instantiator.build", True, "not in Lightning's allowlist"),
+        ("hyper_parameters", "lightning.pytorch.cli.instantiate_module", False, "trust_instantiator=True"),
+        ("hyper_parameters", "ddpckpt_hostile_instantiator.build", False, "trust_instantiator=True"),
+    ],
+)  # fmt: skip
+def test_load_from_checkpoint_refuses_an_instantiator_unless_trusted_and_allowed(
+    tmp_path: Path, io: Any, monkeypatch: pytest.MonkeyPatch, key: str, named: str,
+    trusted: bool, refusal: str,
+) -> None:  # fmt: skip
+    import lightning.pytorch as pl
+
+    from ddpckpt.integrations.lightning import load_from_checkpoint
+
+    classifier, *_ = _classifier_classes()
+    marker = tmp_path / "imported"
+    (tmp_path / "ddpckpt_hostile_instantiator.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).touch()\ndef build(cls, kwargs): ...\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = tmp_path / "hostile.ckpt"
+    hostile = {
+        "_instantiator": named,
+        "_class_path": "ddpckpt_hostile_instantiator.build",
+        "width": 6,
+    }
+    io.save_checkpoint(
+        {
+            "pytorch-lightning_version": pl.__version__,
+            "state_dict": classifier(width=6).state_dict(),
+            key: hostile,
+        },
+        path,
+    )
+    with pytest.raises(ddpckpt.CorruptCheckpointError, match=refusal):
+        load_from_checkpoint(classifier, path, trust_instantiator=trusted)
+    assert not marker.exists()
+    assert "ddpckpt_hostile_instantiator" not in sys.modules
+
+
+@pytest.mark.parametrize(
+    ("saved", "refusal"),
+    [
+        ({"state_dict": {"w": torch.ones(1)}}, "pytorch-lightning_version"),
+        ({"pytorch-lightning_version": "1.9.0", "state_dict": {"w": torch.ones(1)}},
+         "Lightning 1.9.0 wrote it, older than"),
+        ({"pytorch-lightning_version": "2.6.6", "state_dict": {"w": [1.0]}}, "state_dict' of tensors"),
+    ],
+)  # fmt: skip
+def test_load_from_checkpoint_refuses_a_dict_that_is_not_lightnings(
+    tmp_path: Path, io: Any, saved: dict, refusal: str
+) -> None:
+    from ddpckpt.integrations.lightning import load_from_checkpoint
+
+    classifier, *_ = _classifier_classes()
+    io.save_checkpoint(saved, tmp_path / "a.ckpt")
+    with pytest.raises(ddpckpt.CorruptCheckpointError, match=refusal):
+        load_from_checkpoint(classifier, tmp_path / "a.ckpt")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BLOCKER = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
@@ -25,6 +27,7 @@ for name in ("lightning", "accelerate", "transformers"):
 """
 
 
+@pytest.mark.processes
 def test_each_integration_without_its_framework_names_the_extra(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text(BLOCKER)  # as if not installed
     path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])

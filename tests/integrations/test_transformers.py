@@ -25,8 +25,7 @@ pytestmark = pytest.mark.skipif(find_spec("transformers") is None, reason="no tr
 SCRIPT = WORKER.with_name("transformers_worker.py")
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_run_killed_inside_an_epoch_resumes_bit_for_bit(tmp_path: Path) -> None:
     run = launch_killed_run(SCRIPT, tmp_path)
     assert_resumed_exactly(run, resumed_from=9, steps=7)  # inside the second epoch of 8 steps
@@ -98,7 +97,7 @@ def _tree(directory: Path) -> dict[str, str]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_resume_writes_nothing_into_the_checkpoint_and_follows_no_link_planted_there(
     tmp_path: Path,
 ) -> None:
@@ -209,7 +208,7 @@ for ckpt in sys.argv[1:]:
 """
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_config_claiming_billions_of_parameters_is_refused_before_any_allocation(
     tmp_path: Path,
 ) -> None:

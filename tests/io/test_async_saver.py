@@ -246,6 +246,7 @@ def test_save_and_each_checkpointer_have_their_own_buffer(tmp_path) -> None:
     assert ddpckpt.verify(tmp_path / "run" / "step-00000002").step == 2
 
 
+@pytest.mark.processes
 def test_a_save_in_flight_when_the_program_ends_is_completed(tmp_path) -> None:
     script = (
         "import torch, ddpckpt\n"
@@ -360,15 +361,15 @@ def test_a_failure_seen_through_its_handle_is_not_raised_again(tmp_path, monkeyp
     ddpckpt.release_async_buffers()
 
 
-@pytest.mark.distributed
+@pytest.mark.processes
 def test_a_background_failure_asked_on_one_rank_only_is_raised_on_every_rank(tmp_path) -> None:
     """Rank 0 reads the failed save's handle (or waits on its Checkpointer), rank 1 does not:
     the next save must fail on both ranks with the save's error, not leave rank 0 waiting
     for rank 1 until the timeout and the ranks one collective call apart."""
-    from launch import torchrun
+    from launch import forked_ranks
 
     args = ["--ckpt", str(tmp_path / "ckpt"), "--timeout", "60"]
-    launch = torchrun("failed_async_asked_on_one_rank", tmp_path / "out", args=args).ok()
+    launch = forked_ranks("failed_async_asked_on_one_rank", tmp_path / "out", args=args).ok()
     for rank in (0, 1):
         result = launch.result(rank)
         assert result["next_save"] == "CheckpointWriteError", result

@@ -20,7 +20,7 @@ from ddpckpt import (
 from ddpckpt._format.manifest import read_manifest
 from dist_worker import lightning_checkpoint, same_tree
 from io_helpers import flip_byte
-from launch import torchrun
+from launch import forked_ranks
 
 
 def test_a_lightning_shaped_dict_round_trips_with_its_types(ckpt_dir) -> None:
@@ -140,10 +140,11 @@ def test_remove_deletes_checkpoints_only(tmp_path) -> None:
     assert (tmp_path / "notes").exists()
 
 
+@pytest.mark.processes
 def test_rank_0_alone_writes_and_both_ranks_read(tmp_path) -> None:
     """As Lightning calls a CheckpointIO: save on global rank 0 only, load on every rank."""
     ckpt = tmp_path / "epoch=2-step=40"
-    launch = torchrun("dict_rank0", tmp_path / "out", args=["--ckpt", str(ckpt)]).ok()
+    launch = forked_ranks("dict_rank0", tmp_path / "out", args=["--ckpt", str(ckpt)]).ok()
     for rank in (0, 1):
         assert launch.result(rank)["same"], rank
     assert read_manifest(str(ckpt)).world_size == 1

@@ -647,8 +647,7 @@ def test_user_journey_compiled_ddp_to_plain_cpu_export_and_import(process_group,
     assert_state_equal(fresh.state_dict(), model.state_dict())
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_load_partial_on_one_rank_is_partial_on_every_rank(tmp_path) -> None:
     """Rank 1's copy of the optimizer's file is damaged, rank 0's is sound (memory:// is per
     process): rank 0 restores everything, rank 1 part of it. Both raise
@@ -656,10 +655,10 @@ def test_a_load_partial_on_one_rank_is_partial_on_every_rank(tmp_path) -> None:
     both (the job's state must never be step 2 on one rank and a mix on the other)."""
     from pathlib import Path
 
-    from launch import torchrun
+    from launch import forked_ranks
 
     worker = Path(__file__).resolve().parents[1] / "support" / "partial_worker.py"
-    launch = torchrun("partial", tmp_path / "out", worker=worker, timeout=180).ok()
+    launch = forked_ranks("partial", tmp_path / "out", worker=worker, timeout=180).ok()
     for rank in (0, 1):
         seen = launch.result(rank)
         assert seen["load"].startswith("PartiallyRestoredError from CorruptCheckpointError")

@@ -16,7 +16,7 @@ from conftest import make_mlp, train_steps
 from ddpckpt import CheckpointExistsError, CheckpointWriteError, UnsupportedValueError
 from ddpckpt.storage import storage_for
 from io_helpers import names_in, parent_of
-from launch import torchrun
+from launch import forked_ranks
 
 
 @pytest.fixture
@@ -99,7 +99,7 @@ print((after - before) * 1024, sum(p.numel() * 4 for p in params))
 """
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.disk_only("measured in a child process, which sees no memory:// store")
 def test_saving_streams_with_bounded_extra_memory(ckpt_dir) -> None:
     import subprocess
@@ -150,14 +150,13 @@ def tiny_disk(tmp_path):
     subprocess.run(["umount", "-l", os.fspath(mount)], check=False)
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.long
 def test_a_full_disk_is_one_message_without_internals_and_small_saves_fit(
     tiny_disk, tmp_path
 ) -> None:
     # 4 ranks save ~50 KiB into 600 KiB (refused by a fixed 1 MiB reserve before), then the
     # disk fills and the next save fails on every rank.
-    launch = torchrun(
+    launch = forked_ranks(
         "full", tmp_path / "out", nproc=4, args=["--dir", os.fspath(tiny_disk)],
         worker=Path(__file__).parents[1] / "support" / "full_disk_worker.py", timeout=180,
         env={"DDPCKPT_LOG_ALL_RANKS": "0"},

@@ -37,7 +37,7 @@ def test_a_refusal_names_the_bytes_needed_and_free(tmp_path, monkeypatch) -> Non
     assert not os.path.exists(target)
 
 
-@pytest.mark.distributed
+@pytest.mark.processes
 def test_node_local_saves_mid_window_send_no_model_bytes_through_the_store(tmp_path) -> None:
     # Two simulated nodes with node-local disks: every node's copy needs every rank's file,
     # here holding the gradients of a half-finished accumulation window (model-sized).

@@ -12,7 +12,7 @@ import pytest
 
 from tiny_check import FIRST, KILL, RESUMED, check_tiny
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.processes, pytest.mark.long]
 
 
 @pytest.fixture(scope="module")

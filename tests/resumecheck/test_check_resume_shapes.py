@@ -12,7 +12,7 @@ import pytest
 from launch import free_port
 from tiny_check import SUPPORT, check, check_tiny
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.processes, pytest.mark.long]
 
 
 def test_a_spawn_script_with_tcp_init_is_checked_on_its_real_world_size(tmp_path) -> None:

@@ -125,6 +125,7 @@ def test_a_write_that_escaped_the_mapping_is_refused_by_the_storage(user_run, un
     assert ddpckpt.latest("memory://scratch") == "memory://scratch/step-1"
 
 
+@pytest.mark.processes
 def test_the_check_stops_at_a_refused_call_and_says_which_and_why(user_run, capsys) -> None:
     """The whole command on a script that finds its checkpoint by listing the directory:
     exit 2 with the refusal, the user's files untouched."""

@@ -81,6 +81,7 @@ def test_with_the_variable_every_step_save_and_resume_is_recorded(
     assert events[-1]["state"] == events[-2]["state"]  # resume() restores what was saved
 
 
+@pytest.mark.processes
 def test_a_command_that_never_creates_a_checkpointer_is_an_error_naming_what_is_needed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -12,7 +12,7 @@ import pytest
 from ddpckpt._resumecheck.runner import run
 from tiny_check import SUPPORT, TORCHRUN, check
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.processes, pytest.mark.long]
 
 SCRIPT = str(SUPPORT / "exiting_script.py")
 

@@ -224,6 +224,7 @@ def write_lock(run, pid: int, host: str | None = None, job: str | None = None) -
     )
 
 
+@pytest.mark.processes
 def test_a_live_lock_holder_is_named_and_a_dead_one_is_taken_over(run_root, caplog) -> None:
     run = run_root / "run"
     model, _ = objects()
@@ -370,6 +371,7 @@ def test_configuration_is_validated_up_front(run_root, kwargs, message) -> None:
         Checkpointer(run_root / "run", model=make_mlp(), **kwargs)
 
 
+@pytest.mark.processes
 def test_torchruns_default_run_id_does_not_identify_a_job(run_root, monkeypatch) -> None:
     run = run_root / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -554,6 +556,7 @@ def test_opening_a_run_to_resume_leaves_run_json_alone(run_root) -> None:
     assert (run / "run.json").read_text() == written
 
 
+@pytest.mark.processes
 def test_a_live_process_of_the_same_job_on_this_host_keeps_its_lock(run_root, monkeypatch) -> None:
     run = run_root / "run"
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -568,11 +571,12 @@ def test_a_live_process_of_the_same_job_on_this_host_keeps_its_lock(run_root, mo
         holder.wait()
 
 
+@pytest.mark.processes
 @pytest.mark.disk_only("the trainer is another process")
 def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(run_root) -> None:
     import threading
 
-    from launch import torchrun
+    from launch import forked_ranks
 
     run, shared = run_root / "run", run_root / "shared"
     shared.mkdir()
@@ -582,11 +586,13 @@ def test_an_evaluator_resuming_read_only_never_disturbs_a_live_trainer(run_root)
 
     def train() -> None:
         args = [*common, "--steps", "8"]
-        trainer["launch"] = torchrun("trainer", run_root / "t", args=args, env=env, timeout=400)
+        trainer["launch"] = forked_ranks("trainer", run_root / "t", args=args, env=env, timeout=400)
 
     thread = threading.Thread(target=train)
     thread.start()
-    evaluator = torchrun("evaluator", run_root / "e", nproc=1, args=common, env=env, timeout=400)
+    evaluator = forked_ranks(
+        "evaluator", run_root / "e", nproc=1, args=common, env=env, timeout=400
+    )
     thread.join()
     trained = trainer["launch"].ok().results
     result = evaluator.ok().result(0)

@@ -29,7 +29,7 @@ from ddpckpt._io.staging import StagingPool
 from launch import _BIN, WORKER, _env, _finish, _start, torchrun_restarting_nodes
 from snippets import ROOT, RUNNABLE
 
-pytestmark = pytest.mark.distributed
+pytestmark = pytest.mark.processes
 FAST = WORKER.with_name("fast_worker.py")
 
 
@@ -119,7 +119,7 @@ def guide_launch(script: Path, out: Path, **env: str) -> subprocess.Popen[str]:
     return _start(cmd, _env({**settings, **env}), script.parent)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 def test_the_guides_script_relaunched_after_a_crash_resumes_from_memory(tmp_path) -> None:
     """The guide's script and launch command, the whole job killed once the fast tier held
     step 25 (the durable tier: step 20), then launched again the same way: the new launch

@@ -109,6 +109,7 @@ def resume_and_save(run: Path, fast, caplog, saved: int = 4) -> tuple[int | None
 # ---------------------------------------------------------------- another user
 
 
+@pytest.mark.processes
 @needs_other_user
 @pytest.mark.parametrize("mode", ["755", "700", "777"])
 def test_a_fast_tier_another_user_made_is_refused_and_nothing_of_it_is_used(
@@ -141,6 +142,7 @@ def test_a_fast_tier_another_user_made_is_refused_and_nothing_of_it_is_used(
     assert os.stat(fast).st_uid == NOBODY and stat.S_IMODE(os.stat(fast).st_mode) == int(mode, 8)
 
 
+@pytest.mark.processes
 @needs_other_user
 def test_the_files_the_fast_tier_writes_are_the_users_alone(tmp_path, shared, caplog) -> None:
     """The fast tier's directory was created 0755 and its files 0644: any user of the node
@@ -392,6 +394,7 @@ def test_a_damaged_run_identity_is_an_error_and_the_run_goes_on(tmp_path, caplog
     assert os.path.lexists(run / RUN_DIR_IDENTITY)
 
 
+@pytest.mark.processes
 def test_another_jobs_live_lock_on_the_fast_tier_never_stops_training(tmp_path, caplog) -> None:
     """Another live job holding the fast tier's lock raised CheckpointLockedError out of
     resume() and save(). Now an ERROR: resumed from the durable tier, training goes on."""
@@ -430,8 +433,7 @@ def test_fast_saves_without_overlap_stage_before_save_returns(tmp_path) -> None:
 # ---------------------------------------------------------------- several ranks
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
+@pytest.mark.long
 def test_one_nodes_damaged_marker_is_an_error_on_every_rank_and_training_goes_on(
     tmp_path,
 ) -> None:

@@ -13,7 +13,7 @@ import torch
 from conftest import make_mlp
 from ddpckpt import Checkpointer, FastTier, Preemption
 from ddpckpt._run.options import auto_directory, resolve
-from ddpckpt.policies import EverySteps, KeepAll, KeepBest, KeepLast, Never, Union
+from ddpckpt.policies import EverySteps, KeepAll, KeepAnyOf, KeepBest, KeepLast, Never
 
 
 def test_flat_arguments_land_in_their_groups(tmp_path) -> None:
@@ -38,7 +38,7 @@ def test_flat_arguments_land_in_their_groups(tmp_path) -> None:
     )
     options = ckpt.options
     assert options.schedule.policy == EverySteps(5) and options.schedule.preemption is None
-    assert isinstance(options.keeping.retention, Union) and options.keeping.mode == "max"
+    assert isinstance(options.keeping.retention, KeepAnyOf) and options.keeping.mode == "max"
     assert (options.failures.on_error, options.failures.retries) == ("raise", 4)
     assert options.failures.retry_backoff == 0.5
     assert options.asynchronous.enabled and options.asynchronous.overlap

@@ -28,7 +28,7 @@ from ddpckpt._run import preemption
 from ddpckpt._run.preemption import PreemptionWatch
 from ddpckpt._run.signals import Preemption
 from ddpckpt._training.worker_signals import IgnoringPreemptionSignals
-from launch import _env, _finish, _start, free_port
+from launch import ONE_NODE, _env, _finish, _start
 from test_exact_resume import EXACT, compare, launch
 
 
@@ -257,6 +257,7 @@ print("alive after close", flush=True)
 """
 
 
+@pytest.mark.processes
 def test_a_sigterm_after_the_last_should_save_ends_the_process_at_close(tmp_path) -> None:
     code, output = run_script(AFTER_THE_LOOP, tmp_path)
     assert code == -signal.SIGTERM, output
@@ -305,6 +306,7 @@ print("WORKERS LEFT", [p.pid for p in multiprocessing.active_children()], flush=
 """
 
 
+@pytest.mark.processes
 def test_a_tracked_loaders_workers_survive_a_group_wide_sigterm(tmp_path) -> None:
     code, output = run_script(WORKERS_SIGNALLED, tmp_path)
     assert code == 0, output
@@ -341,7 +343,7 @@ STEPS, EVERY = 12, 5  # 3 optimizer steps make an epoch: step 4 is mid-epoch 1
 def start(out: Path, *options: str, env: dict[str, str] | None = None):
     """torchrun exact_worker.py on 2 ranks, paused after step 4 (see the module docstring)."""
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2",
-           "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+           *ONE_NODE, "--max-restarts=0",
            str(EXACT), "train", str(out / "run"), str(out), f"--steps={STEPS}",
            f"--every={EVERY}", "--preempt", "--pause-at=4", *options]  # fmt: skip
     return _start(cmd, _env({"OMP_NUM_THREADS": "1", **(env or {})}), None)
@@ -383,7 +385,7 @@ def straight(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.distributed
+@pytest.mark.processes
 def test_sigterm_to_torchrun_saves_one_step_on_both_ranks_and_resumes_bit_identical(
     tmp_path, straight
 ) -> None:
@@ -401,7 +403,7 @@ def test_sigterm_to_torchrun_saves_one_step_on_both_ranks_and_resumes_bit_identi
     compare(straight, tmp_path)
 
 
-@pytest.mark.distributed
+@pytest.mark.processes
 def test_sigusr1_to_one_worker_makes_both_ranks_save_the_same_step(tmp_path) -> None:
     proc = start(tmp_path)
     rank1 = paused_pids(proc, tmp_path)[1]
@@ -415,12 +417,12 @@ def test_sigusr1_to_one_worker_makes_both_ranks_save_the_same_step(tmp_path) -> 
     assert "SIGUSR1 received (rank 1 first)" in output
 
 
-@pytest.mark.distributed
+@pytest.mark.processes
 def test_closing_one_checkpointer_leaves_another_alone_and_a_signal_preempts_both(
     tmp_path,
 ) -> None:
     proc = _start([str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node=2",
-                   "--master-addr=127.0.0.1", f"--master-port={free_port()}", "--max-restarts=0",
+                   *ONE_NODE, "--max-restarts=0",
                    str(EXACT), "two", str(tmp_path / "run"), str(tmp_path)],
                   _env({"OMP_NUM_THREADS": "1"}), None)  # fmt: skip
     ((code, output),) = _finish([proc], 120)
@@ -434,7 +436,7 @@ def test_closing_one_checkpointer_leaves_another_alone_and_a_signal_preempts_bot
     assert "SIGUSR1 received (rank 1 first)" in output
 
 
-@pytest.mark.distributed
+@pytest.mark.processes
 def test_a_signal_during_an_async_save_finishes_it_then_saves_synchronously(tmp_path) -> None:
     (tmp_path / "hold").touch()  # the async save of step 3 stays in flight until released
     proc = start(tmp_path, "--async-save", "--every=3", "--hold-from=3")
@@ -447,7 +449,7 @@ def test_a_signal_during_an_async_save_finishes_it_then_saves_synchronously(tmp_
     assert first["committed"] == [3, first["step"]], output[-3000:]
 
 
-@pytest.mark.distributed
+@pytest.mark.processes
 def test_a_grace_period_too_short_is_reported_and_the_previous_checkpoint_stays(
     tmp_path,
 ) -> None:

@@ -11,7 +11,8 @@ import torch
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
 from ddpckpt._format.runfiles import read_latest
-from ddpckpt._run.resume import _merged, load_first, nothing_loads, point_latest, set_aside
+from ddpckpt._run.resume import _merged, load_first, nothing_loads
+from ddpckpt._run.rundir import point_latest, set_aside
 from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, PartiallyRestoredError
 from hostile import edit_manifest
 from io_helpers import assert_state_equal, flip_byte

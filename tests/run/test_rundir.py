@@ -74,6 +74,7 @@ def test_a_reader_loads_it_where_it_is_and_moves_nothing(tmp_path) -> None:
     assert sorted(os.listdir(run)) == before
 
 
+@pytest.mark.processes
 def test_while_a_live_job_holds_the_lock_latest_names_it_where_it_is(tmp_path) -> None:
     """That job may be replacing step-1 this very moment: nobody else moves anything."""
     run, _ = killed_between_the_renames(tmp_path)

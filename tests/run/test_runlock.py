@@ -31,6 +31,7 @@ print("HELD", flush=True)
 """
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("where", ["disk", "s3"])
 def test_a_lock_left_held_is_released_when_the_interpreter_exits(where, tmp_path, request) -> None:
     root = tmp_path if where == "disk" else request.getfixturevalue("s3_root")
@@ -78,6 +79,7 @@ print("STOPPED", flush=True)
 """
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(bool(s3server.missing()), reason=str(s3server.missing()))
 def test_at_exit_a_lock_on_a_stopped_server_costs_one_request_and_one_warning() -> None:
     done = subprocess.run(

@@ -194,6 +194,7 @@ def _without_root_privileges() -> None:
             os._exit(77)
 
 
+@pytest.mark.processes
 def test_a_writer_on_a_directory_it_may_not_write_is_pointed_at_read_only(tmp_path) -> None:
     """A writer's resume() on a run directory it may only read is told to open it with
     read_only=True (it wrote no checkpoint, so no "writing the checkpoint failed"); on one

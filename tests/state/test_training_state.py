@@ -15,7 +15,7 @@ from ddpckpt import StateMismatchError, TrainingState
 from ddpckpt._format.manifest import read_manifest
 from ddpckpt._state.capture import capture
 from dist_worker import gan_steps
-from launch import torchrun
+from launch import forked_ranks
 from toy_data import Numbers
 
 
@@ -197,6 +197,7 @@ def test_a_scheduler_whose_optimizer_is_left_out_is_refused(ckpt_dir) -> None:
     TrainingState(model=model, opt=opt, sched=sched)
 
 
+@pytest.mark.processes
 def test_a_loader_in_a_state_built_before_the_loop_resumes_mid_epoch(ckpt_dir) -> None:
     loader = DataLoader(Numbers(20), batch_size=2, shuffle=True, num_workers=2)
     state = TrainingState(model=make_mlp(), loader=loader)
@@ -218,9 +219,10 @@ def test_weights_of_one_model_read_by_name(ckpt_dir) -> None:
         ddpckpt.load_state_dict(ckpt_dir)
 
 
+@pytest.mark.processes
 def test_a_ddp_gan_on_two_ranks_resumes_exactly(tmp_path) -> None:
     """Two DDP models (one with per-rank BatchNorm buffers), two optimizers, two schedulers."""
-    launch = torchrun("gan", tmp_path / "out", args=["--ckpt", str(tmp_path / "ckpt")]).ok()
+    launch = forked_ranks("gan", tmp_path / "out", args=["--ckpt", str(tmp_path / "ckpt")]).ok()
     results = [launch.result(rank) for rank in (0, 1)]
     assert all(r["same"] for r in results)
     assert results[0]["losses"] != results[1]["losses"]  # each rank drew its own batches

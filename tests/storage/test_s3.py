@@ -20,7 +20,7 @@ from ddpckpt import Checkpointer
 from ddpckpt._cli.main import main
 from ddpckpt.errors import CheckpointWriteError
 from ddpckpt.storage import ManifestLastCommit, mount, resolve, storage_for
-from launch import torchrun
+from launch import forked_ranks, torchrun
 
 pytestmark = pytest.mark.skipif(bool(s3server.missing()), reason=str(s3server.missing()))
 
@@ -157,6 +157,7 @@ def test_a_bit_flipped_large_object_is_caught_while_streaming(mounted, caplog) -
     assert torch.equal(fresh.weight, model.weight)
 
 
+@pytest.mark.processes
 def test_the_server_stopped_mid_save_is_a_bounded_error_and_training_goes_on(caplog) -> None:
     """A server of its own, killed when the first data object of step 2 is created: the
     save fails after bounded retries, nothing of step 2 is committed, training goes on."""
@@ -311,7 +312,6 @@ def test_storage_errors_are_os_errors_a_caller_can_classify(s3_endpoint) -> None
     assert caught.value.errno == errno.ECONNREFUSED and caught.value.filename.endswith("/x")
 
 
-@pytest.mark.distributed
 def test_two_ranks_under_torchrun_save_and_resume_on_s3(s3_root, tmp_path) -> None:
     """Both ranks reach the server through the inherited AWS_ENDPOINT_URL and credentials."""
     run = f"{s3_root}/run"
@@ -326,6 +326,7 @@ def test_two_ranks_under_torchrun_save_and_resume_on_s3(s3_root, tmp_path) -> No
     ddpckpt.verify(f"{run}/step-{newest:08d}")
 
 
+@pytest.mark.processes
 def test_without_the_extra_an_s3_url_says_what_to_install(tmp_path) -> None:
     code = "import sys; sys.modules['boto3'] = None\nimport ddpckpt\nddpckpt.latest('s3://b/run')"
     done = subprocess.run(
@@ -491,7 +492,6 @@ def test_the_endpoint_comes_from_aws_endpoint_url_with_or_without_options(
     assert ddpckpt.verify(path).step is None
 
 
-@pytest.mark.distributed
 def test_two_ranks_whose_server_stops_mid_upload_are_told_alike_and_train_on(
     s3_endpoint, s3_root, tmp_path
 ) -> None:
@@ -501,7 +501,7 @@ def test_two_ranks_whose_server_stops_mid_upload_are_told_alike_and_train_on(
     outage = s3server.Outage(s3_endpoint, trip=b"/step-00000002/state-0000")
     run = f"{s3_root}/run"
     try:
-        launch = torchrun(
+        launch = forked_ranks(
             "s3_outage", tmp_path / "out", nproc=2, args=["--ckpt", run], timeout=240,
             env={"AWS_ENDPOINT_URL": outage.endpoint},
         ).ok()  # fmt: skip

@@ -14,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,10 +26,82 @@ RUN_SCRIPT = Path(__file__).with_name("run_script.py")  # python RUN_SCRIPT SCRI
 _BIN = Path(sys.executable).parent
 
 
+# torchrun on one node hosts its rendezvous store on a port the system picks and hands it to its
+# workers: nothing picks a port that another process can bind first. (No --rdzv-id: torchrun's
+# default run id, as users' jobs have it.)
+ONE_NODE = ("--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0")
+_IN_USE = ("EADDRINUSE", "Address already in use", "address already in use")
+
+
 def free_port() -> int:
+    """A port free now, for launches whose processes must agree on one before any starts
+    (several nodes, plain processes): run them through :func:`on_a_free_port`."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+Start = tuple[Sequence[str], Mapping[str, str], "str | os.PathLike[str] | None"]
+
+
+def _lost_port(code: int | None, output: str) -> bool:
+    return code not in (None, 0) and any(m in output for m in _IN_USE)
+
+
+def on_a_free_port(
+    starts: Callable[[int], Sequence[Start]], timeout: float, tries: int = 3
+) -> list[tuple[int, str]]:
+    """Run the processes ``starts(port)`` gives (command, environment, directory) together,
+    on a port free when picked, and return each one's exit status and output. If one of them
+    cannot bind the port (someone bound it in between), the others, which would wait for its
+    store to the timeout, are killed and all start again on another port (a job that cannot
+    bind its port has done nothing yet)."""
+    outs: list[tuple[int, str]] = []
+    for _ in range(tries):
+        outs = _together(starts(free_port()), timeout)
+        if not any(_lost_port(code, out) for code, out in outs):
+            break
+    return outs
+
+
+def _together(starts: Sequence[Start], timeout: float) -> list[tuple[int, str]]:
+    """Start every process, wait for all, each writing its output to a file of its own; stop
+    early once one of them lost its port; kill all and raise once ``timeout`` passed."""
+    logs = [tempfile.TemporaryFile("w+") for _ in starts]  # noqa: SIM115 (closed below)
+    procs = [
+        subprocess.Popen(list(cmd), env=dict(env), cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
+        for (cmd, env, cwd), log in zip(starts, logs, strict=True)
+    ]  # fmt: skip
+
+    def output(i: int) -> str:
+        logs[i].seek(0)
+        return logs[i].read()
+
+    def kill_all() -> None:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait()
+
+    try:
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                kill_all()
+                said = "\n".join(output(i)[-3000:] for i in range(len(procs)))
+                raise AssertionError(f"launch hung for {timeout} s and was killed:\n{said}")
+            if any(
+                _lost_port(p.returncode, output(i)) for i, p in enumerate(procs) if p.returncode
+            ):
+                kill_all()
+                break
+            time.sleep(0.1)
+        return [(p.returncode, output(i)) for i, p in enumerate(procs)]
+    finally:
+        for log in logs:
+            log.close()
 
 
 @dataclass
@@ -102,10 +176,25 @@ def torchrun(
 ) -> Launch:  # fmt: skip
     """One node: ``torchrun --nproc-per-node N`` (static rendezvous on loopback), running
     ``worker`` (another script of tests/support with the same interface, or dist_worker.py)."""
-    cmd = [str(_BIN / "torchrun"), f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "--max-restarts=0", *launcher_args,
+    cmd = [str(_BIN / "torchrun"), f"--nproc-per-node={nproc}", *ONE_NODE, "--max-restarts=0", *launcher_args,
            *_worker_args(scenario, out_dir, args, worker)]  # fmt: skip
     ((code, out),) = _finish([_start(cmd, _env(env), cwd)], timeout)
+    return Launch(code, out, _collect(out_dir))
+
+
+def forked_ranks(
+    scenario: str, out_dir: Path, *, nproc: int = 2, args: Sequence[str] = (), timeout: float = 120,
+    env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
+    worker: Path = WORKER,
+) -> Launch:  # fmt: skip
+    """As :func:`torchrun`, with the ranks forked from a process that has imported torch
+    already (forked.py): the launch for tests where the launcher is incidental."""
+    from forked import run_ranks
+
+    argv = _worker_args(scenario, out_dir, args, worker)
+    code, out = run_ranks(
+        Path(argv[0]), argv[1:], nproc=nproc, env=_env(env), timeout=timeout, cwd=cwd
+    )
     return Launch(code, out, _collect(out_dir))
 
 
@@ -115,15 +204,17 @@ def torchrun_nodes(
     env: Mapping[str, str] | None = None,
 ) -> Launch:  # fmt: skip
     """A simulated cluster: ``nnodes`` torchrun launches with ``--node-rank`` on 127.0.0.1."""
-    port = free_port()
-    procs = []
-    for node in range(nnodes):
-        cmd = [str(_BIN / "torchrun"), f"--nnodes={nnodes}", f"--node-rank={node}",
-               f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
-               "--local-addr=127.0.0.1", "--max-restarts=0",
-               *_worker_args(scenario, out_dir, args)]  # fmt: skip
-        procs.append(_start(cmd, _env(env), cwds[node] if cwds else None))
-    outs = _finish(procs, timeout)
+
+    def starts(port: int) -> list[Start]:
+        return [
+            ([str(_BIN / "torchrun"), f"--nnodes={nnodes}", f"--node-rank={node}",
+              f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
+              "--local-addr=127.0.0.1", "--max-restarts=0", *_worker_args(scenario, out_dir, args)],
+             _env(env), cwds[node] if cwds else None)
+            for node in range(nnodes)
+        ]  # fmt: skip
+
+    outs = on_a_free_port(starts, timeout)
     code = max(c for c, _ in outs)
     return Launch(code, "\n".join(o for _, o in outs), _collect(out_dir))
 
@@ -135,17 +226,20 @@ def torchrun_restarting_nodes(
     """Simulated nodes (one torchrun per directory of ``cwds``) that restart their workers
     after a failure, up to ``max_restarts`` times: c10d rendezvous on loopback hosted by node
     0's launcher (static rendezvous cannot restart), restarted workers on fresh stores."""
-    port = free_port()
     env = _env({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # pytorch/pytorch#135712
-    procs = []
-    for node, cwd in enumerate(cwds):
-        cmd = [str(_BIN / "torchrun"), f"--nnodes={len(cwds)}", f"--nproc-per-node={nproc}",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               f"--rdzv-id=restarting-{port}", f"--rdzv-conf=is_host={int(node == 0)}",
-               "--local-addr=127.0.0.1", f"--max-restarts={max_restarts}",
-               "--monitor-interval=0.2", *_worker_args(scenario, out_dir, args, worker)]  # fmt: skip
-        procs.append(_start(cmd, env, cwd))
-    outs = _finish(procs, timeout)
+
+    def starts(port: int) -> list[Start]:
+        return [
+            ([str(_BIN / "torchrun"), f"--nnodes={len(cwds)}", f"--nproc-per-node={nproc}",
+              "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+              f"--rdzv-id=restarting-{port}", f"--rdzv-conf=is_host={int(node == 0)}",
+              "--local-addr=127.0.0.1", f"--max-restarts={max_restarts}",
+              "--monitor-interval=0.2", *_worker_args(scenario, out_dir, args, worker)],
+             env, cwd)
+            for node, cwd in enumerate(cwds)
+        ]  # fmt: skip
+
+    outs = on_a_free_port(starts, timeout)
     code = max(c for c, _ in outs)
     return Launch(code, "\n".join(o for _, o in outs), _collect(out_dir))
 
@@ -160,20 +254,22 @@ def processes(
     No agent watches them, so survivors of a killed rank run on and report what they saw.
     ``worker`` replaces dist_worker.py (the framework workers, see killed_run.py).
     """
-    port = str(free_port())
     if launcher == "distributed.launch":
         cmd = [sys.executable, "-m", "torch.distributed.launch", f"--nproc-per-node={world}",
-               "--master-addr=127.0.0.1", f"--master-port={port}",
-               *_worker_args(scenario, out_dir, args)]  # fmt: skip
+               *ONE_NODE, *_worker_args(scenario, out_dir, args)]  # fmt: skip
         ((code, out),) = _finish([_start(cmd, _env(env), None)], timeout)
         return Launch(code, out, _collect(out_dir))
-    procs = []
-    for rank in range(world):
-        rank_env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                    "LOCAL_WORLD_SIZE": str(world), "MASTER_PORT": port, **(env or {})}  # fmt: skip
+
+    def starts(port: int) -> list[Start]:
         cmd = [sys.executable, *_worker_args(scenario, out_dir, args, worker)]
-        procs.append(_start(cmd, _env(rank_env), None))
-    outs = _finish(procs, timeout)
+        return [
+            (cmd, _env({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                        "LOCAL_WORLD_SIZE": str(world), "MASTER_PORT": str(port), **(env or {})}),
+             None)
+            for rank in range(world)
+        ]  # fmt: skip
+
+    outs = on_a_free_port(starts, timeout)
     return Launch(max(abs(c) for c, _ in outs), "\n".join(o for _, o in outs), _collect(out_dir))
 
 
@@ -182,5 +278,7 @@ def spawn(
 ) -> Launch:
     """``torch.multiprocessing.spawn`` with an explicit ``init_process_group`` (the seeds' style)."""
     cmd = [sys.executable, *_worker_args(scenario, out_dir, ["--spawn", str(world), *args])]
-    ((code, out),) = _finish([_start(cmd, _env({"MASTER_PORT": str(free_port())}), None)], timeout)
+    ((code, out),) = on_a_free_port(
+        lambda port: [(cmd, _env({"MASTER_PORT": str(port)}), None)], timeout
+    )
     return Launch(code, out, _collect(out_dir))

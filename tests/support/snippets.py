@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch import RUN_SCRIPT, free_port
+from launch import RUN_SCRIPT
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -90,8 +90,7 @@ def _command(snippet: Snippet, script: Path) -> list[str]:
     if match["launcher"] == "python":
         return [sys.executable, *runner]
     torchrun = Path(sys.executable).with_name("torchrun")
-    return [str(torchrun), f"--nproc-per-node={match['nproc']}", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", "--max-restarts=0", *runner]  # fmt: skip
+    return [str(torchrun), f"--nproc-per-node={match['nproc']}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--max-restarts=0", *runner]  # fmt: skip
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from launch import _env, _finish, _start, free_port
+from launch import ONE_NODE, _env, _finish, _start
 
 SUPPORT = Path(__file__).parent
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -38,9 +38,7 @@ def check_tiny(
 ) -> tuple[int, str, dict[str, Any]]:  # fmt: skip
     """:func:`check` on tiny_train.py at ``nproc`` ranks with ``PLANTED_BUG=bug`` and
     ``SHARDED=sharded``, its ``--dir`` in ``tmp/user``."""
-    port = free_port()
-    command = [TORCHRUN, f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-               f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1", "--monitor-interval=0.2",
+    command = [TORCHRUN, f"--nproc-per-node={nproc}", *ONE_NODE, "--max-restarts=1", "--monitor-interval=0.2",
                "--local-addr=127.0.0.1", str(SUPPORT / "tiny_train.py"), "--dir", str(tmp / "user")]  # fmt: skip
     more = ["--reference", str(reference)] if reference else []
     return check(tmp, command, *options, *more, env={"PLANTED_BUG": bug, "SHARDED": sharded})

@@ -16,6 +16,7 @@ from ddpckpt.errors import StateMismatchError
 from toy_data import Augmented, Numbers
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [0, 2])
 def test_loader_resumes_exactly_mid_epoch(workers) -> None:
     def make():
@@ -45,6 +46,7 @@ def test_loader_resumes_exactly_mid_epoch(workers) -> None:
     assert len(got) == len(full) and all(torch.equal(a, b) for a, b in zip(got, full, strict=True))
 
 
+@pytest.mark.processes
 def test_loader_and_sampler_roundtrip_through_a_checkpoint(tmp_path) -> None:
     model = torch.nn.Linear(1, 1)
     sampler = ResumableDistributedSampler(Numbers(20), 1, 0)
@@ -82,6 +84,7 @@ SAMPLERS = {
 }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", list(SAMPLERS))
 @pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
 def test_tracked_loader_position_is_what_training_consumed(kind, workers, persistent) -> None:
@@ -120,6 +123,7 @@ def test_tracked_loader_position_is_what_training_consumed(kind, workers, persis
     assert same(got + rest, full)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["resumable", "distributed"])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_finished_epoch_is_neither_replayed_nor_skipped(kind, workers) -> None:
@@ -143,6 +147,7 @@ def test_a_finished_epoch_is_neither_replayed_nor_skipped(kind, workers) -> None
         assert same(seen, epoch1), restart
 
 
+@pytest.mark.processes
 def test_a_sampler_saved_without_its_prefetching_loader_is_refused(tmp_path) -> None:
     sampler = ResumableDistributedSampler(Numbers(16), 1, 0)
     loader = DataLoader(Numbers(16), sampler=sampler, batch_size=2, num_workers=2)
@@ -156,6 +161,7 @@ def test_a_sampler_saved_without_its_prefetching_loader_is_refused(tmp_path) -> 
     del iterator
 
 
+@pytest.mark.processes
 def test_a_loader_tracked_by_the_checkpointer_saves_what_was_consumed(tmp_path) -> None:
     """extra={"sampler": ...} alone is exact when the loader is tracked (issue: 14 vs 18)."""
     sampler = ResumableDistributedSampler(Numbers(64), 2, 0)
@@ -183,6 +189,7 @@ def test_a_loader_tracked_by_the_checkpointer_saves_what_was_consumed(tmp_path) 
     assert len(first) == 3
 
 
+@pytest.mark.processes
 def test_a_checkpointer_built_while_its_loader_iterates_refuses_to_save(tmp_path) -> None:
     """Tracking a loader partway through its pass would save a position that leaves out
     the batches already yielded (the resume replayed them): the save says so instead."""
@@ -236,6 +243,7 @@ def test_a_stateful_iterable_dataset_resumes_with_num_workers_0() -> None:
     assert [b.tolist() for b in resumed] == [[4, 5], [6, 7], [8, 9]]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workers", [0, 2])
 def test_stateful_dataloader_saved_after_an_epoch_starts_the_next_one_fresh(tmp_path, workers):
     """torchdata's own snapshot of a finished pass would override set_epoch at the next iter()."""
@@ -275,6 +283,7 @@ def test_a_position_without_a_resumable_sampler_is_refused_on_another_world_size
         iter(resumed)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["distributed", "random", "shuffle"])
 def test_persistent_workers_resumed_after_an_epoch_end_do_not_shift_the_random_streams(
     kind,

@@ -41,6 +41,7 @@ def rows(batches) -> list[list[int]]:
     return [row for batch in batches for row in batch.tolist()]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("workers", "with_generator"), [(1, False), (2, True)])
 def test_persistent_workers_resume_mid_epoch_after_the_first(tmp_path, workers, with_generator):
     """Later passes of persistent workers draw no base seed, the replay's new iterator does."""
@@ -91,6 +92,7 @@ def own(kind: str, workers: int) -> DataLoader:
     return ddpckpt.data.track_loader(DataLoader(list(range(12)), num_workers=workers, **options))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", list(SAMPLERS))
 def test_a_sampler_with_its_own_generator_resumes_in_its_order(kind) -> None:
     workers = 2 if kind == "replacement" else 0

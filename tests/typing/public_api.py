@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import ddpckpt
 from ddpckpt.data import ResumableDistributedSampler, SeededDataset, track_loader
 from ddpckpt.errors import CheckpointError, CorruptCheckpointError
-from ddpckpt.policies import AnyOf, EverySeconds, EverySteps, KeepBest, KeepLast, Union
+from ddpckpt.policies import AnyOf, EverySeconds, EverySteps, KeepAnyOf, KeepBest, KeepLast
 from ddpckpt.storage import Reader, Storage, Writer, register
 
 
@@ -41,7 +41,7 @@ def checkpointer(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     loader = track_loader(DataLoader(SeededDataset(data, seed=0), sampler=sampler))
     state = ddpckpt.TrainingState(model=model, optimizer=optimizer, loader=loader)
     policy = AnyOf(EverySteps(10), EverySeconds(600.0))
-    keep = Union(KeepLast(2), KeepBest(1, "loss"))
+    keep = KeepAnyOf(KeepLast(2), KeepBest(1, "loss"))
     with ddpckpt.Checkpointer("runs/x", state, save_policy=policy, retention=keep) as ckpt:
         info = ckpt.resume()
         step = info.step if info is not None and info.step is not None else 0

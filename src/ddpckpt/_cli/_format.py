@@ -1,4 +1,5 @@
-"""Plain-text formatting shared by the commands: sizes, times, tables."""
+"""Plain-text formatting shared by the commands: sizes, times, tables, and the leftovers
+of a directory ``ddpckpt ls`` lists."""
 
 from __future__ import annotations
 
@@ -34,3 +35,21 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], first_at_most: 
 
 def when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
+
+
+def leftovers_table(directory: str, leftovers: Sequence[Any]) -> str:
+    """The leftovers table of ``ddpckpt ls`` (``leftovers``: the
+    :class:`~ddpckpt._run.rundir.Leftover` of ``directory``) and what ``ddpckpt clean``
+    would do with them."""
+    what = {
+        "temporary": "temporary: a save in progress, or left by a crash",
+        "corrupt": "moved aside as corrupt by resume(); never loaded",
+    }
+    rows = [(x.name, size(x.nbytes), what[x.kind]) for x in leftovers]
+    hint = f"`ddpckpt clean {directory}` removes the temporaries once no job writes here"
+    if any(x.kind == "corrupt" for x in leftovers):
+        hint += "; add --corrupt to remove the moved-aside checkpoints too"
+    total = size(sum(x.nbytes for x in leftovers))
+    return (
+        f"\nleftovers, not checkpoints ({total}):\n{table(('name', 'size', 'what'), rows)}\n{hint}"
+    )

@@ -13,6 +13,7 @@ does, plus the ``ddpckpt ls`` listing of the killed run's checkpoints.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
@@ -97,11 +98,11 @@ def listing(report: CheckReport) -> str:
     found = [e["directory"] for events in records for e in events if e["event"] == "attach"]
     if not found or not os.path.isdir(found[-1]):
         return "no checkpoints were written"
-    from ddpckpt._cli.main import main
+    from ddpckpt._cli.rundir_cmds import LS
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        main(["ls", found[-1]])
+        LS.run(argparse.Namespace(directory=found[-1], quick=False, json=False))
     text = printed.getvalue().rstrip()
     with open(os.path.join(report.out, "checkpoints.txt"), "w") as f:
         f.write(text + "\n")

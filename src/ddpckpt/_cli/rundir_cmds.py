@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Sequence
 from typing import Any
 
-from ddpckpt._cli._format import size, table, when
+from ddpckpt._cli._format import leftovers_table, size, table, when
 from ddpckpt._cli.command import CannotRun, Command
 from ddpckpt.errors import CheckpointLockedError
 
@@ -209,7 +208,7 @@ def _ls(args: argparse.Namespace) -> int:
     for note in _fast_tier_notes(args.directory, has_tier, tier_of):
         print(note)
     if leftovers:
-        print_leftovers(args.directory, leftovers)
+        print(leftovers_table(args.directory, leftovers))
     return 1 if bad else 0
 
 
@@ -219,23 +218,6 @@ def _looks_unrelated(directory: str) -> bool:
 
     names = set(storage_for(directory).list(directory))
     return bool(names) and not names & RUN_MARKS
-
-
-def print_leftovers(directory: str, leftovers: Sequence[Any]) -> None:
-    """The leftovers table of ``ddpckpt ls`` and what ``ddpckpt clean`` would do with them."""
-    what = {
-        "temporary": "temporary: a save in progress, or left by a crash",
-        "corrupt": "moved aside as corrupt by resume(); never loaded",
-    }
-    total = sum(x.nbytes for x in leftovers)
-    print(f"\nleftovers, not checkpoints ({size(total)}):")
-    print(
-        table(("name", "size", "what"), [(x.name, size(x.nbytes), what[x.kind]) for x in leftovers])
-    )
-    hint = f"`ddpckpt clean {directory}` removes the temporaries once no job writes here"
-    if any(x.kind == "corrupt" for x in leftovers):
-        hint += "; add --corrupt to remove the moved-aside checkpoints too"
-    print(hint)
 
 
 def _clean_arguments(p: argparse.ArgumentParser) -> None:

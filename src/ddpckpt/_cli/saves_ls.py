@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ddpckpt._cli._format import size, table, when
+from ddpckpt._cli._format import leftovers_table, size, table, when
 
 _PICK_NOTE = "load_latest"
 
@@ -81,9 +81,7 @@ def ls_saves(directory: str, *, quick: bool, as_json: bool) -> int:
     if listing.others:
         print(f"also here, not checkpoints (nothing loads them): {', '.join(listing.others)}")
     if leftovers:
-        from ddpckpt._cli.rundir_cmds import print_leftovers
-
-        print_leftovers(directory, leftovers)
+        print(leftovers_table(directory, leftovers))
     return 1 if bad else 0
 
 

@@ -19,16 +19,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from ddpckpt._coord.limits import LEAVE_WAIT
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointError, CollectiveTimeoutError
-
-if TYPE_CHECKING:
-    from ddpckpt._coord.liveness import Beat
 
 _log = get_logger(__name__)
 
@@ -39,6 +36,13 @@ StoreTimeout: type[Exception] = getattr(dist, "DistStoreError", RuntimeError)
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class HeartbeatEntry(Protocol):
+    """One call's entry in this rank's heartbeat record (a
+    :class:`~ddpckpt._coord.liveness.Beat`)."""
+
+    def encode(self) -> bytes: ...
 
 
 @dataclass(eq=False)
@@ -61,7 +65,7 @@ class StoreGroup:
     _clonable: bool = field(default=True, repr=False)
     _beating: set[int] = field(default_factory=set, repr=False)  # ranks with a record
     _enrolled: bool = field(default=False, repr=False)  # this rank is in the beat roster
-    _open: dict[int, Beat] = field(default_factory=dict, repr=False)  # calls open here
+    _open: dict[int, HeartbeatEntry] = field(default_factory=dict, repr=False)  # calls open here
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _unread: str | None = field(default=None, repr=False)  # rank 0's last answer's key
     # the process may hold the store (the default group's): wait at exit until it is read

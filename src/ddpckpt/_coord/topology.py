@@ -23,19 +23,35 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from ddpckpt._coord.store import namespace
 from ddpckpt.errors import CheckpointError
 from ddpckpt.storage import storage_for
 from ddpckpt.storage._posix import PosixStorage
 
-if TYPE_CHECKING:
-    from ddpckpt._coord.comm import Comm
-
 StorageMode = Literal["auto", "shared", "local"]
 _MODES = ("auto", "shared", "local")
+
+
+class Collective(Protocol):
+    """One rank's side of a collective call (a :class:`~ddpckpt._coord.comm.Comm`): what
+    :func:`storage_domains` uses of it."""
+
+    rank: int
+    world_size: int
+    token: str
+
+    @property
+    def nodes(self) -> list[str]: ...
+
+    def run(self, tag: str, step: Callable[[], Any]) -> Any: ...
+
+    def run_reduce(
+        self, tag: str, step: Callable[[], Any], reduce: Callable[[list[Any]], Any]
+    ) -> Any: ...
 
 
 def resolve_storage_mode(mode: str | None) -> StorageMode:
@@ -78,7 +94,7 @@ def _machine_token() -> str:
     return "?"
 
 
-def _by_node(comm: Comm) -> list[list[int]]:
+def _by_node(comm: Collective) -> list[list[int]]:
     groups: dict[str, list[int]] = {}
     for rank, node in enumerate(comm.nodes):
         groups.setdefault(node, []).append(rank)
@@ -99,7 +115,7 @@ def colliding_nodes(nodes: list[list[int]], local_sizes: list[str | None]) -> li
     return colliding
 
 
-def _check_nodes(comm: Comm, nodes: list[list[int]], directory: str) -> None:
+def _check_nodes(comm: Collective, nodes: list[list[int]], directory: str) -> None:
     """Raise if node identities collide: grouping by node would then mix machines."""
 
     def first_collision(local_sizes: list[str | None]) -> tuple[list[int], str | None] | None:
@@ -144,7 +160,7 @@ def _directory_identity(store: Any, directory: str) -> int | None:
     return os.stat(directory).st_dev
 
 
-def storage_domains(comm: Comm, directory: str, mode: str | None = None) -> list[list[int]]:
+def storage_domains(comm: Collective, directory: str, mode: str | None = None) -> list[list[int]]:
     """Partition the ranks into groups that share storage at ``directory``. Collective.
 
     Creates ``directory`` where missing. Returns the groups ordered by lowest rank, each
@@ -178,7 +194,7 @@ def storage_domains(comm: Comm, directory: str, mode: str | None = None) -> list
     return domains
 
 
-def _probe(comm: Comm, store: Any, directory: str, mode: StorageMode) -> list[list[int]]:
+def _probe(comm: Collective, store: Any, directory: str, mode: StorageMode) -> list[list[int]]:
     """:func:`storage_domains` the first time (the directory exists on every rank by now),
     for several ranks and modes other than shared."""
     nodes = _by_node(comm)

@@ -178,7 +178,7 @@ def read_lock(location: str, storage: Storage | None = None) -> LockHolder | Non
 
 def parse_run_file(data: bytes, where: str) -> dict[str, Any]:
     """The retention description ``run.json`` holds (``{}`` if none); the policies
-    :func:`ddpckpt.policies.retention_from` rebuilds are checked field by field (others,
+    :func:`ddpckpt.policies._retention_from` rebuilds are checked field by field (others,
     a user's own, are returned as they are and rebuilt as none)."""
     fields = Fields(load_json(data, where, RUN_FILE, limit=MAX_RUN_FILE_BYTES), where, RUN_FILE)
     retention = fields.mapping("retention", {})

@@ -29,7 +29,8 @@ import torch
 
 from ddpckpt._io.background import Completion, Persister
 from ddpckpt._io.staging import Fence, StagingPool
-from ddpckpt._io.writing import WritePlan, write_and_commit
+from ddpckpt._io.write_plan import WritePlan
+from ddpckpt._io.writing import write_and_commit
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot, TrainingState
 

@@ -13,7 +13,6 @@ copying it. Every rank calls it, in the same order (it is collective).
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
 
 from ddpckpt._coord.consistency import differing_unverified
 from ddpckpt._coord.copies import send_to_leaders
@@ -21,9 +20,7 @@ from ddpckpt._coord.plan import file_names
 from ddpckpt._coord.store import pack, unpack
 from ddpckpt._format.tensorfile import deserialize
 from ddpckpt._format.tensorwrite import serialize
-
-if TYPE_CHECKING:
-    from ddpckpt._io.writing import WritePlan
+from ddpckpt._io.write_plan import WritePlan
 
 
 def settle_plan(plan: WritePlan, attempt: int = 0) -> None:

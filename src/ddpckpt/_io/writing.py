@@ -5,7 +5,7 @@ Every rank calls both steps, in order:
 1. :func:`plan_write` checks that every rank holds the same shared tensors, finds the
    storage domains and assigns each tensor to exactly one rank of each domain (balanced
    by bytes; tensors that are not replicated under DDP go to rank 0's copy). It returns
-   this rank's :class:`WritePlan`.
+   this rank's :class:`~ddpckpt._io.write_plan.WritePlan`.
 2. :func:`write_and_commit` settles what the plan left open (:mod:`ddpckpt._io.settling`:
    comparing the unverified tensors, the copies for other storage domains), then has the
    first rank of each domain create a temporary directory, every rank stream its files
@@ -25,7 +25,6 @@ import json
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,12 +44,13 @@ from ddpckpt._format.manifest import (
     tensor_from_json,
     tensor_to_json,
 )
-from ddpckpt._format.rankparts import RANK_STATE_KEY, rank_keys
-from ddpckpt._format.tensorfile import FileEntry, tensor_nbytes
+from ddpckpt._format.rankparts import rank_keys
+from ddpckpt._format.tensorfile import tensor_nbytes
 from ddpckpt._format.tensorwrite import write_file
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.settling import settle_plan
 from ddpckpt._io.shardwrite import ShardWrites, piece_json, piece_key, plan_shards, shard_records
+from ddpckpt._io.write_plan import FILE_METADATA, WritePlan
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot
 from ddpckpt._state.zero import merge_owned_state
@@ -64,7 +64,6 @@ from ddpckpt.errors import (
 from ddpckpt.storage import storage_for
 
 _log = get_logger(__name__)
-_FILE_METADATA = {"format": "pt", "writer": "ddpckpt"}
 
 
 def header_fields(
@@ -85,54 +84,6 @@ def header_fields(
             )
         plain[key] = value
     return {"step": step, "epoch": epoch, "metrics": encode(plain, "metrics", {})}
-
-
-@dataclass
-class WritePlan:
-    """What this rank writes for one checkpoint (see :func:`plan_write`).
-
-    Until :func:`~ddpckpt._io.settling.settle_plan` has run, ``items`` assumes that the
-    ``pending`` tensors (unverified: nothing keeps them identical) are the same on every
-    rank, and ``checked`` holds those of them this rank does not write, for comparing.
-    """
-
-    comm: Comm
-    path: str
-    header: Mapping[str, Any]
-    overwrite: bool
-    domains: list[list[int]]
-    items: list[tuple[str, torch.Tensor]]  # this rank's shared tensors, by snapshot name
-    order: list[str]  # every shared tensor name, in state order
-    needed: int  # bytes of one complete copy
-    shared_state: dict[str, Any]
-    movable: set[str]  # the shared tensors any rank may write (identical on every rank)
-    rank_items: list[tuple[str, torch.Tensor]]  # this rank's file: its per-rank tensors,
-    rank_state: dict[str, Any]  # and its state, in the file's metadata
-    pending: list[str] = field(default_factory=list)
-    may_differ: frozenset[str] = frozenset()  # of the pending ones: apart by design, no warning
-    unsynced: Mapping[str, str] = field(default_factory=dict)  # Snapshot.unsynced
-    checked: list[tuple[str, torch.Tensor]] = field(default_factory=list)
-    settled: bool = False
-    rank_blob: bytes | None = None  # this rank's file, made to be sent to other domains
-    rank_file: FileEntry | None = None  # and its entry
-    foreign: dict[int, bytes] = field(default_factory=dict)  # other domains' rank files
-    shards: ShardWrites = field(default_factory=ShardWrites)  # sharded state (shardwrite)
-    owned_state: dict[str, Any] = field(default_factory=dict)  # Snapshot.owned_state
-
-    @property
-    def domain(self) -> list[int]:
-        return next(d for d in self.domains if self.comm.rank in d)
-
-    @property
-    def leader(self) -> bool:
-        return self.domain[0] == self.comm.rank
-
-    @property
-    def nbytes(self) -> int:
-        return sum(tensor_nbytes(t) for _, t in self.items)
-
-    def rank_metadata(self) -> dict[str, str]:
-        return {**_FILE_METADATA, RANK_STATE_KEY: json.dumps(self.rank_state)}
 
 
 def plan_write(
@@ -330,7 +281,7 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
                 os.path.join(tmp, names[kind]),
                 items,
                 writer=plan.comm.rank,
-                metadata=_FILE_METADATA,
+                metadata=FILE_METADATA,
                 progress=bar.update,
                 chunked=shard_of,
             )

@@ -212,6 +212,7 @@ class _ReadOnly:
 
 
 _CURRENT: Isolation | None = None
+_first_look: list[Callable[[], object]] = []  # set by the recorder's module when imported
 
 
 def install(isolation: Isolation | None) -> None:
@@ -223,12 +224,18 @@ def install(isolation: Isolation | None) -> None:
     storage._guard = None if isolation is None else isolation.guard
 
 
+def look_first_with(look: Callable[[], object]) -> None:
+    """Have :func:`current` call ``look()`` while nothing is mapped: the recorder's
+    :func:`~ddpckpt._resumecheck.record.active`, whose first look, under a check, starts
+    the recorder, which maps."""
+    _first_look[:] = [look]
+
+
 def current() -> Isolation | None:
     """The mapping of this process, or ``None`` outside a check (the usual case)."""
     if _CURRENT is None:
-        from ddpckpt._resumecheck import record
-
-        record.active()  # under a check, its first look starts the recorder, which maps
+        for look in _first_look:
+            look()
     return _CURRENT
 
 

@@ -87,6 +87,7 @@ def active() -> Recorder | None:
 
 
 watch_batches(active)  # tracked loaders ask for the recorder through _training.watchers
+isolate.look_first_with(active)  # and the path mapping, before it maps anything
 
 
 def _world() -> int:

@@ -49,7 +49,7 @@ from ddpckpt._coord.topology import resolve_storage_mode
 from ddpckpt._io.async_saver import async_mode
 from ddpckpt._run.signals import Preemption, grace_period
 from ddpckpt._state.training_state import TrainingState
-from ddpckpt.policies import Retention, SavePolicy, keeping, schedule
+from ddpckpt.policies import Retention, SavePolicy, _keeping, _schedule
 
 
 @dataclass(frozen=True)
@@ -269,8 +269,8 @@ def resolve(
     if fast is not None:
         fast.check(directory, read_only)
     return CheckpointerOptions(
-        schedule=Schedule(save_policy or schedule(every_steps, every_seconds), watched),
-        keeping=Keeping(retention or keeping(keep_last, keep_best, monitor, mode), mode),
+        schedule=Schedule(save_policy or _schedule(every_steps, every_seconds), watched),
+        keeping=Keeping(retention or _keeping(keep_last, keep_best, monitor, mode), mode),
         failures=FailureHandling(on_error, retries, retry_backoff),
         asynchronous=Asynchronous(bool(async_save), overlap),
         storage=Storage(sharing, timeout, lock_stale_after, read_only),

@@ -22,7 +22,7 @@ from ddpckpt._format.runfiles import read_latest, read_retention, step_dirname
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._run.rundir import Entry, scan
 from ddpckpt.errors import CheckpointNotFoundError
-from ddpckpt.policies import Record, best_first, retention_from
+from ddpckpt.policies import Record, _best_first, _retention_from
 
 Metrics = dict[str, Any]
 
@@ -41,7 +41,7 @@ def latest_name(directory: str) -> str | None:
 def why_kept(directory: str) -> dict[int, str]:
     """The committed steps the run's retention keeps for a reason worth showing (``"best #1
     by loss"``), from the policy the saving job recorded in ``run.json``."""
-    policy = retention_from(read_retention(directory))
+    policy = _retention_from(read_retention(directory))
     if policy is None:
         return {}
     return policy.why_kept([Record(step, m) for step, m in committed(directory).items()])
@@ -67,7 +67,7 @@ def best_step(directory: str, metric: str, mode: str = "min") -> int | None:
     ties go to the newer), or ``None``."""
     if not isinstance(metric, str):
         raise TypeError(f"the metric is named by a string, got {metric!r}")
-    ranked = best_first(committed(directory), metric, mode)
+    ranked = _best_first(committed(directory), metric, mode)
     return ranked[0] if ranked else None
 
 
@@ -103,7 +103,7 @@ def choose(
         return [step]
     if best is None:
         return sorted(found, reverse=True)
-    ranked = best_first(found, best, mode)
+    ranked = _best_first(found, best, mode)
     if found and not ranked:
         raise CheckpointNotFoundError(
             f"{directory}: no checkpoint has a finite metric {best!r} (saved with "

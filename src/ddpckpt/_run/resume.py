@@ -7,9 +7,9 @@
 3. :func:`load_first` (collective, through the Checkpointer's load): the first candidate
    that loads and verifies; a damaged one (or, for a reader, one deleted meanwhile) is
    reported and the next is tried.
-4. :func:`set_aside` (one rank per storage domain): broken checkpoints newer than the one
+4. :func:`~ddpckpt._run.rundir.set_aside` (one rank per storage domain): broken checkpoints newer than the one
    loaded become ``step-N.corrupt-*``, never loaded again.
-5. :func:`point_latest` (same ranks): ``latest`` names the newest committed checkpoint.
+5. :func:`~ddpckpt._run.rundir.point_latest` (same ranks): ``latest`` names the newest committed checkpoint.
 
 A read-only Checkpointer runs steps 1 to 3 only. With a fast tier, its steps join those
 of step 2 (:mod:`ddpckpt._run.fast_tier`), and it keeps nothing newer than the step loaded.
@@ -23,20 +23,17 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ddpckpt._coord.comm import Comm
-from ddpckpt._format.runfiles import read_latest, step_dirname
+from ddpckpt._format.runfiles import step_dirname
 from ddpckpt._io.load import damage_of, none_loaded, partly_note
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
-from ddpckpt._run.catalog import SET_ASIDE_MARK
-from ddpckpt._run.rundir import scan, write_latest
+from ddpckpt._run.rundir import scan
 from ddpckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     PartiallyRestoredError,
 )
-from ddpckpt.storage import storage_for
-from ddpckpt.storage._base import new_token
 
 if TYPE_CHECKING:
     from ddpckpt._run.fast_tier import FastSaves
@@ -185,25 +182,6 @@ def nothing_loads(
         f"{directory}: holds only incomplete checkpoints; nothing to resume:\n  "
         + "\n  ".join(broken.values())
     )
-
-
-def set_aside(directory: str, reasons: dict[int, str]) -> None:
-    """Rename the checkpoints of the steps in ``reasons`` (what is wrong with each) to
-    ``step-N.corrupt-<token>``; local, one rank per storage domain. One already gone
-    (another domain's rank, same storage) is skipped."""
-    store = storage_for(directory)
-    for step, reason in sorted(reasons.items()):
-        source = os.path.join(directory, step_dirname(step))
-        if store.exists(source):
-            target = f"{source}{SET_ASIDE_MARK}{new_token()}"
-            store.commit.set_aside(store, source, target)
-            _log.warning("moved %s aside to %s; it is never loaded (%s)", source, target, reason)
-
-
-def point_latest(directory: str, step: int) -> None:
-    """Make ``latest`` name checkpoint ``step`` unless it already does; local."""
-    if read_latest(directory) != step_dirname(step):
-        write_latest(directory, step_dirname(step))
 
 
 def _listing(directory: str) -> _Listing:

@@ -30,6 +30,7 @@ from ddpckpt._format.runfiles import (
     RUN_FILE,
     is_stray_step,
     parse_step,
+    read_latest,
     read_lock,
     run_file_text,
     warn_stray,
@@ -41,7 +42,7 @@ from ddpckpt._run.runlock import RunLock
 from ddpckpt.errors import CheckpointError, CheckpointLockedError, IncompleteCheckpointError
 from ddpckpt.policies import Record, Retention
 from ddpckpt.storage import storage_for
-from ddpckpt.storage._base import is_temp_name, previous_name, previous_of
+from ddpckpt.storage._base import is_temp_name, new_token, previous_name, previous_of
 from ddpckpt.storage._commit import restore_interrupted
 
 _log = get_logger(__name__)
@@ -200,6 +201,25 @@ def write_latest(directory: str, name: str) -> bool:
 
 
 _LATEST_LEFT: set[str] = set()  # the ``latest`` directories already reported by this process
+
+
+def set_aside(directory: str, reasons: dict[int, str]) -> None:
+    """Rename the checkpoints of the steps in ``reasons`` (what is wrong with each) to
+    ``step-N.corrupt-<token>``; local, one rank per storage domain. One already gone
+    (another domain's rank, same storage) is skipped."""
+    store = storage_for(directory)
+    for step, reason in sorted(reasons.items()):
+        source = os.path.join(directory, step_dirname(step))
+        if store.exists(source):
+            target = f"{source}{CORRUPT_MARK}{new_token()}"
+            store.commit.set_aside(store, source, target)
+            _log.warning("moved %s aside to %s; it is never loaded (%s)", source, target, reason)
+
+
+def point_latest(directory: str, step: int) -> None:
+    """Make ``latest`` name checkpoint ``step`` unless it already does; local."""
+    if read_latest(directory) != step_dirname(step):
+        write_latest(directory, step_dirname(step))
 
 
 def write_run_file(directory: str, policy: dict[str, Any]) -> None:

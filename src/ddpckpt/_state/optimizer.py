@@ -31,6 +31,7 @@ from ddpckpt._state.model import (
     tensor_identity,
     unwrap_model,
 )
+from ddpckpt._state.placement import note_placement
 from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
 from ddpckpt._state.zero import after_restore, encode_owned, is_zero, param_state, zero_section
 from ddpckpt.errors import CorruptCheckpointError, StateMismatchError
@@ -162,25 +163,6 @@ def _section(
         "placement": placement,
         "own_dtype": sorted(own_dtype),
     }
-
-
-def note_placement(
-    state: Mapping[str, Any], param: torch.Tensor, placement: dict[str, str], own_dtype: set[str]
-) -> None:
-    """Record where the optimizer keeps each state tensor, relative to its parameter.
-
-    Optimizers keep some scalars apart from the parameter (NAdam's ``mu_product`` on the
-    host, ASGD's ``step`` on the device, float32 steps beside bfloat16 weights), which
-    torch's own ``load_state_dict`` policy does not know: restoring them where they were
-    keeps a resumed step identical. Only a parameter off the CPU tells host from device.
-    """
-    for key, value in state.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        if param.device.type != "cpu":
-            placement.setdefault(key, "param" if value.device == param.device else "host")
-        if param.is_floating_point() and value.dtype != param.dtype:
-            own_dtype.add(key)
 
 
 def _sort_optimizer_state(
@@ -392,7 +374,7 @@ def _materialize(
 
     Follows ``Optimizer._process_value_according_to_param_policy`` (state beside its
     parameter, in its dtype; ``step`` on the host unless fused or capturable), corrected by
-    what the save recorded (see :func:`note_placement`), so that ``load_state_dict`` has
+    what the save recorded (see :func:`~ddpckpt._state.placement.note_placement`), so that ``load_state_dict`` has
     nothing left to copy and the state never shares memory with the checkpoint file.
 
     ``live`` is the optimizer's current value under ``key`` (on a resume: the state of the

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ddpckpt._format.codec import JSON
+from ddpckpt._state.sharded import ShardedTensor
 from ddpckpt.errors import CheckpointError, StateMismatchError
 
 if TYPE_CHECKING:
     from ddpckpt._format.reshard import Box
-    from ddpckpt._state.dtensor import ShardedTensor
 
 
 class TensorSource(Protocol):

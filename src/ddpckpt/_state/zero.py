@@ -29,6 +29,7 @@ import torch
 
 from ddpckpt._format.codec import JSON, encode
 from ddpckpt._format.sections import layout_of
+from ddpckpt._state.placement import note_placement
 from ddpckpt.errors import UnsupportedValueError
 
 
@@ -75,8 +76,6 @@ def zero_section(
     """ZeRO's optimizer section (shared: param groups, shapes, partition; no state) and
     this rank's part (the state of the parameters it owns, keyed by name, with where it
     lives), before encoding; ``group_names`` names each group's parameters."""
-    from ddpckpt._state.optimizer import note_placement
-
     _check_supported(zero, label)
     local = zero.optim
     saved = local.state_dict()

@@ -18,8 +18,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ddpckpt.storage._base import Reader, Storage, Writer
-from ddpckpt.storage._commit import CommitStrategy, ManifestLastCommit, RenameCommit
+from ddpckpt.storage._base import CommitStrategy, Reader, Storage, Writer
+from ddpckpt.storage._commit import ManifestLastCommit, RenameCommit
 from ddpckpt.storage._memory import MemoryStorage
 from ddpckpt.storage._posix import PosixStorage
 

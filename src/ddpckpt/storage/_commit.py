@@ -3,12 +3,12 @@
 :class:`RenameCommit` writes under a temporary directory and renames it (file systems);
 :class:`ManifestLastCommit` writes the data objects first and the manifest last, the manifest
 being the commit (object stores, which have no rename). One rank per storage domain (the
-leader) calls ``begin``/``publish``/``abort``; see :mod:`ddpckpt.storage._base`.
+leader) calls ``begin``/``publish``/``abort``; see :class:`~ddpckpt.storage.CommitStrategy`
+(in :mod:`ddpckpt.storage._base`).
 """
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import errno
 import json
@@ -18,6 +18,7 @@ from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointWriteError
 from ddpckpt.storage._base import (
     MANIFEST,
+    CommitStrategy,
     Storage,
     new_token,
     previous_name,
@@ -26,152 +27,6 @@ from ddpckpt.storage._base import (
 )
 
 _log = get_logger(__name__)
-
-
-class CommitStrategy(abc.ABC):
-    """How a checkpoint at location ``final`` becomes visible, all at once.
-
-    A :class:`~ddpckpt.storage.Storage` names its strategy in its ``commit`` attribute;
-    a backend usually picks :class:`RenameCommit` or :class:`ManifestLastCommit`, and
-    subclasses this only for a store with a commit of its own. A checkpoint is committed
-    exactly when its manifest (``manifest.json``) can be read at ``final``: readers never
-    see part of one.
-
-    A save runs in this order. Every rank computes :meth:`staging` (the same on every
-    rank); the leader of each storage domain checks :meth:`exists` and calls
-    :meth:`begin` before any rank writes; every rank then writes its objects under the
-    staging location; the leader writes the manifest there last, then calls
-    :meth:`publish`. If anything fails anywhere, the leader calls :meth:`abort`. Cleanups
-    (``Checkpointer`` retention, :func:`ddpckpt.remove_checkpoint`, ``Checkpointer.resume``
-    and ``ddpckpt clean``) call :meth:`discard`, :meth:`set_aside`, :meth:`unfinished` and
-    :meth:`restore` on one process, with the run's lock held where there is a run.
-
-    A subclass implements the abstract methods below. Every method raises
-    :class:`OSError` (from its storage) on a storage failure.
-    """
-
-    @abc.abstractmethod
-    def staging(self, storage: Storage, final: str, token: str, *, overwrite: bool = False) -> str:
-        """Where the objects of the checkpoint ``final`` are written before publishing;
-        pure (touches nothing), called on every rank.
-
-        Args:
-            storage: The storage holding ``final``.
-            final: The checkpoint's location.
-            token: Unique to this save attempt, the same on every rank.
-            overwrite: The save may replace a committed checkpoint at ``final``.
-
-        Returns:
-            The staging location: a new name no reader takes for a checkpoint, or
-            ``final`` itself where the manifest written last is the commit.
-        """
-
-    @abc.abstractmethod
-    def exists(self, storage: Storage, final: str) -> bool:
-        """Whether a save to ``final`` without ``overwrite`` must be refused; on the
-        leader, before :meth:`begin`.
-
-        Returns:
-            True if a committed checkpoint is at ``final`` (or one an interrupted
-            overwrite left to be restored there).
-        """
-
-    @abc.abstractmethod
-    def begin(self, storage: Storage, final: str, staging: str, *, overwrite: bool) -> None:
-        """Prepare ``staging`` for the writers (make its directory, remove what an
-        interrupted save left there); on the leader, before any rank writes.
-
-        Raises:
-            FileExistsError: A checkpoint is at ``final`` and ``overwrite`` is false
-                (where this strategy checks it here).
-            OSError: A storage failure.
-        """
-
-    @abc.abstractmethod
-    def publish(self, storage: Storage, staging: str, final: str, *, overwrite: bool) -> None:
-        """Make the finished checkpoint visible at ``final`` in one step; on the leader,
-        once every object and then the manifest are written and synced under ``staging``.
-        With ``overwrite``, a committed checkpoint at ``final`` stays readable until the
-        new one replaces it, and is deleted only then.
-
-        Raises:
-            FileExistsError: ``final`` exists and ``overwrite`` is false (or an
-                :class:`OSError` with ``EEXIST`` or ``ENOTEMPTY``: another process
-                committed there first).
-            OSError: A storage failure; nothing must be committed then, unless the
-                failure came after the commit (a sync of the parent directory).
-        """
-
-    def abort(self, storage: Storage, staging: str, final: str) -> None:
-        """Remove what a failed save left, never a committed checkpoint; on the leader.
-
-        Called while the save's own error propagates, so a storage failure here (the
-        store that just failed the save is often still down) is logged as a WARNING, not
-        raised: the leftovers are no checkpoint, and the next save there or
-        ``ddpckpt clean`` removes them. Calls :meth:`remove_leftovers`; override that,
-        not this.
-        """
-        try:
-            self.remove_leftovers(storage, staging, final)
-        except OSError as exc:
-            _log.warning(
-                "%s: could not remove what the failed save left (%s); it is no checkpoint, "
-                "and the next save there or `ddpckpt clean` removes it",
-                staging,
-                exc,
-            )
-
-    @abc.abstractmethod
-    def remove_leftovers(self, storage: Storage, staging: str, final: str) -> None:
-        """Delete what a failed save wrote at ``staging``, never a committed checkpoint at
-        ``final``; on the leader, through :meth:`abort`.
-
-        Raises:
-            OSError: The storage failed (:meth:`abort` logs it).
-        """
-
-    @abc.abstractmethod
-    def discard(self, storage: Storage, final: str) -> None:
-        """Delete a committed checkpoint so that a crash midway never leaves a damaged one
-        that still looks committed (rename it away first, or delete its manifest first);
-        on one process.
-
-        Raises:
-            FileNotFoundError: Where the storage raises it for a missing checkpoint.
-            OSError: A storage failure.
-        """
-
-    @abc.abstractmethod
-    def set_aside(self, storage: Storage, final: str, target: str) -> None:
-        """Move a (broken) checkpoint to ``target``, where it is never loaded; on the
-        leader, in ``Checkpointer.resume``. Afterwards nothing committed is left at
-        ``final``.
-
-        Raises:
-            OSError: A storage failure.
-        """
-
-    def unfinished(self, storage: Storage, final: str) -> list[str]:
-        """What interrupted saves left inside the committed checkpoint ``final``; called by
-        cleanups (``ddpckpt clean``).
-
-        Returns:
-            Locations that are no part of the checkpoint, safe to delete once no save to
-            ``final`` is in flight; empty by default.
-        """
-        return []
-
-    def restore(self, storage: Storage, final: str) -> None:  # noqa: B027 - nothing by default
-        """Finish an overwrite of ``final`` that a crash or a failure interrupted, so that
-        ``final`` is the checkpoint committed last: put the replaced checkpoint back where
-        ``final`` is missing, delete it where ``final`` is there. Called at every start of
-        a run (with its lock held, or no live holder) and by :func:`ddpckpt.latest`;
-        other processes may be restoring the same one meanwhile. Does nothing by default:
-        nothing to do where the commit replaces ``final`` in one step.
-
-        Raises:
-            OSError: A storage failure.
-        """
 
 
 class RenameCommit(CommitStrategy):

@@ -8,18 +8,26 @@ from __future__ import annotations
 
 import contextlib
 import errno
-from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from concurrent.futures import Executor, Future
+from typing import Any, Protocol
 
 from ddpckpt._log import get_logger
 from ddpckpt.storage._base import RangedReader, Writer
-from ddpckpt.storage._s3client import CLIENT_ERRORS, EmptyObject, os_error, split
-
-if TYPE_CHECKING:
-    from ddpckpt.storage.s3 import S3Storage
+from ddpckpt.storage._s3client import CLIENT_ERRORS, EmptyObject, S3Requests, os_error, split
 
 _log = get_logger(__name__)
 _PARTS_PER_SIZE = 1000
+
+
+class S3Transfers(Protocol):
+    """What the streams use of their :class:`~ddpckpt.storage.s3.S3Storage`: its requests,
+    thread pool and sizes."""
+
+    part_size: int
+    max_concurrency: int
+    small_object: int
+    _requests: S3Requests
+    _pool: Executor
 
 
 class S3Writer(Writer):
@@ -27,7 +35,7 @@ class S3Writer(Writer):
     go out concurrently as they fill. ``sync`` completes the upload; ``close`` without
     ``sync`` (or any failure) aborts it, so no partial object is ever visible."""
 
-    def __init__(self, store: S3Storage, location: str) -> None:
+    def __init__(self, store: S3Transfers, location: str) -> None:
         self._store, self._location = store, location
         self._bucket, self._key = split(location)
         self._buffer: bytearray | None = bytearray()
@@ -143,7 +151,7 @@ class S3Reader(RangedReader):
     """A small object is downloaded when opened; a larger one is read by ranged GETs of
     the version that was opened, in parallel for long reads."""
 
-    def __init__(self, store: S3Storage, location: str) -> None:
+    def __init__(self, store: S3Transfers, location: str) -> None:
         self._store, self._location = store, location
         self._data: bytes | None = None
         self._prefix = b""

@@ -1,0 +1,126 @@
+"""The test suite's three tiers, by cost, and the check that keeps each test in its own.
+
+- **unit** (no marker): one process; no subprocess, fork or server process (an in-process
+  store on loopback is fine). ``make test-fast``.
+- **processes**: starts processes (torchrun, forked ranks, the CLI, DataLoader workers) or
+  uses a server (the S3 server on loopback: its fixture, or the ``s3`` parameter of a
+  stored-root fixture, marks the test).
+- **long**: a minute or more each: the crash suite, the install, check-resume end to end,
+  the demo, the documentation build.
+
+A test that starts a process without the ``processes`` or ``long`` marker fails with a message
+that says which marker to add; a test that uses the S3 server is marked ``processes`` by its
+fixture. ``make test`` (CI) runs every tier; tests that share a module-scoped fixture are
+grouped onto one worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.process
+import multiprocessing.util
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from typing import NoReturn
+
+import pytest
+
+MARKERS = {
+    "processes": "starts processes (torchrun, forked ranks, the CLI, loader workers) or a server",
+    "long": "a minute or more: crash suite, install, check-resume end to end, demo, docs build",
+}
+# Fixtures that start a server for the test, so the test is in the process tier; and the
+# parametrized fixtures whose "s3" parameter starts that server (conftest.py's stored roots,
+# tests/storage/test_base.py's store).
+_SERVER_FIXTURES = {"s3_endpoint"}
+_SERVER_PARAMS = {"ckpt_root": "s3", "run_root": "s3", "store": "s3"}
+
+
+class TierError(AssertionError):
+    """A unit-tier test started a process."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        _group_by_module_fixture(item)
+        if _uses_a_server(item):
+            item.add_marker(pytest.mark.processes)
+    # Longest first: a worker free at the end then finds short tests, not a long one that
+    # keeps the run going while the other worker idles (sort is stable: order kept within).
+    items.sort(key=lambda item: 0 if item.get_closest_marker("long") else 1)
+
+
+def _uses_a_server(item: pytest.Item) -> bool:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    if _SERVER_FIXTURES & fixtures:
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return any(_SERVER_PARAMS.get(name) == value for name, value in params.items())
+
+
+def _group_by_module_fixture(item: pytest.Item) -> None:
+    """Tests that share a module-scoped fixture (a checkpoint saved by a launch, a built site)
+    run on one worker (``--dist loadgroup``), which builds it once; the others are dealt one
+    by one to whichever worker is free."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None or item.get_closest_marker("xdist_group"):
+        return
+    shared = sorted(
+        name for name, defs in info.name2fixturedefs.items() if defs and defs[-1].scope == "module"
+    )
+    if shared:
+        item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{shared[0]}"))
+
+
+def _refuse(what: str, nodeid: str) -> Callable[..., NoReturn]:
+    def refuse(*args: object, **kwargs: object) -> NoReturn:
+        raise TierError(
+            f"{nodeid} {what} but is in the unit tier: mark it "
+            "@pytest.mark.processes (or long, if it takes a minute or more); see tests/support/tiers.py"
+        )
+
+    return refuse
+
+
+@contextlib.contextmanager
+def _no_process(item: pytest.Item) -> Iterator[None]:
+    """While a unit-tier test is set up, runs and is torn down (module-scoped fixtures it
+    builds included), every way to start a process raises :class:`TierError`."""
+    if any(item.get_closest_marker(name) for name in MARKERS):
+        yield
+        return
+    nodeid = item.nodeid
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", _refuse("starts a subprocess", nodeid))
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+            patch.setattr(os, name, _refuse(f"starts a process (os.{name})", nodeid))
+        patch.setattr(multiprocessing.util, "spawnv_passfds", _refuse("spawns a process", nodeid))
+        patch.setattr(
+            multiprocessing.process.BaseProcess, "start", _refuse("starts a process", nodeid)
+        )
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _no_process(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _no_process(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    with _no_process(item):
+        return (yield)

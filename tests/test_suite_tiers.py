@@ -1,0 +1,115 @@
+"""The suite's own machinery: tiers enforced (tiers.py), forked ranks stopped as torchrun stops
+its workers (forked.py), a port lost to another process taken again (launch.py)."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from forked import run_ranks
+from launch import _env, on_a_free_port
+
+pytest_plugins = ["pytester"]
+
+INNER = """
+import subprocess
+import sys
+
+import pytest
+
+
+def test_unmarked_starts_a_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+@pytest.mark.processes
+def test_marked_starts_a_process():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+def test_unmarked_stays_in_process():
+    assert sum(range(4)) == 6
+"""
+
+
+@pytest.mark.processes  # the inner test marked processes starts one
+def test_a_unit_test_that_starts_a_process_fails_and_names_the_marker(pytester) -> None:
+    pytester.makepyfile(test_inner=INNER)
+    result = pytester.runpytest_inprocess("-p", "tiers", "-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*test_unmarked_starts_a_process starts a subprocess but is in the unit tier: mark it*"]
+    )
+
+
+@pytest.mark.processes
+def test_a_port_someone_else_bound_first_is_picked_again_and_the_waiting_peer_stopped() -> None:
+    """The first try's "rank 0" cannot bind; its peer, which would wait for rank 0's store
+    until the timeout, is stopped at once, and both start again on another port."""
+    tried: list[int] = []
+    lost = "import sys; print('RuntimeError: EADDRINUSE: address already in use'); sys.exit(1)"
+    waits = "import time; time.sleep(100)"
+
+    def starts(port: int) -> list:
+        tried.append(port)
+        first = len(tried) == 1
+        return [([sys.executable, "-c", lost if first else f"print('host on {port}')"], _env(None), None),
+                ([sys.executable, "-c", waits if first else "print('peer')"], _env(None), None)]  # fmt: skip
+
+    outs = on_a_free_port(starts, timeout=90)
+    assert len(tried) == 2
+    assert outs == [(0, f"host on {tried[1]}\n"), (0, "peer\n")]
+
+
+@pytest.mark.processes
+def test_a_failure_that_is_not_the_port_is_not_retried() -> None:
+    calls = []
+
+    def starts(port: int) -> list:
+        calls.append(port)
+        return [([sys.executable, "-c", "raise SystemExit('ValueError')"], _env(None), None)]
+
+    ((code, output),) = on_a_free_port(starts, timeout=90)
+    assert (code, output, len(calls)) == (1, "ValueError\n", 1)
+
+
+@pytest.mark.processes
+def test_forked_ranks_stop_the_others_once_one_fails(tmp_path: Path) -> None:
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys, time
+            rank = int(os.environ["RANK"])
+
+            def stopped(signum, frame):
+                print(f"rank {rank} stopped by {signal.Signals(signum).name}", flush=True)
+                sys.exit(1)
+
+            signal.signal(signal.SIGTERM, stopped)
+            print(f"rank {rank} of {os.environ['WORLD_SIZE']} in {os.getcwd()}: {sys.argv[1:]}")
+            open(f"ready-{rank}", "w").close()
+            if rank == 1:  # fails once the others can tell they were stopped
+                while not (os.path.exists("ready-0") and os.path.exists("ready-2")):
+                    time.sleep(0.01)
+                sys.exit(3)
+            time.sleep(100)
+            """
+        )
+    )
+    code, output = run_ranks(worker, ["a", "b"], nproc=3, env=_env(None), timeout=90, cwd=tmp_path)
+    assert code == 1
+    for rank in range(3):
+        assert f"rank {rank} of 3 in {tmp_path}: ['a', 'b']" in output
+    assert "rank 0 stopped by SIGTERM" in output and "rank 2 stopped by SIGTERM" in output
+
+
+@pytest.mark.processes
+def test_forked_ranks_that_outlive_the_timeout_are_killed(tmp_path: Path) -> None:
+    worker = tmp_path / "worker.py"
+    worker.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    with pytest.raises(AssertionError, match=r"launch hung for 3 s and was killed:\n.*started"):
+        run_ranks(worker, [], nproc=2, env=_env(None), timeout=3)
