@@ -146,3 +146,11 @@ def test_the_check_stops_at_a_refused_call_and_says_which_and_why(user_run, caps
     error = capsys.readouterr().err
     assert "refused save('ckpt/step-5')" in error and "step-4 (load)" in error
     assert {k: v for k, v in _files(user_run).items() if not k.startswith("check")} == before
+
+
+def test_importing_ddpckpt_lets_the_first_look_start_the_recorder() -> None:
+    """isolate.current() cannot import the recorder (a circle): importing ddpckpt registers it."""
+    import ddpckpt  # noqa: F401
+    from ddpckpt._resumecheck import isolate, record
+
+    assert isolate._first_look == [record.active]

@@ -51,6 +51,25 @@ def test_replicas_are_grouped_and_empty_shards_left_out() -> None:
     assert dict(one_row.holders()) == {((0, 0), (1, 4)): [0, 2]}  # ranks 1 and 3 hold nothing
 
 
+@pytest.mark.parametrize("ranks", [16, 4096])
+def test_finding_the_holders_of_a_tensor_costs_one_coordinate_per_rank(monkeypatch, ranks) -> None:
+    """HSDP over (ranks / 8) x 8, ranks listed out of order: every rank's region is found
+    from its position, never by searching the mesh for the rank (N² steps at N ranks)."""
+    order = tuple(reversed(range(ranks)))
+    layout = MeshLayout((ranks // 8, 8), order, ("R", "S0"))
+    calls = []
+    real = MeshLayout.coordinate_at
+    monkeypatch.setattr(
+        MeshLayout, "coordinate_at", lambda self, i: calls.append(i) or real(self, i)
+    )
+    monkeypatch.setattr(MeshLayout, "coordinate", lambda self, rank: pytest.fail("searched"))
+    shard = ShardedTensor(local=None, shape=(64, 4), layout=layout)  # type: ignore[arg-type]
+    found = dict(shard.holders())
+    assert len(calls) == ranks
+    assert len(found) == 8 and all(len(held) == ranks // 8 for held in found.values())
+    assert found[((0, 0), (8, 4))] == [order[i] for i in range(0, ranks, 8)]
+
+
 class _Placed:
     """What the checks read of a DTensor: its placements and dimensions."""
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import select
 import socket
 import subprocess
 import sys
 import threading
-import time
 
 BUCKET = "ddpckpt-test"
 CREDENTIALS = {
@@ -36,36 +36,35 @@ def missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# The server binds a port the system picks and says which: no port is picked here and then
+# bound by someone else first.
+_SERVE = """
+import threading
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer("127.0.0.1", 0, verbose=False)
+server.start()
+print(server.get_host_and_port()[1], flush=True)
+threading.Event().wait()
+"""
 
 
 def start(timeout: float = 60.0) -> tuple[subprocess.Popen[bytes], str]:
     """A running server and its endpoint URL; raises if it does not answer in time."""
-    port = _free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
+        [sys.executable, "-c", _SERVE],
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"moto server exited with {process.returncode} before answering")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                stop(process)
-                raise RuntimeError(
-                    f"moto server did not answer on port {port} in {timeout} s"
-                ) from None
-            time.sleep(0.1)
-    return process, f"http://127.0.0.1:{port}"
+    assert process.stdout is not None
+    ready, _, _ = select.select([process.stdout], [], [], timeout)
+    line = process.stdout.readline() if ready else b""
+    if not line.strip().isdigit():
+        stop(process)
+        raise RuntimeError(
+            f"moto server did not say its port in {timeout} s (exit status {process.returncode})"
+        )
+    return process, f"http://127.0.0.1:{int(line)}"
 
 
 def stop(process: subprocess.Popen[bytes]) -> None:

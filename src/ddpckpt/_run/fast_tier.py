@@ -496,7 +496,8 @@ class FastSaves:
         try:
             with self.saves.comm("Checkpointer.resume (fast tier copies)", path) as comm:
                 if len(ranks) < comm.world_size:
-                    have = [rank in ranks for rank in range(comm.world_size)]
+                    holding = set(ranks)  # a list's membership test is N steps a rank
+                    have = [rank in holding for rank in range(comm.world_size)]
                     repair_copies(comm, path, have, _SHARING)
             return step, load(path)
         except (*_CANNOT_SERVE, PartiallyRestoredError) as exc:

@@ -26,7 +26,10 @@ class MeshLayout:
 
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """``rank``'s coordinate in the mesh (every rank of the job is in it)."""
-        index = self.ranks.index(rank)
+        return self.coordinate_at(self.ranks.index(rank))
+
+    def coordinate_at(self, index: int) -> tuple[int, ...]:
+        """The coordinate of the ``index``-th rank of the mesh, in row-major order."""
         coordinate = []
         for size in reversed(self.shape):
             index, at = divmod(index, size)
@@ -68,10 +71,15 @@ class ShardedTensor:
     layout: MeshLayout
 
     def holders(self) -> Iterator[tuple[Box, list[int]]]:
-        """Each distinct non-empty shard and the ranks holding it (its replicas)."""
+        """Each distinct non-empty shard and the ranks holding it (its replicas): one region
+        computed per rank of the mesh, each from the rank's position (finding each rank's
+        coordinate by search would cost every rank N² steps per tensor at N ranks)."""
+        layout = self.layout
         found: dict[Box, list[int]] = {}
-        for rank in self.layout.ranks:
-            region = self.layout.region(self.shape, rank)
+        for index, rank in enumerate(layout.ranks):
+            region = region_at(
+                self.shape, layout.shape, layout.placements, layout.coordinate_at(index)
+            )
             if math.prod(region[1]):
                 found.setdefault(region, []).append(rank)
         yield from found.items()
