@@ -24,6 +24,7 @@ import os
 import runpy
 import signal
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -139,7 +140,7 @@ def run_ranks(
     context = _forkserver()
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))  # fmt: skip
-    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"ranks-{uuid.uuid4().hex}.log"
+    log = Path(tempfile.gettempdir()) / f"ranks-{uuid.uuid4().hex}.log"
     procs = []
     try:
         for rank in range(nproc):
