@@ -21,13 +21,11 @@ import io
 import multiprocessing
 import multiprocessing.connection
 import os
-import runpy
 import signal
 import sys
 import tempfile
 import threading
 import time
-import traceback
 import uuid
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -105,19 +103,9 @@ def _rank_main(
     sys.path[0:0] = [os.path.dirname(worker)] + [
         p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p
     ]
-    from exiting import exit_now
+    from run_script import run_as_main
 
-    try:
-        runpy.run_path(worker, run_name="__main__")
-    except SystemExit as exc:
-        if exc.code is None or isinstance(exc.code, int):
-            exit_now(exc.code or 0)
-        print(exc.code, file=sys.stderr)
-        exit_now(1)
-    except BaseException:
-        traceback.print_exc()
-        exit_now(1)
-    exit_now(0)
+    run_as_main(worker)
 
 
 def _stop(procs: Sequence[multiprocessing.process.BaseProcess], how: signal.Signals) -> None:

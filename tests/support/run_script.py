@@ -8,6 +8,7 @@ import os
 import runpy
 import sys
 import traceback
+from typing import NoReturn
 
 from exiting import exit_now
 
@@ -16,6 +17,12 @@ def main() -> None:
     script = os.path.abspath(sys.argv[1])
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(script)
+    run_as_main(script)
+
+
+def run_as_main(script: str) -> NoReturn:
+    """Run ``script`` as ``__main__`` (``sys.argv`` and ``sys.path`` already set) and end as
+    its exit says: its ``SystemExit`` code, 1 for an exception (its traceback printed)."""
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
