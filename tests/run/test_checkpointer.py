@@ -125,8 +125,11 @@ def test_saving_the_newest_step_again_replaces_it_and_older_steps_are_refused(
     with pytest.raises(CheckpointStepError, match="newest checkpoint is step 5"):
         ckpt.save(4)
     ckpt.close()
-    with pytest.raises(CheckpointStepError):  # also after a restart, before resume()
-        Checkpointer(run, model=model).save(3)
+    with (
+        Checkpointer(run, model=model) as again,
+        pytest.raises(CheckpointStepError),  # also after a restart, before resume()
+    ):
+        again.save(3)
 
 
 def test_resume_falls_back_past_corrupt_and_incomplete_checkpoints(run_root, caplog) -> None:
@@ -181,9 +184,13 @@ def test_nothing_loadable_is_an_error_not_a_fresh_start(run_root) -> None:
     with Checkpointer(run, model=model) as ckpt:
         ckpt.save(1)
     flip_last_byte(run / "step-00000001" / "model-00000.safetensors")
-    # found while its tensors were read into the model: partly restored, not a fresh start
-    with pytest.raises(ddpckpt.PartiallyRestoredError, match="none can be loaded"):
-        Checkpointer(run, model=model).resume()
+    # found while its tensors were read into the model: partly restored, not a fresh start;
+    # closed, or its lock's refresh would go on opening files under later tests
+    with (
+        Checkpointer(run, model=model) as ckpt,
+        pytest.raises(ddpckpt.PartiallyRestoredError, match="none can be loaded"),
+    ):
+        ckpt.resume()
 
 
 def test_resume_a_given_step_and_model_only_for_evaluation(run_root) -> None:

@@ -179,7 +179,10 @@ def test_a_loader_tracked_by_the_checkpointer_saves_what_was_consumed(tmp_path) 
         sampler2 = ResumableDistributedSampler(Numbers(64), 2, 0)
         loader2 = DataLoader(Numbers(64), sampler=sampler2, batch_size=2, num_workers=2)
         if extra == "run":
-            ddpckpt.Checkpointer(tmp_path / "run", model=model, extra={"loader": loader2}).resume()
+            with ddpckpt.Checkpointer(
+                tmp_path / "run", model=model, extra={"loader": loader2}
+            ) as again:
+                again.resume()
         else:
             ddpckpt.load(tmp_path / extra, model=model, extra={"sampler": sampler2})
             ddpckpt.data.track_loader(loader2)
