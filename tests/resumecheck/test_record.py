@@ -105,7 +105,8 @@ def test_a_read_only_checkpointer_reads_pretrained_weights_and_the_writable_one_
 ) -> None:
     monkeypatch.delenv(record.ENV, raising=False)
     pretrained = nn.Linear(2, 2)
-    ddpckpt.Checkpointer(tmp_path / "pre", model=pretrained).save(7)
+    with ddpckpt.Checkpointer(tmp_path / "pre", model=pretrained) as pre:
+        pre.save(7)
     monkeypatch.setattr(record, "_LOOKED", False)
     check = tmp_path / "check"
     monkeypatch.setenv(record.ENV, json.dumps({"dir": str(check), "kill": None}))
