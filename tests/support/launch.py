@@ -174,7 +174,7 @@ def torchrun(
     env: Mapping[str, str] | None = None, cwd: str | os.PathLike[str] | None = None,
     launcher_args: Sequence[str] = (), worker: Path = WORKER,
 ) -> Launch:  # fmt: skip
-    """One node: ``torchrun --nproc-per-node N`` (static rendezvous on loopback), running
+    """One node: ``torchrun --nproc-per-node N`` (its rendezvous store on port 0, see ONE_NODE), running
     ``worker`` (another script of tests/support with the same interface, or dist_worker.py)."""
     cmd = [str(_BIN / "torchrun"), f"--nproc-per-node={nproc}", *ONE_NODE, "--max-restarts=0", *launcher_args,
            *_worker_args(scenario, out_dir, args, worker)]  # fmt: skip

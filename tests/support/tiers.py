@@ -108,19 +108,12 @@ def _no_process(item: pytest.Item) -> Iterator[None]:
         yield
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+def _unit_phase(item: pytest.Item) -> Iterator[None]:
     with _no_process(item):
         return (yield)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    with _no_process(item):
-        return (yield)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-    with _no_process(item):
-        return (yield)
+# Set-up (module-scoped fixtures built for the test included), the call and the teardown.
+pytest_runtest_setup = pytest_runtest_call = pytest_runtest_teardown = pytest.hookimpl(
+    wrapper=True
+)(_unit_phase)
