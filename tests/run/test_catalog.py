@@ -93,6 +93,16 @@ def test_a_checkpoint_given_as_the_directory_is_an_error_not_a_fresh_start(ckpt_
         ddpckpt.latest(ckpt_root / "last")
 
 
+def test_a_file_given_as_the_directory_is_an_error_not_a_fresh_start(tmp_path) -> None:
+    """load_latest("ckpt") where ckpt is a file raised a bare NotADirectoryError."""
+    (tmp_path / "ckpt").write_text("not a directory")
+    model = make_mlp()
+    for call in (lambda: ddpckpt.latest(tmp_path / "ckpt"),
+                 lambda: ddpckpt.load_latest(tmp_path / "ckpt", model=model)):  # fmt: skip
+        with pytest.raises(ValueError, match=f"{tmp_path / 'ckpt'}: is a file, and .* looks for"):
+            call()
+
+
 def _damage_data(checkpoint) -> None:
     """Flip one bit in a tensor's bytes: the manifest and the sizes stay intact."""
     path = checkpoint / "model-00000.safetensors"

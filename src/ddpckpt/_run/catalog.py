@@ -86,6 +86,11 @@ def newest_first(directory: str, caller: str = "latest()") -> list[Candidate]:
         names = storage_for(directory).list(directory)
     except BucketNotFoundError:
         raise  # None would start a run afresh that can never save there
+    except NotADirectoryError:  # None here would start afresh, then fail at the first save
+        raise ValueError(
+            f"{directory}: is a file, and {caller} looks for checkpoints inside a directory: "
+            "pass the directory your saves go to, or move this file away"
+        ) from None
     except FileNotFoundError:
         return []
     if MANIFEST_NAME in names:  # None here would start the run afresh
