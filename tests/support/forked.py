@@ -163,21 +163,18 @@ def run_ranks(
         for proc in procs:
             proc.join(5)
         log.unlink(missing_ok=True)
-        del store
 
 
 def _watch(procs: Sequence[multiprocessing.process.BaseProcess], timeout: float) -> int | None:
     """Wait as torchrun's agent does: all ranks succeed (0), or one fails and the others are
     stopped (1). ``None`` when the deadline passed first (every rank is then killed)."""
     deadline = time.monotonic() + timeout
-    failed = False
-    stopping_since: float | None = None
+    stopping_since: float | None = None  # when a rank was first seen failed
     while True:
         running = [p for p in procs if p.exitcode is None]
         if not running:
-            return 1 if failed or any(p.exitcode != 0 for p in procs) else 0
-        if not failed and any(p.exitcode not in (None, 0) for p in procs):
-            failed = True
+            return 1 if any(p.exitcode != 0 for p in procs) else 0
+        if stopping_since is None and any(p.exitcode not in (None, 0) for p in procs):
             stopping_since = time.monotonic()
             _stop(running, signal.SIGTERM)
         if stopping_since is not None and time.monotonic() - stopping_since > _STOP_GRACE:
