@@ -4,6 +4,7 @@ against checkpoints on disk, all measured in one run.
 Run it from a source checkout (``pip install -e .``, or ``PYTHONPATH=src``)::
 
     python benchmarks/fast_tier.py [--mb 64] [--steps 60] [--every 20] [--fast /dev/shm/x]
+                                   [--device cpu|cuda]
 
 One process, one rank, an MLP of ``--mb`` MiB of fp32 weights trained with AdamW (state
 about 3x that), every save asynchronous with ``async_save="overlap"`` (the fast tier's
@@ -20,6 +21,10 @@ For each: the median and mean step time (a step: forward, backward, optimizer st
 steps completed since the newest committed checkpoint of the tier that would serve,
 read from the directories at every step), mean and worst. The disk directory is under
 ``--disk`` (default: a temporary directory next to this file, on the checkout's disk).
+
+With ``--device cuda`` the model, its batch and the optimizer state live on the GPU, and
+each step ends with ``torch.cuda.synchronize()`` so that its time includes the GPU's work
+(and whatever a save made it wait for), not only the kernel launches.
 """
 
 from __future__ import annotations
@@ -55,9 +60,10 @@ def _committed(directory: str) -> int | None:
 
 
 def _loop(mode: str, args: argparse.Namespace, disk: str, fast: str) -> dict[str, Any]:
-    model = _model(args.mb)
+    model = _model(args.mb).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batch = torch.randn(args.batch, 1024)
+    batch = torch.randn(args.batch, 1024, device=args.device)
+    cuda = args.device == "cuda"
     every = 1 if mode == "durable/1" else args.every
     run = os.path.join(disk, mode.replace("/", "-").replace("+", "-"))
     fast_dir = os.path.join(fast, "tier") if mode == "durable+fast" else None
@@ -79,6 +85,8 @@ def _loop(mode: str, args: argparse.Namespace, disk: str, fast: str) -> dict[str
             before = time.perf_counter()
             ckpt.save(step)
             stalls["durable" if durable_due else "fast"].append(time.perf_counter() - before)
+        if cuda:
+            torch.cuda.synchronize()
         steps.append(time.perf_counter() - start)
         if ckpt is not None:  # a crash now: the steps done since what a resume would find
             found = [_committed(d) for d in (run, fast_dir) if d and os.path.isdir(d)]
@@ -105,6 +113,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--fast", default="/dev/shm", help="a tmpfs for the fast tier")
     parser.add_argument("--disk", default=str(Path(__file__).resolve().parent))
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -120,7 +129,7 @@ def main() -> None:
         shutil.rmtree(disk, ignore_errors=True)
         shutil.rmtree(fast, ignore_errors=True)
     state = sum(p.numel() for p in _model(args.mb).parameters()) * 4 * 3 / _MiB
-    print(f"\nfast tier benchmark: 1 rank, {state:.0f} MiB of state (weights + AdamW), "
+    print(f"\nfast tier benchmark: 1 rank on {args.device}, {state:.0f} MiB of state (weights + AdamW), "
           f"{args.steps} steps per loop, durable every {args.every}, async_save='overlap'")  # fmt: skip
     base = results["none"]["median_s"]
     print(f"{'loop':<14} {'median step':>12} {'x none':>7} {'mean step':>10} {'x none':>7} "

@@ -126,7 +126,7 @@ def test_a_failure_every_rank_raises_is_printed_by_rank_zero(
         None,
         extra=_log.same_on_every_rank(error),
     )
-    assert logger.filter(record) is shown
+    assert bool(logger.filter(record)) is shown  # Python 3.12 returns the record itself
     plain = logger.makeRecord(logger.name, logging.WARNING, __file__, 1, "its own", (), None)
     assert logger.filter(plain)  # other warnings pass on every rank
 

@@ -23,10 +23,14 @@ ordered before the copies.
 That assumption is checked, not trusted: each deferred tensor's version counter is read
 when it is staged and again once its copy has landed, and, for writes through ``.data``
 (which leave the counter alone), a CPU tensor's copy is compared with the tensor itself and
-a CUDA tensor's bytes are summed on its device right after the copy read them and compared
-with the copy's. A tensor written in between is copied again at once, so the checkpoint is
-never torn, and reported to the fence's ``on_written`` (the saver warns and stops
-deferring it).
+a CUDA tensor's bytes are summed on its GPU twice: when it is staged, on its device's
+current stream (so before any kernel the training thread queues later), and right after
+its copy read them, on the copy's stream. Sums that differ mean a write landed before or
+while the copy read the tensor: a copy that may not hold the value as of the save, torn or
+whole, is caught, and nothing is summed on the host (a host-side sum of a 4 GB state took
+seconds, which the next ``optimizer.step()`` waited for).
+A tensor written in between is copied again at once, so the checkpoint is never torn, and
+reported to the fence's ``on_written`` (the saver warns and stops deferring it).
 
 CUDA copies are grouped by the source tensor's device, and each group has its own
 stream and event on its own device. Waiting on the current device alone would let a
@@ -59,15 +63,14 @@ _Pair = tuple[torch.Tensor, torch.Tensor]  # (host destination, source)
 @dataclass(frozen=True)
 class Deferred:
     """A copy left to the background and the source's version counter when staged; for a
-    CUDA source, also the digest of its bytes read right after the copy (see
-    :func:`_digest`, whose word size ``words`` is chosen once, by the source)."""
+    contiguous CUDA source, also two :func:`_digest` of its bytes on its device: as of the
+    save, and right after the copy read them."""
 
     name: str
     host: torch.Tensor
     source: torch.Tensor
     version: int
-    digest: torch.Tensor | None = None
-    words: bool = False
+    digests: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Fence:
@@ -269,15 +272,15 @@ def by_device(pairs: Sequence[_Pair]) -> dict[torch.device, list[_Pair]]:
 
 
 def _start_copies(
-    pairs: Sequence[_Pair], digests: dict[int, tuple[torch.Tensor, bool]] | None = None
+    pairs: Sequence[_Pair], digests: dict[int, torch.Tensor] | None = None
 ) -> list[tuple[torch.device, Any]]:
     """Copy every pair; returns each CUDA device with the event recorded after its copies.
 
     CPU sources are copied before this returns. Each CUDA device's copies are queued on a
     new stream of that device which first waits for the device's current stream, so they
     see the values as of now while the training thread goes on. With ``digests``, each
-    contiguous CUDA source's :func:`_digest` (and its word size) is queued right after its
-    copy, on the same stream, by ``id()`` of its host copy.
+    contiguous CUDA source's :func:`_digest` is queued right after its copy, on the same
+    stream, by ``id()`` of its host copy.
     """
     events = []
     for device, group in by_device(pairs).items():
@@ -292,12 +295,31 @@ def _start_copies(
                     host.copy_(tensor, non_blocking=True)
                     tensor.record_stream(stream)  # not reused by the allocator meanwhile
                     if digests is not None and tensor.is_contiguous():
-                        words = _words(tensor)
-                        digests[id(host)] = (_digest(tensor, words), words)
+                        digests[id(host)] = _digest(tensor)
                 event = _cuda.Event()
                 event.record(stream)
         events.append((device, event))
     return events
+
+
+def _digests_now(deferred: Sequence[Deferred]) -> tuple[dict[int, torch.Tensor], list[Any]]:
+    """The digest of each contiguous CUDA source in ``deferred`` as of now, by ``id()`` of
+    its host copy, queued on its device's current stream (every kernel the training thread
+    queues later runs after it, so it reads the value the save is of); and the events
+    recorded after them."""
+    digests: dict[int, torch.Tensor] = {}
+    events = []
+    for device, group in by_device([(d.host, d.source) for d in deferred]).items():
+        if device.type != "cuda":
+            continue
+        with _cuda.device(device):
+            for host, source in group:
+                if source.is_contiguous():
+                    digests[id(host)] = _digest(source)
+            event = _cuda.Event()
+            event.record(_cuda.current_stream(device))
+        events.append(event)
+    return digests, events
 
 
 def _copy(pairs: Sequence[_Pair]) -> None:
@@ -308,14 +330,16 @@ def _copy(pairs: Sequence[_Pair]) -> None:
 
 def written_since_staged(deferred: Sequence[Deferred]) -> list[Deferred]:
     """The deferred copies whose source was written after it was staged. Call it once the
-    copies have landed. Written means: its version counter moved; or, for writes through
-    ``.data``, which leave the counter alone, a CPU source no longer equals its copy, or a
-    CUDA source's bytes read right after its copy (its digest) differ from the copy's (a
-    write that landed while the copy read it). Other devices: the counter only."""
-    cuda = [(d, d.digest) for d in deferred if d.source.is_cuda and d.digest is not None]
-    values = _fetch([digest for _, digest in cuda])
-    fetched = {id(d): value for (d, _), value in zip(cuda, values, strict=True)}
-    return [d for d in deferred if _differs(d, fetched.get(id(d)))]
+    copies (and digests) have landed. Written means: its version counter moved; or, for
+    writes through ``.data``, which leave the counter alone, a CPU source no longer equals
+    its copy, or a CUDA source's bytes as of the save differ from its bytes right after the
+    copy read them (a write that landed before or while the copy read it: the copy may not
+    hold the saved value). Both CUDA digests are sums on the GPU: nothing is summed on the
+    host. Other devices: the counter only."""
+    summed = [d for d in deferred if d.digests is not None]
+    values = _fetch([digest for d in summed for digest in d.digests or ()])
+    pairs = {id(d): (values[2 * i], values[2 * i + 1]) for i, d in enumerate(summed)}
+    return [d for d in deferred if _differs(d, pairs.get(id(d)))]
 
 
 def _fetch(digests: list[torch.Tensor]) -> list[int]:
@@ -330,14 +354,14 @@ def _fetch(digests: list[torch.Tensor]) -> list[int]:
     return [values[i] for i in range(len(digests))]
 
 
-def _differs(d: Deferred, digest: int | None) -> bool:
-    """Whether ``d``'s source was seen written since it was staged (``digest``: the value
-    of its CUDA digest, read after the copy)."""
+def _differs(d: Deferred, digests: tuple[int, int] | None) -> bool:
+    """Whether ``d``'s copy may not hold its source as staged (``digests``: the values of
+    its CUDA digests, as of the save and after the copy)."""
     if d.source._version != d.version:
         return True
     if d.source.device.type == "cpu":
         return not torch.equal(_as_compared(d.host), _as_compared(d.source))
-    return digest is not None and digest != int(_digest(d.host, d.words))
+    return digests is not None and digests[0] != digests[1]
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -353,17 +377,12 @@ def _as_compared(tensor: torch.Tensor) -> torch.Tensor:
     return flat
 
 
-def _words(tensor: torch.Tensor) -> bool:
-    """Whether :func:`_digest` reads ``tensor``'s bytes as 32-bit words: when they divide
-    so and its data is aligned to them (decided by the source, used for its copy too)."""
-    return tensor_nbytes(tensor) % 4 == 0 and tensor.data_ptr() % 4 == 0
-
-
-def _digest(tensor: torch.Tensor, words: bool) -> torch.Tensor:
-    """The sum of a contiguous tensor's bytes, as 32-bit ``words`` or single bytes, on its
-    device: equal bytes give equal sums, and a GPU reads them at memory speed, far faster
-    than the copy to the host it follows."""
+def _digest(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of a contiguous tensor's bytes on its device, as 32-bit words where they
+    divide so and its data is aligned to them, else as single bytes: equal bytes give equal
+    sums, and a GPU reads them at memory speed, far faster than the copy to the host."""
     flat = _as_bytes(tensor)
+    words = tensor_nbytes(tensor) % 4 == 0 and tensor.data_ptr() % 4 == 0
     return (flat.view(torch.int32) if words else flat).sum(dtype=torch.int64)
 
 
@@ -374,14 +393,17 @@ def _recopy(d: Deferred) -> bool:
     """Copy ``d`` again, after every write queued on its device so far; True once a copy was
     taken that nothing wrote during (the version counter and the bytes agree after it)."""
     for _ in range(_RECOPIES):
+        digests = None
         if d.source.is_cuda:
             _cuda.synchronize(d.source.device)  # the writes of every stream, the user's own too
-        taken = replace(d, version=d.source._version, digest=None)
-        d.host.copy_(d.source)
-        digest = None
+        taken = replace(d, version=d.source._version)
         if d.source.is_cuda and d.source.is_contiguous():
-            digest = int(_digest(d.source, d.words))
-        if not _differs(taken, digest):
+            before = int(_digest(d.source))
+            d.host.copy_(d.source)
+            digests = (before, int(_digest(d.source)))
+        else:
+            d.host.copy_(d.source)
+        if not _differs(taken, digests):
             return True
     return False
 
@@ -425,12 +447,14 @@ def _copy_later(
         return Fence(events=events)
     pairs = [(d.host, d.source) for d in deferred]
     if any(t.is_cuda for _, t in pairs):
-        digests: dict[int, tuple[torch.Tensor, bool]] = {}
-        landed = events + [event for _, event in _start_copies(pairs, digests)]
+        at_save, summed = _digests_now(deferred)
+        after: dict[int, torch.Tensor] = {}
+        landed = events + summed + [event for _, event in _start_copies(pairs, after)]
         deferred = [
-            replace(d, digest=found[0], words=found[1]) if found else d
+            replace(d, digests=(at_save[id(d.host)], after[id(d.host)]))
+            if id(d.host) in at_save
+            else d
             for d in deferred
-            for found in [digests.get(id(d.host))]
         ]
 
         def land() -> None:
