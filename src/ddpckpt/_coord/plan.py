@@ -11,67 +11,29 @@ a pure function of its inputs, so every rank computes the same one without excha
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection, Hashable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Collection, Mapping, Sequence
 
 from ddpckpt._format.rankparts import rank_file_name
 
-K = TypeVar("K", bound=Hashable)
-
 
 def plan_owners(
-    sizes: Mapping[str, int],
-    domains: Sequence[Sequence[int]],
-    movable: Collection[str],
-    loads: Sequence[Mapping[int, int]] | None = None,
-) -> list[dict[str, int]]:
-    """For each storage domain, which of its ranks writes each tensor of ``sizes`` (bytes).
+    sizes: Mapping[str, int], domain: Sequence[int], movable: Collection[str]
+) -> dict[str, int]:
+    """Which of ``domain``'s ranks writes each tensor of ``sizes`` (bytes), for the storage
+    domain of the calling rank (every domain's plan is the same function of its ranks).
 
-    Tensors in ``movable`` are balanced over the domain's ranks (:func:`assign`), counting
-    the bytes ``loads`` (one mapping per domain) already gives each rank; the others go to
-    the domain's first rank.
+    Tensors in ``movable`` are balanced over the domain's ranks (:func:`assign`); the
+    others go to the domain's first rank.
     """
     movable_sizes = {name: size for name, size in sizes.items() if name in movable}
-    return [
-        {**dict.fromkeys(sizes, domain[0]),
-         **assign(movable_sizes, domain, loads[d] if loads else None)}
-        for d, domain in enumerate(domains)
-    ]  # fmt: skip
+    return {**dict.fromkeys(sizes, domain[0]), **assign(movable_sizes, domain)}
 
 
-def assign_shards(
-    shards: Mapping[K, tuple[int, Sequence[int]]], domains: Sequence[Sequence[int]]
-) -> list[tuple[dict[K, int], dict[int, int]]]:
-    """For each storage domain, which rank writes each shard, and the bytes each rank got.
-
-    ``shards`` maps a shard to its bytes and the ranks holding it (its replicas); each is
-    written by one holder in the domain, largest first to the least-loaded holder. Raises
-    :class:`LookupError` naming a shard no rank of some domain holds.
-    """
-    plans = []
-    for domain in domains:
-        members, loads = set(domain), dict.fromkeys(domain, 0)
-        owners: dict[K, int] = {}
-        for key in sorted(shards, key=lambda k: (-shards[k][0], repr(k))):
-            size, holders = shards[key]
-            candidates = [r for r in holders if r in members]
-            if not candidates:
-                raise LookupError(key)
-            owner = min(candidates, key=lambda r: (loads[r], r))
-            owners[key] = owner
-            loads[owner] += max(size, 1)
-        plans.append((owners, loads))
-    return plans
-
-
-def assign(
-    sizes: Mapping[str, int], ranks: Sequence[int], loads: Mapping[int, int] | None = None
-) -> dict[str, int]:
-    """Map each tensor name to one of ``ranks``, balancing the bytes (counting ``loads``,
-    the bytes each rank writes already)."""
+def assign(sizes: Mapping[str, int], ranks: Sequence[int]) -> dict[str, int]:
+    """Map each tensor name to one of ``ranks``, balancing the bytes."""
     if not ranks:
         raise ValueError("cannot assign tensors to an empty set of ranks")
-    heap = [((loads or {}).get(rank, 0), rank) for rank in sorted(ranks)]
+    heap = [(0, rank) for rank in sorted(ranks)]
     heapq.heapify(heap)
     owners: dict[str, int] = {}
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):

@@ -2,11 +2,15 @@
 
 Called from :mod:`ddpckpt._io.writing` on every rank. DTensor shards
 (``Snapshot.sharded``) are written once per storage domain: each distinct shard by one of
-the ranks holding it in that domain, balanced by bytes
-(:func:`ddpckpt._coord.plan.assign_shards`, a pure function every rank computes alike
-from the meshes and placements). ZeRO's optimizer state (``Snapshot.owned``) exists on
-one rank only, which writes it. The first rank of each domain then builds each sharded
-tensor's record from every rank's pieces (:func:`shard_records`).
+the ranks holding it in that domain (its replicas there), chosen by a rule every rank
+applies alike to the meshes and placements, with no exchange: the ``i``-th tensor (by
+name)'s shard number ``s`` goes to the replica ``(i + s) mod k`` of its ``k`` replicas in
+the domain, which spreads the writes over the replicas. A rank decides only its own
+shards, so planning costs it O(T) for T sharded tensors (plus, with several storage
+domains, one coordinate per rank of its own domain and mesh), never O(N·T) at N ranks.
+ZeRO's optimizer state (``Snapshot.owned``) exists on one rank only, which writes it. The
+first rank of each domain then builds each sharded tensor's record from every rank's
+pieces (:func:`shard_records`).
 """
 
 from __future__ import annotations
@@ -17,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ddpckpt._coord.plan import assign_shards
-from ddpckpt._format.shards import Piece, ShardedEntry
+from ddpckpt._format.shards import REPLICATE, Piece, ShardedEntry
 from ddpckpt._format.tensorfile import CHUNK, TensorEntry, dtype_name, tensor_nbytes
+from ddpckpt._state.sharded import MeshLayout, ShardedTensor, nonempty_shards, region_at
 from ddpckpt._state.snapshot import Snapshot
 from ddpckpt.errors import UnsupportedValueError
 
@@ -30,7 +34,6 @@ class ShardWrites:
 
     items: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     pieces: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> its offsets
-    loads: list[dict[int, int]] | None = None  # per domain: bytes of shards each rank writes
     specs: dict[str, dict[str, Any]] = field(default_factory=dict)  # records without pieces
     nbytes: int = 0  # of all the shards, of every rank, in one copy (about, for ZeRO's)
 
@@ -43,10 +46,12 @@ class ShardWrites:
 def plan_shards(
     snapshot: Snapshot, domains: list[list[int]], rank: int, world_size: int
 ) -> ShardWrites:
-    """What ``rank`` writes of ``snapshot``'s sharded state; the same plan on every rank.
+    """What ``rank`` writes of ``snapshot``'s sharded state; every rank computes its own part
+    of the same plan (see the module docstring).
 
-    Raises :class:`UnsupportedValueError` when a storage domain (a node with its own disk)
-    lacks some shard: sharded state is then only complete on storage all ranks share.
+    Raises :class:`UnsupportedValueError` when ``rank``'s storage domain (a node with its
+    own disk) lacks some shard: sharded state is then only complete on storage all ranks
+    share. Every rank of that domain raises it.
     """
     plan = ShardWrites(items=list(snapshot.owned.items()))
     plan.nbytes = sum(tensor_nbytes(t) for t in snapshot.owned.values()) * world_size
@@ -56,33 +61,77 @@ def plan_shards(
             "cannot write a complete copy to its own disk; save to storage every node shares "
             "(sharing='shared')"
         )
-    shards: dict[tuple[str, tuple[int, ...]], tuple[int, list[int]]] = {}
-    for name, shard in snapshot.sharded.items():
+    replicas = _Replicas(next(d for d in domains if rank in d) if len(domains) > 1 else None)
+    for index, name in enumerate(sorted(snapshot.sharded)):
+        shard = snapshot.sharded[name]
         itemsize = shard.local.element_size()
         plan.nbytes += math.prod(shard.shape) * itemsize
         layout = shard.layout
         plan.specs[name] = {"dtype": dtype_name(shard.local.dtype, name), "shape": list(shard.shape),
                             "mesh": list(layout.shape), "placements": list(layout.placements),
                             "chunk": CHUNK}  # fmt: skip
-        for (offsets, size), holders in shard.holders():
-            shards[(name, offsets)] = (math.prod(size) * itemsize, holders)
-    try:
-        plans = assign_shards(shards, domains)
-    except LookupError as exc:
-        name, offsets = exc.args[0]
+        replicas.check_complete(name, shard)
+        coordinate = layout.coordinate(rank)
+        offsets, size = region_at(shard.shape, layout.shape, layout.placements, coordinate)
+        if math.prod(size) and replicas.writer(index, layout, coordinate) == rank:
+            plan.items.append((name, shard.local))
+            plan.pieces[name] = offsets
+    return plan
+
+
+class _Replicas:
+    """The replicas of a shard that may write it: every rank holding it when all ranks
+    share one storage domain; else those of ``domain``, grouped once per mesh."""
+
+    def __init__(self, domain: list[int] | None) -> None:
+        self.domain = domain
+        # per mesh layout (ranks, shape, which dims replicate): shard key -> the domain's
+        # ranks holding it, by replica index
+        self._groups: dict[tuple[Any, ...], dict[tuple[int, ...], list[int]]] = {}
+
+    def _grouped(self, layout: MeshLayout) -> dict[tuple[int, ...], list[int]]:
+        key = (layout.ranks.digest, layout.shape, tuple(p == REPLICATE for p in layout.placements))
+        groups = self._groups.get(key)
+        if groups is None:
+            found: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+            for member in self.domain or ():
+                coordinate = layout.coordinate(member)
+                found.setdefault(layout.shard_key(coordinate), []).append(
+                    (layout.replica_index(coordinate), member)
+                )
+            groups = self._groups[key] = {k: [m for _, m in sorted(v)] for k, v in found.items()}
+        return groups
+
+    def writer(self, index: int, layout: MeshLayout, coordinate: tuple[int, ...]) -> int:
+        """The rank that writes the shard held at ``coordinate`` of the ``index``-th
+        tensor."""
+        key = layout.shard_key(coordinate)
+        turn = index + layout.shard_number(key)
+        if self.domain is None:  # every replica shares the storage: pick one by index
+            return layout.holder(key, turn % layout.replicas)
+        holders = self._grouped(layout)[key]
+        return holders[turn % len(holders)]
+
+    def check_complete(self, name: str, shard: ShardedTensor) -> None:
+        """Raise if this domain's ranks do not hold every non-empty shard of ``shard``."""
+        if self.domain is None:
+            return
+        layout = shard.layout
+        held = 0
+        for holders in self._grouped(layout).values():
+            coordinate = layout.coordinate(holders[0])
+            held += bool(
+                math.prod(region_at(shard.shape, layout.shape, layout.placements, coordinate)[1])
+            )
+        if held == nonempty_shards(shard.shape, layout.shape, layout.placements):
+            return
+        members = set(self.domain)
+        offsets = next(box[0] for box, ranks in shard.holders() if not members & set(ranks))
         raise UnsupportedValueError(
             f"{name}: no rank of one node holds its shard at {list(offsets)}, so that node "
             "cannot write a complete copy to its own disk; save to storage every node shares "
             "(sharing='shared'), or replicate the shards within each node (HSDP)"
-        ) from None
-    owners, _ = next(p for p, d in zip(plans, domains, strict=True) if rank in d)
-    plan.loads = [loads for _, loads in plans]
-    for name, shard in snapshot.sharded.items():
-        offsets, size = shard.layout.region(shard.shape, rank)
-        if math.prod(size) and owners[(name, offsets)] == rank:
-            plan.items.append((name, shard.local))
-            plan.pieces[name] = offsets
-    return plan
+        )
 
 
 def piece_key(key: str, offsets: tuple[int, ...]) -> str:

@@ -115,7 +115,7 @@ def plan_write(
         shards = plan_shards(snapshot, domains, comm.rank, comm.world_size)
         sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
         domain = next(d for d in domains if comm.rank in d)
-        return plan_owners(sizes, domains, movable, shards.loads)[domains.index(domain)], shards
+        return plan_owners(sizes, domain, movable), shards
 
     owners, shards = comm.alone(share)
     rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
@@ -153,7 +153,7 @@ def staging_share(snapshot: Snapshot, domains: list[list[int]], rank: int) -> li
     shards = plan_shards(snapshot, domains, rank, 1)
     sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
     movable = snapshot.balanced | snapshot.unverified
-    owners = plan_owners(sizes, domains, movable, shards.loads)[domains.index(domain)]
+    owners = plan_owners(sizes, domain, movable)
     shared = [
         t for n, t in snapshot.tensors.items() if owners[n] == rank or n in snapshot.unverified
     ]

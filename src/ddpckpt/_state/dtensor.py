@@ -5,7 +5,7 @@ FSDP2's ``fully_shard`` (``Shard(0)`` over a 1-D mesh), HSDP (``Replicate()`` an
 optimizer state shaped like it, as a DTensor: a local tensor on each rank plus the device
 mesh and placements that say where it lies in the global tensor. A checkpoint stores each
 distinct shard once (:mod:`ddpckpt._format.shards`; replicas are written by one owner,
-:func:`ddpckpt._coord.plan.assign_shards`) and a load fills each rank's live local tensor
+:func:`ddpckpt._io.shardwrite.plan_shards`) and a load fills each rank's live local tensor
 from the pieces that overlap it, whatever mesh and world size it was saved with
 (:mod:`ddpckpt._format.reshard`).
 
@@ -22,13 +22,14 @@ Every function here is local to the calling rank.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ddpckpt._format.reshard import Box
 from ddpckpt._format.shards import REPLICATE, shard_placement
-from ddpckpt._state.sharded import MeshLayout, ShardedTensor, region_at
+from ddpckpt._state.sharded import MeshLayout, RankOrder, ShardedTensor, region_at
 from ddpckpt.errors import UnsupportedValueError
 
 if TYPE_CHECKING:
@@ -55,14 +56,30 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+_ORDERS: dict[int, tuple[weakref.ref[Any], RankOrder]] = {}
+
+
+def rank_order(mesh: Any) -> RankOrder:
+    """The ranks of a device mesh, read once per mesh (by identity) and shared by the
+    captures of all its tensors: the mesh's N ranks are not listed again for each tensor."""
+    found = _ORDERS.get(id(mesh))
+    if found is not None and found[0]() is mesh:
+        return found[1]
+    for key in [k for k, (ref, _) in _ORDERS.items() if ref() is None]:
+        del _ORDERS[key]
+    order = RankOrder(int(r) for r in mesh.mesh.flatten().tolist())
+    _ORDERS[id(mesh)] = (weakref.ref(mesh), order)
+    return order
+
+
 def capture_dtensor(name: str, value: Any) -> ShardedTensor:
     """``value``'s shard and layout; raises :class:`UnsupportedValueError` naming ``name``
     for what a checkpoint cannot restore (see the module docstring)."""
     placements = placement_codes(name, value)
     mesh = value.device_mesh
-    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    ranks = rank_order(mesh)
     rank, world = _world()
-    if sorted(ranks) != list(range(world)):
+    if len(ranks) != world or not ranks.covers_the_job:
         raise UnsupportedValueError(
             f"{name}: a DTensor on a device mesh of ranks {list(ranks)[:16]} of the job's "
             f"{world}; ddpckpt saves DTensors on a mesh over every rank (FSDP2, HSDP, "
