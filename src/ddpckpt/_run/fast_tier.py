@@ -64,6 +64,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ddpckpt._coord.comm import Comm
+from ddpckpt._coord.rankset import RankSet
 from ddpckpt._coord.replicate import repair_copies
 from ddpckpt._format.runfiles import (
     FAST_TIER_FORMAT,
@@ -115,7 +116,9 @@ _log = get_logger(__name__)
 _SHARING = "auto"  # each node's memory is its own: probed, whatever $DDPCKPT_STORAGE says
 # A fast-tier step failing so is reported, and the next step (or the durable tier) serves.
 _CANNOT_SERVE = (CorruptCheckpointError, CheckpointNotFoundError, CheckpointWriteError)
-_Held = dict[str, dict[str, list[int]]]  # step: checkpoint id: the ranks whose node holds it
+# step: checkpoint id: the ranks whose node holds it, as RankSet spans (constant size for
+# whole runs of nodes, whatever the number of ranks)
+_Held = dict[str, dict[str, list[list[int]]]]
 Loaded = tuple[int, CheckpointInfo]
 # Raised whatever the tier: a caller's mistake, or ranks out of step (a fast save that
 # swallowed them would only move the failure to the next collective call).
@@ -491,14 +494,12 @@ class FastSaves:
         """Restore fast-tier ``step``, first copying it to the nodes that lack it; ``None``
         (reported) if that fails."""
         path = self.saves.path(step)
-        copies = self._held[str(step)]
-        ranks = max(copies.values(), key=len)  # the copy most nodes hold
+        copies = [RankSet.from_json(spans) for spans in self._held[str(step)].values()]
+        ranks = max(copies, key=len)  # the copy most nodes hold
         try:
             with self.saves.comm("Checkpointer.resume (fast tier copies)", path) as comm:
                 if len(ranks) < comm.world_size:
-                    holding = set(ranks)  # a list's membership test is N steps a rank
-                    have = [rank in holding for rank in range(comm.world_size)]
-                    repair_copies(comm, path, have, _SHARING)
+                    repair_copies(comm, path, ranks.mask(comm.world_size), _SHARING)
             return step, load(path)
         except (*_CANNOT_SERVE, PartiallyRestoredError) as exc:
             cause = failure_of(exc)
@@ -661,12 +662,17 @@ def _by_problem(problems: list[str | None]) -> dict[str, list[int]]:
 
 
 def _by_step(views: list[dict[str, str]]) -> _Held:
-    """On rank 0: every rank's holdings by step and checkpoint id."""
-    held: _Held = {}
+    """On rank 0: every rank's holdings by step and checkpoint id, each as the spans of a
+    :class:`RankSet`: every rank receives an answer whose size does not grow with the
+    number of ranks when whole runs of nodes hold a copy."""
+    held: dict[str, dict[str, list[int]]] = {}
     for rank, view in enumerate(views):
         for step, ident in view.items():
             held.setdefault(step, {}).setdefault(ident, []).append(rank)
-    return held
+    return {
+        step: {ident: RankSet.of(ranks).to_json() for ident, ranks in copies.items()}
+        for step, copies in held.items()
+    }
 
 
 def _keep_up_to(directory: str, step: int | None) -> tuple[int | None, list[int]]:
