@@ -349,6 +349,8 @@ def test_checkpointer_under_torchrun_agrees_on_every_rank(tmp_path) -> None:
     assert f"step-{results[0]['saved'][0]:08d}" in kept  # the best by loss
     assert f"step-{newest:08d}" in kept
     assert len(kept) <= 3
+    # one rank lists the run (parsing every manifest) and tells the other: it used to be both
+    assert results[0]["scans"] > 0 and results[1]["scans"] == 0
 
 
 def test_checkpointer_on_node_local_storage_survives_losing_a_node(tmp_path) -> None:
@@ -372,6 +374,10 @@ def test_checkpointer_on_node_local_storage_survives_losing_a_node(tmp_path) -> 
     assert steps[0] == steps[1] and len(steps[0]) >= 2
     for name in steps[1]:
         ddpckpt.verify(nodes[1] / "run" / name)
+    # each node's disk is listed by its first rank alone (ranks 0 and 2)
+    assert [r > 0 for _, r in sorted((k, v["scans"]) for k, v in second.items())] == [
+        True, False, True, False
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("mode", ["True", "overlap"])

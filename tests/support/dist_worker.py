@@ -10,6 +10,7 @@ the process.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import logging
@@ -19,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -351,6 +353,26 @@ def scenario_roundtrip(args, rank: int) -> dict[str, Any]:
     return {"saved": saved, "loaded": loaded}
 
 
+@contextlib.contextmanager
+def counted_scans() -> Iterator[list[int]]:
+    """How often this rank lists a run directory (each listing parses every manifest)."""
+    import ddpckpt._run.resume as resume_module
+    import ddpckpt._run.saving as saving_module
+
+    count = [0]
+    real = resume_module.scan
+
+    def counting(directory):
+        count[0] += 1
+        return real(directory)
+
+    resume_module.scan = saving_module.scan = counting
+    try:
+        yield count
+    finally:
+        resume_module.scan = saving_module.scan = real
+
+
 def scenario_checkpointer_run(args, rank: int) -> dict[str, Any]:
     """Train with a Checkpointer (time- and step-based saves), on without saving as far as a
     job restarted from the newest checkpoint will (``continued``: what that job's ``digest``
@@ -378,9 +400,11 @@ def scenario_checkpointer_run(args, rank: int) -> dict[str, Any]:
         seed=args.seed + 1
     )
     with ddpckpt.Checkpointer(args.ckpt, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched,
-                              scaler=fresh_scaler, extra={"counter": fresh_counter}) as again:  # fmt: skip
+                              scaler=fresh_scaler, extra={"counter": fresh_counter}
+                              ) as again, counted_scans() as scans:  # fmt: skip
         resumed = again.resume()
     return {
+        "scans": scans[0],
         "started": start,
         "saved": saved,
         "resumed": resumed.step,

@@ -1,8 +1,10 @@
 """The steps of :meth:`ddpckpt.Checkpointer.resume`.
 
-1. :func:`list_candidates` (collective): every rank lists the run directory; a step is
-   committed if any rank sees it committed (a node lacking its copy gets it repaired by
-   the load), broken otherwise.
+1. :func:`list_candidates` (collective): the first rank of each storage domain lists the
+   run directory (every rank, for a read-only Checkpointer, which does not know the
+   domains) and the others receive the merged listing; a step is committed if any lister
+   sees it committed (a node lacking its copy gets it repaired by the load), broken
+   otherwise. A rank parses each manifest of the run at most once per resume.
 2. :func:`ddpckpt._run.query.choose`: the committed steps to try, in order.
 3. :func:`load_first` (collective, through the Checkpointer's load): the first candidate
    that loads and verifies; a damaged one (or, for a reader, one deleted meanwhile) is
@@ -74,7 +76,7 @@ def resume_run(
         with saves.comm("Checkpointer.resume") as comm:
             if not read_only and listing == 0:
                 saves.prepare(comm)
-            committed, broken = list_candidates(comm, directory)
+            committed, broken = list_candidates(comm, directory, saves.lists)
         candidates = [c for c in choose(committed) if c not in failed]
         held = fast.list() if fast is not None else []
         if not candidates and not broken and not failed and not (newest and held):
@@ -101,10 +103,13 @@ def resume_run(
     raise nothing_loads(directory, failures, broken, partial[-1] if partial else None)
 
 
-def list_candidates(comm: Comm, directory: str) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
+def list_candidates(
+    comm: Comm, directory: str, lists: bool = True
+) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
     """Collective: the committed checkpoints (metrics by step) and the broken ones (what is
-    wrong with each, by step)."""
-    listed = comm.run_reduce("list", lambda: _listing(directory), _merged)
+    wrong with each, by step), as the ranks that pass ``lists`` find them (at least one of
+    each storage domain); the others read nothing."""
+    listed = comm.run_reduce("list", lambda: _listing(directory) if lists else {}, _merged)
     committed = {int(s): m for s, (status, m, _) in listed.items() if status == "committed"}
     broken = {
         int(s): problem for s, (status, _, problem) in listed.items() if status != "committed"

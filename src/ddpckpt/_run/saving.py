@@ -74,6 +74,13 @@ class RunSaves:
         self._run_file_written = False
         self.refused: CheckpointLockedError | None = None  # the lock is lost: no more saves
 
+    @property
+    def lists(self) -> bool:
+        """Whether this rank lists the run directory for its storage domain: the domain's
+        first rank once :meth:`prepare` ran (the others receive what it found, so each
+        manifest is parsed once per domain, not once per rank), every rank before."""
+        return self._leader or self.domains is None
+
     def comm(self, call: str, path: str | None = None) -> Comm:
         return Comm.open(call, path=path or self.directory, timeout=self.options.storage.timeout)
 
@@ -98,6 +105,8 @@ class RunSaves:
                         self.directory,
                         name,
                     )
+            if not self._leader:  # its domain's first rank lists it for all of them
+                return []
             return [e.step for e in scan(self.directory) if e.status == "committed"]
 
         newest = comm.run_reduce(
