@@ -1,0 +1,170 @@
+"""What one rank pays per save and per resume as the job grows: the library's own functions
+run for one simulated rank of N, at N = 16 to 16,384, in one process.
+
+Run it from a source checkout (``pip install -e .``, or ``PYTHONPATH=src``)::
+
+    python benchmarks/scale.py [--ranks 16,256,1024,4096,16384] [--layers 32] [--json out.json]
+
+The state is 7B-like: ``--layers`` transformer blocks of 4096-wide attention and
+11008-wide MLP weights, an embedding and an output layer, with AdamW's two moments (about
+870 tensors), held as DTensors by FSDP2 (``Shard(0)`` over all N ranks) or HSDP
+(``Replicate`` over N/8 nodes, ``Shard(0)`` over each node's 8 ranks), 8 ranks per node.
+Per layout and N it reports, for the last rank:
+
+* ``plan ms``: CPU time of deciding what it writes at a save (its shards and its share
+  of the replicated tensors), on the training thread, best of 3 (the real
+  ``plan_shards`` and ``plan_owners``);
+* ``fingerprint B``: the bytes of the layout every rank hashes and compares at a save;
+* ``manifest B``: the manifest's sharded records, which one rank per storage domain
+  writes and every rank reads whole at a load: the pieces counted exactly, times the
+  size of one piece's record as the manifest writer encodes it;
+* ``held B``: what the fast tier's resume sends every rank about which node holds which
+  step (one node lacking the newest step), through rank 0's store;
+* ``ExactResume B``: Lightning's ``ExactResume`` state of every rank, gathered at rank 0
+  into each checkpoint and read by every rank at a resume.
+
+Each column is either flat in N (the per-rank costs fixed so far) or grows with N (those
+still to fix): the report says which, from the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ddpckpt._coord.plan import plan_owners
+from ddpckpt._format.tensorfile import CHUNK, TensorEntry
+from ddpckpt._io.shardwrite import piece_json, plan_shards
+from ddpckpt._run.fast_tier import _by_step
+from ddpckpt._state.sharded import MeshLayout, ShardedTensor, nonempty_shards
+from ddpckpt._state.snapshot import Snapshot
+from ddpckpt.integrations._ranks import capture_streams, pack
+
+PER_NODE = 8
+
+
+def shapes(layers: int) -> dict[str, tuple[int, ...]]:
+    """A 7B-like model's parameters (name: global shape)."""
+    found: dict[str, tuple[int, ...]] = {
+        "embed.weight": (32000, 4096),
+        "head.weight": (32000, 4096),
+    }
+    for i in range(layers):
+        for proj in ("q", "k", "v", "o"):
+            found[f"layers.{i}.attn.{proj}.weight"] = (4096, 4096)
+        for proj, shape in (
+            ("gate", (11008, 4096)),
+            ("up", (11008, 4096)),
+            ("down", (4096, 11008)),
+        ):
+            found[f"layers.{i}.mlp.{proj}.weight"] = shape
+        found[f"layers.{i}.norm1.weight"] = (4096,)
+        found[f"layers.{i}.norm2.weight"] = (4096,)
+    found["norm.weight"] = (4096,)
+    return found
+
+
+def layout_of(kind: str, ranks: int) -> MeshLayout:
+    order = tuple(range(ranks))
+    if kind == "fsdp2":
+        return MeshLayout((ranks,), order, ("S0",))
+    return MeshLayout((ranks // PER_NODE, PER_NODE), order, ("R", "S0"))
+
+
+def snapshot_for(kind: str, ranks: int, rank: int, layers: int) -> Snapshot:
+    """``rank``'s sharded state: each parameter and its two AdamW moments, as empty local
+    shards of the right sizes (no memory is touched)."""
+    layout = layout_of(kind, ranks)
+    sharded = {}
+    for name, shape in shapes(layers).items():
+        size = layout.region(shape, rank)[1]
+        for part in ("", ".exp_avg", ".exp_avg_sq"):
+            local = torch.empty(size, dtype=torch.float32, device="meta")
+            sharded[f"{name}{part}"] = ShardedTensor(local, shape, layout)
+    return Snapshot(sharded=sharded, tensors={"step": torch.zeros(())}, balanced={"step"})
+
+
+def plan_ms(snapshot: Snapshot, ranks: int, rank: int) -> float:
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        plan_shards(snapshot, [list(range(ranks))], rank, ranks)
+        plan_owners({"step": 8}, range(ranks), {"step"})
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def manifest_bytes(snapshot: Snapshot) -> int:
+    """The sharded records' size: every distinct piece counted, times one piece's record."""
+    pieces = sum(
+        nonempty_shards(s.shape, s.layout.shape, s.layout.placements)
+        for s in snapshot.sharded.values()
+    )
+    entry = TensorEntry("model-00000.safetensors", "layers.0.mlp.gate.weight@1376,0", "F32",
+                        (1376, 4096), 1 << 33, (1 << 33) + 1376 * 4096 * 4, "0" * 16,
+                        tuple("0" * 16 for _ in range(-(-1376 * 4096 * 4 // CHUNK))))  # fmt: skip
+    return pieces * len(json.dumps(piece_json((1376, 0), entry)))
+
+
+def held_bytes(ranks: int) -> int:
+    views = [
+        {"99": "a" * 16, **({} if r // PER_NODE == 3 else {"100": "b" * 16})} for r in range(ranks)
+    ]
+    return len(json.dumps(_by_step(views)))
+
+
+def measure(kind: str, ranks: int, layers: int, exact_resume_per_rank: int) -> dict[str, Any]:
+    rank = ranks - 1
+    snapshot = snapshot_for(kind, ranks, rank, layers)
+    fingerprint = [[n, *s.fingerprint()] for n, s in sorted(snapshot.sharded.items())]
+    return {
+        "tensors": len(snapshot.sharded),
+        "plan_ms": plan_ms(snapshot, ranks, rank),
+        "fingerprint_bytes": len(json.dumps(fingerprint)),
+        "manifest_bytes": manifest_bytes(snapshot),
+        "held_bytes": held_bytes(ranks),
+        "exact_resume_bytes": exact_resume_per_rank * ranks,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", default="16,256,1024,4096,16384")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--json", help="write the results here too")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.ranks.split(",")]
+    per_rank = len(json.dumps(pack({"rng": capture_streams(), "loaders": [{"position": 0}]})))
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    for kind in ("fsdp2", "hsdp"):
+        results[kind] = {}
+        for ranks in counts:
+            results[kind][ranks] = row = measure(kind, ranks, args.layers, per_rank)
+            print(f"{kind} N={ranks}: {json.dumps(row)}", flush=True)
+    print(
+        f"\n{len(shapes(args.layers))} parameters x 3 (AdamW), one rank of N, {PER_NODE} per node"
+    )
+    header = ("layout", "N", "plan ms", "fingerprint B", "manifest B", "held B", "ExactResume B")
+    print(" | ".join(header))
+    for kind, rows in results.items():
+        for ranks, r in rows.items():
+            print(f"{kind} | {ranks} | {r['plan_ms']:.1f} | {r['fingerprint_bytes']} | "
+                  f"{r['manifest_bytes']} | {r['held_bytes']} | {r['exact_resume_bytes']}")  # fmt: skip
+    low, high = counts[0], counts[-1]
+    print(f"\nfrom N={low} to N={high} ({high // low}x the ranks):")
+    for column in ("plan_ms", "fingerprint_bytes", "manifest_bytes", "held_bytes",
+                   "exact_resume_bytes"):  # fmt: skip
+        growth = max(rows[high][column] / max(rows[low][column], 1e-9) for rows in results.values())
+        verdict = "flat" if growth < 2 else "grows"
+        print(f"  {column}: x{growth:.1f} ({verdict})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
