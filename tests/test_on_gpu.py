@@ -98,12 +98,32 @@ def test_a_resume_on_cuda_continues_bit_identically(tmp_path, mode, fast) -> Non
         assert a.device == b.device and torch.equal(a, b)
 
 
-def test_a_data_write_queued_right_after_an_overlap_save_is_caught(tmp_path, caplog) -> None:
+class SlowCopies:
+    """torch.cuda, but each copy stream first sleeps about 0.1 s of GPU time: a write the
+    training stream runs right after save() lands before the copy starts, every time."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch.cuda, name)
+
+    def Stream(self, device):
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(200_000_000)
+        return stream
+
+
+def test_a_data_write_queued_right_after_an_overlap_save_is_caught(
+    tmp_path, caplog, monkeypatch
+) -> None:
     """``p.data.mul_`` on the training stream right after ``save()``: the write leaves the
-    version counter alone and runs before the copy of ``small`` starts (the copy engine
-    first moves 256 MiB). The checkpoint holds one value of it, and a WARNING says so."""
+    version counter alone and lands before the copy starts, so the copy holds the later
+    value whole (a sum taken after the copy agreed with it). The sum taken at ``save()``
+    tells: the checkpoint holds one value, and a WARNING says so."""
+    from ddpckpt._io import staging
+
+    monkeypatch.setattr(staging, "_cuda", SlowCopies())
     model = nn.ParameterDict(
-        {"big": nn.Parameter(torch.randn(64 << 20, device="cuda")),
+        {"big": nn.Parameter(torch.randn(1 << 20, device="cuda")),
          "small": nn.Parameter(torch.ones(1024, device="cuda"))}
     )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -118,3 +138,17 @@ def test_a_data_write_queued_right_after_an_overlap_save_is_caught(tmp_path, cap
     assert torch.equal(saved["big"], model["big"].detach().cpu())
     assert torch.equal(saved["small"], torch.full((1024,), 2.0))  # one value: the later
     assert "small" in caplog.text and "not exact" in caplog.text, caplog.text
+
+
+def test_a_digest_allocates_nothing_the_size_of_the_tensor() -> None:
+    """The save-time sum runs on the training stream: widening every word to 64 bits first
+    took twice the tensor's size in GPU memory at every overlap save."""
+    from ddpckpt._io import staging
+
+    for dtype, numel in ((torch.float32, 64 << 20), (torch.bfloat16, (64 << 20) + 1)):
+        x = torch.ones(numel, dtype=dtype, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        int(staging._digest(x))
+        assert torch.cuda.max_memory_allocated() - before < 128 << 20, dtype  # one chunk

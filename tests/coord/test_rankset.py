@@ -32,6 +32,6 @@ def held_answer(ranks: int) -> int:
 
 
 def test_what_every_rank_receives_of_the_fast_tier_s_holdings_does_not_grow_with_ranks() -> None:
-    # every rank's view used to come back as a list of the ranks holding each step: 41 kB
+    # every rank's view used to come back as a list of the ranks holding each step: 47 kB
     # per rank at 4,096 ranks, through rank 0's store to each of them
     assert held_answer(4096) < 100 and held_answer(4096) - held_answer(16) < 20  # digits

@@ -263,6 +263,13 @@ def test_a_digest_sums_the_bytes_of_any_dtype() -> None:
     assert int(staging._digest(view)) != before
 
 
+def test_a_digest_of_bytes_one_by_one_is_summed_in_chunks(monkeypatch) -> None:
+    monkeypatch.setattr(staging, "_DIGEST_CHUNK", 7)
+    raw = torch.arange(51, dtype=torch.uint8) * 5  # 51 bytes: neither 32- nor 64-bit words
+    assert int(staging._digest(raw)) == int(raw.to(torch.int64).sum())
+    assert int(staging._digest(raw[:0])) == 0
+
+
 @pytest.mark.parametrize("how", ["no_grad", "data"])
 def test_a_cpu_tensor_written_during_its_deferred_copy_is_copied_again(how) -> None:
     # The write lands once the copy thread has copied, before it checked; `.data` bypasses
@@ -521,6 +528,28 @@ def test_sizing_ahead_never_makes_should_save_raise(tmp_path) -> None:
     with pytest.raises(TypeError, match="not today"):
         ckpt.save(5)
     ckpt.close()
+
+
+def test_a_plan_that_fails_on_this_rank_alone_never_makes_should_save_raise(
+    tmp_path, monkeypatch
+) -> None:
+    """Sizing the buffer is local: a node that lacks a shard of the state fails there on its
+    ranks only, and raising in should_save() would leave the other ranks waiting in the
+    next collective. The save, which is collective, reports it on every rank."""
+    import ddpckpt._run.saving as saving
+    from ddpckpt.errors import UnsupportedValueError
+
+    def lacking(*args):
+        raise UnsupportedValueError("w: no rank of one node holds its shard at [4]")
+
+    monkeypatch.setattr(saving, "staging_share", lacking)
+    model = make_mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    with Checkpointer(
+        tmp_path / "run", model=model, optimizer=optimizer, async_save=True, every_steps=5
+    ) as ckpt:
+        assert ckpt.resume() is None
+        assert not ckpt.should_save(1)
 
 
 class Restless:

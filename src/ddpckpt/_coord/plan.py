@@ -33,7 +33,8 @@ def assign(sizes: Mapping[str, int], ranks: Sequence[int]) -> dict[str, int]:
     """Map each tensor name to one of ``ranks``, balancing the bytes."""
     if not ranks:
         raise ValueError("cannot assign tensors to an empty set of ranks")
-    heap = [(0, rank) for rank in sorted(ranks)]
+    # all start at 0, ties to the lowest rank: only the len(sizes) lowest can get a tensor
+    heap = [(0, rank) for rank in heapq.nsmallest(len(sizes), ranks)]
     heapq.heapify(heap)
     owners: dict[str, int] = {}
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):

@@ -2,20 +2,22 @@
 
 Called from :mod:`ddpckpt._io.writing` on every rank. DTensor shards
 (``Snapshot.sharded``) are written once per storage domain: each distinct shard by one of
-the ranks holding it in that domain (its replicas there), chosen by a rule every rank
-applies alike to the meshes and placements, with no exchange: the ``i``-th tensor (by
-name)'s shard number ``s`` goes to the replica ``(i + s) mod k`` of its ``k`` replicas in
-the domain, which spreads the writes over the replicas. A rank decides only its own
-shards, so planning costs it O(T) for T sharded tensors (plus, with several storage
-domains, one coordinate per rank of its own domain and mesh), never O(N·T) at N ranks.
-ZeRO's optimizer state (``Snapshot.owned``) exists on one rank only, which writes it. The
-first rank of each domain then builds each sharded tensor's record from every rank's
-pieces (:func:`shard_records`).
+the ranks holding it in that domain (its replicas there). The replicas of a shard hold the
+same region of every tensor of its mesh, so each computes the same assignment alone, with
+no exchange: those tensors, largest first, each to the least-loaded replica (by bytes;
+ties to the first). A rank decides only for its own shards, so planning costs it
+O(T log k) for T sharded tensors and k replicas, whatever the number of ranks N (plus,
+with several storage domains, one coordinate per rank of its own domain and mesh), never
+O(N·T). ZeRO's optimizer state (``Snapshot.owned``) exists on one rank only, which writes
+it. The first rank of each domain then builds each sharded tensor's record from every
+rank's pieces (:func:`shard_records`).
 """
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +64,8 @@ def plan_shards(
             "(sharing='shared')"
         )
     replicas = _Replicas(next(d for d in domains if rank in d) if len(domains) > 1 else None)
-    for index, name in enumerate(sorted(snapshot.sharded)):
+    mine: dict[tuple[Any, ...], list[tuple[int, str, tuple[int, ...]]]] = {}
+    for name in sorted(snapshot.sharded):
         shard = snapshot.sharded[name]
         itemsize = shard.local.element_size()
         plan.nbytes += math.prod(shard.shape) * itemsize
@@ -71,12 +74,39 @@ def plan_shards(
                             "mesh": list(layout.shape), "placements": list(layout.placements),
                             "chunk": CHUNK}  # fmt: skip
         replicas.check_complete(name, shard)
-        coordinate = layout.coordinate(rank)
-        offsets, size = region_at(shard.shape, layout.shape, layout.placements, coordinate)
-        if math.prod(size) and replicas.writer(index, layout, coordinate) == rank:
-            plan.items.append((name, shard.local))
+        offsets, size = region_at(
+            shard.shape, layout.shape, layout.placements, layout.coordinate(rank)
+        )
+        if math.prod(size):
+            mine.setdefault(_pattern(layout), []).append(
+                (math.prod(size) * itemsize, name, offsets)
+            )
+    for shards in mine.values():
+        layout = snapshot.sharded[shards[0][1]].layout
+        count, slot = replicas.slots(layout, rank)
+        for name, offsets in _balanced(shards, count, slot):
+            plan.items.append((name, snapshot.sharded[name].local))
             plan.pieces[name] = offsets
     return plan
+
+
+def _pattern(layout: MeshLayout) -> tuple[Any, ...]:
+    """What decides which ranks are a shard's replicas: the mesh's ranks and shape, and
+    which of its dims replicate."""
+    return (layout.ranks.digest, layout.shape, tuple(p == REPLICATE for p in layout.placements))
+
+
+def _balanced(
+    shards: list[tuple[int, str, tuple[int, ...]]], count: int, slot: int
+) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Of a shard's tensors (bytes, name, offsets), those the replica ``slot`` of ``count``
+    writes: largest first, each to the least-loaded replica (ties to the lowest slot)."""
+    heap = [(0, s) for s in range(min(count, len(shards)))]  # the others would get nothing
+    for nbytes, name, offsets in sorted(shards, key=lambda s: (-s[0], s[1])):
+        load, owner = heapq.heappop(heap)
+        if owner == slot:
+            yield name, offsets
+        heapq.heappush(heap, (load + max(nbytes, 1), owner))
 
 
 class _Replicas:
@@ -90,7 +120,7 @@ class _Replicas:
         self._groups: dict[tuple[Any, ...], dict[tuple[int, ...], list[int]]] = {}
 
     def _grouped(self, layout: MeshLayout) -> dict[tuple[int, ...], list[int]]:
-        key = (layout.ranks.digest, layout.shape, tuple(p == REPLICATE for p in layout.placements))
+        key = _pattern(layout)
         groups = self._groups.get(key)
         if groups is None:
             found: dict[tuple[int, ...], list[tuple[int, int]]] = {}
@@ -102,15 +132,13 @@ class _Replicas:
             groups = self._groups[key] = {k: [m for _, m in sorted(v)] for k, v in found.items()}
         return groups
 
-    def writer(self, index: int, layout: MeshLayout, coordinate: tuple[int, ...]) -> int:
-        """The rank that writes the shard held at ``coordinate`` of the ``index``-th
-        tensor."""
-        key = layout.shard_key(coordinate)
-        turn = index + layout.shard_number(key)
-        if self.domain is None:  # every replica shares the storage: pick one by index
-            return layout.holder(key, turn % layout.replicas)
-        holders = self._grouped(layout)[key]
-        return holders[turn % len(holders)]
+    def slots(self, layout: MeshLayout, rank: int) -> tuple[int, int]:
+        """How many replicas of ``rank``'s shard may write it, and which of them it is."""
+        coordinate = layout.coordinate(rank)
+        if self.domain is None:  # every replica shares the storage
+            return layout.replicas, layout.replica_index(coordinate)
+        holders = self._grouped(layout)[layout.shard_key(coordinate)]
+        return len(holders), holders.index(rank)
 
     def check_complete(self, name: str, shard: ShardedTensor) -> None:
         """Raise if this domain's ranks do not hold every non-empty shard of ``shard``."""

@@ -28,7 +28,9 @@ current stream (so before any kernel the training thread queues later), and righ
 its copy read them, on the copy's stream. Sums that differ mean a write landed before or
 while the copy read the tensor: a copy that may not hold the value as of the save, torn or
 whole, is caught, and nothing is summed on the host (a host-side sum of a 4 GB state took
-seconds, which the next ``optimizer.step()`` waited for).
+seconds, which the next ``optimizer.step()`` waited for). Not caught: a write undone
+before the second sum, one that only moves words around, one from a stream the current
+stream did not wait for, and writes through ``.data`` to non-contiguous tensors.
 A tensor written in between is copied again at once, so the checkpoint is never torn, and
 reported to the fence's ``on_written`` (the saver warns and stops deferring it).
 
@@ -377,13 +379,31 @@ def _as_compared(tensor: torch.Tensor) -> torch.Tensor:
     return flat
 
 
+_DIGEST_CHUNK = 16 << 20  # bytes widened at a time when a tensor's bytes are summed one by one
+
+
 def _digest(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum of a contiguous tensor's bytes on its device, as 32-bit words where they
-    divide so and its data is aligned to them, else as single bytes: equal bytes give equal
-    sums, and a GPU reads them at memory speed, far faster than the copy to the host."""
+    """The sum (wrapping) of a contiguous tensor's bytes on its device, as 64-bit or 32-bit
+    words where they divide so and its data is aligned to them, else as single bytes: equal
+    bytes give equal sums, and a GPU reads them at memory speed, far faster than the copy
+    to the host. Each sum accumulates in its words' own type, so it allocates nothing the
+    size of the tensor (a sum of 32-bit words into 64 bits widened a copy of all of them
+    first); single bytes are widened a chunk at a time."""
     flat = _as_bytes(tensor)
-    words = tensor_nbytes(tensor) % 4 == 0 and tensor.data_ptr() % 4 == 0
-    return (flat.view(torch.int32) if words else flat).sum(dtype=torch.int64)
+    nbytes, at = flat.numel(), flat.data_ptr()
+    if nbytes % 8 == 0 and at % 8 == 0:
+        return flat.view(torch.int64).sum()
+    if nbytes % 4 == 0 and at % 4 == 0:
+        return flat.view(torch.int32).sum(dtype=torch.int32)
+    parts = [
+        flat[i : i + _DIGEST_CHUNK].to(torch.int32).sum(dtype=torch.int32)
+        for i in range(0, nbytes, _DIGEST_CHUNK)
+    ]
+    return (
+        torch.stack(parts).sum(dtype=torch.int32)
+        if parts
+        else flat.new_zeros((), dtype=torch.int32)
+    )
 
 
 _RECOPIES = 3  # tries at a copy nothing writes meanwhile, before the save fails

@@ -347,12 +347,11 @@ class Checkpointer:
         self._reserved = True
         if self._saver.latest is not None:
             return  # a save already sized the buffer, and may still be copying into it
-        try:
-            snapshot = capture(self.state)
-        except Exception as exc:  # the save itself raises it; nothing to size until then
+        try:  # local to this rank: an error here (a node lacking a shard of the state)
+            # may be this rank's alone, so only the collective save reports it
+            self._saves.reserve(capture(self.state))
+        except Exception as exc:
             _log.debug("%s: not sizing the staging buffer ahead: %r", self.directory, exc)
-            return
-        self._saves.reserve(snapshot)
 
     @events.timed_save
     def save(

@@ -4,7 +4,7 @@
    run directory (every rank, for a read-only Checkpointer, which does not know the
    domains) and the others receive the merged listing; a step is committed if any lister
    sees it committed (a node lacking its copy gets it repaired by the load), broken
-   otherwise. A rank parses each manifest of the run at most once per resume.
+   otherwise. The other ranks parse no manifest but the one they load.
 2. :func:`ddpckpt._run.query.choose`: the committed steps to try, in order.
 3. :func:`load_first` (collective, through the Checkpointer's load): the first candidate
    that loads and verifies; a damaged one (or, for a reader, one deleted meanwhile) is

@@ -84,28 +84,6 @@ class MeshLayout:
             s for s, p in zip(self.shape, self.placements, strict=True) if p == REPLICATE
         )
 
-    def holder(self, key: tuple[int, ...], replica: int) -> int:
-        """The rank whose coordinate has :meth:`shard_key` ``key`` and
-        :meth:`replica_index` ``replica``."""
-        digits = []
-        for size, placement in zip(reversed(self.shape), reversed(self.placements), strict=True):
-            if placement == REPLICATE:
-                replica, digit = divmod(replica, size)
-                digits.append(digit)
-        replicas, keys = reversed(digits), iter(key)
-        index = 0
-        for size, placement in zip(self.shape, self.placements, strict=True):
-            index = index * size + next(replicas if placement == REPLICATE else keys)
-        return self.ranks[index]
-
-    def shard_number(self, key: tuple[int, ...]) -> int:
-        """The row-major index of a :meth:`shard_key` along the ``Shard`` mesh dims."""
-        index = 0
-        sizes = [s for s, p in zip(self.shape, self.placements, strict=True) if p != REPLICATE]
-        for c, size in zip(key, sizes, strict=True):
-            index = index * size + c
-        return index
-
     def coordinate_at(self, index: int) -> tuple[int, ...]:
         """The coordinate of the ``index``-th rank of the mesh, in row-major order."""
         coordinate = []
