@@ -41,6 +41,17 @@ def test_a_run_killed_inside_an_epoch_resumes_bit_for_bit(tmp_path: Path) -> Non
     ddpckpt.verify(str(last))
 
 
+@pytest.mark.long
+def test_a_scheduler_sized_by_estimated_stepping_batches_resumes_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    """Lightning's documented OneCycleLR(total_steps=self.trainer.estimated_stepping_batches)
+    sets the train loaders up during strategy.setup, before the loops are restored: the
+    saved position was applied at epoch 0 and none of the steps after the resume matched."""
+    run = launch_killed_run(SCRIPT, tmp_path, mode="onecycle")
+    assert_resumed_exactly(run, resumed_from=9, steps=7)
+
+
 def test_the_checkpoint_io_round_trips_lightnings_dict(tmp_path: Path, io: Any) -> None:
     from lightning.pytorch.utilities.parsing import AttributeDict
 

@@ -2,7 +2,8 @@
 
     lightning_worker.py ddpckpt --out DIR --ports A,B,C  # DdpckptCheckpointIO + ExactResume
     lightning_worker.py own --out DIR --ports A,B,C      # Lightning's own checkpointing
-    (io: DdpckptCheckpointIO alone; callback: ExactResume with Lightning's own CheckpointIO)
+    (io: DdpckptCheckpointIO alone; callback: ExactResume with Lightning's own CheckpointIO;
+    onecycle: ddpckpt's, with a OneCycleLR sized by trainer.estimated_stepping_batches)
 
 Two epochs of 8 steps per rank (a shuffling DistributedSampler, a loader worker, dropout
 whose random stream differs per rank), a checkpoint every 3 steps, a validation after every
@@ -64,6 +65,21 @@ class Net(pl.LightningModule):
         return DataLoader(data, batch_size=4, shuffle=True, num_workers=1)
 
 
+class OneCycleNet(Net):
+    """As Lightning's documentation sizes a OneCycleLR: reading
+    ``trainer.estimated_stepping_batches`` in ``configure_optimizers``, which sets the train
+    loaders up before the loops' progress is restored."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.05)
+        total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
 class Record(pl.Callback):
     """Each step's loss on this rank; kills rank 1 after step ``kill_at``."""
 
@@ -100,11 +116,15 @@ def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[s
     """One training run (in a forked child); what to compare, and what it logged."""
     pl.seed_everything(0, verbose=False)  # the sampler's seed, the same on every rank
     torch.manual_seed(100 + rank())  # dropout: each rank its own stream
-    module, record, metrics = Net(), Record(kill_at), Metrics()
+    module = OneCycleNet() if mode == "onecycle" else Net()
+    record, metrics = Record(kill_at), Metrics()
     checkpoints = ModelCheckpoint(
         directory, every_n_train_steps=EVERY, save_top_k=-1, save_last=True
     )
-    io, callback = mode in ("ddpckpt", "io"), mode in ("ddpckpt", "callback")
+    io, callback = (
+        mode in ("ddpckpt", "io", "onecycle"),
+        mode in ("ddpckpt", "callback", "onecycle"),
+    )
     trainer = pl.Trainer(
         accelerator="cpu", strategy="ddp", devices=2, max_epochs=EPOCHS, logger=metrics,
         callbacks=[record, checkpoints, *([ExactResume()] if callback else [])],
@@ -136,5 +156,5 @@ def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[s
 
 
 if __name__ == "__main__":
-    main(fit, ["ddpckpt", "own", "io", "callback"], KILL_AT)
+    main(fit, ["ddpckpt", "own", "io", "callback", "onecycle"], KILL_AT)
     exit_now()  # not through the interpreter's teardown: see exiting.py

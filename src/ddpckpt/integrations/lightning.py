@@ -385,6 +385,8 @@ class ExactResume(Callback):
         self._undo: list[Callable[[], None]] = []
         self._batches_per_epoch: int | None = None  # Lightning's limit, when it has one
         self._resumed = False  # the streams were restored for the first pass after a resume
+        self._in_fit_run = False  # inside the fit loop's run: the loops' progress is restored
+        self._load_states: Callable[[], None] = lambda: None  # Lightning's, set up in setup()
 
     # ------------------------------------------------------------------ set-up
 
@@ -398,14 +400,16 @@ class ExactResume(Callback):
                 f"ExactResume does not know this Lightning ({pl.__version__}): its fit loop "
                 "has no _load_combined_loader_states; ddpckpt was tested with Lightning 2.6"
             )
-        load_states, reset = fit_loop._load_combined_loader_states, fit_loop.reset
-        run_validation = val_loop.run
-        fit_loop._load_combined_loader_states = lambda: self._before_pass(trainer, load_states)
+        self._load_states = fit_loop._load_combined_loader_states
+        reset, run, run_validation = fit_loop.reset, fit_loop.run, val_loop.run
+        fit_loop._load_combined_loader_states = lambda: self._before_pass(trainer)
         fit_loop.reset = lambda: self._after_pass_began(reset)
+        fit_loop.run = lambda: self._fit_run(fit_loop, run)
         val_loop.run = lambda: self._isolated(run_validation)
         self._undo = [
             lambda: vars(fit_loop).pop("_load_combined_loader_states", None),
             lambda: vars(fit_loop).pop("reset", None),
+            lambda: vars(fit_loop).pop("run", None),
             lambda: vars(val_loop).pop("run", None),
         ]
         if self.log_checkpoints:
@@ -417,7 +421,26 @@ class ExactResume(Callback):
             undo()
         self._undo = []
 
-    def _before_pass(self, trainer: pl.Trainer, load_states: Callable[[], None]) -> None:
+    def _fit_run(self, fit_loop: Any, run: Callable[[], None]) -> None:
+        """The fit loop's run, inside which the saved position is applied. Train loaders set
+        up before the loops' progress was restored (a ``configure_optimizers`` that reads
+        ``trainer.estimated_stepping_batches`` sets them up during ``strategy.setup``, and
+        Lightning does not set them up again) get it here: the same loaders, at the restored
+        epoch, iterated anew (``train_dataloader()`` is not called again: it may draw from
+        the random streams, as a dataset built there does)."""
+        self._in_fit_run = True
+        try:
+            early = fit_loop._combined_loader is not None and fit_loop._data_fetcher is not None
+            if self._pending is not None and early:
+                self._load_states()
+                self._place_loaders(fit_loop)
+                fit_loop._data_fetcher.setup(fit_loop._combined_loader)
+                iter(fit_loop._data_fetcher)  # as setup_data does: a new pass, positioned
+            run()
+        finally:
+            self._in_fit_run = False
+
+    def _before_pass(self, trainer: pl.Trainer) -> None:
         """In the fit loop's data set-up, before the first ``iter()`` of new train loaders."""
         combined = trainer.fit_loop._combined_loader
         self._loaders = []
@@ -439,13 +462,19 @@ class ExactResume(Callback):
             track_loader(loader)
             loader._ddpckpt_stream.whole_pass_len = True  # Lightning counts against len()
             self._loaders.append(loader)
-        load_states()  # Lightning's own (rank 0's) loader states, when it restarts an epoch
-        epoch = trainer.fit_loop.epoch_progress.current.processed
-        for loader in self._loaders:  # Lightning does it after this iter(); workers need it now
+        self._load_states()  # Lightning's own (rank 0's) loader states, when it restarts an epoch
+        self._place_loaders(trainer.fit_loop)
+
+    def _place_loaders(self, fit_loop: Any) -> None:
+        """Set the train loaders' sampler epoch (Lightning does it after the next ``iter()``;
+        workers need it now) and, in the fit loop's run after a resume, the saved position
+        and random streams."""
+        epoch = fit_loop.epoch_progress.current.processed
+        for loader in self._loaders:
             _set_sampler_epoch(loader, epoch)
-        pending, self._pending = self._pending, None
-        if pending is None:
+        if self._pending is None or not self._in_fit_run:  # not yet: see _fit_run
             return
+        pending, self._pending = self._pending, None
         if len(pending["loaders"]) != len(self._loaders):
             raise StateMismatchError(
                 f"ExactResume: the checkpoint holds the positions of {len(pending['loaders'])} "
