@@ -42,13 +42,15 @@ def test_a_run_killed_inside_an_epoch_resumes_bit_for_bit(tmp_path: Path) -> Non
 
 
 @pytest.mark.long
-def test_a_scheduler_sized_by_estimated_stepping_batches_resumes_bit_for_bit(
-    tmp_path: Path,
-) -> None:
-    """Lightning's documented OneCycleLR(total_steps=self.trainer.estimated_stepping_batches)
-    sets the train loaders up during strategy.setup, before the loops are restored: the
-    saved position was applied at epoch 0 and none of the steps after the resume matched."""
-    run = launch_killed_run(SCRIPT, tmp_path, mode="onecycle")
+@pytest.mark.parametrize("mode", ["onecycle", "reload"])
+def test_loaders_set_up_early_or_again_resume_bit_for_bit(tmp_path: Path, mode: str) -> None:
+    """onecycle: Lightning's documented OneCycleLR(total_steps=self.trainer.
+    estimated_stepping_batches) sets the train loaders up during strategy.setup, before the
+    loops are restored: the saved position was applied at epoch 0 and none of the steps
+    after the resume matched. reload: reload_dataloaders_every_n_epochs=1 builds them anew
+    at every epoch, from the random streams of that moment (the targets are drawn there):
+    the resumed run built them from other streams."""
+    run = launch_killed_run(SCRIPT, tmp_path, mode=mode)
     assert_resumed_exactly(run, resumed_from=9, steps=7)
 
 

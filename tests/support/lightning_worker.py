@@ -3,7 +3,9 @@
     lightning_worker.py ddpckpt --out DIR --ports A,B,C  # DdpckptCheckpointIO + ExactResume
     lightning_worker.py own --out DIR --ports A,B,C      # Lightning's own checkpointing
     (io: DdpckptCheckpointIO alone; callback: ExactResume with Lightning's own CheckpointIO;
-    onecycle: ddpckpt's, with a OneCycleLR sized by trainer.estimated_stepping_batches)
+    onecycle: ddpckpt's, with a OneCycleLR sized by trainer.estimated_stepping_batches;
+    reload: ddpckpt's, with reload_dataloaders_every_n_epochs=1; the train data's targets
+    are drawn from the global random stream, so each build depends on it)
 
 Two epochs of 8 steps per rank (a shuffling DistributedSampler, a loader worker, dropout
 whose random stream differs per rank), a checkpoint every 3 steps, a validation after every
@@ -121,16 +123,15 @@ def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[s
     checkpoints = ModelCheckpoint(
         directory, every_n_train_steps=EVERY, save_top_k=-1, save_last=True
     )
-    io, callback = (
-        mode in ("ddpckpt", "io", "onecycle"),
-        mode in ("ddpckpt", "callback", "onecycle"),
-    )
+    ours = ("ddpckpt", "onecycle", "reload")
+    io, callback = mode in (*ours, "io"), mode in (*ours, "callback")
     trainer = pl.Trainer(
         accelerator="cpu", strategy="ddp", devices=2, max_epochs=EPOCHS, logger=metrics,
         callbacks=[record, checkpoints, *([ExactResume()] if callback else [])],
         plugins=[DdpckptCheckpointIO()] if io else None, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, log_every_n_steps=1,
         val_check_interval=1, limit_val_batches=1,  # after every step: the resumed run skips one
+        reload_dataloaders_every_n_epochs=1 if mode == "reload" else 0,
     )  # fmt: skip
     saves: list[float] = []
     save = trainer.save_checkpoint
@@ -156,5 +157,5 @@ def fit(mode: str, directory: Path, kill_at: int | None, resume: bool) -> dict[s
 
 
 if __name__ == "__main__":
-    main(fit, ["ddpckpt", "own", "io", "callback", "onecycle"], KILL_AT)
+    main(fit, ["ddpckpt", "own", "io", "callback", "onecycle", "reload"], KILL_AT)
     exit_now()  # not through the interpreter's teardown: see exiting.py

@@ -387,6 +387,7 @@ class ExactResume(Callback):
         self._resumed = False  # the streams were restored for the first pass after a resume
         self._in_fit_run = False  # inside the fit loop's run: the loops' progress is restored
         self._load_states: Callable[[], None] = lambda: None  # Lightning's, set up in setup()
+        self._built: dict[str, Any] | None = None  # the streams as the train loaders were built
 
     # ------------------------------------------------------------------ set-up
 
@@ -402,6 +403,8 @@ class ExactResume(Callback):
             )
         self._load_states = fit_loop._load_combined_loader_states
         reset, run, run_validation = fit_loop.reset, fit_loop.run, val_loop.run
+        setup_data = fit_loop.setup_data
+        fit_loop.setup_data = lambda: self._set_up_data(fit_loop, setup_data)
         fit_loop._load_combined_loader_states = lambda: self._before_pass(trainer)
         fit_loop.reset = lambda: self._after_pass_began(reset)
         fit_loop.run = lambda: self._fit_run(fit_loop, run)
@@ -410,6 +413,7 @@ class ExactResume(Callback):
             lambda: vars(fit_loop).pop("_load_combined_loader_states", None),
             lambda: vars(fit_loop).pop("reset", None),
             lambda: vars(fit_loop).pop("run", None),
+            lambda: vars(fit_loop).pop("setup_data", None),
             lambda: vars(val_loop).pop("run", None),
         ]
         if self.log_checkpoints:
@@ -420,6 +424,21 @@ class ExactResume(Callback):
         for undo in self._undo:
             undo()
         self._undo = []
+
+    def _set_up_data(self, fit_loop: Any, setup_data: Callable[[], None]) -> None:
+        """Lightning's train data set-up. When it builds the loaders (the first time, or a
+        ``reload_dataloaders_every_n_epochs`` reload), the random streams as the build began
+        are kept for the checkpoint, and a resumed run that builds them in the fit loop
+        builds them from the saved ones: a ``train_dataloader()`` that draws from them
+        (random data, a random split) builds what the saved run trained on."""
+        if fit_loop._combined_loader is not None and not fit_loop._should_reload_train_dl:
+            setup_data()  # nothing to build
+            return
+        saved = self._pending.get("built") if self._pending and self._in_fit_run else None
+        if saved is not None:
+            restore_streams(saved, "ExactResume")
+        self._built = capture_streams()
+        setup_data()
 
     def _fit_run(self, fit_loop: Any, run: Callable[[], None]) -> None:
         """The fit loop's run, inside which the saved position is applied. Train loaders set
@@ -519,6 +538,7 @@ class ExactResume(Callback):
         mine = {
             "rng": self._training_streams or capture_streams(),
             "loaders": [self._position(loader) for loader in self._loaders],
+            **({"built": self._built} if self._built is not None else {}),
         }
         ranks = gather("ddpckpt.integrations.lightning", mine, self.timeout)
         return {"ranks": ranks or []}
@@ -541,6 +561,7 @@ class ExactResume(Callback):
         self._pending = {
             "rng": own_streams(ranks, "ExactResume"),
             "loaders": ranks[min(rank, len(ranks) - 1)]["loaders"],
+            "built": ranks[rank].get("built") if rank < len(ranks) else None,
         }
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
