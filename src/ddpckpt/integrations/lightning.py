@@ -428,13 +428,13 @@ class ExactResume(Callback):
     def _set_up_data(self, fit_loop: Any, setup_data: Callable[[], None]) -> None:
         """Lightning's train data set-up. When it builds the loaders (the first time, or a
         ``reload_dataloaders_every_n_epochs`` reload), the random streams as the build began
-        are kept for the checkpoint, and a resumed run that builds them in the fit loop
-        builds them from the saved ones: a ``train_dataloader()`` that draws from them
-        (random data, a random split) builds what the saved run trained on."""
+        are kept for the checkpoint, and a resumed run builds them from the saved ones
+        (until the saved position is applied): a ``train_dataloader()`` that draws from
+        them (random data, a random split) builds what the saved run trained on."""
         if fit_loop._combined_loader is not None and not fit_loop._should_reload_train_dl:
             setup_data()  # nothing to build
             return
-        saved = self._pending.get("built") if self._pending and self._in_fit_run else None
+        saved = self._pending.get("built") if self._pending is not None else None
         if saved is not None:
             restore_streams(saved, "ExactResume")
         self._built = capture_streams()
