@@ -12,8 +12,6 @@ import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["RankSet"]
-
 
 @dataclass(frozen=True)
 class RankSet:
