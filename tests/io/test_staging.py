@@ -477,6 +477,32 @@ def test_checkpointer_sizes_its_buffer_before_the_first_save(tmp_path) -> None:
     )
 
 
+def test_the_fast_tier_sizes_its_buffer_before_its_first_save(tmp_path) -> None:
+    """On the GPU the fast tier's first save used to stall for its pinned buffer (0.94 s
+    for 1.3 GiB on an H200): only the durable tier's was sized ahead. Now both are, the
+    fast tier's also when the durable tier saves synchronously."""
+    model = make_mlp()
+    optimizer = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(
+        tmp_path / "run", model=model, optimizer=optimizer, every_steps=100,
+        fast_tier=ddpckpt.FastTier(tmp_path / "fast", every_steps=3),
+    )  # fmt: skip
+    assert ckpt.resume() is None
+    pool = ckpt._fast.saver.pool
+    assert pool.nbytes == 0
+    for step in range(1, 4):
+        train_steps(model, optimizer, 1)
+        if ckpt.should_save(step):
+            break
+        if step == 1:
+            reserved, pointer = pool.nbytes, pool._buffer.data_ptr()
+    assert reserved > 0 and ckpt._saver.pool.nbytes == 0  # the durable tier saves in line
+    ckpt.save(step)
+    ckpt.wait()
+    assert (pool.nbytes, pool._buffer.data_ptr()) == (reserved, pointer)
+    ckpt.close()
+
+
 def test_a_save_in_flight_keeps_its_buffer_when_a_later_step_would_size_one(
     tmp_path, monkeypatch
 ) -> None:

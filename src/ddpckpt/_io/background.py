@@ -20,6 +20,7 @@ not never take different paths. Local calls (:meth:`Persister.join`,
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from ddpckpt._log import get_logger, same_on_every_rank
@@ -36,6 +37,8 @@ class Completion:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._seen = False  # the error was handed to someone (a waiter or the next call)
+        self.started = time.monotonic()
+        self.finished: float | None = None  # time.monotonic() once done
 
     def done(self) -> bool:
         """Whether the save has finished (committed or failed); never blocks."""
@@ -56,6 +59,7 @@ class Completion:
 
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
+        self.finished = time.monotonic()
         self._finished.set()
 
     def _unseen_error(self) -> BaseException | None:

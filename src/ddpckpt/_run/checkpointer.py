@@ -212,7 +212,7 @@ class Checkpointer:
         fast = self.options.fast_tier
         self._saver = AsyncSaver(lends=fast is not None)  # this run's host buffer and writer
         self._saves = RunSaves(self.directory, self.options, self._saver)
-        self._reserved = False  # whether the buffer was sized ahead of the first save
+        self._reserved: list[RunSaves] = []  # tiers whose buffer was sized ahead of a save
         place = lambda path: isolate.for_write(path, "Checkpointer(fast_tier=...)", directory=True)  # noqa: E731
         self._fast = None if fast is None else FastSaves(
             None if fast.directory is None else place(fast.directory),
@@ -340,16 +340,27 @@ class Checkpointer:
         return decision == b"1"
 
     def _reserve_staging(self) -> None:
-        """Once the layout is known, allocate the async saves' host buffer on a helper
-        thread, so the first save does not stall on it (pinning is about 0.5 s per GB)."""
-        if not self.options.asynchronous.enabled or self._reserved or self._saves.domains is None:
+        """Local: once a tier's layout is known, allocate its asynchronous saves' host buffer
+        on a helper thread, so that its first save does not stall on it (pinning is about
+        0.5 s per GB): the durable tier's with ``async_save``, the fast tier's always (its
+        saves are asynchronous; at a step both tiers save, it reads the durable's copies)."""
+        tiers = [self._saves] if self.options.asynchronous.enabled else []
+        if self._fast is not None:
+            tiers.append(self._fast.saves)
+        due = [
+            saves
+            for saves in tiers
+            if saves.domains is not None and not any(saves is r for r in self._reserved)
+        ]
+        if not due:
             return
-        self._reserved = True
-        if self._saver.latest is not None:
-            return  # a save already sized the buffer, and may still be copying into it
+        self._reserved.extend(due)
         try:  # local to this rank: an error here (a node lacking a shard of the state)
             # may be this rank's alone, so only the collective save reports it
-            self._saves.reserve(capture(self.state))
+            snapshot = capture(self.state)
+            for saves in due:
+                if saves.saver.latest is None:  # else a save sized it, and may still copy
+                    saves.reserve(snapshot)
         except Exception as exc:
             _log.debug("%s: not sizing the staging buffer ahead: %r", self.directory, exc)
 

@@ -15,6 +15,8 @@ local ones say so.
 from __future__ import annotations
 
 import errno
+import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -54,6 +56,7 @@ from ddpckpt.storage import storage_for
 
 T = TypeVar("T")
 _log = get_logger(__name__)
+_WAIT_NOTICE_S = 0.5  # shorter waits for the previous write are not worth a message
 
 
 class RunSaves:
@@ -66,6 +69,8 @@ class RunSaves:
         self.options = options
         self.saver = saver  # the Checkpointer's own host buffer and background writer
         self.failures = SaveFailures(options.failures, tier)  # tier: named in its messages
+        self.tier = tier  # "" for the durable tier
+        self._waits_told = False  # a save that waited for the previous write was reported
         self.lock = RunLock(directory, options.storage.lock_stale_after)
         self.domains: list[list[int]] | None = None  # known once set up
         self.latest: int | None = None  # newest step saved (maybe still in flight)
@@ -128,7 +133,10 @@ class RunSaves:
         """Collective: capture and save checkpoint ``step``; its path, or ``None`` if storage
         failed and ``on_error="warn"``. ``borrow``: a saver that staged the same snapshot
         (see :meth:`AsyncSaver.start`)."""
+        previous, began = self.saver.latest, time.monotonic()
         self.settle()
+        if previous is not None and previous.finished is not None:
+            self._note_wait(step, previous.started, previous.finished, began)
         if self.refused is not None:  # lost for good: counted as a failed save
             self.failed(step, CheckpointLockedError(str(self.refused)))
             return None
@@ -174,6 +182,37 @@ class RunSaves:
         self.latest = step
         self.options.schedule.policy.saved(step, time.monotonic())
         return plan.path
+
+    def _note_wait(self, step: int, started: float, finished: float, called: float) -> None:
+        """Local: say (a WARNING from rank 0, once per tier; DEBUG after) when this save of
+        ``step`` waited for the previous save's write, started at ``started`` and done at
+        ``finished``: saves come faster than they are written, and training stalls."""
+        waited = finished - called
+        between = called - started  # from the previous save() to this one
+        if self.latest is None or waited < _WAIT_NOTICE_S or waited < between / 10:
+            return
+        steps = max(1, step - self.latest)
+        enough = math.ceil(steps * (finished - started) / between) if between > 0 else steps
+        knob = "FastTier(every_steps=...)" if self.tier else "every_steps= or every_seconds="
+        told, self._waits_told = self._waits_told, True
+        _log.log(
+            logging.DEBUG if told else logging.WARNING,
+            "%s: save() of step %d stalled training for %.2f s, waiting for the write of "
+            "step %d to finish (a tier writes one save at a time): that write took %.2f s, "
+            "and the %d step(s) between the two saves %.2f s. Saves every %d steps or more "
+            "(%s) would not wait%s",
+            self.tier or self.directory,
+            step,
+            waited,
+            self.latest,
+            finished - started,
+            steps,
+            between,
+            enough,
+            knob,
+            "" if told else " (said once; later waits are logged at DEBUG)",
+            extra=same_on_every_rank(),
+        )
 
     def reserve(self, snapshot: Snapshot) -> None:
         """Local: size the asynchronous saves' host buffer for ``snapshot`` (once set up)."""
