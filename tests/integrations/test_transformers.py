@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 import ddpckpt
+import s3server
 from killed_run import assert_resumed_exactly, launch_killed_run
-from launch import WORKER
+from launch import WORKER, torchrun_nodes
 
 pytestmark = pytest.mark.skipif(find_spec("transformers") is None, reason="no transformers extra")
 
@@ -95,6 +96,70 @@ def _tree(directory: Path) -> dict[str, str]:
                     path.read_bytes()
                 ).hexdigest()
     return found
+
+
+@pytest.mark.processes
+def test_on_node_local_disks_every_nodes_copy_is_rotated_and_has_its_trainer_state(
+    tmp_path: Path,
+) -> None:
+    """Two simulated nodes of 2 processes, each with a disk of its own (a relative
+    output_dir, one working directory per node), save_total_limit=2. Rotation and
+    trainer_state.json used to happen on global process 0 only: node 1 kept every
+    checkpoint (its disk filled) and none had a trainer_state.json."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    launch = torchrun_nodes(
+        "rotate", tmp_path / "out", args=["--output-dir", "out"], cwds=nodes, timeout=240,
+        worker=WORKER.with_name("trainer_nodes_worker.py"),
+    ).ok()  # fmt: skip
+    for node in nodes:
+        assert sorted(p.name for p in (node / "out").iterdir()) == [
+            "checkpoint-6", "checkpoint-8"
+        ], node  # fmt: skip
+        for checkpoint in ("checkpoint-6", "checkpoint-8"):
+            assert (node / "out" / checkpoint / "trainer_state.json").is_file(), checkpoint
+            assert ddpckpt.verify(str(node / "out" / checkpoint)) is not None
+    assert {r["node"] for r in launch.results.values()} == {"0", "1"}
+
+
+@pytest.mark.skipif(bool(s3server.missing()), reason=str(s3server.missing()))
+def test_an_s3_output_dir_is_saved_rotated_and_resumed_from(s3_root, tmp_path: Path) -> None:
+    """output_dir on an object store: each checkpoint committed there with its
+    trainer_state.json, rotated to save_total_limit through the store (the Trainer's own
+    rotation globs a local directory), and resume_from_checkpoint=True resumes from it."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from ddpckpt.integrations.transformers import DdpckptTrainer
+    from ddpckpt.storage import storage_for
+    from transformers_worker import Tokens
+
+    run = f"{s3_root}/trainer"
+
+    def trainer(steps: int) -> DdpckptTrainer:
+        torch.manual_seed(0)
+        config = GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2)
+        args = TrainingArguments(
+            output_dir=run, per_device_train_batch_size=4, max_steps=steps, save_steps=2,
+            save_strategy="steps", save_total_limit=2, report_to=[], seed=0, use_cpu=True,
+            disable_tqdm=True, dataloader_num_workers=0,
+        )  # fmt: skip
+        return DdpckptTrainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens())
+
+    first = trainer(6)
+    first.train()
+    store = storage_for(run)
+    assert sorted(store.list(run)) == ["checkpoint-4", "checkpoint-6"]
+    for name in ("checkpoint-4", "checkpoint-6"):
+        assert json.loads(store.read(f"{run}/{name}/trainer_state.json"))["global_step"] == int(
+            name.split("-")[1]
+        )
+    second = trainer(8)
+    second.train(resume_from_checkpoint=True)
+    assert second.state.global_step == 8
+    assert sorted(store.list(run)) == ["checkpoint-6", "checkpoint-8"]
+    assert not Path("s3:").exists()  # Trainer.__init__ made the URL as a local directory
 
 
 @pytest.mark.long

@@ -44,7 +44,7 @@ def free_port() -> int:
 Start = tuple[Sequence[str], Mapping[str, str], "str | os.PathLike[str] | None"]
 
 
-def _lost_port(code: int | None, output: str) -> bool:
+def lost_port(code: int | None, output: str) -> bool:
     return code not in (None, 0) and any(m in output for m in _IN_USE)
 
 
@@ -59,7 +59,7 @@ def on_a_free_port(
     outs: list[tuple[int, str]] = []
     for _ in range(tries):
         outs = _together(starts(free_port()), timeout)
-        if not any(_lost_port(code, out) for code, out in outs):
+        if not any(lost_port(code, out) for code, out in outs):
             break
     return outs
 
@@ -92,9 +92,7 @@ def _together(starts: Sequence[Start], timeout: float) -> list[tuple[int, str]]:
                 kill_all()
                 said = "\n".join(output(i)[-3000:] for i in range(len(procs)))
                 raise AssertionError(f"launch hung for {timeout} s and was killed:\n{said}")
-            if any(
-                _lost_port(p.returncode, output(i)) for i, p in enumerate(procs) if p.returncode
-            ):
+            if any(lost_port(p.returncode, output(i)) for i, p in enumerate(procs) if p.returncode):
                 kill_all()
                 break
             time.sleep(0.1)
@@ -201,15 +199,17 @@ def forked_ranks(
 def torchrun_nodes(
     scenario: str, out_dir: Path, *, nnodes: int = 2, nproc: int = 2, args: Sequence[str] = (),
     timeout: float = 150, cwds: Sequence[str | os.PathLike[str] | None] | None = None,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str] | None = None, worker: Path = WORKER,
 ) -> Launch:  # fmt: skip
-    """A simulated cluster: ``nnodes`` torchrun launches with ``--node-rank`` on 127.0.0.1."""
+    """A simulated cluster: ``nnodes`` torchrun launches with ``--node-rank`` on 127.0.0.1
+    (``worker`` replaces dist_worker.py)."""
 
     def starts(port: int) -> list[Start]:
         return [
             ([str(_BIN / "torchrun"), f"--nnodes={nnodes}", f"--node-rank={node}",
               f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
-              "--local-addr=127.0.0.1", "--max-restarts=0", *_worker_args(scenario, out_dir, args)],
+              "--local-addr=127.0.0.1", "--max-restarts=0",
+              *_worker_args(scenario, out_dir, args, worker)],
              _env(env), cwds[node] if cwds else None)
             for node in range(nnodes)
         ]  # fmt: skip

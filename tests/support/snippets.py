@@ -4,6 +4,8 @@ Each ```python block is preceded by a marker comment saying how it runs:
 
 * ``<!-- readme-test: python -->``: ``python snippet.py`` in a fresh directory;
 * ``<!-- readme-test: torchrun N -->``: ``torchrun --nproc-per-node N snippet.py`` (gloo on CPU);
+* ``<!-- readme-test: accelerate N -->``: ``accelerate launch --config_file C snippet.py``, ``C``
+  as ``accelerate config`` writes it for N processes on one machine (see ACCELERATE_CONFIG);
 * a trailing ``, twice``: run it again in the same directory (a restarted job), both must succeed;
 * then ``, then check-resume``: ``ddpckpt check-resume -- <that command>`` in the same
   directory must find the resume exact, and leave every byte the runs wrote unchanged;
@@ -22,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from launch import RUN_SCRIPT
+from launch import RUN_SCRIPT, lost_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -30,8 +32,22 @@ BLOCK = re.compile(
     r"(?:<!--\s*readme-test:\s*(?P<how>[^>]*?)\s*-->\s*\n)?```python\n(?P<code>.*?)```", re.S
 )
 HOW = re.compile(
-    r"(?P<launcher>python|torchrun (?P<nproc>\d+))(?P<twice>, twice)?(?P<check>, then check-resume)?$"
+    r"(?P<launcher>python|torchrun (?P<nproc>\d+)|accelerate (?P<processes>\d+))"
+    r"(?P<twice>, twice)?(?P<check>, then check-resume)?$"
 )
+
+
+# What `accelerate config` writes for one machine and N processes. MULTI_GPU: on CPU,
+# `accelerate launch --cpu --num_processes N` starts one process (N of them only through
+# mpirun); with this the processes are started by torchrun, and the snippets' own
+# Accelerator(cpu=not torch.cuda.is_available()) trains on CPU with gloo.
+ACCELERATE_CONFIG = """compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+num_machines: 1
+num_processes: {processes}
+main_process_port: 0
+mixed_precision: 'no'
+"""
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,10 @@ def run_as_written(snippet: Snippet, tmp_path: Path) -> None:
     runs = 2 if snippet.how.endswith(", twice") else 1
     for attempt in range(runs):
         done = _run(_command(snippet, script), tmp_path)
+        for _ in range(2):  # accelerate launch picks a free port, then torchrun binds it
+            if not lost_port(done.returncode, done.stdout + done.stderr):
+                break
+            done = _run(_command(snippet, script), tmp_path)
         assert done.returncode == 0, (
             f"{snippet.id} (run {attempt + 1} of {runs}) failed with exit {done.returncode}:\n"
             f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
@@ -89,6 +109,11 @@ def _command(snippet: Snippet, script: Path) -> list[str]:
     ]  # the snippet as written, without torch's teardown abort
     if match["launcher"] == "python":
         return [sys.executable, *runner]
+    if match["processes"]:  # accelerate launch, with a config file as `accelerate config` writes
+        config = script.with_name("accelerate_config.yaml")
+        config.write_text(ACCELERATE_CONFIG.format(processes=match["processes"]))
+        accelerate = Path(sys.executable).with_name("accelerate")
+        return [str(accelerate), "launch", "--config_file", str(config), *runner]
     torchrun = Path(sys.executable).with_name("torchrun")
     return [str(torchrun), f"--nproc-per-node={match['nproc']}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--max-restarts=0", *runner]  # fmt: skip
 

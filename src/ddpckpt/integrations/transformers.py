@@ -27,6 +27,7 @@ from ddpckpt.integrations._require import require
 
 require("transformers", "Hugging Face transformers", "transformers")
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -41,10 +42,11 @@ from transformers import Trainer, TrainerState  # noqa: E402
 from transformers.trainer_utils import (  # noqa: E402
     PREFIX_CHECKPOINT_DIR,
     compare_trainer_and_checkpoint_args,
-    sort_checkpoints,
 )
 
 import ddpckpt  # noqa: E402
+from ddpckpt._coord.comm import Comm  # noqa: E402
+from ddpckpt._coord.topology import storage_domains  # noqa: E402
 from ddpckpt._format.codec import decode  # noqa: E402
 from ddpckpt._format.manifest import manifest_path, read_manifest  # noqa: E402
 from ddpckpt._format.sections import StateSections  # noqa: E402
@@ -143,7 +145,13 @@ class DdpckptTrainer(Trainer):
             raise ValueError(
                 "DdpckptTrainer saves synchronously: leave async_save out of save_options"
             )
+        training = kwargs.get("args", args[1] if len(args) > 1 else None)
+        url = getattr(training, "output_dir", None)
+        made = _missing_dirs(url) if url is not None and "://" in str(url) else []
         super().__init__(*args, **kwargs)
+        for directory in made:  # Trainer.__init__ makes output_dir locally, a URL too
+            with contextlib.suppress(OSError):  # no longer empty: not only the Trainer's
+                os.rmdir(directory)
         self._save_options = dict(save_options or {})
         self._per_rank = _PerRankRun(self)
         self._resuming: _Resuming | None = None
@@ -195,9 +203,7 @@ class DdpckptTrainer(Trainer):
                          **self._save_options)  # fmt: skip
         finally:
             stop_listening()
-        if self.args.should_save:
-            _write_trainer_state(output_dir, _state_json(self.state))
-            self._rotate(run_dir)
+        self._after_commit(run_dir, output_dir)
         for event in events:
             self.log({
                 "checkpoint/stall_s": event.stall_seconds,
@@ -206,13 +212,37 @@ class DdpckptTrainer(Trainer):
                 "checkpoint/verified": int(event.verified),
             })  # fmt: skip
 
+    def _after_commit(self, run_dir: str, output_dir: str) -> None:
+        """Collective: ``trainer_state.json`` in the checkpoint, and rotation, by the first
+        process of each storage domain, as ddpckpt found them for ``run_dir`` at the save
+        (a cached answer: one round). The Trainer's own does both on global process 0
+        only, so on node-local disks the other nodes' checkpoints were never rotated. A
+        failure on any process is raised on every one."""
+        options = self._save_options
+        sharing = options.get("sharing") or options.get("storage")
+        with Comm.open(
+            "DdpckptTrainer._save_checkpoint", path=run_dir, timeout=options.get("timeout")
+        ) as comm:
+            domains = storage_domains(comm, run_dir, sharing)
+            leads = any(domain[0] == comm.rank for domain in domains)
+            text = _state_json(self.state)
+
+            def finish() -> None:
+                if leads:
+                    _write_trainer_state(output_dir, text)
+                    self._rotate(run_dir)
+
+            comm.run("trainer_state and rotation", finish)
+
     def _rotate(self, run_dir: str) -> None:
-        """Keep ``save_total_limit`` checkpoints: the newest and the best always."""
+        """Local: keep ``save_total_limit`` checkpoints in this process's copy of
+        ``run_dir``: the newest and the best always."""
         limit = self.args.save_total_limit
         if not limit or limit <= 0:
             return
-        found = [c for c in sort_checkpoints(run_dir, PREFIX_CHECKPOINT_DIR) if _is_checkpoint(c)]
-        keep = {found[-1]} | ({self.state.best_model_checkpoint} - {None})
+        found = _checkpoints(run_dir)
+        best = self.state.best_model_checkpoint
+        keep = {found[-1]} | ({os.fspath(best)} if best else set())
         extra = len(found) - max(limit, len(keep))
         for path in [c for c in found if c not in keep][: max(0, extra)]:
             ddpckpt.remove_checkpoint(path)
@@ -357,6 +387,35 @@ class _Resuming:
 
     path: str
     state: TrainerState
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """The local directories that ``os.makedirs(path)`` would make, deepest first."""
+    missing = []
+    path = os.path.normpath(path)
+    while path and not os.path.exists(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _checkpoints(run_dir: str) -> list[str]:
+    """The committed ``checkpoint-<step>`` directories of ``run_dir``, oldest step first,
+    listed through the storage serving it (a local directory or an object store)."""
+    store = storage_for(run_dir)
+    try:
+        names = store.list(run_dir)
+    except FileNotFoundError:
+        return []
+    prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+    steps = sorted(
+        int(n[len(prefix) :]) for n in names if n.startswith(prefix) and n[len(prefix) :].isdigit()
+    )
+    paths = [os.path.join(run_dir, f"{prefix}{step}") for step in steps]
+    return [p for p in paths if _is_checkpoint(p)]
 
 
 def _is_checkpoint(path: str | os.PathLike[str]) -> bool:
