@@ -28,9 +28,16 @@ def test_the_pages_have_snippets_and_every_one_says_how_it_runs() -> None:
             assert HOW.match(snippet.how), f"{snippet.id}: unknown marker {snippet.how!r}"
 
 
+def _params(snippets: list[Snippet]) -> list[object]:
+    """Each snippet; one that starts a Ray cluster runs on the worker that runs the other
+    Ray tests, one cluster at a time (tests/integrations/test_ray.py)."""
+    ray = pytest.mark.xdist_group("ray")
+    return [pytest.param(s, marks=[ray] if "import ray" in s.code else []) for s in snippets]
+
+
 @pytest.mark.processes
 @pytest.mark.long
-@pytest.mark.parametrize("snippet", RUNNABLE, ids=lambda s: s.id)
+@pytest.mark.parametrize("snippet", _params(RUNNABLE), ids=lambda s: s.id)
 def test_readme_snippet_runs_as_written(snippet: Snippet, tmp_path: Path) -> None:
     run_as_written(snippet, tmp_path)
 
@@ -72,7 +79,7 @@ def _public_names() -> dict[str, object]:
                    "ddpckpt.storage.fsspec"):  # fmt: skip
         mod = importlib.import_module(module)
         names.update({f"{module}.{name}": getattr(mod, name) for name in mod.__all__})
-    for name in ("lightning", "accelerate", "transformers"):
+    for name in ("lightning", "accelerate", "transformers", "ray"):
         path = ROOT / "src" / "ddpckpt" / "integrations" / f"{name}.py"
         exported = re.search(r"^__all__ = (\[.*?\])", path.read_text(), re.M | re.S)
         assert exported is not None, path

@@ -22,7 +22,7 @@ PUBLIC = (
     "ddpckpt.storage",
 )
 # Public too, but importing them imports a framework (seconds each): read, not imported.
-INTEGRATIONS = ("accelerate", "lightning", "transformers")
+INTEGRATIONS = ("accelerate", "lightning", "ray", "transformers")
 
 
 @pytest.mark.parametrize("module", PUBLIC)

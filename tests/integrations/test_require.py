@@ -13,13 +13,13 @@ BLOCKER = """
 import importlib.abc, sys
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("lightning", "accelerate", "transformers"):
+        if name.split(".")[0] in ("lightning", "accelerate", "transformers", "ray"):
             raise ModuleNotFoundError(name)
 sys.meta_path.insert(0, Block())
 """
 
 SCRIPT = """
-for name in ("lightning", "accelerate", "transformers"):
+for name in ("lightning", "accelerate", "transformers", "ray"):
     try:
         __import__(f"ddpckpt.integrations.{name}")
     except ImportError as exc:
@@ -42,4 +42,6 @@ def test_each_integration_without_its_framework_names_the_extra(tmp_path: Path) 
         "not installed: pip install 'ddpckpt[accelerate]' None True",
         "ImportError ddpckpt.integrations.transformers needs Hugging Face transformers, which "
         "is not installed: pip install 'ddpckpt[transformers]' None True",
+        "ImportError ddpckpt.integrations.ray needs Ray Train, which is not installed: "
+        "pip install 'ddpckpt[ray]' None True",
     ], done.stderr

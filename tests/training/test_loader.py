@@ -10,9 +10,10 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 import ddpckpt
+import ddpckpt._training.loader as loader_module
 from ddpckpt._training.loader import resumable_loader
 from ddpckpt.data import ResumableDistributedSampler, SeededDataset
-from ddpckpt.errors import StateMismatchError
+from ddpckpt.errors import InexactResumeError, StateMismatchError
 from toy_data import Augmented, Numbers
 
 
@@ -324,3 +325,86 @@ def test_persistent_workers_resumed_after_an_epoch_end_do_not_shift_the_random_s
     assert torch.equal(got[1], expected[1])  # the main stream continues as it would have
     if kind == "shuffle":
         assert torch.equal(got[2], expected[2])
+
+
+class Prefetching(DataLoader):
+    """A wrapper as Ray Train's prepare_data_loader makes: it copies the DataLoader's
+    attributes, iterates it, and holds the next batch ahead of training."""
+
+    def __init__(self, base: DataLoader) -> None:
+        self.__dict__.update(base.__dict__)
+        self._dataloader = base
+        self.held = None
+
+    def __iter__(self):
+        self.inner = iter(self._dataloader)
+        self.held = next(self.inner, None)
+        return self
+
+    def __next__(self):
+        batch, self.held = self.held, next(self.inner, None)
+        if batch is None:
+            raise StopIteration
+        return batch
+
+    def rest(self) -> list[list[int]]:
+        """The batches left in this pass (no new pass: next() alone)."""
+        return [b.tolist() for b in iter(lambda: next(self, None), None)]
+
+
+def test_a_dataloader_that_iterates_another_it_wraps_is_refused_by_name() -> None:
+    """It used to be tracked as a plain DataLoader: its own __iter__ bypassed the tracking,
+    its saved position stayed at the epoch's start, and a resume silently trained the
+    epoch's first batches again."""
+    wrapper = Prefetching(DataLoader(Numbers(12), batch_size=2, shuffle=True))
+    with pytest.raises(
+        InexactResumeError, match=r"test_loader\.Prefetching is a DataLoader subclass"
+    ):
+        ddpckpt.TrainingState(model=torch.nn.Linear(1, 1), loader=wrapper)
+
+
+def test_a_registered_prefetching_wrapper_saves_what_training_consumed(
+    monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setitem(loader_module._WRAPPERS, Prefetching, "_dataloader")
+    model = torch.nn.Linear(1, 1)
+
+    def wrapped() -> Prefetching:
+        torch.manual_seed(0)
+        return Prefetching(DataLoader(Numbers(12), batch_size=2, shuffle=True))
+
+    first = wrapped()
+    state = ddpckpt.TrainingState(model=model, loader=first)
+    iterator = iter(first)
+    seen = [next(iterator).tolist() for _ in range(2)]  # the third batch is held ahead
+    ddpckpt.save(tmp_path / "c", state)
+    rest = iterator.rest()
+    assert len(seen) + len(rest) == 6
+    second = wrapped()
+    ddpckpt.load(tmp_path / "c", ddpckpt.TrainingState(model=model, loader=second))
+    assert [b.tolist() for b in second] == rest  # from the third batch, in the saved order
+
+
+class Moving(DataLoader):
+    """A subclass whose own __iter__ builds on DataLoader's: tracked as any DataLoader."""
+
+    def __iter__(self):
+        return (batch * 10 for batch in super().__iter__())
+
+
+def test_a_subclass_iterating_through_super_resumes_exactly(tmp_path) -> None:
+    model = torch.nn.Linear(1, 1)
+
+    def loader() -> Moving:
+        torch.manual_seed(0)
+        return Moving(Numbers(12), batch_size=2, shuffle=True)
+
+    first = loader()
+    state = ddpckpt.TrainingState(model=model, loader=first)
+    iterator = iter(first)
+    next(iterator), next(iterator)
+    ddpckpt.save(tmp_path / "c", state)
+    rest = [b.tolist() for b in iterator]
+    second = loader()
+    ddpckpt.load(tmp_path / "c", ddpckpt.TrainingState(model=model, loader=second))
+    assert [b.tolist() for b in second] == rest and len(rest) == 4

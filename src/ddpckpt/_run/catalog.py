@@ -12,7 +12,7 @@ restart of a job fail the same way.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -159,16 +159,34 @@ def load_latest(
         merged = comm.run_reduce(
             "list", lambda: newest_first(directory, "load_latest()"), _merged_candidates
         )
+    paths = [os.path.join(directory, name) for *_, name in merged]
+
+    def load_one(path: str) -> CheckpointInfo:
+        return load(
+            path, state, model=model, optimizer=optimizer, scheduler=scheduler,
+            scaler=scaler, extra=extra, strict=strict, rng=rng, timeout=timeout,
+        )  # fmt: skip
+
+    return load_first(directory, paths, "load_latest()", load_one)
+
+
+def load_first(
+    directory: str, paths: list[str], caller: str, load_one: Callable[[str], CheckpointInfo]
+) -> CheckpointInfo | None:
+    """Collective (every rank with the same ``paths``): ``load_one`` of the first of
+    ``paths`` that loads. A damaged one (a checksum fails, a file is missing or malformed,
+    deleted meanwhile) is a WARNING naming it and why, and the next is loaded, which
+    restores every object again; a second WARNING then names the one loaded instead.
+    ``None`` when ``paths`` is empty; raises :class:`CorruptCheckpointError` listing each
+    one's problem when none loads, :class:`PartiallyRestoredError` if the last failed load
+    had begun writing into the objects, or ``load_one``'s error that is no damage (the
+    objects do not match: the next would fail too)."""
     failures: list[str] = []
     skipped: list[str] = []
     partial: PartiallyRestoredError | None = None  # the last load that left them partly restored
-    for *_, name in merged:
-        path = os.path.join(directory, name)
+    for path in paths:
         try:
-            info = load(
-                path, state, model=model, optimizer=optimizer, scheduler=scheduler,
-                scaler=scaler, extra=extra, strict=strict, rng=rng, timeout=timeout,
-            )  # fmt: skip
+            info = load_one(path)
         except (CorruptCheckpointError, CheckpointNotFoundError, PartiallyRestoredError) as exc:
             damage = damage_of(exc)
             if damage is None:
@@ -176,7 +194,8 @@ def load_latest(
             if isinstance(exc, PartiallyRestoredError):
                 partial = exc
             _log.warning(
-                "load_latest(): cannot load %s (%s); loading the previous checkpoint instead%s",
+                "%s: cannot load %s (%s); loading the previous checkpoint instead%s",
+                caller,
                 path,
                 damage,
                 partly_note(exc),
@@ -187,8 +206,9 @@ def load_latest(
             continue
         if skipped:
             _log.warning(
-                "load_latest(): loaded %s%s instead of %s, which could not be loaded (see "
-                "above); every object passed was restored from it, and nothing more needs doing",
+                "%s: loaded %s%s instead of %s, which could not be loaded (see above); every "
+                "object passed was restored from it, and nothing more needs doing",
+                caller,
                 path,
                 f" (step {info.step})" if info.step is not None else "",
                 ", ".join(skipped),

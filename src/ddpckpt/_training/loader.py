@@ -288,11 +288,50 @@ class _FinishedPass:
             self.generator.set_state(state["generator"])
 
 
+class _AheadOfTraining:
+    """Mixed into a registered wrapper (:func:`register_wrapper`): a DataLoader subclass that
+    iterates a tracked plain DataLoader, its *base*, one batch ahead of training (Ray
+    Train's prepared loader prefetches the next batch when it hands one out). Its position
+    is the base's, less the batch it holds; loading it arms the base."""
+
+    ddpckpt_per_rank = True
+
+    def state_dict(self: Any) -> dict[str, Any]:
+        state = _base_of(self).state_dict()
+        if state["started"] and not state.get("finished"):
+            state["position"] -= 1  # the batch held ahead of training
+        return state
+
+    def load_state_dict(self: Any, state: Mapping[str, Any]) -> None:
+        _base_of(self).load_state_dict(state)
+
+
 _SUBCLASSES: dict[type, type] = {}
+_WRAPPERS: dict[type, str] = {}  # wrapper class -> the attribute holding its base loader
+
+
+def register_wrapper(cls: type, base: str) -> None:
+    """For an integration: instances of ``cls``, a DataLoader subclass whose iteration is
+    that of the plain DataLoader in its attribute ``base``, one batch ahead of training,
+    are tracked through that loader (:class:`_AheadOfTraining`) rather than refused."""
+    _WRAPPERS[cls] = base
+
+
+def _base_of(wrapper: Any) -> Any:
+    return getattr(wrapper, _WRAPPERS[type(wrapper).__mro__[1]])
 
 
 def is_tracked(obj: Any) -> bool:
     return type(obj) in _SUBCLASSES.values()
+
+
+def _wraps_another(loader: Any) -> bool:
+    """Whether ``loader`` is a wrapper: a DataLoader subclass with an ``__iter__`` of its own
+    that holds another DataLoader, which it iterates instead of itself (a subclass whose
+    ``__iter__`` builds on ``super().__iter__()`` is tracked as any DataLoader)."""
+    if type(loader).__iter__ is DataLoader.__iter__:
+        return False
+    return any(isinstance(v, DataLoader) and v is not loader for v in vars(loader).values())
 
 
 def _is_torchdata_loader(obj: Any) -> bool:
@@ -339,6 +378,19 @@ def track_loader(loader: DataLoader) -> DataLoader:
         return loader
     if not _is_plain_loader(loader):
         raise TypeError(f"track_loader needs a torch DataLoader, got {type(loader).__qualname__}")
+    if type(loader) in _WRAPPERS:
+        track_loader(getattr(loader, _WRAPPERS[type(loader)]))
+        _swap_class(loader, _AheadOfTraining)
+        return loader
+    if _wraps_another(loader):
+        kind = f"{type(loader).__module__}.{type(loader).__qualname__}"
+        raise InexactResumeError(
+            f"a {kind} is a DataLoader subclass that iterates another DataLoader it holds, "
+            "not itself, so ddpckpt cannot see which batches training consumed and a resume "
+            "would not continue where it stopped. Save the plain torch DataLoader it "
+            "iterates instead (a framework's integration with ddpckpt may do it for you: "
+            "see the documentation's integration pages)"
+        )
     refuse_untrackable(loader)
     _swap_class(loader, _Tracking)
     loader._ddpckpt_init()
