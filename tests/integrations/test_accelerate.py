@@ -76,6 +76,10 @@ def test_every_prepared_object_round_trips_and_the_loader_continues(tmp_path: Pa
     counter.n, accelerator.step = 0, 0
 
     assert load_state(accelerator, tmp_path / "a").step == 2
+    # Saved again before the loop iterates: the loaded position, not one batch less (it
+    # was: the held-ahead batch was subtracted from a position already corrected).
+    save_state(accelerator, tmp_path / "again", step=2)
+    assert load_state(accelerator, tmp_path / "again").step == 2
     assert [b[0].tolist() for b in loader] == rest  # the rest of the epoch, in order
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     assert scheduler.get_last_lr() == [0.025]

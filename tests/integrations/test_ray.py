@@ -53,7 +53,7 @@ def test_a_worker_killed_mid_epoch_resumes_bit_for_bit_from_s3_after_ray_restart
             "step-00000009", "step-00000012"
         ]  # fmt: skip
     if killed["ranks"]["0"]["resumed_from"][1] == 3:  # step 6 was committed, not recorded
-        assert "step-00000006 newer, committed but never recorded by Ray Train" in done.stderr
+        assert "step-00000006 newer and committed, but not what Ray Train restored" in (done.stderr)
 
 
 def test_checkpoints_go_to_the_runs_storage_as_ddpckpt_names_it() -> None:
@@ -85,7 +85,9 @@ def fake_ray(monkeypatch, tmp_path: Path):
     monkeypatch.setattr(ray.train, "get_context", lambda: context)
     monkeypatch.setattr(ray.train, "get_checkpoint", lambda: fake.restored)
     monkeypatch.setattr(
-        ray.train, "report", lambda metrics, checkpoint, **kw: fake.reported.append(checkpoint)
+        ray.train,
+        "report",
+        lambda metrics, checkpoint=None, **kw: fake.reported.append(checkpoint),
     )
     monkeypatch.setattr(integration, "_newest", {})
     return fake
@@ -122,7 +124,11 @@ def test_a_damaged_restored_checkpoint_falls_back_to_the_previous_one_and_says_s
     assert info is not None and info.step == 3
     assert torch.equal(model.weight, saved[3])
     text = caplog.text
-    assert "step-00000009 newer, committed but never recorded by Ray Train" in text
+    assert "step-00000009 newer and committed, but not what Ray Train restored" in text
     assert "resume(): cannot load" in text and "step-00000006" in text
     assert "resume(): loaded" in text and "(step 3) instead of" in text
-    report({}, state, step=6)  # newer than the step resumed from: saved again
+    report({}, state, step=6)  # saved again where Ray Train's record of step 6 points
+    assert fake_ray.reported[-1] is None  # no second record of that path (metrics only)
+    assert ddpckpt.verify(str(fake_ray.run / "step-00000006")).step == 6
+    report({}, state, step=7)
+    assert fake_ray.reported[-1].path == str(fake_ray.run / "step-00000007")

@@ -366,7 +366,7 @@ def test_a_dataloader_that_iterates_another_it_wraps_is_refused_by_name() -> Non
 def test_a_registered_prefetching_wrapper_saves_what_training_consumed(
     monkeypatch, tmp_path
 ) -> None:
-    monkeypatch.setitem(loader_module._WRAPPERS, Prefetching, "_dataloader")
+    monkeypatch.setitem(loader_module._WRAPPERS, Prefetching, ("_dataloader", "held"))
     model = torch.nn.Linear(1, 1)
 
     def wrapped() -> Prefetching:
@@ -382,7 +382,11 @@ def test_a_registered_prefetching_wrapper_saves_what_training_consumed(
     assert len(seen) + len(rest) == 6
     second = wrapped()
     ddpckpt.load(tmp_path / "c", ddpckpt.TrainingState(model=model, loader=second))
-    assert [b.tolist() for b in second] == rest  # from the third batch, in the saved order
+    assert second.state_dict()["position"] == 2  # loaded, not yet iterated: nothing held
+    ddpckpt.save(tmp_path / "again", ddpckpt.TrainingState(model=model, loader=second))
+    third = wrapped()
+    ddpckpt.load(tmp_path / "again", ddpckpt.TrainingState(model=model, loader=third))
+    assert [b.tolist() for b in third] == rest  # from the third batch, in the saved order
 
 
 class Moving(DataLoader):

@@ -179,14 +179,12 @@ def rng() -> dict[str, str]:
 
 
 def extras(state: Any) -> dict[str, Any]:
-    from ddpckpt._training.loader import is_tracked
+    from ddpckpt._training.loader import consumed, is_tracked
 
     found: dict[str, Any] = {}
     for name, obj in state.extra.items():
         if is_tracked(obj):
-            record = obj._ddpckpt_resume or obj._ddpckpt_now
-            keys = ("epoch", "position", "finished")
-            found[loader_name(name)] = {k: record[k] for k in keys} if record else "not started"
+            found[loader_name(name)] = consumed(obj) or "not started"
         elif isinstance(obj, (torch.optim.Optimizer, torch.utils.data.DataLoader)):
             continue
         elif callable(getattr(obj, "state_dict", None)):

@@ -133,10 +133,10 @@ class RunSaves:
         """Collective: capture and save checkpoint ``step``; its path, or ``None`` if storage
         failed and ``on_error="warn"``. ``borrow``: a saver that staged the same snapshot
         (see :meth:`AsyncSaver.start`)."""
-        previous, began = self.saver.latest, time.monotonic()
-        self.settle()
-        if previous is not None and previous.finished is not None:
-            self._note_wait(step, previous.started, previous.finished, began)
+        previous, before, began = self.saver.latest, self.latest, time.monotonic()
+        self.settle()  # a failed previous save moves self.latest back
+        if previous is not None and previous.finished is not None and before is not None:
+            self._note_wait(step, before, previous.started, previous.finished, began)
         if self.refused is not None:  # lost for good: counted as a failed save
             self.failed(step, CheckpointLockedError(str(self.refused)))
             return None
@@ -183,15 +183,19 @@ class RunSaves:
         self.options.schedule.policy.saved(step, time.monotonic())
         return plan.path
 
-    def _note_wait(self, step: int, started: float, finished: float, called: float) -> None:
-        """Local: say (a WARNING from rank 0, once per tier; DEBUG after) when this save of
-        ``step`` waited for the previous save's write, started at ``started`` and done at
-        ``finished``: saves come faster than they are written, and training stalls."""
+    def _note_wait(
+        self, step: int, previous: int, started: float, finished: float, called: float
+    ) -> None:
+        """Local: say (a WARNING from rank 0, whose wait stands for every rank's: they save
+        in step; once per tier, DEBUG after) when this save of ``step`` waited for the
+        write of step ``previous``, started at ``started`` and done at ``finished``: saves
+        come faster than they are written, and training stalls. A wait under half a second,
+        or under a tenth of the time between the two saves, is not worth a message."""
         waited = finished - called
         between = called - started  # from the previous save() to this one
-        if self.latest is None or waited < _WAIT_NOTICE_S or waited < between / 10:
+        if waited < _WAIT_NOTICE_S or waited < between / 10:
             return
-        steps = max(1, step - self.latest)
+        steps = max(1, step - previous)
         enough = math.ceil(steps * (finished - started) / between) if between > 0 else steps
         knob = "FastTier(every_steps=...)" if self.tier else "every_steps= or every_seconds="
         told, self._waits_told = self._waits_told, True
@@ -204,7 +208,7 @@ class RunSaves:
             self.tier or self.directory,
             step,
             waited,
-            self.latest,
+            previous,
             finished - started,
             steps,
             between,

@@ -297,8 +297,11 @@ class _AheadOfTraining:
     ddpckpt_per_rank = True
 
     def state_dict(self: Any) -> dict[str, Any]:
-        state = _base_of(self).state_dict()
-        if state["started"] and not state.get("finished"):
+        base = _base_of(self)
+        state = base.state_dict()
+        live = base._ddpckpt_resume is None  # not a loaded record (corrected when saved)
+        held = getattr(self, _WRAPPERS[_wrapped_class(self)][1], None) is not None
+        if live and held and state["started"] and not state.get("finished"):
             state["position"] -= 1  # the batch held ahead of training
         return state
 
@@ -307,18 +310,35 @@ class _AheadOfTraining:
 
 
 _SUBCLASSES: dict[type, type] = {}
-_WRAPPERS: dict[type, str] = {}  # wrapper class -> the attribute holding its base loader
+# wrapper class -> (the attribute holding its base loader, the one holding the batch ahead)
+_WRAPPERS: dict[type, tuple[str, str]] = {}
 
 
-def register_wrapper(cls: type, base: str) -> None:
+def register_wrapper(cls: type, base: str, held: str) -> None:
     """For an integration: instances of ``cls``, a DataLoader subclass whose iteration is
-    that of the plain DataLoader in its attribute ``base``, one batch ahead of training,
-    are tracked through that loader (:class:`_AheadOfTraining`) rather than refused."""
-    _WRAPPERS[cls] = base
+    that of the plain DataLoader in its attribute ``base``, holding the next batch (or
+    ``None``) in its attribute ``held``, are tracked through that loader
+    (:class:`_AheadOfTraining`) rather than refused."""
+    _WRAPPERS[cls] = (base, held)
+
+
+def _wrapped_class(wrapper: Any) -> type:
+    return type(wrapper).__mro__[1]  # _swap_class made a direct subclass
 
 
 def _base_of(wrapper: Any) -> Any:
-    return getattr(wrapper, _WRAPPERS[type(wrapper).__mro__[1]])
+    return getattr(wrapper, _WRAPPERS[_wrapped_class(wrapper)][0])
+
+
+def consumed(loader: Any) -> dict[str, Any] | None:
+    """What a tracked loader (or registered wrapper) has consumed, for comparing runs: its
+    ``epoch``, ``position`` and ``finished``; ``None`` before its first pass."""
+    keys = ("epoch", "position", "finished")
+    if _wrapped_class(loader) in _WRAPPERS:
+        state = loader.state_dict()
+        return {k: state[k] for k in keys} if state["started"] else None
+    record = loader._ddpckpt_resume or loader._ddpckpt_now
+    return {k: record[k] for k in keys} if record else None
 
 
 def is_tracked(obj: Any) -> bool:
@@ -327,11 +347,15 @@ def is_tracked(obj: Any) -> bool:
 
 def _wraps_another(loader: Any) -> bool:
     """Whether ``loader`` is a wrapper: a DataLoader subclass with an ``__iter__`` of its own
-    that holds another DataLoader, which it iterates instead of itself (a subclass whose
-    ``__iter__`` builds on ``super().__iter__()`` is tracked as any DataLoader)."""
+    that holds another DataLoader over the same dataset, which it iterates instead of
+    itself. A subclass whose ``__iter__`` builds on ``super().__iter__()`` is tracked as any
+    DataLoader (also one that holds another loader over other data, a validation loader)."""
     if type(loader).__iter__ is DataLoader.__iter__:
         return False
-    return any(isinstance(v, DataLoader) and v is not loader for v in vars(loader).values())
+    return any(
+        isinstance(v, DataLoader) and v is not loader and v.dataset is loader.dataset
+        for v in vars(loader).values()
+    )
 
 
 def _is_torchdata_loader(obj: Any) -> bool:
@@ -379,7 +403,7 @@ def track_loader(loader: DataLoader) -> DataLoader:
     if not _is_plain_loader(loader):
         raise TypeError(f"track_loader needs a torch DataLoader, got {type(loader).__qualname__}")
     if type(loader) in _WRAPPERS:
-        track_loader(getattr(loader, _WRAPPERS[type(loader)]))
+        track_loader(getattr(loader, _WRAPPERS[type(loader)][0]))
         _swap_class(loader, _AheadOfTraining)
         return loader
     if _wraps_another(loader):

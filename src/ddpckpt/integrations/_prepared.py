@@ -48,7 +48,8 @@ class PreparedLoaderPosition:
     def state_dict(self) -> dict[str, Any]:
         state = self.base.state_dict()
         finished = bool(state.get("finished"))
-        if state["started"] and not finished:
+        live = self.base._ddpckpt_resume is None  # not a loaded record (corrected when saved)
+        if live and state["started"] and not finished:
             state["position"] -= 1  # the batch the prepared loader holds ahead of training
         in_pass = any(
             loader is self.prepared for loader in self.prepared.gradient_state.dataloader_references

@@ -50,13 +50,14 @@ __all__ = ["report", "resume"]
 
 _log = get_logger(__name__)
 _newest: dict[str, int] = {}  # per run directory: the newest step saved or resumed from
+_recorded: dict[str, int] = {}  # per run: a damaged step Ray Train recorded, fallen back past
 
 try:  # what ray.train.torch.prepare_data_loader returns (else ddpckpt refuses it, by name)
     from ray.train.torch.train_loop_utils import _WrappedDataLoader
 except ImportError:  # pragma: no cover - another Ray: its loader is refused, not mistracked
     pass
-else:  # it iterates the DataLoader in ``_dataloader``, one batch ahead of training
-    register_wrapper(_WrappedDataLoader, "_dataloader")
+else:  # it iterates the DataLoader in ``_dataloader``, holding the next batch in ``next_batch``
+    register_wrapper(_WrappedDataLoader, "_dataloader", "next_batch")
 
 
 def report(
@@ -71,9 +72,10 @@ def report(
     ``ray.train.report``, which it calls last). Returns the checkpoint's location.
 
     The checkpoint is ``<storage_path>/<name>/step-<N>``, written by every worker. A
-    ``step-<N>`` already there is one the run went back from: never recorded by Ray Train
-    (the worker group failed before it did), or damaged (:func:`resume` fell back past
-    it). It is replaced.
+    ``step-<N>`` already there is one the run went back from, and is replaced: one Ray
+    Train never recorded (the worker group failed before it did), or the damaged one
+    Ray Train restored and :func:`resume` fell back past. Ray Train's record of that one
+    names this path, so that report records no second checkpoint (metrics only).
 
     Args:
         metrics: What ``ray.train.report`` takes (rank 0's are kept with the checkpoint).
@@ -97,6 +99,10 @@ def report(
     location = _location(filesystem, f"{run}/{step_dirname(step)}")
     ddpckpt.save(location, state, step=step, epoch=epoch, overwrite=True)
     _newest[run] = step
+    if _recorded.get(run) == step:  # Ray Train's record of the damaged one names this path
+        _log.info("%s: saved again in place of the damaged one Ray Train recorded", location)
+        ray.train.report(metrics)  # a second record of one path: num_to_keep would delete it
+        return location
     ray.train.report(
         metrics,
         checkpoint=ray.train.Checkpoint(f"{run}/{step_dirname(step)}", filesystem),
@@ -110,13 +116,14 @@ def resume(state: ddpckpt.TrainingState) -> ddpckpt.CheckpointInfo | None:
     training. Returns the checkpoint's :class:`ddpckpt.CheckpointInfo` (``step``, ``epoch``),
     or ``None`` when Ray Train has none (a fresh run).
 
-    First, world rank 0 removes what saves killed midway left in the run's storage and
-    lists the run's checkpoints. If the restored one is damaged (a checksum fails, a file
+    First, world rank 0 removes what saves killed midway left in the run's storage (also
+    when Ray Train restores nothing) and lists the run's checkpoints. If the restored one is damaged (a checksum fails, a file
     is missing), a WARNING says so and the next older checkpoint of the run is loaded
     instead, as :func:`ddpckpt.load_latest` falls back. A WARNING names the checkpoints
-    of this run newer than the one restored: committed, but never recorded by Ray Train
-    (the worker group failed before it did), so training goes back to the restored step
-    and they are replaced as it saves those steps again.
+    of this run newer than the one restored and committed, but not what Ray Train
+    restored (the worker group failed before Ray Train recorded it as its latest), so
+    training goes back to the restored step and they are replaced as it saves those steps
+    again.
 
     Raises:
         ValueError: The run's storage is neither a file system path nor ``s3://``.
@@ -125,15 +132,17 @@ def resume(state: ddpckpt.TrainingState) -> ddpckpt.CheckpointInfo | None:
             that ddpckpt did not write is a :class:`~ddpckpt.errors.CheckpointError`).
     """
     checkpoint = ray.train.get_checkpoint()
-    _newest.pop(_storage()[1], None)  # a new attempt of the run (this process may be reused)
-    if checkpoint is None:
-        return None
-    location = _location(checkpoint.filesystem, checkpoint.path)
-    run = os.path.dirname(location.rstrip("/"))
+    filesystem, experiment = _storage()
+    _newest.pop(experiment, None)  # a new attempt of the run (this process may be reused)
+    _recorded.pop(experiment, None)
+    run = _location(filesystem, experiment)
     leader = ray.train.get_context().get_world_rank() == 0
     with Comm.open("ddpckpt.integrations.ray.resume", path=run) as comm:
         comm.run("leftovers", lambda: _clean(run) if leader else None)
+        if checkpoint is None:  # the same on every worker
+            return None
         found = comm.run_reduce("list", lambda: _listing(run) if leader else [], lambda v: v[0])
+    location = _location(checkpoint.filesystem, checkpoint.path)
     restored = os.path.basename(location.rstrip("/"))
     step = next((s for s, name, _ in found if name == restored), None)
     if leader and step is not None:
@@ -148,7 +157,9 @@ def resume(state: ddpckpt.TrainingState) -> ddpckpt.CheckpointInfo | None:
         lambda path: ddpckpt.load(path, state),
     )  # fmt: skip
     if info is not None and info.step is not None:
-        _newest[_storage()[1]] = info.step
+        _newest[experiment] = info.step
+        if step is not None and info.step != step:  # fell back past Ray Train's record
+            _recorded[experiment] = step
     return info
 
 
@@ -193,9 +204,10 @@ def _report_newer(restored: str, step: int, found: list[tuple[int, str, str]]) -
     newer = [os.path.join(run, n) for s, n, status in found if s > step and status == "committed"]
     if newer:
         _log.warning(
-            "Ray Train restored %s (step %d); %s newer, committed but never recorded by "
-            "Ray Train (the worker group failed before it did): training goes back to "
-            "step %d, and each is replaced when that step is saved again",
+            "Ray Train restored %s (step %d); %s newer and committed, but not what Ray "
+            "Train restored (the worker group failed before Ray Train recorded it as its "
+            "latest): training goes back to step %d, and each is replaced when that step "
+            "is saved again",
             restored,
             step,
             ", ".join(newer),

@@ -215,7 +215,7 @@ class DdpckptTrainer(Trainer):
     def _after_commit(self, run_dir: str, output_dir: str) -> None:
         """Collective: ``trainer_state.json`` in the checkpoint, and rotation, by the first
         process of each storage domain, as ddpckpt found them for ``run_dir`` at the save
-        (a cached answer: one round). The Trainer's own does both on global process 0
+        (its cached answer: one round). The Trainer's own does both on global process 0
         only, so on node-local disks the other nodes' checkpoints were never rotated. A
         failure on any process is raised on every one."""
         options = self._save_options
@@ -223,7 +223,8 @@ class DdpckptTrainer(Trainer):
         with Comm.open(
             "DdpckptTrainer._save_checkpoint", path=run_dir, timeout=options.get("timeout")
         ) as comm:
-            domains = storage_domains(comm, run_dir, sharing)
+            # as the save found them (storage_domains keeps them per directory): one round
+            domains = storage_domains(comm, storage_for(output_dir).parent(output_dir), sharing)
             leads = any(domain[0] == comm.rank for domain in domains)
             text = _state_json(self.state)
 
@@ -241,6 +242,8 @@ class DdpckptTrainer(Trainer):
         if not limit or limit <= 0:
             return
         found = _checkpoints(run_dir)
+        if not found:  # e.g. the one just saved was deleted meanwhile: nothing to rotate
+            return
         best = self.state.best_model_checkpoint
         keep = {found[-1]} | ({os.fspath(best)} if best else set())
         extra = len(found) - max(limit, len(keep))
