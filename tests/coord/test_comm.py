@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -274,3 +275,39 @@ def test_rank_zero_alone_in_a_call_says_which_ranks_it_waits_for(monkeypatch, ca
     assert "every rank must call ddpckpt.save" in notices[0]
     assert 0.5 <= seen[0] - started < 2.0
     assert "every rank must call it (not inside `if rank == 0`)" in str(error)
+
+
+def test_after_a_failure_every_rank_raises_rank_0_leaves_the_call_last(monkeypatch) -> None:
+    """Rank 0's process often holds the store. After a call that failed on every rank, rank 0
+    used to return at once: a script whose last call it was could end, taking the store
+    with it, while another rank was still counting itself out of the call (a CI run: rank 1
+    got "Connection reset by peer" there, and the job hung). Now it waits, as after a call
+    that succeeded: here it cannot return before rank 1 is let leave."""
+    released = threading.Event()
+    returned_after_release: dict[int, bool] = {}
+    close = Comm.close
+
+    def held_close(self: Comm, error: BaseException | None = None) -> None:
+        if self.rank == 1:
+            released.wait(30)
+        close(self, error)
+
+    monkeypatch.setattr(Comm, "close", held_close)
+
+    def body(group: StoreGroup) -> None:
+        def step() -> None:
+            if group.rank == 1:
+                raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/rank1")
+
+        try:
+            with Comm.open("ddpckpt.save", timeout=30, group=group) as comm:
+                comm.run("write", step)
+        finally:
+            returned_after_release[group.rank] = released.is_set()
+
+    timer = threading.Timer(0.5, released.set)  # time for rank 0 to return on its own
+    timer.start()
+    results, _ = ranks(2, body)
+    timer.cancel()
+    assert all(isinstance(r, CheckpointWriteError) for r in results), results
+    assert returned_after_release[0], "rank 0 left before rank 1 could"

@@ -66,7 +66,7 @@ from ddpckpt._coord.store import (
 )
 from ddpckpt._coord.topology import node_id
 from ddpckpt._log import get_logger
-from ddpckpt.errors import CheckpointError, CollectiveMismatchError
+from ddpckpt.errors import CheckpointError, CollectiveMismatchError, CollectiveTimeoutError
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -183,15 +183,20 @@ class Comm(Exchanges):
         """Leave the call: this rank deletes its own keys (its transfer groups' addresses); the
         last rank to leave deletes the keys the ranks shared.
 
-        After a call that succeeded, rank 0 returns only once every rank has left it (or
-        after ``LEAVE_WAIT`` seconds, with a warning): its process often holds the store, and
-        a script whose last call this is may end at once, while the others still read the
-        call's last answer from that store.
+        After a call that succeeded, or failed with an error every rank raises (not a rank's
+        silence, nor rank 0's own error), rank 0 returns only once every rank has left it (or after ``LEAVE_WAIT`` seconds, with a
+        warning): its process often holds the store, and a script whose last call this is
+        may end at once, while the others still read the call's last answer from that store
+        or count themselves out of it.
 
         ``error``: this rank leaves because of it. Unless it is an error every rank raises
         (one that came through the call's exchanges), it is posted first, so that ranks
         still waiting in the call raise it at once rather than time out (:meth:`post_failure`).
         """
+        # a failure every rank raised (not one some rank's silence caused): all are leaving
+        everyone = error is None or (
+            self._settled and not isinstance(error, CollectiveTimeoutError)
+        )
         if error is not None and not self._settled and self._store is not None:
             self.post_failure(error)
         if self._liveness is not None:
@@ -204,7 +209,7 @@ class Comm(Exchanges):
             left = self._key("left", "all")
             if self._orphans:  # listed for the last rank to leave (rank 0 may read them still)
                 self._store.append(orphans, "".join(f"{key}\n" for key in self._orphans))
-            waits = self.rank == 0 and error is None
+            waits = self.rank == 0 and everyone
             count = self._store.add(
                 closed, 1 + (_ORPHANED if self._orphans else 0) + (_WAITING if waits else 0)
             )
@@ -220,13 +225,14 @@ class Comm(Exchanges):
             self._group.give_back(self._store, self._own_connection)  # type: ignore[union-attr]
 
     def _wait_for_the_others(self, left: str) -> None:
-        """Rank 0, after a call that succeeded: wait until the last rank has left it."""
+        """Rank 0, after a call that succeeded or failed on every rank: wait until the last
+        rank has left it."""
         limit = min(self.timeout, LEAVE_WAIT)
         try:
             self._store.wait([left], timedelta(seconds=limit))
         except StoreTimeout:
             _log.warning(
-                "ddpckpt: %s succeeded, but not every rank left it within %.0f s of its end "
+                "ddpckpt: %s ended, but not every rank left it within %.0f s of its end "
                 "(a rank may have died since); rank 0 goes on", self.call, limit,
             )  # fmt: skip
             return
