@@ -277,12 +277,15 @@ def test_rank_zero_alone_in_a_call_says_which_ranks_it_waits_for(monkeypatch, ca
     assert "every rank must call it (not inside `if rank == 0`)" in str(error)
 
 
-def test_after_a_failure_every_rank_raises_rank_0_leaves_the_call_last(monkeypatch) -> None:
+@pytest.mark.parametrize("how", ["exchanged", "derived"])
+def test_after_a_failure_every_rank_raises_rank_0_leaves_the_call_last(monkeypatch, how) -> None:
     """Rank 0's process often holds the store. After a call that failed on every rank, rank 0
     used to return at once: a script whose last call it was could end, taking the store
     with it, while another rank was still counting itself out of the call (a CI run: rank 1
     got "Connection reset by peer" there, and the job hung). Now it waits, as after a call
-    that succeeded: here it cannot return before rank 1 is let leave."""
+    that succeeded: here it cannot return before rank 1 is let leave. Also when the error
+    is one each rank derives from an answer they all got (a fast tier refused on one node:
+    the CI run's case), which the call marks with ``everywhere``."""
     released = threading.Event()
     returned_after_release: dict[int, bool] = {}
     close = Comm.close
@@ -301,7 +304,12 @@ def test_after_a_failure_every_rank_raises_rank_0_leaves_the_call_last(monkeypat
 
         try:
             with Comm.open("ddpckpt.save", timeout=30, group=group) as comm:
-                comm.run("write", step)
+                if how == "exchanged":  # rank 1's error comes to every rank through the call
+                    comm.run("write", step)
+                else:  # every rank raises an error it derives from an answer they all got
+                    refused = comm.run_reduce("trust", lambda: group.rank == 1, any)
+                    if refused:
+                        raise comm.everywhere(CheckpointWriteError(errno.EACCES, "refused"))
         finally:
             returned_after_release[group.rank] = released.is_set()
 

@@ -173,6 +173,13 @@ class Exchanges:
         self._publish(tag, blob)
         return decode_error(blob)
 
+    def everywhere(self, error: CheckpointError) -> CheckpointError:
+        """Mark ``error`` as one every rank raises at this point of the call (it follows from
+        an answer every rank got, e.g. a reduced result), so that leaving the call with it
+        is leaving after a failure on every rank (see ``Comm.close``); returns it, to raise."""
+        self._settled = True
+        return error
+
     def post_failure(self, exc: BaseException) -> CheckpointError:
         """Post ``exc``, which this rank hit outside an exchange, for every rank still in the
         call; returns the error every rank raises (the first failure posted in the call).

@@ -297,7 +297,7 @@ class FastSaves:
             )
             # As a combined error's: printed by rank 0, and by the refusing ranks if not it.
             error.failures = {r: p for p, ranks in problems.items() for r in ranks}
-            raise error
+            raise comm.everywhere(error)  # from the reduced answer: every rank raises it
         self.saves.prepare(comm)
         leader = any(domain[0] == comm.rank for domain in self.saves.domains or [])
 
