@@ -297,19 +297,27 @@ class _AheadOfTraining:
     ddpckpt_per_rank = True
 
     def state_dict(self: Any) -> dict[str, Any]:
-        base = _base_of(self)
-        state = base.state_dict()
-        live = base._ddpckpt_resume is None  # not a loaded record (corrected when saved)
         held = getattr(self, _WRAPPERS[_wrapped_class(self)][1], None) is not None
-        if live and held and state["started"] and not state.get("finished"):
-            state["position"] -= 1  # the batch held ahead of training
-        return state
+        return held_back(_base_of(self), held)
 
     def load_state_dict(self: Any, state: Mapping[str, Any]) -> None:
         _base_of(self).load_state_dict(state)
 
 
 _SUBCLASSES: dict[type, type] = {}
+
+
+def held_back(base: Any, holding: bool = True) -> dict[str, Any]:
+    """The state of ``base``, a tracked loader that a wrapper iterates one batch ahead of
+    training: its position less the batch the wrapper is ``holding``, during a live pass
+    (a loaded record, not yet iterated, was corrected when it was saved)."""
+    state = base.state_dict()
+    live = base._ddpckpt_resume is None
+    if live and holding and state["started"] and not state.get("finished"):
+        state["position"] -= 1  # the batch held ahead of training
+    return state
+
+
 # wrapper class -> (the attribute holding its base loader, the one holding the batch ahead)
 _WRAPPERS: dict[type, tuple[str, str]] = {}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ddpckpt._training.loader import _iterating, is_tracked, track_loader
+from ddpckpt._training.loader import _iterating, held_back, is_tracked, track_loader
 from ddpckpt.errors import InexactResumeError, StateMismatchError
 
 
@@ -46,11 +46,8 @@ class PreparedLoaderPosition:
         self.base = base
 
     def state_dict(self) -> dict[str, Any]:
-        state = self.base.state_dict()
+        state = held_back(self.base)  # the prepared loader holds a batch during a pass
         finished = bool(state.get("finished"))
-        live = self.base._ddpckpt_resume is None  # not a loaded record (corrected when saved)
-        if live and state["started"] and not finished:
-            state["position"] -= 1  # the batch the prepared loader holds ahead of training
         in_pass = any(
             loader is self.prepared for loader in self.prepared.gradient_state.dataloader_references
         )
