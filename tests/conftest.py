@@ -8,6 +8,7 @@ import random
 import socket
 import sys
 import uuid
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,6 +71,26 @@ def process_group() -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _checkpointers_closed(monkeypatch) -> Iterator[None]:
+    """Closes the Checkpointers a test left open: an open one keeps refreshing its lock from a
+    thread, and a later test on the same worker would see it (the fuzz suite's guard on the
+    paths a load opens did, as a flake)."""
+    from ddpckpt import Checkpointer
+
+    opened: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+    init = Checkpointer.__init__
+
+    def tracked(self: Checkpointer, *args: object, **kwargs: object) -> None:
+        opened.add(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpointer, "__init__", tracked)
+    yield
+    for ckpt in list(opened):
+        ckpt.close()
 
 
 @pytest.fixture(autouse=True)

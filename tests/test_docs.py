@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from snippets import HOW, ROOT, RUNNABLE, SNIPPETS, Snippet, run_as_written
+from snippets import HOW, ROOT, RUNNABLE, SNIPPETS, Snippet, first_traceback, run_as_written
 
 
 def test_the_pages_have_snippets_and_every_one_says_how_it_runs() -> None:
@@ -33,6 +33,21 @@ def _params(snippets: list[Snippet]) -> list[object]:
     Ray tests, one cluster at a time (tests/integrations/test_ray.py)."""
     ray = pytest.mark.xdist_group("ray")
     return [pytest.param(s, marks=[ray] if "import ray" in s.code else []) for s in snippets]
+
+
+def test_a_traceback_counts_unless_rays_own_processes_printed_it() -> None:
+    ours = "Traceback (most recent call last):\n  File snippet.py\nValueError: x\n"
+    assert first_traceback("starting\n" + ours) == len("starting\n")
+    worker = "\x1b[36m(RayTrainWorker pid=30703)\x1b[0m Traceback (most recent call last):\n"
+    assert first_traceback(worker) >= 0
+    rays = (
+        "\x1b[36m(TrainController pid=30432)\x1b[0m Traceback (most recent call last):\n"
+        "(PlacementGroupCleaner pid=30636) Traceback (most recent call last):\n"
+        "(raylet) Traceback (most recent call last):\n"
+        "(RayTrainWorker pid=30731, ip=192.0.2.2) saved checkpoint\n"
+    )
+    assert first_traceback(rays) == -1
+    assert first_traceback(rays + ours) == len(rays)
 
 
 @pytest.mark.processes

@@ -3,6 +3,7 @@ its workers (forked.py), a port lost to another process taken again (launch.py).
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -43,6 +44,48 @@ def test_a_unit_test_that_starts_a_process_fails_and_names_the_marker(pytester) 
     result.stdout.fnmatch_lines(
         ["*test_unmarked_starts_a_process starts a subprocess but is in the unit tier: mark it*"]
     )
+
+
+GROUPED = """
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def launched():
+    with open(os.environ["BUILDS"], "a") as builds:
+        builds.write("built\\n")
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_shares_the_launch(launched, case):
+    pass
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_alone(case):
+    pass
+"""
+
+
+@pytest.mark.processes  # two xdist workers
+def test_tests_sharing_a_module_fixture_run_on_one_worker_which_builds_it_once(
+    pytester, tmp_path, monkeypatch
+) -> None:
+    """What ``make test`` relies on: with pytest 9.2 and pytest-xdist 3.8 the groups were
+    silently dropped, and each launch shared by a module's tests ran once per worker."""
+    monkeypatch.setenv("BUILDS", str(tmp_path / "builds"))
+    support = str(Path(__file__).with_name("support"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [support, os.environ.get("PYTHONPATH")])))  # fmt: skip
+    pytester.makepyfile(test_grouped=GROUPED)
+    result = pytester.runpytest_subprocess(
+        "-p", "tiers", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-v"
+    )
+    result.assert_outcomes(passed=8)
+    workers = {line.split("]")[0] for line in result.outlines if "test_shares_the_launch" in line and "PASSED" in line}  # fmt: skip
+    assert len(workers) == 1, result.outlines
+    assert (tmp_path / "builds").read_text() == "built\n"
 
 
 @pytest.mark.processes

@@ -259,7 +259,8 @@ def test_an_elastic_restart_of_the_same_job_takes_the_lock_over(run_root, monkey
     run = run_root / "run"
     write_lock(run, 1, host="node-that-died", job="job-7")
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-7")
-    Checkpointer(run, model=make_mlp()).resume()
+    with Checkpointer(run, model=make_mlp()) as ckpt:
+        ckpt.resume()
 
 
 def failing_writes(monkeypatch, errors: list[int]) -> list[int]:

@@ -57,6 +57,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: 0 if item.get_closest_marker("long") else 1)
 
 
+def _check_grouped(item: pytest.Item) -> None:
+    """Fail a grouped test that pytest-xdist did not group: dealt to both workers, a group's
+    tests build its module-scoped fixture (a launch of a minute) once per worker, and again
+    after every other module's test in between; the Ray tests would start two clusters at
+    once."""
+    if not item.config.getoption("loadgroup", False):  # set on xdist's workers only
+        return
+    names = sorted({str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args})
+    if names and not item.nodeid.endswith("@" + "_".join(names)):
+        pytest.fail(
+            f"pytest-xdist did not group this test (xdist_group {names}): this pytest and "
+            "pytest-xdist do not work together with --dist loadgroup "
+            "(pytest-dev/pytest-xdist#1386); install the versions pyproject.toml names",
+            pytrace=False,
+        )
+
+
 def _uses_a_server(item: pytest.Item) -> bool:
     fixtures = set(getattr(item, "fixturenames", ()))
     if _SERVER_FIXTURES & fixtures:
@@ -113,7 +130,13 @@ def _unit_phase(item: pytest.Item) -> Iterator[None]:
         return (yield)
 
 
-# Set-up (module-scoped fixtures built for the test included), the call and the teardown.
-pytest_runtest_setup = pytest_runtest_call = pytest_runtest_teardown = pytest.hookimpl(
-    wrapper=True
-)(_unit_phase)
+# The call and the teardown; the set-up (module-scoped fixtures built for the test included)
+# first checks that the test's group was kept.
+pytest_runtest_call = pytest_runtest_teardown = pytest.hookimpl(wrapper=True)(_unit_phase)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    _check_grouped(item)
+    with _no_process(item):
+        return (yield)
