@@ -8,12 +8,11 @@ collective under ``torch.distributed`` and work the same in a single process.
 
 from typing import Any
 
-from ddpckpt import data, errors, policies, storage
+from ddpckpt import _observe, data, errors, policies, storage
 from ddpckpt._io.dict_checkpoint import load_dict, remove_checkpoint, save_dict
 from ddpckpt._io.load import load
 from ddpckpt._io.reader import CheckpointInfo, load_state_dict, verify
 from ddpckpt._io.save import PendingSave, release_async_buffers, save
-from ddpckpt._resumecheck import record as _resume_check
 from ddpckpt._run.catalog import latest, load_latest
 from ddpckpt._run.checkpointer import Checkpointer
 from ddpckpt._run.options import FastTier
@@ -87,7 +86,7 @@ __all__ = [
     "verify",
 ]
 
-_resume_check.active()  # under ddpckpt check-resume only: records from the script's first call
+_observe.observer()  # under ddpckpt check-resume only: it records from the script's first call
 
 _MOVED_TO_DATA = ("ResumableDistributedSampler", "SampleIndex", "SeededDataset", "track_loader")
 

@@ -15,6 +15,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks
 from torch.utils.data import DataLoader, TensorDataset
 
 import ddpckpt
+from ddpckpt import _observe
 from ddpckpt._resumecheck import record
 
 
@@ -107,7 +108,7 @@ def test_a_read_only_checkpointer_reads_pretrained_weights_and_the_writable_one_
     pretrained = nn.Linear(2, 2)
     with ddpckpt.Checkpointer(tmp_path / "pre", model=pretrained) as pre:
         pre.save(7)
-    monkeypatch.setattr(record, "_LOOKED", False)
+    monkeypatch.setattr(_observe, "_looked", False)
     check = tmp_path / "check"
     monkeypatch.setenv(record.ENV, json.dumps({"dir": str(check), "kill": None}))
 

@@ -9,14 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from ddpckpt import _observe
 from ddpckpt._resumecheck import record
 
 
 @pytest.fixture
 def fresh_recorder(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The recorder reads the environment once per process: look again in this test, and
-    undo its hooks, its path mapping and its seed watching afterwards."""
-    monkeypatch.setattr(record, "_LOOKED", False)
+    """The core's seam looks at the environment once per process: look again in this test,
+    and undo the recorder's hooks, its path mapping and its seed watching afterwards."""
+    monkeypatch.setattr(_observe, "_looked", False)
+    monkeypatch.setattr(_observe, "_installed", None)
     monkeypatch.setattr(record, "_RECORDER", None)
     yield
     if record._RECORDER is not None:
@@ -33,7 +35,8 @@ def under_check(
     def start(run_dir: Path) -> record.Recorder:
         if record._RECORDER is not None:
             record._RECORDER.close()
-        monkeypatch.setattr(record, "_LOOKED", False)
+        monkeypatch.setattr(record, "_RECORDER", None)
+        monkeypatch.setattr(_observe, "_looked", False)
         monkeypatch.setenv(record.ENV, json.dumps({"dir": str(run_dir), "kill": None}))
         recorder = record.active()
         assert recorder is not None

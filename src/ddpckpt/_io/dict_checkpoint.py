@@ -19,14 +19,14 @@ from typing import Any, Union
 
 import torch
 
-from ddpckpt import events
+from ddpckpt import _observe, events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import decode, encode
 from ddpckpt._format.manifest import MANIFEST_NAME, read_manifest
 from ddpckpt._format.sections import DICT_KEY, DictSection, StateSections
 from ddpckpt._io.reader import FileSource
 from ddpckpt._io.writing import header_fields, plan_write, write_and_commit
-from ddpckpt._resumecheck import isolate
+from ddpckpt._observe import Access
 from ddpckpt._state.snapshot import Snapshot
 from ddpckpt.errors import CheckpointNotFoundError, StateMismatchError
 from ddpckpt.storage import storage_for
@@ -82,7 +82,7 @@ def save_dict(
     devices = {n: str(t.device) for n, t in snapshot.tensors.items() if t.device.type != "cpu"}
     snapshot.state = StateSections(saved_dict=DictSection(tree, devices)).to_json()
     snapshot.balanced.update(snapshot.tensors)
-    comm = Comm.local("ddpckpt.save_dict", isolate.for_write(path, "save_dict"))
+    comm = Comm.local("ddpckpt.save_dict", _observe.place(path, "save_dict", Access.WRITE))
     header = header_fields(step, epoch, metrics)
     plan = plan_write(comm, snapshot, header, overwrite=overwrite, storage="shared")
     return write_and_commit(plan)
@@ -112,7 +112,7 @@ def load_dict(path: str | os.PathLike[str], map_location: MapLocation = "cpu") -
             :func:`ddpckpt.load` or :func:`ddpckpt.load_state_dict`).
         RuntimeError: A device this machine lacks.
     """
-    path = isolate.for_read(path, "load_dict")
+    path = _observe.place(path, "load_dict", Access.READ)
     manifest = read_manifest(path)
     section = StateSections.from_json(manifest.state, path).saved_dict
     if section is None:
@@ -194,7 +194,7 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
         CheckpointNotFoundError: ``path`` holds no committed checkpoint; nothing is deleted
             then (never a directory that is not a checkpoint).
     """
-    path = isolate.for_write(path, "remove_checkpoint")
+    path = _observe.place(path, "remove_checkpoint", Access.WRITE)
     store = storage_for(path)
     if not store.exists(os.path.join(path, MANIFEST_NAME)):
         raise CheckpointNotFoundError(f"{path}: no committed checkpoint here; nothing removed")

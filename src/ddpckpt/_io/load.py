@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from ddpckpt import _observe
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import decode
 from ddpckpt._format.manifest import Manifest, read_manifest
@@ -28,8 +29,7 @@ from ddpckpt._io.load_checks import check_state
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.reader import CheckpointInfo, FileSource, read_metrics
 from ddpckpt._log import get_logger
-from ddpckpt._resumecheck import isolate
-from ddpckpt._resumecheck import record as _resume_check
+from ddpckpt._observe import Access, Loaded
 from ddpckpt._state.capture import TrainingState
 from ddpckpt._state.ddp_buckets import restore_buckets
 from ddpckpt._state.model import restore_model, restore_rank_buffers
@@ -121,7 +121,7 @@ def load(
     """
     path = os.fspath(path)
     configure(path, storage_options)  # an s3:// URL's client (ddpckpt.storage.configure)
-    path = isolate.for_read(path, "load")  # under ddpckpt check-resume: what its run wrote
+    path = _observe.place(path, "load", Access.READ)  # under check-resume: what its run wrote
     state = TrainingState.coerce(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         extra=extra, rng=rng,
@@ -149,8 +149,7 @@ def load(
                 lambda: _restore(manifest, source, state, strict, path, comm.rank, began),
             )
             info = _restore_on_every_rank(comm, path, state, restore, began)
-    if (recorder := _resume_check.active()) is not None:
-        recorder.loaded_plain(path, state, info)
+    _observe.tell(Loaded(path, state, info))
     return info
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ddpckpt import _observe
 from ddpckpt._format.codec import decode
 from ddpckpt._format.manifest import Manifest, read_manifest
 from ddpckpt._format.rankparts import fill_rank_parts
@@ -24,7 +25,7 @@ from ddpckpt._format.shards import ShardedEntry
 from ddpckpt._format.tensorfile import TensorEntry, can_read_into, dtype_from_name
 from ddpckpt._format.tensorread import TensorFile
 from ddpckpt._io.progress import Progress
-from ddpckpt._resumecheck import isolate
+from ddpckpt._observe import Access
 from ddpckpt.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
 
 
@@ -226,7 +227,7 @@ def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> d
         StateMismatchError: ``model`` is needed or names no model of the checkpoint.
         CorruptCheckpointError: A tensor does not match its checksum.
     """
-    path = isolate.for_read(path, "load_state_dict")
+    path = _observe.place(path, "load_state_dict", Access.READ)
     manifest = read_manifest(path)
     stored = StateSections.from_json(manifest.state, path)
     model = chosen_model(path, stored, model)
@@ -303,7 +304,7 @@ def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
         IncompleteCheckpointError: The manifest or a file it lists is missing.
         CorruptCheckpointError: Bytes do not match their checksums (lists every bad file).
     """
-    path = isolate.for_read(path, "verify")
+    path = _observe.place(path, "verify", Access.READ)
     manifest = read_manifest(path)
     problems = _file_problems(path, manifest)
     if problems:

@@ -17,15 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpckpt import events
+from ddpckpt import _observe, events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.failures import shorten
 from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import DEFAULT_SAVER, async_mode
 from ddpckpt._io.background import PendingSave
 from ddpckpt._io.writing import header_fields, plan_write, write_and_commit
-from ddpckpt._resumecheck import isolate
-from ddpckpt._resumecheck import record as _resume_check
+from ddpckpt._observe import Access, Saved
 from ddpckpt._state.capture import Snapshot, TrainingState, capture
 from ddpckpt.storage import configure
 
@@ -108,7 +107,7 @@ def save(
     """
     sharing = renamed_argument("ddpckpt.save", "storage", storage, "sharing", sharing)
     configure(path, storage_options)
-    path = isolate.for_write(path, "save")  # under ddpckpt check-resume: its own directory
+    path = _observe.place(path, "save", Access.WRITE)  # under check-resume: its own directory
     state = TrainingState.coerce(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         extra=extra, rng=rng,
@@ -140,8 +139,7 @@ def save(
         raise
     if not async_save:
         comm.close()
-    if (recorder := _resume_check.active()) is not None:
-        recorder.saved_plain(plan.path, state, step, epoch)
+    _observe.tell(Saved(plan.path, state, step, epoch))
     return saved
 
 

@@ -20,8 +20,8 @@ mappings of everything inside it:
 Fail closed: while a check runs, the storage of any location outside the run's directory
 refuses every write (:func:`guard`), so a path that escaped the mapping is an error, never
 a write into the user's files. ``memory://`` locations live and die with the process: left
-as they are. Outside a check (:func:`current` is ``None``) every function returns its
-argument unchanged.
+as they are. Outside a check nothing here runs: the core's
+:func:`ddpckpt._observe.place` returns the path unchanged.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddpckpt._observe import Access
 from ddpckpt.errors import ResumeCheckRefusedError
 
 _MUTATING = frozenset(
@@ -180,6 +181,14 @@ class Isolation:
         self.inputs.append((call, absolute))
         return self._route(call, location, location, "input")
 
+    def place(self, location: str, call: str, access: Access) -> str:
+        """Where ``call`` uses ``location`` (the core's :func:`ddpckpt._observe.place`)."""
+        if access is Access.LOOKUP:
+            return self.for_lookup(location, call)
+        if access in (Access.WRITE, Access.WRITE_RUN):
+            return self.for_write(location, call, directory=access is Access.WRITE_RUN)
+        return self.for_read(location, call, directory=access is Access.READ_RUN)
+
     def guard(self, storage: Any, location: str) -> Any:
         """``storage``, refusing writes when ``location`` is outside this run's directory."""
         if _split_url(location) is None and _inside(os.path.abspath(location), self.run_dir):
@@ -211,51 +220,9 @@ class _ReadOnly:
         return refused
 
 
-_CURRENT: Isolation | None = None
-_first_look: list[Callable[[], object]] = []  # set by the recorder's module when imported
-
-
 def install(isolation: Isolation | None) -> None:
-    """Map this process's ddpckpt calls with ``isolation`` (``None``: stop)."""
-    global _CURRENT
-    _CURRENT = isolation
+    """Guard this process's storage with ``isolation`` (``None``: stop): see
+    :meth:`Isolation.guard`."""
     from ddpckpt import storage
 
     storage._guard = None if isolation is None else isolation.guard
-
-
-def look_first_with(look: Callable[[], object]) -> None:
-    """Have :func:`current` call ``look()`` while nothing is mapped: the recorder's
-    :func:`~ddpckpt._resumecheck.record.active`, whose first look, under a check, starts
-    the recorder, which maps."""
-    _first_look[:] = [look]
-
-
-def current() -> Isolation | None:
-    """The mapping of this process, or ``None`` outside a check (the usual case)."""
-    if _CURRENT is None:
-        for look in _first_look:
-            look()
-    return _CURRENT
-
-
-def for_write(path: str | os.PathLike[str], call: str, *, directory: bool = False) -> str:
-    """See :meth:`Isolation.for_write`; ``path`` as a string outside a check."""
-    isolation = current()
-    if isolation is None:
-        return os.fspath(path)
-    return isolation.for_write(path, call, directory=directory)
-
-
-def for_lookup(path: str | os.PathLike[str], call: str) -> str:
-    """See :meth:`Isolation.for_lookup`; ``path`` as a string outside a check."""
-    isolation = current()
-    return os.fspath(path) if isolation is None else isolation.for_lookup(path, call)
-
-
-def for_read(path: str | os.PathLike[str], call: str, *, directory: bool = False) -> str:
-    """See :meth:`Isolation.for_read`; ``path`` as a string outside a check."""
-    isolation = current()
-    if isolation is None:
-        return os.fspath(path)
-    return isolation.for_read(path, call, directory=directory)

@@ -1,11 +1,12 @@
 """Digests of the training state at every step, recorded only under ``ddpckpt check-resume``.
 
 The checker sets :data:`ENV` (a JSON object: the run's directory and, for the run it kills,
-which rank dies at which step). Without it, :func:`active` returns ``None`` after one look at
-the environment and every hook in the library is a no-op: nothing is recorded, no hook is
-registered, no file is written, no path is mapped.
+which rank dies at which step). Without it, this module is never imported: the core's seam
+(:mod:`ddpckpt._observe`) looks at the environment once and finds no observer, and nothing is
+recorded, no hook is registered, no file is written, no path is mapped.
 
-With it, the recorder starts when ddpckpt is imported: it maps every path the script's
+With it, the seam imports this module when ddpckpt is imported, and :func:`start` installs the
+recorder as the process's observer: it maps every path the script's
 ddpckpt calls use into the run's directory (:mod:`.isolate`), notes each call that seeds a
 global random generator and every warning ddpckpt logs, and appends JSON lines to
 ``DIR/records/rank<R>.jsonl`` (``R`` the global rank of the process group, once the script
@@ -59,13 +60,13 @@ import xxhash
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from ddpckpt import _observe
 from ddpckpt._log import current_rank, observe
+from ddpckpt._observe import observer
 from ddpckpt._resumecheck import digests, isolate, records
-from ddpckpt._training.watchers import watch_batches
 from ddpckpt.errors import CorruptCheckpointError
 
-ENV = "DDPCKPT_CHECK_RESUME"
-_LOOKED = False
+ENV = "DDPCKPT_CHECK_RESUME"  # its module is named for it in ddpckpt._observe.TOOLS
 _RECORDER: Recorder | None = None
 _SEEDS_KEPT = 20  # seeding calls recorded per generator and process; more are counted
 # (module, attribute, generator) of the calls that seed a global generator
@@ -75,19 +76,19 @@ _SEEDING = (("torch", "manual_seed", "rng.torch"), ("torch.random", "manual_seed
             ("numpy.random", "seed", "rng.numpy"))  # fmt: skip
 
 
+def start() -> None:
+    """Under a check (:data:`ENV` set): record this process from now on. Called once per
+    process, by the core's first look (:func:`ddpckpt._observe.observer`)."""
+    global _RECORDER
+    spec = os.environ.get(ENV)
+    if spec and _RECORDER is None:
+        _RECORDER = Recorder(json.loads(spec))
+
+
 def active() -> Recorder | None:
     """The recorder of this process, or ``None`` outside a check (the usual case)."""
-    global _LOOKED, _RECORDER
-    if not _LOOKED:
-        _LOOKED = True
-        spec = os.environ.get(ENV)
-        if spec:
-            _RECORDER = Recorder(json.loads(spec))
+    observer()
     return _RECORDER
-
-
-watch_batches(active)  # tracked loaders ask for the recorder through _training.watchers
-isolate.look_first_with(active)  # and the path mapping, before it maps anything
 
 
 def _world() -> int:
@@ -128,6 +129,8 @@ class Recorder:
         self.undo: list[Any] = []
         isolate.install(self.isolation)
         self.undo.append(lambda: isolate.install(None))
+        _observe.install(self)
+        self.undo.append(lambda: _observe.install(None))
         self.exit_code: Any = None  # what the script passed to sys.exit, if it called it
         self._sys_exit = sys.exit
         sys.exit = self._exit  # type: ignore[assignment]
@@ -147,6 +150,29 @@ class Recorder:
         self.kill = None
         if self.file is not None:
             self.file.close()
+
+    # ------------------------------------------------------------------ the core's seam
+
+    def place(self, location: str, call: str, access: _observe.Access) -> str:
+        return self.isolation.place(location, call, access)
+
+    def tell(self, event: _observe.Event) -> None:
+        if isinstance(event, _observe.BatchYielded):
+            self.batch(event.loader, event.indices)
+        elif isinstance(event, _observe.StepEnded):
+            self.step(event.checkpointer, event.step)
+        elif isinstance(event, _observe.LossLogged):
+            self.loss(event.value)
+        elif isinstance(event, _observe.CheckpointerSaved):
+            self.saved(event.checkpointer, event.step, event.epoch)
+        elif isinstance(event, _observe.Saved):
+            self.saved_plain(event.path, event.state, event.step, event.epoch)
+        elif isinstance(event, _observe.Loaded):
+            self.loaded_plain(event.path, event.state, event.info)
+        elif isinstance(event, _observe.CheckpointerResumed):
+            self.resumed(event.checkpointer, event.info)
+        elif isinstance(event, _observe.CheckpointerOpened):
+            self.attach(event.checkpointer)
 
     def _ours(self) -> bool:  # DataLoader workers fork the recorder too: they record nothing
         return os.getpid() == self.pid and bool(self.undo)
@@ -270,12 +296,11 @@ class Recorder:
                      "epoch_end": any(finished) if finished else None, "path": path, "state": state})  # fmt: skip
         self._maybe_kill("save", step, self.saves[step])
 
-    def resumed(self, ckpt: Any, info: Any) -> Any:
-        """``Checkpointer.resume()`` returns ``info``; returned unchanged."""
+    def resumed(self, ckpt: Any, info: Any) -> None:
+        """``Checkpointer.resume()`` returns ``info``."""
         if self._is_followed(ckpt):
             step = None if info is None else info.step
             self._resumed(step, step, info)
-        return info
 
     def loaded_plain(self, path: str, state: Any, info: Any) -> None:
         """``ddpckpt.load(path, state)`` returned ``info`` (``path`` as read). A checkpoint

@@ -18,13 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ddpckpt import _observe
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt._format.runfiles import CORRUPT_MARK
 from ddpckpt._io.load import damage_of, load, none_loaded, partly_note
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
-from ddpckpt._resumecheck import isolate
+from ddpckpt._observe import Access
 from ddpckpt._run.rundir import restore_unless_locked
 from ddpckpt._state.capture import TrainingState
 from ddpckpt.errors import (
@@ -71,7 +72,7 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
     Raises:
         FileNotFoundError: An object store's bucket does not exist.
     """
-    directory = isolate.for_lookup(directory, "latest")  # under check-resume: its own run
+    directory = _observe.place(directory, "latest", Access.LOOKUP)  # check-resume: its own run
     found = newest_first(os.fspath(directory))
     return os.path.join(os.fspath(directory), found[0][-1]) if found else None
 
@@ -152,7 +153,7 @@ def load_latest(
     (they must not be trained on or saved), and any other error of :func:`ddpckpt.load`
     (a mismatch of the objects passed is no damage: it is raised at once).
     """
-    directory = isolate.for_lookup(directory, "load_latest")  # under check-resume: its own run
+    directory = _observe.place(directory, "load_latest", Access.LOOKUP)  # check-resume: its own
     configure(directory, storage_options)
     with Comm.open("ddpckpt.load_latest", path=directory, timeout=timeout) as comm:
         directory = comm.path or directory

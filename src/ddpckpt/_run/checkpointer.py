@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpckpt import events
+from ddpckpt import _observe, events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import AsyncSaver
@@ -42,8 +42,14 @@ from ddpckpt._io.load import load
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._io.writing import header_fields
 from ddpckpt._log import get_logger
-from ddpckpt._resumecheck import isolate
-from ddpckpt._resumecheck import record as _resume_check
+from ddpckpt._observe import (
+    Access,
+    CheckpointerOpened,
+    CheckpointerResumed,
+    CheckpointerSaved,
+    LossLogged,
+    StepEnded,
+)
 from ddpckpt._run import query
 from ddpckpt._run.fast_tier import FastSaves
 from ddpckpt._run.options import FastTier, resolve
@@ -201,9 +207,9 @@ class Checkpointer:
         )
         self.read_only = read_only
         self.directory = (  # under ddpckpt check-resume: its own directory
-            isolate.for_read(directory, "Checkpointer(read_only=True)", directory=True)
+            _observe.place(directory, "Checkpointer(read_only=True)", Access.READ_RUN)
             if read_only
-            else isolate.for_write(directory, "Checkpointer", directory=True)
+            else _observe.place(directory, "Checkpointer", Access.WRITE_RUN)
         )
         first = {role: next(iter(getattr(self.state, role).values()), None) for role in ROLES}
         self.model, self.optimizer = first["models"], first["optimizers"]
@@ -213,7 +219,7 @@ class Checkpointer:
         self._saver = AsyncSaver(lends=fast is not None)  # this run's host buffer and writer
         self._saves = RunSaves(self.directory, self.options, self._saver)
         self._reserved: list[RunSaves] = []  # tiers whose buffer was sized ahead of a save
-        place = lambda path: isolate.for_write(path, "Checkpointer(fast_tier=...)", directory=True)  # noqa: E731
+        place = lambda path: _observe.place(path, "Checkpointer(fast_tier=...)", Access.WRITE_RUN)  # noqa: E731
         self._fast = None if fast is None else FastSaves(
             None if fast.directory is None else place(fast.directory),
             fast, self.options, overlap=bool(self.state.optimizers), run=self.directory,
@@ -223,8 +229,7 @@ class Checkpointer:
         self._closed = False
         watched = self.options.schedule.preemption
         self._preemption = None if watched is None else PreemptionWatch(watched, self._saves.newest)
-        if (recorder := _resume_check.active()) is not None:
-            recorder.attach(self)
+        _observe.tell(CheckpointerOpened(self))
 
     # ------------------------------------------------------------------ public
 
@@ -298,8 +303,7 @@ class Checkpointer:
         Returns:
             ``True`` when :meth:`save` should be called at this step.
         """
-        if (recorder := _resume_check.active()) is not None:
-            recorder.step(self, step)
+        _observe.tell(StepEnded(self, step))
         durable = self._durable_due(step)
         fast = not durable and self._fast is not None and self._fast.due(step)
         self._fast_only = step if fast else None
@@ -421,8 +425,8 @@ class Checkpointer:
         path = None
         if not fast_only:
             path = self._saves.save(step, dict(header), capture, synchronous)
-            if path is not None and (recorder := _resume_check.active()) is not None:
-                recorder.saved(self, step, epoch)
+            if path is not None:
+                _observe.tell(CheckpointerSaved(self, step, epoch))
         if self._fast is not None and not synchronous:  # a preemption's save is durable at once
             borrow = self._saver if both else None  # the durable's copies, if it staged any
             fast_path = self._fast.save(step, dict(header), capture, borrow)
@@ -470,12 +474,11 @@ class Checkpointer:
             loss: A number or a tensor (a tensor of several losses too); a tensor is
                 read only under a check.
         """
-        if (recorder := _resume_check.active()) is not None:
-            recorder.loss(loss)
+        _observe.tell(LossLogged(loss))
 
     def _resumed(self, info: CheckpointInfo | None) -> CheckpointInfo | None:
-        recorder = _resume_check.active()
-        return info if recorder is None else recorder.resumed(self, info)
+        _observe.tell(CheckpointerResumed(self, info))
+        return info
 
     # ------------------------------------------------------------------ queries (local)
 

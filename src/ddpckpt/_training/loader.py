@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
+from ddpckpt._observe import BatchYielded, observer
 from ddpckpt._training.data import ResumableDistributedSampler, SeededDataset
 from ddpckpt._training.loader_checks import refuse_untrackable, warn_epoch_gap
 from ddpckpt._training.replay import (
@@ -47,7 +48,6 @@ from ddpckpt._training.replay import (
     sampler_keeps_position,
     user_sampler,
 )
-from ddpckpt._training.watchers import batch_watcher
 from ddpckpt._training.worker_signals import IgnoringPreemptionSignals
 from ddpckpt._training.wrappers import is_stateful
 from ddpckpt.errors import InexactResumeError, StateMismatchError
@@ -184,8 +184,8 @@ class _Tracking:
         sizes = self._ddpckpt_stream.sizes
         count = sizes.popleft() if sizes else 0
         handed = self._ddpckpt_stream.handed
-        if handed and (watcher := batch_watcher()) is not None:
-            watcher.batch(self, handed.popleft())
+        if handed and (tool := observer()) is not None:
+            tool.tell(BatchYielded(self, handed.popleft()))
         sampler = user_sampler(self)
         if isinstance(sampler, ResumableDistributedSampler):
             sampler._delivered(count)

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from ddpckpt._observe import observer
 from ddpckpt._training.data import ResumableDistributedSampler, SampleIndex, SeededDataset
-from ddpckpt._training.watchers import batch_watcher
 from ddpckpt.errors import InexactResumeError
 
 _END = object()
@@ -79,7 +79,7 @@ class IndexStream:
         # counts the batches it consumed against the length, as Lightning does) the whole pass
         self.whole_pass_len = False
         # the index batches handed out, not yet yielded: only under ddpckpt check-resume
-        self.handed: deque[Any] | None = deque() if batch_watcher() else None
+        self.handed: deque[Any] | None = deque() if observer() else None
 
     def __len__(self) -> int:
         if self.whole_pass_len:
