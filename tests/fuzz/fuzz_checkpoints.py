@@ -75,7 +75,7 @@ def _without_atheris(kind: str, root: Path, examples: int, seed: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=["checkpoint", "torchfile"])
+    parser.add_argument("kind", choices=["checkpoint", "torchfile", "dcp"])
     parser.add_argument("--examples", type=int, default=10_000, help="without atheris")
     parser.add_argument("--seed", type=int, default=0, help="without atheris")
     args, rest = parser.parse_known_args()

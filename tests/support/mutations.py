@@ -415,13 +415,49 @@ def _mutate_pickle(chooser: Chooser, data: bytearray, op: int) -> bytes:
 
 
 def check_torch_file(path: Path, out: Path) -> None:
-    """The property for ``import``: a checkpoint that verifies, or a refusal."""
+    """The property for ``import`` (of a file or a DCP directory): a checkpoint that
+    verifies, or a refusal."""
     if out.exists():
         shutil.rmtree(out)
     with bounded(path.parent):
         if _outcome(lambda: import_checkpoint(path, out),
                     (CorruptCheckpointError, UnsafeCheckpointError)):  # fmt: skip
             assert ddpckpt.verify(out)
+
+
+def seed_dcp_directory(path: Path) -> None:
+    """A DCP directory as ``dcp.save`` writes it in one process: the tutorial's
+    ``{"app": {"model": ..., "optim": ...}}`` of ``get_state_dict``."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer, _ = _objects()
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        dcp.save({"app": {"model": model_state, "optim": optim_state}}, checkpoint_id=str(path))
+
+
+def mutated_dcp_directory(chooser: Chooser, seed: Path, target: Path) -> None:
+    """``seed`` with its ``.metadata`` pickle's opcodes changed, or its data file's bytes."""
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(seed, target)
+    metadata = target / ".metadata"
+    (data,) = target.glob("*.distcp")
+    op = chooser.integer(0, 4)
+    if op <= 2:
+        metadata.write_bytes(_mutate_pickle(chooser, bytearray(metadata.read_bytes()), op))
+    elif op == 3:
+        raw = bytearray(data.read_bytes())
+        for _ in range(chooser.integer(1, 4)):
+            raw[chooser.integer(0, len(raw) - 1)] ^= 1 << chooser.integer(0, 7)
+        data.write_bytes(bytes(raw))
+    else:
+        raw = data.read_bytes()
+        data.write_bytes(raw[: chooser.integer(0, len(raw))])
 
 
 class RandomChooser:
@@ -438,8 +474,16 @@ class RandomChooser:
 
 
 def example(kind: str, root: Path) -> Callable[[Chooser], None]:
-    """One check of the property on an input of ``kind`` (``checkpoint`` or ``torchfile``)
-    mutated by a chooser's choices; the seed input is made under ``root`` first."""
+    """One check of the property on an input of ``kind`` (``checkpoint``, ``torchfile`` or
+    ``dcp``) mutated by a chooser's choices; the seed input is made under ``root`` first."""
+    if kind == "dcp":
+        seed_dcp_directory(root / "seed")
+
+        def one_directory(chooser: Chooser) -> None:
+            mutated_dcp_directory(chooser, root / "seed", root / "mutated")
+            check_torch_file(root / "mutated", root / "out")
+
+        return one_directory
     if kind == "checkpoint":
         seed = root / "seed" / "run" / "ckpt"
         original = seed_checkpoint(seed)

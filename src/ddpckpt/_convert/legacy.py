@@ -7,15 +7,19 @@ Understood layouts:
   and optionally ``optimizer``, ``scheduler``/``lr_scheduler``, ``scaler``, ``epoch``,
   ``step``/``global_step``/``iteration`` and anything else plain;
 * a PyTorch Lightning ``.ckpt`` (``state_dict``, ``optimizer_states``, ``lr_schedulers``,
-  ``epoch``, ``global_step``, precision-plugin scaler state, loops, callbacks ...).
+  ``epoch``, ``global_step``, precision-plugin scaler state, loops, callbacks ...);
+* a ``torch.distributed.checkpoint`` (DCP) directory (:mod:`ddpckpt._convert.dcp`, which
+  reads it without running its pickle), holding any of the above, such as
+  ``{"model": ..., "optim": ...}`` of ``get_state_dict``, inside one wrapping entry or not.
 
 ``module.`` (DDP/DataParallel) and ``_orig_mod.`` (torch.compile) prefixes are removed.
 The file is read by :mod:`ddpckpt._convert.torchfile`: ``torch.load(weights_only=True)``
 only, within limits; a pickle that names any other global is refused before it can run,
 unless that global is a plain data class the user trusts.
 
-Optimizer state in such files is keyed by position, not by parameter name; it is stored
-that way and matched by position (with shape checks) when loaded, as ``torch`` does.
+Optimizer state in such files is keyed by position: it is stored that way and matched by
+position (with shape checks) when loaded, as ``torch`` does. DCP's ``get_state_dict`` keys it
+by parameter name: it is stored and matched by name, as ddpckpt's own checkpoints are.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from ddpckpt._convert.dcp import is_dcp_directory, read_dcp
 from ddpckpt._convert.torchfile import read_torch_file
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import encode
@@ -84,6 +89,11 @@ def _strip_wrappers(state: Mapping[str, Any]) -> dict[str, Any]:
     return dict(zip(keys, state.values(), strict=True))
 
 
+def _strip_names(names: list[str]) -> list[str]:
+    """Parameter names as :func:`_strip_wrappers` leaves the model's keys."""
+    return list(_strip_wrappers(dict.fromkeys(names)))
+
+
 def _pick(doc: dict[str, Any], names: Iterable[str]) -> tuple[str | None, Any]:
     for name in names:
         if name in doc:
@@ -137,9 +147,15 @@ def _optimizer_section(
         raise CorruptCheckpointError(f"{where}: the optimizer entry is not an optimizer state_dict")
     if not all(isinstance(v, Mapping) for v in state_in.values()):
         raise CorruptCheckpointError(f"{where}: the optimizer's state holds a non-dict entry")
+    # get_state_dict (DCP) keys the state by parameter name: matched by name when loaded
+    named = all(isinstance(p, str) for g in groups_in for p in g["params"])
     groups, state, shapes = [], {}, {}
     for g, group in enumerate(groups_in):
-        names = [f"@group{g}.{i}" for i in range(len(group["params"]))]
+        names = (
+            _strip_names(group["params"])
+            if named
+            else [f"@group{g}.{i}" for i in range(len(group["params"]))]
+        )
         for name, index in zip(names, group["params"], strict=True):
             per_param = state_in.get(index, {})
             if per_param:
@@ -152,7 +168,7 @@ def _optimizer_section(
         "groups": groups,
         "state": state,
         "shapes": shapes,
-        "by_position": True,
+        "by_position": not named,
     }
     return OptimizerSection.from_json(encode(section, "optimizer", snapshot.tensors), where)
 
@@ -221,6 +237,18 @@ def _classify(
     return snapshot, header, dropped
 
 
+def _unwrapped(saved: dict[str, Any]) -> Any:
+    """A DCP save's state inside one wrapping entry (the DCP tutorial's ``{"app": AppState}``):
+    the entry's dict, while it holds no tensor of its own."""
+    while (
+        len(saved) == 1
+        and isinstance(inner := next(iter(saved.values())), dict)
+        and not _is_state_dict(inner)
+    ):
+        saved = inner
+    return saved
+
+
 def import_checkpoint(
     source: str | os.PathLike[str],
     destination: str | os.PathLike[str],
@@ -230,14 +258,23 @@ def import_checkpoint(
     trusted_source: bool = False,
     overwrite: bool = False,
 ) -> tuple[str, list[str]]:
-    """Convert the ``torch.save`` file ``source`` into a ddpckpt checkpoint at ``destination``.
+    """Convert the ``torch.save`` file or DCP directory ``source`` into a ddpckpt checkpoint
+    at ``destination``.
 
     Local (one process). Returns the checkpoint path and the top-level entries that were
     left out because they hold values that cannot be stored without pickle (each is also
     logged as a warning).
     """
     source, destination = os.fspath(source), os.fspath(destination)
-    obj, _ = read_torch_file(source, trusted_globals, trusted_source)
+    if is_dcp_directory(source):
+        obj = _unwrapped(read_dcp(source, trusted_globals, trusted_source))
+    elif os.path.isdir(source):
+        raise CorruptCheckpointError(
+            f"{source}: a directory without DCP's .metadata; `import` reads a torch.save file, "
+            "a Lightning .ckpt or a torch.distributed.checkpoint directory"
+        )
+    else:
+        obj, _ = read_torch_file(source, trusted_globals, trusted_source)
     snapshot, header, dropped = _classify(obj, source, model_key)
     for item in dropped:
         _log.warning("%s: left out of the import: %s", source, item)

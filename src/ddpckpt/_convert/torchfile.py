@@ -29,13 +29,14 @@ import _compat_pickle
 import dataclasses
 import enum
 import importlib
+import io
 import os
 import pickle
 import re
 import sys
 import zipfile
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
 import torch
@@ -138,6 +139,32 @@ def read_torch_file(
 ) -> tuple[Any, int]:
     """What the ``torch.save`` file ``path`` holds (CPU tensors, memory-mapped where the
     file is in the zip format) and the file's size, within the limits of this module."""
+
+    def load() -> tuple[Any, int]:
+        size = _scan(path)
+        return load_torch_file(path), size
+
+    return _read(path, load, trusted, trusted_source)
+
+
+def read_torch_bytes(
+    data: bytes, where: str, trusted: Iterable[str] = (), trusted_source: bool = False
+) -> Any:
+    """What the ``torch.save`` bytes ``data`` (read from ``where``, which errors name) hold,
+    within the limits of this module."""
+
+    def load() -> tuple[Any, int]:
+        with io.BytesIO(data) as f:
+            _scan_stream(f, where, len(data))
+            f.seek(0)
+            return torch.load(f, map_location="cpu", weights_only=True), len(data)
+
+    return _read(where, load, trusted, trusted_source)[0]
+
+
+def _read(
+    path: str, load: Callable[[], tuple[Any, int]], trusted: Iterable[str], trusted_source: bool
+) -> tuple[Any, int]:
     if torch_version() < SAFE_TORCH and not trusted_source:
         raise UnsafeCheckpointError(
             f"torch {torch.__version__}'s weights_only loader has known ways to run code "
@@ -147,9 +174,8 @@ def read_torch_file(
         )
     allowed = trusted_globals(trusted)
     try:
-        size = _scan(path)
         with torch.serialization.safe_globals(allowed):
-            obj = load_torch_file(path)
+            obj, size = load()
     except CheckpointError:
         raise
     except NotRegularFileError as exc:
@@ -289,20 +315,28 @@ class _Scanner(pickle._Unpickler):  # type: ignore[name-defined]
 
 def _scan(path: str) -> int:
     """Check the storages the file at ``path`` declares against its bytes (see the module);
-    returns the file's size. A pickle of no known layout is left for torch to report."""
+    returns the file's size."""
     with os.fdopen(open_regular(path, follow_links=True), "rb") as f:
         size = f.seek(0, os.SEEK_END)
-        if not zipfile.is_zipfile(f):
-            _scan_old_format(f, path, size)
-            return size
-        with zipfile.ZipFile(f) as archive:
-            records = {info.filename: info for info in archive.infolist()}
-            pickles = [n for n in records if n == "data.pkl" or n.endswith("/data.pkl")]
-            if not pickles:
-                return size  # torch reports what it misses
-            prefix = pickles[0][: -len("data.pkl")]
-            with archive.open(pickles[0]) as pickled:
-                storages = _storages(pickled, path)
+        _scan_stream(f, path, size)
+    return size
+
+
+def _scan_stream(f: IO[bytes], path: str, size: int) -> None:
+    """:func:`_scan` of the open file ``f`` of ``size`` bytes. A pickle of no known layout is
+    left for torch to report."""
+    f.seek(0)
+    if not zipfile.is_zipfile(f):
+        _scan_old_format(f, path, size)
+        return
+    with zipfile.ZipFile(f) as archive:
+        records = {info.filename: info for info in archive.infolist()}
+        pickles = [n for n in records if n == "data.pkl" or n.endswith("/data.pkl")]
+        if not pickles:
+            return  # torch reports what it misses
+        prefix = pickles[0][: -len("data.pkl")]
+        with archive.open(pickles[0]) as pickled:
+            storages = _storages(pickled, path)
     for key, nbytes in storages.items():
         record = records.get(f"{prefix}data/{key}")
         if record is None:
@@ -316,7 +350,6 @@ def _scan(path: str) -> int:
                 f"tensors claim {nbytes}: the file is damaged (reading it would read the file's "
                 "other bytes as weights)"
             )
-    return size
 
 
 def _scan_old_format(f: IO[bytes], path: str, size: int) -> None:
