@@ -252,3 +252,21 @@ def test_two_ranks_dcp_save_imports_as_torch_gathers_it(layout, tmp_path) -> Non
     for i, name in enumerate(params):
         for k, v in reference["optim"]["state"][name].items():
             assert torch.equal(loaded["state"][i][k], v), (name, k)
+
+
+@pytest.mark.processes
+def test_an_imported_fsdp2_save_resumes_under_fsdp2_as_dcp_load_does_at_two_and_three_ranks(
+    tmp_path,
+) -> None:
+    """The import continues the source's run: at the world size it was written at and at
+    another, the model and optimizer loaded by ddpckpt equal what dcp.load restores, and two
+    more steps keep them equal."""
+    forked_ranks("fsdp2", tmp_path / "save", args=["--ckpt", str(tmp_path)], worker=WORKER,
+                 timeout=120).ok()  # fmt: skip
+    imported, _ = import_checkpoint(tmp_path / "dcp", tmp_path / "imported")
+    for nproc in (2, 3):
+        launch = forked_ranks("resume", tmp_path / f"resume-{nproc}", nproc=nproc, worker=WORKER,
+                              args=["--ckpt", str(tmp_path), "--imported", imported],
+                              timeout=120).ok()  # fmt: skip
+        for rank in range(nproc):
+            assert launch.result(rank) == {"loaded": True, "trained": True}, (nproc, rank)
