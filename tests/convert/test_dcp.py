@@ -132,7 +132,9 @@ def test_a_metadata_pickle_that_would_run_code_is_refused_before_it_runs(saved, 
     source, *_ = saved
     marker = tmp_path / "ran"
     _write_metadata(source, _Runs(marker))
-    with pytest.raises(UnsafeCheckpointError, match=r"unpickling would call builtins\.eval"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"unpickling would call builtins\.eval, which is none"
+    ):
         import_checkpoint(source, tmp_path / "out")
     assert not marker.exists() and not (tmp_path / "out").exists()
 
@@ -270,3 +272,123 @@ def test_an_imported_fsdp2_save_resumes_under_fsdp2_as_dcp_load_does_at_two_and_
                               timeout=120).ok()  # fmt: skip
         for rank in range(nproc):
             assert launch.result(rank) == {"loaded": True, "trained": True}, (nproc, rank)
+
+
+# ---------------------------------------------------------------- found in review
+
+
+def test_a_plain_optimizer_state_dict_saved_with_dcp_keeps_its_moments(tmp_path) -> None:
+    """DCP stores the state's integer keys as text while the groups keep integers."""
+    model, opt = _trained()
+    _dcp_save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "dcp")
+    path, _ = import_checkpoint(tmp_path / "dcp", tmp_path / "out")
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    ddpckpt.load(path, model=fresh, optimizer=fresh_opt, rng=False)
+    assert _same(fresh, model) and _same_moments(fresh_opt, opt)
+
+
+def test_optimizer_names_lose_the_models_wrapper_prefix_in_every_group(tmp_path) -> None:
+    model, opt = _trained()
+    wrapped = {f"module.{k}": v for k, v in model.state_dict().items()}
+    named = {f"module.{n}": p for n, p in model.named_parameters()}
+    by_param = {id(p): n for n, p in named.items()}
+    optim = opt.state_dict()
+    first = [by_param[id(p)] for p in model.parameters()]
+    state = {first[i]: v for i, v in optim["state"].items()}
+    groups = [  # two groups: a prefix common to each group is not the model's
+        {**optim["param_groups"][0], "params": first[:2]},
+        {**optim["param_groups"][0], "params": first[2:]},
+    ]
+    _dcp_save(
+        {"model": wrapped, "optim": {"state": state, "param_groups": groups}}, tmp_path / "dcp"
+    )
+    path, _ = import_checkpoint(tmp_path / "dcp", tmp_path / "out")
+    fresh = _model()
+    fresh_opt = torch.optim.AdamW(
+        [{"params": list(fresh.parameters())[:2]}, {"params": list(fresh.parameters())[2:]}],
+        lr=1e-2,
+    )
+    ddpckpt.load(path, model=fresh, optimizer=fresh_opt, rng=False)
+    loaded = fresh_opt.state_dict()["state"]
+    assert len(loaded) == len(first)
+    assert all(torch.equal(loaded[i]["exp_avg"], optim["state"][i]["exp_avg"]) for i in loaded)
+
+
+def _tuple_bomb() -> bytes:
+    """A dict keyed by a tuple that nests itself 40 levels deep through the memo: 200 bytes,
+    2**40 steps to hash."""
+    ops = [b"\x80\x02}", b")q\x00"]
+    for i in range(1, 40):
+        ops.append(b"h" + bytes([i - 1]) + b"h" + bytes([i - 1]) + b"\x86q" + bytes([i]))
+    return b"".join([*ops, b"Ns."])
+
+
+def _shared_list(depth: int) -> list:
+    nested: list = []
+    for _ in range(depth):
+        nested = [nested, nested]
+    return nested
+
+
+def _hostile_path(metadata) -> None:
+    info = next(iter(metadata.storage_data.values()))
+    info.relative_path = _shared_list(40)  # its repr would take 2**40 steps
+
+
+def _shared_bytes(metadata) -> None:
+    infos = list(metadata.storage_data.items())
+    (_, first), (index, second) = infos[0], infos[1]
+    metadata.storage_data[index] = type(second)(first.relative_path, first.offset, first.length)
+
+
+def _huge_dimension(metadata) -> None:
+    meta = next(v for v in metadata.state_dict_metadata.values() if hasattr(v, "chunks"))
+    meta.size = torch.Size([2**20000])
+
+
+def _quantized(metadata) -> None:
+    meta = next(v for v in metadata.state_dict_metadata.values() if hasattr(v, "chunks"))
+    meta.properties.dtype = torch.qint8
+
+
+def _single_chunk_of_another_shape(metadata) -> None:
+    meta = next(v for v in metadata.state_dict_metadata.values() if hasattr(v, "chunks") and len(v.size) == 2)  # fmt: skip
+    meta.size = torch.Size([meta.size[0] * meta.size[1], 1])
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_hostile_path, _shared_bytes, _huge_dimension, _quantized, _single_chunk_of_another_shape],
+)
+def test_damaged_metadata_is_one_documented_error(saved, tmp_path, damage) -> None:
+    source, *_ = saved
+    metadata = _metadata(source)
+    damage(metadata)
+    _write_metadata(source, metadata)
+    with pytest.raises((CorruptCheckpointError, UnsafeCheckpointError)):
+        import_checkpoint(source, tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [_tuple_bomb(), b"\x80\x02J\x01\x02", b"\x80\x02]q\x00(h\x00h\x00e."],
+    ids=["tuple-bomb", "truncated", "set-free"],
+)
+def test_a_metadata_pickle_of_no_dcp_shape_is_one_documented_error(saved, tmp_path, raw) -> None:
+    source, *_ = saved
+    (source / ".metadata").write_bytes(raw)
+    with pytest.raises(CorruptCheckpointError):
+        import_checkpoint(source, tmp_path / "out")
+
+
+def test_the_unpicklers_stand_ins_keep_no_state_between_reads(saved, tmp_path) -> None:
+    """BUILD on the torch.Size stand-in cannot change how the next read builds sizes."""
+    source, *_ = saved
+    poisoned = b"\x80\x02ctorch\nSize\nq\x00N}q\x01X\x0c\x00\x00\x00__defaults__q\x02]q\x03K\x07a\x85q\x04s\x86b."
+    (tmp_path / "poison").mkdir()
+    (tmp_path / "poison" / ".metadata").write_bytes(poisoned)
+    with pytest.raises(CorruptCheckpointError):
+        reader.read_metadata(str(tmp_path / "poison"))
+    path, _ = import_checkpoint(source, tmp_path / "out")  # sizes read as written
+    assert ddpckpt.verify(path)

@@ -425,9 +425,10 @@ def check_torch_file(path: Path, out: Path) -> None:
             assert ddpckpt.verify(out)
 
 
-def seed_dcp_directory(path: Path) -> None:
-    """A DCP directory as ``dcp.save`` writes it in one process: the tutorial's
-    ``{"app": {"model": ..., "optim": ...}}`` of ``get_state_dict``."""
+def seed_dcp_directories(root: Path) -> list[Path]:
+    """DCP directories as ``dcp.save`` writes them in one process: the tutorial's
+    ``{"app": {"model": ..., "optim": ...}}`` of ``get_state_dict``, and the plain recipe's
+    ``{"model": ..., "optimizer": opt.state_dict(), "epoch": 3}``."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -437,19 +438,27 @@ def seed_dcp_directory(path: Path) -> None:
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
         model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"app": {"model": model_state, "optim": optim_state}}, checkpoint_id=str(path))
+        dcp.save({"app": {"model": model_state, "optim": optim_state}},
+                 checkpoint_id=str(root / "tutorial"))  # fmt: skip
+        dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3},
+                 checkpoint_id=str(root / "plain"))  # fmt: skip
+    return [root / "tutorial", root / "plain"]
 
 
 def mutated_dcp_directory(chooser: Chooser, seed: Path, target: Path) -> None:
-    """``seed`` with its ``.metadata`` pickle's opcodes changed, or its data file's bytes."""
+    """``seed`` with its ``.metadata`` pickle's opcodes changed or cut short, or its data
+    file's bytes changed or cut short."""
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(seed, target)
     metadata = target / ".metadata"
     (data,) = target.glob("*.distcp")
-    op = chooser.integer(0, 4)
+    op = chooser.integer(0, 5)
     if op <= 2:
         metadata.write_bytes(_mutate_pickle(chooser, bytearray(metadata.read_bytes()), op))
+    elif op == 5:
+        raw = metadata.read_bytes()
+        metadata.write_bytes(raw[: chooser.integer(0, len(raw))])
     elif op == 3:
         raw = bytearray(data.read_bytes())
         for _ in range(chooser.integer(1, 4)):
@@ -477,10 +486,10 @@ def example(kind: str, root: Path) -> Callable[[Chooser], None]:
     """One check of the property on an input of ``kind`` (``checkpoint``, ``torchfile`` or
     ``dcp``) mutated by a chooser's choices; the seed input is made under ``root`` first."""
     if kind == "dcp":
-        seed_dcp_directory(root / "seed")
+        seeds = seed_dcp_directories(root / "seeds")
 
         def one_directory(chooser: Chooser) -> None:
-            mutated_dcp_directory(chooser, root / "seed", root / "mutated")
+            mutated_dcp_directory(chooser, choice(chooser, seeds), root / "mutated")
             check_torch_file(root / "mutated", root / "out")
 
         return one_directory

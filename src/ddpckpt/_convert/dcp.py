@@ -26,13 +26,15 @@ Violations raise :class:`~ddpckpt.errors.CorruptCheckpointError` naming the file
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import pickle
 import re
+import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -47,6 +49,15 @@ MAX_METADATA_BYTES = 1 << 30
 NODES_PER_BYTE = 4  # records walked per byte of .metadata
 _NODES_FLOOR = 100_000
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
+_MAX_DIM = 1 << 63
+# The dtypes a checkpoint holds, by the name torch pickles them with.
+DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float64", "float32", "float16", "bfloat16", "complex64", "complex128",
+                 "int64", "int32", "int16", "int8", "uint8", "bool", "float8_e4m3fn",
+                 "float8_e5m2")
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}  # fmt: skip
 _LAYOUTS = frozenset({"torch.strided", "torch.sparse_coo", "torch.sparse_csr"})
 _PATHS = frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
                     "PureWindowsPath"})  # fmt: skip
@@ -130,16 +141,32 @@ _RECORD_TYPES: dict[str, type[_Record]] = {
 }
 
 
+class _Call:
+    """A global the metadata may call (``torch.Size``, a layout, a path): a fresh instance
+    per global named, so that nothing a pickle does to it outlives the read."""
+
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self._call = call
+
+    def __call__(self, *args: Any) -> Any:
+        return self._call(*args)
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError("state set on a function")
+
+
 def _size(values: Any = ()) -> tuple[int, ...]:
-    if not isinstance(values, (list, tuple)) or not all(type(v) is int and v >= 0 for v in values):
+    if not isinstance(values, (list, tuple)) or not all(
+        type(v) is int and 0 <= v < _MAX_DIM for v in values
+    ):
         raise pickle.UnpicklingError("a torch.Size of other than non-negative integers")
     return tuple(values)
 
 
 def _layout(name: Any) -> str:
-    if name not in _LAYOUTS:
-        raise pickle.UnpicklingError(f"an unknown layout {name!r:.80}")
-    return str(name)
+    if not isinstance(name, str) or name not in _LAYOUTS:
+        raise pickle.UnpicklingError(f"an unknown layout (a {type(name).__name__})")
+    return name
 
 
 def _path(*parts: Any) -> str:
@@ -149,8 +176,8 @@ def _path(*parts: Any) -> str:
 
 
 def _memory_format(value: Any) -> int:
-    if type(value) is not int:
-        raise pickle.UnpicklingError("a memory format of other than an integer")
+    if type(value) is not int or not 0 <= value < 16:
+        raise pickle.UnpicklingError("a memory format of other than a small integer")
     return value
 
 
@@ -168,28 +195,58 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if name in _DCP_RECORDS.get(module, ()):
             return _RECORD_TYPES[name]
         if module == "torch.distributed.checkpoint.metadata" and name == "_MEM_FORMAT_ENCODING":
-            return _memory_format
+            return _Call(_memory_format)
         if module == "torch" and name == "Size":
-            return _size
-        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
-            return vars(torch)[name]
+            return _Call(_size)
+        if module == "torch" and name in DTYPES:
+            return DTYPES[name]
         if module == "torch.serialization" and name == "_get_layout":
-            return _layout
+            return _Call(_layout)
         if module == "pathlib" and name in _PATHS:
-            return _path
+            return _Call(_path)
         if module in ("collections", "builtins") and name in ("OrderedDict", "dict"):
-            return dict
+            return _Call(dict)
         raise UnsafeCheckpointError(
             f"{self.path}: refusing to read it: unpickling would call {module}.{name}, which "
-            "DCP's metadata never holds (a pickle can run any code that way)"
+            "is none of DCP's metadata records nor a dtype a checkpoint holds (a pickle can "
+            "run any code that way)"
         )
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("DCP's metadata holds no persistent ids")
 
+    # Keys are hashed as they are stored: a tuple nesting itself through the memo takes
+    # exponential time to hash. DCP's keys are names, or records (hashed by identity).
+    def _key(self, key: Any) -> Any:
+        if type(key) in (str, int) or key is None or isinstance(key, _Record):
+            return key
+        raise pickle.UnpicklingError(f"a dict key of type {type(key).__name__}")
+
+    def load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self.stack[-1][self._key(key)] = value
+
+    def load_setitems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        for i in range(0, len(items) - 1, 2):
+            target[self._key(items[i])] = items[i + 1]
+
+    def load_no_sets(self) -> None:
+        raise pickle.UnpicklingError("DCP's metadata holds no sets")
+
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch[pickle.SETITEM[0]] = load_setitem
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+    dispatch[pickle.EMPTY_SET[0]] = load_no_sets
+    dispatch[pickle.ADDITEMS[0]] = load_no_sets
+    dispatch[pickle.FROZENSET[0]] = load_no_sets
+
 
 _PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-                  IndexError, KeyError, OverflowError, MemoryError, RecursionError)  # fmt: skip
+                  IndexError, KeyError, OverflowError, MemoryError, RecursionError,
+                  struct.error, UnicodeDecodeError)  # fmt: skip
 
 
 def _unpickle(path: str) -> tuple[Any, int]:
@@ -199,6 +256,8 @@ def _unpickle(path: str) -> tuple[Any, int]:
         raise CorruptCheckpointError(f"{path}: {exc.kind}, not DCP's metadata") from None
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path}: missing: not a DCP checkpoint") from None
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: cannot be read ({exc.strerror})") from None
     with os.fdopen(fd, "rb") as f:
         size = f.seek(0, os.SEEK_END)
         if size > MAX_METADATA_BYTES:
@@ -267,8 +326,8 @@ class _Walk:
         return value
 
     def integer(self, value: Any, what: str) -> int:
-        if type(value) is not int or value < 0:
-            raise self.fail(f"{what} is not a non-negative integer")
+        if type(value) is not int or not 0 <= value < _MAX_DIM:
+            raise self.fail(f"{what} is not a non-negative integer below 2**63")
         return value
 
     def shape(self, value: Any, what: str) -> tuple[int, ...]:
@@ -299,8 +358,8 @@ def read_metadata(directory: str) -> DcpMetadata:
             continue
         tensor = walk.record(meta, "TensorStorageMetadata")
         dtype = walk.record(tensor.get("properties"), "TensorProperties")["dtype"]
-        if not isinstance(dtype, torch.dtype):
-            raise walk.fail(f"{key}: no dtype")
+        if dtype not in DTYPES.values():
+            raise walk.fail(f"{key}: no dtype a checkpoint holds")
         shape = walk.shape(tensor.get("size"), f"{key}'s size")
         chunks = []
         for chunk in walk.sequence(tensor.get("chunks"), f"{key}'s chunks"):
@@ -317,8 +376,26 @@ def read_metadata(directory: str) -> DcpMetadata:
             chunks.append(Chunk(offsets, sizes, _stored(walk, stored_by, key, offsets)))
         if sum(math.prod(c.sizes) for c in chunks) != math.prod(shape):
             raise walk.fail(f"{key}: its chunks do not add up to its {list(shape)} elements")
+        if len(chunks) == 1 and (chunks[0].sizes != shape or any(chunks[0].offsets)):
+            raise walk.fail(f"{key}: its one chunk is not the whole tensor")
         items[key] = TensorItem(dtype, shape, tuple(chunks))
+    _no_shared_bytes(walk, items)
     return DcpMetadata(items, paths)
+
+
+def _no_shared_bytes(walk: _Walk, items: dict[str, TensorItem | BytesItem]) -> None:
+    """Refuse byte ranges that two items (or two chunks) share: each item's bytes are its
+    own, so that what is read stays in proportion to the files."""
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for item in items.values():
+        stored = [item.stored] if isinstance(item, BytesItem) else [c.stored for c in item.chunks]
+        for where in stored:
+            ranges.setdefault(where.file, []).append((where.offset, where.offset + where.length))
+    for file, spans in ranges.items():
+        spans.sort()
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            if start < end:
+                raise walk.fail(f"two items share bytes of {os.path.basename(file)}")
 
 
 def _planned_path(walk: _Walk, key: str, value: Any) -> tuple[str | int, ...]:
@@ -342,14 +419,17 @@ def _storage(walk: _Walk, value: Any, directory: str) -> dict[_Where, Stored]:
             raise walk.fail("a storage index without its key")
         at = None if offset is None else walk.shape(offset, f"{fqn}'s storage offset")
         stored = walk.record(info, "_StorageInfo")
-        if stored.get("transform_descriptors"):
+        if stored.get("transform_descriptors") is not None:
             raise CorruptCheckpointError(
-                f"{walk.path}: {fqn} is stored through DCP extensions "
-                f"({stored['transform_descriptors']!r:.100}), which this import does not read"
+                f"{walk.path}: {fqn} is stored through DCP's storage extensions (compressed, "
+                "say), which this import does not read"
             )
         name = stored.get("relative_path")
-        if not isinstance(name, str) or not _FILE_NAME.fullmatch(name):
-            raise walk.fail(f"{fqn}: a data file named {name!r:.100}, not a file of the directory")
+        if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or name == METADATA:
+            shown = repr(name[:100]) if isinstance(name, str) else f"a {type(name).__name__}"
+            raise walk.fail(f"{fqn}: a data file named {shown}, not a file of the directory")
+        if (fqn, at) in found:
+            raise walk.fail(f"{fqn}: stored twice at one place")
         found[(fqn, at)] = Stored(
             os.path.join(directory, name),
             walk.integer(stored.get("offset"), f"{fqn}'s offset"),
@@ -386,6 +466,10 @@ class _Files:
             ) from None
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{stored.file}: missing (named by .metadata)") from None
+        except OSError as exc:
+            raise CorruptCheckpointError(
+                f"{stored.file}: cannot be read ({exc.strerror})"
+            ) from None
         with os.fdopen(fd, "rb") as f:
             size = f.seek(0, os.SEEK_END)
             if stored.offset + stored.length > size:
@@ -407,16 +491,19 @@ def _tensor(
             f"{key}: .metadata claims {claimed} bytes for it, stored in {held}; refused"
         )
     if not item.chunks:  # a tensor without elements
-        return torch.empty(item.size, dtype=item.dtype)
-    whole = torch.empty(item.size, dtype=item.dtype) if len(item.chunks) > 1 else None
-    covered = torch.zeros(item.size, dtype=torch.bool) if whole is not None else None
+        return _allocate(key, item, torch.empty)
+    whole = _allocate(key, item, torch.empty) if len(item.chunks) > 1 else None
+    covered = _allocate(key, item, torch.zeros, torch.bool) if whole is not None else None
     for chunk in item.chunks:
         where = f"{chunk.stored.file} ({key}, bytes {chunk.stored.offset}+{chunk.stored.length})"
         value = load(files.read(chunk.stored), where)
         if (
             not isinstance(value, torch.Tensor)
             or tuple(value.shape) != chunk.sizes
-            or (value.dtype != item.dtype)
+            or value.dtype != item.dtype
+            or value.layout != torch.strided
+            or value.device.type != "cpu"
+            or value.is_quantized
         ):
             raise CorruptCheckpointError(
                 f"{where}: holds {_describe(value)}, where .metadata says a {item.dtype} tensor "
@@ -430,6 +517,17 @@ def _tensor(
         covered[region] = True
         whole[region] = value
     return whole
+
+
+def _allocate(
+    key: str, item: TensorItem, make: Callable[..., torch.Tensor], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    try:
+        return make(item.size, dtype=dtype or item.dtype)
+    except (RuntimeError, TypeError, ValueError, OverflowError, MemoryError) as exc:
+        raise CorruptCheckpointError(
+            f"{key}: a tensor of its declared size cannot be made ({type(exc).__name__})"
+        ) from None
 
 
 def _describe(value: Any) -> str:
@@ -453,33 +551,53 @@ def read_dcp(
     def load(data: bytes, where: str) -> Any:
         return read_torch_bytes(data, where, trusted, trusted_source)
 
-    nested: dict[str, Any] = {}
+    nested = _Nested()
     for key, item in metadata.items.items():
         if isinstance(item, BytesItem):
             where = f"{item.stored.file} ({key}, bytes {item.stored.offset}+{item.stored.length})"
             value = load(files.read(item.stored), where)
         else:
             value = _tensor(key, item, files, load)
-        _place(nested, metadata.paths[key], value, key)
-    return _lists(nested)
+        nested.place(metadata.paths[key], value, key)
+    return nested.rebuilt()
 
 
-def _place(nested: dict[Any, Any], path: tuple[str | int, ...], value: Any, key: str) -> None:
-    node = nested
-    for part in path[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise CorruptCheckpointError(f"{key}: its path in the saved dict crosses a value")
-    if path[-1] in node:
-        raise CorruptCheckpointError(f"{key}: two items at one place of the saved dict")
-    node[path[-1]] = value
+class _Nested:
+    """The saved dict, put together again from each item's path."""
 
+    def __init__(self) -> None:
+        self.root: dict[Any, Any] = {}
+        self.made: set[int] = {id(self.root)}  # the containers built here, not loaded values
 
-def _lists(node: Any) -> Any:
-    """The dicts keyed 0..n-1 (DCP flattens a list into its positions) as lists again."""
-    if not isinstance(node, dict):
-        return node
-    done = {k: _lists(v) for k, v in node.items()}
-    if done and all(type(k) is int for k in done) and sorted(done) == list(range(len(done))):
-        return [done[i] for i in range(len(done))]
-    return done
+    def place(self, path: tuple[str | int, ...], value: Any, key: str) -> None:
+        node = self.root
+        for part in path[:-1]:
+            if part not in node:
+                node[part] = {}
+                self.made.add(id(node[part]))
+            node = node[part]
+            if id(node) not in self.made:
+                raise CorruptCheckpointError(f"{key}: its path in the saved dict crosses a value")
+        if path[-1] in node:
+            raise CorruptCheckpointError(f"{key}: two items at one place of the saved dict")
+        node[path[-1]] = value
+
+    def rebuilt(self) -> dict[str, Any]:
+        """The containers built here that are keyed 0..n-1 (DCP flattens a list into its
+        positions) as lists again; loaded values as they were."""
+
+        def rebuild(node: Any) -> Any:
+            if not isinstance(node, dict) or id(node) not in self.made:
+                return node
+            done = {k: rebuild(v) for k, v in node.items()}
+            keys = list(done)
+            if (
+                keys
+                and all(type(k) is int for k in keys)
+                and sorted(keys) == list(range(len(keys)))
+            ):
+                return [done[i] for i in range(len(keys))]
+            return done
+
+        rebuilt: dict[str, Any] = rebuild(self.root)
+        return rebuilt

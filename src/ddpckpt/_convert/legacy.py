@@ -73,25 +73,33 @@ _EPOCH_KEYS = ("epoch",)
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
-def _strip_wrappers(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop ``module.``/``_orig_mod.`` from every key, leading or nested."""
-    keys = list(state)
+def _wrapper_prefixes(keys: list[str]) -> list[str]:
+    """The ``module.``/``_orig_mod.`` prefixes every one of ``keys`` starts with, outermost
+    first."""
+    prefixes: list[str] = []
     changed = True
     while changed and keys:
         changed = False
         for prefix in _WRAPPER_PREFIXES:
             if all(k.startswith(prefix) for k in keys):
                 keys = [k[len(prefix) :] for k in keys]
+                prefixes.append(prefix)
                 changed = True
-    keys = [k.replace("._orig_mod.", ".") for k in keys]
+    return prefixes
+
+
+def _unwrapped_name(name: str, prefixes: list[str]) -> str:
+    for prefix in prefixes:
+        name = name.removeprefix(prefix)
+    return name.replace("._orig_mod.", ".")
+
+
+def _strip_wrappers(state: Mapping[str, Any], prefixes: list[str]) -> dict[str, Any]:
+    """Drop the wrappers' ``prefixes`` and any nested ``._orig_mod.`` from every key."""
+    keys = [_unwrapped_name(k, prefixes) for k in state]
     if len(set(keys)) != len(keys):
         raise CorruptCheckpointError("removing wrapper prefixes made two model keys equal")
     return dict(zip(keys, state.values(), strict=True))
-
-
-def _strip_names(names: list[str]) -> list[str]:
-    """Parameter names as :func:`_strip_wrappers` leaves the model's keys."""
-    return list(_strip_wrappers(dict.fromkeys(names)))
 
 
 def _pick(doc: dict[str, Any], names: Iterable[str]) -> tuple[str | None, Any]:
@@ -133,7 +141,7 @@ def _model_section(weights: Mapping[str, Any], snapshot: Snapshot) -> ModelSecti
 
 
 def _optimizer_section(
-    optimizer: Mapping[str, Any], snapshot: Snapshot, where: str
+    optimizer: Mapping[str, Any], snapshot: Snapshot, where: str, prefixes: list[str]
 ) -> OptimizerSection:
     if not isinstance(optimizer, Mapping):
         raise CorruptCheckpointError(f"{where}: the optimizer entry is not an optimizer state_dict")
@@ -149,10 +157,21 @@ def _optimizer_section(
         raise CorruptCheckpointError(f"{where}: the optimizer's state holds a non-dict entry")
     # get_state_dict (DCP) keys the state by parameter name: matched by name when loaded
     named = all(isinstance(p, str) for g in groups_in for p in g["params"])
+    if not named and state_in and all(isinstance(k, str) and k.isdecimal() for k in state_in):
+        state_in = {int(k): v for k, v in state_in.items()}  # DCP saved the keys as text
+    claimed = [p for g in groups_in for p in g["params"]]
+    if len(set(claimed)) != len(claimed):
+        raise CorruptCheckpointError(f"{where}: the optimizer lists a parameter twice")
+    unclaimed = set(state_in) - set(claimed)
+    if unclaimed:
+        raise CorruptCheckpointError(
+            f"{where}: the optimizer holds state for {len(unclaimed)} parameter(s) no param "
+            f"group lists (such as {sorted(map(str, unclaimed))[0][:100]!r})"
+        )
     groups, state, shapes = [], {}, {}
     for g, group in enumerate(groups_in):
         names = (
-            _strip_names(group["params"])
+            [_unwrapped_name(p, prefixes) for p in group["params"]]
             if named
             else [f"@group{g}.{i}" for i in range(len(group["params"]))]
         )
@@ -198,7 +217,8 @@ def _classify(
                     f"{', '.join(map(str, doc))}); name it with --model-key"
                 )
             key, weights = None, doc
-    sections.models["model"] = _model_section(_strip_wrappers(weights), snapshot)
+    prefixes = _wrapper_prefixes(list(weights))
+    sections.models["model"] = _model_section(_strip_wrappers(weights, prefixes), snapshot)
     if key is None:
         snapshot.state = sections.to_json()
         return snapshot, header, []
@@ -215,7 +235,9 @@ def _classify(
             doc["lr_schedulers[1:]"] = schedulers[1:]
     name, optimizer = _pick(doc, _OPTIMIZER_KEYS)
     if name is not None and optimizer:
-        sections.optimizers["optimizer"] = _optimizer_section(doc.pop(name), snapshot, where)
+        sections.optimizers["optimizer"] = _optimizer_section(
+            doc.pop(name), snapshot, where, prefixes
+        )
     for kind, names in (("scheduler", _SCHEDULER_KEYS), ("scaler", _SCALER_KEYS)):
         name, value = _pick(doc, names)
         if name is not None and isinstance(value, Mapping) and value:

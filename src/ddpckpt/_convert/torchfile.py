@@ -33,6 +33,7 @@ import io
 import os
 import pickle
 import re
+import struct
 import sys
 import zipfile
 from collections import Counter, OrderedDict, defaultdict, deque
@@ -184,7 +185,8 @@ def _read(
         raise _refusal(path, exc) from exc
     except (
         RuntimeError, EOFError, zipfile.BadZipFile, KeyError, IndexError, ValueError, TypeError,
-        AttributeError, OSError, AssertionError, OverflowError, MemoryError,
+        AttributeError, OSError, AssertionError, OverflowError, MemoryError, struct.error,
+        RecursionError,
     ) as exc:  # fmt: skip
         # The weights-only unpickler meets bytes that are no pickle with whatever error the
         # opcode it misreads leads to (a text file gives ``KeyError: 101``; torch checks
@@ -373,7 +375,8 @@ def _scan_old_format(f: IO[bytes], path: str, size: int) -> None:
 
 # What a malformed pickle makes the standard unpickler raise (it has no one error type).
 _PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-                  IndexError, KeyError, OverflowError, MemoryError, RecursionError)  # fmt: skip
+                  IndexError, KeyError, OverflowError, MemoryError, RecursionError,
+                  struct.error)  # fmt: skip
 
 
 def _storages(f: IO[bytes], path: str) -> dict[str, int]:
