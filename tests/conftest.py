@@ -8,7 +8,6 @@ import random
 import socket
 import sys
 import uuid
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,23 +73,13 @@ def process_group() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def _checkpointers_closed(monkeypatch) -> Iterator[None]:
+def _checkpointers_closed() -> Iterator[None]:
     """Closes the Checkpointers a test left open: an open one keeps refreshing its lock from a
     thread, and a later test on the same worker would see it (the fuzz suite's guard on the
-    paths a load opens did, as a flake)."""
-    from ddpckpt import Checkpointer
-
-    opened: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
-    init = Checkpointer.__init__
-
-    def tracked(self: Checkpointer, *args: object, **kwargs: object) -> None:
-        opened.add(self)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(Checkpointer, "__init__", tracked)
-    yield
-    for ckpt in list(opened):
-        ckpt.close()
+    paths a load opens did, as a flake). No ``monkeypatch`` here: it would be the test's own,
+    set up before the test's other fixtures and so undone only after their clean-up."""
+    with closing_checkpointers():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -64,7 +64,7 @@ def test_mutated_torch_files_import_or_are_refused(tmp_path_factory) -> None:
 def test_mutated_dcp_directories_import_or_are_refused(tmp_path_factory) -> None:
     one = example("dcp", tmp_path_factory.mktemp("dcp"))
 
-    @fuzz(200)
+    @fuzz(120)
     @given(st.data())
     def check(data: st.DataObject) -> None:
         one(Draws(data))

@@ -234,38 +234,43 @@ def test_chunks_that_overlap_are_refused(saved, tmp_path) -> None:
 # ---------------------------------------------------------------- dcp.save on two ranks
 
 
-@pytest.mark.processes
-@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
-def test_two_ranks_dcp_save_imports_as_torch_gathers_it(layout, tmp_path) -> None:
-    """FSDP2's shards (uneven, one per rank) are put together into whole tensors equal to
-    what torch's own get_state_dict(full_state_dict=True) gathers."""
-    forked_ranks(layout, tmp_path / "out", args=["--ckpt", str(tmp_path)], worker=WORKER,
-                 timeout=120).ok()  # fmt: skip
-    reference = torch.load(tmp_path / "reference.pt", weights_only=True)
-    path, dropped = import_checkpoint(tmp_path / "dcp", tmp_path / "imported")
-    assert dropped == []
+def _check_against_reference(root: Path, imported: str) -> None:
+    """What ddpckpt loads from the import equals what torch's own
+    get_state_dict(full_state_dict=True) gathered when the ranks saved."""
+    reference = torch.load(root / "reference.pt", weights_only=True)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ddpckpt.load(path, model=model, optimizer=opt, rng=False)
+    ddpckpt.load(imported, model=model, optimizer=opt, rng=False)
     assert _same(model, reference["model"])
     loaded = opt.state_dict()
-    names = list(reference["model"].keys())
-    params = [n for n in names if n in dict(model.named_parameters())]
+    params = [n for n in reference["model"] if n in dict(model.named_parameters())]
     for i, name in enumerate(params):
         for k, v in reference["optim"]["state"][name].items():
             assert torch.equal(loaded["state"][i][k], v), (name, k)
 
 
 @pytest.mark.processes
+def test_a_two_rank_ddp_dcp_save_imports_as_torch_gathers_it(tmp_path) -> None:
+    forked_ranks("ddp", tmp_path / "out", args=["--ckpt", str(tmp_path)], worker=WORKER,
+                 timeout=120).ok()  # fmt: skip
+    path, dropped = import_checkpoint(tmp_path / "dcp", tmp_path / "imported")
+    assert dropped == []
+    _check_against_reference(tmp_path, path)
+
+
+@pytest.mark.processes
 def test_an_imported_fsdp2_save_resumes_under_fsdp2_as_dcp_load_does_at_two_and_three_ranks(
     tmp_path,
 ) -> None:
-    """The import continues the source's run: at the world size it was written at and at
-    another, the model and optimizer loaded by ddpckpt equal what dcp.load restores, and two
-    more steps keep them equal."""
+    """FSDP2's shards (uneven, one per rank) are put together into whole tensors equal to
+    what torch gathers; and the import continues the source's run: at the world size it was
+    written at and at another, the model and optimizer loaded by ddpckpt equal what dcp.load
+    restores, and two more steps keep them equal."""
     forked_ranks("fsdp2", tmp_path / "save", args=["--ckpt", str(tmp_path)], worker=WORKER,
                  timeout=120).ok()  # fmt: skip
-    imported, _ = import_checkpoint(tmp_path / "dcp", tmp_path / "imported")
+    imported, dropped = import_checkpoint(tmp_path / "dcp", tmp_path / "imported")
+    assert dropped == []
+    _check_against_reference(tmp_path, imported)
     for nproc in (2, 3):
         launch = forked_ranks("resume", tmp_path / f"resume-{nproc}", nproc=nproc, worker=WORKER,
                               args=["--ckpt", str(tmp_path), "--imported", imported],

@@ -103,7 +103,14 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
         "out",
         help="what to write: OUT.safetensors (no pickle), OUT.pt (torch.save), or OUT without "
         "a suffix (or OUT/): a Hugging Face directory (model.safetensors, or model-0000i-of-0000n.safetensors "
-        "and model.safetensors.index.json)",
+        "and model.safetensors.index.json); with --format dcp, a DCP directory",
+    )
+    p.add_argument(
+        "--format",
+        choices=["dcp"],
+        help="dcp: a torch.distributed.checkpoint directory that dcp.load reads into "
+        '{"model": ..., "optim": ...} of get_state_dict (the weights, and the optimizer\'s '
+        "state and param groups)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     p.add_argument("--model", help="the model to export, of a checkpoint of several")
@@ -118,10 +125,16 @@ def _export_arguments(p: argparse.ArgumentParser) -> None:
 
 def _export(args: argparse.Namespace) -> int:
     from ddpckpt._cli.export import export
+    from ddpckpt._cli.export_dcp import export_dcp
 
+    if args.format == "dcp" and args.max_shard_size is not None:
+        raise CannotRun("--max-shard-size is for a Hugging Face directory, not --format dcp")
     try:
-        out = export(args.checkpoint, args.out, overwrite=args.overwrite, model=args.model,
-                     max_shard_size=args.max_shard_size)  # fmt: skip
+        if args.format == "dcp":
+            out = export_dcp(args.checkpoint, args.out, overwrite=args.overwrite, model=args.model)
+        else:
+            out = export(args.checkpoint, args.out, overwrite=args.overwrite, model=args.model,
+                         max_shard_size=args.max_shard_size)  # fmt: skip
     except FileExistsError:
         raise CannotRun(f"{args.out} exists; pass --overwrite to replace it") from None
     print(f"wrote {out}")
@@ -195,7 +208,7 @@ VERIFY = Command(
 )
 EXPORT = Command(
     "export",
-    "write the model weights to OUT.safetensors, OUT.pt or a Hugging Face directory",
+    "write the model weights to OUT.safetensors, OUT.pt, a Hugging Face or a DCP directory",
     _export_arguments,
     _export,
     description="Write one model's weights as a plain state dict (no 'module.' or "
@@ -203,7 +216,8 @@ EXPORT = Command(
     "torch.load and model.load_state_dict, a directory with from_pretrained (add its "
     "config.json) or huggingface_hub.load_torch_model. One tensor is in memory at a time "
     "(a sharded one assembled from its pieces), and OUT appears only once complete. The "
-    "checkpoint is verified while it is read.",
+    "checkpoint is verified while it is read. --format dcp writes a "
+    "torch.distributed.checkpoint directory with the optimizer too, for DCP-based tools.",
 )
 IMPORT = Command(
     "import",
