@@ -263,15 +263,15 @@ def test_an_imported_fsdp2_save_resumes_under_fsdp2_as_dcp_load_does_at_two_and_
     tmp_path,
 ) -> None:
     """FSDP2's shards (uneven, one per rank) are put together into whole tensors equal to
-    what torch gathers; and the import continues the source's run: at the world size it was
-    written at and at another, the model and optimizer loaded by ddpckpt equal what dcp.load
-    restores, and two more steps keep them equal."""
+    what torch gathers; and the import continues the source's run: at another world size than
+    it was written at, the model and optimizer loaded by ddpckpt equal what dcp.load restores
+    (resharding both), and two more steps keep them equal."""
     forked_ranks("fsdp2", tmp_path / "save", args=["--ckpt", str(tmp_path)], worker=WORKER,
                  timeout=120).ok()  # fmt: skip
     imported, dropped = import_checkpoint(tmp_path / "dcp", tmp_path / "imported")
     assert dropped == []
     _check_against_reference(tmp_path, imported)
-    for nproc in (2, 3):
+    for nproc in (3,):  # another world size than the save's 2
         launch = forked_ranks("resume", tmp_path / f"resume-{nproc}", nproc=nproc, worker=WORKER,
                               args=["--ckpt", str(tmp_path), "--imported", imported],
                               timeout=120).ok()  # fmt: skip
