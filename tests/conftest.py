@@ -21,7 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).with_name("support")))
 # Fixtures of one subpackage's tests live there too, as plugins: a second conftest.py would
 # take the module name "conftest" that the tests import the helpers below from.
-pytest_plugins = ["check_recorder", "tiers"]
+pytest_plugins = ["check_recorder", "shared_storages", "tiers"]
 
 
 class TiedLM(nn.Module):
@@ -63,9 +63,9 @@ def free_port() -> int:
 @pytest.fixture
 def process_group() -> Iterator[None]:
     """A one-rank gloo group on loopback, so DDP can wrap a module in-process."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
+    # the store binds a port the system picks: never a port picked free, then taken
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield
     finally:

@@ -156,3 +156,29 @@ def test_forked_ranks_that_outlive_the_timeout_are_killed(tmp_path: Path) -> Non
     worker.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
     with pytest.raises(AssertionError, match=r"launch hung for 3 s and was killed:\n.*started"):
         run_ranks(worker, [], nproc=2, env=_env(None), timeout=3)
+
+
+SHARED = """
+from ddpckpt.storage import resolve
+
+
+def test_patches_the_shared_in_memory_storage(monkeypatch):
+    monkeypatch.setattr(resolve("memory://x")[0], "delete", lambda location: None)
+
+
+def test_finds_it_as_its_class_defines_it():
+    storage = resolve("memory://x")[0]
+    assert "delete" not in vars(storage), vars(storage)
+"""
+
+
+def test_a_method_patched_on_a_shared_storage_is_its_class_again_in_the_next_test(
+    pytester,
+) -> None:
+    """monkeypatch's undo leaves the bound method it saved on the instance, which shadows
+    any later patch of the class (tests/support/shared_storages.py)."""
+    pytester.makepyfile(test_inner=SHARED)
+    result = pytester.runpytest_inprocess("-p", "shared_storages", "-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=2)
+    bare = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q", "-p", "no:shared_storages")
+    bare.assert_outcomes(passed=1, failed=1)  # without it, the copy stays

@@ -197,11 +197,18 @@ def test_the_quickstart_recipe_survives_a_damaged_newest_checkpoint_restarted_tw
         monkeypatch.setenv(name, value)
 
     def run() -> str:
-        monkeypatch.setenv("MASTER_PORT", str(free_port()))
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="ddpckpt"):
-            exec(recipe, {"__name__": "__main__"})
-        return caplog.text
+        for attempt in range(3):  # the recipe's env:// rendezvous binds MASTER_PORT itself
+            monkeypatch.setenv("MASTER_PORT", str(free_port()))
+            caplog.clear()
+            try:
+                with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+                    exec(recipe, {"__name__": "__main__"})
+            except torch.distributed.DistNetworkError as exc:
+                if "EADDRINUSE" not in str(exc) or attempt == 2:
+                    raise  # another process took the port between picking and binding
+                continue
+            return caplog.text
+        raise AssertionError("unreachable")
 
     run()
     newest = ddpckpt.latest("ckpt")
