@@ -99,6 +99,16 @@ def test_the_command_imports_a_dcp_directory(saved, tmp_path, capsys) -> None:
     assert _same(fresh, model)
 
 
+def test_a_model_beside_its_optimizer_at_the_top_level_is_refused_not_misread(tmp_path) -> None:
+    """torchtitan's layout: the model's keys at the top, beside "optimizer"."""
+    model, opt = _trained()
+    model_state, optim_state = get_state_dict(model, opt)
+    _dcp_save({**model_state, "optimizer": optim_state}, tmp_path / "dcp")
+    with pytest.raises(CorruptCheckpointError, match="torchtitan's layout"):
+        import_checkpoint(tmp_path / "dcp", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_bare_model_state_dict_saved_with_dcp_imports(tmp_path) -> None:
     model, _ = _trained()
     _dcp_save(dict(model.state_dict()), tmp_path / "dcp")

@@ -226,7 +226,7 @@ IMPORT = Command(
     _import,
     description="Convert a checkpoint written with torch.save (a state dict, the usual "
     "{'model': ..., 'optimizer': ...} dicts, a Lightning .ckpt) or a "
-    "torch.distributed.checkpoint directory (dcp.save, torchtitan; a sharded save's pieces "
+    "torch.distributed.checkpoint directory (dcp.save; a sharded save's pieces "
     "put together) into a ddpckpt checkpoint. torch.save files and DCP's items are read with "
     "torch's weights-only unpickler, DCP's .metadata with one that knows only DCP's own "
     "metadata records: a pickle naming any other global is refused before it runs. "

@@ -1,5 +1,5 @@
 """``ddpckpt export CHECKPOINT OUT --format dcp``: a checkpoint as a
-``torch.distributed.checkpoint`` (DCP) directory, for DCP-based tools (torchtitan, DCP's own
+``torch.distributed.checkpoint`` (DCP) directory, for DCP-based tools (DCP's own
 ``dcp.load``).
 
 The directory holds what ``dcp.load`` reads into ``{"model": model_state, "optim":

@@ -1,6 +1,6 @@
 """Reading a ``torch.distributed.checkpoint`` (DCP) directory without running its pickle.
 
-A DCP directory (``dcp.save``, ``dcp.async_save``, torchtitan) holds ``.metadata``, a
+A DCP directory (``dcp.save``, ``dcp.async_save``) holds ``.metadata``, a
 pickle of DCP's ``Metadata``, and ``*.distcp`` files. ``torch.distributed.checkpoint.load``
 unpickles ``.metadata`` with the standard unpickler, so a directory from someone else can
 run any code; DCP documents that it assumes a trusted environment. Here:

@@ -290,6 +290,13 @@ def import_checkpoint(
     source, destination = os.fspath(source), os.fspath(destination)
     if is_dcp_directory(source):
         obj = _unwrapped(read_dcp(source, trusted_globals, trusted_source))
+        beside = [k for k in _OPTIMIZER_KEYS if isinstance(obj.get(k), dict)]
+        if model_key is None and _is_state_dict(obj) and beside:
+            raise CorruptCheckpointError(
+                f"{source}: the model's keys sit at the top level of the saved dict, beside "
+                f"{beside[0]!r} (torchtitan's layout): not recognised yet; load it with "
+                "torchtitan, then save once with ddpckpt"
+            )
     elif os.path.isdir(source):
         raise CorruptCheckpointError(
             f"{source}: a directory without DCP's .metadata; `import` reads a torch.save file, "
