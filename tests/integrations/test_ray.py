@@ -22,6 +22,7 @@ pytestmark = pytest.mark.skipif(find_spec("ray") is None, reason="no ray extra")
 @pytest.mark.processes
 @pytest.mark.long
 @pytest.mark.xdist_group("ray")  # one local Ray cluster at a time (the Ray page's snippet too)
+@pytest.mark.timeout(480)  # beyond the run's own 420 s, which reports what it printed
 def test_a_worker_killed_mid_epoch_resumes_bit_for_bit_from_s3_after_ray_restarts_it(
     s3_root, tmp_path: Path
 ) -> None:
