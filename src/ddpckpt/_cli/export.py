@@ -96,7 +96,7 @@ def export(
             with store.create(tmp) as writer:
                 torch.save(load_state_dict(path, model=model), _TorchSink(writer))
                 writer.sync()
-        _put_in_place(store, tmp, out.rstrip("/"), directory)
+        put_in_place(store, tmp, out.rstrip("/"), directory)
     finally:
         if store.exists(tmp):
             store.delete_tree(tmp)
@@ -197,7 +197,7 @@ def _write_directory(weights: _Weights, directory: str, limit: int) -> None:
     store.sync_dir(directory)
 
 
-def _put_in_place(store: Storage, tmp: str, out: str, directory: bool) -> None:
+def put_in_place(store: Storage, tmp: str, out: str, directory: bool) -> None:
     """Rename ``tmp`` to ``out``; an existing directory ``out`` (overwrite) is first renamed
     aside, then deleted: never a mix of the two under ``out``."""
     if directory and store.exists(out):

@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ddpckpt._cli.export import put_in_place
 from ddpckpt._cli.tools import open_manifest
 from ddpckpt._format.codec import decode
 from ddpckpt._format.sections import OptimizerSection, StateSections
@@ -94,14 +95,7 @@ def export_dcp(
             pickle.dump(_metadata(written), meta)
             meta.flush()
             os.fsync(meta.fileno())
-        if store.exists(out):
-            aside = temp_name(out, new_token())
-            store.rename(out, aside)
-            store.rename(tmp, out)
-            store.delete_tree(aside)
-        else:
-            store.rename(tmp, out)
-        store.sync_dir(store.parent(out))
+        put_in_place(store, tmp, out, directory=True)
     finally:
         if store.exists(tmp):
             store.delete_tree(tmp)
