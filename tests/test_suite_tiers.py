@@ -173,10 +173,13 @@ def test_finds_it_as_its_class_defines_it():
 
 
 def test_a_method_patched_on_a_shared_storage_is_its_class_again_in_the_next_test(
-    pytester,
+    pytester, monkeypatch
 ) -> None:
     """monkeypatch's undo leaves the bound method it saved on the instance, which shadows
     any later patch of the class (tests/support/shared_storages.py)."""
+    # Other installed plugins stay out of the inner runs: pytest-benchmark's, for one, runs
+    # git while it adds its options, a subprocess the unit tier refuses.
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     pytester.makepyfile(test_inner=SHARED)
     result = pytester.runpytest_inprocess("-p", "shared_storages", "-p", "no:cacheprovider", "-q")
     result.assert_outcomes(passed=2)

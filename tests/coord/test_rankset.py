@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ddpckpt._coord.rankset import RankSet
-from ddpckpt._run.fast_tier import _by_step
+from ddpckpt._run.fast_steps import by_step as _by_step
 
 
 @given(st.lists(st.integers(0, 200), max_size=120))

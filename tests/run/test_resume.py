@@ -1,4 +1,5 @@
-"""The steps of resume(): load with fallback, set broken checkpoints aside, point latest."""
+"""The steps of resume(): the walk over the tiers, load with fallback, set broken
+checkpoints aside, point latest."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import torch
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
 from ddpckpt._format.runfiles import read_latest
-from ddpckpt._run.resume import _merged, load_first, nothing_loads
+from ddpckpt._run.durable import _merged, load_first
+from ddpckpt._run.resume import nothing_loads, resume_run, walk
 from ddpckpt._run.rundir import point_latest, set_aside
+from ddpckpt._run.tier import Loaded, Resuming
 from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, PartiallyRestoredError
 from hostile import edit_manifest
 from io_helpers import assert_state_equal, flip_byte
@@ -48,6 +51,81 @@ def test_a_checkpoint_gone_is_a_race_for_a_reader_only() -> None:
     load, _ = loader(gone)
     with pytest.raises(CheckpointNotFoundError):  # the writer listed it under its own lock
         load_first([9, 6], load, "run", False, [], [])
+
+
+class FakeTier:
+    """A tier offering ``steps``; the steps in ``bad`` cannot be restored."""
+
+    def __init__(self, name: str, steps: list[int], bad: set[int] = frozenset()) -> None:
+        self.name, self.steps, self.bad = name, steps, bad
+        self.handed: list[list[int]] = []  # the runs of steps restore() was given
+        self.told: list[tuple[Loaded | None, str | None]] = []
+
+    def offer(self, resuming: Resuming) -> list[int]:
+        return list(self.steps)
+
+    def restore(self, steps: list[int], resuming: Resuming, more: bool) -> Loaded | None:
+        self.handed.append(list(steps))
+        for step in steps:
+            if step not in self.bad:
+                return step, f"{self.name} {step}"
+            resuming.failures.append(f"{self.name}/{step}: bad")
+        return None
+
+    def resumed(self, loaded, server, resuming: Resuming) -> None:
+        self.told.append((loaded, None if server is None else server.name))
+
+
+def resuming() -> Resuming:
+    return Resuming(load=lambda step: None, choose=sorted, newest=True)
+
+
+def test_the_walk_restores_the_newest_step_any_tier_offers_the_earlier_tier_on_a_tie() -> None:
+    durable, fast = FakeTier("durable", [8, 4]), FakeTier("fast", [9, 8, 7])
+    assert walk([durable, fast], [durable.steps, fast.steps], resuming()) == (fast, (9, "fast 9"))
+    durable, fast = FakeTier("durable", [8, 4]), FakeTier("fast", [8, 7])
+    assert walk([durable, fast], [durable.steps, fast.steps], resuming())[1] == (8, "durable 8")
+    assert fast.handed == []
+
+
+def test_a_step_that_cannot_be_restored_falls_back_across_tiers_newest_first() -> None:
+    durable = FakeTier("durable", [8, 6, 4], bad={8})
+    fast = FakeTier("fast", [9, 7, 5], bad={9, 7})
+    tiers, how = [durable, fast], resuming()
+    server, loaded = walk(tiers, [t.steps for t in tiers], how)
+    assert (server, loaded) == (durable, (6, "durable 6"))
+    # each tier is handed the run of its steps newer than the other's next one, in order
+    assert fast.handed == [[9], [7]] and durable.handed == [[8], [6]]
+    assert how.failures == ["fast/9: bad", "durable/8: bad", "fast/7: bad"]
+
+
+def test_resume_tells_every_tier_what_was_restored_and_by_which() -> None:
+    durable, fast = FakeTier("durable", [4]), FakeTier("fast", [6])
+    info = resume_run([durable, fast], resuming(), "run", read_only=False)
+    assert info == "fast 6"
+    assert durable.told == fast.told == [((6, "fast 6"), "fast")]
+
+
+def test_a_fresh_start_is_told_to_every_tier_and_nothing_to_restore_raises(caplog) -> None:
+    durable, fast = FakeTier("durable", []), FakeTier("fast", [])
+    with caplog.at_level(logging.INFO, logger="ddpckpt"):
+        assert resume_run([durable, fast], resuming(), "run", read_only=False) is None
+    assert durable.told == fast.told == [(None, None)] and "starting fresh" in caplog.text
+    durable, fast = FakeTier("durable", [4], bad={4}), FakeTier("fast", [6], bad={6})
+    with pytest.raises(CorruptCheckpointError, match="fast/6: bad"):
+        resume_run([durable, fast], resuming(), "run", read_only=False)
+    assert durable.told == fast.told == []
+
+
+def test_a_reader_lists_again_when_every_candidate_failed() -> None:
+    reader = FakeTier("durable", [5], bad={5})
+    with pytest.raises(CorruptCheckpointError):
+        resume_run([reader], resuming(), "run", read_only=True)
+    assert reader.handed == [[5], [5], [5]]  # READER_LISTINGS listings
+    writer = FakeTier("durable", [5], bad={5})
+    with pytest.raises(CorruptCheckpointError):
+        resume_run([writer], resuming(), "run", read_only=False)
+    assert writer.handed == [[5]]
 
 
 def test_nothing_loads_names_every_failure() -> None:

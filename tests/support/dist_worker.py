@@ -356,21 +356,21 @@ def scenario_roundtrip(args, rank: int) -> dict[str, Any]:
 @contextlib.contextmanager
 def counted_scans() -> Iterator[list[int]]:
     """How often this rank lists a run directory (each listing parses every manifest)."""
-    import ddpckpt._run.resume as resume_module
+    import ddpckpt._run.durable as durable_module
     import ddpckpt._run.saving as saving_module
 
     count = [0]
-    real = resume_module.scan
+    real = durable_module.scan
 
     def counting(directory):
         count[0] += 1
         return real(directory)
 
-    resume_module.scan = saving_module.scan = counting
+    durable_module.scan = saving_module.scan = counting
     try:
         yield count
     finally:
-        resume_module.scan = saving_module.scan = real
+        durable_module.scan = saving_module.scan = real
 
 
 def scenario_checkpointer_run(args, rank: int) -> dict[str, Any]:

@@ -26,8 +26,8 @@ To load from a run another job is writing (an evaluation job), open it read-only
 
 from __future__ import annotations
 
+import contextlib
 import os
-import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -51,12 +51,13 @@ from ddpckpt._observe import (
     StepEnded,
 )
 from ddpckpt._run import query
+from ddpckpt._run.durable import DurableSaves
 from ddpckpt._run.fast_tier import FastSaves
 from ddpckpt._run.options import FastTier, resolve
 from ddpckpt._run.preemption import Preemption, PreemptionWatch
 from ddpckpt._run.resume import resume_run
 from ddpckpt._run.rundir import checkpoint_path
-from ddpckpt._run.saving import RunSaves
+from ddpckpt._run.tier import Resuming, Tier
 from ddpckpt._state.capture import Snapshot, capture
 from ddpckpt._state.training_state import ROLES, TrainingState
 from ddpckpt.errors import CheckpointError
@@ -216,15 +217,20 @@ class Checkpointer:
         self.scheduler, self.scaler = first["schedulers"], first["scalers"]
         self.extra, self.rng = self.state.extra, self.state.rng
         fast = self.options.fast_tier
-        self._saver = AsyncSaver(lends=fast is not None)  # this run's host buffer and writer
-        self._saves = RunSaves(self.directory, self.options, self._saver)
-        self._reserved: list[RunSaves] = []  # tiers whose buffer was sized ahead of a save
+        self._saver = AsyncSaver(lends=fast is not None)  # the durable tier's buffer, writer
+        self._durable = DurableSaves(self.directory, self.options, self._saver, read_only)
+        self._saves = self._durable.saves
+        self._reserved: list[Tier] = []  # tiers whose buffer was sized ahead of a save
         place = lambda path: _observe.place(path, "Checkpointer(fast_tier=...)", Access.WRITE_RUN)  # noqa: E731
         self._fast = None if fast is None else FastSaves(
             None if fast.directory is None else place(fast.directory),
             fast, self.options, overlap=bool(self.state.optimizers), run=self.directory,
             place=place,
         )  # fmt: skip
+        # the tiers as peers, durable first: it wins a tie at resume and lends its copies
+        self._tiers: list[Tier] = (
+            [self._durable] if self._fast is None else [self._durable, self._fast]
+        )
         self._fast_only: int | None = None  # the step should_save asked the fast tier alone for
         self._closed = False
         watched = self.options.schedule.preemption
@@ -271,13 +277,15 @@ class Checkpointer:
         self._check_open()
         if step is not None and best is not None:
             raise ValueError("pass step= or best=, not both")
-        self._saves.settle()
-        if self._fast is not None:
-            self._fast.settle()
+        for tier in self._tiers:
+            tier.settle()
         mode = mode or self.options.keeping.mode
-        chosen = lambda committed: query.choose(self.directory, committed, step, best, mode)  # noqa: E731
-        newest = step is None and best is None
-        info = resume_run(self._saves, self._fast, self._load, chosen, self.read_only, newest)
+        resuming = Resuming(
+            load=self._load,
+            choose=lambda committed: query.choose(self.directory, committed, step, best, mode),
+            newest=step is None and best is None,
+        )
+        info = resume_run(self._tiers, resuming, self.directory, self.read_only)
         return self._resumed(info)
 
     def _load(self, step: int | str) -> CheckpointInfo:
@@ -322,10 +330,7 @@ class Checkpointer:
             preempt = watch.requested() if watch is not None else None
             if preempt is not None:
                 return preempt
-            if self._saves.latest is not None and step <= self._saves.latest:
-                return b"0"
-            due = self.options.schedule.policy.should_save(step, time.monotonic())
-            return b"1" if due else b"0"
+            return b"1" if self._durable.due(step) else b"0"
 
         if self.options.schedule.policy.needs_agreement or watch is not None:
             decision = Comm.from_leader(
@@ -348,13 +353,12 @@ class Checkpointer:
         on a helper thread, so that its first save does not stall on it (pinning is about
         0.5 s per GB): the durable tier's with ``async_save``, the fast tier's always (its
         saves are asynchronous; at a step both tiers save, it reads the durable's copies)."""
-        tiers = [self._saves] if self.options.asynchronous.enabled else []
-        if self._fast is not None:
-            tiers.append(self._fast.saves)
         due = [
-            saves
-            for saves in tiers
-            if saves.domains is not None and not any(saves is r for r in self._reserved)
+            tier
+            for tier in self._tiers
+            if tier.saves.options.asynchronous.enabled
+            and tier.saves.domains is not None
+            and not any(tier is r for r in self._reserved)
         ]
         if not due:
             return
@@ -362,9 +366,9 @@ class Checkpointer:
         try:  # local to this rank: an error here (a node lacking a shard of the state)
             # may be this rank's alone, so only the collective save reports it
             snapshot = capture(self.state)
-            for saves in due:
-                if saves.saver.latest is None:  # else a save sized it, and may still copy
-                    saves.reserve(snapshot)
+            for tier in due:
+                if tier.saves.saver.latest is None:  # else a save sized it, may still copy
+                    tier.saves.reserve(snapshot)
         except Exception as exc:
             _log.debug("%s: not sizing the staging buffer ahead: %r", self.directory, exc)
 
@@ -420,18 +424,21 @@ class Checkpointer:
             )
         header = header_fields(step, epoch, metrics)
         fast_only, self._fast_only = self._fast_only == step and not synchronous, None
-        both = self._fast is not None and not fast_only and not synchronous
-        capture = _once(self._capture) if both else self._capture  # one snapshot, both tiers
-        path = None
-        if not fast_only:
-            path = self._saves.save(step, dict(header), capture, synchronous)
-            if path is not None:
+        if fast_only and self._fast is not None:
+            tiers: list[Tier] = [self._fast]
+        elif synchronous:  # a preemption's save is durable at once
+            tiers = [self._durable]
+        else:
+            tiers = self._tiers
+        capture = _once(self._capture) if len(tiers) > 1 else self._capture  # one snapshot
+        paths, lender = [], None
+        for tier in tiers:
+            path = tier.save(step, dict(header), capture, synchronous, lender)
+            if tier is self._durable and path is not None:
                 _observe.tell(CheckpointerSaved(self, step, epoch))
-        if self._fast is not None and not synchronous:  # a preemption's save is durable at once
-            borrow = self._saver if both else None  # the durable's copies, if it staged any
-            fast_path = self._fast.save(step, dict(header), capture, borrow)
-            path = fast_path if fast_only else path
-        return path
+            lender = lender or tier.saves.saver  # its copies, if it staged any
+            paths.append(path)
+        return paths[0]  # the durable tier's, unless should_save asked for the fast tier alone
 
     @property
     def fast_tier_directory(self) -> str | None:
@@ -554,9 +561,8 @@ class Checkpointer:
         Raises:
             CheckpointWriteError: With ``on_error="raise"``, a background save failed.
         """
-        self._saves.report_locally()
-        if self._fast is not None:
-            self._fast.report_locally()
+        for tier in self._tiers:
+            tier.report_locally()
 
     def close(self) -> None:
         """Wait for saves in flight, free the asynchronous saves' host buffer and release the
@@ -568,15 +574,11 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        try:
-            self._saves.close()
-        finally:
-            try:
-                if self._fast is not None:
-                    self._fast.close()
-            finally:
-                if self._preemption is not None:  # last: it may re-deliver a signal
-                    self._preemption.close()
+        with contextlib.ExitStack() as closing:  # each closed, whatever the others raise
+            if self._preemption is not None:  # last: it may re-deliver a signal
+                closing.callback(self._preemption.close)
+            for tier in reversed(self._tiers):  # in order, as callbacks run last first
+                closing.callback(tier.close)
 
     def __enter__(self) -> Checkpointer:
         return self

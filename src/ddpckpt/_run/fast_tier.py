@@ -35,30 +35,12 @@ rank is reported and the next is tried; a WARNING says when the durable tier ser
 place of a newer fast-tier step, or because no node holds one. Whichever tier served, the
 fast tier then keeps nothing newer than the step resumed from (:meth:`FastSaves.keep_up_to`).
 
-Ownership and trust (:meth:`FastSaves._set_up`, before anything is read from the directory
-or written there, on every rank): the directory is this user's alone, made ``0700`` with
-files ``0600`` (:meth:`~ddpckpt.storage._posix.PosixStorage.make_private_dir`); one that is
-a symbolic link, another user's, or writable by its group or others is refused. It must
-then be a fast tier: its marker (``owner.json``, :class:`~ddpckpt._format.runfiles.FastTierMarker`)
-names the run whose steps it holds; a directory without one is used only if it holds
-nothing but ddpckpt's bookkeeping (a lock, temporaries), and one with a durable run's
-identity file never. Steps are deleted (with a WARNING) only where a valid marker names
-another run; a marker written by the previous release (the bare identity, format 0) is
-this run's if it names this run, and is refused otherwise. A refused tier, a damaged
-marker among its reasons, is reported as a :class:`~ddpckpt.errors.CheckpointWriteError`
-(the tier cannot be written), a damaged run identity as the
-:class:`~ddpckpt.errors.CorruptCheckpointError` its parser raised: an ERROR either way, at
-``resume()`` (which goes on with the durable tier) or at a fast save.
-
 Collective methods are called by the Checkpointer on every rank at the same points.
 """
 
 from __future__ import annotations
 
 import errno
-import os
-import platform
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -68,20 +50,22 @@ from ddpckpt._coord.rankset import RankSet
 from ddpckpt._coord.replicate import repair_copies
 from ddpckpt._format.runfiles import (
     FAST_TIER_FORMAT,
-    FAST_TIER_MARKER,
-    LATEST,
-    LOCK_NAME,
-    RUN_DIR_IDENTITY,
-    RUN_FILE,
     FastTierMarker,
-    parse_step,
     read_fast_tier_marker,
-    read_run_identity,
 )
 from ddpckpt._io.async_saver import AsyncSaver
 from ddpckpt._io.load import failure_of, partly_note
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
+from ddpckpt._run.fast_steps import (
+    Held,
+    by_step,
+    keep_up_to,
+    say_dropped,
+    say_durable_served,
+    say_world_changed,
+)
+from ddpckpt._run.fast_trust import by_problem, check_here, run_identity, write_marker
 from ddpckpt._run.options import (
     Asynchronous,
     CheckpointerOptions,
@@ -91,10 +75,11 @@ from ddpckpt._run.options import (
     Schedule,
     Storage,
     auto_directory,
-    nests,
 )
-from ddpckpt._run.rundir import remove_checkpoint, scan
+from ddpckpt._run.rundir import scan
 from ddpckpt._run.saving import RunSaves, run_storage_errors
+from ddpckpt._run.tier import Loaded, Resuming, Tier
+from ddpckpt._run.tiernames import TierNames
 from ddpckpt._state.capture import Snapshot
 from ddpckpt.errors import (
     CheckpointError,
@@ -109,17 +94,11 @@ from ddpckpt.errors import (
     UnsupportedValueError,
 )
 from ddpckpt.policies import EverySteps, KeepLast
-from ddpckpt.storage import storage_for
-from ddpckpt.storage._base import is_temp_name
 
 _log = get_logger(__name__)
 _SHARING = "auto"  # each node's memory is its own: probed, whatever $DDPCKPT_STORAGE says
 # A fast-tier step failing so is reported, and the next step (or the durable tier) serves.
 _CANNOT_SERVE = (CorruptCheckpointError, CheckpointNotFoundError, CheckpointWriteError)
-# step: checkpoint id: the ranks whose node holds it, as RankSet spans (constant size for
-# whole runs of nodes, whatever the number of ranks)
-_Held = dict[str, dict[str, list[list[int]]]]
-Loaded = tuple[int, CheckpointInfo]
 # Raised whatever the tier: a caller's mistake, or ranks out of step (a fast save that
 # swallowed them would only move the failure to the next collective call).
 _RAISED = (
@@ -131,10 +110,6 @@ _RAISED = (
     CollectiveTimeoutError,
 )
 _MAX_SKIPPED = 255  # fast saves skipped at most between two tries at setting the tier up
-_AVOID = (
-    "give fast_tier= a directory of this user's own that does not exist yet (it is created "
-    "private), or fast_tier='auto' (one named for this user and run), or remove this one"
-)
 
 
 @contextmanager
@@ -189,16 +164,18 @@ class FastSaves:
         self._options = fast_options(config, durable, overlap)
         self._place = place  # where this process writes a path (check-resume maps it)
         self.saves = self._saves_in(self.directory)
-        self._held: _Held = {}  # known once listed, with this job's number of ranks
+        self._held: Held = {}  # known once listed, with this job's number of ranks
         self._world = 1
         self._owner = ""  # the durable run's identity, once the tier is set up (see _set_up)
         self._found: FastTierMarker | None = None  # this node's marker, as set-up read it
         self._refused = False  # resume() could not set the tier up (reported)
         self._set_up_failures = 0  # in a row: the next try waits 2**n - 1 fast saves
         self._skip = 0  # fast saves left to skip before the set-up is tried again
+        self._offered: list[int] = []  # the steps this resume's offer() listed
+        self._tried: list[int] = []  # those this resume tried to restore from here
 
     def _saves_in(self, directory: str) -> RunSaves:
-        return RunSaves(directory, self._options, self.saver, tier=f"fast tier {directory}")
+        return RunSaves(directory, self._options, self.saver, TierNames.fast(directory))
 
     def _resolve(self, owner: str) -> None:
         """Collective (every rank alike, after :meth:`_agree_owner`): with ``"auto"``, name
@@ -228,9 +205,11 @@ class FastSaves:
         step: int,
         header: dict[str, Any],
         capture: Callable[[], Snapshot],
+        synchronous: bool = False,
         borrow: AsyncSaver | None = None,
     ) -> str | None:
-        """Collective: start saving ``step`` to the fast tier; its path, or ``None`` when the
+        """Collective: start saving ``step`` to the fast tier (always asynchronously:
+        ``synchronous`` is for the durable tier); its path, or ``None`` when the
         save failed (an ERROR; training goes on, whatever failed: a full tmpfs, a refused
         directory, a damaged marker, another job's live lock). ``borrow``: the durable
         tier's saver, when it has just staged the same snapshot (copied once for both
@@ -278,7 +257,7 @@ class FastSaves:
 
     def _set_up(self, comm: Comm) -> None:
         """Collective: learn the run's identity (rank 0), check on every rank that its
-        node's directory may be used (:meth:`_check_here`: nothing is read from it or
+        node's directory may be used (:func:`~ddpckpt._run.fast_trust.check_here`: nothing is read from it or
         written there before), then set it up as a run directory (storage domains, each
         node's lock, leftovers) and mark the nodes' new directories as this run's.
 
@@ -288,7 +267,13 @@ class FastSaves:
         self._owner = ""
         owner = self._agree_owner(comm)
         self._resolve(owner)
-        problems = comm.run_reduce("trust", lambda: self._check_here(owner), _by_problem)
+
+        def here() -> str | None:
+            self._found = None  # known once the directory is found usable
+            problem, self._found = check_here(self.directory, self.run, owner)
+            return problem
+
+        problems = comm.run_reduce("trust", here, by_problem)
         if problems:
             error = CheckpointWriteError(
                 errno.EACCES,
@@ -304,74 +289,21 @@ class FastSaves:
         def mark() -> None:
             if leader and self._found is None:
                 with run_storage_errors(self.directory, "marking the fast tier as this run's"):
-                    _write_marker(self.directory, owner)
+                    write_marker(self.directory, owner)
 
         comm.run("mark", mark)
         if self._found is None:  # a new directory: its node's leader marked it
             self._found = FastTierMarker(owner)
         self._owner = owner
 
-    def _check_here(self, owner: str) -> str | None:
-        """On every rank, before anything is read from the directory or written there: why
-        this node's directory may not be the fast tier of the run ``owner``, or ``None``
-        (then it exists, private, and :attr:`_found` holds its marker, if any)."""
-        where = f"{self.directory} on {platform.node()}"
-        self._found = None
-        with run_storage_errors(self.directory, "setting up the fast tier"):
-            if "://" not in self.run and nests(self.directory, self.run):
-                return (
-                    f"{where} is the run directory {self.run}, or one of them holds the other "
-                    f"once symbolic links are resolved: {_AVOID}"
-                )
-            store = storage_for(self.directory)
-            make_private = getattr(store, "make_private_dir", None)
-            if make_private is None:  # FastTier.check refuses URLs: a storage of the user's
-                return f"{where} is not on a local file system: {_AVOID}"
-            problem = make_private(self.directory)
-            if problem is not None:
-                return f"{where}: {problem}: {_AVOID}"
-            names = set(store.list(self.directory))
-            if RUN_DIR_IDENTITY in names:
-                return (
-                    f"{where} is a durable run directory (it holds {RUN_DIR_IDENTITY}, a run's "
-                    f"identity), not a fast tier: check fast_tier= (a typo, swapped paths?); "
-                    f"{_AVOID}"
-                )
-            try:
-                found = read_fast_tier_marker(self.directory)
-            except CorruptCheckpointError as exc:
-                return (
-                    f"{where}: its marker is damaged ({exc}): remove the directory if no job "
-                    "uses it (it holds only copies in memory), or give fast_tier= another one"
-                )
-        if found is None:
-            foreign = sorted(n for n in names if n != LOCK_NAME and not is_temp_name(n))
-            if foreign:
-                steps = [n for n in foreign if parse_step(n) is not None]
-                marks = [n for n in foreign if n in (LATEST, RUN_FILE)]
-                what = "checkpoints of a run" if steps or marks else "files of another program"
-                shown = ", ".join(foreign[:4]) + (", ..." if len(foreign) > 4 else "")
-                return (
-                    f"{where} is no fast tier (it has no {FAST_TIER_MARKER}) and holds {what} "
-                    f"({shown}): nothing there is used or deleted; check fast_tier= (a typo, "
-                    f"swapped paths?) and {_AVOID}"
-                )
-        elif found.format < FAST_TIER_FORMAT and found.run != owner:
-            return (
-                f"{where} was marked by an earlier release of ddpckpt for another run "
-                f"({found.run_directory!r}): its steps are not used or deleted; {_AVOID}"
-            )
-        self._found = found
-        return None
-
     def _agree_owner(self, comm: Comm) -> str:
-        """Collective: the durable run's identity (:func:`_owner`), read or made by rank 0."""
+        """Collective: the durable run's identity (:func:`~ddpckpt._run.fast_trust.run_identity`), read or made by rank 0."""
 
         def leader() -> str | None:
             if comm.rank != 0:
                 return None
             with run_storage_errors(self.run, "reading the run's identity for the fast tier"):
-                return _owner(self.run)
+                return run_identity(self.run)
 
         return str(comm.run_reduce("owner", leader, lambda found: found[0]))
 
@@ -404,7 +336,7 @@ class FastSaves:
 
     # ------------------------------------------------------------------ resume
 
-    def list(self) -> list[int]:
+    def held(self) -> list[int]:
         """Collective: set the tier up (:meth:`_set_up`) and learn which node holds which
         step; the steps held anywhere, newest first. A tier that cannot be set up is an
         ERROR and holds nothing: ``resume()`` goes on with the durable tier, and the next
@@ -413,12 +345,12 @@ class FastSaves:
         with _reported(self._refuse), self.saves.comm("Checkpointer.resume (fast tier)") as comm:
             self._set_up(comm)
             owner = self._owner
-            self._held = comm.run_reduce("held", lambda: self._held_here(owner), _by_step)
+            self._held = comm.run_reduce("held", lambda: self._held_here(owner), by_step)
             self._world = comm.world_size
         return sorted((int(s) for s in self._held), reverse=True)
 
     def _refuse(self, exc: CheckpointError) -> None:
-        """Report that :meth:`list` could not set the tier up: it holds nothing."""
+        """Report that :meth:`held` could not set the tier up: it holds nothing."""
         self._owner, self._held, self._refused = "", {}, True
         _log.error(
             "the fast tier %s cannot be used: %s. resume() goes on with the durable tier "
@@ -448,45 +380,49 @@ class FastSaves:
             return {}
         return held
 
-    def resume(
-        self,
-        fast: list[int],
-        durable: list[int],
-        load: Callable[[str], CheckpointInfo],
-        load_durable: Callable[[list[int]], Loaded | None],
-        failures: list[str],
-    ) -> Loaded | None:
-        """Collective: restore the newest step of either tier that every rank can restore.
+    def offer(self, resuming: Resuming) -> list[int]:
+        """Collective: :meth:`held` the tier (set up, or reported as unusable); the steps
+        held anywhere, newest first, when ``resuming`` wants the newest step (else none:
+        ``step=`` and ``best=`` name the run directory's)."""
+        held = self.held()
+        self._tried, self._offered = [], held if resuming.newest else []
+        return self._offered
 
-        ``fast`` and ``durable``: the steps each tier may serve, newest first (from
-        :meth:`list` and the run directory); ``load`` restores a fast-tier checkpoint by
-        path, ``load_durable`` the first of some durable steps that loads. A fast-tier step
-        that cannot be restored is reported and added to ``failures``. Returns the step
-        and its info, or ``None`` when nothing loads.
-        """
-        fast, tried = list(fast), []
-        loaded: Loaded | None = None
-        while loaded is None and (fast or durable):
-            if fast and (not durable or fast[0] > durable[0]):
-                step = fast.pop(0)
-                tried.append(step)
-                loaded = self._try(step, load, failures, more=bool(fast or durable))
-                if loaded is not None:
-                    _log.info(
-                        "resumed from the fast tier: %s (step %d; the durable tier's newest is %s)",
-                        loaded[1].path,
-                        step,
-                        f"step {max(durable)}" if durable else "none",
-                    )
-                    self._say_world_changed(loaded[1])
-                    return loaded
-            else:
-                upto = [s for s in durable if not fast or s >= fast[0]]
-                durable = durable[len(upto) :]
-                loaded = load_durable(upto)
-        if loaded is not None:
-            self._say_durable_served(loaded[0], tried)
-        return loaded
+    def restore(self, steps: list[int], resuming: Resuming, more: bool) -> Loaded | None:
+        """Collective: restore the first of ``steps`` that every rank can restore, copying
+        it first to the nodes that lack it (:meth:`_try`); each that cannot be restored is
+        reported and added to ``resuming.failures``. ``None`` if none can."""
+        for i, step in enumerate(steps):
+            self._tried.append(step)
+            later = more or i + 1 < len(steps)
+            loaded = self._try(step, resuming.load_noting, resuming.failures, more=later)
+            if loaded is not None:
+                others = [
+                    s
+                    for offered in resuming.offers
+                    if offered is not self._offered
+                    for s in offered
+                    if s not in resuming.failed
+                ]
+                _log.info(
+                    "resumed from the fast tier: %s (step %d; the durable tier's newest is %s)",
+                    loaded[1].path,
+                    step,
+                    f"step {max(others)}" if others else "none",
+                )
+                say_world_changed(loaded[1], self._world)
+                return loaded
+        return None
+
+    def resumed(self, loaded: Loaded | None, server: Tier | None, resuming: Resuming) -> None:
+        """Collective: keep nothing newer than the step resumed from (:meth:`keep_up_to`);
+        where another tier served the newest step, say why this one did not."""
+        if loaded is not None and server is not self and resuming.newest:
+            say_durable_served(
+                self.directory, loaded[0], sorted(map(int, self._held), reverse=True),
+                self._tried, self._refused,
+            )  # fmt: skip
+        self.keep_up_to(None if loaded is None else loaded[0])
 
     def _try(
         self, step: int, load: Callable[[str], CheckpointInfo], failures: list[str], more: bool
@@ -516,66 +452,11 @@ class FastSaves:
             failures.append(f"{path}: {cause}")
             return None
 
-    def _say_durable_served(self, step: int, tried: list[int]) -> None:
-        """Say why the durable tier served step ``step``, where the fast tier might have."""
-        held = sorted((int(s) for s in self._held), reverse=True)
-        if tried:
-            _log.warning(
-                "the fast tier %s could not serve every rank (see above); resumed from the "
-                "durable tier at step %d: the %d step(s) after it that the fast tier held "
-                "are lost",
-                self.directory,
-                step,
-                max(tried) - step,
-            )
-        elif self._refused:
-            _log.info(
-                "resumed from the durable tier at step %d: the fast tier could not be used "
-                "(see the ERROR above)",
-                step,
-            )
-        elif not held:
-            _log.warning(
-                "the fast tier %s holds no checkpoint on any node (lost with the nodes' "
-                "memory, or never written); resumed from the durable tier at step %d",
-                self.directory,
-                step,
-            )
-        elif held[0] < step:
-            _log.warning(
-                "the fast tier %s holds step %d at newest, older than the durable tier's step "
-                "%d (its save of a later step had not committed when the job stopped, its "
-                "saves failed, or it was left by an earlier run): resumed from the durable "
-                "tier at step %d, so no step is lost",
-                self.directory,
-                held[0],
-                step,
-                step,
-            )
-        else:
-            _log.info(
-                "resumed from the durable tier at step %d: the fast tier holds the same step",
-                step,
-            )
-
-    def _say_world_changed(self, info: CheckpointInfo) -> None:
-        """Warn when the fast-tier checkpoint restored was saved by another number of ranks."""
-        world = self._world
-        if info.world_size != world:
-            _log.warning(
-                "%s was saved by %d ranks and this job has %d: it is restored as a durable "
-                "checkpoint would be (replicated state exactly; each rank's own state as the "
-                "messages above say)",
-                info.path,
-                info.world_size,
-                world,
-            )
-
     def keep_up_to(self, step: int | None, resumed: bool = True) -> None:
         """Collective, after a resume from ``step`` (``None``: a fresh start): each node
         deletes its fast-tier steps newer than it (those of an abandoned run, or that failed
         to load), those of another run and what is not committed (:meth:`_tidy`); later
-        fast saves follow on. Nothing is done where :meth:`list` could not set the tier up;
+        fast saves follow on. Nothing is done where :meth:`held` could not set the tier up;
         a failure is an ERROR (the next fast save sets the tier up again), never raised."""
         if not self._owner:
             return
@@ -609,11 +490,11 @@ class FastSaves:
                 with run_storage_errors(self.directory, "removing newer fast-tier steps"):
                     found = read_fast_tier_marker(self.directory)
                     ours = found is not None and found.run == owner
-                    newest, newer = _keep_up_to(self.directory, step if ours else None)
+                    newest, newer = keep_up_to(self.directory, step if ours else None)
                     if newer and not resumed:
-                        _say_dropped(self.directory, newer, step, found, ours)
+                        say_dropped(self.directory, newer, step, found, ours)
                     if not ours or found is None or found.format != FAST_TIER_FORMAT:
-                        _write_marker(self.directory, owner)
+                        write_marker(self.directory, owner)
                     return newest
 
             newest = comm.run_reduce(
@@ -621,98 +502,3 @@ class FastSaves:
             )
         self._found = FastTierMarker(owner)
         self.saves.latest = self.saves.committed = newest
-
-
-def _owner(run: str) -> str:
-    """On rank 0: the identity of the durable run directory ``run``, a random token kept
-    in it (made by the first resume with a fast tier), so that a run directory deleted and
-    made anew is another run. A damaged one (no regular file, too large, not UTF-8 text)
-    raises :class:`CorruptCheckpointError` saying what to do; it is never replaced."""
-    store, path = storage_for(run), os.path.join(run, RUN_DIR_IDENTITY)
-    try:
-        found = read_run_identity(run, store)
-    except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(
-            f"{exc}. The fast tier is not used while the run's identity is unreadable: "
-            f"delete {path} to give the run a new one (the fast tier's steps then count as "
-            "another run's, and are deleted at the next start)"
-        ) from None
-    if found is not None:
-        return found
-    token = f"{run}#{uuid.uuid4().hex}"
-    store.make_dirs(run)  # a job that saves the fast tier before the durable one
-    store.replace(path, token.encode())
-    return token
-
-
-def _write_marker(directory: str, owner: str) -> None:
-    """Mark the fast tier ``directory`` as the run ``owner``'s (replaced atomically)."""
-    location = os.path.join(directory, FAST_TIER_MARKER)
-    storage_for(directory).replace(location, FastTierMarker(owner).as_bytes())
-
-
-def _by_problem(problems: list[str | None]) -> dict[str, list[int]]:
-    """On rank 0: each problem the ranks found (those of a node find the same), with the
-    ranks that found it."""
-    found: dict[str, list[int]] = {}
-    for rank, problem in enumerate(problems):
-        if problem is not None:
-            found.setdefault(problem, []).append(rank)
-    return found
-
-
-def _by_step(views: list[dict[str, str]]) -> _Held:
-    """On rank 0: every rank's holdings by step and checkpoint id, each as the spans of a
-    :class:`RankSet`: every rank receives an answer whose size does not grow with the
-    number of ranks when whole runs of nodes hold a copy."""
-    held: dict[str, dict[str, list[int]]] = {}
-    for rank, view in enumerate(views):
-        for step, ident in view.items():
-            held.setdefault(step, {}).setdefault(ident, []).append(rank)
-    return {
-        step: {ident: RankSet.of(ranks).to_json() for ident, ranks in copies.items()}
-        for step, copies in held.items()
-    }
-
-
-def _keep_up_to(directory: str, step: int | None) -> tuple[int | None, list[int]]:
-    """Delete the steps of ``directory`` newer than ``step`` (all for ``None``) and those
-    not committed; the newest left, and the committed steps deleted."""
-    newest, newer = None, []
-    for entry in scan(directory):
-        if entry.status != "committed":
-            why = entry.problem
-        elif step is None or entry.step > step:
-            why = "newer than the step resumed from" if step is not None else "not resumed from"
-            newer.append(entry.step)
-        else:
-            newest = entry.step
-            continue
-        remove_checkpoint(entry.path)
-        _log.info("removed %s from the fast tier (%s)", entry.path, why)
-    return newest, newer
-
-
-def _say_dropped(
-    directory: str, steps: list[int], step: int | None, found: FastTierMarker | None, ours: bool
-) -> None:
-    """Warn that the first save of a job that did not resume deleted the fast tier's
-    ``steps``: this run's steps newer than ``step``, or (not ``ours``) another run's."""
-    listed = ", ".join(str(s) for s in sorted(steps))
-    if ours:
-        _log.warning(
-            "the fast tier %s held step(s) %s of this run, newer than step %s, the first this "
-            "job saves to it without having resumed from it: deleted, so that a restart "
-            "cannot resume from them",
-            directory,
-            listed,
-            step,
-        )
-    else:
-        _log.warning(
-            "the fast tier %s held step(s) %s of another run (%s): deleted; give each job a "
-            "fast-tier directory of its own",
-            directory,
-            listed,
-            found.run if found is not None else "unknown",
-        )

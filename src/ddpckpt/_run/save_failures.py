@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._run.options import FailureHandling
+from ddpckpt._run.tiernames import TierNames
 from ddpckpt.errors import CheckpointError, CheckpointWriteError, InsufficientSpaceError
 
 _log = get_logger(__name__)
@@ -36,9 +37,9 @@ _TRANSIENT = {
 class SaveFailures:
     """Retries, ``on_error`` and the record of failed saves (``last_error``, ``failed_saves``)."""
 
-    def __init__(self, options: FailureHandling, tier: str = "") -> None:
+    def __init__(self, options: FailureHandling, names: TierNames | None = None) -> None:
         self.on_error, self.retries = options.on_error, options.retries
-        self.tier = f"{tier}: " if tier else ""  # which tier's saves, in messages
+        self.names = names or TierNames.durable("")  # which tier's saves, in messages
         self.retry_backoff = options.retry_backoff
         self.last_error: CheckpointError | None = None
         self.failed_saves = 0
@@ -47,9 +48,7 @@ class SaveFailures:
     def _newest_good(self, newest: str | None) -> str:
         if newest is not None:
             return f"the newest good checkpoint is still {newest}"
-        if self.tier:  # the fast tier: the durable tier keeps its own checkpoints
-            return "the fast tier holds no good step yet (the durable tier is not affected)"
-        return "the newest good checkpoint is NONE: this run has no checkpoint to resume from"
+        return self.names.none_yet
 
     def retrying(self, path: str, attempt: Callable[[int], None]) -> None:
         """Call ``attempt(n)`` until it succeeds, retrying transient storage errors."""
@@ -83,7 +82,7 @@ class SaveFailures:
             return
         _log.error(
             "%ssaving step %s failed (%s) and training goes on (on_error='warn'); %s. Cause: %s",
-            self.tier,
+            self.names.prefix,
             step,
             _consecutive(self.failed_saves),
             self._newest_good(newest),
@@ -103,7 +102,7 @@ class SaveFailures:
             raise error
         _log.error(
             "%sa background save failed (%s) and training goes on (on_error='warn'); %s. Cause: %s",
-            self.tier,
+            self.names.prefix,
             _consecutive(self.failed_saves + 1),
             self._newest_good(newest),
             error,

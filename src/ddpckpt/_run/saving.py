@@ -45,6 +45,7 @@ from ddpckpt._run.rundir import (
 )
 from ddpckpt._run.runlock import RunLock
 from ddpckpt._run.save_failures import SaveFailures
+from ddpckpt._run.tiernames import TierNames
 from ddpckpt._state.capture import Snapshot
 from ddpckpt.errors import (
     CheckpointError,
@@ -63,13 +64,17 @@ class RunSaves:
     """A run's saves on this rank: set-up, write, commit, ``latest``, retention, failures."""
 
     def __init__(
-        self, directory: str, options: CheckpointerOptions, saver: AsyncSaver, tier: str = ""
+        self,
+        directory: str,
+        options: CheckpointerOptions,
+        saver: AsyncSaver,
+        names: TierNames | None = None,
     ) -> None:
         self.directory = directory
         self.options = options
-        self.saver = saver  # the Checkpointer's own host buffer and background writer
-        self.failures = SaveFailures(options.failures, tier)  # tier: named in its messages
-        self.tier = tier  # "" for the durable tier
+        self.saver = saver  # the tier's own host buffer and background writer
+        self.names = names or TierNames.durable(directory)  # how its messages name the tier
+        self.failures = SaveFailures(options.failures, self.names)
         self._waits_told = False  # a save that waited for the previous write was reported
         self.lock = RunLock(directory, options.storage.lock_stale_after)
         self.domains: list[list[int]] | None = None  # known once set up
@@ -197,7 +202,6 @@ class RunSaves:
             return
         steps = max(1, step - previous)
         enough = math.ceil(steps * (finished - started) / between) if between > 0 else steps
-        knob = "FastTier(every_steps=...)" if self.tier else "every_steps= or every_seconds="
         told, self._waits_told = self._waits_told, True
         _log.log(
             logging.DEBUG if told else logging.WARNING,
@@ -205,7 +209,7 @@ class RunSaves:
             "step %d to finish (a tier writes one save at a time): that write took %.2f s, "
             "and the %d step(s) between the two saves %.2f s. Saves every %d steps or more "
             "(%s) would not wait%s",
-            self.tier or self.directory,
+            self.names.where,
             step,
             waited,
             previous,
@@ -213,7 +217,7 @@ class RunSaves:
             steps,
             between,
             enough,
-            knob,
+            self.names.cadence,
             "" if told else " (said once; later waits are logged at DEBUG)",
             extra=same_on_every_rank(),
         )
