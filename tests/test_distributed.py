@@ -270,33 +270,30 @@ def test_two_nodes_sharing_storage_write_one_copy(tmp_path) -> None:
     assert {r["digest"] for r in loaded.values()} == {saved[0]["digest"]}
 
 
-def test_node_local_storage_keeps_a_copy_per_node_and_repairs_a_lost_one(tmp_path) -> None:
-    nodes = [tmp_path / "node0", tmp_path / "node1"]
+def test_node_local_storage_keeps_a_copy_per_node_and_repairs_lost_ones(tmp_path) -> None:
+    """4 nodes of one rank, each with its own disk: every node keeps a copy; three replaced
+    nodes get theirs by doubling (node 0 sends to node 1, then to node 2 while node 1 passes
+    its copy on to node 3: 2 rounds, not 3)."""
+    nodes = [tmp_path / f"node{i}" for i in range(4)]
     for node in nodes:
         node.mkdir()
-    saved = (
-        torchrun_nodes("train_save", tmp_path / "save", args=["--ckpt", "ckpt"], cwds=nodes)
-        .ok()
-        .results
-    )
+    launch = dict(nnodes=4, nproc=1, args=["--ckpt", "ckpt"], cwds=nodes)
+    saved = torchrun_nodes("train_save", tmp_path / "save", **launch).ok().results
     for index, node in enumerate(nodes):
         manifest = manifest_of(node / "ckpt")
-        assert manifest["copy"]["count"] == 2 and manifest["copy"]["ranks"] == [
-            2 * index,
-            2 * index + 1,
-        ]
+        assert manifest["copy"]["count"] == 4 and manifest["copy"]["ranks"] == [index]
         for name, info in manifest["files"].items():
-            assert info["writer"] in manifest["copy"]["ranks"], name
+            assert info["writer"] == index, name
         assert ddpckpt.verify(node / "ckpt").step == 3
 
-    shutil.rmtree(nodes[1] / "ckpt")  # node 1 was replaced: its disk is empty
-    loaded = (
-        torchrun_nodes("load", tmp_path / "load", args=["--ckpt", "ckpt"], cwds=nodes).ok().results
-    )
+    for node in nodes[1:]:
+        shutil.rmtree(node / "ckpt")  # nodes 1 to 3 were replaced: their disks are empty
+    loaded = torchrun_nodes("load", tmp_path / "load", **launch).ok().results
     for rank, result in loaded.items():
         assert result["digest"] == saved[0]["digest"] and result["draws"] == saved[rank]["draws"]
-    assert any("this node had no copy" in w for w in loaded[2]["warnings"])
-    assert ddpckpt.verify(nodes[1] / "ckpt").step == 3  # and it keeps the copy it received
+    for rank in (1, 2, 3):
+        assert any("this node had no copy" in w for w in loaded[rank]["warnings"]), rank
+        assert ddpckpt.verify(nodes[rank] / "ckpt").step == 3  # and it keeps the copy
 
 
 def test_node_local_repair_never_writes_outside_the_checkpoint(tmp_path) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ddpckpt._coord.plan import assign, plan_owners
+from ddpckpt._coord.plan import FanOut, Transfer, assign, plan_owners
 
 
 @given(
@@ -54,3 +56,30 @@ def test_a_two_node_plan_splits_replicated_weights_within_each_node() -> None:
     movable = {"w1", "w2", "w3"}
     assert plan_owners(sizes, [0, 1], movable) == {"w1": 0, "w2": 1, "w3": 1, "buffer": 0}
     assert plan_owners(sizes, [2, 3], movable) == {"w1": 2, "w2": 3, "w3": 3, "buffer": 2}
+
+
+@pytest.mark.parametrize("receivers", [0, 1, 2, 3, 4, 7, 8, 1000, 4095])
+def test_a_fan_out_reaches_every_receiver_once_in_log_rounds(receivers) -> None:
+    """Simulated at up to 4,095 receivers: every one receives the file exactly once, from a
+    rank that had it, in ceil(log2(R + 1)) rounds; no rank acts twice in a round; matching
+    parts agree."""
+    line = [7, *range(100, 100 + receivers)]  # the holder, then the receivers
+    fan = FanOut(line[0], tuple(line[1:]))
+    assert fan.rounds == math.ceil(math.log2(receivers + 1))
+    parts = {rank: fan.part(rank) for rank in line}
+    assert fan.part(99) == []  # neither holder nor receiver
+    has = {line[0]: -1}  # rank: the round in which it got the file
+    for k in range(fan.rounds):
+        for rank in line:
+            acts = [p for p in parts[rank] if p.round == k]
+            assert len(acts) <= 1
+            for act in acts:
+                if act.role == "send":
+                    assert has.get(rank, k) < k  # it had the file before this round
+                    assert Transfer(k, "receive", rank) in parts[act.peer]
+                else:
+                    assert act.peer in has and rank not in has
+                    has[rank] = k
+    assert set(has) == set(line)
+    assert max(len(p) for p in parts.values()) <= fan.rounds  # per rank: O(log R) parts
+    assert all(p == sorted(p, key=lambda t: t.round) for p in parts.values())

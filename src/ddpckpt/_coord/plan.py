@@ -6,12 +6,19 @@ one rank of the domain, largest first to the least-loaded rank (longest-processi
 scheduling), which keeps every rank's bytes within one tensor of the mean. Every other
 tensor is written by the domain's first rank, which holds rank 0's values. The plan is
 a pure function of its inputs, so every rank computes the same one without exchanging it.
+
+A file one rank holds that other ranks lack (a repair, :mod:`ddpckpt._coord.replicate`)
+reaches them by doubling (:class:`FanOut`): every rank that has it passes it on to one that
+lacks it, round after round, so ``R`` receivers are served in ``ceil(log2(R + 1))`` rounds
+and no rank sends more than once a round.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from ddpckpt._format.rankparts import rank_file_name
 
@@ -42,6 +49,63 @@ def assign(sizes: Mapping[str, int], ranks: Sequence[int]) -> dict[str, int]:
         owners[name] = rank
         heapq.heappush(heap, (load + max(sizes[name], 1), rank))
     return owners
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One rank's part in one round of a :class:`FanOut`."""
+
+    round: int
+    role: Literal["send", "receive"]
+    peer: int  # the rank it sends to, or receives from
+
+
+@dataclass(frozen=True)
+class FanOut:
+    """How a file ``holder`` has reaches every one of ``receivers`` (distinct ranks, the
+    holder not among them), the same plan on every rank.
+
+    Ranks are lined up as ``[holder, *receivers]``; in round ``k`` the first ``2**k`` of
+    the line, who have the file, send it to the next ``2**k``. Invariants (tested at
+    thousands of receivers): each receiver receives once, from a rank that had it in an
+    earlier round; a rank takes part at most once a round; :attr:`rounds` is
+    ``ceil(log2(R + 1))``; a rank's own part (:meth:`part_at`) is computed in
+    ``O(log R)`` from its place in the line, without listing the others'. Ranks that carry out their parts in round order (file by
+    file, in one order) cannot wait on each other in a circle: matching parts share a
+    round.
+    """
+
+    holder: int
+    receivers: tuple[int, ...]
+
+    @property
+    def rounds(self) -> int:
+        return len(self.receivers).bit_length()
+
+    def part(self, rank: int) -> list[Transfer]:
+        """What ``rank`` does, in round order (nothing if it is neither holder nor receiver)."""
+        if rank == self.holder:
+            return self.part_at(0)
+        if rank not in self.receivers:
+            return []
+        return self.part_at(self.receivers.index(rank) + 1)
+
+    def part_at(self, place: int) -> list[Transfer]:
+        """:meth:`part` of the rank at ``place`` in the line (0: the holder; ``i + 1``:
+        ``receivers[i]``), in ``O(log R)``."""
+        line = len(self.receivers) + 1
+        parts = []
+        if place:
+            k = place.bit_length() - 1  # the round in which the line reaches it
+            parts.append(Transfer(k, "receive", self._at(place - (1 << k))))
+        k = place.bit_length()
+        while place + (1 << k) < line:
+            parts.append(Transfer(k, "send", self._at(place + (1 << k))))
+            k += 1
+        return parts
+
+    def _at(self, place: int) -> int:
+        return self.holder if place == 0 else self.receivers[place - 1]
 
 
 def file_names(rank: int) -> dict[str, str]:

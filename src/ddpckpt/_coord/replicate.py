@@ -1,11 +1,15 @@
 """Copy a checkpoint to the nodes whose storage lacks it.
 
 With node-local storage every node keeps its own copy; a node that was replaced (or whose
-disk was wiped) has none. Before loading, :func:`repair_copies` sends the files from one
-node that has the checkpoint to the first rank of every storage domain that lacks it, point
-to point over gloo groups of two (only the ranks that send and receive are connected). Each received file is hashed while written and
-checked against the manifest; the copy is committed atomically like any checkpoint. The
-node then loads its own copy, and keeps it for the next restart.
+disk was wiped) has none. Before loading, :func:`repair_copies` gives the first rank of
+every storage domain that lacks it the files of one node that has the checkpoint (each file
+from one of that node's ranks), point to point over gloo groups of two (only the ranks that
+send and receive are connected). Each file fans out by doubling
+(:class:`~ddpckpt._coord.plan.FanOut`): a node that received it passes it on, so ``D``
+replaced nodes are served in ``ceil(log2(D + 1))`` rounds, not ``D``, and no rank sends a
+file more than once a round. Each received file is hashed while written and checked
+against the manifest before it is passed on; the copy is committed atomically like any
+checkpoint. The node then loads its own copy, and keeps it for the next restart.
 
 Every rank calls :func:`repair_copies` (it is collective); ranks with nothing to send or
 receive only take part in the bookkeeping.
@@ -21,7 +25,7 @@ import xxhash
 
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.copies import Pair
-from ddpckpt._coord.plan import assign
+from ddpckpt._coord.plan import FanOut, assign
 from ddpckpt._coord.topology import storage_domains
 from ddpckpt._format.boundary import MAX_MANIFEST_BYTES, open_checked, read_small
 from ddpckpt._format.manifest import MANIFEST_NAME, Manifest
@@ -56,6 +60,8 @@ def repair_copies(comm: Comm, path: str, have: list[bool], sharing: str | None =
     )
     manifest = Manifest.from_json(text, path)
     owners = assign({name: f.size for name, f in manifest.files.items()}, source)
+    line = tuple(receivers)
+    place = line.index(comm.rank) + 1 if comm.rank in receivers else -1  # -1: no receiver
     tmp = store.commit.staging(store, path, comm.token)
 
     def transfer() -> None:
@@ -69,19 +75,22 @@ def repair_copies(comm: Comm, path: str, have: list[bool], sharing: str | None =
                     pairs[peer] = links.enter_context(comm.pair("repair", peer))
                 return pairs[peer]
 
-            for name in sorted(manifest.files):
-                sender = owners[name]
-                for receiver in receivers:
-                    if comm.rank == sender:
-                        _send(os.path.join(path, name), manifest.files[name].size, link(receiver))
-                    elif comm.rank == receiver:
-                        _receive(os.path.join(tmp, name), manifest, name, sender, link(sender))
+            for name in sorted(manifest.files):  # in one order, and round by round in each
+                size, fan = manifest.files[name].size, FanOut(owners[name], line)
+                for part in fan.part_at(0 if comm.rank == owners[name] else place):
+                    if part.role == "receive":
+                        _receive(
+                            os.path.join(tmp, name), manifest, name, part.peer, link(part.peer)
+                        )
+                    else:  # the holder sends its own copy; a receiver passes on what it got
+                        held = path if comm.rank == owners[name] else tmp
+                        _send(os.path.join(held, name), size, link(part.peer))
         if comm.rank in receivers:
             store.write_new(os.path.join(tmp, MANIFEST_NAME), text)
             store.commit.publish(store, tmp, path, overwrite=True)
             _log.warning(
-                "%s: this node had no copy of the checkpoint; received %d files (%d bytes) "
-                "from rank %d",
+                "%s: this node had no copy of the checkpoint; received the %d files (%d "
+                "bytes) of rank %d's copy",
                 path,
                 len(manifest.files),
                 manifest.nbytes,
