@@ -21,7 +21,10 @@ Per layout and N it reports, for the last rank:
 * ``held B``: what the fast tier's resume sends every rank about which node holds which
   step (one node lacking the newest step), through rank 0's store;
 * ``ExactResume B``: Lightning's ``ExactResume`` state of every rank, gathered at rank 0
-  into each checkpoint and read by every rank at a resume.
+  into each checkpoint and read by every rank at a resume;
+* ``repair rounds`` and ``repair parts``: a repair when every node but one was replaced
+  (the real :class:`~ddpckpt._coord.plan.FanOut` of a file to N/8 - 1 nodes): the
+  sequential rounds, and the most transfers one rank takes part in.
 
 Each column is either flat in N (the per-rank costs fixed so far) or grows with N (those
 still to fix): the report says which, from the figures.
@@ -37,10 +40,10 @@ from typing import Any
 
 import torch
 
-from ddpckpt._coord.plan import plan_owners
+from ddpckpt._coord.plan import FanOut, plan_owners
 from ddpckpt._format.tensorfile import CHUNK, TensorEntry
 from ddpckpt._io.shardwrite import piece_json, plan_shards
-from ddpckpt._run.fast_tier import _by_step
+from ddpckpt._run.fast_steps import by_step
 from ddpckpt._state.sharded import MeshLayout, ShardedTensor, nonempty_shards
 from ddpckpt._state.snapshot import Snapshot
 from ddpckpt.integrations._ranks import capture_streams, pack
@@ -115,7 +118,13 @@ def held_bytes(ranks: int) -> int:
     views = [
         {"99": "a" * 16, **({} if r // PER_NODE == 3 else {"100": "b" * 16})} for r in range(ranks)
     ]
-    return len(json.dumps(_by_step(views)))
+    return len(json.dumps(by_step(views)))
+
+
+def repair(ranks: int) -> tuple[int, int]:
+    """The rounds of a repair of every node but the first, and the most parts of one rank."""
+    fan = FanOut(0, tuple(range(1, max(ranks // PER_NODE, 1))))
+    return fan.rounds, max(len(fan.part_at(place)) for place in range(len(fan.receivers) + 1))
 
 
 def measure(kind: str, ranks: int, layers: int, exact_resume_per_rank: int) -> dict[str, Any]:
@@ -129,6 +138,8 @@ def measure(kind: str, ranks: int, layers: int, exact_resume_per_rank: int) -> d
         "manifest_bytes": manifest_bytes(snapshot),
         "held_bytes": held_bytes(ranks),
         "exact_resume_bytes": exact_resume_per_rank * ranks,
+        "repair_rounds": repair(ranks)[0],
+        "repair_parts": repair(ranks)[1],
     }
 
 
@@ -149,18 +160,23 @@ def main() -> None:
     print(
         f"\n{len(shapes(args.layers))} parameters x 3 (AdamW), one rank of N, {PER_NODE} per node"
     )
-    header = ("layout", "N", "plan ms", "fingerprint B", "manifest B", "held B", "ExactResume B")
+    header = ("layout", "N", "plan ms", "fingerprint B", "manifest B", "held B", "ExactResume B",
+              "repair rounds", "repair parts")  # fmt: skip
     print(" | ".join(header))
     for kind, rows in results.items():
         for ranks, r in rows.items():
             print(f"{kind} | {ranks} | {r['plan_ms']:.1f} | {r['fingerprint_bytes']} | "
-                  f"{r['manifest_bytes']} | {r['held_bytes']} | {r['exact_resume_bytes']}")  # fmt: skip
+                  f"{r['manifest_bytes']} | {r['held_bytes']} | {r['exact_resume_bytes']} | "
+                  f"{r['repair_rounds']} | {r['repair_parts']}")  # fmt: skip
     low, high = counts[0], counts[-1]
     print(f"\nfrom N={low} to N={high} ({high // low}x the ranks):")
     for column in ("plan_ms", "fingerprint_bytes", "manifest_bytes", "held_bytes",
-                   "exact_resume_bytes"):  # fmt: skip
+                   "exact_resume_bytes", "repair_rounds", "repair_parts"):  # fmt: skip
         growth = max(rows[high][column] / max(rows[low][column], 1e-9) for rows in results.values())
-        verdict = "flat" if growth < 2 else "grows"
+        logarithmic = column.startswith("repair") and all(
+            rows[high][column] <= (high // PER_NODE).bit_length() for rows in results.values()
+        )
+        verdict = "log N" if logarithmic else "flat" if growth < 2 else "grows"
         print(f"  {column}: x{growth:.1f} ({verdict})")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))

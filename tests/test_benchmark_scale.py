@@ -1,0 +1,23 @@
+"""benchmarks/scale.py runs the library's own functions: it must keep importing them, and
+its repair column is the real fan-out's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import scale
+
+
+def test_one_row_of_the_scale_simulation() -> None:
+    row = scale.measure("hsdp", 64, layers=1, exact_resume_per_rank=100)
+    assert row["tensors"] > 0 and row["held_bytes"] < 200
+    assert row["exact_resume_bytes"] == 6400
+
+
+def test_a_repair_of_every_node_but_one_takes_log_rounds() -> None:
+    # 2,048 nodes of 8 ranks, 2,047 replaced: 11 rounds (one after another: 2,047)
+    assert scale.repair(16384) == (11, 11)
+    assert scale.repair(16) == (1, 1) and scale.repair(8) == (0, 0)
