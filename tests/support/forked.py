@@ -125,27 +125,48 @@ def run_ranks(
     failed) and every rank's output. A launch that outlives ``timeout`` is killed and raises."""
     import torch.distributed as dist
 
-    context = _forkserver()
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout))  # fmt: skip
+    envs = [
+        {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
+         "ROLE_RANK": str(rank), "ROLE_NAME": "default",
+         "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc),
+         "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc),
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+         "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+         "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True",
+         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "1"}
+        for rank in range(nproc)
+    ]  # fmt: skip
+    return _run_forked(worker, argv, envs, timeout, cwd)
+
+
+def run_python(
+    script: Path, argv: Sequence[str], *, env: Mapping[str, str], timeout: float,
+    cwd: str | os.PathLike[str] | None = None,
+) -> tuple[int, str]:  # fmt: skip
+    """``python SCRIPT ARGS`` with exactly ``env`` (no launcher's variables), forked from the
+    server: its exit status and output. A run that outlives ``timeout`` is killed and raises."""
+    return _run_forked(script, argv, [dict(env)], timeout, cwd)
+
+
+def _run_forked(
+    worker: Path, argv: Sequence[str], envs: Sequence[Mapping[str, str]], timeout: float,
+    cwd: str | os.PathLike[str] | None,
+) -> tuple[int, str]:  # fmt: skip
+    """One process per environment of ``envs``, watched as torchrun's agent watches its
+    workers (:func:`_watch`); the exit status and every process's output."""
+    context = _forkserver()
     log = Path(tempfile.gettempdir()) / f"ranks-{uuid.uuid4().hex}.log"
     procs = []
     try:
-        for rank in range(nproc):
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-                        "ROLE_RANK": str(rank), "ROLE_NAME": "default",
-                        "LOCAL_WORLD_SIZE": str(nproc), "WORLD_SIZE": str(nproc),
-                        "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc),
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-                        "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                        "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True",
-                        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+        for env in envs:
             proc = context.Process(
                 target=_rank_main,
                 args=(
                     str(worker),
                     list(argv),
-                    rank_env,
+                    dict(env),
                     str(log),
                     None if cwd is None else str(cwd),
                 ),
@@ -154,6 +175,8 @@ def run_ranks(
             proc.start()
             procs.append(proc)
         code = _watch(procs, timeout)
+        if len(procs) == 1 and code == 1:  # one process: its own exit status, as python's
+            code = procs[0].exitcode if (procs[0].exitcode or 0) > 0 else 1
         output = log.read_text(errors="replace") if log.exists() else ""
         if code is None:
             raise AssertionError(f"launch hung for {timeout} s and was killed:\n{output[-6000:]}")

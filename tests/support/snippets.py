@@ -4,6 +4,7 @@ Each ```python block is preceded by a marker comment saying how it runs:
 
 * ``<!-- readme-test: python -->``: ``python snippet.py`` in a fresh directory;
 * ``<!-- readme-test: torchrun N -->``: ``torchrun --nproc-per-node N snippet.py`` (gloo on CPU);
+  these two in processes forked from a server that imported torch (see :func:`_launch`);
 * ``<!-- readme-test: accelerate N -->``: ``accelerate launch --config_file C snippet.py``, ``C``
   as ``accelerate config`` writes it for N processes on one machine (see ACCELERATE_CONFIG);
 * a trailing ``, twice``: run it again in the same directory (a restarted job), both must succeed;
@@ -24,6 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from forked import run_python, run_ranks
 from launch import RUN_SCRIPT, lost_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,19 +87,12 @@ def run_as_written(snippet: Snippet, tmp_path: Path) -> None:
     script.write_text(snippet.code)
     runs = 2 if snippet.how.endswith(", twice") else 1
     for attempt in range(runs):
-        done = _run(_command(snippet, script), tmp_path)
-        for _ in range(2):  # accelerate launch picks a free port, then torchrun binds it
-            if not lost_port(done.returncode, done.stdout + done.stderr):
-                break
-            done = _run(_command(snippet, script), tmp_path)
-        assert done.returncode == 0, (
-            f"{snippet.id} (run {attempt + 1} of {runs}) failed with exit {done.returncode}:\n"
-            f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+        code, output = _launch(snippet, script, tmp_path)
+        assert code == 0, (
+            f"{snippet.id} (run {attempt + 1} of {runs}) failed with exit {code}:\n{output[-8000:]}"
         )
-        where = first_traceback(done.stderr)
-        assert where < 0, (
-            f"{snippet.id}: a traceback:\n{done.stderr[max(where - 2000, 0) :][:8000]}"
-        )
+        where = first_traceback(output)
+        assert where < 0, f"{snippet.id}: a traceback:\n{output[max(where - 2000, 0) :][:8000]}"
     match = HOW.match(snippet.how)
     if match is not None and match["check"]:
         _check_resume(snippet, script, tmp_path)
@@ -122,6 +117,31 @@ def first_traceback(stderr: str) -> int:
     return -1
 
 
+def _launch(snippet: Snippet, script: Path, cwd: Path) -> tuple[int, str]:
+    """Run ``script`` once as ``snippet``'s marker says: its exit status and output.
+
+    ``python`` and ``torchrun N`` run the snippet's code as written in processes forked
+    from a server that has imported torch (forked.py: the environment torchrun gives its
+    workers, the agent's way of stopping them), since the launcher is incidental to what
+    these runs check and a fresh interpreter costs 2.5 s of CPU for torch's import; the
+    real ``torchrun`` runs them under ``then check-resume`` (and in the tests about
+    launchers). ``accelerate N`` runs ``accelerate launch`` itself."""
+    match = HOW.match(snippet.how)
+    assert match is not None
+    env = _environment(cwd)
+    if match["launcher"] == "python":
+        return run_python(RUN_SCRIPT, [str(script)], env=env, timeout=240, cwd=cwd)
+    if match["nproc"]:
+        return run_ranks(RUN_SCRIPT, [str(script)], nproc=int(match["nproc"]), env=env,
+                         timeout=240, cwd=cwd)  # fmt: skip
+    done = _run(_command(snippet, script), cwd)
+    for _ in range(2):  # accelerate launch picks a free port, then torchrun binds it
+        if not lost_port(done.returncode, done.stdout + done.stderr):
+            break
+        done = _run(_command(snippet, script), cwd)
+    return done.returncode, done.stdout + done.stderr
+
+
 def _command(snippet: Snippet, script: Path) -> list[str]:
     match = HOW.match(snippet.how)
     assert match is not None
@@ -140,11 +160,18 @@ def _command(snippet: Snippet, script: Path) -> list[str]:
     return [str(torchrun), f"--nproc-per-node={match['nproc']}", "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--max-restarts=0", *runner]  # fmt: skip
 
 
-def _run(cmd: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+def _environment(cwd: Path) -> dict[str, str]:
+    """A user's shell, as far as a snippet sees it: the venv's tools on PATH, HOME in
+    ``cwd``."""
     env = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin", "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "HOME": str(cwd)}  # fmt: skip
     if "PYTHONPATH" in os.environ:  # a development checkout imported through PYTHONPATH
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return env
+
+
+def _run(cmd: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = _environment(cwd)
     try:
         return subprocess.run(
             cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
