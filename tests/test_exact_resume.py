@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from forked import run_ranks
-from launch import ONE_NODE, RUN_SCRIPT, WORKER, _env, _finish, _start, torchrun
+from launch import ONE_NODE, RUN_SCRIPT, WORKER, _env, _finish, _start, forked_ranks
 
 pytestmark = [pytest.mark.processes, pytest.mark.long]
 EXACT = WORKER.with_name("exact_worker.py")
@@ -94,11 +94,11 @@ def test_every_ddp_set_up_resumes_bit_identical_at_four_and_three_ranks(tmp_path
     rounds. The 3-rank job also loads the 4-rank checkpoint: the layout follows it by name."""
     four = tmp_path / "four"
     runs = {
-        4: torchrun("configs", four / "out", nproc=4, worker=CONFIGS, timeout=240,
-                    args=["--ckpt", str(four / "ckpt")]).ok().results,
-        3: torchrun("configs", tmp_path / "three", nproc=3, worker=CONFIGS, timeout=240,
-                    args=["--ckpt", str(tmp_path / "ckpt3"), f"--only={AT_THREE}",
-                          f"--resized-from={four / 'ckpt'}"]).ok().results,
+        4: forked_ranks("configs", four / "out", nproc=4, worker=CONFIGS, timeout=240,
+                        args=["--ckpt", str(four / "ckpt")]).ok().results,
+        3: forked_ranks("configs", tmp_path / "three", nproc=3, worker=CONFIGS, timeout=240,
+                        args=["--ckpt", str(tmp_path / "ckpt3"), f"--only={AT_THREE}",
+                              f"--resized-from={four / 'ckpt'}"]).ok().results,
     }  # fmt: skip
     for world, results in runs.items():
         assert sorted(results) == list(range(world))

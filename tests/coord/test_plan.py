@@ -68,6 +68,7 @@ def test_a_fan_out_reaches_every_receiver_once_in_log_rounds(receivers) -> None:
     assert fan.rounds == math.ceil(math.log2(receivers + 1))
     parts = {rank: fan.part(rank) for rank in line}
     assert fan.part(99) == []  # neither holder nor receiver
+    assert fan.part_at(-1) == fan.part_at(receivers + 1) == []  # outside the line
     has = {line[0]: -1}  # rank: the round in which it got the file
     for k in range(fan.rounds):
         for rank in line:

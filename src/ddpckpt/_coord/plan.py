@@ -92,8 +92,11 @@ class FanOut:
 
     def part_at(self, place: int) -> list[Transfer]:
         """:meth:`part` of the rank at ``place`` in the line (0: the holder; ``i + 1``:
-        ``receivers[i]``), in ``O(log R)``."""
+        ``receivers[i]``; any other number: a rank outside it, which does nothing), in
+        ``O(log R)``."""
         line = len(self.receivers) + 1
+        if not 0 <= place < line:
+            return []
         parts = []
         if place:
             k = place.bit_length() - 1  # the round in which the line reaches it

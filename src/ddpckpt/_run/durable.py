@@ -42,8 +42,6 @@ from ddpckpt.errors import (
     PartiallyRestoredError,
 )
 
-__all__ = ["DurableSaves", "list_candidates", "load_first"]
-
 _log = get_logger(__name__)
 _Listing = dict[str, tuple[str, dict[str, Any], str]]  # step: status, metrics, problem
 

@@ -9,15 +9,6 @@ from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger
 from ddpckpt._run.rundir import remove_checkpoint, scan
 
-__all__ = [
-    "Held",
-    "by_step",
-    "keep_up_to",
-    "say_dropped",
-    "say_durable_served",
-    "say_world_changed",
-]
-
 _log = get_logger(__name__)
 # step: checkpoint id: the ranks whose node holds it, as RankSet spans (constant size for
 # whole runs of nodes, whatever the number of ranks)

@@ -41,8 +41,6 @@ from ddpckpt.errors import CorruptCheckpointError
 from ddpckpt.storage import storage_for
 from ddpckpt.storage._base import is_temp_name
 
-__all__ = ["AVOID", "by_problem", "check_here", "run_identity", "write_marker"]
-
 AVOID = (
     "give fast_tier= a directory of this user's own that does not exist yet (it is created "
     "private), or fast_tier='auto' (one named for this user and run), or remove this one"

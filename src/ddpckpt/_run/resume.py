@@ -23,8 +23,6 @@ from ddpckpt._log import get_logger
 from ddpckpt._run.tier import Loaded, Resuming, Tier
 from ddpckpt.errors import CheckpointError, CorruptCheckpointError, PartiallyRestoredError
 
-__all__ = ["READER_LISTINGS", "nothing_loads", "resume_run", "walk"]
-
 _log = get_logger(__name__)
 READER_LISTINGS = 3  # times a read-only resume lists the directory before giving up
 

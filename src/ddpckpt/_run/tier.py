@@ -25,8 +25,6 @@ from ddpckpt._run.saving import RunSaves
 from ddpckpt._state.capture import Snapshot
 from ddpckpt.errors import PartiallyRestoredError
 
-__all__ = ["Loaded", "Resuming", "Tier"]
-
 Loaded = tuple[int, CheckpointInfo]  # the step restored, and its checkpoint's info
 
 
