@@ -15,6 +15,7 @@ import ddpckpt
 
 PUBLIC = (
     "ddpckpt",
+    "ddpckpt.convert",
     "ddpckpt.data",
     "ddpckpt.errors",
     "ddpckpt.events",

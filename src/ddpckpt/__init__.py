@@ -8,7 +8,7 @@ collective under ``torch.distributed`` and work the same in a single process.
 
 from typing import Any
 
-from ddpckpt import _observe, data, errors, policies, storage
+from ddpckpt import _observe, convert, data, errors, policies, storage
 from ddpckpt._io.dict_checkpoint import load_dict, remove_checkpoint, save_dict
 from ddpckpt._io.load import load
 from ddpckpt._io.reader import CheckpointInfo, load_state_dict, verify
@@ -70,6 +70,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedValueError",
     "__version__",
+    "convert",
     "data",
     "errors",
     "latest",

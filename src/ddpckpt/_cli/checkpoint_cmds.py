@@ -165,10 +165,10 @@ def _import_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _import(args: argparse.Namespace) -> int:
-    from ddpckpt._convert.legacy import import_checkpoint
+    from ddpckpt.convert import import_checkpoint
 
     try:
-        path, dropped = import_checkpoint(
+        imported = import_checkpoint(
             args.legacy,
             args.outdir,
             model_key=args.model_key,
@@ -181,8 +181,8 @@ def _import(args: argparse.Namespace) -> int:
             f"{args.outdir}: a checkpoint already exists here; pass --overwrite to replace it, "
             "or name another output directory"
         ) from None
-    print(f"imported {args.legacy} -> {path}")
-    for item in dropped:
+    print(f"imported {args.legacy} -> {imported.path}")
+    for item in imported.left_out:
         print(f"  left out: {item}")
     return 0
 
