@@ -271,19 +271,20 @@ def test_two_nodes_sharing_storage_write_one_copy(tmp_path) -> None:
 
 
 def test_node_local_storage_keeps_a_copy_per_node_and_repairs_lost_ones(tmp_path) -> None:
-    """4 nodes of one rank, each with its own disk: every node keeps a copy; three replaced
-    nodes get theirs by doubling (node 0 sends to node 1, then to node 2 while node 1 passes
-    its copy on to node 3: 2 rounds, not 3)."""
+    """4 nodes of two ranks, each node with its own disk: every node keeps a copy, written by
+    its own ranks; three replaced nodes get theirs by doubling. Each file starts from the
+    rank of node 0 that owns it: it goes to node 1, then to node 2 while node 1 passes it on
+    to node 3 (2 rounds, not 3), and node 0's other rank takes no part in that file's."""
     nodes = [tmp_path / f"node{i}" for i in range(4)]
     for node in nodes:
         node.mkdir()
-    launch = dict(nnodes=4, nproc=1, args=["--ckpt", "ckpt"], cwds=nodes)
+    launch = dict(nnodes=4, nproc=2, args=["--ckpt", "ckpt"], cwds=nodes)
     saved = torchrun_nodes("train_save", tmp_path / "save", **launch).ok().results
     for index, node in enumerate(nodes):
         manifest = manifest_of(node / "ckpt")
-        assert manifest["copy"]["count"] == 4 and manifest["copy"]["ranks"] == [index]
-        for name, info in manifest["files"].items():
-            assert info["writer"] == index, name
+        ranks = [2 * index, 2 * index + 1]
+        assert manifest["copy"]["count"] == 4 and manifest["copy"]["ranks"] == ranks
+        assert {info["writer"] for info in manifest["files"].values()} <= set(ranks)
         assert ddpckpt.verify(node / "ckpt").step == 3
 
     for node in nodes[1:]:
@@ -291,9 +292,9 @@ def test_node_local_storage_keeps_a_copy_per_node_and_repairs_lost_ones(tmp_path
     loaded = torchrun_nodes("load", tmp_path / "load", **launch).ok().results
     for rank, result in loaded.items():
         assert result["digest"] == saved[0]["digest"] and result["draws"] == saved[rank]["draws"]
-    for rank in (1, 2, 3):
-        assert any("this node had no copy" in w for w in loaded[rank]["warnings"]), rank
-        assert ddpckpt.verify(nodes[rank] / "ckpt").step == 3  # and it keeps the copy
+    for node in (1, 2, 3):
+        assert any("this node had no copy" in w for w in loaded[2 * node]["warnings"]), node
+        assert ddpckpt.verify(nodes[node] / "ckpt").step == 3  # and it keeps the copy
 
 
 def test_node_local_repair_never_writes_outside_the_checkpoint(tmp_path) -> None:

@@ -72,8 +72,9 @@ def _forkserver() -> multiprocessing.context.ForkServerContext:
 
 
 def _rank_main(
-    worker: str, argv: list[str], env: dict[str, str], log: str, cwd: str | None
-) -> None:
+    worker: str, argv: list[str], env: dict[str, str], log: str, cwd: str | None,
+    path: list[str] | None = None,
+) -> None:  # fmt: skip
     """In the forked rank: its own process group, output to the launch's log, the rank's
     environment, then ``python WORKER ARGS`` up to the end a normal exit has (exiting.py)."""
     os.setsid()
@@ -100,9 +101,12 @@ def _rank_main(
 
         faulthandler.enable()
     sys.argv = [worker, *argv]
-    sys.path[0:0] = [os.path.dirname(worker)] + [
-        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p
-    ]
+    if path is not None:  # exactly a fresh interpreter's (none of the test process's)
+        sys.path[:] = [os.path.dirname(worker), *path]
+    else:
+        sys.path[0:0] = [os.path.dirname(worker)] + [
+            p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p
+        ]
     from run_script import run_as_main
 
     run_as_main(worker)
@@ -119,10 +123,12 @@ def _stop(procs: Sequence[multiprocessing.process.BaseProcess], how: signal.Sign
 
 def run_ranks(
     worker: Path, argv: Sequence[str], *, nproc: int, env: Mapping[str, str], timeout: float,
-    cwd: str | os.PathLike[str] | None = None,
+    cwd: str | os.PathLike[str] | None = None, path: list[str] | None = None,
 ) -> tuple[int, str]:  # fmt: skip
     """Run ``nproc`` ranks of ``worker``; return torchrun's exit status (0, or 1 once a rank
-    failed) and every rank's output. A launch that outlives ``timeout`` is killed and raises."""
+    failed) and every rank's output. A launch that outlives ``timeout`` is killed and raises.
+    ``path``: the ranks' module search path after the worker's directory (:func:`fresh_path`
+    for exactly a fresh interpreter's; default: the server's, PYTHONPATH first)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
@@ -138,24 +144,45 @@ def run_ranks(
          "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "OMP_NUM_THREADS": "1"}
         for rank in range(nproc)
     ]  # fmt: skip
-    return _run_forked(worker, argv, envs, timeout, cwd)
+    return _run_forked(worker, argv, envs, timeout, cwd, path)
 
 
 def run_python(
     script: Path, argv: Sequence[str], *, env: Mapping[str, str], timeout: float,
     cwd: str | os.PathLike[str] | None = None,
 ) -> tuple[int, str]:  # fmt: skip
-    """``python SCRIPT ARGS`` with exactly ``env`` (no launcher's variables), forked from the
-    server: its exit status and output. A run that outlives ``timeout`` is killed and raises."""
-    return _run_forked(script, argv, [dict(env)], timeout, cwd)
+    """``python SCRIPT ARGS`` with exactly ``env`` (no launcher's variables) and the module
+    search path a fresh interpreter has with it, forked from the server: its exit status
+    (its own, as python's) and output. A run that outlives ``timeout`` is killed and raises."""
+    return _run_forked(script, argv, [dict(env)], timeout, cwd, fresh_path(env), exit_code=True)
+
+
+def fresh_path(env: Mapping[str, str]) -> list[str]:
+    """``sys.path[1:]`` of ``python SCRIPT`` run with ``env``: PYTHONPATH and the
+    installation's directories, never the test process's own entries (tests/support ...)."""
+    key = tuple(sorted(env.items()))
+    if key not in _FRESH_PATHS:
+        import json
+        import subprocess
+
+        probe = "import json, sys; print(json.dumps(sys.path[1:]))"
+        out = subprocess.run([sys.executable, "-c", probe], env=dict(env), capture_output=True,
+                             text=True, check=True).stdout  # fmt: skip
+        _FRESH_PATHS[key] = json.loads(out)
+    return list(_FRESH_PATHS[key])
+
+
+_FRESH_PATHS: dict[tuple[tuple[str, str], ...], list[str]] = {}
 
 
 def _run_forked(
     worker: Path, argv: Sequence[str], envs: Sequence[Mapping[str, str]], timeout: float,
-    cwd: str | os.PathLike[str] | None,
+    cwd: str | os.PathLike[str] | None, path: list[str] | None = None, exit_code: bool = False,
 ) -> tuple[int, str]:  # fmt: skip
     """One process per environment of ``envs``, watched as torchrun's agent watches its
-    workers (:func:`_watch`); the exit status and every process's output."""
+    workers (:func:`_watch`); the exit status (torchrun's 0 or 1; the one process's own with
+    ``exit_code``) and every process's output. ``path``: the processes' module search path
+    after the worker's directory (default: the server's, PYTHONPATH first)."""
     context = _forkserver()
     log = Path(tempfile.gettempdir()) / f"ranks-{uuid.uuid4().hex}.log"
     procs = []
@@ -169,13 +196,14 @@ def _run_forked(
                     dict(env),
                     str(log),
                     None if cwd is None else str(cwd),
+                    path,
                 ),
                 daemon=False,
             )
             proc.start()
             procs.append(proc)
         code = _watch(procs, timeout)
-        if len(procs) == 1 and code == 1:  # one process: its own exit status, as python's
+        if exit_code and code == 1:  # one process: its own exit status, as python's
             code = procs[0].exitcode if (procs[0].exitcode or 0) > 0 else 1
         output = log.read_text(errors="replace") if log.exists() else ""
         if code is None:

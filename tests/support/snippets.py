@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from forked import run_python, run_ranks
+from forked import fresh_path, run_python, run_ranks
 from launch import RUN_SCRIPT, lost_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -133,7 +133,7 @@ def _launch(snippet: Snippet, script: Path, cwd: Path) -> tuple[int, str]:
         return run_python(RUN_SCRIPT, [str(script)], env=env, timeout=240, cwd=cwd)
     if match["nproc"]:
         return run_ranks(RUN_SCRIPT, [str(script)], nproc=int(match["nproc"]), env=env,
-                         timeout=240, cwd=cwd)  # fmt: skip
+                         timeout=240, cwd=cwd, path=fresh_path(env))  # fmt: skip
     done = _run(_command(snippet, script), cwd)
     for _ in range(2):  # accelerate launch picks a free port, then torchrun binds it
         if not lost_port(done.returncode, done.stdout + done.stderr):

@@ -2,9 +2,9 @@
 
 With node-local storage every node keeps its own copy; a node that was replaced (or whose
 disk was wiped) has none. Before loading, :func:`repair_copies` gives the first rank of
-every storage domain that lacks it the files of one node that has the checkpoint (each file
-from one of that node's ranks), point to point over gloo groups of two (only the ranks that
-send and receive are connected). Each file fans out by doubling
+every storage domain that lacks it the files of one node that has the checkpoint (each
+file starts from one of that node's ranks), point to point over gloo groups of two (only
+the ranks that send and receive are connected). Each file fans out by doubling
 (:class:`~ddpckpt._coord.plan.FanOut`): a node that received it passes it on, so ``D``
 replaced nodes are served in ``ceil(log2(D + 1))`` rounds, not ``D``, and no rank sends a
 file more than once a round. Each received file is hashed while written and checked
