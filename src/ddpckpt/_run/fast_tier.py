@@ -27,7 +27,8 @@ at every launch writing the run directory (:meth:`FastSaves._resolve`).
   ``latest``, the queries and ``export`` only ever see the durable tier.
 
 ``Checkpointer.resume()`` (collective) lists both tiers on every rank and tries the steps
-newest first, the durable tier first on a tie (:meth:`FastSaves.resume`). A fast-tier step
+newest first, the durable tier first on a tie (:mod:`ddpckpt._run.resume`; this tier's part
+is :meth:`FastSaves.offer`, :meth:`FastSaves.restore`, :meth:`FastSaves.resumed`). A fast-tier step
 is taken from the copy most ranks hold; nodes that lack it (a replaced node, a wiped
 tmpfs) first receive it from a node that has it, verified against its checksums
 (:func:`~ddpckpt._coord.replicate.repair_copies`). A step that cannot be restored on every
