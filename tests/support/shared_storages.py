@@ -24,7 +24,7 @@ def _shared() -> list[Any]:
 
     s3 = sys.modules.get("ddpckpt.storage.s3")
     default = getattr(s3, "_default", None) if s3 is not None else None
-    return [o for o in (storage._posix, storage._memory, default) if o is not None]
+    return [o for o in (storage._local, storage._memory, default) if o is not None]
 
 
 def _copied_methods(instance: Any) -> list[str]:

@@ -74,7 +74,7 @@ from ddpckpt._run.options import (
     FastTier,
     Keeping,
     Schedule,
-    Storage,
+    StorageOptions,
     auto_directory,
 )
 from ddpckpt._run.rundir import scan
@@ -138,7 +138,7 @@ def fast_options(
         keeping=Keeping(KeepLast(config.keep), durable.keeping.mode),
         failures=FailureHandling("warn", 0, 0.0),  # a full tmpfs is not transient
         asynchronous=Asynchronous(True, overlap and config.overlap),
-        storage=Storage(_SHARING, storage.timeout, storage.lock_stale_after, False),
+        storage=StorageOptions(_SHARING, storage.timeout, storage.lock_stale_after, False),
     )
 
 

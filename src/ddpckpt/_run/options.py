@@ -27,7 +27,7 @@ once this rank's share of the state is copied to reusable host buffers; writing,
 for it). ``async_save="overlap"`` also copies parameters and optimizer state during the next
 forward/backward, and ``optimizer.step()`` waits for that copy.
 
-Storage (:class:`Storage`): ``sharing`` says whether the nodes share the directory
+Storage (:class:`StorageOptions`): ``sharing`` says whether the nodes share the directory
 (``"auto"``, ``"shared"`` or ``"local"``; see :mod:`ddpckpt._coord.topology`), ``timeout`` bounds every collective wait, ``lock_stale_after`` is when
 a lock whose holder stopped refreshing it may be taken over, and ``read_only`` opens a run
 another job writes: no lock, nothing cleaned, moved or written.
@@ -86,7 +86,7 @@ class Asynchronous:
 
 
 @dataclass(frozen=True)
-class Storage:
+class StorageOptions:
     """Where and how the run directory is used."""
 
     sharing: str | None  # "auto", "shared" or "local"
@@ -210,7 +210,7 @@ class CheckpointerOptions:
     keeping: Keeping
     failures: FailureHandling
     asynchronous: Asynchronous
-    storage: Storage
+    storage: StorageOptions
     fast_tier: FastTier | None = None
 
 
@@ -273,7 +273,7 @@ def resolve(
         keeping=Keeping(retention or _keeping(keep_last, keep_best, monitor, mode), mode),
         failures=FailureHandling(on_error, retries, retry_backoff),
         asynchronous=Asynchronous(bool(async_save), overlap),
-        storage=Storage(sharing, timeout, lock_stale_after, read_only),
+        storage=StorageOptions(sharing, timeout, lock_stale_after, read_only),
         fast_tier=fast,
     )
 

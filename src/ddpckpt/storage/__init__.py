@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 _lock = threading.Lock()
-_posix = PosixStorage()
+_local = PosixStorage()  # local paths (not named _posix: that is its module)
 _memory = MemoryStorage()
 
 
@@ -162,7 +162,7 @@ def resolve(path: str | os.PathLike[str]) -> tuple[Storage, str]:
 def _resolve(location: str) -> tuple[Storage, str]:
     scheme, sep, _ = location.partition("://")
     if not sep or "/" in scheme:
-        return _posix, location
+        return _local, location
     with _lock:
         for prefix in sorted(_mounts, key=len, reverse=True):
             if location == prefix or location.startswith(prefix + "/"):
