@@ -63,3 +63,46 @@ def test_load_state_dict_gives_plain_cpu_weights(ckpt_dir, process_group) -> Non
     inference = make_mlp(seed=9)
     inference.load_state_dict(weights)
     assert_state_equal(inference.state_dict(), model.state_dict())
+
+
+def test_a_whole_tensor_above_one_chunk_is_read_in_part_and_verified_by_chunk(
+    tmp_path, monkeypatch
+) -> None:
+    """A tensor saved whole (DDP) and loaded into a shard (FSDP2) is read only around the
+    shard, each chunk verified: not read and hashed whole on every rank."""
+    from ddpckpt._format.manifest import read_manifest
+    from ddpckpt._format.tensorfile import CHUNK
+    from ddpckpt._format.tensorread import TensorFile
+    from ddpckpt._io.reader import FileSource
+
+    rows, width = 4 * CHUNK // (4 * 1024), 1024  # 4 chunks of float32 rows
+    big = torch.arange(rows * width, dtype=torch.float32).reshape(rows, width)
+    model = torch.nn.Module()
+    model.big, model.small = torch.nn.Parameter(big), torch.nn.Parameter(torch.ones(3))
+    path = tmp_path / "ckpt"
+    ddpckpt.save(path, model=model)
+    manifest = read_manifest(str(path))
+    entry = manifest.tensors["model/big"]
+    assert len(entry.chunks) == 4 and manifest.tensors["model/small"].chunks == ()
+
+    read: list[int] = []
+    real = TensorFile.read_chunks
+
+    def counting(self, entry, first, last, chunk):
+        read.append(last - first)
+        return real(self, entry, first, last, chunk)
+
+    monkeypatch.setattr(TensorFile, "read_chunks", counting)
+    source = FileSource(str(path), manifest, prefix="model/")
+    quarter = rows // 4
+    target = torch.empty(quarter, width)
+    source.read_region("big", target, ((quarter, 0), (quarter, width)))  # the second quarter
+    assert torch.equal(target, big[quarter : 2 * quarter]) and sum(read) == 1
+    assert ddpckpt.verify(path) is not None
+
+    flip_byte(str(path / entry.file), entry.begin + 3 * CHUNK + 5)  # in the last chunk only
+    source = FileSource(str(path), manifest, prefix="model/")
+    source.read_region("big", target, ((quarter, 0), (quarter, width)))  # still good
+    assert torch.equal(target, big[quarter : 2 * quarter])
+    with pytest.raises(CorruptCheckpointError, match="chunk 3"):
+        source.read_region("big", target, ((3 * quarter, 0), (quarter, width)))

@@ -41,8 +41,8 @@ from ddpckpt._format.boundary import (
 from ddpckpt._format.codec import JSON
 from ddpckpt._format.runfiles import describe_path
 from ddpckpt._format.sections import layout_version
-from ddpckpt._format.shards import ShardedEntry
-from ddpckpt._format.tensorfile import FileEntry, TensorEntry, checked_layout
+from ddpckpt._format.shards import ShardedEntry, chunk_count
+from ddpckpt._format.tensorfile import CHUNK, FileEntry, TensorEntry, checked_layout
 from ddpckpt._version import __version__
 from ddpckpt.errors import (
     CheckpointNotFoundError,
@@ -247,8 +247,21 @@ def _tensor_entry(key: str, doc: Any, where: str, files: dict[str, FileEntry]) -
     dtype, shape, begin, end = checked_layout(fields, files[file].size)
     return TensorEntry(
         file, fields.text("key", max_length=1 << 16), dtype, shape, begin, end,
-        _digest_field(fields, "xxh3_64"),
+        _digest_field(fields, "xxh3_64"), _chunk_digests(fields, end - begin),
     )  # fmt: skip
+
+
+def _chunk_digests(fields: Fields, nbytes: int) -> tuple[str, ...]:
+    """A whole tensor's digest per :data:`CHUNK` (optional; written for tensors above one
+    chunk since 2026-11-28): exactly one per chunk of its bytes, or none."""
+    found = fields.value("chunks", None)
+    if found is None:
+        return ()
+    if not isinstance(found, list) or len(found) != chunk_count(nbytes, CHUNK):
+        raise fields.error(f"is not one digest per {CHUNK} bytes of the tensor", "chunks")
+    if not all(isinstance(c, str) and _DIGEST.fullmatch(c) for c in found):
+        raise fields.error("holds a value that is not an xxh3-64 digest", "chunks")
+    return tuple(found)
 
 
 def _copy(doc: Any, where: str, world_size: int) -> dict[str, Any]:
@@ -299,7 +312,7 @@ def file_from_json(name: str, doc: dict[str, Any]) -> FileEntry:
 
 
 def tensor_to_json(entry: TensorEntry) -> dict[str, Any]:
-    return {
+    doc = {
         "file": entry.file,
         "key": entry.key,
         "dtype": entry.dtype,
@@ -307,6 +320,9 @@ def tensor_to_json(entry: TensorEntry) -> dict[str, Any]:
         "offsets": [entry.begin, entry.end],
         "xxh3_64": entry.digest,
     }
+    if entry.chunks:  # optional: a reader that knows no "chunks" verifies the whole digest
+        doc["chunks"] = list(entry.chunks)
+    return doc
 
 
 def tensor_from_json(doc: dict[str, Any]) -> TensorEntry:
@@ -319,6 +335,7 @@ def tensor_from_json(doc: dict[str, Any]) -> TensorEntry:
         begin=int(doc["offsets"][0]),
         end=int(doc["offsets"][1]),
         digest=str(doc["xxh3_64"]),
+        chunks=tuple(str(c) for c in doc.get("chunks", ())),
     )
 
 

@@ -22,7 +22,7 @@ from ddpckpt._format.rankparts import fill_rank_parts
 from ddpckpt._format.reshard import Box, plan_reads
 from ddpckpt._format.sections import StateSections
 from ddpckpt._format.shards import ShardedEntry
-from ddpckpt._format.tensorfile import TensorEntry, can_read_into, dtype_from_name
+from ddpckpt._format.tensorfile import CHUNK, TensorEntry, can_read_into, dtype_from_name
 from ddpckpt._format.tensorread import TensorFile
 from ddpckpt._io.progress import Progress
 from ddpckpt._observe import Access
@@ -169,21 +169,43 @@ class FileSource:
         """Copy ``region`` of the stored ``name`` into ``target`` (see
         :meth:`TensorSource.read_region`): of a sharded tensor only the chunks of the
         shards that overlap it are read (:func:`~ddpckpt._format.reshard.plan_reads`), each
-        verified; a tensor stored whole is mapped and verified whole."""
+        verified; of a tensor stored whole, the chunks around the region where its manifest
+        has a digest per chunk (tensors above one chunk, since 2026-11-28), else all of it,
+        mapped and verified whole."""
         record = self.sharded(name)
-        if record is None:
-            whole = self.get(name)
-            target.copy_(whole[tuple(slice(o, o + n) for o, n in zip(*region, strict=True))])
+        if record is not None:
+            dtype = dtype_from_name(record.dtype, self.path)
+            pieces = [(p.entry, p.offsets, p.shape) for p in record.pieces]
+            self._read_pieces(pieces, dtype, record.chunk, target, region)
             return
-        dtype = dtype_from_name(record.dtype, self.path)
-        boxes = [(p.offsets, p.shape) for p in record.pieces]
-        for read in plan_reads(boxes, region, itemsize=dtype.itemsize, chunk=record.chunk):
-            piece = record.pieces[read.piece]
-            data = self._file(piece.entry).read_chunks(piece.entry, *read.chunks, record.chunk)
-            row_bytes = math.prod(piece.shape[1:]) * dtype.itemsize
-            start = read.rows[0] * row_bytes - read.chunks[0] * record.chunk
+        entry = self.entry(name)
+        if entry.chunks and entry.shape:
+            dtype = dtype_from_name(entry.dtype, self.path)
+            self._read_pieces([(entry, (0,) * len(entry.shape), entry.shape)], dtype, CHUNK,
+                              target, region)  # fmt: skip
+            return
+        whole = self.get(name)
+        target.copy_(whole[tuple(slice(o, o + n) for o, n in zip(*region, strict=True))])
+
+    def _read_pieces(
+        self,
+        pieces: list[tuple[TensorEntry, tuple[int, ...], tuple[int, ...]]],
+        dtype: torch.dtype,
+        chunk: int,
+        target: torch.Tensor,
+        region: Box,
+    ) -> None:
+        """Copy ``region`` of a tensor stored as ``pieces`` (entry, offsets, shape; each with
+        a digest per ``chunk`` bytes) into ``target``, reading only the chunks that overlap
+        it (:func:`~ddpckpt._format.reshard.plan_reads`), each verified."""
+        boxes = [(offsets, shape) for _, offsets, shape in pieces]
+        for read in plan_reads(boxes, region, itemsize=dtype.itemsize, chunk=chunk):
+            entry, _, piece_shape = pieces[read.piece]
+            data = self._file(entry).read_chunks(entry, *read.chunks, chunk)
+            row_bytes = math.prod(piece_shape[1:]) * dtype.itemsize
+            start = read.rows[0] * row_bytes - read.chunks[0] * chunk
             count = read.rows[1] - read.rows[0]
-            shape = (count, *piece.shape[1:]) if piece.shape else ()
+            shape = (count, *piece_shape[1:]) if piece_shape else ()
             rows = data[start : start + count * row_bytes].view(dtype).reshape(shape)
             target[read.target].copy_(rows[read.source])
             if self.progress is not None:
@@ -265,6 +287,7 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
         problems.append(str(exc))
     by_file = _entries_by_file(manifest)
     chunks = {p.entry.key: r.chunk for r in manifest.shards.values() for p in r.pieces}
+    # a whole tensor's chunk digests are per CHUNK bytes
     for name, file in sorted(manifest.files.items()):
         try:
             mapped = TensorFile(os.path.join(path, name), file.size)
@@ -273,7 +296,7 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
                 problems.append(f"{os.path.join(path, name)}: file checksum mismatch (corrupt)")
             for entry in by_file.get(name, []):
                 mapped.view(entry)
-                problems += mapped.chunk_problems(entry, chunks.get(entry.key, 1))
+                problems += mapped.chunk_problems(entry, chunks.get(entry.key, CHUNK))
         except CheckpointError as exc:
             problems.append(str(exc))
     return problems

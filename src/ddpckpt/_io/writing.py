@@ -45,7 +45,7 @@ from ddpckpt._format.manifest import (
     tensor_to_json,
 )
 from ddpckpt._format.rankparts import rank_keys
-from ddpckpt._format.tensorfile import tensor_nbytes
+from ddpckpt._format.tensorfile import CHUNK, tensor_nbytes
 from ddpckpt._format.tensorwrite import write_file
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.settling import settle_plan
@@ -283,7 +283,7 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
                 writer=plan.comm.rank,
                 metadata=FILE_METADATA,
                 progress=bar.update,
-                chunked=shard_of,
+                chunked=shard_of.keys() | _large(items),
             )
             files.append({"name": entry.name, **file_to_json(entry)})
             prefix = "model/" if kind == "model" else ""
@@ -401,3 +401,10 @@ def _readable(nbytes: int) -> str:
         if nbytes >= size:
             return f"{nbytes / size:.{2 if unit == 'GiB' else 1}f} {unit}"
     return f"{nbytes / 1024:.1f} KiB"
+
+
+def _large(items: list[tuple[str, torch.Tensor]]) -> set[str]:
+    """The keys of the tensors above one :data:`~ddpckpt._format.tensorfile.CHUNK`: each
+    gets a digest per chunk, so that a rank that needs only part of it (a checkpoint saved
+    whole, loaded into a sharded tensor) reads and verifies only that part."""
+    return {key for key, tensor in items if tensor_nbytes(tensor) > CHUNK}
