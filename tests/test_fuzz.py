@@ -70,3 +70,14 @@ def test_mutated_dcp_directories_import_or_are_refused(tmp_path_factory) -> None
         one(Draws(data))
 
     check()
+
+
+def test_mutated_trainer_and_accelerate_directories_import_or_are_refused(tmp_path_factory) -> None:
+    one = example("hf", tmp_path_factory.mktemp("hf"))
+
+    @fuzz(150)
+    @given(st.data())
+    def check(data: st.DataObject) -> None:
+        one(Draws(data))
+
+    check()

@@ -46,14 +46,18 @@ def import_checkpoint(
     ``ddpckpt import SOURCE DESTINATION`` does; local.
 
     ``source`` is a ``torch.save`` file (a bare model ``state_dict``, or a dict of model,
-    optimizer, scheduler, scaler, step, epoch under the usual names), a Lightning ``.ckpt``
-    or a ``torch.distributed.checkpoint`` (DCP) directory. No pickle of it runs: a
-    ``torch.save`` file is read with torch's weights-only unpickler, DCP's ``.metadata``
-    with one that knows only DCP's own metadata records. ``module.`` and ``_orig_mod.``
+    optimizer, scheduler, scaler, step, epoch under the usual names), a Lightning ``.ckpt``,
+    a ``torch.distributed.checkpoint`` (DCP) directory, a Hugging Face ``Trainer``
+    ``checkpoint-N`` directory or an Accelerate ``save_state`` directory (these two as
+    :class:`~ddpckpt.integrations.transformers.DdpckptTrainer` and
+    :func:`~ddpckpt.integrations.accelerate.load_state` resume them, each process's random
+    streams as that rank's own). No pickle of it runs: ``torch.save`` files are read with
+    torch's weights-only unpickler (numpy arrays of numbers allowed in random streams only),
+    DCP's ``.metadata`` with one that knows only DCP's own metadata records. ``module.`` and ``_orig_mod.``
     prefixes are removed.
 
     Args:
-        source: The file or DCP directory to import.
+        source: The file or directory to import.
         destination: The checkpoint directory to create; it appears only once complete.
         model_key: The entry holding the model weights, where it is not recognised.
         trusted_globals: ``module.Name`` of plain data classes the file may unpickle

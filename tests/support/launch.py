@@ -27,8 +27,10 @@ _BIN = Path(sys.executable).parent
 
 
 # torchrun on one node hosts its rendezvous store on a port the system picks and hands it to its
-# workers: nothing picks a port that another process can bind first. (No --rdzv-id: torchrun's
-# default run id, as users' jobs have it.)
+# workers: nothing picks a port that another process can bind first, while the store is shared
+# (under TORCH_DISABLE_SHARE_RDZV_TCP_STORE, which check-resume sets, torchrun picks the
+# workers' port free and rank 0 binds it later: tiny_check.py runs such a check again). (No
+# --rdzv-id: torchrun's default run id, as users' jobs have it.)
 ONE_NODE = ("--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0")
 _IN_USE = ("EADDRINUSE", "Address already in use", "address already in use")
 

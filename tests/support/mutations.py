@@ -469,6 +469,54 @@ def mutated_dcp_directory(chooser: Chooser, seed: Path, target: Path) -> None:
         data.write_bytes(raw[: chooser.integer(0, len(raw))])
 
 
+def seed_hf_directories(root: Path) -> list[Path]:
+    """A Trainer ``checkpoint-N`` of two processes and an Accelerate ``save_state``, each file
+    written as those packages write it (without them: the same calls on the same values)."""
+    import numpy as np
+    from safetensors.torch import save_file
+
+    model, optimizer, scheduler = _objects()
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    trainer, accelerate = root / "checkpoint-2", root / "state"
+    for directory in (trainer, accelerate):
+        directory.mkdir(parents=True)
+        save_file(model.state_dict(), directory / "model.safetensors", metadata={"format": "pt"})
+    streams = {"python": random.getstate(), "numpy": np.random.get_state(),
+               "cpu": torch.get_rng_state()}  # fmt: skip
+    torch.save(optimizer.state_dict(), trainer / "optimizer.pt")
+    torch.save(scheduler.state_dict(), trainer / "scheduler.pt")
+    for rank in range(2):
+        torch.save(streams, trainer / f"rng_state_{rank}.pth")
+    (trainer / "trainer_state.json").write_text(json.dumps({"global_step": 2, "epoch": 0.5}))
+    (trainer / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1}))
+    torch.save(optimizer.state_dict(), accelerate / "optimizer.bin")
+    torch.save(scheduler.state_dict(), accelerate / "scheduler.bin")
+    torch.save({"random_state": streams["python"], "numpy_random_seed": streams["numpy"],
+                "torch_manual_seed": streams["cpu"], "step": 0},
+               accelerate / "random_states_0.pkl")  # fmt: skip
+    torch.save({"n": 3}, accelerate / "custom_checkpoint_0.pkl")
+    return [trainer, accelerate]
+
+
+def mutated_hf_directory(chooser: Chooser, seed: Path, target: Path) -> None:
+    """``seed`` with one file's pickle, zip, safetensors or JSON bytes changed or cut short."""
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(seed, target)
+    path = target / choice(chooser, sorted(os.listdir(target)))
+    if zipfile.is_zipfile(path) and chooser.integer(0, 1) == 0:
+        mutated_torch_file(chooser, path, path)
+        return
+    raw = bytearray(path.read_bytes())
+    if chooser.integer(0, 1) == 0:
+        for _ in range(chooser.integer(1, 4)):
+            raw[chooser.integer(0, len(raw) - 1)] ^= 1 << chooser.integer(0, 7)
+        path.write_bytes(bytes(raw))
+    else:
+        path.write_bytes(bytes(raw[: chooser.integer(0, len(raw))]))
+
+
 class RandomChooser:
     """Choices from a seeded ``random.Random`` (for quick runs without a fuzzer)."""
 
@@ -483,8 +531,8 @@ class RandomChooser:
 
 
 def example(kind: str, root: Path) -> Callable[[Chooser], None]:
-    """One check of the property on an input of ``kind`` (``checkpoint``, ``torchfile`` or
-    ``dcp``) mutated by a chooser's choices; the seed input is made under ``root`` first."""
+    """One check of the property on an input of ``kind`` (``checkpoint``, ``torchfile``,
+    ``dcp`` or ``hf``: a Trainer checkpoint or an Accelerate save_state) mutated by a chooser's choices; the seed input is made under ``root`` first."""
     if kind == "dcp":
         seeds = seed_dcp_directories(root / "seeds")
 
@@ -493,6 +541,15 @@ def example(kind: str, root: Path) -> Callable[[Chooser], None]:
             check_torch_file(root / "mutated", root / "out")
 
         return one_directory
+    if kind == "hf":
+        directories = seed_hf_directories(root / "seeds")
+
+        def one_hf(chooser: Chooser) -> None:
+            seed = choice(chooser, directories)
+            mutated_hf_directory(chooser, seed, root / "mutated" / seed.name)
+            check_torch_file(root / "mutated" / seed.name, root / "mutated" / "out")
+
+        return one_hf
     if kind == "checkpoint":
         seed = root / "seed" / "run" / "ckpt"
         original = seed_checkpoint(seed)

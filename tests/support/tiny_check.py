@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from launch import ONE_NODE, _env, _finish, _start
+from launch import _IN_USE, ONE_NODE, _env, _finish, _start
 
 SUPPORT = Path(__file__).parent
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
@@ -27,7 +28,11 @@ def check(
     argv = [sys.executable, "-m", "ddpckpt", "check-resume", "--out", str(out), "--timeout=150",
             *options, "--", *command]  # fmt: skip
     variables = _env({"PYTHONWARNINGS": "ignore::FutureWarning", **(env or {})})
-    ((code, output),) = _finish([_start(argv, variables, tmp)], 600)
+    for _ in range(3):
+        shutil.rmtree(out, ignore_errors=True)
+        ((code, output),) = _finish([_start(argv, variables, tmp)], 600)
+        if not _lost_port(out):
+            break
     report = json.loads((out / "report.json").read_text()) if (out / "report.json").exists() else {}
     return code, output, report
 
@@ -42,3 +47,13 @@ def check_tiny(
                "--local-addr=127.0.0.1", str(SUPPORT / "tiny_train.py"), "--dir", str(tmp / "user")]  # fmt: skip
     more = ["--reference", str(reference)] if reference else []
     return check(tmp, command, *options, *more, env={"PLANTED_BUG": bug, "SHARDED": sharded})
+
+
+def _lost_port(out: Path) -> bool:
+    """Whether a worker of a run could not bind its store's port. The check sets
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE (torchrun's restarts need it in torch 2.13), so
+    torchrun picks MASTER_PORT free and rank 0 binds it later: another test can take it in
+    between, and that failed round spends the --max-restarts the planned kill needs. The
+    check is run again, as from scratch."""
+    logs = out.glob("runs/*/launch-*.log")
+    return any(m in log.read_text(errors="replace") for log in logs for m in _IN_USE)

@@ -144,8 +144,8 @@ def _export(args: argparse.Namespace) -> int:
 def _import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "legacy",
-        help="a file written by torch.save, a Lightning .ckpt, or a torch.distributed.checkpoint "
-        "(DCP) directory",
+        help="a file written by torch.save, a Lightning .ckpt, a torch.distributed.checkpoint "
+        "(DCP) directory, a Trainer checkpoint-N directory or an Accelerate save_state directory",
     )
     p.add_argument("outdir", help="the ddpckpt checkpoint directory to create")
     p.add_argument("--model-key", help="the entry holding the model weights, if not detected")
@@ -221,13 +221,16 @@ EXPORT = Command(
 )
 IMPORT = Command(
     "import",
-    "convert a torch.save / Lightning file or a DCP directory (no pickle code runs)",
+    "convert a torch.save / Lightning file, a DCP, Trainer or Accelerate directory "
+    "(no pickle code runs)",
     _import_arguments,
     _import,
     description="Convert a checkpoint written with torch.save (a state dict, the usual "
     "{'model': ..., 'optimizer': ...} dicts, a Lightning .ckpt) or a "
     "torch.distributed.checkpoint directory (dcp.save; a sharded save's pieces "
-    "put together) into a ddpckpt checkpoint. torch.save files and DCP's items are read with "
+    "put together), a Hugging Face Trainer checkpoint-N directory or an Accelerate "
+    "save_state directory (each process's random streams kept as that rank's) into a "
+    "ddpckpt checkpoint. torch.save files and DCP's items are read with "
     "torch's weights-only unpickler, DCP's .metadata with one that knows only DCP's own "
     "metadata records: a pickle naming any other global is refused before it runs. "
     "Optimizer state keyed by position (torch.save) is matched by position when loaded; "

@@ -10,7 +10,10 @@ Understood layouts:
   ``epoch``, ``global_step``, precision-plugin scaler state, loops, callbacks ...);
 * a ``torch.distributed.checkpoint`` (DCP) directory (:mod:`ddpckpt._convert.dcp`, which
   reads it without running its pickle), holding any of the above, such as
-  ``{"model": ..., "optim": ...}`` of ``get_state_dict``, inside one wrapping entry or not.
+  ``{"model": ..., "optim": ...}`` of ``get_state_dict``, inside one wrapping entry or not;
+* a Hugging Face ``Trainer`` ``checkpoint-N`` or an Accelerate ``save_state`` directory
+  (:mod:`ddpckpt._convert.hf`), written as the objects ddpckpt's integrations save, each
+  process's random streams in that rank's file (:func:`~ddpckpt._io.writing.add_ranks`).
 
 ``module.`` (DDP/DataParallel) and ``_orig_mod.`` (torch.compile) prefixes are removed.
 The file is read by :mod:`ddpckpt._convert.torchfile`: ``torch.load(weights_only=True)``
@@ -31,6 +34,13 @@ from typing import Any
 import torch
 
 from ddpckpt._convert.dcp import is_dcp_directory, read_dcp
+from ddpckpt._convert.hf import (
+    Source,
+    is_accelerate_state,
+    is_trainer_checkpoint,
+    read_accelerate,
+    read_trainer,
+)
 from ddpckpt._convert.torchfile import read_torch_file
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import encode
@@ -41,7 +51,7 @@ from ddpckpt._format.sections import (
     StatefulSection,
     StateSections,
 )
-from ddpckpt._io.writing import header_fields, plan_write, write_and_commit
+from ddpckpt._io.writing import add_ranks, header_fields, plan_write, write_and_commit
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot
 from ddpckpt.errors import CorruptCheckpointError, UnsupportedValueError
@@ -288,6 +298,11 @@ def import_checkpoint(
     logged as a warning).
     """
     source, destination = os.fspath(source), os.fspath(destination)
+    if is_trainer_checkpoint(source) or is_accelerate_state(source):
+        read = read_trainer if is_trainer_checkpoint(source) else read_accelerate
+        found = read(source, trusted_source)
+        snapshot, header, parts = _hf_snapshot(found, source)
+        return _write(source, destination, snapshot, header, found.left_out, parts, overwrite)
     if is_dcp_directory(source):
         obj = _unwrapped(read_dcp(source, trusted_globals, trusted_source))
         beside = [k for k in _OPTIMIZER_KEYS if isinstance(obj.get(k), dict)]
@@ -299,15 +314,85 @@ def import_checkpoint(
             )
     elif os.path.isdir(source):
         raise CorruptCheckpointError(
-            f"{source}: a directory without DCP's .metadata; `import` reads a torch.save file, "
-            "a Lightning .ckpt or a torch.distributed.checkpoint directory"
+            f"{source}: a directory of no format `import` reads: a "
+            "torch.distributed.checkpoint directory (.metadata), a Trainer checkpoint "
+            "(trainer_state.json) or an Accelerate save_state (random_states_0.pkl); or a "
+            "torch.save file, a Lightning .ckpt"
         )
     else:
         obj, _ = read_torch_file(source, trusted_globals, trusted_source)
     snapshot, header, dropped = _classify(obj, source, model_key)
+    return _write(source, destination, snapshot, header, dropped, [], overwrite)
+
+
+def _write(
+    source: str,
+    destination: str,
+    snapshot: Snapshot,
+    header: dict[str, Any],
+    dropped: list[str],
+    parts: list[tuple[dict[str, Any], dict[str, torch.Tensor]]],
+    overwrite: bool,
+) -> tuple[str, list[str]]:
+    """Write the checkpoint (``parts``: the per-rank state of ranks 1, 2, ...), after
+    warning of what was left out."""
     for item in dropped:
         _log.warning("%s: left out of the import: %s", source, item)
     fields = header_fields(header["step"], header["epoch"], None)
     comm = Comm.local("ddpckpt.import", destination)
     plan = plan_write(comm, snapshot, fields, overwrite=overwrite, storage="shared")
+    add_ranks(plan, parts)
     return write_and_commit(plan), dropped
+
+
+def _hf_snapshot(
+    found: Source, where: str
+) -> tuple[Snapshot, dict[str, Any], list[tuple[dict[str, Any], dict[str, torch.Tensor]]]]:
+    """The objects ddpckpt's integration of the source's framework saves (see
+    :mod:`ddpckpt._convert.hf`): the snapshot (rank 0's per-rank state in it), the header,
+    and the per-rank state of the other processes."""
+    snapshot, sections = Snapshot(), StateSections()
+    sections.models["model"] = _model_section(found.weights, snapshot)
+    if found.optimizer:
+        sections.optimizers["optimizer"] = _optimizer_section(found.optimizer, snapshot, where, [])
+    for kind, value in (("scheduler", found.scheduler), ("scaler", found.scaler)):
+        if value is not None:
+            if not isinstance(value, Mapping):
+                raise CorruptCheckpointError(f"{where}: the {kind}'s file holds no state_dict")
+            state = encode(dict(value), kind, snapshot.tensors)
+            sections.place(f"{kind}s", kind, StatefulSection("imported", state))
+    for name, text in (("trainer_state", found.trainer_state), ("config", found.config)):
+        if text is not None:
+            sections.extra[name] = ExtraEntry("value", None, encode(text, f"extra/{name}", {}))
+    for i, custom in enumerate(found.custom):
+        state = encode(custom, f"extra/custom{i}", snapshot.tensors)
+        sections.extra[f"custom{i}"] = ExtraEntry("stateful", None, state)
+    if found.accelerator_step is not None:
+        state = encode({"step": found.accelerator_step}, "extra/accelerator_step", {})
+        sections.extra["accelerator_step"] = ExtraEntry("stateful", "_StepCounter", state)
+    ranks = []
+    for streams in found.streams:
+        tensors: dict[str, torch.Tensor] = {}
+        if found.kind == "trainer":  # DdpckptTrainer's per-process run state
+            run = {"rng": _numpy_key_as_tensor(streams), "tr_loss": torch.tensor(0.0),
+                   "total_loss": 0.0, "last_logged": found.step, "flos": 0.0}  # fmt: skip
+            ranks.append(({"extra": {"run": encode(run, "extra/run", tensors)}}, tensors))
+        else:
+            ranks.append(({"rng": encode(streams, "rng", tensors)}, tensors))
+    if found.kind == "trainer":
+        sections.extra["run"] = ExtraEntry("per_rank", "_PerRankRun")
+    if ranks:
+        snapshot.rank_state, snapshot.rank_tensors = ranks[0][0], ranks[0][1]
+    snapshot.state = sections.to_json()
+    header = {"step": found.step, "epoch": None}
+    return snapshot, header, ranks[1:]
+
+
+def _numpy_key_as_tensor(streams: dict[str, Any]) -> dict[str, Any]:
+    """The streams as the integrations keep them: numpy's key as an int64 tensor."""
+    if "numpy" not in streams:
+        return streams
+    numpy_state = dict(streams["numpy"])
+    inner = dict(numpy_state["state"])
+    inner["key"] = torch.from_numpy(inner["key"].astype("int64"))
+    return {**streams, "numpy": {**numpy_state, "state": inner}}

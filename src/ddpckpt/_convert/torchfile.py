@@ -136,16 +136,21 @@ def trusted_globals(names: Iterable[str]) -> list[Any]:
 
 
 def read_torch_file(
-    path: str, trusted: Iterable[str] = (), trusted_source: bool = False
+    path: str, trusted: Iterable[str] = (), trusted_source: bool = False, *, arrays: bool = False
 ) -> tuple[Any, int]:
     """What the ``torch.save`` file ``path`` holds (CPU tensors, memory-mapped where the
-    file is in the zip format) and the file's size, within the limits of this module."""
+    file is in the zip format) and the file's size, within the limits of this module.
+
+    ``arrays`` also allows numpy arrays of plain numbers (the random streams Accelerate and
+    the Trainer save hold numpy's): the four numpy globals that rebuild one, as
+    ``transformers`` and ``accelerate`` allow them, each array declared empty before its
+    bytes are set (the scan refuses any other), never one of Python objects."""
 
     def load() -> tuple[Any, int]:
         size = _scan(path)
         return load_torch_file(path), size
 
-    return _read(path, load, trusted, trusted_source)
+    return _read(path, load, trusted, trusted_source, _numpy_globals() if arrays else [])
 
 
 def read_torch_bytes(
@@ -163,8 +168,32 @@ def read_torch_bytes(
     return _read(where, load, trusted, trusted_source)[0]
 
 
+def _numpy_globals() -> list[Any]:
+    """The numpy globals a pickled array of numbers needs, under numpy 2's and numpy 1's
+    module names."""
+    import numpy as np
+
+    rebuild = (
+        np._core.multiarray._reconstruct
+        if hasattr(np, "_core")
+        else np.core.multiarray._reconstruct
+    )
+    return [
+        rebuild,
+        (rebuild, "numpy.core.multiarray._reconstruct"),
+        (rebuild, "numpy._core.multiarray._reconstruct"),
+        np.ndarray,
+        np.dtype,
+        type(np.dtype(np.uint32)),
+    ]
+
+
 def _read(
-    path: str, load: Callable[[], tuple[Any, int]], trusted: Iterable[str], trusted_source: bool
+    path: str,
+    load: Callable[[], tuple[Any, int]],
+    trusted: Iterable[str],
+    trusted_source: bool,
+    also: list[Any] = [],  # noqa: B006 (never changed)
 ) -> tuple[Any, int]:
     if torch_version() < SAFE_TORCH and not trusted_source:
         raise UnsafeCheckpointError(
@@ -173,7 +202,7 @@ def _read(
             "import files you did not write; pass trusted_source=True (--trusted-source) "
             "only for files you made yourself"
         )
-    allowed = trusted_globals(trusted)
+    allowed = trusted_globals(trusted) + also
     try:
         with torch.serialization.safe_globals(allowed):
             obj, size = load()
@@ -272,6 +301,20 @@ class _Stub:
         pass
 
 
+_ARRAY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
+
+
+def _empty_array(*args: Any) -> _Stub:
+    """numpy's ``_reconstruct`` as a scanned pickle calls it: numpy pickles every array as an
+    empty one (shape ``(0,)``) whose bytes are set afterwards, and allocates the shape it is
+    given, so any other shape is refused."""
+    if len(args) != 3 or args[1] != (0,):
+        raise pickle.UnpicklingError(
+            f"an array rebuilt as {args[1:2]!r:.80}, not as numpy pickles one"
+        )
+    return _Stub()
+
+
 class _StorageType(_Stub):
     """A storage class a scanned pickle names (``torch.FloatStorage``): its element size."""
 
@@ -302,6 +345,8 @@ class _Scanner(pickle._Unpickler):  # type: ignore[name-defined]
         self.storages: dict[str, int] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        if str(name) == "_reconstruct" and str(module) in _ARRAY_MODULES:
+            return _empty_array
         itemsize = _storage_itemsize(str(module), str(name))
         return _StorageType(itemsize) if itemsize is not None else _Stub
 

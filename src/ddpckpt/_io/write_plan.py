@@ -48,6 +48,8 @@ class WritePlan:
     rank_blob: bytes | None = None  # this rank's file, made to be sent to other domains
     rank_file: FileEntry | None = None  # and its entry
     foreign: dict[int, bytes] = field(default_factory=dict)  # other domains' rank files
+    # ranks whose rank files this process writes alone (an import): their write results
+    alone: dict[int, dict[str, Any]] = field(default_factory=dict)
     shards: ShardWrites = field(default_factory=ShardWrites)  # sharded state (shardwrite)
     owned_state: dict[str, Any] = field(default_factory=dict)  # Snapshot.owned_state
 

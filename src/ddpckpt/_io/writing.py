@@ -23,7 +23,7 @@ import copy
 import errno
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,9 +44,9 @@ from ddpckpt._format.manifest import (
     tensor_from_json,
     tensor_to_json,
 )
-from ddpckpt._format.rankparts import rank_keys
+from ddpckpt._format.rankparts import RANK_STATE_KEY, rank_keys
 from ddpckpt._format.tensorfile import CHUNK, tensor_nbytes
-from ddpckpt._format.tensorwrite import write_file
+from ddpckpt._format.tensorwrite import serialize, write_file
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.settling import settle_plan
 from ddpckpt._io.shardwrite import ShardWrites, piece_json, piece_key, plan_shards, shard_records
@@ -145,6 +145,28 @@ def plan_write(
     )
 
 
+def add_ranks(
+    plan: WritePlan, parts: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]
+) -> None:
+    """Have ``plan`` (a local one: one process writes the whole checkpoint) also write the
+    per-rank files of ranks 1, 2, ...: ``parts`` holds each one's encoded per-rank state and
+    its tensors, as a rank's :class:`Snapshot` would. The checkpoint is then one of
+    ``1 + len(parts)`` ranks, as if each had saved its own (an import of a job's per-rank
+    random streams); local."""
+    if plan.comm.world_size != 1:
+        raise ValueError("add_ranks is for a checkpoint one process writes alone")
+    for rank, (state, tensors) in enumerate(parts, start=1):
+        items = [(f"rank{rank}/{n}", t) for n, t in tensors.items()]
+        metadata = {**FILE_METADATA, RANK_STATE_KEY: json.dumps(state)}
+        blob, entry, _ = serialize(file_names(rank)["rank"], items, writer=0, metadata=metadata)
+        plan.foreign[rank] = blob
+        plan.alone[rank] = {
+            "rank_keys": rank_keys(state),
+            "rank_file": {"name": entry.name, **file_to_json(entry)},
+        }
+        plan.needed += len(blob) + 4096
+
+
 def staging_share(snapshot: Snapshot, domains: list[list[int]], rank: int) -> list[torch.Tensor]:
     """The tensors ``rank`` would copy for ``snapshot`` in an asynchronous save (as
     :func:`plan_write` assigns them), for sizing its staging buffer before the first save;
@@ -187,6 +209,8 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
             lambda found: _results_by_leader(found, plan.domains),
             receive=plan.leader,
         )
+        if results is not None:
+            results = [*results, *(plan.alone[r] for r in sorted(plan.alone))]
         comm.run(f"commit.{attempt}", lambda: _commit(plan, tmp, results))
     except BaseException:
         if plan.leader:
@@ -327,10 +351,14 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
         step=header["step"],
         epoch=header["epoch"],
         metrics=header["metrics"],
-        world_size=comm.world_size,
+        world_size=len(results),
         state=state,
         rank_keys=sorted({key for r in results for key in r["rank_keys"]}),
-        copy={"index": plan.domains.index(domain), "count": len(plan.domains), "ranks": domain},
+        copy={
+            "index": plan.domains.index(domain),
+            "count": len(plan.domains),
+            "ranks": domain + sorted(plan.alone),
+        },
     )
     for rank, result in enumerate(results):
         mine = rank in domain

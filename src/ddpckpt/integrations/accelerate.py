@@ -33,11 +33,16 @@ from typing import Any  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
 import ddpckpt  # noqa: E402
+from ddpckpt._format.manifest import read_manifest  # noqa: E402
+from ddpckpt._format.sections import StateSections  # noqa: E402
 from ddpckpt._io.background import PendingSave  # noqa: E402
+from ddpckpt._log import get_logger, same_on_every_rank  # noqa: E402
 from ddpckpt.events import SaveEvent, add_listener  # noqa: E402
 from ddpckpt.integrations._prepared import PreparedLoaderPosition  # noqa: E402
 
 __all__ = ["load_state", "save_state", "training_state"]
+
+_log = get_logger(__name__)
 
 
 class _StepCounter:
@@ -79,6 +84,15 @@ def training_state(
         The objects, for :func:`ddpckpt.save`, :func:`ddpckpt.load` or a
         :class:`ddpckpt.Checkpointer`.
     """
+    objects = _objects(accelerator)
+    if log_checkpoints and accelerator.is_main_process and accelerator not in _reporting:
+        _reporting.add(accelerator)
+        add_listener(_logger_for(weakref.ref(accelerator)))
+    return ddpckpt.TrainingState({**objects, **extra})
+
+
+def _objects(accelerator: Accelerator) -> dict[str, Any]:
+    """The accelerator's prepared objects by name (see :func:`training_state`)."""
     objects: dict[str, Any] = {}
     groups = {
         "model": list(accelerator._models),
@@ -95,10 +109,7 @@ def training_state(
         objects["scaler"] = accelerator.scaler
     objects.update({f"custom{i}": obj for i, obj in enumerate(accelerator._custom_objects)})
     objects["accelerator_step"] = _StepCounter(accelerator)
-    if log_checkpoints and accelerator.is_main_process and accelerator not in _reporting:
-        _reporting.add(accelerator)
-        add_listener(_logger_for(weakref.ref(accelerator)))
-    return ddpckpt.TrainingState({**objects, **extra})
+    return objects
 
 
 def save_state(
@@ -144,6 +155,11 @@ def load_state(
         path: The checkpoint directory (or URL).
         **options: Passed to :func:`ddpckpt.load` (``strict``, ``timeout`` ...).
 
+    A checkpoint imported from Accelerate's own ``save_state`` (``ddpckpt import``) holds no
+    DataLoader position, as Accelerate saves none: the prepared DataLoaders are left as
+    they are, with a warning, and the batches already trained are skipped as the
+    Accelerate script did (``accelerator.skip_first_batches``).
+
     Returns:
         The checkpoint's :class:`ddpckpt.CheckpointInfo` (``step``, ``epoch``,
         ``metrics``).
@@ -151,7 +167,22 @@ def load_state(
     Raises:
         CheckpointError: As :func:`ddpckpt.load`, on every process.
     """
-    return ddpckpt.load(path, training_state(accelerator), **options)
+    state = training_state(accelerator)
+    if any(name.startswith("dataloader") for name in state):
+        location = os.fspath(path)
+        held = StateSections.from_json(read_manifest(location).state, location).extra
+        if "accelerator_step" in held and not any(n.startswith("dataloader") for n in held):
+            _log.warning(
+                "%s holds no DataLoader position (imported from Accelerate's save_state, "
+                "which saves none): the prepared DataLoaders start from their beginning; "
+                "skip the batches already trained with accelerator.skip_first_batches, as "
+                "with Accelerate's own load_state",
+                location,
+                extra=same_on_every_rank(),
+            )
+            kept = {k: v for k, v in state.items() if not k.startswith("dataloader")}
+            state = ddpckpt.TrainingState(kept)
+    return ddpckpt.load(path, state, **options)
 
 
 def _position(prepared: Any, index: int) -> PreparedLoaderPosition:

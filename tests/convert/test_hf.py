@@ -1,0 +1,256 @@
+"""Importing a Hugging Face Trainer checkpoint-N and an Accelerate save_state directory, made
+by the real packages: the import resumes as the framework's own resume does (weights,
+moments, schedule, every process's random streams), runs none of their pickles, and names
+what it leaves out."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from importlib.util import find_spec
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import ddpckpt
+from ddpckpt._convert.hf import read_safetensors
+from ddpckpt._convert.legacy import import_checkpoint
+from ddpckpt._format.codec import decode
+from ddpckpt._format.manifest import read_manifest
+from ddpckpt._format.rankparts import rank_part
+from ddpckpt.errors import CorruptCheckpointError
+
+needs_transformers = pytest.mark.skipif(
+    find_spec("transformers") is None, reason="no transformers extra"
+)
+needs_accelerate = pytest.mark.skipif(find_spec("accelerate") is None, reason="no accelerate")
+
+
+# ------------------------------------------------------------------ the Trainer
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.arange(i, i + 8) % 32
+        return {"input_ids": ids, "labels": ids}
+
+
+def _trainer(cls, directory: Path, stop_at: int | None = None):
+    """A tiny GPT-2 (dropout on: the random streams matter) for 6 steps on CPU, saved every
+    2 steps, stopped after ``stop_at`` as a killed job would be."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = stop_at is not None and state.global_step >= stop_at
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1,
+                                       n_head=2))  # fmt: skip
+    args = TrainingArguments(
+        output_dir=str(directory), per_device_train_batch_size=2, max_steps=6,
+        save_strategy="steps", save_steps=2, logging_steps=1, report_to=[], seed=0,
+        use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, warmup_steps=1,
+    )  # fmt: skip
+    return cls(model=model, args=args, train_dataset=_Tokens(), callbacks=[Stop()])
+
+
+def _losses(trainer, after: int) -> list[float]:
+    return [e["loss"] for e in trainer.state.log_history if "loss" in e and e["step"] > after]
+
+
+@needs_transformers
+def test_a_trainer_checkpoint_resumes_under_ddpckpt_as_under_the_trainers_own_resume(
+    tmp_path: Path,
+) -> None:
+    from transformers import Trainer
+
+    from ddpckpt.integrations.transformers import DdpckptTrainer
+
+    _trainer(Trainer, tmp_path / "hf", stop_at=4).train()
+    source = tmp_path / "hf" / "checkpoint-4"
+    own = _trainer(Trainer, tmp_path / "hf")
+    own.train(resume_from_checkpoint=str(source))
+
+    imported = import_checkpoint(source, tmp_path / "ddp" / "checkpoint-4")
+    assert imported[1] == [
+        "training_args.bin (the Trainer's TrainingArguments, a pickle of its classes; the "
+        "resumed run takes the arguments its script gives)"
+    ]
+    ours = _trainer(DdpckptTrainer, tmp_path / "ddp")
+    ours.train(resume_from_checkpoint=True)
+
+    assert ours.state.global_step == own.state.global_step == 6
+    assert _losses(ours, 4) == _losses(own, 4) and len(_losses(own, 4)) == 2
+    for (name, a), (_, b) in zip(ours.model.named_parameters(), own.model.named_parameters(),
+                                 strict=True):  # fmt: skip
+        assert torch.equal(a, b), name
+    for a, b in zip(ours.optimizer.state.values(), own.optimizer.state.values(), strict=True):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    assert ours.lr_scheduler.state_dict() == own.lr_scheduler.state_dict()
+
+
+def _save_rng(path: Path, seed: int) -> dict:
+    """A Trainer's rng_state file of a process seeded with ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "cpu": torch.random.get_rng_state()}  # fmt: skip
+    torch.save(state, path)
+    return state
+
+
+@needs_transformers
+def test_each_processs_random_streams_become_that_ranks_own(tmp_path: Path) -> None:
+    source = tmp_path / "checkpoint-4"
+    _trainer(
+        __import__("transformers").Trainer, tmp_path / "hf", stop_at=2
+    ).train()  # one process's checkpoint-2
+    shutil.copytree(tmp_path / "hf" / "checkpoint-2", source)
+    os.remove(source / "rng_state.pth")
+    saved = [_save_rng(source / f"rng_state_{rank}.pth", seed=rank + 10) for rank in range(3)]
+
+    path, _ = import_checkpoint(source, tmp_path / "out")
+    manifest = read_manifest(path)
+    assert manifest.world_size == 3
+    for rank in range(3):
+        state = rank_part(manifest, path, rank)
+        tensors = read_safetensors(os.path.join(path, f"rank-{rank:05d}.safetensors"))
+        run = decode(state["extra"]["run"], lambda name, r=rank, t=tensors: t[f"rank{r}/{name}"])
+        streams = run["rng"]
+        assert streams["python"] == saved[rank]["python"]
+        assert torch.equal(streams["torch"], saved[rank]["cpu"])
+        key = streams["numpy"]["state"]["key"].numpy().astype(np.uint32)
+        assert np.array_equal(key, saved[rank]["numpy"][1])
+
+
+# ------------------------------------------------------------------ Accelerate
+
+
+class _Counter:
+    """An object registered for checkpointing, as Accelerate's docs show one."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.n = state["n"]
+
+
+def _accelerated(seed: int = 0):
+    from accelerate import Accelerator
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    loader = torch.utils.data.DataLoader(torch.randn(16, 4), batch_size=4)
+    accelerator = Accelerator(cpu=True)
+    counter = _Counter()
+    accelerator.register_for_checkpointing(counter)
+    model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
+    return accelerator, model, optimizer, scheduler, loader, counter
+
+
+def _steps(accelerator, model, optimizer, scheduler, n: int) -> list[float]:
+    losses = []
+    for _ in range(n):
+        loss = model(torch.randn(4, 4)).pow(2).mean()
+        accelerator.backward(loss)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@needs_accelerate
+def test_an_accelerate_save_state_resumes_under_ddpckpt_as_under_accelerates_load_state(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ddpckpt.integrations.accelerate import load_state
+
+    accelerator, model, optimizer, scheduler, _, counter = _accelerated()
+    _steps(accelerator, model, optimizer, scheduler, 3)
+    counter.n = 3
+    accelerator.save_state(str(tmp_path / "state"))
+
+    accelerator, model, optimizer, scheduler, _, counter = _accelerated(seed=1)
+    accelerator.load_state(str(tmp_path / "state"))
+    own = (
+        _steps(accelerator, model, optimizer, scheduler, 2),
+        [p.detach().clone() for p in model.parameters()],
+    )
+
+    path, left_out = import_checkpoint(tmp_path / "state", tmp_path / "imported")
+    assert left_out == []
+    accelerator, model, optimizer, scheduler, _, counter = _accelerated(seed=2)
+    load_state(accelerator, path)
+    assert counter.n == 3
+    ours = (
+        _steps(accelerator, model, optimizer, scheduler, 2),
+        [p.detach().clone() for p in model.parameters()],
+    )
+
+    assert ours[0] == own[0]  # dropout draws from the restored stream
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], own[1], strict=True))
+    warned = [r.getMessage() for r in caplog.records if "DataLoader" in r.getMessage()]
+    assert warned == [
+        f"{path} holds no DataLoader position (imported from Accelerate's save_state, which "
+        "saves none): the prepared DataLoaders start from their beginning; skip the batches "
+        "already trained with accelerator.skip_first_batches, as with Accelerate's own "
+        "load_state"
+    ]
+
+
+# ------------------------------------------------------------------ nothing of theirs runs
+
+
+def test_a_random_stream_file_naming_a_function_is_refused_before_it_runs(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoint-2"
+    directory.mkdir()
+    (directory / "trainer_state.json").write_text('{"global_step": 2}')
+    torch.save({"w": torch.ones(2)}, directory / "pytorch_model.bin")
+    torch.save({"python": os.getcwd, "cpu": torch.get_rng_state()}, directory / "rng_state.pth")
+    with pytest.raises(ddpckpt.UnsafeCheckpointError, match=r"rng_state\.pth.*posix\.getcwd"):
+        import_checkpoint(directory, tmp_path / "out")
+
+
+class _HugeArray:
+    """Pickles as numpy's array rebuild asked for a terabyte (numpy allocates the shape)."""
+
+    def __reduce__(self):
+        return (np._core.multiarray._reconstruct, (np.ndarray, (1 << 40,), b"b"))
+
+
+def test_an_array_declared_huge_in_a_random_stream_file_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoint-2"
+    directory.mkdir()
+    (directory / "trainer_state.json").write_text('{"global_step": 2}')
+    torch.save({"w": torch.ones(2)}, directory / "pytorch_model.bin")
+    torch.save({"python": random.getstate(), "numpy": ("MT19937", _HugeArray(), 0, 0, 0.0),
+                "cpu": torch.get_rng_state()}, directory / "rng_state.pth")  # fmt: skip
+    with pytest.raises(CorruptCheckpointError, match=r"rng_state\.pth.*rebuilt as"):
+        import_checkpoint(directory, tmp_path / "out")
+
+
+def test_a_file_of_the_directory_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoint-2"
+    directory.mkdir()
+    (directory / "trainer_state.json").write_text('{"global_step": 2}')
+    torch.save({"w": torch.ones(2)}, tmp_path / "elsewhere.bin")
+    os.symlink(tmp_path / "elsewhere.bin", directory / "pytorch_model.bin")
+    with pytest.raises(CorruptCheckpointError, match=r"pytorch_model\.bin: a symbolic link"):
+        import_checkpoint(directory, tmp_path / "out")
