@@ -47,7 +47,7 @@ def import_checkpoint(
 
     ``source`` is a ``torch.save`` file (a bare model ``state_dict``, or a dict of model,
     optimizer, scheduler, scaler, step, epoch under the usual names), a Lightning ``.ckpt``,
-    a ``torch.distributed.checkpoint`` (DCP) directory, a Hugging Face ``Trainer``
+    a ``torch.distributed.checkpoint`` (DCP) directory (torchtitan's too), a Hugging Face ``Trainer``
     ``checkpoint-N`` directory or an Accelerate ``save_state`` directory (these two as
     :class:`~ddpckpt.integrations.transformers.DdpckptTrainer` and
     :func:`~ddpckpt.integrations.accelerate.load_state` resume them, each process's random

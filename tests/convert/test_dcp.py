@@ -3,6 +3,7 @@ them, without running their pickle (ddpckpt._convert.dcp)."""
 
 from __future__ import annotations
 
+import io
 import pickle
 import shutil
 import warnings
@@ -100,13 +101,27 @@ def test_the_command_imports_a_dcp_directory(saved, tmp_path, capsys) -> None:
 
 
 def test_a_model_beside_its_optimizer_at_the_top_level_is_refused_not_misread(tmp_path) -> None:
-    """torchtitan's layout: the model's keys at the top, beside "optimizer"."""
+    """The model's keys at the top, beside an "optimizer" not flattened as torchtitan's is
+    (tests/convert/test_torchtitan.py imports that one)."""
     model, opt = _trained()
     model_state, optim_state = get_state_dict(model, opt)
     _dcp_save({**model_state, "optimizer": optim_state}, tmp_path / "dcp")
-    with pytest.raises(CorruptCheckpointError, match="torchtitan's layout"):
+    with pytest.raises(CorruptCheckpointError, match="whose keys are not torchtitan's"):
         import_checkpoint(tmp_path / "dcp", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_buffer_item_holding_a_pickle_that_would_run_code_is_refused(tmp_path) -> None:
+    """DCP pickles an io.BytesIO as it is (torchtitan's train state): the buffer is read as
+    bytes, and the torch.save file in it through the weights-only unpickler."""
+    marker = tmp_path / "ran.txt"
+    model, _ = _trained()
+    buffer = io.BytesIO()
+    torch.save({"losses": [1.0], "hook": _Runs(marker)}, buffer)
+    _dcp_save({"model": model.state_dict(), "train_state": {"losses": buffer}}, tmp_path / "dcp")
+    with pytest.raises(UnsafeCheckpointError, match=r"in its buffer.*builtins\.eval"):
+        import_checkpoint(tmp_path / "dcp", tmp_path / "out")
+    assert not marker.exists()
 
 
 def test_a_bare_model_state_dict_saved_with_dcp_imports(tmp_path) -> None:

@@ -254,3 +254,25 @@ def test_a_file_of_the_directory_that_is_a_link_is_refused(tmp_path: Path) -> No
     os.symlink(tmp_path / "elsewhere.bin", directory / "pytorch_model.bin")
     with pytest.raises(CorruptCheckpointError, match=r"pytorch_model\.bin: a symbolic link"):
         import_checkpoint(directory, tmp_path / "out")
+
+
+@needs_transformers
+@pytest.mark.processes
+def test_a_two_process_trainer_checkpoint_gives_each_rank_its_own_streams_back(
+    tmp_path: Path,
+) -> None:
+    """Each process's dropout masks after the resume come from its own saved stream: the
+    losses of both ranks (their own batches and masks) and the weights are those of the
+    Trainer's own resume."""
+    from launch import forked_ranks
+
+    worker = Path(__file__).parents[1] / "support" / "hf_import_worker.py"
+    run = ["--dir", str(tmp_path)]
+    forked_ranks("train", tmp_path / "train", args=run, worker=worker, timeout=240).ok()
+    import_checkpoint(tmp_path / "hf" / "checkpoint-4", tmp_path / "ddp" / "checkpoint-4")
+    own = forked_ranks("own", tmp_path / "own", args=run, worker=worker, timeout=240).ok()
+    ours = forked_ranks("ours", tmp_path / "ours", args=run, worker=worker, timeout=240).ok()
+    assert own.result(0)["losses"] != own.result(1)["losses"]
+    assert len(own.result(0)["losses"]) == 4
+    for rank in (0, 1):
+        assert ours.result(rank) == own.result(rank), rank

@@ -26,12 +26,14 @@ Violations raise :class:`~ddpckpt.errors.CorruptCheckpointError` naming the file
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
 import os
 import pickle
 import re
 import struct
+import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -555,7 +557,10 @@ def read_dcp(
     for key, item in metadata.items.items():
         if isinstance(item, BytesItem):
             where = f"{item.stored.file} ({key}, bytes {item.stored.offset}+{item.stored.length})"
-            value = load(files.read(item.stored), where)
+            value = read_torch_bytes(files.read(item.stored), where, trusted, trusted_source,
+                                     buffers=True)  # fmt: skip
+            if isinstance(value, bytes) and zipfile.is_zipfile(io.BytesIO(value)):
+                value = load(value, f"{where}, the torch.save file in its buffer")
         else:
             value = _tensor(key, item, files, load)
         nested.place(metadata.paths[key], value, key)

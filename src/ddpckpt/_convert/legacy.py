@@ -10,7 +10,8 @@ Understood layouts:
   ``epoch``, ``global_step``, precision-plugin scaler state, loops, callbacks ...);
 * a ``torch.distributed.checkpoint`` (DCP) directory (:mod:`ddpckpt._convert.dcp`, which
   reads it without running its pickle), holding any of the above, such as
-  ``{"model": ..., "optim": ...}`` of ``get_state_dict``, inside one wrapping entry or not;
+  ``{"model": ..., "optim": ...}`` of ``get_state_dict``, inside one wrapping entry or not,
+  or torchtitan's layout (:mod:`ddpckpt._convert.torchtitan`);
 * a Hugging Face ``Trainer`` ``checkpoint-N`` or an Accelerate ``save_state`` directory
   (:mod:`ddpckpt._convert.hf`), written as the objects ddpckpt's integrations save, each
   process's random streams in that rank's file (:func:`~ddpckpt._io.writing.add_ranks`).
@@ -42,6 +43,7 @@ from ddpckpt._convert.hf import (
     read_trainer,
 )
 from ddpckpt._convert.torchfile import read_torch_file
+from ddpckpt._convert.torchtitan import from_torchtitan, is_torchtitan
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import encode
 from ddpckpt._format.sections import (
@@ -303,14 +305,19 @@ def import_checkpoint(
         found = read(source, trusted_source)
         snapshot, header, parts = _hf_snapshot(found, source)
         return _write(source, destination, snapshot, header, found.left_out, parts, overwrite)
+    left_out: list[str] = []
     if is_dcp_directory(source):
         obj = _unwrapped(read_dcp(source, trusted_globals, trusted_source))
+        if model_key is None and is_torchtitan(obj):
+            obj, left_out = from_torchtitan(obj, source)
+            model_key = "model"
         beside = [k for k in _OPTIMIZER_KEYS if isinstance(obj.get(k), dict)]
         if model_key is None and _is_state_dict(obj) and beside:
             raise CorruptCheckpointError(
                 f"{source}: the model's keys sit at the top level of the saved dict, beside "
-                f"{beside[0]!r} (torchtitan's layout): not recognised yet; load it with "
-                "torchtitan, then save once with ddpckpt"
+                f"{beside[0]!r}, whose keys are not torchtitan's: name the model's entry with "
+                "--model-key, or load it with the code that wrote it, then save once with "
+                "ddpckpt"
             )
     elif os.path.isdir(source):
         raise CorruptCheckpointError(
@@ -322,7 +329,7 @@ def import_checkpoint(
     else:
         obj, _ = read_torch_file(source, trusted_globals, trusted_source)
     snapshot, header, dropped = _classify(obj, source, model_key)
-    return _write(source, destination, snapshot, header, dropped, [], overwrite)
+    return _write(source, destination, snapshot, header, left_out + dropped, [], overwrite)
 
 
 def _write(

@@ -154,10 +154,19 @@ def read_torch_file(
 
 
 def read_torch_bytes(
-    data: bytes, where: str, trusted: Iterable[str] = (), trusted_source: bool = False
+    data: bytes,
+    where: str,
+    trusted: Iterable[str] = (),
+    trusted_source: bool = False,
+    *,
+    buffers: bool = False,
 ) -> Any:
     """What the ``torch.save`` bytes ``data`` (read from ``where``, which errors name) hold,
-    within the limits of this module."""
+    within the limits of this module.
+
+    ``buffers`` also allows ``io.BytesIO`` (a buffer of bytes, which DCP pickles as it is:
+    torchtitan's train state is ``torch.save`` files in buffers); each comes back as the
+    ``bytes`` it holds."""
 
     def load() -> tuple[Any, int]:
         with io.BytesIO(data) as f:
@@ -165,7 +174,8 @@ def read_torch_bytes(
             f.seek(0)
             return torch.load(f, map_location="cpu", weights_only=True), len(data)
 
-    return _read(where, load, trusted, trusted_source)[0]
+    value = _read(where, load, trusted, trusted_source, [io.BytesIO] if buffers else [])[0]
+    return value.getvalue() if isinstance(value, io.BytesIO) else value
 
 
 def _numpy_globals() -> list[Any]:

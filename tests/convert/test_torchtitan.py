@@ -1,0 +1,156 @@
+"""Importing a checkpoint in torchtitan's layout, written as torchtitan's CheckpointManager
+writes it (DCP, the model's keys at the top level, the optimizer flattened by
+get_optimizer_state_dict): it resumes under ddpckpt with the same weights, moments,
+param groups, schedule and step, and the DataLoader's pickle is named as left out."""
+
+from __future__ import annotations
+
+import functools
+import io
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+import ddpckpt
+from ddpckpt._convert.legacy import import_checkpoint
+from ddpckpt._convert.torchtitan import from_torchtitan
+from ddpckpt.errors import CorruptCheckpointError
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.Linear(8, 8)
+        self.attention_norm = nn.LayerNorm(8)
+
+
+class _Titan(nn.Module):
+    """Names as torchtitan's Llama has them: ``layers.0.attention.weight``, a norm, an output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(16, 8)
+        self.layers = nn.ModuleDict({"0": _Block(), "1": _Block()})
+        self.norm = nn.LayerNorm(8)
+        self.output = nn.Linear(8, 16, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = h + block.attention(block.attention_norm(h))
+        return self.output(self.norm(h))
+
+
+def _make(seed: int = 0):
+    torch.manual_seed(seed)
+    model = _Titan()
+    decay = [p for n, p in model.named_parameters() if "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if "norm" in n]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, functools.partial(lambda warmup, step: min(1.0, (step + 1) / warmup), 4)
+    )
+    return model, optimizer, scheduler
+
+
+def _step(model, optimizer, scheduler, seed: int) -> float:
+    torch.manual_seed(100 + seed)
+    tokens = torch.randint(0, 16, (4, 6))
+    loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return loss.item()
+
+
+def _losses(steps: int) -> tuple[io.BytesIO, ...]:
+    out = []
+    for values in ([3.0, 2.5][:steps], [3.1, 2.6][:steps], list(range(1, steps + 1))):
+        buffer = io.BytesIO()
+        torch.save(values, buffer)
+        out.append(buffer)
+    return tuple(out)
+
+
+def _titan_save(path: Path, model, optimizer, scheduler, step: int) -> None:
+    """What torchtitan's CheckpointManager.save hands dcp.save."""
+    avg, peak, logged = _losses(step)
+    states = {
+        **get_model_state_dict(model),  # _flattened_model_states_sd
+        "optimizer": get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+        ),
+        "lr_scheduler": scheduler.state_dict(),
+        "dataloader": {"dp_rank_0": pickle.dumps({"_num_yielded": step}), "world_size": 1},
+        "train_state": {
+            "step": torch.tensor(step, dtype=torch.int32),
+            "global_avg_losses": avg,
+            "global_max_losses": peak,
+            "log_steps": logged,
+        },
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(states, checkpoint_id=str(path))
+
+
+def test_a_torchtitan_checkpoint_resumes_with_its_weights_moments_groups_and_step(
+    tmp_path: Path,
+) -> None:
+    model, optimizer, scheduler = _make()
+    for i in range(2):
+        _step(model, optimizer, scheduler, i)
+    _titan_save(tmp_path / "step-2", model, optimizer, scheduler, step=2)
+
+    path, left_out = import_checkpoint(tmp_path / "step-2", tmp_path / "imported")
+    assert left_out == [
+        "dataloader (torchtitan's DataLoader position, a pickle of the loader's state, never "
+        "unpickled: the resumed loader starts its data from the beginning)"
+    ]
+    resumed, resumed_optimizer, resumed_scheduler = _make(seed=1)
+    info = ddpckpt.load(path, model=resumed, optimizer=resumed_optimizer,
+                        scheduler=resumed_scheduler, rng=False)  # fmt: skip
+    assert info.step == 2
+    assert info.extra["train_state"]["global_avg_losses"] == [3.0, 2.5]
+    for (name, a), (_, b) in zip(resumed.named_parameters(), model.named_parameters(),
+                                 strict=True):  # fmt: skip
+        assert torch.equal(a, b), name
+    mine, theirs = resumed_optimizer.state_dict(), optimizer.state_dict()
+    assert mine["param_groups"] == theirs["param_groups"]
+    for index, state in theirs["state"].items():
+        for key, value in state.items():
+            assert torch.equal(mine["state"][index][key], value), (index, key)
+    assert resumed_scheduler.state_dict()["last_epoch"] == scheduler.state_dict()["last_epoch"]
+    for i in range(2, 4):  # the next steps are the same
+        assert _step(resumed, resumed_optimizer, resumed_scheduler, i) == _step(
+            model, optimizer, scheduler, i
+        )
+
+
+def test_an_optimizer_entry_naming_no_parameter_is_refused() -> None:
+    model = {"w": torch.zeros(2)}
+    flat = {"state.v.exp_avg": torch.zeros(2), "param_groups.v.lr": 0.1}
+    with pytest.raises(CorruptCheckpointError, match="names no parameter"):
+        from_torchtitan({**model, "optimizer": flat}, "step-2")
+
+
+def test_dotted_parameter_names_are_split_at_the_longest_name_that_fits() -> None:
+    model = {"a.b": torch.zeros(1), "a.b.c": torch.zeros(1)}
+    flat = {"state.a.b.c.exp_avg": torch.ones(1), "state.a.b.exp_avg": torch.zeros(1),
+            "param_groups.a.b.lr": 0.1, "param_groups.a.b.c.lr": 0.2}  # fmt: skip
+    doc, _ = from_torchtitan({**model, "optimizer": flat}, "step-2")
+    assert set(doc["optimizer"]["state"]) == {"a.b", "a.b.c"}
+    assert doc["optimizer"]["param_groups"] == [{"lr": 0.1, "params": ["a.b"]},
+                                                {"lr": 0.2, "params": ["a.b.c"]}]  # fmt: skip
