@@ -82,8 +82,10 @@ def test_a_trainer_checkpoint_resumes_under_ddpckpt_as_under_the_trainers_own_re
 
     imported = import_checkpoint(source, tmp_path / "ddp" / "checkpoint-4")
     assert imported[1] == [
+        "generation_config.json (written for from_pretrained, not needed to resume; it stays "
+        "in the source)",
         "training_args.bin (the Trainer's TrainingArguments, a pickle of its classes; the "
-        "resumed run takes the arguments its script gives)"
+        "resumed run takes the arguments its script gives)",
     ]
     ours = _trainer(DdpckptTrainer, tmp_path / "ddp")
     ours.train(resume_from_checkpoint=True)
@@ -177,18 +179,25 @@ def _steps(accelerator, model, optimizer, scheduler, n: int) -> list[float]:
 
 
 @needs_accelerate
+@pytest.mark.parametrize("prefix", ["", "module.", "_orig_mod."])
 def test_an_accelerate_save_state_resumes_under_ddpckpt_as_under_accelerates_load_state(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, prefix: str
 ) -> None:
+    """``prefix``: Accelerate saves a DDP or compiled model with its wrapper's prefix."""
+    from safetensors.torch import load_file, save_file
+
     from ddpckpt.integrations.accelerate import load_state
 
     accelerator, model, optimizer, scheduler, _, counter = _accelerated()
     _steps(accelerator, model, optimizer, scheduler, 3)
     counter.n = 3
     accelerator.save_state(str(tmp_path / "state"))
+    shutil.copytree(tmp_path / "state", tmp_path / "own")  # for Accelerate's own load
+    weights = tmp_path / "state" / "model.safetensors"
+    save_file({prefix + k: v for k, v in load_file(weights).items()}, weights)
 
     accelerator, model, optimizer, scheduler, _, counter = _accelerated(seed=1)
-    accelerator.load_state(str(tmp_path / "state"))
+    accelerator.load_state(str(tmp_path / "own"))
     own = (
         _steps(accelerator, model, optimizer, scheduler, 2),
         [p.detach().clone() for p in model.parameters()],
@@ -242,7 +251,48 @@ def test_an_array_declared_huge_in_a_random_stream_file_is_refused(tmp_path: Pat
     torch.save({"w": torch.ones(2)}, directory / "pytorch_model.bin")
     torch.save({"python": random.getstate(), "numpy": ("MT19937", _HugeArray(), 0, 0, 0.0),
                 "cpu": torch.get_rng_state()}, directory / "rng_state.pth")  # fmt: skip
-    with pytest.raises(CorruptCheckpointError, match=r"rng_state\.pth.*rebuilt as"):
+    with pytest.raises(CorruptCheckpointError, match=r"rng_state\.pth: refused: .*rebuilt as"):
+        import_checkpoint(directory, tmp_path / "out")
+
+
+class _CallsArray:
+    """Pickles as a direct call of numpy.ndarray (a 10 KB file asking for 80 MB of objects)."""
+
+    def __reduce__(self):
+        return (np.ndarray, ((10**7,), "O"))
+
+
+@pytest.mark.parametrize(
+    "numpy_state",
+    [
+        ("MT19937", _CallsArray(), 0, 0, 0.0),
+        ("MT19937", np.array([1, "x"], dtype=object), 0, 0, 0.0),
+        ("MT19937", np.zeros(3, dtype=[("a", "u4"), ("b", "O")]), 0, 0, 0.0),
+    ],
+    ids=["ndarray-called", "object-array", "structured-array"],
+)
+def test_a_random_stream_file_using_numpy_beyond_arrays_of_numbers_is_refused(
+    tmp_path: Path, numpy_state: tuple
+) -> None:
+    directory = tmp_path / "checkpoint-2"
+    directory.mkdir()
+    (directory / "trainer_state.json").write_text('{"global_step": 2}')
+    torch.save({"w": torch.ones(2)}, directory / "pytorch_model.bin")
+    torch.save({"python": random.getstate(), "numpy": numpy_state,
+                "cpu": torch.get_rng_state()}, directory / "rng_state.pth")  # fmt: skip
+    with pytest.raises(CorruptCheckpointError, match=r"rng_state\.pth: refused: .*numpy"):
+        import_checkpoint(directory, tmp_path / "out")
+
+
+def test_a_random_stream_file_in_torchs_old_format_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "checkpoint-2"
+    directory.mkdir()
+    (directory / "trainer_state.json").write_text('{"global_step": 2}')
+    torch.save({"w": torch.ones(2)}, directory / "pytorch_model.bin")
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
+                "cpu": torch.get_rng_state()}, directory / "rng_state.pth",
+               _use_new_zipfile_serialization=False)  # fmt: skip
+    with pytest.raises(CorruptCheckpointError, match=r"rng_state\.pth: not in torch's zip"):
         import_checkpoint(directory, tmp_path / "out")
 
 

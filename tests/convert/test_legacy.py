@@ -154,3 +154,25 @@ def test_tied_weights_and_unknown_layouts(tmp_path) -> None:
     with pytest.raises(CorruptCheckpointError, match="Unsupported operand") as raised:
         import_checkpoint(tmp_path / "run.json", tmp_path / "j")
     assert "weights_only" not in str(raised.value)  # torch's advice to unpickle anyway is dropped
+
+
+def test_a_tied_weight_stored_once_loads_with_the_weight_it_is_tied_to(tmp_path) -> None:
+    """As save_pretrained stores a language model: the output layer's weight left out,
+    because the model ties it to the embedding."""
+    torch.manual_seed(0)
+    source = TiedLM()
+    state = {k: v for k, v in source.state_dict().items() if k != "head.weight"}
+    torch.save(state, tmp_path / "model.pt")
+    path, _ = import_checkpoint(tmp_path / "model.pt", tmp_path / "out")
+    torch.manual_seed(1)
+    target = TiedLM()
+    ddpckpt.load(path, model=target, rng=False)
+    assert target.head.weight is target.embed.weight
+    assert torch.equal(target.head.weight, source.embed.weight)
+
+    untied = TiedLM()
+    untied.head.weight = nn.Parameter(untied.embed.weight.detach().clone())  # same values, apart
+    with pytest.raises(
+        StateMismatchError, match=r"missing from the checkpoint \(1\): head\.weight"
+    ):
+        ddpckpt.load(path, model=untied, rng=False)

@@ -17,6 +17,7 @@ process's random streams as that process's own (one file per process).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -96,6 +97,12 @@ def read_trainer(directory: str, trusted_source: bool = False) -> Source:
     for _, name in ranks:
         raw = _torch(directory, name, trusted_source, arrays=True)
         source.streams.append(_trainer_streams(raw, _at(directory, name), source.left_out))
+    if not ranks:
+        source.left_out.append(
+            "random streams (the directory holds no rng_state*.pth): DdpckptTrainer cannot "
+            "resume from this checkpoint; ddpckpt.load restores its model, optimizer and "
+            "scheduler"
+        )
     source.left_out += _unread(names, _TRAINER_KNOWN, ranks, "Trainer")
     return source
 
@@ -130,7 +137,7 @@ def read_accelerate(directory: str, trusted_source: bool = False) -> Source:
 # ---------------------------------------------------------------- files of the directory
 
 _TRAINER_KNOWN = frozenset({
-    TRAINER_STATE, "config.json", "generation_config.json", "model.safetensors",
+    TRAINER_STATE, "config.json", "model.safetensors",
     "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json",
     "optimizer.pt", "scheduler.pt", "scaler.pt",
 })  # fmt: skip
@@ -144,6 +151,20 @@ _WHY_LEFT_OUT = {
     "dl_state_dict.bin": "a stateful DataLoader's position, which ddpckpt's loader does "
     "not take; the resumed loader starts its epoch at the beginning",
 }
+# What save_pretrained writes beside the weights: not needed to resume the run
+_FOR_FROM_PRETRAINED = frozenset({
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt",
+    "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
+    "chat_template.json", "preprocessor_config.json", "processor_config.json",
+})  # fmt: skip
+# Layouts of the Trainer's checkpoints not imported yet, by a file or directory each holds
+_NOT_YET = {
+    "pytorch_model.bin.index.json": "a model sharded into pytorch_model-*.bin files",
+    "adapter_model.safetensors": "a PEFT adapter",
+    "adapter_model.bin": "a PEFT adapter",
+    "pytorch_model_fsdp_0": "a checkpoint of the Trainer's FSDP integration",
+}
 
 
 def _at(directory: str, name: str) -> str:
@@ -152,21 +173,26 @@ def _at(directory: str, name: str) -> str:
 
 def _regular(directory: str, name: str) -> str:
     """The path of ``name`` in ``directory``, a regular file and no link."""
+    os.close(_opened(directory, name))
+    return _at(directory, name)
+
+
+def _opened(directory: str, name: str) -> int:
+    """A descriptor of ``name`` in ``directory``, a regular file and no link."""
     path = _at(directory, name)
     try:
-        os.close(open_regular(path))
+        return open_regular(path)
     except NotRegularFileError as exc:
         raise CorruptCheckpointError(
             f"{path}: {exc.kind}, not a file the checkpoint wrote; refused"
         ) from None
     except OSError as exc:
         raise CorruptCheckpointError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    return path
 
 
 def _json_text(directory: str, name: str) -> str:
-    path = _regular(directory, name)
-    with open(path, "rb") as f:
+    path = _at(directory, name)
+    with os.fdopen(_opened(directory, name), "rb") as f:
         data = f.read(MAX_JSON_BYTES + 1)
     if len(data) > MAX_JSON_BYTES:
         raise CorruptCheckpointError(f"{path}: over {MAX_JSON_BYTES} bytes; refused")
@@ -196,6 +222,12 @@ def _numbered(names: Iterable[str], pattern: re.Pattern[str]) -> list[tuple[int,
     order; the numbers must run 0, 1, ... without a gap."""
     found = sorted((int(m.group(1) or 0), n) for n in names if (m := pattern.fullmatch(n)))
     numbers = [number for number, _ in found]
+    for (number, first), (again, second) in itertools.pairwise(found):
+        if number == again:
+            raise CorruptCheckpointError(
+                f"{first} and {second} both hold the state of process {number}: which one "
+                "is meant cannot be told; remove the stale one"
+            )
     if numbers != list(range(len(numbers))):
         raise CorruptCheckpointError(
             f"the files {', '.join(n for _, n in found)[:300]} are not numbered 0, 1, ... "
@@ -213,7 +245,10 @@ def _unread(
     for name in sorted(names - taken):
         if _SHARD_NAME.fullmatch(name) and name.endswith(".safetensors") and "-of-" in name:
             continue  # a shard of the model's weights, read through its index
-        why = _WHY_LEFT_OUT.get(name, f"a file {writer} does not write, not understood")
+        if name in _FOR_FROM_PRETRAINED:
+            why = "written for from_pretrained, not needed to resume; it stays in the source"
+        else:
+            why = _WHY_LEFT_OUT.get(name, f"a file {writer} does not write, not understood")
         out.append(f"{name} ({why})")
     return out
 
@@ -223,6 +258,17 @@ def _weights(
 ) -> dict[str, torch.Tensor]:
     """The model's weights: ``model.safetensors``, a sharded one through its index, or
     ``pytorch_model.bin``."""
+    for marker, what in _NOT_YET.items():
+        if marker in names:
+            raise CorruptCheckpointError(
+                f"{_at(directory, marker)}: {what}, not imported yet; load it with the "
+                "Trainer, then save once with DdpckptTrainer"
+            )
+    if any(n.startswith("global_step") for n in names):
+        raise CorruptCheckpointError(
+            f"{directory}: a checkpoint of the Trainer's DeepSpeed integration (global_step*), "
+            "not imported yet; load it with the Trainer, then save once with DdpckptTrainer"
+        )
     if f"{stem}.safetensors" in names:
         return read_safetensors(_regular(directory, f"{stem}.safetensors"))
     index = f"{stem}.safetensors.index.json"
@@ -284,7 +330,10 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
         tensors = {}
         for entry in header.entries:
             dtype = dtype_from_name(entry.dtype, path)
-            raw = bytearray(read(entry.begin, entry.end - entry.begin))
+            raw = bytearray(entry.end - entry.begin)
+            f.seek(entry.begin)
+            if f.readinto(raw) != len(raw):
+                raise CorruptCheckpointError(f"{path}: ends inside tensor {entry.key[:200]!r}")
             flat = (
                 torch.frombuffer(raw, dtype=torch.uint8)
                 if raw

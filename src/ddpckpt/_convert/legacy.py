@@ -359,7 +359,9 @@ def _hf_snapshot(
     :mod:`ddpckpt._convert.hf`): the snapshot (rank 0's per-rank state in it), the header,
     and the per-rank state of the other processes."""
     snapshot, sections = Snapshot(), StateSections()
-    sections.models["model"] = _model_section(found.weights, snapshot)
+    # Accelerate saves the model of a DDP or compiled run with its wrappers' prefixes
+    prefixes = _wrapper_prefixes(list(found.weights))
+    sections.models["model"] = _model_section(_strip_wrappers(found.weights, prefixes), snapshot)
     if found.optimizer:
         sections.optimizers["optimizer"] = _optimizer_section(found.optimizer, snapshot, where, [])
     for kind, value in (("scheduler", found.scheduler), ("scaler", found.scaler)):
@@ -374,8 +376,8 @@ def _hf_snapshot(
     for i, custom in enumerate(found.custom):
         state = encode(custom, f"extra/custom{i}", snapshot.tensors)
         sections.extra[f"custom{i}"] = ExtraEntry("stateful", None, state)
-    if found.accelerator_step is not None:
-        state = encode({"step": found.accelerator_step}, "extra/accelerator_step", {})
+    if found.kind == "accelerate":  # older Accelerate saved no step counter: it starts at 0
+        state = encode({"step": found.accelerator_step or 0}, "extra/accelerator_step", {})
         sections.extra["accelerator_step"] = ExtraEntry("stateful", "_StepCounter", state)
     ranks = []
     for streams in found.streams:
@@ -386,7 +388,7 @@ def _hf_snapshot(
             ranks.append(({"extra": {"run": encode(run, "extra/run", tensors)}}, tensors))
         else:
             ranks.append(({"rng": encode(streams, "rng", tensors)}, tensors))
-    if found.kind == "trainer":
+    if found.kind == "trainer" and ranks:
         sections.extra["run"] = ExtraEntry("per_rank", "_PerRankRun")
     if ranks:
         snapshot.rank_state, snapshot.rank_tensors = ranks[0][0], ranks[0][1]

@@ -30,6 +30,7 @@ import dataclasses
 import enum
 import importlib
 import io
+import math
 import os
 import pickle
 import re
@@ -144,10 +145,16 @@ def read_torch_file(
     ``arrays`` also allows numpy arrays of plain numbers (the random streams Accelerate and
     the Trainer save hold numpy's): the four numpy globals that rebuild one, as
     ``transformers`` and ``accelerate`` allow them, each array declared empty before its
-    bytes are set (the scan refuses any other), never one of Python objects."""
+    bytes are set and exactly its shape's bytes, of a plain number's dtype (the scan refuses
+    any other use of them, such as calling ``ndarray`` or an array of Python objects), from a
+    file in torch's zip format only."""
 
     def load() -> tuple[Any, int]:
         size = _scan(path)
+        if arrays and not zipfile.is_zipfile(path):  # torch >= 1.6 writes its zip format
+            raise CorruptCheckpointError(
+                f"{path}: not in torch's zip format, which torch.save has written since 1.6"
+            )
         return load_torch_file(path), size
 
     return _read(path, load, trusted, trusted_source, _numpy_globals() if arrays else [])
@@ -312,17 +319,82 @@ class _Stub:
 
 
 _ARRAY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
+# numpy dtypes of plain numbers, as numpy pickles them (``dtype("u4", False, True)``), by size
+_NUMBER_CODES = {f"{kind}{size}": size for kind in "uif" for size in (1, 2, 4, 8)} | {"b1": 1}
 
 
-def _empty_array(*args: Any) -> _Stub:
+class NumpyRefusal(pickle.UnpicklingError):
+    """A numpy value the scan refuses: anything but an array of plain numbers pickled as
+    numpy pickles one (numpy's globals are allowed for random streams only)."""
+
+
+class _ArrayType(_Stub):
+    """``numpy.ndarray`` in a scanned pickle: only ever the first argument of
+    ``_reconstruct``; calling it (which allocates the shape it is given) is refused."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Stub:
+        raise NumpyRefusal("the pickle calls numpy.ndarray itself, as numpy never pickles")
+
+
+_ARRAY_TYPE = _ArrayType()
+
+
+class _DType(_Stub):
+    """A numpy dtype of plain numbers in a scanned pickle; its state must add nothing (no
+    fields, no subarray, no flags such as holding objects)."""
+
+    def __init__(self, itemsize: int) -> None:
+        self.itemsize = itemsize
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) == 8 and state[2:5] == (None, None, None)
+                and state[5:] == (-1, -1, 0)):  # fmt: skip
+            raise NumpyRefusal(f"a numpy dtype with state {state!r:.80}, not a plain number's")
+
+
+def _dtype(*args: Any) -> _DType:
+    """``numpy.dtype`` as a scanned pickle calls it: a plain number's code only."""
+    if len(args) != 3 or args[1:] != (False, True) or args[0] not in _NUMBER_CODES:
+        raise NumpyRefusal(f"a numpy dtype made as {args!r:.80}, not a plain number's")
+    return _DType(_NUMBER_CODES[args[0]])
+
+
+class _Array(_Stub):
+    """An array numpy pickled: empty, then its state sets shape, dtype and bytes, which must
+    be exactly the bytes of that shape (never a list of objects)."""
+
+    def __setstate__(self, state: Any) -> None:
+        ok = (
+            isinstance(state, tuple) and len(state) == 5 and isinstance(state[2], _DType)
+            and isinstance(state[4], bytes) and isinstance(state[1], tuple)
+            and all(type(n) is int and n >= 0 for n in state[1])
+        )  # fmt: skip
+        if not ok or len(state[4]) != math.prod(state[1]) * state[2].itemsize:
+            raise NumpyRefusal("a numpy array whose state is not its shape's bytes")
+
+
+def _empty_array(*args: Any) -> _Array:
     """numpy's ``_reconstruct`` as a scanned pickle calls it: numpy pickles every array as an
-    empty one (shape ``(0,)``) whose bytes are set afterwards, and allocates the shape it is
-    given, so any other shape is refused."""
-    if len(args) != 3 or args[1] != (0,):
-        raise pickle.UnpicklingError(
-            f"an array rebuilt as {args[1:2]!r:.80}, not as numpy pickles one"
-        )
+    empty one (``_reconstruct(ndarray, (0,), b'b')``) whose bytes are set afterwards, and
+    allocates the shape it is given, so any other call is refused."""
+    if len(args) != 3 or args[0] is not _ARRAY_TYPE or args[1] != (0,) or args[2] != b"b":
+        raise NumpyRefusal(f"an array rebuilt as {args[1:]!r:.80}, not as numpy pickles one")
+    return _Array()
+
+
+def _latin1(text: Any, encoding: Any = "utf-8") -> Any:
+    """``_codecs.encode`` as protocol 2 pickles bytes with it (a latin-1 text)."""
+    if isinstance(text, str) and encoding == "latin1":
+        return text.encode("latin1")
     return _Stub()
+
+
+_NUMPY_SCANNED: dict[tuple[str, str], Any] = {
+    **{(m, "_reconstruct"): _empty_array for m in _ARRAY_MODULES},
+    ("numpy", "ndarray"): _ARRAY_TYPE,
+    ("numpy", "dtype"): _dtype,
+    ("_codecs", "encode"): _latin1,
+}
 
 
 class _StorageType(_Stub):
@@ -355,8 +427,9 @@ class _Scanner(pickle._Unpickler):  # type: ignore[name-defined]
         self.storages: dict[str, int] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        if str(name) == "_reconstruct" and str(module) in _ARRAY_MODULES:
-            return _empty_array
+        scanned = _NUMPY_SCANNED.get((str(module), str(name)))
+        if scanned is not None:
+            return scanned
         itemsize = _storage_itemsize(str(module), str(name))
         return _StorageType(itemsize) if itemsize is not None else _Stub
 
@@ -419,6 +492,8 @@ def _scan_old_format(f: IO[bytes], path: str, size: int) -> None:
             scanner = _Scanner(f)
             scanner.load()
             storages.update(scanner.storages)
+    except NumpyRefusal as exc:
+        raise CorruptCheckpointError(f"{path}: refused: {exc}") from None
     except _PICKLE_ERRORS:
         return  # no pickle of that format: torch reports what it is not
     claimed = sum(storages.values())
@@ -438,6 +513,8 @@ def _storages(f: IO[bytes], path: str) -> dict[str, int]:
     scanner = _Scanner(f)
     try:
         scanner.load()
+    except NumpyRefusal as exc:
+        raise CorruptCheckpointError(f"{path}: refused: {exc}") from None
     except _PICKLE_ERRORS as exc:
         raise CorruptCheckpointError(
             f"{path}: not a readable torch.save file (its pickle: {type(exc).__name__}: "

@@ -232,14 +232,10 @@ def check_model(
     live = model_view(model).entries
     shapes = {key: source.meta(prefix + key)[1] for key in section.keys}
     stored = [*section.keys, *section.aliases, *section.extra_keys]
-    # a key the checkpoint lacks but the live model ties to one it holds (a tied embedding
-    # saved once, as save_pretrained does) is loaded with it
-    held = {tensor_identity(live[k]) for k in stored if isinstance(live.get(k), torch.Tensor)}
-    missing = [
-        k for k in live
-        if k not in set(stored)
-        and not (isinstance(live[k], torch.Tensor) and tensor_identity(live[k]) in held - {None})
-    ]  # fmt: skip
+    # a key the checkpoint lacks but the live model ties to one it holds (the same parameter
+    # object: a tied embedding saved once, as save_pretrained does) is loaded with it
+    held = {id(live[k]) for k in stored if isinstance(live.get(k), torch.Tensor)}
+    missing = [k for k in live if k not in set(stored) and id(live[k]) not in held]
     unexpected = [k for k in stored if k not in live]
     wrong = [
         f"{key}: checkpoint {list(shapes[key])}, model {list(live[key].shape)}"
@@ -306,7 +302,7 @@ def restore_model(
     for alias, key in section.aliases.items():
         if alias in view.live_key and key in view.live_key and view.live_key[key] in state:
             state[view.live_key[alias]] = state[view.live_key[key]]
-    _add_live_ties(view, section, state)
+    _add_live_ties(view, section, state, sharded)
     if section.extra_state is not None:
         extra = decode(section.extra_state, lambda n: source.get(n).clone(), where=where)
         if not isinstance(extra, dict):
@@ -327,21 +323,25 @@ def restore_model(
         )
 
 
-def _add_live_ties(view: Any, section: ModelSection, state: dict[str, Any]) -> None:
+def _add_live_ties(
+    view: ModelView, section: ModelSection, state: dict[str, Any], sharded: set[str]
+) -> None:
     """Give each live key the checkpoint lacks, but the live model ties to a key it loaded
-    (a tied embedding stored once, as ``save_pretrained`` stores it), that key's value."""
-    loaded = {}
+    (the same parameter object: a tied embedding stored once, as ``save_pretrained`` stores
+    it), that key's value; a tie to a sharded tensor filled in place is filled with it."""
+    loaded: dict[int, str] = {}
     for key in section.keys:
-        target, live = view.entries.get(key), view.live_key.get(key)
-        if isinstance(target, torch.Tensor) and live in state:
-            loaded.setdefault(tensor_identity(target), live)
-    loaded.pop(None, None)
+        target = view.entries.get(key)
+        if isinstance(target, torch.Tensor):
+            loaded.setdefault(id(target), view.live_key[key])
     for key, target in view.entries.items():
-        live = view.live_key[key]
-        if live not in state and isinstance(target, torch.Tensor):
-            tied = loaded.get(tensor_identity(target))
-            if tied is not None:
-                state[live] = state[tied]
+        live, tied = view.live_key[key], loaded.get(id(target))
+        if tied is None or tied == live or live in state or live in sharded:
+            continue
+        if tied in state:
+            state[live] = state[tied]
+        elif tied in sharded:
+            sharded.add(live)
 
 
 def _compares_incoming(root: nn.Module) -> bool:

@@ -33,10 +33,12 @@ from typing import Any  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
 import ddpckpt  # noqa: E402
+from ddpckpt._coord.comm import Comm  # noqa: E402
 from ddpckpt._format.manifest import read_manifest  # noqa: E402
 from ddpckpt._format.sections import StateSections  # noqa: E402
 from ddpckpt._io.background import PendingSave  # noqa: E402
 from ddpckpt._log import get_logger, same_on_every_rank  # noqa: E402
+from ddpckpt.errors import CheckpointError  # noqa: E402
 from ddpckpt.events import SaveEvent, add_listener  # noqa: E402
 from ddpckpt.integrations._prepared import PreparedLoaderPosition  # noqa: E402
 
@@ -168,21 +170,37 @@ def load_state(
         CheckpointError: As :func:`ddpckpt.load`, on every process.
     """
     state = training_state(accelerator)
-    if any(name.startswith("dataloader") for name in state):
-        location = os.fspath(path)
-        held = StateSections.from_json(read_manifest(location).state, location).extra
-        if "accelerator_step" in held and not any(n.startswith("dataloader") for n in held):
-            _log.warning(
-                "%s holds no DataLoader position (imported from Accelerate's save_state, "
-                "which saves none): the prepared DataLoaders start from their beginning; "
-                "skip the batches already trained with accelerator.skip_first_batches, as "
-                "with Accelerate's own load_state",
-                location,
-                extra=same_on_every_rank(),
-            )
-            kept = {k: v for k, v in state.items() if not k.startswith("dataloader")}
-            state = ddpckpt.TrainingState(kept)
+    loaders = [name for name in state if name.startswith("dataloader")]
+    if loaders and _imported_without_loaders(os.fspath(path), options.get("timeout")):
+        _log.warning(
+            "%s holds no DataLoader position (imported from Accelerate's save_state, which "
+            "saves none): the prepared DataLoaders start from their beginning; skip the "
+            "batches already trained with accelerator.skip_first_batches, as with "
+            "Accelerate's own load_state",
+            os.fspath(path),
+            extra=same_on_every_rank(),
+        )
+        state = ddpckpt.TrainingState({k: v for k, v in state.items() if k not in loaders})
     return ddpckpt.load(path, state, **options)
+
+
+def _imported_without_loaders(path: str, timeout: float | None) -> bool:
+    """Whether the checkpoint at ``path`` was imported (``ddpckpt import`` of a
+    ``save_state``: its model is of type "imported") and holds no DataLoader position; rank
+    0 reads its manifest and tells every process. A manifest rank 0 cannot read answers
+    False: the load that follows reports it on every process."""
+
+    def decide() -> bytes:
+        try:
+            stored = StateSections.from_json(read_manifest(path).state, path)
+        except (CheckpointError, OSError):
+            return b"0"
+        imported = bool(stored.models) and all(m.type == "imported" for m in stored.models.values())
+        loaders = any(name.startswith("dataloader") for name in stored.extra)
+        return b"1" if imported and not loaders else b"0"
+
+    return Comm.from_leader("ddpckpt.integrations.accelerate.load_state", decide,
+                            timeout=timeout) == b"1"  # fmt: skip
 
 
 def _position(prepared: Any, index: int) -> PreparedLoaderPosition:
