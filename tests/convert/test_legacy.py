@@ -176,3 +176,19 @@ def test_a_tied_weight_stored_once_loads_with_the_weight_it_is_tied_to(tmp_path)
         StateMismatchError, match=r"missing from the checkpoint \(1\): head\.weight"
     ):
         ddpckpt.load(path, model=untied, rng=False)
+
+
+def test_a_tied_weight_stored_once_loads_into_an_fsdp2_model(tmp_path, process_group) -> None:
+    """The tie of a sharded model: its DTensor is filled in place, and the tied key with it."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    source = TiedLM()
+    state = {k: v for k, v in source.state_dict().items() if k != "head.weight"}
+    torch.save(state, tmp_path / "model.pt")
+    path, _ = import_checkpoint(tmp_path / "model.pt", tmp_path / "out")
+    torch.manual_seed(1)
+    target = fully_shard(TiedLM())
+    ddpckpt.load(path, model=target, rng=False)
+    assert target.head.weight is target.embed.weight
+    assert torch.equal(target.embed.weight.full_tensor(), source.embed.weight)

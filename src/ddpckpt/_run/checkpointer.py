@@ -14,7 +14,9 @@
 
 Every method except :meth:`wait`, :meth:`close` and the queries (:meth:`steps`,
 :meth:`latest_step`, :meth:`best`, :meth:`info`, :meth:`resume_step`) is collective: call it
-on every rank. The queries only read (no lock, no collective; see :mod:`ddpckpt._run.query`).
+on every rank. The queries only read (no lock, no collective; see
+:mod:`ddpckpt._run.checkpointer_queries`); :mod:`ddpckpt._run.gate` decides which tiers a
+save writes.
 See :mod:`ddpckpt._run.rundir` for the directory layout, :mod:`ddpckpt._run.resume` for the
 steps of :meth:`resume` and :mod:`ddpckpt._run.saving` for those of a save.
 
@@ -35,7 +37,6 @@ import torch
 from torch import nn
 
 from ddpckpt import _observe, events
-from ddpckpt._coord.comm import Comm
 from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import AsyncSaver
 from ddpckpt._io.load import load
@@ -51,13 +52,15 @@ from ddpckpt._observe import (
     StepEnded,
 )
 from ddpckpt._run import query
+from ddpckpt._run.checkpointer_queries import RunQueries
 from ddpckpt._run.durable import DurableSaves
 from ddpckpt._run.fast_tier import FastSaves
+from ddpckpt._run.gate import SaveGate
 from ddpckpt._run.options import FastTier, resolve
 from ddpckpt._run.preemption import Preemption, PreemptionWatch
 from ddpckpt._run.resume import resume_run
 from ddpckpt._run.rundir import checkpoint_path
-from ddpckpt._run.tier import Resuming, Tier
+from ddpckpt._run.tier import Resuming
 from ddpckpt._state.capture import Snapshot, capture
 from ddpckpt._state.training_state import ROLES, TrainingState
 from ddpckpt.errors import CheckpointError
@@ -67,7 +70,7 @@ from ddpckpt.storage import configure
 _log = get_logger(__name__)
 
 
-class Checkpointer:
+class Checkpointer(RunQueries):
     """Saves a run's checkpoints under ``directory`` and resumes from the newest good one.
 
     Every rank constructs it with the same arguments, then calls the collective methods
@@ -220,21 +223,18 @@ class Checkpointer:
         self._saver = AsyncSaver(lends=fast is not None)  # the durable tier's buffer, writer
         self._durable = DurableSaves(self.directory, self.options, self._saver, read_only)
         self._saves = self._durable.saves
-        self._reserved: list[Tier] = []  # tiers whose buffer was sized ahead of a save
         place = lambda path: _observe.place(path, "Checkpointer(fast_tier=...)", Access.WRITE_RUN)  # noqa: E731
         self._fast = None if fast is None else FastSaves(
             None if fast.directory is None else place(fast.directory),
             fast, self.options, overlap=bool(self.state.optimizers), run=self.directory,
             place=place,
         )  # fmt: skip
-        # the tiers as peers, durable first: it wins a tie at resume and lends its copies
-        self._tiers: list[Tier] = (
-            [self._durable] if self._fast is None else [self._durable, self._fast]
-        )
-        self._fast_only: int | None = None  # the step should_save asked the fast tier alone for
         self._closed = False
         watched = self.options.schedule.preemption
         self._preemption = None if watched is None else PreemptionWatch(watched, self._saves.newest)
+        self._gate = SaveGate(self.state, self.options, self._durable, self._fast, self._preemption)
+        # the tiers as peers, durable first: it wins a tie at resume and lends its copies
+        self._tiers = self._gate.all
         _observe.tell(CheckpointerOpened(self))
 
     # ------------------------------------------------------------------ public
@@ -312,65 +312,7 @@ class Checkpointer:
             ``True`` when :meth:`save` should be called at this step.
         """
         _observe.tell(StepEnded(self, step))
-        durable = self._durable_due(step)
-        fast = not durable and self._fast is not None and self._fast.due(step)
-        self._fast_only = step if fast else None
-        return durable or fast
-
-    def _durable_due(self, step: int) -> bool:
-        """:meth:`should_save` for the durable tier (preemption included)."""
-        watch = self._preemption
-        latest = self._saves.latest  # with preemption on, a signal can still finish this save
-        if latest is not None and (step < latest or (step == latest and watch is None)):
-            return False
-        if watch is not None:
-            watch.announce()
-
-        def decide() -> bytes:  # on rank 0 only when the ranks must agree
-            preempt = watch.requested() if watch is not None else None
-            if preempt is not None:
-                return preempt
-            return b"1" if self._durable.due(step) else b"0"
-
-        if self.options.schedule.policy.needs_agreement or watch is not None:
-            decision = Comm.from_leader(
-                "Checkpointer.should_save", decide, timeout=self.options.storage.timeout
-            )
-        else:
-            decision = decide()
-        if decision[:1] == b"P" and watch is not None:
-            watch.agree(step, decision)
-            if step == self._saves.latest:  # the newest save holds it: finish it, no new one
-                watch.run_save(self._saves.flush)
-                return False
-            return True
-        if decision != b"1":
-            self._reserve_staging()
-        return decision == b"1"
-
-    def _reserve_staging(self) -> None:
-        """Local: once a tier's layout is known, allocate its asynchronous saves' host buffer
-        on a helper thread, so that its first save does not stall on it (pinning is about
-        0.5 s per GB): the durable tier's with ``async_save``, the fast tier's always (its
-        saves are asynchronous; at a step both tiers save, it reads the durable's copies)."""
-        due = [
-            tier
-            for tier in self._tiers
-            if tier.saves.options.asynchronous.enabled
-            and tier.saves.domains is not None
-            and not any(tier is r for r in self._reserved)
-        ]
-        if not due:
-            return
-        self._reserved.extend(due)
-        try:  # local to this rank: an error here (a node lacking a shard of the state)
-            # may be this rank's alone, so only the collective save reports it
-            snapshot = capture(self.state)
-            for tier in due:
-                if tier.saves.saver.latest is None:  # else a save sized it, may still copy
-                    tier.saves.reserve(snapshot)
-        except Exception as exc:
-            _log.debug("%s: not sizing the staging buffer ahead: %r", self.directory, exc)
+        return self._gate.due(step)
 
     @events.timed_save
     def save(
@@ -423,13 +365,7 @@ class Checkpointer:
                 "without read_only=True in the job that writes this run"
             )
         header = header_fields(step, epoch, metrics)
-        fast_only, self._fast_only = self._fast_only == step and not synchronous, None
-        if fast_only and self._fast is not None:
-            tiers: list[Tier] = [self._fast]
-        elif synchronous:  # a preemption's save is durable at once
-            tiers = [self._durable]
-        else:
-            tiers = self._tiers
+        tiers = self._gate.tiers(step, synchronous)
         capture = _once(self._capture) if len(tiers) > 1 else self._capture  # one snapshot
         paths, lender = [], None
         for tier in tiers:
@@ -486,69 +422,6 @@ class Checkpointer:
     def _resumed(self, info: CheckpointInfo | None) -> CheckpointInfo | None:
         _observe.tell(CheckpointerResumed(self, info))
         return info
-
-    # ------------------------------------------------------------------ queries (local)
-
-    def steps(self) -> list[int]:
-        """The steps of the committed checkpoints, oldest first; local and read-only."""
-        return query.steps(self.directory)
-
-    def latest_step(self) -> int | None:
-        """The newest committed step, or ``None``; local and read-only.
-
-        The one way to ask inside a run with a Checkpointer; :func:`ddpckpt.latest` answers
-        with a path for code without one.
-        """
-        return query.latest_step(self.directory)
-
-    def best(self, metric: str, mode: str | None = None) -> int | None:
-        """The committed step with the best finite ``metric``; local and read-only.
-
-        Args:
-            metric: The name of a metric passed to :meth:`save`.
-            mode: ``"min"`` or ``"max"``: which direction is better (default: the
-                Checkpointer's ``mode``). Ties go to the newer step.
-
-        Returns:
-            The step, or ``None`` when no committed checkpoint has a finite ``metric``.
-
-        Raises:
-            TypeError: ``metric`` is not a string.
-            ValueError: ``mode`` is neither ``"min"`` nor ``"max"``.
-        """
-        return query.best_step(self.directory, metric, mode or self.options.keeping.mode)
-
-    def info(self, step: int) -> CheckpointInfo:
-        """The metadata of checkpoint ``step`` without loading it; local and read-only.
-
-        Raises:
-            CheckpointNotFoundError: The run has no committed checkpoint ``step``.
-            CorruptCheckpointError: Its manifest is damaged.
-        """
-        return query.info(self.directory, step)
-
-    def resume_step(
-        self, step: int | None = None, *, best: str | None = None, mode: str | None = None
-    ) -> int | None:
-        """The checkpoint :meth:`resume` with these arguments would load first; local and
-        read-only (it loads and verifies nothing: :meth:`resume` falls back to the next
-        candidate if the data does not verify).
-
-        Args:
-            step: As for :meth:`resume`: this step only.
-            best: As for :meth:`resume`: the best by this metric.
-            mode: ``"min"`` or ``"max"`` for ``best`` (default: the Checkpointer's).
-
-        Returns:
-            The step, or ``None`` when the run has no committed checkpoint.
-
-        Raises:
-            CheckpointNotFoundError: ``step`` is not committed, or checkpoints exist but
-                none has a finite ``best`` metric.
-            ValueError: Both ``step`` and ``best`` are given.
-            TypeError: ``step`` is not an int.
-        """
-        return query.resume_step(self.directory, step, best, mode or self.options.keeping.mode)
 
     def wait(self) -> None:
         """Block until every save started so far (fast tier included) is durable; local.
