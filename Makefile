@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: demo bench docs test test-fast lint fuzz clean
+.PHONY: demo bench docs test test-fast test-scale lint fuzz clean
 FUZZ_SECONDS ?= 1800
 
 $(STAMP): pyproject.toml
@@ -53,6 +53,11 @@ fuzz: $(STAMP)
 # server); `make test` (what CI runs) is the whole suite.
 test-fast: $(STAMP)
 	$(PYTEST) -m "not processes and not long" -q
+
+# The protocol at 32 real processes (2 simulated nodes of 16; about 5 minutes on 2 cores):
+# outside `make test`, which it would take past its time budget.
+test-scale: $(STAMP)
+	DDPCKPT_SCALE_TEST=1 $(PYTEST) tests/run/test_fast_tier.py -k thirty_two -q
 
 clean:
 	rm -rf $(VENV) demo-output bench-output fuzz-output .pytest_cache docs/_build

@@ -217,10 +217,10 @@ def test_an_accelerate_save_state_resumes_under_ddpckpt_as_under_accelerates_loa
     assert all(torch.equal(a, b) for a, b in zip(ours[1], own[1], strict=True))
     warned = [r.getMessage() for r in caplog.records if "DataLoader" in r.getMessage()]
     assert warned == [
-        f"{path} holds no DataLoader position (imported from Accelerate's save_state, which "
-        "saves none): the prepared DataLoaders start from their beginning; skip the batches "
-        "already trained with accelerator.skip_first_batches, as with Accelerate's own "
-        "load_state"
+        f"{path} holds no DataLoader position (it was imported, from a format that saves "
+        "none, such as Accelerate's save_state): the prepared DataLoaders start from their "
+        "beginning; skip the batches already trained with accelerator.skip_first_batches, as "
+        "with Accelerate's own load_state"
     ]
 
 

@@ -7,6 +7,7 @@ import builtins
 import dataclasses
 import os
 import subprocess
+import warnings
 import zipfile
 
 import pytest
@@ -148,3 +149,32 @@ def test_the_old_zip_less_format_still_imports(tmp_path) -> None:
     path, _ = import_checkpoint(tmp_path / "old.pt", tmp_path / "out")
     loaded = ddpckpt.load_state_dict(path)
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
+
+
+def _rezipped(target, records) -> None:
+    with warnings.catch_warnings():  # zipfile warns of the duplicate name it is asked to write
+        warnings.simplefilter("ignore", UserWarning)
+        with zipfile.ZipFile(target, "w") as archive:
+            for name, data in records:
+                archive.writestr(name, data)
+
+
+@pytest.mark.parametrize("where", ["twice", "elsewhere"])
+def test_a_second_pickle_the_scan_and_torch_could_read_apart_is_refused(tmp_path, where):
+    """torch reads <first record's directory>/data.pkl; a pickle of the same name twice, or
+    another data.pkl placed first, would have the scan check one pickle and torch run another."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "good.pt")
+    torch.save({"w": torch.zeros(2)}, tmp_path / "other.pt")
+    with zipfile.ZipFile(tmp_path / "good.pt") as archive:
+        records = [(i.filename, archive.read(i.filename)) for i in archive.infolist()]
+    with zipfile.ZipFile(tmp_path / "other.pt") as archive:
+        other = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    prefix = records[0][0].split("/")[0]
+    if where == "twice":
+        records.append((f"{prefix}/data.pkl", other))
+    else:
+        records.insert(0, (f"{prefix}/x/data.pkl", other))
+    _rezipped(tmp_path / "mixed.pt", records)
+    refused = r"mixed\.pt: (two records|holds a pickle where)"
+    with pytest.raises(CorruptCheckpointError, match=refused):
+        import_checkpoint(tmp_path / "mixed.pt", tmp_path / "out")

@@ -84,9 +84,21 @@ def _losses(steps: int) -> tuple[io.BytesIO, ...]:
     return tuple(out)
 
 
-def _titan_save(path: Path, model, optimizer, scheduler, step: int) -> None:
-    """What torchtitan's CheckpointManager.save hands dcp.save."""
+def _titan_save(path: Path, model, optimizer, scheduler, step: int, current: bool = False) -> None:
+    """What torchtitan's CheckpointManager.save hands dcp.save: its TrainState of 2024 (the
+    step as an int32 tensor, loss histories as torch.save files in buffers) or, ``current``,
+    of today (the step and the tokens seen as ints)."""
     avg, peak, logged = _losses(step)
+    train_state = (
+        {"step": step, "ntokens_seen": 96 * step}
+        if current
+        else {
+            "step": torch.tensor(step, dtype=torch.int32),
+            "global_avg_losses": avg,
+            "global_max_losses": peak,
+            "log_steps": logged,
+        }
+    )
     states = {
         **get_model_state_dict(model),  # _flattened_model_states_sd
         "optimizer": get_optimizer_state_dict(
@@ -94,25 +106,21 @@ def _titan_save(path: Path, model, optimizer, scheduler, step: int) -> None:
         ),
         "lr_scheduler": scheduler.state_dict(),
         "dataloader": {"dp_rank_0": pickle.dumps({"_num_yielded": step}), "world_size": 1},
-        "train_state": {
-            "step": torch.tensor(step, dtype=torch.int32),
-            "global_avg_losses": avg,
-            "global_max_losses": peak,
-            "log_steps": logged,
-        },
+        "train_state": train_state,
     }
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(states, checkpoint_id=str(path))
 
 
+@pytest.mark.parametrize("current", [False, True], ids=["train-state-2024", "train-state-now"])
 def test_a_torchtitan_checkpoint_resumes_with_its_weights_moments_groups_and_step(
-    tmp_path: Path,
+    tmp_path: Path, current: bool
 ) -> None:
     model, optimizer, scheduler = _make()
     for i in range(2):
         _step(model, optimizer, scheduler, i)
-    _titan_save(tmp_path / "step-2", model, optimizer, scheduler, step=2)
+    _titan_save(tmp_path / "step-2", model, optimizer, scheduler, step=2, current=current)
 
     path, left_out = import_checkpoint(tmp_path / "step-2", tmp_path / "imported")
     assert left_out == [
@@ -123,7 +131,10 @@ def test_a_torchtitan_checkpoint_resumes_with_its_weights_moments_groups_and_ste
     info = ddpckpt.load(path, model=resumed, optimizer=resumed_optimizer,
                         scheduler=resumed_scheduler, rng=False)  # fmt: skip
     assert info.step == 2
-    assert info.extra["train_state"]["global_avg_losses"] == [3.0, 2.5]
+    if current:
+        assert info.extra["train_state"] == {"ntokens_seen": 192}
+    else:
+        assert info.extra["train_state"]["global_avg_losses"] == [3.0, 2.5]
     for (name, a), (_, b) in zip(resumed.named_parameters(), model.named_parameters(),
                                  strict=True):  # fmt: skip
         assert torch.equal(a, b), name

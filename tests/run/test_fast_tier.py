@@ -106,6 +106,41 @@ def test_restarts_resume_from_memory_or_a_peer_and_lose_at_most_one_step(tmp_pat
         assert sorted(p.name for p in (node / "fast").glob("step-*")) == ["step-00000020"]
 
 
+@pytest.mark.long
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(
+    os.environ.get("DDPCKPT_SCALE_TEST") != "1",
+    reason="32 processes, about 5 minutes on 2 cores: `make test-scale` (DDPCKPT_SCALE_TEST=1)",
+)
+def test_thirty_two_ranks_on_two_nodes_resume_from_memory_and_from_a_peer(tmp_path) -> None:
+    """The protocol with more processes than the other tests: 2 simulated nodes of 16 ranks,
+    a fast save every step; a worker SIGKILLed inside step 3 (every rank resumes from its
+    node's memory at step 2), then node 1 replaced inside step 6 (its 16 ranks receive step
+    5 from node 0); the run ends bit-identical to the same job run without a restart."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    for node in nodes:
+        node.mkdir()
+    out = tmp_path / "out"
+    args = ["--durable", str(tmp_path / "run"), "--fast", "fast", "--steps", "7", "--crash", "3",
+            "--replace", "6"]  # fmt: skip
+    torchrun_restarting_nodes(FAST, "train", out, cwds=nodes, nproc=16, args=args,
+                              timeout=900).ok()  # fmt: skip
+    found = resumes(out)
+    assert sorted(found) == [0, 2, 5], sorted(found)
+    for step in (2, 5):
+        assert sorted(found[step]) == list(range(32)), (step, sorted(found[step]))
+        for rank, seen in found[step].items():
+            assert seen["path"] == f"fast/step-{step:08d}", (step, rank, seen)
+    repaired = [r for r, seen in found[5].items()
+                if any("this node had no copy" in m for m in seen["messages"])]  # fmt: skip
+    assert repaired and all(found[5][r]["node"] == 1 for r in repaired), found[5]
+    for rank in range(32):
+        final = json.loads((out / f"final-rank{rank}.json").read_text())
+        assert final["step"] == 7
+        assert losses(out, rank) == final["reference"]["losses"], rank
+        assert final["digest"] == final["reference"]["digest"], rank
+
+
 def guide_launch(script: Path, out: Path, **env: str) -> subprocess.Popen[str]:
     """Start the fast-tier guide's script with the guide's launch command (its ``bash``
     block), through fast_guide.py, in the script's directory."""

@@ -7,7 +7,7 @@
 Each node's torchrun starts in its own directory (``node0``, ``node1``), holding its fast tier
 at the relative ``--fast DIR``; the durable run directory ``RUN`` is shared. Dropout,
 BatchNorm, AdamW, a StepLR schedule and a plain DataLoader over a shuffling
-ResumableDistributedSampler (8 optimizer steps an epoch on 4 ranks), saved as the loader; the durable
+ResumableDistributedSampler (8 optimizer steps an epoch on 4 ranks or more), saved as the loader; the durable
 tier every 4 steps and after each epoch's loop, the fast tier every step.
 
 Events, each at the start of a step (inside an epoch) and once (a marker file in OUT):
@@ -88,7 +88,9 @@ def build(world: int, rank: int) -> tuple[Any, ...]:
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(4 * STEPS_PER_EPOCH * BATCH, 8, generator=g)  # one dataset for any world
+    # one dataset for any world up to 4 ranks (a resume at another world size sees the same
+    # data); larger worlds get as many samples per rank, so an epoch is 8 steps at any size
+    x = torch.randn(max(4, world) * STEPS_PER_EPOCH * BATCH, 8, generator=g)
     data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
     sampler = ddpckpt.data.ResumableDistributedSampler(data, shuffle=True, seed=1)
     loader = torch.utils.data.DataLoader(data, sampler=sampler, batch_size=BATCH)

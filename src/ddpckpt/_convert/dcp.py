@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ddpckpt._convert.torchfile import read_torch_bytes
+from ddpckpt._convert.torchfile import buffer_in, read_torch_bytes
 from ddpckpt._format.boundary import MAX_VALUE_DEPTH
 from ddpckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ddpckpt.storage._base import NotRegularFileError
@@ -557,10 +557,14 @@ def read_dcp(
     for key, item in metadata.items.items():
         if isinstance(item, BytesItem):
             where = f"{item.stored.file} ({key}, bytes {item.stored.offset}+{item.stored.length})"
-            value = read_torch_bytes(files.read(item.stored), where, trusted, trusted_source,
-                                     buffers=True)  # fmt: skip
-            if isinstance(value, bytes) and zipfile.is_zipfile(io.BytesIO(value)):
-                value = load(value, f"{where}, the torch.save file in its buffer")
+            data = files.read(item.stored)
+            inner = buffer_in(data, where)  # an io.BytesIO (torchtitan's train state)
+            if inner is None:
+                value = load(data, where)
+            elif zipfile.is_zipfile(io.BytesIO(inner)):
+                value = load(inner, f"{where}, the torch.save file in its buffer")
+            else:
+                value = inner
         else:
             value = _tensor(key, item, files, load)
         nested.place(metadata.paths[key], value, key)

@@ -315,9 +315,8 @@ def import_checkpoint(
         if model_key is None and _is_state_dict(obj) and beside:
             raise CorruptCheckpointError(
                 f"{source}: the model's keys sit at the top level of the saved dict, beside "
-                f"{beside[0]!r}, whose keys are not torchtitan's: name the model's entry with "
-                "--model-key, or load it with the code that wrote it, then save once with "
-                "ddpckpt"
+                f"{beside[0]!r}, whose keys are not torchtitan's (state.<parameter>.<name>): "
+                "load it with the code that wrote it, then save once with ddpckpt"
             )
     elif os.path.isdir(source):
         raise CorruptCheckpointError(

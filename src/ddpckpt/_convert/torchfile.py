@@ -37,6 +37,7 @@ import re
 import struct
 import sys
 import zipfile
+import zlib
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
@@ -161,19 +162,10 @@ def read_torch_file(
 
 
 def read_torch_bytes(
-    data: bytes,
-    where: str,
-    trusted: Iterable[str] = (),
-    trusted_source: bool = False,
-    *,
-    buffers: bool = False,
+    data: bytes, where: str, trusted: Iterable[str] = (), trusted_source: bool = False
 ) -> Any:
     """What the ``torch.save`` bytes ``data`` (read from ``where``, which errors name) hold,
-    within the limits of this module.
-
-    ``buffers`` also allows ``io.BytesIO`` (a buffer of bytes, which DCP pickles as it is:
-    torchtitan's train state is ``torch.save`` files in buffers); each comes back as the
-    ``bytes`` it holds."""
+    within the limits of this module."""
 
     def load() -> tuple[Any, int]:
         with io.BytesIO(data) as f:
@@ -181,8 +173,7 @@ def read_torch_bytes(
             f.seek(0)
             return torch.load(f, map_location="cpu", weights_only=True), len(data)
 
-    value = _read(where, load, trusted, trusted_source, [io.BytesIO] if buffers else [])[0]
-    return value.getvalue() if isinstance(value, io.BytesIO) else value
+    return _read(where, load, trusted, trusted_source)[0]
 
 
 def _numpy_globals() -> list[Any]:
@@ -319,13 +310,15 @@ class _Stub:
 
 
 _ARRAY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
-# numpy dtypes of plain numbers, as numpy pickles them (``dtype("u4", False, True)``), by size
-_NUMBER_CODES = {f"{kind}{size}": size for kind in "uif" for size in (1, 2, 4, 8)} | {"b1": 1}
+# the numpy dtypes allowed, as numpy pickles them (``dtype("u4", False, True)``), by size:
+# 32-bit unsigned integers, as numpy's random streams hold (torch's allowlist rebuilds no other)
+_NUMBER_CODES = {"u4": 4}
 
 
-class NumpyRefusal(pickle.UnpicklingError):
-    """A numpy value the scan refuses: anything but an array of plain numbers pickled as
-    numpy pickles one (numpy's globals are allowed for random streams only)."""
+class Refused(pickle.UnpicklingError):
+    """What the scan refuses of the few globals it models: a numpy value other than an array
+    of numbers pickled as numpy pickles one (allowed for random streams only), an
+    ``io.BytesIO`` other than one holding bytes."""
 
 
 class _ArrayType(_Stub):
@@ -333,7 +326,7 @@ class _ArrayType(_Stub):
     ``_reconstruct``; calling it (which allocates the shape it is given) is refused."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> _Stub:
-        raise NumpyRefusal("the pickle calls numpy.ndarray itself, as numpy never pickles")
+        raise Refused("the pickle calls numpy.ndarray itself, as numpy never pickles")
 
 
 _ARRAY_TYPE = _ArrayType()
@@ -349,13 +342,13 @@ class _DType(_Stub):
     def __setstate__(self, state: Any) -> None:
         if not (isinstance(state, tuple) and len(state) == 8 and state[2:5] == (None, None, None)
                 and state[5:] == (-1, -1, 0)):  # fmt: skip
-            raise NumpyRefusal(f"a numpy dtype with state {state!r:.80}, not a plain number's")
+            raise Refused(f"a numpy dtype with state {state!r:.80}, not a plain number's")
 
 
 def _dtype(*args: Any) -> _DType:
     """``numpy.dtype`` as a scanned pickle calls it: a plain number's code only."""
     if len(args) != 3 or args[1:] != (False, True) or args[0] not in _NUMBER_CODES:
-        raise NumpyRefusal(f"a numpy dtype made as {args!r:.80}, not a plain number's")
+        raise Refused(f"a numpy dtype made as {args!r:.80}, not a plain number's")
     return _DType(_NUMBER_CODES[args[0]])
 
 
@@ -370,7 +363,7 @@ class _Array(_Stub):
             and all(type(n) is int and n >= 0 for n in state[1])
         )  # fmt: skip
         if not ok or len(state[4]) != math.prod(state[1]) * state[2].itemsize:
-            raise NumpyRefusal("a numpy array whose state is not its shape's bytes")
+            raise Refused("a numpy array whose state is not its shape's bytes")
 
 
 def _empty_array(*args: Any) -> _Array:
@@ -378,7 +371,7 @@ def _empty_array(*args: Any) -> _Array:
     empty one (``_reconstruct(ndarray, (0,), b'b')``) whose bytes are set afterwards, and
     allocates the shape it is given, so any other call is refused."""
     if len(args) != 3 or args[0] is not _ARRAY_TYPE or args[1] != (0,) or args[2] != b"b":
-        raise NumpyRefusal(f"an array rebuilt as {args[1:]!r:.80}, not as numpy pickles one")
+        raise Refused(f"an array rebuilt as {args[1:]!r:.80}, not as numpy pickles one")
     return _Array()
 
 
@@ -389,7 +382,21 @@ def _latin1(text: Any, encoding: Any = "utf-8") -> Any:
     return _Stub()
 
 
-_NUMPY_SCANNED: dict[tuple[str, str], Any] = {
+class _Buffer(_Stub):
+    """``io.BytesIO`` in a scanned pickle (DCP pickles one as it is): its bytes, once built
+    with exactly the state a BytesIO pickles (bytes, a position, no attributes)."""
+
+    value: bytes | None = None
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) == 3 and isinstance(state[0], bytes)
+                and type(state[1]) is int and state[2] in (None, {})):  # fmt: skip
+            raise Refused(f"an io.BytesIO with state {state!r:.80}, not one of bytes")
+        self.value = state[0]
+
+
+_SCANNED: dict[tuple[str, str], Any] = {
+    ("_io", "BytesIO"): _Buffer,
     **{(m, "_reconstruct"): _empty_array for m in _ARRAY_MODULES},
     ("numpy", "ndarray"): _ARRAY_TYPE,
     ("numpy", "dtype"): _dtype,
@@ -427,7 +434,7 @@ class _Scanner(pickle._Unpickler):  # type: ignore[name-defined]
         self.storages: dict[str, int] = {}
 
     def find_class(self, module: str, name: str) -> Any:
-        scanned = _NUMPY_SCANNED.get((str(module), str(name)))
+        scanned = _SCANNED.get((str(module), str(name)))
         if scanned is not None:
             return scanned
         itemsize = _storage_itemsize(str(module), str(name))
@@ -460,12 +467,11 @@ def _scan_stream(f: IO[bytes], path: str, size: int) -> None:
         _scan_old_format(f, path, size)
         return
     with zipfile.ZipFile(f) as archive:
-        records = {info.filename: info for info in archive.infolist()}
-        pickles = [n for n in records if n == "data.pkl" or n.endswith("/data.pkl")]
-        if not pickles:
+        pickle_name, records = _pickle_record(archive, path)
+        if pickle_name is None:
             return  # torch reports what it misses
-        prefix = pickles[0][: -len("data.pkl")]
-        with archive.open(pickles[0]) as pickled:
+        prefix = pickle_name[: -len("data.pkl")]
+        with archive.open(pickle_name) as pickled:
             storages = _storages(pickled, path)
     for key, nbytes in storages.items():
         record = records.get(f"{prefix}data/{key}")
@@ -482,6 +488,48 @@ def _scan_stream(f: IO[bytes], path: str, size: int) -> None:
             )
 
 
+def _pickle_record(archive: zipfile.ZipFile, path: str) -> tuple[str | None, dict[str, Any]]:
+    """The name of the pickle torch reads from ``archive`` (``data.pkl`` under the directory
+    of the archive's first record, as torch finds it) and the records by name. Two records
+    of one name, or a ``data.pkl`` elsewhere, are refused: the scan and torch would read
+    different pickles."""
+    infos = archive.infolist()
+    records = {info.filename: info for info in infos}
+    if len(records) != len(infos):
+        raise CorruptCheckpointError(f"{path}: two records of its zip have one name; refused")
+    if not infos:
+        return None, records
+    name = infos[0].filename.split("/")[0] + "/data.pkl"
+    pickles = [n for n in records if n == "data.pkl" or n.endswith("/data.pkl")]
+    if pickles and pickles != [name]:
+        raise CorruptCheckpointError(
+            f"{path}: holds a pickle where torch does not read one ({pickles[0][:100]!r}); refused"
+        )
+    return (name if pickles else None), records
+
+
+def buffer_in(data: bytes, where: str) -> bytes | None:
+    """The bytes of the ``io.BytesIO`` that the ``torch.save`` bytes ``data`` hold, as DCP
+    writes a buffer item; ``None`` if they hold anything else, or are no readable zip (the
+    load that follows says why). Read by the scan alone (no torch.load): the bytes come from
+    the pickle itself."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            name, _ = _pickle_record(archive, where)
+            if name is None:
+                return None
+            with archive.open(name) as pickled:
+                root = _Scanner(pickled).load()
+    except Refused as exc:
+        raise CorruptCheckpointError(f"{where}: refused: {exc}") from None
+    except CheckpointError:
+        raise
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, NotImplementedError, OSError,
+            *_PICKLE_ERRORS):  # fmt: skip
+        return None
+    return root.value if isinstance(root, _Buffer) else None
+
+
 def _scan_old_format(f: IO[bytes], path: str, size: int) -> None:
     """The format before torch 1.6: magic number, protocol, system info, then the object
     pickle; the storages it declares are allocated before they are read."""
@@ -492,7 +540,7 @@ def _scan_old_format(f: IO[bytes], path: str, size: int) -> None:
             scanner = _Scanner(f)
             scanner.load()
             storages.update(scanner.storages)
-    except NumpyRefusal as exc:
+    except Refused as exc:
         raise CorruptCheckpointError(f"{path}: refused: {exc}") from None
     except _PICKLE_ERRORS:
         return  # no pickle of that format: torch reports what it is not
@@ -513,7 +561,7 @@ def _storages(f: IO[bytes], path: str) -> dict[str, int]:
     scanner = _Scanner(f)
     try:
         scanner.load()
-    except NumpyRefusal as exc:
+    except Refused as exc:
         raise CorruptCheckpointError(f"{path}: refused: {exc}") from None
     except _PICKLE_ERRORS as exc:
         raise CorruptCheckpointError(

@@ -46,15 +46,20 @@ def from_torchtitan(saved: Mapping[str, Any], where: str) -> tuple[dict[str, Any
         scheduler = doc["scheduler"] = dict(saved[SCHEDULER])
         base = scheduler.get("base_lrs")
         if "lr_lambdas" not in scheduler and isinstance(base, list):
-            # a LambdaLR's state holds None for each function that is no callable object
-            # (torchtitan's warmup is a functools.partial), and DCP saves no None
-            scheduler["lr_lambdas"] = [None] * len(base)
+            # a LambdaLR's state holds an empty dict for each function that is no callable
+            # object with a __dict__ (torchtitan's warmup is a functools.partial), and DCP
+            # saves no empty dict: each is taken back as one
+            scheduler["lr_lambdas"] = [{} for _ in base]
     train_state = saved.get(TRAIN_STATE)
     if isinstance(train_state, Mapping):
         rest = dict(train_state)
-        step = rest.pop("step", None)
+        step = rest.pop("step", None)  # an int32 tensor before 2025, an int since
         if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point():
-            doc["step"] = int(step.item())
+            step = int(step.item())
+        if type(step) is int and step >= 0:
+            doc["step"] = step
+        elif step is not None:
+            rest["step"] = step
         if rest:
             doc[TRAIN_STATE] = rest
     if LOADER in saved:

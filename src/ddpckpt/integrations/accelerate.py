@@ -173,10 +173,10 @@ def load_state(
     loaders = [name for name in state if name.startswith("dataloader")]
     if loaders and _imported_without_loaders(os.fspath(path), options.get("timeout")):
         _log.warning(
-            "%s holds no DataLoader position (imported from Accelerate's save_state, which "
-            "saves none): the prepared DataLoaders start from their beginning; skip the "
-            "batches already trained with accelerator.skip_first_batches, as with "
-            "Accelerate's own load_state",
+            "%s holds no DataLoader position (it was imported, from a format that saves "
+            "none, such as Accelerate's save_state): the prepared DataLoaders start from their "
+            "beginning; skip the batches already trained with accelerator.skip_first_batches, "
+            "as with Accelerate's own load_state",
             os.fspath(path),
             extra=same_on_every_rank(),
         )
