@@ -326,3 +326,19 @@ def test_a_two_process_trainer_checkpoint_gives_each_rank_its_own_streams_back(
     assert len(own.result(0)["losses"]) == 4
     for rank in (0, 1):
         assert ours.result(rank) == own.result(rank), rank
+
+
+def test_a_directory_without_an_optimizer_file_imports_with_a_warning_saying_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory = tmp_path / "checkpoint-2"
+    directory.mkdir()
+    (directory / "trainer_state.json").write_text('{"global_step": 2}')
+    torch.save({"w": torch.ones(2)}, directory / "pytorch_model.bin")
+    torch.save({"python": random.getstate(), "cpu": torch.get_rng_state()},
+               directory / "rng_state.pth")  # fmt: skip
+    import_checkpoint(directory, tmp_path / "out")
+    assert any(
+        "holds no optimizer.pt" in r.getMessage() and "has no optimizer state" in r.getMessage()
+        for r in caplog.records
+    )

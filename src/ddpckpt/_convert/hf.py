@@ -31,12 +31,14 @@ import torch
 from ddpckpt._convert.torchfile import read_torch_file
 from ddpckpt._format.boundary import load_json
 from ddpckpt._format.tensorfile import dtype_from_name, read_header
+from ddpckpt._log import get_logger
 from ddpckpt.errors import CorruptCheckpointError
 from ddpckpt.storage._base import NotRegularFileError
 from ddpckpt.storage._posix import open_regular
 
 TRAINER_STATE = "trainer_state.json"
 MAX_JSON_BYTES = 64 << 20  # trainer_state.json, config.json, a weights index
+_log = get_logger(__name__)
 _TRAINER_RNG = re.compile(r"rng_state(?:_(\d{1,6}))?\.pth")
 _ACCELERATE_RNG = re.compile(r"random_states_(\d{1,6})\.pkl")
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
@@ -211,6 +213,14 @@ def _read_states(
                        ("scaler", "scaler.pt")):  # fmt: skip
         if name in names:
             setattr(source, role, _torch(directory, name, trusted_source))
+    if f"optimizer.{suffix}" not in names:
+        _log.warning(
+            "%s holds no optimizer.%s (the Trainer's save_only_model saves none; otherwise a "
+            "file was lost): the imported checkpoint has no optimizer state, so a resume that "
+            "restores an optimizer refuses it; ddpckpt.load restores the model alone",
+            directory,
+            suffix,
+        )
 
 
 def _torch(directory: str, name: str, trusted_source: bool, *, arrays: bool = False) -> Any:
