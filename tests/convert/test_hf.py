@@ -22,6 +22,7 @@ from ddpckpt._format.codec import decode
 from ddpckpt._format.manifest import read_manifest
 from ddpckpt._format.rankparts import rank_part
 from ddpckpt.errors import CorruptCheckpointError
+from io_helpers import Counter
 
 needs_transformers = pytest.mark.skipif(
     find_spec("transformers") is None, reason="no transformers extra"
@@ -138,19 +139,6 @@ def test_each_processs_random_streams_become_that_ranks_own(tmp_path: Path) -> N
 # ------------------------------------------------------------------ Accelerate
 
 
-class _Counter:
-    """An object registered for checkpointing, as Accelerate's docs show one."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def state_dict(self) -> dict:
-        return {"n": self.n}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.n = state["n"]
-
-
 def _accelerated(seed: int = 0):
     from accelerate import Accelerator
 
@@ -160,7 +148,7 @@ def _accelerated(seed: int = 0):
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     loader = torch.utils.data.DataLoader(torch.randn(16, 4), batch_size=4)
     accelerator = Accelerator(cpu=True)
-    counter = _Counter()
+    counter = Counter()  # registered for checkpointing, as Accelerate's docs show
     accelerator.register_for_checkpointing(counter)
     model, optimizer, scheduler, loader = accelerator.prepare(model, optimizer, scheduler, loader)
     return accelerator, model, optimizer, scheduler, loader, counter
@@ -190,7 +178,7 @@ def test_an_accelerate_save_state_resumes_under_ddpckpt_as_under_accelerates_loa
 
     accelerator, model, optimizer, scheduler, _, counter = _accelerated()
     _steps(accelerator, model, optimizer, scheduler, 3)
-    counter.n = 3
+    counter.seen = 3
     accelerator.save_state(str(tmp_path / "state"))
     shutil.copytree(tmp_path / "state", tmp_path / "own")  # for Accelerate's own load
     weights = tmp_path / "state" / "model.safetensors"
@@ -207,7 +195,7 @@ def test_an_accelerate_save_state_resumes_under_ddpckpt_as_under_accelerates_loa
     assert left_out == []
     accelerator, model, optimizer, scheduler, _, counter = _accelerated(seed=2)
     load_state(accelerator, path)
-    assert counter.n == 3
+    assert counter.seen == 3
     ours = (
         _steps(accelerator, model, optimizer, scheduler, 2),
         [p.detach().clone() for p in model.parameters()],
@@ -227,11 +215,19 @@ def test_an_accelerate_save_state_resumes_under_ddpckpt_as_under_accelerates_loa
 # ------------------------------------------------------------------ nothing of theirs runs
 
 
-def test_a_random_stream_file_naming_a_function_is_refused_before_it_runs(tmp_path: Path) -> None:
+def _trainer_directory(tmp_path: Path, weights: bool = True) -> Path:
+    """A ``checkpoint-2`` of the Trainer's layout at its smallest: its state and, unless
+    not ``weights``, a model; the test adds the file it is about."""
     directory = tmp_path / "checkpoint-2"
     directory.mkdir()
     (directory / "trainer_state.json").write_text('{"global_step": 2}')
-    torch.save({"w": torch.ones(2)}, directory / "pytorch_model.bin")
+    if weights:
+        torch.save({"w": torch.ones(2)}, directory / "pytorch_model.bin")
+    return directory
+
+
+def test_a_random_stream_file_naming_a_function_is_refused_before_it_runs(tmp_path: Path) -> None:
+    directory = _trainer_directory(tmp_path)
     torch.save({"python": os.getcwd, "cpu": torch.get_rng_state()}, directory / "rng_state.pth")
     with pytest.raises(ddpckpt.UnsafeCheckpointError, match=r"rng_state\.pth.*posix\.getcwd"):
         import_checkpoint(directory, tmp_path / "out")
@@ -245,10 +241,7 @@ class _HugeArray:
 
 
 def test_an_array_declared_huge_in_a_random_stream_file_is_refused(tmp_path: Path) -> None:
-    directory = tmp_path / "checkpoint-2"
-    directory.mkdir()
-    (directory / "trainer_state.json").write_text('{"global_step": 2}')
-    torch.save({"w": torch.ones(2)}, directory / "pytorch_model.bin")
+    directory = _trainer_directory(tmp_path)
     torch.save({"python": random.getstate(), "numpy": ("MT19937", _HugeArray(), 0, 0, 0.0),
                 "cpu": torch.get_rng_state()}, directory / "rng_state.pth")  # fmt: skip
     with pytest.raises(CorruptCheckpointError, match=r"rng_state\.pth: refused: .*rebuilt as"):
@@ -274,10 +267,7 @@ class _CallsArray:
 def test_a_random_stream_file_using_numpy_beyond_arrays_of_numbers_is_refused(
     tmp_path: Path, numpy_state: tuple
 ) -> None:
-    directory = tmp_path / "checkpoint-2"
-    directory.mkdir()
-    (directory / "trainer_state.json").write_text('{"global_step": 2}')
-    torch.save({"w": torch.ones(2)}, directory / "pytorch_model.bin")
+    directory = _trainer_directory(tmp_path)
     torch.save({"python": random.getstate(), "numpy": numpy_state,
                 "cpu": torch.get_rng_state()}, directory / "rng_state.pth")  # fmt: skip
     with pytest.raises(CorruptCheckpointError, match=r"rng_state\.pth: refused: .*numpy"):
@@ -285,10 +275,7 @@ def test_a_random_stream_file_using_numpy_beyond_arrays_of_numbers_is_refused(
 
 
 def test_a_random_stream_file_in_torchs_old_format_is_refused(tmp_path: Path) -> None:
-    directory = tmp_path / "checkpoint-2"
-    directory.mkdir()
-    (directory / "trainer_state.json").write_text('{"global_step": 2}')
-    torch.save({"w": torch.ones(2)}, directory / "pytorch_model.bin")
+    directory = _trainer_directory(tmp_path)
     torch.save({"python": random.getstate(), "numpy": np.random.get_state(),
                 "cpu": torch.get_rng_state()}, directory / "rng_state.pth",
                _use_new_zipfile_serialization=False)  # fmt: skip
@@ -297,9 +284,7 @@ def test_a_random_stream_file_in_torchs_old_format_is_refused(tmp_path: Path) ->
 
 
 def test_a_file_of_the_directory_that_is_a_link_is_refused(tmp_path: Path) -> None:
-    directory = tmp_path / "checkpoint-2"
-    directory.mkdir()
-    (directory / "trainer_state.json").write_text('{"global_step": 2}')
+    directory = _trainer_directory(tmp_path, weights=False)
     torch.save({"w": torch.ones(2)}, tmp_path / "elsewhere.bin")
     os.symlink(tmp_path / "elsewhere.bin", directory / "pytorch_model.bin")
     with pytest.raises(CorruptCheckpointError, match=r"pytorch_model\.bin: a symbolic link"):
@@ -331,10 +316,7 @@ def test_a_two_process_trainer_checkpoint_gives_each_rank_its_own_streams_back(
 def test_a_directory_without_an_optimizer_file_imports_with_a_warning_saying_so(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    directory = tmp_path / "checkpoint-2"
-    directory.mkdir()
-    (directory / "trainer_state.json").write_text('{"global_step": 2}')
-    torch.save({"w": torch.ones(2)}, directory / "pytorch_model.bin")
+    directory = _trainer_directory(tmp_path)
     torch.save({"python": random.getstate(), "cpu": torch.get_rng_state()},
                directory / "rng_state.pth")  # fmt: skip
     import_checkpoint(directory, tmp_path / "out")

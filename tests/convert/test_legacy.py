@@ -156,14 +156,21 @@ def test_tied_weights_and_unknown_layouts(tmp_path) -> None:
     assert "weights_only" not in str(raised.value)  # torch's advice to unpickle anyway is dropped
 
 
-def test_a_tied_weight_stored_once_loads_with_the_weight_it_is_tied_to(tmp_path) -> None:
-    """As save_pretrained stores a language model: the output layer's weight left out,
-    because the model ties it to the embedding."""
+def _tied_stored_once(tmp_path) -> tuple[TiedLM, str]:
+    """A TiedLM and its import from a state dict without its output layer's weight, as
+    save_pretrained stores a language model."""
     torch.manual_seed(0)
     source = TiedLM()
     state = {k: v for k, v in source.state_dict().items() if k != "head.weight"}
     torch.save(state, tmp_path / "model.pt")
     path, _ = import_checkpoint(tmp_path / "model.pt", tmp_path / "out")
+    return source, path
+
+
+def test_a_tied_weight_stored_once_loads_with_the_weight_it_is_tied_to(tmp_path) -> None:
+    """As save_pretrained stores a language model: the output layer's weight left out,
+    because the model ties it to the embedding."""
+    source, path = _tied_stored_once(tmp_path)
     torch.manual_seed(1)
     target = TiedLM()
     ddpckpt.load(path, model=target, rng=False)
@@ -182,11 +189,7 @@ def test_a_tied_weight_stored_once_loads_into_an_fsdp2_model(tmp_path, process_g
     """The tie of a sharded model: its DTensor is filled in place, and the tied key with it."""
     from torch.distributed.fsdp import fully_shard
 
-    torch.manual_seed(0)
-    source = TiedLM()
-    state = {k: v for k, v in source.state_dict().items() if k != "head.weight"}
-    torch.save(state, tmp_path / "model.pt")
-    path, _ = import_checkpoint(tmp_path / "model.pt", tmp_path / "out")
+    source, path = _tied_stored_once(tmp_path)
     torch.manual_seed(1)
     target = fully_shard(TiedLM())
     ddpckpt.load(path, model=target, rng=False)

@@ -56,6 +56,7 @@ from ddpckpt._format.sections import (
 from ddpckpt._io.writing import add_ranks, header_fields, plan_write, write_and_commit
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot
+from ddpckpt._state.rng import numpy_key_as_tensor
 from ddpckpt.errors import CorruptCheckpointError, UnsupportedValueError
 
 _log = get_logger(__name__)
@@ -382,7 +383,7 @@ def _hf_snapshot(
     for streams in found.streams:
         tensors: dict[str, torch.Tensor] = {}
         if found.kind == "trainer":  # DdpckptTrainer's per-process run state
-            run = {"rng": _numpy_key_as_tensor(streams), "tr_loss": torch.tensor(0.0),
+            run = {"rng": numpy_key_as_tensor(streams), "tr_loss": torch.tensor(0.0),
                    "total_loss": 0.0, "last_logged": found.step, "flos": 0.0}  # fmt: skip
             ranks.append(({"extra": {"run": encode(run, "extra/run", tensors)}}, tensors))
         else:
@@ -394,13 +395,3 @@ def _hf_snapshot(
     snapshot.state = sections.to_json()
     header = {"step": found.step, "epoch": None}
     return snapshot, header, ranks[1:]
-
-
-def _numpy_key_as_tensor(streams: dict[str, Any]) -> dict[str, Any]:
-    """The streams as the integrations keep them: numpy's key as an int64 tensor."""
-    if "numpy" not in streams:
-        return streams
-    numpy_state = dict(streams["numpy"])
-    inner = dict(numpy_state["state"])
-    inner["key"] = torch.from_numpy(inner["key"].astype("int64"))
-    return {**streams, "numpy": {**numpy_state, "state": inner}}

@@ -39,7 +39,7 @@ import sys
 import zipfile
 import zlib
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO, Any
 
 import torch
@@ -201,7 +201,7 @@ def _read(
     load: Callable[[], tuple[Any, int]],
     trusted: Iterable[str],
     trusted_source: bool,
-    also: list[Any] = [],  # noqa: B006 (never changed)
+    also: Sequence[Any] = (),
 ) -> tuple[Any, int]:
     if torch_version() < SAFE_TORCH and not trusted_source:
         raise UnsafeCheckpointError(
@@ -210,7 +210,7 @@ def _read(
             "import files you did not write; pass trusted_source=True (--trusted-source) "
             "only for files you made yourself"
         )
-    allowed = trusted_globals(trusted) + also
+    allowed = [*trusted_globals(trusted), *also]
     try:
         with torch.serialization.safe_globals(allowed):
             obj, size = load()
@@ -432,6 +432,7 @@ class _Scanner(pickle._Unpickler):  # type: ignore[name-defined]
     def __init__(self, file: IO[bytes]) -> None:
         super().__init__(file, encoding="utf-8")
         self.storages: dict[str, int] = {}
+        self.root: Any = None  # what the pickle built, once loaded
 
     def find_class(self, module: str, name: str) -> Any:
         scanned = _SCANNED.get((str(module), str(name)))
@@ -519,13 +520,10 @@ def buffer_in(data: bytes, where: str) -> bytes | None:
             if name is None:
                 return None
             with archive.open(name) as pickled:
-                root = _Scanner(pickled).load()
-    except Refused as exc:
-        raise CorruptCheckpointError(f"{where}: refused: {exc}") from None
+                root = _scanned(pickled, where).root
     except CheckpointError:
         raise
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, NotImplementedError, OSError,
-            *_PICKLE_ERRORS):  # fmt: skip
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, NotImplementedError, OSError):
         return None
     return root.value if isinstance(root, _Buffer) else None
 
@@ -558,9 +556,15 @@ _PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, ValueError, TypeError, Attri
 
 
 def _storages(f: IO[bytes], path: str) -> dict[str, int]:
+    return _scanned(f, path).storages
+
+
+def _scanned(f: IO[bytes], path: str) -> _Scanner:
+    """The scan of the pickle ``f`` (its ``root`` object, the ``storages`` it declares);
+    :class:`CorruptCheckpointError` naming ``path`` for a refused or unreadable one."""
     scanner = _Scanner(f)
     try:
-        scanner.load()
+        scanner.root = scanner.load()
     except Refused as exc:
         raise CorruptCheckpointError(f"{path}: refused: {exc}") from None
     except _PICKLE_ERRORS as exc:
@@ -568,7 +572,7 @@ def _storages(f: IO[bytes], path: str) -> dict[str, int]:
             f"{path}: not a readable torch.save file (its pickle: {type(exc).__name__}: "
             f"{str(exc)[:200]})"
         ) from None
-    return scanner.storages
+    return scanner
 
 
 def check_graph(obj: Any, file_size: int, path: str) -> None:

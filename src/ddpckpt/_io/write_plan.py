@@ -66,4 +66,9 @@ class WritePlan:
         return sum(tensor_nbytes(t) for _, t in self.items)
 
     def rank_metadata(self) -> dict[str, str]:
-        return {**FILE_METADATA, RANK_STATE_KEY: json.dumps(self.rank_state)}
+        return rank_metadata(self.rank_state)
+
+
+def rank_metadata(state: dict[str, Any]) -> dict[str, str]:
+    """The header of a rank's file: its encoded per-rank ``state``."""
+    return {**FILE_METADATA, RANK_STATE_KEY: json.dumps(state)}

@@ -44,13 +44,13 @@ from ddpckpt._format.manifest import (
     tensor_from_json,
     tensor_to_json,
 )
-from ddpckpt._format.rankparts import RANK_STATE_KEY, rank_keys
+from ddpckpt._format.rankparts import rank_keys
 from ddpckpt._format.tensorfile import CHUNK, tensor_nbytes
 from ddpckpt._format.tensorwrite import serialize, write_file
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.settling import settle_plan
 from ddpckpt._io.shardwrite import ShardWrites, piece_json, piece_key, plan_shards, shard_records
-from ddpckpt._io.write_plan import FILE_METADATA, WritePlan
+from ddpckpt._io.write_plan import FILE_METADATA, WritePlan, rank_metadata
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot
 from ddpckpt._state.zero import merge_owned_state
@@ -157,8 +157,9 @@ def add_ranks(
         raise ValueError("add_ranks is for a checkpoint one process writes alone")
     for rank, (state, tensors) in enumerate(parts, start=1):
         items = [(f"rank{rank}/{n}", t) for n, t in tensors.items()]
-        metadata = {**FILE_METADATA, RANK_STATE_KEY: json.dumps(state)}
-        blob, entry, _ = serialize(file_names(rank)["rank"], items, writer=0, metadata=metadata)
+        blob, entry, _ = serialize(
+            file_names(rank)["rank"], items, writer=0, metadata=rank_metadata(state)
+        )
         plan.foreign[rank] = blob
         plan.alone[rank] = {
             "rank_keys": rank_keys(state),

@@ -68,6 +68,17 @@ def restore_rng(state: dict[str, Any], where: str) -> None:
             torch.cuda.set_rng_state(device_state, device)
 
 
+def numpy_key_as_tensor(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (of :func:`capture_rng`) with numpy's key as an int64 tensor, as the
+    integrations keep the streams (a framework's own checkpoint stores tensors, not arrays)."""
+    if "numpy" not in state:
+        return state
+    numpy_state = dict(state["numpy"])
+    inner = dict(numpy_state["state"])
+    inner["key"] = torch.from_numpy(inner["key"].astype("int64"))
+    return {**state, "numpy": {**numpy_state, "state": inner}}
+
+
 def derive_rng(base: dict[str, Any], rank: int) -> dict[str, Any]:
     """A deterministic, rank-distinct RNG state for a rank the checkpoint has none for.
 

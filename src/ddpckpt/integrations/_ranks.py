@@ -20,7 +20,7 @@ from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import JSON, decode, encode
 from ddpckpt._format.tensorfile import byte_view, dtype_from_name, dtype_name, host_contiguous
 from ddpckpt._log import current_rank, get_logger, same_on_every_rank
-from ddpckpt._state.rng import capture_rng, derive_rng, restore_rng
+from ddpckpt._state.rng import capture_rng, derive_rng, numpy_key_as_tensor, restore_rng
 from ddpckpt.errors import CorruptCheckpointError
 
 _log = get_logger(__name__)
@@ -28,17 +28,7 @@ _log = get_logger(__name__)
 
 def capture_streams() -> dict[str, Any]:
     """This process's random generators (Python, numpy, torch, CUDA), numpy's as a tensor."""
-    return _numpy_key_as_tensor(capture_rng())
-
-
-def _numpy_key_as_tensor(state: dict[str, Any]) -> dict[str, Any]:
-    if "numpy" in state:
-        numpy_state = dict(state["numpy"])
-        inner = dict(numpy_state["state"])
-        inner["key"] = torch.from_numpy(inner["key"].astype("int64"))
-        numpy_state["state"] = inner
-        state = {**state, "numpy": numpy_state}
-    return state
+    return numpy_key_as_tensor(capture_rng())
 
 
 def restore_streams(state: dict[str, Any], where: str) -> None:
@@ -133,4 +123,4 @@ def own_streams(ranks: list[dict[str, Any]], where: str) -> dict[str, Any]:
     rank = current_rank()
     if rank < len(ranks):
         return ranks[rank]["rng"]
-    return _numpy_key_as_tensor(derive_rng(ranks[0]["rng"], rank))
+    return numpy_key_as_tensor(derive_rng(ranks[0]["rng"], rank))

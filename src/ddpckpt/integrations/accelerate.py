@@ -86,15 +86,6 @@ def training_state(
         The objects, for :func:`ddpckpt.save`, :func:`ddpckpt.load` or a
         :class:`ddpckpt.Checkpointer`.
     """
-    objects = _objects(accelerator)
-    if log_checkpoints and accelerator.is_main_process and accelerator not in _reporting:
-        _reporting.add(accelerator)
-        add_listener(_logger_for(weakref.ref(accelerator)))
-    return ddpckpt.TrainingState({**objects, **extra})
-
-
-def _objects(accelerator: Accelerator) -> dict[str, Any]:
-    """The accelerator's prepared objects by name (see :func:`training_state`)."""
     objects: dict[str, Any] = {}
     groups = {
         "model": list(accelerator._models),
@@ -111,7 +102,10 @@ def _objects(accelerator: Accelerator) -> dict[str, Any]:
         objects["scaler"] = accelerator.scaler
     objects.update({f"custom{i}": obj for i, obj in enumerate(accelerator._custom_objects)})
     objects["accelerator_step"] = _StepCounter(accelerator)
-    return objects
+    if log_checkpoints and accelerator.is_main_process and accelerator not in _reporting:
+        _reporting.add(accelerator)
+        add_listener(_logger_for(weakref.ref(accelerator)))
+    return ddpckpt.TrainingState({**objects, **extra})
 
 
 def save_state(
