@@ -70,7 +70,10 @@ def import_checkpoint(
 
     Raises:
         UnsafeCheckpointError: The file names a global that is not allowed (it did not run).
+        CheckpointNotFoundError: ``source`` does not exist.
         CorruptCheckpointError: The file is damaged, or its layout is not one understood.
+        ModuleNotFoundError: A Trainer or Accelerate checkpoint's random streams need numpy,
+            which is not installed.
         CheckpointExistsError: ``destination`` holds a checkpoint and ``overwrite`` is False.
     """
     from ddpckpt._convert.legacy import import_checkpoint as convert

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import sys
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -324,3 +325,20 @@ def test_a_directory_without_an_optimizer_file_imports_with_a_warning_saying_so(
         "holds no optimizer.pt" in r.getMessage() and "has no optimizer state" in r.getMessage()
         for r in caplog.records
     )
+
+
+def test_random_streams_without_numpy_installed_say_how_to_install_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch does not require numpy; a plain install of ddpckpt may lack it."""
+    directory = _trainer_directory(tmp_path)
+    torch.save({"python": random.getstate(), "cpu": torch.get_rng_state()},
+               directory / "rng_state.pth")  # fmt: skip
+    monkeypatch.setitem(sys.modules, "numpy", None)  # import numpy raises ImportError
+    with pytest.raises(ModuleNotFoundError, match=r"install numpy .*ddpckpt\[numpy\]"):
+        import_checkpoint(directory, tmp_path / "out")
+
+
+def test_a_source_that_does_not_exist_is_named_as_missing(tmp_path: Path) -> None:
+    with pytest.raises(ddpckpt.CheckpointNotFoundError, match="checkpoint-9: no such file"):
+        import_checkpoint(tmp_path / "checkpoint-9", tmp_path / "out")

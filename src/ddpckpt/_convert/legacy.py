@@ -57,7 +57,7 @@ from ddpckpt._io.writing import add_ranks, header_fields, plan_write, write_and_
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot
 from ddpckpt._state.rng import numpy_key_as_tensor
-from ddpckpt.errors import CorruptCheckpointError, UnsupportedValueError
+from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
 
 _log = get_logger(__name__)
 
@@ -301,6 +301,8 @@ def import_checkpoint(
     logged as a warning).
     """
     source, destination = os.fspath(source), os.fspath(destination)
+    if not os.path.lexists(source):
+        raise CheckpointNotFoundError(f"{source}: no such file or directory to import")
     if is_trainer_checkpoint(source) or is_accelerate_state(source):
         read = read_trainer if is_trainer_checkpoint(source) else read_accelerate
         found = read(source, trusted_source)

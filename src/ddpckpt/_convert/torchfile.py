@@ -179,7 +179,14 @@ def read_torch_bytes(
 def _numpy_globals() -> list[Any]:
     """The numpy globals a pickled array of numbers needs, under numpy 2's and numpy 1's
     module names."""
-    import numpy as np
+    try:
+        import numpy as np
+    except ImportError as exc:  # torch does not require numpy; the random streams need it
+        raise ModuleNotFoundError(
+            "the random streams of a Trainer or Accelerate checkpoint hold numpy arrays: "
+            "install numpy to import them (pip install 'ddpckpt[numpy]')",
+            name="numpy",
+        ) from exc
 
     rebuild = (
         np._core.multiarray._reconstruct
