@@ -4,9 +4,15 @@ tensor unwritten or read outside a shard."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
 
+import ddpckpt
+from ddpckpt._format.manifest import read_manifest
 from ddpckpt._format.shards import ShardedEntry
 from ddpckpt.errors import CorruptCheckpointError
 
@@ -138,3 +144,33 @@ def test_offsets_and_ranges_beyond_2_62_are_refused(change) -> None:
     change(doc)
     with pytest.raises(CorruptCheckpointError, match=r"2\*\*62"):
         ShardedEntry.from_json(doc, "ckpt")
+
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
+
+
+def _fixture_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer of the format-5 fixtures, unsharded, before any step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 33), nn.ReLU(), nn.Linear(33, 7), nn.ReLU(),
+                          nn.Linear(7, 4))  # fmt: skip
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "hsdp"])
+def test_sharded_checkpoints_of_format_version_5_still_load(kind) -> None:
+    """Written by ddpckpt before the sharded records moved to index files (2026-11-28):
+    FSDP2 over 4 ranks and HSDP 2 x 2, one AdamW step; every shard's record in the manifest."""
+    path = os.path.join(FIXTURES, f"format-v5-{kind}")
+    expected = load_file(os.path.join(FIXTURES, f"format-v5-{kind}-expected.safetensors"))
+    assert read_manifest(path).format_version == 5
+    ddpckpt.verify(path)
+    model, opt = _fixture_model()
+    info = ddpckpt.load(path, model=model, optimizer=opt, rng=False)
+    assert info.step == 1 and info.world_size == 4
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), expected[f"model/{name}"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[param][key], expected[f"optimizer/{name}/{key}"])
+    weights = ddpckpt.load_state_dict(path)
+    assert all(torch.equal(weights[n], expected[f"model/{n}"]) for n, _ in model.named_parameters())
