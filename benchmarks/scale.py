@@ -15,9 +15,13 @@ Per layout and N it reports, for the last rank:
   of the replicated tensors), on the training thread, best of 3 (the real
   ``plan_shards`` and ``plan_owners``);
 * ``fingerprint B``: the bytes of the layout every rank hashes and compares at a save;
-* ``manifest B``: the manifest's sharded records, which one rank per storage domain
-  writes and every rank reads whole at a load: the pieces counted exactly, times the
-  size of one piece's record as the manifest writer encodes it;
+* ``manifest B``: the manifest's records of the sharded state (each tensor's shape, mesh
+  and placements, and each mesh's ranks as runs: format 6), which one rank per storage
+  domain writes and every rank reads at a load, as the manifest writer encodes them;
+* ``files B``: the manifest's list of files (each with its size and digest: four per
+  writing rank), which every rank reads with it;
+* ``index B`` and ``indexes``: the index file this rank writes (its shards' records),
+  and how many index files it reads to load its own shards (the real ``ShardIndex``);
 * ``held B``: what the fast tier's resume sends every rank about which node holds which
   step (one node lacking the newest step), through rank 0's store;
 * ``ExactResume B``: Lightning's ``ExactResume`` state of every rank, gathered at rank 0
@@ -41,10 +45,13 @@ from typing import Any
 import torch
 
 from ddpckpt._coord.plan import FanOut, plan_owners
-from ddpckpt._format.tensorfile import CHUNK, TensorEntry
-from ddpckpt._io.shardwrite import piece_json, plan_shards
+from ddpckpt._format.manifest import Manifest, file_to_json
+from ddpckpt._format.shardgrid import cells_overlapping
+from ddpckpt._format.shardindex import ShardIndex, index_document
+from ddpckpt._format.tensorfile import CHUNK, FileEntry, TensorEntry
+from ddpckpt._io.shardwrite import piece_json, plan_shards, shard_specs
 from ddpckpt._run.fast_steps import by_step
-from ddpckpt._state.sharded import MeshLayout, ShardedTensor, nonempty_shards
+from ddpckpt._state.sharded import MeshLayout, ShardedTensor
 from ddpckpt._state.snapshot import Snapshot
 from ddpckpt.integrations._ranks import capture_streams, pack
 
@@ -102,16 +109,38 @@ def plan_ms(snapshot: Snapshot, ranks: int, rank: int) -> float:
     return best * 1e3
 
 
-def manifest_bytes(snapshot: Snapshot) -> int:
-    """The sharded records' size: every distinct piece counted, times one piece's record."""
-    pieces = sum(
-        nonempty_shards(s.shape, s.layout.shape, s.layout.placements)
-        for s in snapshot.sharded.values()
+def sharded_records(snapshot: Snapshot, ranks: int, rank: int) -> dict[str, int]:
+    """What the manifest and this rank's index hold of the sharded state, and how many
+    indexes it reads to load its own shards."""
+    plan = plan_shards(snapshot, [list(range(ranks))], rank, ranks)
+    records = shard_specs(plan.specs, "ckpt")
+    manifest = json.loads(Manifest(shards=records, meshes=dict(plan.meshes)).to_json("ckpt"))
+    pieces = {}
+    for name, offsets in plan.pieces.items():
+        size = snapshot.sharded[name].local.shape
+        nbytes = size.numel() * 4
+        key = f"{name}@{','.join(map(str, offsets))}"
+        entry = TensorEntry("model-00000.safetensors", key, "F32", tuple(size), 1 << 33,
+                            (1 << 33) + nbytes, "0" * 16,
+                            tuple("0" * 16 for _ in range(-(-nbytes // CHUNK))))  # fmt: skip
+        pieces[name] = piece_json(offsets, entry)
+    index = ShardIndex("ckpt", "id", records, dict(plan.meshes), {}, None)
+    writers = set()
+    for name, record in records.items():
+        region = snapshot.sharded[name].layout.region(record.shape, rank)
+        for cell in cells_overlapping(record.shape, record.mesh, record.placements, region):
+            writers.add(index.writer(name, cell))
+    file = json.dumps(
+        {"model-00000.safetensors": file_to_json(FileEntry("", 1 << 33, "0" * 16, rank))}
     )
-    entry = TensorEntry("model-00000.safetensors", "layers.0.mlp.gate.weight@1376,0", "F32",
-                        (1376, 4096), 1 << 33, (1 << 33) + 1376 * 4096 * 4, "0" * 16,
-                        tuple("0" * 16 for _ in range(-(-1376 * 4096 * 4 // CHUNK))))  # fmt: skip
-    return pieces * len(json.dumps(piece_json((1376, 0), entry)))
+    return {
+        "manifest_bytes": len(
+            json.dumps({"shards": manifest["shards"], "meshes": manifest["meshes"]})
+        ),
+        "files_bytes": 4 * ranks * len(file),
+        "index_bytes": len(index_document("0" * 12, rank, pieces)),
+        "indexes_read": len(writers),
+    }
 
 
 def held_bytes(ranks: int) -> int:
@@ -135,7 +164,7 @@ def measure(kind: str, ranks: int, layers: int, exact_resume_per_rank: int) -> d
         "tensors": len(snapshot.sharded),
         "plan_ms": plan_ms(snapshot, ranks, rank),
         "fingerprint_bytes": len(json.dumps(fingerprint)),
-        "manifest_bytes": manifest_bytes(snapshot),
+        **sharded_records(snapshot, ranks, rank),
         "held_bytes": held_bytes(ranks),
         "exact_resume_bytes": exact_resume_per_rank * ranks,
         "repair_rounds": repair(ranks)[0],
@@ -160,18 +189,20 @@ def main() -> None:
     print(
         f"\n{len(shapes(args.layers))} parameters x 3 (AdamW), one rank of N, {PER_NODE} per node"
     )
-    header = ("layout", "N", "plan ms", "fingerprint B", "manifest B", "held B", "ExactResume B",
-              "repair rounds", "repair parts")  # fmt: skip
+    header = ("layout", "N", "plan ms", "fingerprint B", "manifest B", "files B", "index B",
+              "indexes", "held B", "ExactResume B", "repair rounds", "repair parts")  # fmt: skip
     print(" | ".join(header))
     for kind, rows in results.items():
         for ranks, r in rows.items():
             print(f"{kind} | {ranks} | {r['plan_ms']:.1f} | {r['fingerprint_bytes']} | "
-                  f"{r['manifest_bytes']} | {r['held_bytes']} | {r['exact_resume_bytes']} | "
+                  f"{r['manifest_bytes']} | {r['files_bytes']} | {r['index_bytes']} | "
+                  f"{r['indexes_read']} | {r['held_bytes']} | {r['exact_resume_bytes']} | "
                   f"{r['repair_rounds']} | {r['repair_parts']}")  # fmt: skip
     low, high = counts[0], counts[-1]
     print(f"\nfrom N={low} to N={high} ({high // low}x the ranks):")
-    for column in ("plan_ms", "fingerprint_bytes", "manifest_bytes", "held_bytes",
-                   "exact_resume_bytes", "repair_rounds", "repair_parts"):  # fmt: skip
+    for column in ("plan_ms", "fingerprint_bytes", "manifest_bytes", "files_bytes", "index_bytes",
+                   "indexes_read", "held_bytes", "exact_resume_bytes", "repair_rounds",
+                   "repair_parts"):  # fmt: skip
         growth = max(rows[high][column] / max(rows[low][column], 1e-9) for rows in results.values())
         logarithmic = column.startswith("repair") and all(
             rows[high][column] <= (high // PER_NODE).bit_length() for rows in results.values()

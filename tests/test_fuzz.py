@@ -50,6 +50,18 @@ def test_mutated_checkpoints_load_or_raise_a_documented_error(tmp_path_factory) 
     check()
 
 
+def test_mutated_sharded_checkpoints_load_or_raise_a_documented_error(tmp_path_factory) -> None:
+    """The format-6 shard indexes as well as the manifest, data and rank files."""
+    one = example("sharded", tmp_path_factory.mktemp("sharded"))
+
+    @fuzz(120)
+    @given(st.data())
+    def check(data: st.DataObject) -> None:
+        one(Draws(data))
+
+    check()
+
+
 def test_mutated_torch_files_import_or_are_refused(tmp_path_factory) -> None:
     one = example("torchfile", tmp_path_factory.mktemp("torchfile"))
 

@@ -26,7 +26,10 @@ import ddpckpt
 from ddpckpt._cli.export import export
 from ddpckpt._cli.main import main
 from ddpckpt._cli.tools import diff, summary
+from ddpckpt._format.manifest import read_manifest
+from ddpckpt._io.reader import all_pieces
 from launch import forked_ranks
+from stored import shard_piece
 
 pytestmark = pytest.mark.processes
 WORKER = Path(__file__).parent / "support" / "sharded_worker.py"
@@ -151,7 +154,7 @@ def test_tools_on_sharded_checkpoints(saved, tmp_path, capsys) -> None:
     fsdp, zero = _step(root, "fsdp"), _step(root, "zero")
     assert ddpckpt.verify(fsdp).step == SAVED_AT and ddpckpt.verify(zero).step == SAVED_AT
     info = summary(fsdp)
-    assert info["format_version"] == 5
+    assert info["format_version"] == 6
     weight = next(t for t in info["tensors"] if t["name"] == "model/0.weight")
     assert weight["placement"] == {"mesh": [2], "placements": ["S0"]}
     assert [s["shape"] for s in weight["shards"]] == [[17, 16], [16, 16]]
@@ -181,14 +184,13 @@ def test_a_damaged_shard_is_found_by_verify_and_load(saved, tmp_path) -> None:
     root, _ = saved
     copy = tmp_path / "copy"
     shutil.copytree(_step(root, "fsdp"), copy)
-    shard = json.loads((copy / "manifest.json").read_text())["shards"]["model/2.weight"]
-    piece = shard["pieces"][1]
-    with open(copy / piece["file"], "r+b") as f:
-        f.seek(piece["range"][0] + 3)
+    file, begin = shard_piece(copy, "model/2.weight", 1)
+    with open(copy / file, "r+b") as f:
+        f.seek(begin + 3)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with pytest.raises(ddpckpt.CorruptCheckpointError, match=piece["file"]):
+    with pytest.raises(ddpckpt.CorruptCheckpointError, match=file):
         ddpckpt.verify(copy)
     # found while the shard was read into the model: partly restored, the damage chained
     with pytest.raises(ddpckpt.PartiallyRestoredError, match=r"chunk 0 of .2\.weight@4,0.") as e:
@@ -204,12 +206,14 @@ def test_replicate_hsdp_and_zero_round_trip_on_four_ranks(four, saved) -> None:
         assert result["hsdp_digest_local"]
     for kind, shown in (("hsdp", "FSDP2"), ("replicate", "replicate()")):
         assert summary(root / kind)["sections"]["model"] == f"Sequential ({shown})"
-    manifest = json.loads((root / "hsdp" / "manifest.json").read_text())
-    writers = {p["file"] for s in manifest["shards"].values() for p in s["pieces"]}
+    manifest = read_manifest(str(root / "hsdp"))
+    pieces = all_pieces(str(root / "hsdp"), manifest)
+    writers = {p.entry.file for found in pieces.values() for p in found}
     assert len(writers) >= 3, writers  # the replicas of each shard share the writing
-    weight = manifest["shards"]["model/0.weight"]
-    assert weight["mesh"] == [2, 2] and weight["placements"] == ["R", "S0"]
-    assert len(weight["pieces"]) == 2  # each distinct shard once, not once per replica
+    weight = manifest.shards["model/0.weight"]
+    assert weight.mesh == (2, 2) and weight.placements == ("R", "S0")
+    assert len(pieces["model/0.weight"]) == 2  # each distinct shard once, not once per replica
+    assert manifest.format_version == 6 and len(manifest.meshes) == 1
     model = _plain_model()
     ddpckpt.load(root / "hsdp", model=model)  # 4 ranks -> 1 process
     reference = torch.load(root / "hsdp-reference.pt")["model"]

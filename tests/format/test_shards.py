@@ -157,13 +157,15 @@ def _fixture_model() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
+@pytest.mark.parametrize("version", [5, 6])
 @pytest.mark.parametrize("kind", ["fsdp", "hsdp"])
-def test_sharded_checkpoints_of_format_version_5_still_load(kind) -> None:
-    """Written by ddpckpt before the sharded records moved to index files (2026-11-28):
-    FSDP2 over 4 ranks and HSDP 2 x 2, one AdamW step; every shard's record in the manifest."""
-    path = os.path.join(FIXTURES, f"format-v5-{kind}")
-    expected = load_file(os.path.join(FIXTURES, f"format-v5-{kind}-expected.safetensors"))
-    assert read_manifest(path).format_version == 5
+def test_sharded_checkpoints_of_formats_5_and_6_still_load(kind, version) -> None:
+    """FSDP2 over 4 ranks and HSDP 2 x 2, one AdamW step, written by ddpckpt on 2026-11-28:
+    format 5 with every shard's record in the manifest, format 6 with them in each writer's
+    index file."""
+    path = os.path.join(FIXTURES, f"format-v{version}-{kind}")
+    expected = load_file(os.path.join(FIXTURES, f"format-v{version}-{kind}-expected.safetensors"))
+    assert read_manifest(path).format_version == version
     ddpckpt.verify(path)
     model, opt = _fixture_model()
     info = ddpckpt.load(path, model=model, optimizer=opt, rng=False)

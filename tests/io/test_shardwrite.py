@@ -14,22 +14,11 @@ import torch
 
 import ddpckpt._io.shardwrite as shardwrite
 import ddpckpt._state.dtensor as dtensor
+from ddpckpt._format.shardgrid import nonempty_shards, region_at
 from ddpckpt._io.shardwrite import plan_shards
-from ddpckpt._state.sharded import MeshLayout, ShardedTensor, nonempty_shards, region_at
-from ddpckpt._state.snapshot import Snapshot
+from ddpckpt._state.sharded import MeshLayout, ShardedTensor
 from ddpckpt.errors import UnsupportedValueError
-
-SHAPES = [(16, 4), (3, 4), (1, 4), (10,), (0, 3), (7, 5)]  # even, uneven, empty shards
-
-
-def snapshot_of(layout: MeshLayout, rank: int, shapes=SHAPES) -> Snapshot:
-    """``rank``'s snapshot of one DTensor per shape (and an AdamW-like moment of each)."""
-    sharded = {}
-    for i, shape in enumerate(shapes):
-        for kind in ("weight", "exp_avg"):
-            size = layout.region(shape, rank)[1]
-            sharded[f"t{i}.{kind}"] = ShardedTensor(torch.empty(size), shape, layout)
-    return Snapshot(sharded=sharded)
+from shard_snapshots import LAYOUTS, SHAPES, snapshot_of
 
 
 def written(layout: MeshLayout, domains: list[list[int]]) -> dict[int, Counter]:
@@ -54,17 +43,7 @@ def distinct_shards(layout: MeshLayout) -> set[tuple[str, tuple[int, ...]]]:
     return found
 
 
-@pytest.mark.parametrize(
-    ("mesh", "placements", "domains"),
-    [
-        ((8,), ("S0",), [list(range(8))]),  # FSDP2 on shared storage
-        ((2, 4), ("R", "S0"), [list(range(8))]),  # HSDP, shared storage
-        ((2, 4), ("R", "S0"), [[0, 1, 2, 3], [4, 5, 6, 7]]),  # HSDP, a disk per replica
-        ((4, 2), ("R", "S0"), [[0, 1, 2, 3], [4, 5, 6, 7]]),  # two replicas on each node
-        ((2, 2, 2), ("S0", "R", "S0"), [list(range(8))]),  # a dimension split twice
-        ((8,), ("R",), [[0, 1, 2], [3, 4, 5, 6, 7]]),  # replicate(): every rank holds all
-    ],
-)
+@pytest.mark.parametrize(("mesh", "placements", "domains"), LAYOUTS)
 def test_every_shard_is_written_once_per_domain_by_a_holder_there(mesh, placements, domains):
     layout = MeshLayout(mesh, tuple(reversed(range(8))), placements)  # ranks out of order
     wanted = distinct_shards(layout)

@@ -11,8 +11,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
+from ddpckpt._format.shardgrid import region_at
 from ddpckpt._state.dtensor import placement_codes
-from ddpckpt._state.sharded import MeshLayout, ShardedTensor, region_at
+from ddpckpt._state.sharded import MeshLayout, ShardedTensor
 from ddpckpt.errors import UnsupportedValueError
 
 

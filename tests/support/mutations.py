@@ -166,9 +166,26 @@ def _data_files(ckpt: Path) -> list[str]:
     return sorted(p.name for p in ckpt.iterdir() if p.name.endswith(".safetensors"))
 
 
+def _index_files(ckpt: Path) -> list[str]:
+    """The shard indexes of a sharded checkpoint (format 6)."""
+    return sorted(p.name for p in ckpt.iterdir() if p.name.startswith("shards-"))
+
+
+def _mutate_index(chooser: Chooser, ckpt: Path) -> bool:
+    """A shard index changed as an attacker would: its digest recomputed in the manifest."""
+    name = choice(chooser, _index_files(ckpt))
+    doc = json.loads((ckpt / name).read_text())
+    within = choice(chooser, [(), ("pieces",)])
+    (ckpt / name).write_text(json.dumps(mutate_json(chooser, doc, within)))
+    refresh_file(ckpt, name)
+    return True
+
+
 def _mutate_manifest(chooser: Chooser, ckpt: Path) -> bool:
     doc = manifest_doc(ckpt)
-    within = choice(chooser, [(), ("files",), ("tensors",), ("state",), ("metrics",)])
+    within = choice(
+        chooser, [(), ("files",), ("tensors",), ("state",), ("metrics",), ("shards",), ("meshes",)]
+    )
     write_manifest(
         ckpt, mutate_json(chooser, doc, within if within[0:1] and within[0] in doc else ())
     )
@@ -204,7 +221,7 @@ def _mutate_length(chooser: Chooser, ckpt: Path) -> bool:
 
 def _damage_bytes(chooser: Chooser, ckpt: Path) -> bool:
     """Flipped bits, a truncation or appended bytes; no checksum recomputed."""
-    name = choice(chooser, [MANIFEST, *_data_files(ckpt)])
+    name = choice(chooser, [MANIFEST, *_data_files(ckpt), *_index_files(ckpt)])
     data = bytearray((ckpt / name).read_bytes())
     op = chooser.integer(0, 2)
     if op == 0:
@@ -220,7 +237,7 @@ def _damage_bytes(chooser: Chooser, ckpt: Path) -> bool:
 
 def _special_file(chooser: Chooser, ckpt: Path) -> bool:
     """A FIFO, a link to /dev/zero or outside, a link loop or a directory as a file."""
-    name = choice(chooser, [MANIFEST, *_data_files(ckpt)])
+    name = choice(chooser, [MANIFEST, *_data_files(ckpt), *_index_files(ckpt)])
     path = ckpt / name
     path.unlink()
     kind = chooser.integer(0, 4)
@@ -267,8 +284,49 @@ def _objects() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1)
 
 
-def mutated_checkpoint(chooser: Chooser, seed: Path, work: Path) -> tuple[Path, bool]:
-    """A copy of ``seed`` under ``work`` with one to three mutations; whether every
+SHARDED_SEED = Path(__file__).parent.parent / "data" / "format-v6-hsdp"
+SHARDED_MUTATIONS = [*MUTATIONS, _mutate_index, _mutate_index]
+
+
+def seed_sharded(path: Path) -> dict[str, torch.Tensor]:
+    """The committed format-6 HSDP checkpoint (2 x 2, shards in 4 index files) at
+    ``path``; returns its tensors."""
+    from safetensors.torch import load_file
+
+    shutil.copytree(SHARDED_SEED, path)
+    (path.parent / "outside").write_bytes(b"not part of the checkpoint")
+    return load_file(f"{SHARDED_SEED}-expected.safetensors")
+
+
+def _sharded_objects() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    lin = torch.nn.Linear
+    model = torch.nn.Sequential(
+        lin(16, 33), torch.nn.ReLU(), lin(33, 7), torch.nn.ReLU(), lin(7, 4)
+    )
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def check_sharded(ckpt: Path, intact: bool, expected: dict[str, torch.Tensor]) -> None:
+    """The property for a mutated sharded checkpoint, loaded into a plain model in one
+    process (which reads every writer's index)."""
+    model, optimizer = _sharded_objects()
+    allowed = DAMAGED if intact else DOCUMENTED
+    with bounded(ckpt):
+        if _outcome(lambda: ddpckpt.load(ckpt, model=model, optimizer=optimizer, rng=False),
+                    allowed) and intact:  # fmt: skip
+            for name, param in model.named_parameters():
+                assert torch.equal(param.detach(), expected[f"model/{name}"]), name
+        _outcome(lambda: ddpckpt.verify(ckpt), allowed)
+        _outcome(lambda: summary(ckpt), allowed)
+
+
+def mutated_checkpoint(
+    chooser: Chooser,
+    seed: Path,
+    work: Path,
+    mutations: list[Callable[[Chooser, Path], bool]] = MUTATIONS,
+) -> tuple[Path, bool]:
+    """A copy of ``seed`` under ``work`` with one to three of ``mutations``; whether every
     checksum was left as it was (so only exactly the original data may load)."""
     if work.exists():
         shutil.rmtree(work)
@@ -276,7 +334,7 @@ def mutated_checkpoint(chooser: Chooser, seed: Path, work: Path) -> tuple[Path, 
     ckpt = work / seed.name
     intact = True
     for _ in range(chooser.integer(1, 3)):
-        mutation = choice(chooser, MUTATIONS)
+        mutation = choice(chooser, mutations)
         try:
             intact = not mutation(chooser, ckpt) and intact
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error):
@@ -550,6 +608,17 @@ def example(kind: str, root: Path) -> Callable[[Chooser], None]:
             check_torch_file(root / "mutated" / seed.name, root / "mutated" / "out")
 
         return one_hf
+    if kind == "sharded":
+        seed = root / "seed" / "run" / "ckpt"
+        expected = seed_sharded(seed)
+
+        def one_sharded(chooser: Chooser) -> None:
+            mutated, intact = mutated_checkpoint(
+                chooser, seed, root / "work" / "run", SHARDED_MUTATIONS
+            )
+            check_sharded(mutated, intact, expected)
+
+        return one_sharded
     if kind == "checkpoint":
         seed = root / "seed" / "run" / "ckpt"
         original = seed_checkpoint(seed)

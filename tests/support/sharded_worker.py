@@ -33,6 +33,7 @@ import ddpckpt
 from ddpckpt._resumecheck.digests import digest
 from dist_worker import Warnings
 from exiting import exit_now
+from stored import shard_piece
 
 SAVED_AT, KILLED_AT, END = 5, 7, 8  # the resumed run trains from SAVED_AT to END
 
@@ -310,14 +311,13 @@ def _batchnorm_statistics(args, rank: int, warnings: Warnings) -> dict[str, Any]
 
 def _damage_a_shard(step_dir: str, name: str) -> str:
     """Flip a byte of the piece of ``name`` that only rank 1 reads back; the file."""
-    with open(os.path.join(step_dir, "manifest.json")) as f:
-        piece = json.load(f)["shards"][name]["pieces"][1]
-    with open(os.path.join(step_dir, piece["file"]), "r+b") as f:
-        f.seek(piece["range"][0] + 3)
+    file, begin = shard_piece(step_dir, name, 1)
+    with open(os.path.join(step_dir, file), "r+b") as f:
+        f.seek(begin + 3)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
-    return piece["file"]
+    return file
 
 
 def _resumed_to_end(root: str, straight: str, stepped: int = 0, **options: Any) -> dict[str, Any]:

@@ -46,3 +46,14 @@ def assert_near_optimizer(a: torch.optim.Optimizer, b: torch.optim.Optimizer) ->
     a_state, b_state = a.state_dict(), b.state_dict()
     assert a_state["param_groups"] == b_state["param_groups"]
     torch.testing.assert_close(a_state["state"], b_state["state"])
+
+
+def shard_piece(checkpoint: str | Path, name: str, index: int) -> tuple[str, int]:
+    """The file and first byte of the ``index``-th shard (in offset order) of the sharded
+    tensor ``name``, wherever the format keeps its record (the manifest or an index file)."""
+    from ddpckpt._format.manifest import read_manifest
+    from ddpckpt._io.reader import all_pieces
+
+    pieces = all_pieces(str(checkpoint), read_manifest(str(checkpoint)))[name]
+    piece = sorted(pieces, key=lambda p: p.offsets)[index]
+    return piece.entry.file, piece.entry.begin

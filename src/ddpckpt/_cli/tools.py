@@ -21,8 +21,8 @@ from ddpckpt._format.codec import JSON
 from ddpckpt._format.manifest import Manifest, read_manifest
 from ddpckpt._format.rankparts import fill_rank_parts
 from ddpckpt._format.sections import ROLE_KEYS, StateSections
-from ddpckpt._format.shards import ShardedEntry
-from ddpckpt._io.reader import FileSource, find_problems
+from ddpckpt._format.shards import Piece, ShardedEntry
+from ddpckpt._io.reader import FileSource, all_pieces, find_problems
 from ddpckpt._run.rundir import size_problems
 from ddpckpt.errors import (
     CorruptCheckpointError,
@@ -72,13 +72,16 @@ def summary(path: str | os.PathLike[str]) -> dict[str, Any]:
                 }
                 for name, t in manifest.tensors.items()
             ]
-            + [_sharded_summary(name, record) for name, record in manifest.shards.items()],
+            + [
+                _sharded_summary(name, manifest.shards[name], pieces)
+                for name, pieces in all_pieces(path, manifest).items()
+            ],
             key=lambda t: not t["name"].startswith("model/"),  # the model first, as saved
         ),
     }
 
 
-def _sharded_summary(name: str, record: ShardedEntry) -> dict[str, Any]:
+def _sharded_summary(name: str, record: ShardedEntry, pieces: list[Piece]) -> dict[str, Any]:
     """A sharded tensor as ``summary`` lists it: its placement in ``file``, and every shard."""
     return {
         "name": name,
@@ -89,7 +92,7 @@ def _sharded_summary(name: str, record: ShardedEntry) -> dict[str, Any]:
         "placement": {"mesh": list(record.mesh), "placements": list(record.placements)},
         "shards": [
             {"offsets": list(p.offsets), "shape": list(p.shape), "file": p.entry.file}
-            for p in record.pieces
+            for p in pieces
         ],
     }
 
@@ -268,7 +271,7 @@ def diff(
     state += list(_tree_diff("ranks", ma.ranks, mb.ranks))
     report.state = [item for item in state if kept(item[0])]
     sa, sb = FileSource(a, ma), FileSource(b, mb)
-    stored_a, stored_b = _stored(ma), _stored(mb)
+    stored_a, stored_b = _stored(a, ma), _stored(b, mb)
     for name in sorted(set(stored_a) | set(stored_b)):
         ta, tb = stored_a.get(name), stored_b.get(name)
         if ta is not None and ta == tb:
@@ -298,11 +301,12 @@ class _Stored:
     digests: tuple[Any, ...]  # the tensor's digest, or each shard's place and digest
 
 
-def _stored(manifest: Manifest) -> dict[str, _Stored]:
+def _stored(path: str, manifest: Manifest) -> dict[str, _Stored]:
     """Every tensor of ``manifest``, whole or sharded (read one at a time when compared)."""
     found = {n: _Stored(t.shape, t.dtype, (t.digest,)) for n, t in manifest.tensors.items()}
-    for name, record in manifest.shards.items():
-        digests = tuple((p.offsets, p.shape, p.entry.digest) for p in record.pieces)
+    for name, pieces in all_pieces(path, manifest).items():
+        record = manifest.shards[name]
+        digests = tuple((p.offsets, p.shape, p.entry.digest) for p in pieces)
         found[name] = _Stored(record.shape, record.dtype, digests)
     return found
 

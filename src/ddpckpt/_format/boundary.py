@@ -42,7 +42,9 @@ MAX_RANKS = 1 << 20
 MAX_DIMS = 64
 
 _DATA_FILE = re.compile(
-    r"(?:\.next-[0-9A-Za-z_-]{1,64}/)?(?:model|state|rank)-[0-9]{5,10}\.safetensors", re.ASCII
+    r"(?:\.next-[0-9A-Za-z_-]{1,64}/)?"
+    r"(?:(?:model|state|rank)-[0-9]{5,10}\.safetensors|shards-[0-9]{5,10}\.json)",
+    re.ASCII,
 )
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_STRUCTURE = bytes(b for b in range(256) if b not in b'[]{}"\\')
@@ -51,12 +53,14 @@ _NESTING = [{ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}.get(b, 0) for
 
 def check_file_name(name: object, where: str) -> str:
     """``name`` if it is a data file name ddpckpt writes (``model-00000.safetensors``,
-    ``state-...``, ``rank-...``, optionally under an object store's ``.next-<token>/``);
+    ``state-...``, ``rank-...``, a shard index ``shards-00000.json``, optionally under an
+    object store's ``.next-<token>/``);
     else :class:`CorruptCheckpointError`: nothing absolute, no ``..``, no other separator."""
     if not isinstance(name, str) or not _DATA_FILE.fullmatch(name):
         raise CorruptCheckpointError(
             f"{where}: the manifest names a file {str(name)[:200]!r}, which is no name ddpckpt "
-            "writes (model-, state- or rank-NNNNN.safetensors inside the checkpoint); refused"
+            "writes (model-, state- or rank-NNNNN.safetensors, or shards-NNNNN.json, inside the "
+            "checkpoint); refused"
         )
     return name
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import re
@@ -41,6 +42,8 @@ from ddpckpt._format.boundary import (
 from ddpckpt._format.codec import JSON
 from ddpckpt._format.runfiles import describe_path
 from ddpckpt._format.sections import layout_version
+from ddpckpt._format.shardgrid import MeshRanks
+from ddpckpt._format.shardindex import ShardIndex
 from ddpckpt._format.shards import ShardedEntry, chunk_count
 from ddpckpt._format.tensorfile import CHUNK, FileEntry, TensorEntry, checked_layout
 from ddpckpt._version import __version__
@@ -58,10 +61,12 @@ FORMAT_NAME = "ddpckpt"
 # The newest version this library reads. A checkpoint is written with the oldest version that
 # describes it: 3 puts per-rank state in the rank files (ddpckpt._format.rankparts), 4 the
 # named layout of several models and optimizers (ddpckpt._format.sections), 5 sharded
-# tensors (ddpckpt._format.shards).
-FORMAT_VERSION = 5
+# tensors (ddpckpt._format.shards), 6 their pieces in the writers' index files
+# (ddpckpt._format.shardindex).
+FORMAT_VERSION = 6
 RANK_FILES_VERSION = 3
 SHARDS_VERSION = 5
+SHARD_INDEX_VERSION = 6
 MANIFEST_NAME = MANIFEST
 
 
@@ -80,6 +85,7 @@ class Manifest:
     rank_parts: dict[int, dict[str, JSON]] = field(default_factory=dict, repr=False, compare=False)
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     shards: dict[str, ShardedEntry] = field(default_factory=dict)  # format 5: sharded tensors
+    meshes: dict[str, MeshRanks] = field(default_factory=dict)  # format 6: their meshes' ranks
     files: dict[str, FileEntry] = field(default_factory=dict)
     copy: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
@@ -93,11 +99,20 @@ class Manifest:
         """The oldest format version that describes this manifest (what it is written with)."""
         rank_files = RANK_FILES_VERSION if self.rank_keys is not None else 0
         shards = SHARDS_VERSION if self.shards else 0
+        if any(s.indexed for s in self.shards.values()):
+            shards = SHARD_INDEX_VERSION
         return max(layout_version(self.state), rank_files, shards)
 
     @property
     def nbytes(self) -> int:
         return sum(f.size for f in self.files.values())
+
+    def shard_index(self, path: str) -> ShardIndex:
+        """Where the pieces of this checkpoint's sharded tensors are (format 6), for the
+        checkpoint at ``path``; local."""
+        count = self.copy.get("count", 1)
+        domain = self.copy.get("ranks") if count > 1 else None
+        return ShardIndex(path, self.id, self.shards, self.meshes, self.files, domain)
 
     def to_json(self, where: str) -> str:
         """The manifest's text; ``where`` names the checkpoint in the error of one too big
@@ -121,6 +136,7 @@ class Manifest:
             "files": {name: file_to_json(f) for name, f in sorted(self.files.items())},
             "tensors": {name: tensor_to_json(t) for name, t in self.tensors.items()},
             **({"shards": {n: s.to_json() for n, s in self.shards.items()}} if self.shards else {}),
+            **({"meshes": _meshes_to_json(self.meshes)} if self.meshes else {}),
         }
         text = _with_checksum(doc)
         if len(text) > MAX_MANIFEST_BYTES:  # what could not be read back is not written
@@ -197,7 +213,8 @@ def _parse(doc: Any, where: str) -> Manifest:
     rank_keys = fields.sequence("rank_keys", None)
     if rank_keys is not None and not all(isinstance(k, str) for k in rank_keys):
         raise fields.error("holds a value that is not a string", "rank_keys")
-    shards = _shards_from_json(fields.mapping("shards", None) or {}, where, files, tensors)
+    meshes = _meshes(fields.mapping("meshes", None) or {}, where, world_size)
+    shards = _shards_from_json(fields.mapping("shards", None) or {}, where, files, tensors, meshes)
     return Manifest(
         id=fields.text("id", ""),
         step=fields.integer("step", default=None, optional=True),
@@ -209,6 +226,7 @@ def _parse(doc: Any, where: str) -> Manifest:
         rank_keys=rank_keys,
         tensors=tensors,
         shards=shards,
+        meshes=meshes,
         files=files,
         copy=_copy(fields.mapping("copy", None) or {}, where, world_size),
         created=fields.number("created"),
@@ -279,17 +297,52 @@ def _copy(doc: Any, where: str, world_size: int) -> dict[str, Any]:
     return copy
 
 
+def _meshes_to_json(meshes: dict[str, MeshRanks]) -> dict[str, list[list[int]]]:
+    return {key: [list(run) for run in mesh.runs] for key, mesh in meshes.items()}
+
+
+def _meshes(doc: dict[str, Any], where: str, world_size: int) -> dict[str, MeshRanks]:
+    """The rank orders of the meshes of sharded tensors (format 6): runs of ranks."""
+    fields = Fields(doc, where, "manifest field 'meshes'")
+
+    def bad(problem: str) -> CorruptCheckpointError:
+        return fields.error(problem, "runs")
+
+    meshes = {}
+    for key in doc:
+        pairs = []
+        for run in fields.sequence(key):
+            if not (isinstance(run, list) and len(run) == 2):
+                raise bad("is not a list of [first rank, count] pairs")
+            first = check_int(run[0], 0, world_size - 1, bad)
+            pairs.append((first, check_int(run[1], 1, world_size - first, bad)))
+        meshes[key] = MeshRanks(tuple(pairs))
+    return meshes
+
+
 def _shards_from_json(
-    doc: dict[str, Any], where: str, files: dict[str, FileEntry], tensors: dict[str, TensorEntry]
+    doc: dict[str, Any],
+    where: str,
+    files: dict[str, FileEntry],
+    tensors: dict[str, TensorEntry],
+    meshes: dict[str, MeshRanks],
 ) -> dict[str, ShardedEntry]:
-    """The sharded tensors, each checked to tile its tensor, with every piece inside a file
-    the manifest lists."""
+    """The sharded tensors: of format 5 each checked to tile its tensor, with every piece
+    inside a file the manifest lists; of format 6 each naming a mesh whose ranks it lists,
+    as many as the mesh has (the pieces are checked where read, ddpckpt._format.shardindex)."""
     shards = {}
     for name, record in doc.items():
         entry = ShardedEntry.from_json(record, f"{where} (sharded tensor {name[:200]!r})")
         if name in tensors:
             raise CorruptCheckpointError(
                 f"{where}: malformed manifest: tensor {name[:200]!r} is listed whole and sharded"
+            )
+        if entry.indexed and (
+            entry.ranks not in meshes or len(meshes[entry.ranks]) != math.prod(entry.mesh)
+        ):
+            raise CorruptCheckpointError(
+                f"{where}: malformed manifest: sharded tensor {name[:200]!r} names no mesh of "
+                f"{math.prod(entry.mesh)} ranks the manifest lists"
             )
         for piece in entry.pieces:
             file = files.get(piece.entry.file)

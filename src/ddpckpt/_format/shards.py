@@ -15,7 +15,12 @@ exactly once, which is what any combination of ``Shard`` and ``Replicate`` place
 produces. A manifest whose pieces overlap, leave a gap or fall outside the tensor is
 malformed: loading it could leave part of a tensor unwritten.
 
-JSON (one record)::
+Since format 6 a record lists no pieces: it names its mesh's rank order instead
+(``"ranks"``, a key of the manifest's ``meshes``), and each piece's record is in the index
+file of the rank that wrote it (:mod:`ddpckpt._format.shardindex`), so the manifest does
+not grow with the number of ranks. Format 5 (pieces in the manifest) still loads.
+
+JSON (one record, format 5)::
 
     {"dtype": "F32", "shape": [7, 5], "mesh": [2, 2], "placements": ["R", "S0"],
      "chunk": 8388608,
@@ -27,13 +32,14 @@ JSON (one record)::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ddpckpt._format.shardgrid import REPLICATE, nonempty_shards
 from ddpckpt._format.tensorfile import MAX_EXTENT, TensorEntry, dtype_from_name, spanned_bytes
 from ddpckpt.errors import CorruptCheckpointError
 
-REPLICATE = "R"
 _MAX_DIMS = 64
 _MAX_MESH_DIMS = 8
 _MAX_MESH_SIZE = 1 << 24
@@ -46,11 +52,6 @@ _MAX_CHUNK = 1 << 40
 def shard_placement(dim: int) -> str:
     """How the manifest writes ``Shard(dim)``."""
     return f"S{dim}"
-
-
-def placement_dim(placement: str) -> int | None:
-    """The tensor dimension ``placement`` splits, or ``None`` for ``Replicate``."""
-    return None if placement == REPLICATE else int(placement[1:])
 
 
 @dataclass(frozen=True)
@@ -77,30 +78,45 @@ class Piece:
 
 @dataclass(frozen=True)
 class ShardedEntry:
-    """A tensor stored as shards (see the module docstring)."""
+    """A tensor stored as shards (see the module docstring): ``pieces`` in format 5,
+    ``ranks`` (its mesh's key in the manifest's ``meshes``) and no pieces since format 6."""
 
     dtype: str
     shape: tuple[int, ...]
     mesh: tuple[int, ...]  # the device mesh's shape when saved
     placements: tuple[str, ...]  # one per mesh dimension: "R" or "S<dim>"
     chunk: int  # bytes per chunk digest
-    pieces: tuple[Piece, ...]
+    pieces: tuple[Piece, ...] = ()
+    ranks: str = ""
+
+    @property
+    def indexed(self) -> bool:
+        """Whether its pieces are in the writers' index files (format 6)."""
+        return bool(self.ranks)
+
+    @property
+    def shard_count(self) -> int:
+        """How many distinct non-empty shards it is stored as."""
+        return nonempty_shards(self.shape, self.mesh, self.placements)
 
     @property
     def nbytes(self) -> int:
-        return sum(p.entry.nbytes for p in self.pieces)
+        return math.prod(self.shape) * dtype_from_name(self.dtype, "").itemsize
 
     def describe(self) -> str:
         """The placement for people: ``mesh (2, 2), placements (R, S0), 2 shards``."""
+        count = self.shard_count
         return (
             f"mesh {tuple(self.mesh)}, placements ({', '.join(self.placements)}), "
-            f"{len(self.pieces)} shard{'s' if len(self.pieces) != 1 else ''}"
+            f"{count} shard{'s' if count != 1 else ''}"
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "shape": list(self.shape), "mesh": list(self.mesh),
-                "placements": list(self.placements), "chunk": self.chunk,
-                "pieces": [p.to_json() for p in self.pieces]}  # fmt: skip
+        doc = {"dtype": self.dtype, "shape": list(self.shape), "mesh": list(self.mesh),
+               "placements": list(self.placements), "chunk": self.chunk}  # fmt: skip
+        if self.indexed:
+            return {**doc, "ranks": self.ranks}
+        return {**doc, "pieces": [p.to_json() for p in self.pieces]}
 
     @classmethod
     def from_json(cls, doc: Any, where: str) -> ShardedEntry:
@@ -126,6 +142,9 @@ class ShardedEntry:
         chunk = _field(doc, "chunk", int, bad)
         if not 0 < chunk <= _MAX_CHUNK:
             raise bad(f"chunk size {chunk} out of range")
+        if "pieces" not in doc:  # format 6: the pieces are in the writers' index files
+            ranks = _field(doc, "ranks", str, bad)
+            return cls(dtype, tuple(shape), tuple(mesh), tuple(placements), chunk, (), ranks)
         pieces_doc = _field(doc, "pieces", list, bad)
         if len(pieces_doc) > math.prod(mesh):
             raise bad(f"{len(pieces_doc)} shards on a mesh of {math.prod(mesh)} ranks")
@@ -179,6 +198,12 @@ def _valid_placement(placement: Any, ndim: int) -> bool:
         return False
     digits = placement[1:]
     return digits.isdigit() and digits == str(int(digits)) and int(digits) < ndim
+
+
+def parse_piece(record: ShardedEntry, doc: Any, bad: Callable[[str], Exception]) -> Piece:
+    """One piece of ``record`` from JSON (an index file's), checked as the manifest's are."""
+    itemsize = dtype_from_name(record.dtype, "").itemsize
+    return _piece(doc, record.dtype, list(record.shape), itemsize, record.chunk, bad)
 
 
 def _piece(doc: Any, dtype: str, shape: list[int], itemsize: int, chunk: int, bad: Any) -> Piece:

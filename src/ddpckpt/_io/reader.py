@@ -19,9 +19,10 @@ from ddpckpt import _observe
 from ddpckpt._format.codec import decode
 from ddpckpt._format.manifest import Manifest, read_manifest
 from ddpckpt._format.rankparts import fill_rank_parts
-from ddpckpt._format.reshard import Box, plan_reads
+from ddpckpt._format.reshard import Box, overlap, plan_reads
 from ddpckpt._format.sections import StateSections
-from ddpckpt._format.shards import ShardedEntry
+from ddpckpt._format.shardindex import ShardIndex, is_index_file
+from ddpckpt._format.shards import Piece, ShardedEntry
 from ddpckpt._format.tensorfile import CHUNK, TensorEntry, can_read_into, dtype_from_name
 from ddpckpt._format.tensorread import TensorFile
 from ddpckpt._io.progress import Progress
@@ -99,17 +100,33 @@ class FileSource:
         self.progress = progress
         self._files: dict[str, TensorFile] = {}
         self._entries_by_file: dict[str, list[TensorEntry]] | None = None
+        self.index = manifest.shard_index(path)
         self.own: dict[str, str] = {}  # shared name -> this rank's own copy (see own_tensors)
 
     def for_rank(self, rank: int) -> FileSource:
         source = FileSource(self.path, self.manifest, f"rank{rank}/", self.progress)
-        source._files = self._files
+        source._files, source.index = self._files, self.index
         return source
 
-    def _by_file(self) -> dict[str, list[TensorEntry]]:
+    def _in_file(self, name: str) -> list[TensorEntry]:
+        """Every tensor entry of the data file ``name``: the manifest's whole tensors and
+        shards, and the shards its writer's index lists (format 6)."""
         if self._entries_by_file is None:
-            self._entries_by_file = _entries_by_file(self.manifest)
-        return self._entries_by_file
+            self._entries_by_file = _entries_by_file(self.manifest, None)
+        found = self._entries_by_file.get(name, [])
+        writer = self.manifest.files[name].writer
+        if self.index.file_of(writer) is None:
+            return found
+        pieces = self.index.index(writer).values()
+        return found + [p.entry for p in pieces if p.entry.file == name]
+
+    def pieces(self, name: str, record: ShardedEntry, region: Box) -> list[Piece]:
+        """The pieces of the sharded ``name`` that overlap ``region``: of format 6 from the
+        index files of the ranks that wrote them (only those), of format 5 from the
+        manifest."""
+        if record.indexed:
+            return self.index.pieces(self.prefix + name, region)
+        return [p for p in record.pieces if overlap((p.offsets, p.shape), region) is not None]
 
     def entry(self, name: str) -> TensorEntry:
         key = self.own.get(name, self.prefix + name)
@@ -133,8 +150,15 @@ class FileSource:
             entry = self.entry(name)
             self._file(entry)
             return dtype_from_name(entry.dtype, self.path), entry.shape
-        for piece in record.pieces:
-            self._file(piece.entry)
+        if record.indexed:  # opening every shard's file would read every writer's index
+            if record.nbytes > self.manifest.nbytes:
+                raise CorruptCheckpointError(
+                    f"{self.path}: sharded tensor {name[:200]!r} has {record.nbytes} bytes, more "
+                    f"than all the checkpoint's files ({self.manifest.nbytes})"
+                )
+        else:
+            for piece in record.pieces:
+                self._file(piece.entry)
         return dtype_from_name(record.dtype, self.path), record.shape
 
     def _file(self, entry: TensorEntry) -> TensorFile:
@@ -143,7 +167,7 @@ class FileSource:
         if entry.file not in self._files:
             size = self.manifest.files[entry.file].size
             mapped = TensorFile(os.path.join(self.path, entry.file), size)
-            mapped.check_header(self._by_file()[entry.file])
+            mapped.check_header(self._in_file(entry.file))
             self._files[entry.file] = mapped
         return self._files[entry.file]
 
@@ -175,7 +199,7 @@ class FileSource:
         record = self.sharded(name)
         if record is not None:
             dtype = dtype_from_name(record.dtype, self.path)
-            pieces = [(p.entry, p.offsets, p.shape) for p in record.pieces]
+            pieces = [(p.entry, p.offsets, p.shape) for p in self.pieces(name, record, region)]
             self._read_pieces(pieces, dtype, record.chunk, target, region)
             return
         entry = self.entry(name)
@@ -285,10 +309,18 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
         StateSections.from_json(manifest.state, path)  # what load parses, checked here too
     except CorruptCheckpointError as exc:
         problems.append(str(exc))
-    by_file = _entries_by_file(manifest)
-    chunks = {p.entry.key: r.chunk for r in manifest.shards.values() for p in r.pieces}
+    index = manifest.shard_index(path)
+    try:
+        pieces = _all_pieces(manifest, index)
+    except CheckpointError as exc:
+        problems.append(str(exc))
+        pieces = {}
+    by_file = _entries_by_file(manifest, pieces)
+    chunks = {p.entry.key: manifest.shards[n].chunk for n, ps in pieces.items() for p in ps}
     # a whole tensor's chunk digests are per CHUNK bytes
     for name, file in sorted(manifest.files.items()):
+        if is_index_file(name):
+            continue  # read and verified by _all_pieces
         try:
             mapped = TensorFile(os.path.join(path, name), file.size)
             mapped.check_header(by_file.get(name, []))
@@ -302,13 +334,34 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
     return problems
 
 
-def _entries_by_file(manifest: Manifest) -> dict[str, list[TensorEntry]]:
-    """Every tensor entry of each data file: whole tensors and shards."""
+def all_pieces(path: str, manifest: Manifest) -> dict[str, list[Piece]]:
+    """Every piece of every sharded tensor of the checkpoint at ``path``, of format 6 read
+    from every writer's index (what the tools that list or compare shards need); local."""
+    return _all_pieces(manifest, manifest.shard_index(path))
+
+
+def _all_pieces(manifest: Manifest, index: ShardIndex) -> dict[str, list[Piece]]:
+    found = {}
+    for name, record in manifest.shards.items():
+        if record.indexed:
+            found[name] = index.pieces(name, ((0,) * len(record.shape), record.shape))
+        else:
+            found[name] = list(record.pieces)
+    return found
+
+
+def _entries_by_file(
+    manifest: Manifest, pieces: dict[str, list[Piece]] | None
+) -> dict[str, list[TensorEntry]]:
+    """Every tensor entry of each data file: whole tensors, and the shards in ``pieces``
+    (by default those the manifest lists: format 5's)."""
+    if pieces is None:
+        pieces = {n: list(r.pieces) for n, r in manifest.shards.items() if not r.indexed}
     by_file: dict[str, list[TensorEntry]] = {name: [] for name in manifest.files}
     for entry in manifest.tensors.values():
         by_file.setdefault(entry.file, []).append(entry)
-    for record in manifest.shards.values():
-        for piece in record.pieces:
+    for parts in pieces.values():
+        for piece in parts:
             by_file.setdefault(piece.entry.file, []).append(piece.entry)
     return by_file
 

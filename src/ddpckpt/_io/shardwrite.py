@@ -9,23 +9,24 @@ ties to the first). A rank decides only for its own shards, so planning costs it
 O(T log k) for T sharded tensors and k replicas, whatever the number of ranks N (plus,
 with several storage domains, one coordinate per rank of its own domain and mesh), never
 O(N·T). ZeRO's optimizer state (``Snapshot.owned``) exists on one rank only, which writes
-it. The first rank of each domain then builds each sharded tensor's record from every
-rank's pieces (:func:`shard_records`).
+it. The assignment is :func:`ddpckpt._format.shardgrid.assign`, the rule a reader
+recomputes to find a shard's writer: each writer lists its shards in its own index file
+(:mod:`ddpckpt._format.shardindex`), and the manifest keeps only each tensor's record
+without them (:func:`shard_specs`), so no rank gathers every rank's shards.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ddpckpt._format.shards import REPLICATE, Piece, ShardedEntry
+from ddpckpt._format.shardgrid import REPLICATE, MeshRanks, assign, nonempty_shards, region_at
+from ddpckpt._format.shards import Piece, ShardedEntry
 from ddpckpt._format.tensorfile import CHUNK, TensorEntry, dtype_name, tensor_nbytes
-from ddpckpt._state.sharded import MeshLayout, ShardedTensor, nonempty_shards, region_at
+from ddpckpt._state.sharded import MeshLayout, ShardedTensor
 from ddpckpt._state.snapshot import Snapshot
 from ddpckpt.errors import UnsupportedValueError
 
@@ -37,6 +38,7 @@ class ShardWrites:
     items: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     pieces: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> its offsets
     specs: dict[str, dict[str, Any]] = field(default_factory=dict)  # records without pieces
+    meshes: dict[str, MeshRanks] = field(default_factory=dict)  # their ranks, by digest
     nbytes: int = 0  # of all the shards, of every rank, in one copy (about, for ZeRO's)
 
     @property
@@ -72,7 +74,9 @@ def plan_shards(
         layout = shard.layout
         plan.specs[name] = {"dtype": dtype_name(shard.local.dtype, name), "shape": list(shard.shape),
                             "mesh": list(layout.shape), "placements": list(layout.placements),
-                            "chunk": CHUNK}  # fmt: skip
+                            "chunk": CHUNK, "ranks": layout.ranks.digest}  # fmt: skip
+        if layout.ranks.digest not in plan.meshes:
+            plan.meshes[layout.ranks.digest] = layout.ranks.runs
         replicas.check_complete(name, shard)
         offsets, size = region_at(
             shard.shape, layout.shape, layout.placements, layout.coordinate(rank)
@@ -84,9 +88,11 @@ def plan_shards(
     for shards in mine.values():
         layout = snapshot.sharded[shards[0][1]].layout
         count, slot = replicas.slots(layout, rank)
-        for name, offsets in _balanced(shards, count, slot):
-            plan.items.append((name, snapshot.sharded[name].local))
-            plan.pieces[name] = offsets
+        owners = assign(((nbytes, name) for nbytes, name, _ in shards), count)
+        for _, name, offsets in shards:
+            if owners[name] == slot:
+                plan.items.append((name, snapshot.sharded[name].local))
+                plan.pieces[name] = offsets
     return plan
 
 
@@ -94,19 +100,6 @@ def _pattern(layout: MeshLayout) -> tuple[Any, ...]:
     """What decides which ranks are a shard's replicas: the mesh's ranks and shape, and
     which of its dims replicate."""
     return (layout.ranks.digest, layout.shape, tuple(p == REPLICATE for p in layout.placements))
-
-
-def _balanced(
-    shards: list[tuple[int, str, tuple[int, ...]]], count: int, slot: int
-) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Of a shard's tensors (bytes, name, offsets), those the replica ``slot`` of ``count``
-    writes: largest first, each to the least-loaded replica (ties to the lowest slot)."""
-    heap = [(0, s) for s in range(min(count, len(shards)))]  # the others would get nothing
-    for nbytes, name, offsets in sorted(shards, key=lambda s: (-s[0], s[1])):
-        load, owner = heapq.heappop(heap)
-        if owner == slot:
-            yield name, offsets
-        heapq.heappush(heap, (load + max(nbytes, 1), owner))
 
 
 class _Replicas:
@@ -172,19 +165,12 @@ def piece_json(offsets: tuple[int, ...], entry: TensorEntry) -> dict[str, Any]:
     return Piece(offsets, entry).to_json()
 
 
-def shard_records(
-    specs: dict[str, dict[str, Any]], pieces: list[dict[str, Any]], where: str
-) -> dict[str, ShardedEntry]:
-    """Each sharded tensor's record from its spec and the pieces every rank wrote (each
-    rank's ``{name: piece}``), checked as a reader checks it: a plan that left a gap fails
-    here, before anything is committed."""
-    found: dict[str, list[dict[str, Any]]] = {name: [] for name in specs}
-    for part in pieces:
-        for name, piece in part.items():
-            found[name].append(piece)
-    return {
-        name: ShardedEntry.from_json(
-            {**spec, "pieces": sorted(found[name], key=lambda p: p["offsets"])}, where
-        )
-        for name, spec in specs.items()
-    }
+def shard_specs(specs: dict[str, dict[str, Any]], where: str) -> dict[str, ShardedEntry]:
+    """Each sharded tensor's manifest record (format 6: no pieces), checked as a reader
+    checks it."""
+    return {name: ShardedEntry.from_json(spec, where) for name, spec in specs.items()}
+
+
+def expected_pieces(specs: dict[str, ShardedEntry]) -> int:
+    """How many pieces the ranks of one copy write in all: one per distinct non-empty shard."""
+    return sum(record.shard_count for record in specs.values())

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import xxhash
 
 from ddpckpt import events
 from ddpckpt._coord.comm import Comm
@@ -45,11 +46,19 @@ from ddpckpt._format.manifest import (
     tensor_to_json,
 )
 from ddpckpt._format.rankparts import rank_keys
+from ddpckpt._format.shardindex import index_document, index_name
 from ddpckpt._format.tensorfile import CHUNK, tensor_nbytes
 from ddpckpt._format.tensorwrite import serialize, write_file
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.settling import settle_plan
-from ddpckpt._io.shardwrite import ShardWrites, piece_json, piece_key, plan_shards, shard_records
+from ddpckpt._io.shardwrite import (
+    ShardWrites,
+    expected_pieces,
+    piece_json,
+    piece_key,
+    plan_shards,
+    shard_specs,
+)
 from ddpckpt._io.write_plan import FILE_METADATA, WritePlan, rank_metadata
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot
@@ -329,10 +338,16 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
             rank_file = plan.rank_file  # type: ignore[assignment]
         for other, blob in plan.foreign.items():
             store.write_new(os.path.join(tmp, file_names(other)["rank"]), blob)
+        if pieces:  # format 6: this rank's shards are listed in its own index file
+            blob = index_document(plan.comm.token, plan.comm.rank, pieces)
+            name = index_name(plan.comm.rank)
+            store.write_new(os.path.join(tmp, name), blob)
+            files.append({"name": name, "size": len(blob), "writer": plan.comm.rank,
+                          "xxh3_64": xxhash.xxh3_64(blob).hexdigest()})  # fmt: skip
     return {
         "files": files,
         "tensors": tensors,
-        "pieces": pieces,
+        "pieces": len(pieces),
         "owned_state": plan.owned_state,
         "rank_keys": rank_keys(plan.rank_state),
         "rank_file": {"name": rank_file.name, **file_to_json(rank_file)},
@@ -369,7 +384,14 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
             )
         for name, doc in (result["tensors"] if mine else {}).items():
             manifest.tensors[name] = tensor_from_json(doc)
-    manifest.shards = shard_records(plan.shards.specs, [r["pieces"] for r in ours], plan.path)
+    manifest.shards = shard_specs(plan.shards.specs, plan.path)
+    manifest.meshes = dict(plan.shards.meshes)
+    written, expected = sum(r["pieces"] for r in ours), expected_pieces(manifest.shards)
+    if written != expected:  # each rank planned alone: what they planned must tile the state
+        raise RuntimeError(
+            f"{plan.path}: the ranks wrote {written} shards of sharded tensors, not the "
+            f"{expected} distinct ones; nothing was committed (a bug in ddpckpt: please report)"
+        )
     order = {name: i for i, name in enumerate(plan.order)}
     manifest.tensors = dict(
         sorted(manifest.tensors.items(), key=lambda kv: order.get(kv[0], len(order)))

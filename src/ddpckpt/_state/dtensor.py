@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddpckpt._format.reshard import Box
-from ddpckpt._format.shards import REPLICATE, shard_placement
-from ddpckpt._state.sharded import MeshLayout, RankOrder, ShardedTensor, region_at
+from ddpckpt._format.shardgrid import REPLICATE, region_at
+from ddpckpt._format.shards import shard_placement
+from ddpckpt._state.sharded import MeshLayout, RankOrder, ShardedTensor
 from ddpckpt.errors import UnsupportedValueError
 
 if TYPE_CHECKING:

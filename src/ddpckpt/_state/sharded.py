@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import functools
 import math
-from array import array
-from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import xxhash
 
+from ddpckpt._format import shardgrid
 from ddpckpt._format.reshard import Box
-from ddpckpt._format.shards import REPLICATE, placement_dim
+from ddpckpt._format.shardgrid import region_at
 
 
 class RankOrder(tuple[int, ...]):
@@ -33,7 +31,12 @@ class RankOrder(tuple[int, ...]):
     @functools.cached_property
     def digest(self) -> str:
         """Equal for equal orders: what ranks compare instead of the N ranks themselves."""
-        return xxhash.xxh3_64(array("q", self).tobytes()).hexdigest()
+        return shardgrid.order_digest(self)
+
+    @functools.cached_property
+    def runs(self) -> shardgrid.MeshRanks:
+        """The order as the manifest records it."""
+        return shardgrid.MeshRanks.of(self)
 
     @functools.cached_property
     def covers_the_job(self) -> bool:
@@ -64,81 +67,25 @@ class MeshLayout:
         return self.coordinate_at(self.ranks.position[rank])
 
     def shard_key(self, coordinate: tuple[int, ...]) -> tuple[int, ...]:
-        """The parts of ``coordinate`` along the ``Shard`` mesh dims: ranks with the same
-        key hold the same region of every tensor of this layout (they are its replicas)."""
-        return tuple(c for c, p in zip(coordinate, self.placements, strict=True) if p != REPLICATE)
+        """See :func:`ddpckpt._format.shardgrid.shard_key`."""
+        return shardgrid.shard_key(self.placements, coordinate)
 
     def replica_index(self, coordinate: tuple[int, ...]) -> int:
-        """Which replica ``coordinate`` holds of its shard: its row-major index along the
-        ``Replicate`` mesh dims (0 to :attr:`replicas` - 1)."""
-        index = 0
-        for c, size, p in zip(coordinate, self.shape, self.placements, strict=True):
-            if p == REPLICATE:
-                index = index * size + c
-        return index
+        """See :func:`ddpckpt._format.shardgrid.replica_index`."""
+        return shardgrid.replica_index(self.shape, self.placements, coordinate)
 
     @property
     def replicas(self) -> int:
         """How many ranks hold each shard (the product of the ``Replicate`` mesh dims)."""
-        return math.prod(
-            s for s, p in zip(self.shape, self.placements, strict=True) if p == REPLICATE
-        )
+        return shardgrid.replicas(self.shape, self.placements)
 
     def coordinate_at(self, index: int) -> tuple[int, ...]:
         """The coordinate of the ``index``-th rank of the mesh, in row-major order."""
-        coordinate = []
-        for size in reversed(self.shape):
-            index, at = divmod(index, size)
-            coordinate.append(at)
-        return tuple(reversed(coordinate))
+        return shardgrid.coordinate_at(self.shape, index)
 
     def region(self, shape: tuple[int, ...], rank: int) -> Box:
         """The part of a tensor of global ``shape`` that ``rank`` holds."""
         return region_at(shape, self.shape, self.placements, self.coordinate(rank))
-
-
-def nonempty_shards(
-    shape: tuple[int, ...], mesh: tuple[int, ...], placements: tuple[str, ...]
-) -> int:
-    """How many distinct non-empty regions :func:`region_at` gives over every coordinate of
-    ``mesh``, counted without visiting them: per tensor dimension, the extents its chunks
-    take (at most two distinct ones per split) and how many chunks take each."""
-    extents = [Counter({n: 1}) for n in shape]
-    for mesh_dim, placement in enumerate(placements):
-        dim = placement_dim(placement)
-        if dim is None:
-            continue
-        split: Counter[int] = Counter()
-        for extent, count in extents[dim].items():
-            full = -(-extent // mesh[mesh_dim])
-            if full:
-                whole, rest = divmod(extent, full)
-                split[full] += whole * count
-                if rest:
-                    split[rest] += count
-        extents[dim] = split
-    return math.prod(sum(n for extent, n in counts.items() if extent) for counts in extents)
-
-
-def region_at(
-    shape: tuple[int, ...],
-    mesh: tuple[int, ...],
-    placements: tuple[str, ...],
-    coordinate: tuple[int, ...],
-) -> Box:
-    """The ``(offsets, shape)`` held at ``coordinate`` of ``mesh``: each ``Shard(d)``,
-    in mesh-dimension order, splits what is left of dimension ``d`` as ``torch.chunk``
-    does (chunks of the rounded-up size; the last ones short or empty)."""
-    offsets, sizes = [0] * len(shape), list(shape)
-    for mesh_dim, placement in enumerate(placements):
-        dim = placement_dim(placement)
-        if dim is None:
-            continue
-        full = -(-sizes[dim] // mesh[mesh_dim])
-        start = min(coordinate[mesh_dim] * full, sizes[dim])
-        offsets[dim] += start
-        sizes[dim] = min(start + full, sizes[dim]) - start
-    return tuple(offsets), tuple(sizes)
 
 
 @dataclass
