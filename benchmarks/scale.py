@@ -26,6 +26,10 @@ Per layout and N it reports, for the last rank:
   step (one node lacking the newest step), through rank 0's store;
 * ``ExactResume B``: Lightning's ``ExactResume`` state of every rank, gathered at rank 0
   into each checkpoint and read by every rank at a resume;
+* ``fast rounds`` and ``fast files``: a fast save's sequential rounds of transfers between
+  nodes (each node's ranks' own files to its ``FastTier.partners`` nodes, default 1, then
+  rank 0's shared state by doubling), and the ranks' own files each node then keeps (the
+  real :class:`~ddpckpt._coord.plan.Partners` and :class:`~ddpckpt._coord.plan.FanOut`);
 * ``repair rounds`` and ``repair parts``: a repair when every node but one was replaced
   (the real :class:`~ddpckpt._coord.plan.FanOut` of a file to N/8 - 1 nodes): the
   sequential rounds, and the most transfers one rank takes part in.
@@ -44,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ddpckpt._coord.plan import FanOut, plan_owners
+from ddpckpt._coord.plan import FanOut, Partners, plan_owners
 from ddpckpt._format.manifest import Manifest, file_to_json
 from ddpckpt._format.shardgrid import cells_overlapping
 from ddpckpt._format.shardindex import ShardIndex, index_document
@@ -156,6 +160,14 @@ def repair(ranks: int) -> tuple[int, int]:
     return fan.rounds, max(len(fan.part_at(place)) for place in range(len(fan.receivers) + 1))
 
 
+def fast_save(ranks: int) -> tuple[int, int]:
+    """A fast save's rounds between nodes and the own files the last node keeps."""
+    nodes = [list(range(n, n + PER_NODE)) for n in range(0, ranks, PER_NODE)]
+    partners = Partners(nodes, 1)
+    shared = FanOut(0, tuple(d[0] for d in nodes[1:])).rounds
+    return len(partners.shifts) + shared, len(partners.ranks_kept_by(len(nodes) - 1))
+
+
 def measure(kind: str, ranks: int, layers: int, exact_resume_per_rank: int) -> dict[str, Any]:
     rank = ranks - 1
     snapshot = snapshot_for(kind, ranks, rank, layers)
@@ -167,6 +179,8 @@ def measure(kind: str, ranks: int, layers: int, exact_resume_per_rank: int) -> d
         **sharded_records(snapshot, ranks, rank),
         "held_bytes": held_bytes(ranks),
         "exact_resume_bytes": exact_resume_per_rank * ranks,
+        "fast_rounds": fast_save(ranks)[0],
+        "fast_files": fast_save(ranks)[1],
         "repair_rounds": repair(ranks)[0],
         "repair_parts": repair(ranks)[1],
     }
@@ -190,21 +204,23 @@ def main() -> None:
         f"\n{len(shapes(args.layers))} parameters x 3 (AdamW), one rank of N, {PER_NODE} per node"
     )
     header = ("layout", "N", "plan ms", "fingerprint B", "manifest B", "files B", "index B",
-              "indexes", "held B", "ExactResume B", "repair rounds", "repair parts")  # fmt: skip
+              "indexes", "held B", "ExactResume B", "fast rounds", "fast files", "repair rounds",
+              "repair parts")  # fmt: skip
     print(" | ".join(header))
     for kind, rows in results.items():
         for ranks, r in rows.items():
             print(f"{kind} | {ranks} | {r['plan_ms']:.1f} | {r['fingerprint_bytes']} | "
                   f"{r['manifest_bytes']} | {r['files_bytes']} | {r['index_bytes']} | "
                   f"{r['indexes_read']} | {r['held_bytes']} | {r['exact_resume_bytes']} | "
+                  f"{r['fast_rounds']} | {r['fast_files']} | "
                   f"{r['repair_rounds']} | {r['repair_parts']}")  # fmt: skip
     low, high = counts[0], counts[-1]
     print(f"\nfrom N={low} to N={high} ({high // low}x the ranks):")
     for column in ("plan_ms", "fingerprint_bytes", "manifest_bytes", "files_bytes", "index_bytes",
-                   "indexes_read", "held_bytes", "exact_resume_bytes", "repair_rounds",
-                   "repair_parts"):  # fmt: skip
+                   "indexes_read", "held_bytes", "exact_resume_bytes", "fast_rounds",
+                   "fast_files", "repair_rounds", "repair_parts"):  # fmt: skip
         growth = max(rows[high][column] / max(rows[low][column], 1e-9) for rows in results.values())
-        logarithmic = column.startswith("repair") and all(
+        logarithmic = column.startswith(("repair", "fast_rounds")) and all(
             rows[high][column] <= (high // PER_NODE).bit_length() for rows in results.values()
         )
         verdict = "log N" if logarithmic else "flat" if growth < 2 else "grows"

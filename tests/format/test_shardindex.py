@@ -24,7 +24,7 @@ from ddpckpt._format.shardgrid import cells_overlapping, region_at
 from ddpckpt._format.shardindex import ShardIndex, index_document
 from ddpckpt._io.shardwrite import plan_shards, shard_specs
 from ddpckpt._state.sharded import MeshLayout
-from ddpckpt.errors import CorruptCheckpointError, PartiallyRestoredError
+from ddpckpt.errors import CorruptCheckpointError
 from hostile import edit_manifest, refresh_file
 from shard_snapshots import LAYOUTS, snapshot_of
 
@@ -177,32 +177,58 @@ def test_a_damaged_missing_or_linked_index_is_refused(ckpt) -> None:
     _refused(ckpt, r"shards-00002\.json: file checksum mismatch")
     index.unlink()
     _refused(ckpt, r"shards-00002\.json, listed in the manifest, is missing")
+    with pytest.raises(CorruptCheckpointError) as found:  # the index named, no data file blamed
+        ddpckpt.verify(ckpt)
+    assert "shards-00002.json" in str(found.value) and "model-0000" not in str(found.value)
     os.symlink("/dev/zero", index)
     _refused(ckpt, r"shards-00002\.json: the shard index is a symbolic link; refused")
 
 
 def _refused(ckpt: Path, message: str) -> None:
-    """A load fails with ``message``: found when the shards are read, after the load began
-    writing into the objects, so it says they are partly restored, the damage as its cause
-    (as for a damaged shard's bytes)."""
-    with pytest.raises(PartiallyRestoredError, match=message) as failed:
-        ddpckpt.load(ckpt, model=_fixture_model()[0], rng=False)
-    assert isinstance(failed.value.__cause__, CorruptCheckpointError)
+    """A load fails with ``message`` in its checks, before anything is written into the
+    objects (it reads the indexes and opens the files of what it will read first)."""
+    model, opt = _fixture_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(CorruptCheckpointError, match=message):
+        ddpckpt.load(ckpt, model=model, optimizer=opt, rng=False)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
 def test_a_manifest_s_mesh_must_fit_its_tensors(ckpt) -> None:
     def wrong_size(doc):
-        key = next(iter(doc["meshes"]))
-        doc["meshes"][key] = [[0, 3]]
+        doc["shards"]["model/0.weight"]["mesh"] = [2]
 
     edit_manifest(ckpt, wrong_size)
-    with pytest.raises(CorruptCheckpointError, match="names no mesh of 4 ranks"):
+    with pytest.raises(CorruptCheckpointError, match="names no mesh of 2 ranks"):
         ddpckpt.verify(ckpt)
     edit_manifest(ckpt, lambda d: d["meshes"].update({next(iter(d["meshes"])): [[0, 2**40]]}))
     with pytest.raises(CorruptCheckpointError, match="meshes"):
         ddpckpt.verify(ckpt)
     edit_manifest(ckpt, lambda d: d["meshes"].update({next(iter(d["meshes"])): [[-1, 4]]}))
     with pytest.raises(CorruptCheckpointError, match="meshes"):
+        ddpckpt.verify(ckpt)
+    for runs in ([[0, 3]], [[0, 2], [0, 2]], [[0, 1], [2, 2]], [[0, 3], [2, 1]]):
+        edit_manifest(
+            ckpt, lambda d, runs=runs: d["meshes"].update({next(iter(d["meshes"])): runs})
+        )
+        with pytest.raises(CorruptCheckpointError, match="each of the 4 ranks once"):
+            ddpckpt.verify(ckpt)
+
+
+def test_a_missing_data_file_is_found_before_anything_is_written(ckpt) -> None:
+    (ckpt / "model-00002.safetensors").unlink()
+    _refused(ckpt, r"model-00002\.safetensors")
+
+
+def test_a_sharded_record_without_its_shards_or_mesh_is_refused(ckpt) -> None:
+    """A record with neither shards (format 5) nor a mesh (format 6) would load nothing into
+    the tensor: refused, as an empty list of shards is."""
+
+    def phantom(doc):
+        doc["shards"]["model/0.weight"]["ranks"] = ""
+
+    edit_manifest(ckpt, phantom)
+    with pytest.raises(CorruptCheckpointError, match="is not the key of a mesh"):
         ddpckpt.verify(ckpt)
 
 

@@ -106,6 +106,42 @@ def test_restarts_resume_from_memory_or_a_peer_and_lose_at_most_one_step(tmp_pat
         assert sorted(p.name for p in (node / "fast").glob("step-*")) == ["step-00000020"]
 
 
+def test_with_one_partner_three_nodes_keep_two_nodes_files_and_survive_one_lost(tmp_path):
+    """3 nodes of one rank, ``FastTier(partners=1)``: each node keeps its own rank's file and
+    its predecessor's, not all three; a fast save every step, a durable one every 4:
+
+    * a worker SIGKILLed inside step 3: every rank resumes from memory at step 2 (whichever
+      node torchrun's rendezvous puts each rank on: a node lacking a rank's file receives a
+      copy that keeps it);
+    * node 1 replaced inside step 6: it receives step 5 from the node after it, which keeps
+      node 1's file, and every rank resumes there;
+    * nodes 1 and 2 lost inside step 10: node 1's file was kept by them alone, so no node
+      can restore step 9 on every rank: said, and the durable tier serves step 8;
+
+    and the run ends bit-identical to the same job run without a restart."""
+    nodes = [tmp_path / f"node{n}" for n in range(3)]
+    for node in nodes:
+        node.mkdir()
+    out = tmp_path / "out"
+    args = ["--durable", str(tmp_path / "run"), "--fast", "fast", "--steps", "12", "--crash", "3",
+            "--replace", "6", "--lose-nodes", "10", "--lost", "1,2", "--partners", "1"]  # fmt: skip
+    torchrun_restarting_nodes(FAST, "train", out, cwds=nodes, nproc=1, args=args).ok()
+    found = resumes(out)
+    assert sorted(found) == [0, 2, 5, 8], sorted(found)
+    for step in (2, 5):
+        for rank, seen in found[step].items():
+            assert seen["path"] == f"fast/step-{step:08d}", (step, rank, seen)
+    said = [m for seen in found[8].values() for m in seen["messages"]]
+    assert any("keeps the own files" in m and "FastTier(partners=...)" in m for m in said), said
+    for rank in range(3):
+        final = json.loads((out / f"final-rank{rank}.json").read_text())
+        assert final["step"] == 12
+        assert losses(out, rank) == final["reference"]["losses"], rank
+        assert final["digest"] == final["reference"]["digest"], rank
+    for node in range(3):
+        assert len(json.loads((out / f"kept-node{node}.json").read_text())) == 2, node
+
+
 @pytest.mark.long
 @pytest.mark.timeout(1200)
 @pytest.mark.skipif(

@@ -1007,11 +1007,11 @@ def scenario_copies_after_failure(args, rank: int) -> dict[str, Any]:
     real_send = settling.send_to_leaders
     calls = []
 
-    def failing_send(comm, domains, bundle):
+    def failing_send(comm, partners, bundle):
         calls.append(1)
         if comm.rank == 1 and len(calls) == (1 if args.mode == "first" else 2):
             raise RuntimeError("rank 1 fails before its send (simulated)")
-        return real_send(comm, domains, bundle)
+        return real_send(comm, partners, bundle)
 
     settling.send_to_leaders = failing_send
     outcomes = []

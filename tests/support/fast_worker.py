@@ -17,6 +17,9 @@ Events, each at the start of a step (inside an epoch) and once (a marker file in
   replaced), then SIGKILLs itself;
 * ``--lose-both S``: every rank waits, each node's first rank deletes its fast tier, then the
   last rank SIGKILLs itself;
+* ``--lose-nodes S`` (with ``--lost N1,N2``): as ``--lose-both``, for the nodes listed;
+* ``--partners K``: ``FastTier(partners=K)``; each node's first rank records, at the end,
+  the rank files its node's newest fast-tier step holds (OUT/kept-node<n>.json);
 * ``--full S1,S2``: node 1's fast tier refuses the files of those steps' saves (ENOSPC);
 * ``--kill-in-save JSON``: a list of ``{"step", "rank", "match", "at"}``: in the save of
   that (fast-tier only) step, that rank SIGKILLs itself before the ``at``-th file-system
@@ -135,7 +138,8 @@ def refuse_files(fast: str, steps: list[int]) -> None:
 def event(args: argparse.Namespace, step: int, ckpt: Any, node: int, local: int) -> None:
     """The crash, replacement or loss planned at the start of ``step``, once."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    name = next((n for n in ("crash", "replace", "lose_both") if getattr(args, n) == step), None)
+    events = ("crash", "replace", "lose_both", "lose_nodes")
+    name = next((n for n in events if getattr(args, n) == step), None)
     marker = Path(args.out, f"event-{name}")
     if name is None or marker.exists():
         return
@@ -144,9 +148,10 @@ def event(args: argparse.Namespace, step: int, ckpt: Any, node: int, local: int)
     if name == "replace" and (node, local) != (1, 0):
         return
     ckpt.wait()  # the fast tier holds step - 1 on every node
-    if name == "lose_both":
+    if name in ("lose_both", "lose_nodes"):
+        lost = name == "lose_both" or str(node) in args.lost.split(",")
         dist.barrier()
-        if local == 0:
+        if local == 0 and lost:
             shutil.rmtree(args.fast)
         dist.barrier()
         if rank != world - 1:
@@ -192,7 +197,8 @@ def train(args: argparse.Namespace) -> None:
     model, ddp, opt, sched, sampler, loader = build(world, rank)
     ckpt = ddpckpt.Checkpointer(
         args.durable, model=ddp, optimizer=opt, scheduler=sched, extra={"loader": loader},
-        every_steps=4, keep_last=2, timeout=60, fast_tier=ddpckpt.FastTier(args.fast),
+        every_steps=4, keep_last=2, timeout=60,
+        fast_tier=ddpckpt.FastTier(args.fast, partners=args.partners),
     )  # fmt: skip
     info = ckpt.resume()
     step, start_epoch = (info.step, info.epoch) if info else (0, 0)
@@ -222,6 +228,10 @@ def train(args: argparse.Namespace) -> None:
         ckpt.save(step, epoch=epoch + 1)
     ckpt.close()
     faults.uninstall()
+    if local == 0:
+        newest = max(Path(args.fast).glob("step-*"))
+        kept = sorted(p.name for p in newest.glob("rank-*"))
+        Path(args.out, f"kept-node{node}.json").write_text(json.dumps(kept))
     Path(args.out, f"events-rank{rank}.json").write_text(json.dumps(faults.events))
     final = {"digest": digest(model, opt), "messages": messages.lines, "step": step}
     final["reference"] = uninterrupted(args.steps, world, rank)
@@ -277,6 +287,9 @@ def main() -> None:
     parser.add_argument("--crash", type=int, default=-1)
     parser.add_argument("--replace", type=int, default=-1)
     parser.add_argument("--lose-both", type=int, default=-1)
+    parser.add_argument("--lose-nodes", type=int, default=-1)
+    parser.add_argument("--lost", default="")
+    parser.add_argument("--partners", type=int, default=1)
     parser.add_argument("--full", default="")
     parser.add_argument("--kill-in-save", default="[]")
     args = parser.parse_args()

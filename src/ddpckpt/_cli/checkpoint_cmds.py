@@ -19,7 +19,7 @@ def _inspect_arguments(p: argparse.ArgumentParser) -> None:
 def _inspect(args: argparse.Namespace) -> int:
     from ddpckpt._cli.tools import summary
 
-    info = summary(args.checkpoint)
+    info = summary(args.checkpoint, tensors=not args.no_tensors)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
@@ -195,7 +195,8 @@ INSPECT = Command(
     description="Show a checkpoint's step, epoch, metrics, who wrote it (library, torch, "
     "world size), its sections (model, optimizers with their param groups, scheduler, "
     "scaler, extras) and a table of every tensor with dtype, shape, size and file. "
-    "Reads the manifest only: run 'ddpckpt verify' to check the data.",
+    "Reads the manifest (and, for the table of a sharded checkpoint, the index files that "
+    "list its shards) only: run 'ddpckpt verify' to check the data.",
 )
 VERIFY = Command(
     "verify",

@@ -40,8 +40,9 @@ def open_manifest(path: str) -> Manifest:
     return manifest
 
 
-def summary(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A JSON-able description of a checkpoint: metadata, sections and every tensor."""
+def summary(path: str | os.PathLike[str], *, tensors: bool = True) -> dict[str, Any]:
+    """A JSON-able description of a checkpoint: metadata, sections and (with ``tensors``)
+    every tensor, a sharded one with its shards (read from the index files: format 6)."""
     path = os.fspath(path)
     manifest = open_manifest(path)
     sections = _section_types(StateSections.from_json(manifest.state, path))
@@ -77,7 +78,9 @@ def summary(path: str | os.PathLike[str]) -> dict[str, Any]:
                 for name, pieces in all_pieces(path, manifest).items()
             ],
             key=lambda t: not t["name"].startswith("model/"),  # the model first, as saved
-        ),
+        )
+        if tensors
+        else [],
     }
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ddpckpt._coord.failures import PeerFailure
+from ddpckpt._coord.plan import FanOut, Partners
 from ddpckpt._coord.store import namespace, pack, unpack
 
 _POLL = 0.25  # seconds between looks at the call's failure key while a transfer waits
@@ -127,17 +128,21 @@ def finish(works: Sequence[Any], failed: Callable[[], bool]) -> None:
         raise outcome[0]
 
 
-def send_to_leaders(comm: Any, domains: list[list[int]], bundle: bytes) -> dict[int, bytes]:
-    """Send this rank's ``bundle`` to the first rank of every other storage domain; every
-    rank calls it (inside a ``comm.run_transfer`` step, which reports a failure on every
-    rank at once).
+def send_to_leaders(comm: Any, partners: Partners, bundle: bytes) -> dict[int, bytes]:
+    """Send this rank's ``bundle`` to the first rank of every storage domain that keeps
+    its files (``partners``); every rank calls it (inside a ``comm.run_transfer`` step,
+    which reports a failure on every rank at once).
 
-    Returns what this rank received: every rank's bundle outside its domain if it leads
-    one, else nothing. The ranks of a domain hand their bundles to its first rank, which
-    passes each domain's bundles around the ring of first ranks: every rank builds at most
-    two groups besides those with its own domain's ranks, whatever the number of domains.
+    Returns what this rank received: the bundle of every rank of the domains whose files
+    its domain keeps, if it leads one, else nothing. The ranks of a domain hand their
+    bundles to its first rank. With partners of every domain, the first ranks pass each
+    domain's bundles around their ring (``D - 1`` rounds); with ``k`` partners each sends
+    its domain's bundles to the ``k`` after it and receives from the ``k`` before it
+    (``k`` rounds, ``2k`` groups, whatever the number of domains).
     """
-    domain = next(d for d in domains if comm.rank in d)
+    domains = partners.domains
+    index = next(i for i, d in enumerate(domains) if comm.rank in d)
+    domain = domains[index]
     leader = domain[0]
     with ExitStack() as groups:
         if comm.rank != leader:
@@ -147,12 +152,65 @@ def send_to_leaders(comm: Any, domains: list[list[int]], bundle: bytes) -> dict[
         for member in domain[1:]:
             bundles[member] = groups.enter_context(comm.pair("copies", member)).recv_bytes()
         leaders = [d[0] for d in domains]
-        sets = _around_ring(comm, groups, leaders, pack([bundles[r] for r in domain]))
+        mine = pack([bundles[r] for r in domain])
+        if partners.count is None:
+            sets = _around_ring(comm, groups, leaders, mine)
+            found = {i: sets[i] for i in partners.kept_by(index)[1:]}
+        else:
+            found = _to_partners(comm, groups, leaders, mine, partners)
     received = {}
-    for other, found in zip(domains, sets, strict=True):
-        if other is not domain:
-            received.update(zip(other, unpack(found), strict=True))
+    for other, data in found.items():
+        received.update(zip(domains[other], unpack(data), strict=True))
     return received
+
+
+def _to_partners(
+    comm: Any, groups: ExitStack, leaders: list[int], mine: bytes, partners: Partners
+) -> dict[int, bytes]:
+    """The ``mine`` of the leaders of the domains whose files this leader's domain keeps,
+    by domain index; each leader calls it. In round ``s`` every leader sends to the
+    leader ``s`` after it and receives from the one ``s`` before it. Links are built in
+    one order on every rank (lowest pair of ranks first), so no leader waits for a link
+    that waits for another."""
+    count, index = len(leaders), leaders.index(comm.rank)
+    peers = {leaders[(index + s) % count] for s in partners.shifts}
+    peers |= {leaders[(index - s) % count] for s in partners.shifts}
+    links = {}
+    for peer in sorted(peers, key=lambda p: (min(p, comm.rank), max(p, comm.rank))):
+        links[peer] = groups.enter_context(comm.pair("partners", peer))
+    found = {}
+    for shift in partners.shifts:
+        after, before = leaders[(index + shift) % count], leaders[(index - shift) % count]
+        found[(index - shift) % count] = _swap(links[after], links[before], mine)
+    return found
+
+
+def from_first_leader(comm: Any, domains: list[list[int]], data: bytes | None) -> bytes | None:
+    """Rank 0's ``data`` at the first rank of every storage domain, by doubling
+    (:class:`~ddpckpt._coord.plan.FanOut`: ``ceil(log2 D)`` rounds for ``D`` domains, no
+    rank sending more than once a round); every rank calls it, rank 0 with ``data``.
+    Returns it where received (and on rank 0), else ``None``."""
+    fan = FanOut(0, tuple(d[0] for d in domains if d[0] != 0))
+    with ExitStack() as groups:
+        for part in fan.part(comm.rank):  # in round order: matching parts share a round
+            link = groups.enter_context(comm.pair(f"shared{part.round}", part.peer))
+            if part.role == "receive":
+                data = link.recv_bytes()
+            else:
+                link.send_bytes(data)  # type: ignore[arg-type]
+    return data
+
+
+def _swap(forward: Pair, back: Pair, data: bytes) -> bytes:
+    """Send ``data`` over ``forward`` while receiving what comes over ``back``."""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    incoming = torch.zeros(1, dtype=torch.int64)
+    sent = [forward.send(size), forward.send(payload)]
+    back.finish([back.recv(incoming)])
+    buffer = torch.empty(int(incoming), dtype=torch.uint8)
+    back.finish([back.recv(buffer), *sent])
+    return buffer.numpy().tobytes()
 
 
 def _around_ring(comm: Any, groups: ExitStack, leaders: list[int], mine: bytes) -> list[bytes]:
@@ -176,15 +234,7 @@ def _around_ring(comm: Any, groups: ExitStack, leaders: list[int], mine: bytes) 
     forward, back = links[after], links[before]  # one link when two leaders
     for step in range(count - 1):
         out, into = (index - step) % count, (index - step - 1) % count
-        data = sets[out]
-        size = torch.tensor([len(data)], dtype=torch.int64)  # type: ignore[arg-type]
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # type: ignore[arg-type]
-        incoming = torch.zeros(1, dtype=torch.int64)
-        sent = [forward.send(size), forward.send(payload)]
-        back.finish([back.recv(incoming)])
-        buffer = torch.empty(int(incoming), dtype=torch.uint8)
-        back.finish([back.recv(buffer), *sent])
-        sets[into] = buffer.numpy().tobytes()
+        sets[into] = _swap(forward, back, sets[out])  # type: ignore[arg-type]
     return sets  # type: ignore[return-value]
 
 

@@ -111,6 +111,41 @@ class FanOut:
         return self.holder if place == 0 else self.receivers[place - 1]
 
 
+@dataclass(frozen=True)
+class Partners:
+    """Which storage domains keep a copy of which ranks' own files (node-local storage).
+
+    Every domain keeps its own ranks' files and those of the ``count`` domains before it
+    in the ring of domains (``None``: of every domain, what a durable save on node-local
+    storage keeps; the fast tier keeps ``FastTier.partners``). A domain's files then
+    survive the loss of any ``count`` domains; a save costs each domain ``count``
+    transfers, in ``count`` rounds, whatever the number of domains. Pure: every rank
+    computes the same answers alone.
+    """
+
+    domains: Sequence[Sequence[int]]
+    count: int | None = None
+
+    @property
+    def shifts(self) -> range:
+        """The distances, along the ring, of the domains a domain sends its files to."""
+        many = len(self.domains) - 1
+        return range(1, (many if self.count is None else min(self.count, many)) + 1)
+
+    def keepers(self, index: int) -> list[int]:
+        """The indexes of the domains keeping copies of domain ``index``'s files (itself
+        first)."""
+        return [index, *((index + s) % len(self.domains) for s in self.shifts)]
+
+    def kept_by(self, index: int) -> list[int]:
+        """The indexes of the domains whose files domain ``index`` keeps (itself first)."""
+        return [index, *((index - s) % len(self.domains) for s in self.shifts)]
+
+    def ranks_kept_by(self, index: int) -> list[int]:
+        """The ranks whose own files domain ``index``'s copy holds, in rank order."""
+        return sorted(r for i in self.kept_by(index) for r in self.domains[i])
+
+
 def file_names(rank: int) -> dict[str, str]:
     """The data files ``rank`` writes: model weights, other state, per-rank state."""
     return {

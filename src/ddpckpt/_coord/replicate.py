@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from contextlib import ExitStack
+from typing import Any
 
 import torch
 import xxhash
@@ -26,9 +27,11 @@ import xxhash
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.copies import Pair
 from ddpckpt._coord.plan import FanOut, assign
+from ddpckpt._coord.rankset import RankSet
 from ddpckpt._coord.topology import storage_domains
 from ddpckpt._format.boundary import MAX_MANIFEST_BYTES, open_checked, read_small
 from ddpckpt._format.manifest import MANIFEST_NAME, Manifest
+from ddpckpt._format.rankparts import kept_ranks
 from ddpckpt._format.tensorfile import byte_view
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CorruptCheckpointError
@@ -44,28 +47,85 @@ def repair_copies(comm: Comm, path: str, have: list[bool], sharing: str | None =
     ``have[r]`` says whether rank ``r`` can read a good copy (all with the same id); a
     domain whose copy is another one (another id) gets it replaced. ``sharing`` as for
     :func:`~ddpckpt._coord.topology.storage_domains`.
+
+    A copy holds the shared state and the own files of some ranks (every rank's, or with
+    the fast tier's partners its domain's and its partners'): a domain lacking the
+    checkpoint receives the copy of the first domain that has it and keeps its ranks'
+    files (:func:`_sources`). Domains receiving the same copy form one fan-out; a
+    :class:`CorruptCheckpointError` (on every rank) says whose files no copy keeps.
     """
     store = storage_for(path)
     domains = storage_domains(comm, store.parent(path), sharing)
     complete = [d for d in domains if all(have[r] for r in d)]
-    if not complete or any(any(have[r] for r in d) and d not in complete for d in domains):
+    if not complete:
         raise CorruptCheckpointError(
-            f"{path}: ranks that share storage disagree on whether the checkpoint exists "
-            f"(ranks with it: {[r for r, h in enumerate(have) if h]}; storage domains: {domains})"
+            f"{path}: no node holds the checkpoint with the own files of all its ranks "
+            f"(ranks with it: {RankSet.of(r for r, h in enumerate(have) if h)})"
         )
-    source = complete[0]
-    receivers = [d[0] for d in domains if not any(have[r] for r in d)]
-    text = comm.broadcast(
-        "manifest", _read_text(path) if comm.rank == source[0] else None, src=source[0]
+    leads = [d for d in complete if d[0] == comm.rank]
+    groups = comm.run_reduce(
+        "sources",
+        lambda: _kept_here(path) if leads else None,
+        lambda kept: _sources(path, domains, have, kept),
     )
-    manifest = Manifest.from_json(text, path)
-    owners = assign({name: f.size for name, f in manifest.files.items()}, source)
+    for source, receivers in groups:
+        ours = next(d for d in domains if d[0] == source)
+        if comm.rank in ours or comm.rank in receivers:
+            _fan_out(comm, path, ours, receivers)
+            return
+    comm.run_transfer("repair", lambda: None)  # nothing to send or receive here
+
+
+def _kept_here(path: str) -> list[list[int]]:
+    """The ranks whose own files this rank's copy of ``path`` keeps (as RankSet spans)."""
+    return RankSet.of(kept_ranks(Manifest.from_json(_read_text(path), path))).to_json()
+
+
+def _sources(
+    path: str, domains: list[list[int]], have: list[bool], kept: list[Any]
+) -> list[list[Any]]:
+    """On rank 0: ``[source domain's first rank, [first ranks of the domains receiving its
+    copy]]`` for each copy to send, from what each complete domain's first rank reported
+    it keeps (``kept[r]``)."""
+    copies = [(d[0], RankSet.from_json(kept[d[0]])) for d in domains if kept[d[0]] is not None]
+    groups: dict[int, list[int]] = {}
+    lost = []
+    for domain in domains:
+        if all(have[r] for r in domain):
+            continue
+        source = next((first for first, ranks in copies if all(r in ranks for r in domain)), None)
+        if source is None:
+            lost.append(domain)
+        else:
+            groups.setdefault(source, []).append(domain[0])
+    if lost:
+        ranks = ", ".join(
+            str(a) if b == a + 1 else f"{a}-{b - 1}"
+            for a, b in RankSet.of(r for d in lost for r in d).spans
+        )
+        raise CorruptCheckpointError(
+            f"{path}: no node that holds this checkpoint keeps the own files (random streams, "
+            f"data position) of ranks {ranks}, whose node(s) lack it: more "
+            "neighbouring nodes were lost than the copies survive (FastTier(partners=...))"
+        )
+    return [[source, receivers] for source, receivers in sorted(groups.items())]
+
+
+def _fan_out(comm: Comm, path: str, source: list[int], receivers: list[int]) -> None:
+    """Copy the checkpoint of ``source``'s storage to the first ranks of ``receivers``:
+    the manifest from the source's first rank, then each file from one of its ranks, each
+    by doubling (:class:`FanOut`, all in one order)."""
+    store = storage_for(path)
     line = tuple(receivers)
     place = line.index(comm.rank) + 1 if comm.rank in receivers else -1  # -1: no receiver
     tmp = store.commit.staging(store, path, comm.token)
 
     def transfer() -> None:
+        text = _read_text(path) if comm.rank in source else b""  # its own copy's
+        manifest = Manifest.from_json(text, path) if text else None
+        had = False
         if comm.rank in receivers:
+            had = store.commit.exists(store, path)
             store.commit.begin(store, path, tmp, overwrite=True)
         with ExitStack() as links:
             pairs: dict[int, Pair] = {}
@@ -75,6 +135,15 @@ def repair_copies(comm: Comm, path: str, have: list[bool], sharing: str | None =
                     pairs[peer] = links.enter_context(comm.pair("repair", peer))
                 return pairs[peer]
 
+            for part in FanOut(source[0], line).part_at(0 if comm.rank == source[0] else place):
+                if part.role == "receive":
+                    text = link(part.peer).recv_bytes()
+                    manifest = Manifest.from_json(text, path)
+                else:
+                    link(part.peer).send_bytes(text)
+            if manifest is None:
+                return
+            owners = assign({name: f.size for name, f in manifest.files.items()}, source)
             for name in sorted(manifest.files):  # in one order, and round by round in each
                 size, fan = manifest.files[name].size, FanOut(owners[name], line)
                 for part in fan.part_at(0 if comm.rank == owners[name] else place):
@@ -86,12 +155,16 @@ def repair_copies(comm: Comm, path: str, have: list[bool], sharing: str | None =
                         held = path if comm.rank == owners[name] else tmp
                         _send(os.path.join(held, name), size, link(part.peer))
         if comm.rank in receivers:
+            assert manifest is not None
             store.write_new(os.path.join(tmp, MANIFEST_NAME), text)
             store.commit.publish(store, tmp, path, overwrite=True)
             _log.warning(
-                "%s: this node had no copy of the checkpoint; received the %d files (%d "
-                "bytes) of rank %d's copy",
+                "%s: this node %s; received the %d files (%d bytes) of rank %d's copy",
                 path,
+                "held the checkpoint without the own files of the ranks now on it (they ran "
+                "on another node when it was saved)"
+                if had
+                else "had no copy of the checkpoint",
                 len(manifest.files),
                 manifest.nbytes,
                 source[0],

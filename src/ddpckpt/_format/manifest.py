@@ -294,6 +294,8 @@ def _copy(doc: Any, where: str, world_size: int) -> dict[str, Any]:
         copy["ranks"] = [
             check_int(r, 0, world_size - 1, lambda p: fields.error(p, "ranks")) for r in ranks
         ]
+        if len(set(copy["ranks"])) != len(copy["ranks"]):
+            raise fields.error("lists a rank twice", "ranks")
     return copy
 
 
@@ -305,17 +307,25 @@ def _meshes(doc: dict[str, Any], where: str, world_size: int) -> dict[str, MeshR
     """The rank orders of the meshes of sharded tensors (format 6): runs of ranks."""
     fields = Fields(doc, where, "manifest field 'meshes'")
 
-    def bad(problem: str) -> CorruptCheckpointError:
-        return fields.error(problem, "runs")
-
     meshes = {}
     for key in doc:
+
+        def bad(problem: str, key: str = key) -> CorruptCheckpointError:
+            return fields.error(problem, key)
+
         pairs = []
         for run in fields.sequence(key):
             if not (isinstance(run, list) and len(run) == 2):
                 raise bad("is not a list of [first rank, count] pairs")
             first = check_int(run[0], 0, world_size - 1, bad)
             pairs.append((first, check_int(run[1], 1, world_size - first, bad)))
+        covered = 0  # every mesh lists every rank of the job once (ddpckpt._state.dtensor)
+        for first, count in sorted(pairs):
+            if first != covered:
+                raise bad(f"does not list each of the {world_size} ranks once")
+            covered += count
+        if covered != world_size:
+            raise bad(f"does not list each of the {world_size} ranks once")
         meshes[key] = MeshRanks(tuple(pairs))
     return meshes
 

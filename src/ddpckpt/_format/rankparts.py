@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any
 
 import xxhash
@@ -33,6 +34,19 @@ _NAMED = ("extra", "models_buffers")  # per-rank sections keyed by object name
 def rank_file_name(rank: int) -> str:
     """The name of ``rank``'s file in a checkpoint directory."""
     return f"rank-{rank:05d}.safetensors"
+
+
+def kept_ranks(manifest: Manifest) -> list[int]:
+    """The ranks whose own files this copy of a checkpoint lists: every rank's, except in
+    a node's copy written with partners (the fast tier: :class:`ddpckpt.FastTier`), which
+    keeps its own ranks' and its partner nodes' ranks' files."""
+    if manifest.rank_keys is None or manifest.copy.get("count", 1) <= 1:
+        return list(range(manifest.world_size))
+    found = (_RANK_FILE.fullmatch(name.rpartition("/")[2]) for name in manifest.files)
+    return sorted(r for r in (int(m[1]) for m in found if m) if r < manifest.world_size)
+
+
+_RANK_FILE = re.compile(r"rank-([0-9]{5,10})\.safetensors", re.ASCII)
 
 
 def rank_keys(state: dict[str, Any]) -> list[str]:
@@ -73,9 +87,10 @@ def fill_rank_parts(manifest: Manifest, path: str) -> list[str]:
     if manifest.rank_keys is None:
         return []
     problems, parts = [], []
+    kept = set(kept_ranks(manifest))
     for rank in range(manifest.world_size):
         try:
-            parts.append(rank_part(manifest, path, rank))
+            parts.append(rank_part(manifest, path, rank) if rank in kept else {})
         except CorruptCheckpointError as exc:
             problems.append(str(exc))
             parts.append({})

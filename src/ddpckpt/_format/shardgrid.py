@@ -208,6 +208,10 @@ class MeshRanks:
         return starts
 
     def __len__(self) -> int:
+        return self._length
+
+    @functools.cached_property
+    def _length(self) -> int:
         return sum(count for _, count in self.runs)
 
     def __iter__(self) -> Iterator[int]:

@@ -12,8 +12,9 @@ mesh's ranks as runs (:class:`~ddpckpt._format.shardgrid.MeshRanks`), so it does
 with the number of shards. :class:`ShardIndex` finds, from those alone, the cells a region
 overlaps and the rank that wrote each (:mod:`ddpckpt._format.shardgrid`), and reads those
 ranks' indexes, each verified against the manifest's digest and each piece checked to be
-exactly the cell it should be: a rank that loads its own shards under the layout they were
-saved with reads one index, whatever the number of ranks.
+exactly the cell it should be: a rank that loads its own FSDP2 shards under the layout they
+were saved with reads one index, whatever the number of ranks (under HSDP, one per replica
+that wrote some of its shards' tensors: at most one per tensor).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from ddpckpt._format.shardgrid import (
 )
 from ddpckpt._format.shards import Piece, ShardedEntry, parse_piece
 from ddpckpt._format.tensorfile import FileEntry, dtype_from_name
-from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
 
 INDEX_FORMAT = "ddpckpt-shards"
 
@@ -119,8 +120,9 @@ class ShardIndex:
             cell = region_at(record.shape, record.mesh, record.placements, coordinate)
             if piece is None or (piece.offsets, piece.shape) != cell:
                 raise self._bad(
-                    f"rank {writer}'s shard index does not list the shard of {name[:200]!r} "
-                    f"at {list(cell[0])} of shape {list(cell[1])}, which it wrote"
+                    f"{index_name(writer)}, rank {writer}'s shard index, does not list the "
+                    f"shard of {name[:200]!r} at {list(cell[0])} of shape {list(cell[1])}, "
+                    "which that rank wrote"
                 )
             found.append(piece)
         return found
@@ -144,7 +146,7 @@ class ShardIndex:
             slots = assign(cells, holders.count)
             writers = self._writers[(pattern, key)] = {n: holders(s) for n, s in slots.items()}
         if name not in writers:
-            raise self._bad(f"{name[:200]!r} has no shard at {list(coordinate)}")
+            raise self._bad(f"{name[:200]!r} has no shard at mesh coordinate {list(coordinate)}")
         return writers[name]
 
     def _holders_of(self, record: ShardedEntry, pattern: Pattern, key: Coordinate) -> _Holders:
@@ -176,7 +178,10 @@ class ShardIndex:
             }
         holders = grouped.get(key)
         if not holders:
-            raise self._bad(f"no rank of this copy holds the shards at {list(key)}")
+            raise self._bad(
+                f"none of the ranks that wrote this node's copy held the shards at mesh "
+                f"coordinate {list(key)}: the copy is incomplete"
+            )
         return _Holders(len(holders), holders.__getitem__)
 
     def _pattern_members(self) -> dict[Pattern, list[str]]:
@@ -202,13 +207,18 @@ class ShardIndex:
     def _read(self, rank: int) -> dict[str, Piece]:
         name = self.file_of(rank)
         if name is None:
-            raise self._bad(f"the manifest lists no shard index of rank {rank}, which wrote shards")
+            raise IncompleteCheckpointError(
+                f"{self.path}: the manifest lists no {index_name(rank)}, the shard index of "
+                f"rank {rank}, which wrote shards"
+            )
         listed = self.files[name]
         location = os.path.join(self.path, name)
         try:
             raw = read_small(location, min(listed.size, MAX_MANIFEST_BYTES), "shard index")
         except FileNotFoundError:
-            raise self._bad(f"{name}, listed in the manifest, is missing") from None
+            raise IncompleteCheckpointError(
+                f"{self.path}: {name}, listed in the manifest, is missing"
+            ) from None
         self.reads += 1
         if len(raw) != listed.size or xxhash.xxh3_64(raw).hexdigest() != listed.digest:
             raise CorruptCheckpointError(f"{location}: file checksum mismatch (corrupt)")
@@ -232,7 +242,7 @@ class ShardIndex:
         for tensor, piece_doc in doc["pieces"].items():
             record = self.records.get(tensor)
             if record is None or not record.indexed:
-                raise bad(f"lists {tensor[:200]!r}, which the manifest has no sharded tensor")
+                raise bad(f"lists {tensor[:200]!r}, which is no sharded tensor of the manifest")
             piece = parse_piece(record, piece_doc, bad)
             file = self.files.get(prefix + piece.entry.file)
             if file is None or file.writer != rank or piece.entry.end > file.size:

@@ -32,6 +32,7 @@ JSON (one record, format 5)::
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +41,7 @@ from ddpckpt._format.shardgrid import REPLICATE, nonempty_shards
 from ddpckpt._format.tensorfile import MAX_EXTENT, TensorEntry, dtype_from_name, spanned_bytes
 from ddpckpt.errors import CorruptCheckpointError
 
+_MESH_KEY = re.compile(r"[0-9a-f]{16}", re.ASCII)  # a mesh's key in the manifest: its digest
 _MAX_DIMS = 64
 _MAX_MESH_DIMS = 8
 _MAX_MESH_SIZE = 1 << 24
@@ -91,8 +93,9 @@ class ShardedEntry:
 
     @property
     def indexed(self) -> bool:
-        """Whether its pieces are in the writers' index files (format 6)."""
-        return bool(self.ranks)
+        """Whether its pieces are in the writers' index files (format 6; a record read
+        names its mesh exactly then)."""
+        return bool(self.ranks) and not self.pieces
 
     @property
     def shard_count(self) -> int:
@@ -144,6 +147,8 @@ class ShardedEntry:
             raise bad(f"chunk size {chunk} out of range")
         if "pieces" not in doc:  # format 6: the pieces are in the writers' index files
             ranks = _field(doc, "ranks", str, bad)
+            if not _MESH_KEY.fullmatch(ranks):
+                raise bad(f"its mesh {ranks[:40]!r} is not the key of a mesh")
             return cls(dtype, tuple(shape), tuple(mesh), tuple(placements), chunk, (), ranks)
         pieces_doc = _field(doc, "pieces", list, bad)
         if len(pieces_doc) > math.prod(mesh):

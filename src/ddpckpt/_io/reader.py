@@ -141,24 +141,28 @@ class FileSource:
         """The record of ``name`` if it is stored as shards."""
         return self.manifest.shards.get(self.prefix + name)
 
-    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+    def meta(self, name: str, region: Box | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
         """The dtype and shape of the tensor ``name``, once its file (a sharded tensor's: the
         files of its pieces) is opened and checked: a caller may allocate that much, since
-        the files hold the bytes."""
+        the files hold the bytes. Of a sharded tensor of format 6, the files of the pieces
+        that overlap ``region`` (and the index files listing them), none without one:
+        opening every piece's would read every writer's index on every rank."""
         record = self.sharded(name)
         if record is None:
             entry = self.entry(name)
             self._file(entry)
             return dtype_from_name(entry.dtype, self.path), entry.shape
-        if record.indexed:  # opening every shard's file would read every writer's index
+        pieces = record.pieces
+        if record.indexed:
+            inside = region is not None and _inside(region, record.shape)
+            pieces = tuple(self.pieces(name, record, region)) if inside else ()  # type: ignore[arg-type]
             if record.nbytes > self.manifest.nbytes:
                 raise CorruptCheckpointError(
                     f"{self.path}: sharded tensor {name[:200]!r} has {record.nbytes} bytes, more "
                     f"than all the checkpoint's files ({self.manifest.nbytes})"
                 )
-        else:
-            for piece in record.pieces:
-                self._file(piece.entry)
+        for piece in pieces:
+            self._file(piece.entry)
         return dtype_from_name(record.dtype, self.path), record.shape
 
     def _file(self, entry: TensorEntry) -> TensorFile:
@@ -236,6 +240,15 @@ class FileSource:
                 self.progress.update(len(data))
 
 
+def _inside(region: Box, shape: tuple[int, ...]) -> bool:
+    """Whether ``region`` lies in a tensor of ``shape`` (a live tensor of another shape is
+    reported by the load's checks, not read)."""
+    offsets, extent = region
+    return len(offsets) == len(shape) and all(
+        o >= 0 and o + n <= s for o, n, s in zip(offsets, extent, shape, strict=True)
+    )
+
+
 def chosen_model(path: str, stored: StateSections, model: str | None) -> str:
     """The name of the model to read: ``model``, or the only one; else an error naming them."""
     models = stored.models
@@ -309,18 +322,13 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
         StateSections.from_json(manifest.state, path)  # what load parses, checked here too
     except CorruptCheckpointError as exc:
         problems.append(str(exc))
-    index = manifest.shard_index(path)
-    try:
-        pieces = _all_pieces(manifest, index)
-    except CheckpointError as exc:
-        problems.append(str(exc))
-        pieces = {}
+    pieces, unlisted = _indexed_pieces(path, manifest, problems)
     by_file = _entries_by_file(manifest, pieces)
     chunks = {p.entry.key: manifest.shards[n].chunk for n, ps in pieces.items() for p in ps}
     # a whole tensor's chunk digests are per CHUNK bytes
     for name, file in sorted(manifest.files.items()):
-        if is_index_file(name):
-            continue  # read and verified by _all_pieces
+        if is_index_file(name) or file.writer in unlisted:
+            continue  # read and verified by _indexed_pieces; or its shards are unknown
         try:
             mapped = TensorFile(os.path.join(path, name), file.size)
             mapped.check_header(by_file.get(name, []))
@@ -334,6 +342,33 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
     return problems
 
 
+def _indexed_pieces(
+    path: str, manifest: Manifest, problems: list[str]
+) -> tuple[dict[str, list[Piece]], set[int]]:
+    """Every shard of the checkpoint and the ranks whose shard index could not be read
+    (their data files cannot be checked against it): each index read once, each problem
+    (a damaged index, a shard no index lists) added to ``problems``."""
+    index = manifest.shard_index(path)
+    found = {n: list(r.pieces) for n, r in manifest.shards.items() if not r.indexed}
+    unlisted = set()
+    for name in manifest.files:
+        if is_index_file(name):
+            rank = manifest.files[name].writer
+            try:
+                for tensor, piece in index.index(rank).items():
+                    found.setdefault(tensor, []).append(piece)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+                unlisted.add(rank)
+    for name, record in manifest.shards.items():  # every shard listed, where it should be
+        if record.indexed and not unlisted:
+            try:
+                _pieces_of(name, record, index)
+            except CheckpointError as exc:
+                problems.append(str(exc))
+    return found, unlisted
+
+
 def all_pieces(path: str, manifest: Manifest) -> dict[str, list[Piece]]:
     """Every piece of every sharded tensor of the checkpoint at ``path``, of format 6 read
     from every writer's index (what the tools that list or compare shards need); local."""
@@ -341,13 +376,15 @@ def all_pieces(path: str, manifest: Manifest) -> dict[str, list[Piece]]:
 
 
 def _all_pieces(manifest: Manifest, index: ShardIndex) -> dict[str, list[Piece]]:
-    found = {}
-    for name, record in manifest.shards.items():
-        if record.indexed:
-            found[name] = index.pieces(name, ((0,) * len(record.shape), record.shape))
-        else:
-            found[name] = list(record.pieces)
-    return found
+    return {name: _pieces_of(name, record, index) for name, record in manifest.shards.items()}
+
+
+def _pieces_of(name: str, record: ShardedEntry, index: ShardIndex) -> list[Piece]:
+    """Every piece of ``name``, in offset order."""
+    if record.indexed:
+        found = index.pieces(name, ((0,) * len(record.shape), record.shape))
+        return sorted(found, key=lambda p: p.offsets)
+    return list(record.pieces)
 
 
 def _entries_by_file(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 from ddpckpt._coord.consistency import differing_unverified
-from ddpckpt._coord.copies import send_to_leaders
+from ddpckpt._coord.copies import from_first_leader, send_to_leaders
 from ddpckpt._coord.plan import file_names
 from ddpckpt._coord.store import pack, unpack
 from ddpckpt._format.tensorfile import deserialize
@@ -52,26 +52,35 @@ def settle_plan(plan: WritePlan, attempt: int = 0) -> None:
 
 
 def _send_to_domains(plan: WritePlan, values: dict, attempt: int) -> None:
-    """Every domain gets a full copy: each rank's file, and rank 0's shared state and the
-    tensors only rank 0's values of are stored (its first rank writes them)."""
+    """Every domain gets a copy of the shared state, rank 0's (its first rank writes it),
+    and the files of the ranks it keeps (``plan.partners``): every rank's, passed around
+    the ring of the domains' first ranks with rank 0's shared state; or, with partners,
+    its own and its partner domains', and rank 0's shared state by doubling."""
     comm = plan.comm
     name = file_names(comm.rank)["rank"]
     blob, plan.rank_file, _ = serialize(
         name, plan.rank_items, writer=comm.rank, metadata=plan.rank_metadata()
     )
     plan.rank_blob = blob
-    bundle = [blob]
+    shared: list[bytes] = []
     if comm.rank == 0:  # the first rank of its domain: it holds every such tensor
         shards = plan.shards.names  # each domain writes its own ranks' shards
         pinned = [(n, t) for n, t in values.items() if n not in plan.movable | shards]
         state_json = json.dumps(plan.shared_state).encode()
-        bundle += [state_json, serialize("rank0", pinned, writer=0, metadata={})[0]]
-    received = comm.run_transfer(
-        f"copies.{attempt}", lambda: send_to_leaders(comm, plan.domains, pack(bundle))
-    )
-    plan.foreign = {r: unpack(b)[0] for r, b in received.items()}
-    if 0 in received:  # this rank leads a domain without rank 0: it writes rank 0's part
-        _, state_json, rank0 = unpack(received[0])
+        shared = [state_json, serialize("rank0", pinned, writer=0, metadata={})[0]]
+    ring = plan.partners.count is None
+
+    def exchange() -> tuple[dict[int, bytes], bytes | None]:
+        received = send_to_leaders(comm, plan.partners, pack([blob, *(shared if ring else [])]))
+        if ring or not plan.leader:
+            return received, None
+        return received, from_first_leader(comm, plan.domains, pack(shared) if shared else None)
+
+    received, fanned = comm.run_transfer(f"copies.{attempt}", exchange)
+    parts = {r: unpack(b) for r, b in received.items()}
+    plan.foreign = {r: found[0] for r, found in parts.items()}
+    if plan.leader and comm.rank != 0:  # it leads a domain without rank 0: it writes rank 0's part
+        state_json, rank0 = parts[0][1:] if ring else unpack(fanned)  # type: ignore[arg-type]
         plan.shared_state = json.loads(state_json)
         theirs = deserialize(rank0, plan.path)
         plan.items = [(n, theirs.get(n, t)) for n, t in plan.items]

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ddpckpt._coord.comm import Comm
+from ddpckpt._coord.plan import Partners
 from ddpckpt._format.rankparts import RANK_STATE_KEY
 from ddpckpt._format.tensorfile import FileEntry, tensor_nbytes
 from ddpckpt._io.shardwrite import ShardWrites
@@ -52,6 +53,12 @@ class WritePlan:
     alone: dict[int, dict[str, Any]] = field(default_factory=dict)
     shards: ShardWrites = field(default_factory=ShardWrites)  # sharded state (shardwrite)
     owned_state: dict[str, Any] = field(default_factory=dict)  # Snapshot.owned_state
+    keepers: int | None = None  # how many other domains keep a domain's rank files (None: all)
+
+    @property
+    def partners(self) -> Partners:
+        """Which domains keep whose rank files."""
+        return Partners(self.domains, self.keepers)
 
     @property
     def domain(self) -> list[int]:

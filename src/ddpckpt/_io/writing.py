@@ -25,6 +25,7 @@ import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ import xxhash
 from ddpckpt import events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.consistency import check_replicated
-from ddpckpt._coord.plan import file_names, plan_owners
+from ddpckpt._coord.plan import Partners, file_names, plan_owners
 from ddpckpt._coord.topology import storage_domains
 from ddpckpt._format.codec import encode
 from ddpckpt._format.manifest import (
@@ -103,6 +104,7 @@ def plan_write(
     overwrite: bool = False,
     storage: str | None = None,
     domains: list[list[int]] | None = None,
+    partners: int | None = None,
 ) -> WritePlan:
     """Decide this rank's part of writing ``snapshot`` to ``comm.path``; collective.
 
@@ -151,6 +153,7 @@ def plan_write(
         checked=[(n, snapshot.tensors[n]) for n in pending if owners[n] != comm.rank],
         shards=shards,
         owned_state=snapshot.owned_state,
+        keepers=partners,
     )
 
 
@@ -212,16 +215,15 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
         if done:  # a previous attempt committed, then failed
             return path
         # The leader of each copy writes its manifest: it receives its own ranks' results
-        # and the other ranks' rank files; no other rank receives any.
-        results = comm.run_scatter(
+        # and the rank files of the other ranks it keeps; no other rank receives any.
+        part = comm.run_scatter(
             f"write.{attempt}",
             lambda: _write(plan, tmp),
-            lambda found: _results_by_leader(found, plan.domains),
+            lambda found: _results_by_leader(found, plan.partners),
             receive=plan.leader,
         )
-        if results is not None:
-            results = [*results, *(plan.alone[r] for r in sorted(plan.alone))]
-        comm.run(f"commit.{attempt}", lambda: _commit(plan, tmp, results))
+        written = None if part is None else _CopyResults.of(part, plan.alone)
+        comm.run(f"commit.{attempt}", lambda: _commit(plan, tmp, written))
     except BaseException:
         if plan.leader:
             store.commit.abort(store, tmp, path)
@@ -230,22 +232,40 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
     return path
 
 
-def _results_by_leader(
-    results: list[dict[str, Any]], domains: list[list[int]]
-) -> dict[int, list[dict[str, Any]]]:
-    """For each copy's leader, every rank's write result, of other copies' ranks only the
-    parts of their rank file (the leader wrote those files too)."""
+def _results_by_leader(results: list[dict[str, Any]], partners: Partners) -> dict[int, Any]:
+    """On rank 0, for each copy's leader: the write results of its own ranks, the rank
+    files of the other ranks it keeps (it wrote those files too: ``partners``), the number
+    of ranks, and the sections any rank's file holds (the same in every copy). A leader
+    receives O(ranks it keeps), never every rank's result."""
+    keys = sorted({key for found in results for key in found["rank_keys"]})
     parts = {}
-    for domain in domains:
+    for index, domain in enumerate(partners.domains):
         mine = set(domain)
-        parts[domain[0]] = [
-            found if rank in mine else {k: found[k] for k in _RANK_PARTS}
-            for rank, found in enumerate(results)
-        ]
+        parts[domain[0]] = {
+            "world_size": len(results),
+            "rank_keys": keys,
+            "results": [
+                [rank, results[rank] if rank in mine else {"rank_file": results[rank]["rank_file"]}]
+                for rank in partners.ranks_kept_by(index)
+            ],
+        }
     return parts
 
 
-_RANK_PARTS = ("rank_keys", "rank_file")
+@dataclass(frozen=True)
+class _CopyResults:
+    """What a copy's leader knows of the ranks' writes (:func:`_results_by_leader`), with
+    the ranks whose files it wrote alone (an import)."""
+
+    world_size: int
+    rank_keys: list[str]
+    results: dict[int, dict[str, Any]]  # of the ranks whose files this copy holds
+
+    @classmethod
+    def of(cls, part: dict[str, Any], alone: dict[int, dict[str, Any]]) -> _CopyResults:
+        results = {int(rank): found for rank, found in part["results"]} | alone
+        keys = sorted({*part["rank_keys"], *(k for r in alone.values() for k in r["rank_keys"])})
+        return cls(part["world_size"] + len(alone), keys, results)
 
 
 def _committed_by(plan: WritePlan) -> bool:
@@ -354,12 +374,12 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
     }
 
 
-def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> None:
+def _commit(plan: WritePlan, tmp: str, written: _CopyResults | None) -> None:
     if not plan.leader:
         return
-    assert results is not None, "every copy's leader receives every rank's result"
+    assert written is not None, "every copy's leader receives its ranks' results"
     comm, domain, header = plan.comm, plan.domain, plan.header
-    ours = [r for rank, r in enumerate(results) if rank in domain]
+    ours = [written.results[rank] for rank in domain]
     state = copy.deepcopy(plan.shared_state)
     merge_owned_state(state, [r["owned_state"] for r in ours])
     manifest = Manifest(
@@ -367,16 +387,16 @@ def _commit(plan: WritePlan, tmp: str, results: list[dict[str, Any]] | None) -> 
         step=header["step"],
         epoch=header["epoch"],
         metrics=header["metrics"],
-        world_size=len(results),
+        world_size=written.world_size,
         state=state,
-        rank_keys=sorted({key for r in results for key in r["rank_keys"]}),
+        rank_keys=written.rank_keys,
         copy={
             "index": plan.domains.index(domain),
             "count": len(plan.domains),
             "ranks": domain + sorted(plan.alone),
         },
     )
-    for rank, result in enumerate(results):
+    for rank, result in sorted(written.results.items()):
         mine = rank in domain
         for doc in [*(result["files"] if mine else []), result["rank_file"]]:
             manifest.files[doc["name"]] = file_from_json(

@@ -10,12 +10,15 @@ at every launch writing the run directory (:meth:`FastSaves._resolve`).
 * the **fast tier** (:class:`FastSaves`): a run directory of its own on every node, in
   memory that outlives the worker processes (a tmpfs), written by every ``save()``.
   ``should_save(step)`` says True at every ``FastTier.every_steps``-th step, for the fast
-  tier alone unless the durable schedule is due too. Each node keeps a complete copy,
-  written as on node-local storage (:mod:`ddpckpt._io.writing`): the replicated state
-  (model, optimizer) is split among the node's ranks and written from their own memory,
-  never sent between nodes; each rank's own file (RNG streams, data position, state that
-  is not replicated) and rank 0's buffers and shared state go to the other nodes point to
-  point (:mod:`ddpckpt._io.settling`), so any one node can restore every rank. Saves are
+  tier alone unless the durable schedule is due too. Each node keeps a copy, written as on
+  node-local storage (:mod:`ddpckpt._io.writing`): the replicated state (model, optimizer)
+  is split among the node's ranks and written from their own memory, never sent between
+  nodes; rank 0's buffers and shared state reach every node by doubling, and each rank's
+  own file (RNG streams, data position, state that is not replicated) is kept by its node
+  and the ``FastTier.partners`` nodes after it (:class:`~ddpckpt._coord.plan.Partners`,
+  :mod:`ddpckpt._io.settling`), so a fast save costs each node O(partners) transfers
+  whatever the number of nodes, and losing any ``partners`` neighbouring nodes loses no
+  rank's state. Saves are
   always asynchronous (``"overlap"`` when an optimizer is saved): the training thread only
   copies its share, and the next fast save waits for the one in flight. The tier keeps
   ``FastTier.keep`` steps. A fast save that fails (a full tmpfs, a refused directory, a
@@ -28,10 +31,12 @@ at every launch writing the run directory (:meth:`FastSaves._resolve`).
 
 ``Checkpointer.resume()`` (collective) lists both tiers on every rank and tries the steps
 newest first, the durable tier first on a tie (:mod:`ddpckpt._run.resume`; this tier's part
-is :meth:`FastSaves.offer`, :meth:`FastSaves.restore`, :meth:`FastSaves.resumed`). A fast-tier step
-is taken from the copy most ranks hold; nodes that lack it (a replaced node, a wiped
-tmpfs) first receive it from a node that has it, verified against its checksums
-(:func:`~ddpckpt._coord.replicate.repair_copies`). A step that cannot be restored on every
+is :meth:`FastSaves.offer`, :meth:`FastSaves.restore`, :meth:`FastSaves.resumed`). A rank
+holds a step if its node's copy keeps the files it needs (its own; rank 0's for a rank the
+checkpoint did not have). A fast-tier step is taken from the copy most ranks hold; nodes
+that lack it (a replaced node, a wiped tmpfs, ranks placed on another node by the
+restart's rendezvous) first receive the copy of a node that has it and keeps their ranks'
+files, verified against its checksums (:func:`~ddpckpt._coord.replicate.repair_copies`). A step that cannot be restored on every
 rank is reported and the next is tried; a WARNING says when the durable tier serves in
 place of a newer fast-tier step, or because no node holds one. Whichever tier served, the
 fast tier then keeps nothing newer than the step resumed from (:meth:`FastSaves.keep_up_to`).
@@ -49,6 +54,7 @@ from typing import Any
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.rankset import RankSet
 from ddpckpt._coord.replicate import repair_copies
+from ddpckpt._format.rankparts import kept_ranks
 from ddpckpt._format.runfiles import (
     FAST_TIER_FORMAT,
     FastTierMarker,
@@ -138,7 +144,9 @@ def fast_options(
         keeping=Keeping(KeepLast(config.keep), durable.keeping.mode),
         failures=FailureHandling("warn", 0, 0.0),  # a full tmpfs is not transient
         asynchronous=Asynchronous(True, overlap and config.overlap),
-        storage=StorageOptions(_SHARING, storage.timeout, storage.lock_stale_after, False),
+        storage=StorageOptions(
+            _SHARING, storage.timeout, storage.lock_stale_after, False, config.partners
+        ),
     )
 
 
@@ -346,7 +354,8 @@ class FastSaves:
         with _reported(self._refuse), self.saves.comm("Checkpointer.resume (fast tier)") as comm:
             self._set_up(comm)
             owner = self._owner
-            self._held = comm.run_reduce("held", lambda: self._held_here(owner), by_step)
+            rank = comm.rank
+            self._held = comm.run_reduce("held", lambda: self._held_here(owner, rank), by_step)
             self._world = comm.world_size
         return sorted((int(s) for s in self._held), reverse=True)
 
@@ -363,11 +372,18 @@ class FastSaves:
             extra=same_on_every_rank(exc),
         )
 
-    def _held_here(self, owner: str) -> dict[str, str]:
-        """The committed steps this rank's node holds for the run ``owner``, with their
-        checkpoint ids; none, with a WARNING, if its marker names another run (they are
-        deleted after the resume, :meth:`keep_up_to`)."""
-        held = {str(e.step): e.manifest.id for e in scan(self.directory) if e.manifest is not None}
+    def _held_here(self, owner: str, rank: int) -> dict[str, str]:
+        """The committed steps this rank's node holds for the run ``owner`` with the files
+        ``rank`` needs (its own, or rank 0's for a rank the checkpoint did not have: a
+        node's copy keeps only some ranks' files, FastTier.partners), with their checkpoint
+        ids; none, with a WARNING, if its marker names another run (they are deleted after
+        the resume, :meth:`keep_up_to`)."""
+        held = {
+            str(e.step): e.manifest.id
+            for e in scan(self.directory)
+            if e.manifest is not None
+            and (rank if rank < e.manifest.world_size else 0) in kept_ranks(e.manifest)
+        }
         found = self._found
         if held and (found is None or found.run != owner):
             _log.warning(

@@ -93,6 +93,7 @@ class StorageOptions:
     timeout: float | None
     lock_stale_after: float
     read_only: bool
+    partners: int | None = None  # node-local storage: the domains keeping each one's rank files
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ class FastTier:
     Attributes:
         directory: The same path on every node, in node-local memory that outlives the
             worker processes (a tmpfs such as ``/dev/shm/<job>``); each node keeps there
-            a complete copy of the newest steps, every rank's own state included. Not a
+            a complete copy of the newest steps' shared state (model, optimizer), with its
+            own ranks' files and those of its ``partners``. Not a
             URL, and neither inside the run directory nor holding it. ``None`` (or
             ``fast_tier="auto"``): ``/dev/shm/ddpckpt-<uid>-<hash of the run's identity>``,
             named by the first ``resume()`` or ``save()`` (:func:`auto_directory`): the same
@@ -120,6 +122,12 @@ class FastTier:
             state during the next forward/backward (``async_save="overlap"``; the default),
             or before ``save()`` returns (``async_save=True``: the training thread waits
             for the copy, and ``optimizer.step()`` is never held up by it).
+        partners: How many other nodes keep a copy of each node's own files (its ranks'
+            random streams, data position and other per-rank state), 1 by default: the
+            nodes after it in the ring of nodes. A fast save costs each node that many
+            transfers, whatever the number of nodes, and a resume survives the loss of
+            any ``partners`` neighbouring nodes (a replaced node receives its ranks' files
+            from a partner); more partners survive more, at more memory and transfers.
 
     The directory is this user's alone: created ``0700`` (its files ``0600``); an
     existing one that is a symbolic link, another user's, or writable by its group or
@@ -136,6 +144,7 @@ class FastTier:
     every_steps: int = 1
     keep: int = 1
     overlap: bool = True
+    partners: int = 1
 
     @classmethod
     def of(cls, value: str | os.PathLike[str] | FastTier | None) -> FastTier | None:
@@ -169,7 +178,11 @@ class FastTier:
                 f"fast_tier must be a directory on each node (a tmpfs such as /dev/shm/<job>), "
                 f"got {directory!r}"
             )
-        for name, value in (("every_steps", self.every_steps), ("keep", self.keep)):
+        for name, value in (
+            ("every_steps", self.every_steps),
+            ("keep", self.keep),
+            ("partners", self.partners),
+        ):
             if type(value) is not int or value < 1:
                 raise ValueError(f"FastTier({name}=...) must be a positive int, got {value!r}")
         if type(self.overlap) is not bool:

@@ -163,10 +163,11 @@ class RunSaves:
         handed_off = False
         try:
             snapshot = comm.run("capture", capture)
-            sharing = self.options.storage.sharing
+            storage = self.options.storage
             plan = plan_write(
-                comm, snapshot, header, overwrite=again, storage=sharing, domains=self.domains
-            )
+                comm, snapshot, header, overwrite=again, storage=storage.sharing,
+                domains=self.domains, partners=storage.partners,
+            )  # fmt: skip
             if again:
                 _log.info("%s: step %d saved again; the new state replaces it", plan.path, step)
             asynchronous = self.options.asynchronous

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,10 +25,13 @@ from ddpckpt._format.codec import JSON, decode, encode
 from ddpckpt._format.pinned_ring import passes_through
 from ddpckpt._format.sections import SINGLE, Layout, ModelSection
 from ddpckpt._log import get_logger
-from ddpckpt._state.dtensor import is_dtensor, local_tensor, restore_dtensor
+from ddpckpt._state.dtensor import is_dtensor, live_region, local_tensor, restore_dtensor
 from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
 from ddpckpt._training.wrappers import dtensor_wrapper, inner_attr, unwrap_model, user_class
 from ddpckpt.errors import CorruptCheckpointError, StateMismatchError
+
+if TYPE_CHECKING:
+    from ddpckpt._format.reshard import Box
 
 _log = get_logger(__name__)
 _LIST_LIMIT = 12
@@ -230,7 +233,9 @@ def check_model(
     them; otherwise the differences are logged as a warning and skipped on load.
     """
     live = model_view(model).entries
-    shapes = {key: source.meta(prefix + key)[1] for key in section.keys}
+    shapes = {
+        key: source.meta(prefix + key, read_region(live.get(key), key))[1] for key in section.keys
+    }
     stored = [*section.keys, *section.aliases, *section.extra_keys]
     # a key the checkpoint lacks but the live model ties to one it holds (the same parameter
     # object: a tied embedding saved once, as save_pretrained does) is loaded with it
@@ -255,6 +260,16 @@ def check_model(
     _log.warning(
         "%s: loading %s with strict=False; skipping what does not match:\n%s", where, label, report
     )
+
+
+def read_region(value: Any, name: str) -> Box | None:
+    """What a load will read of the stored ``name`` into the live ``value``: a DTensor's own
+    region, a plain tensor's whole (``None`` for anything else)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    if is_dtensor(value):
+        return live_region(value, name)
+    return (0,) * value.dim(), tuple(value.shape)
 
 
 def restore_model(

@@ -28,6 +28,7 @@ from ddpckpt._state.model import (
     Replication,
     canonical_key,
     mismatch_report,
+    read_region,
     tensor_identity,
     unwrap_model,
 )
@@ -249,6 +250,8 @@ def check_optimizer(
         ]
         if missing or unexpected or wrong:
             problems.append(f" param group {g}:\n{mismatch_report(missing, unexpected, wrong)}")
+    if source is not None and not problems:
+        _check_regions(section, source, live_names, optimizer)
     if problems:
         outside = [n for names in live_names for n in names if n.startswith("@")]
         if outside and not section.by_position:
@@ -269,6 +272,27 @@ _PARAM_SHAPED = frozenset({
     "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "exp_inf", "momentum_buffer", "sum",
     "square_avg", "acc_delta", "grad_avg", "prev", "step_size", "ax",
 })  # fmt: skip
+
+
+def _check_regions(
+    section: OptimizerSection, source: TensorSource, live_names: list[list[str]], optimizer: Any
+) -> None:
+    """Have ``source`` locate what the load will read of each parameter's stored state (a
+    sharded tensor's index files and data files), so damage there is found before anything
+    is written."""
+    live = {
+        name: param
+        for names, group in zip(live_names, optimizer.param_groups, strict=True)
+        for name, param in zip(names, group["params"], strict=True)
+    }
+    state = section.state if isinstance(section.state, dict) else {}
+    for name, values in state.items():
+        param = live.get(name)
+        if param is None or not isinstance(values, dict):
+            continue
+        for ref in values.values():
+            if isinstance(ref, dict) and isinstance(ref.get("$tensor"), str) and len(ref) == 1:
+                source.meta(ref["$tensor"], read_region(param, name))
 
 
 def _check_moment_shapes(

@@ -26,8 +26,10 @@ if TYPE_CHECKING:
 class TensorSource(Protocol):
     """Supplies verified tensors by name while restoring."""
 
-    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """The stored dtype and shape of ``name``, without reading it."""
+    def meta(self, name: str, region: Box | None = None) -> tuple[torch.dtype, tuple[int, ...]]:
+        """The stored dtype and shape of ``name``, without reading its bytes; given the
+        ``region`` that will be read (a load's checks, before anything is written), what
+        locates those bytes is read and checked too."""
         ...
 
     def get(self, name: str, like: torch.Tensor | None = None) -> torch.Tensor:
