@@ -1,6 +1,7 @@
 """Which copy a node lacking a checkpoint receives (ddpckpt._coord.replicate): one that
-keeps its ranks' own files, with the fast tier's partners as without; and what is said
-when no node keeps them. Pure, on rank 0's side."""
+keeps the own files of the ranks now on it, with the fast tier's partners as without, from
+any node holding the checkpoint; and what is said when no node keeps them. Pure, on rank
+0's side."""
 
 from __future__ import annotations
 
@@ -14,19 +15,20 @@ from ddpckpt.errors import CorruptCheckpointError
 NODES = [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
-def _kept(partners: Partners, lost: set[int], world: int = 8) -> tuple[list[bool], list]:
-    """What each rank reports: whether it holds the checkpoint with its own file, and (on a
-    holding node's first rank) the ranks whose files its copy keeps."""
-    have = [not any(r in NODES[n] for n in lost) for r in range(world)]
-    return have, _reported(partners, have)
-
-
-def _reported(partners: Partners, have: list[bool]) -> list:
-    kept: list = [None] * len(have)
-    for index, node in enumerate(NODES):
-        if all(have[r] for r in node):
-            kept[node[0]] = RankSet.of(partners.ranks_kept_by(index)).to_json()
+def _reported(partners: Partners, holding: set[int], world: int = 8) -> list:
+    """What each node holding the checkpoint reports on its first rank: the ranks whose
+    files its copy keeps, and the world the checkpoint was saved with."""
+    kept: list = [None] * sum(map(len, NODES))
+    for index in holding:
+        kept[NODES[index][0]] = {
+            "kept": RankSet.of(partners.ranks_kept_by(index)).to_json(),
+            "world": world,
+        }
     return kept
+
+
+def _have(lacking: set[int]) -> list[bool]:
+    return [not any(r in NODES[n] for n in lacking) for r in range(8)]
 
 
 @pytest.mark.parametrize(
@@ -42,20 +44,46 @@ def _reported(partners: Partners, have: list[bool]) -> list:
 def test_a_node_lacking_the_checkpoint_receives_a_copy_keeping_its_ranks_files(
     keepers, lost, groups
 ) -> None:
-    have, kept = _kept(Partners(NODES, keepers), lost)
-    assert _sources("ckpt", NODES, have, kept) == groups
+    holding = set(range(4)) - lost
+    assert (
+        _sources("ckpt", NODES, _have(lost), _reported(Partners(NODES, keepers), holding)) == groups
+    )
 
 
 def test_neighbours_lost_beyond_the_partners_are_named() -> None:
-    have, kept = _kept(Partners(NODES, 1), {1, 2})
-    with pytest.raises(CorruptCheckpointError, match=r"keeps the own files .* of ranks 2-3,"):
-        _sources("ckpt", NODES, have, kept)
+    kept = _reported(Partners(NODES, 1), {0, 3})
+    with pytest.raises(CorruptCheckpointError, match=r"own files .* of ranks 2-3: the nodes"):
+        _sources("ckpt", NODES, _have({1, 2}), kept)
 
 
-def test_a_node_holding_the_step_without_its_ranks_files_receives_a_copy_that_keeps_them():
-    """After a restart that put other ranks on node 0: its copy lacks their files, so it
-    receives the copy of node 1, which keeps node 0's ranks' files too."""
-    partners = Partners(NODES, 1)
-    have, _ = _kept(partners, set())
-    have[0] = have[1] = False  # their node holds the step, without their files
-    assert _sources("ckpt", NODES, have, _reported(partners, have)) == [[2, [0]]]
+def test_nodes_holding_the_step_without_their_ranks_files_serve_and_receive() -> None:
+    """Saved on machines h1-h4 (nodes 0-3, partners=1: each keeps its ranks' files and the
+    node before it's); h3 replaced by h0, which the restart's rendezvous sorts first, so h1,
+    h2 and h4 run the ranks of the node after them. h1 and h2 hold the step without the
+    files of their new ranks, yet each keeps another node's: every node receives a copy
+    that keeps its ranks' files, h1 and h2 serving one and receiving another."""
+    then = Partners(NODES, 1)
+    copies = {1: then.ranks_kept_by(0), 2: then.ranks_kept_by(1), 3: then.ranks_kept_by(3)}
+    kept = [None] * 8
+    for node, ranks in copies.items():  # now node 1 is h1, node 2 h2, node 3 h4
+        kept[NODES[node][0]] = {"kept": RankSet.of(ranks).to_json(), "world": 8}
+    have = [r in copies.get(n, []) for n, node in enumerate(NODES) for r in node]
+    assert have == [False] * 6 + [True] * 2  # only h4 keeps its (unchanged) ranks' files
+    assert _sources("ckpt", NODES, have, kept) == [[2, [0]], [4, [2]], [6, [4]]]
+
+
+def test_a_node_is_never_its_own_source() -> None:
+    kept = [None] * 8
+    kept[0] = {"kept": [[0, 8]], "world": 8}  # reports it keeps its ranks' files ...
+    kept[2] = {"kept": [[0, 8]], "world": 8}
+    have = [False, False] + [True] * 6  # ... while its ranks say they lack them
+    assert _sources("ckpt", NODES, have, kept) == [[2, [0]]]
+
+
+def test_a_job_grown_by_a_node_loads_rank_0_s_state_on_the_new_ranks() -> None:
+    """Saved on 3 nodes (6 ranks), resumed on 4: the new node's ranks, beyond the saved
+    world, need rank 0's files, which node 0's copy keeps (the durable tier's every file)."""
+    kept = [None] * 8
+    for index in range(3):
+        kept[NODES[index][0]] = {"kept": [[0, 6]], "world": 6}
+    assert _sources("ckpt", NODES, _have({3}), kept) == [[0, [6]]]

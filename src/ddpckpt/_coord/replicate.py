@@ -18,6 +18,7 @@ receive only take part in the bookkeeping.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
@@ -41,91 +42,54 @@ _log = get_logger(__name__)
 _CHUNK = 16 << 20
 
 
-def repair_copies(comm: Comm, path: str, have: list[bool], sharing: str | None = None) -> None:
+def repair_copies(
+    comm: Comm,
+    path: str,
+    have: list[bool],
+    sharing: str | None = None,
+    copies: list[bool] | None = None,
+) -> None:
     """Give every storage domain lacking the checkpoint at ``path`` a verified copy.
 
-    ``have[r]`` says whether rank ``r`` can read a good copy (all with the same id); a
-    domain whose copy is another one (another id) gets it replaced. ``sharing`` as for
-    :func:`~ddpckpt._coord.topology.storage_domains`.
+    ``have[r]`` says whether rank ``r`` can read a good copy (all with the same id) that
+    keeps the files it needs; ``copies[r]`` (by default ``have``) whether its domain holds
+    that copy at all. A domain whose copy is another one (another id) gets it replaced.
+    ``sharing`` as for :func:`~ddpckpt._coord.topology.storage_domains`.
 
     A copy holds the shared state and the own files of some ranks (every rank's, or with
     the fast tier's partners its domain's and its partners'): a domain lacking the
-    checkpoint receives the copy of the first domain that has it and keeps its ranks'
-    files (:func:`_sources`). Domains receiving the same copy form one fan-out; a
-    :class:`CorruptCheckpointError` (on every rank) says whose files no copy keeps.
+    checkpoint, or holding it without the files of the ranks now on it, receives the copy
+    of the first domain holding it that keeps its ranks' files (:func:`_sources`; a rank
+    the checkpoint did not have needs rank 0's). Domains receiving the same copy form one
+    fan-out; fan-outs run one after another in one order, and a received copy replaces
+    the old one only once every fan-out is done (a domain may serve one and receive
+    another). A :class:`CorruptCheckpointError` (on every rank) says whose files no copy
+    keeps.
     """
+    copies = have if copies is None else copies
     store = storage_for(path)
     domains = storage_domains(comm, store.parent(path), sharing)
-    complete = [d for d in domains if all(have[r] for r in d)]
-    if not complete:
+    holding = [d for d in domains if all(copies[r] for r in d)]
+    if not holding or any(any(copies[r] for r in d) and d not in holding for d in domains):
         raise CorruptCheckpointError(
-            f"{path}: no node holds the checkpoint with the own files of all its ranks "
-            f"(ranks with it: {RankSet.of(r for r, h in enumerate(have) if h)})"
+            f"{path}: ranks that share storage disagree on whether the checkpoint exists "
+            f"(ranks with it: {_ranks(r for r, h in enumerate(copies) if h)}; storage "
+            f"domains: {len(domains)})"
         )
-    leads = [d for d in complete if d[0] == comm.rank]
+    leads = any(d[0] == comm.rank for d in holding)
     groups = comm.run_reduce(
         "sources",
         lambda: _kept_here(path) if leads else None,
         lambda kept: _sources(path, domains, have, kept),
     )
-    for source, receivers in groups:
-        ours = next(d for d in domains if d[0] == source)
-        if comm.rank in ours or comm.rank in receivers:
-            _fan_out(comm, path, ours, receivers)
-            return
-    comm.run_transfer("repair", lambda: None)  # nothing to send or receive here
-
-
-def _kept_here(path: str) -> list[list[int]]:
-    """The ranks whose own files this rank's copy of ``path`` keeps (as RankSet spans)."""
-    return RankSet.of(kept_ranks(Manifest.from_json(_read_text(path), path))).to_json()
-
-
-def _sources(
-    path: str, domains: list[list[int]], have: list[bool], kept: list[Any]
-) -> list[list[Any]]:
-    """On rank 0: ``[source domain's first rank, [first ranks of the domains receiving its
-    copy]]`` for each copy to send, from what each complete domain's first rank reported
-    it keeps (``kept[r]``)."""
-    copies = [(d[0], RankSet.from_json(kept[d[0]])) for d in domains if kept[d[0]] is not None]
-    groups: dict[int, list[int]] = {}
-    lost = []
-    for domain in domains:
-        if all(have[r] for r in domain):
-            continue
-        source = next((first for first, ranks in copies if all(r in ranks for r in domain)), None)
-        if source is None:
-            lost.append(domain)
-        else:
-            groups.setdefault(source, []).append(domain[0])
-    if lost:
-        ranks = ", ".join(
-            str(a) if b == a + 1 else f"{a}-{b - 1}"
-            for a, b in RankSet.of(r for d in lost for r in d).spans
-        )
-        raise CorruptCheckpointError(
-            f"{path}: no node that holds this checkpoint keeps the own files (random streams, "
-            f"data position) of ranks {ranks}, whose node(s) lack it: more "
-            "neighbouring nodes were lost than the copies survive (FastTier(partners=...))"
-        )
-    return [[source, receivers] for source, receivers in sorted(groups.items())]
-
-
-def _fan_out(comm: Comm, path: str, source: list[int], receivers: list[int]) -> None:
-    """Copy the checkpoint of ``source``'s storage to the first ranks of ``receivers``:
-    the manifest from the source's first rank, then each file from one of its ranks, each
-    by doubling (:class:`FanOut`, all in one order)."""
-    store = storage_for(path)
-    line = tuple(receivers)
-    place = line.index(comm.rank) + 1 if comm.rank in receivers else -1  # -1: no receiver
+    receiving = next(
+        (d for d in domains if d[0] == comm.rank and not all(have[r] for r in d)), None
+    )
     tmp = store.commit.staging(store, path, comm.token)
+    received: list[tuple[Manifest, bytes]] = []
 
     def transfer() -> None:
-        text = _read_text(path) if comm.rank in source else b""  # its own copy's
-        manifest = Manifest.from_json(text, path) if text else None
-        had = False
-        if comm.rank in receivers:
-            had = store.commit.exists(store, path)
+        if receiving is not None:
             store.commit.begin(store, path, tmp, overwrite=True)
         with ExitStack() as links:
             pairs: dict[int, Pair] = {}
@@ -135,47 +99,120 @@ def _fan_out(comm: Comm, path: str, source: list[int], receivers: list[int]) -> 
                     pairs[peer] = links.enter_context(comm.pair("repair", peer))
                 return pairs[peer]
 
-            for part in FanOut(source[0], line).part_at(0 if comm.rank == source[0] else place):
-                if part.role == "receive":
-                    text = link(part.peer).recv_bytes()
-                    manifest = Manifest.from_json(text, path)
-                else:
-                    link(part.peer).send_bytes(text)
-            if manifest is None:
-                return
-            owners = assign({name: f.size for name, f in manifest.files.items()}, source)
-            for name in sorted(manifest.files):  # in one order, and round by round in each
-                size, fan = manifest.files[name].size, FanOut(owners[name], line)
-                for part in fan.part_at(0 if comm.rank == owners[name] else place):
-                    if part.role == "receive":
-                        _receive(
-                            os.path.join(tmp, name), manifest, name, part.peer, link(part.peer)
-                        )
-                    else:  # the holder sends its own copy; a receiver passes on what it got
-                        held = path if comm.rank == owners[name] else tmp
-                        _send(os.path.join(held, name), size, link(part.peer))
-        if comm.rank in receivers:
-            assert manifest is not None
-            store.write_new(os.path.join(tmp, MANIFEST_NAME), text)
-            store.commit.publish(store, tmp, path, overwrite=True)
-            _log.warning(
-                "%s: this node %s; received the %d files (%d bytes) of rank %d's copy",
-                path,
-                "held the checkpoint without the own files of the ranks now on it (they ran "
-                "on another node when it was saved)"
-                if had
-                else "had no copy of the checkpoint",
-                len(manifest.files),
-                manifest.nbytes,
-                source[0],
-            )
+            for source, receivers in groups:  # one after another, in one order on every rank
+                ours = next(d for d in domains if d[0] == source)
+                if comm.rank in ours or comm.rank in receivers:
+                    got = _fan_out(comm, path, tmp, ours, receivers, link)
+                    received.extend([got] if got is not None else [])
+
+    def publish() -> None:
+        if receiving is None:
+            return
+        manifest, text = received[0]
+        store.write_new(os.path.join(tmp, MANIFEST_NAME), text)
+        store.commit.publish(store, tmp, path, overwrite=True)
+        held = all(copies[r] for r in receiving)
+        _log.warning(
+            "%s: this node %s; received the %d files (%d bytes) of another node's copy",
+            path,
+            "held the checkpoint without the own files of ranks "
+            f"{_ranks(receiving)}, which the restart placed on it"
+            if held
+            else "had no copy of the checkpoint",
+            len(manifest.files),
+            manifest.nbytes,
+        )
 
     try:
         comm.run_transfer("repair", transfer)
+        comm.run("repair publish", publish)  # no copy is replaced while another is sent
     except BaseException:
-        if comm.rank in receivers:
+        if receiving is not None:
             store.commit.abort(store, tmp, path)
         raise
+
+
+def _ranks(ranks: Any) -> str:
+    """Ranks for people: ``0-3, 6``."""
+    return (
+        ", ".join(str(a) if b == a + 1 else f"{a}-{b - 1}" for a, b in RankSet.of(ranks).spans)
+        or "none"
+    )
+
+
+def _kept_here(path: str) -> dict[str, Any]:
+    """The ranks whose own files this rank's copy of ``path`` keeps (as RankSet spans),
+    and the number of ranks that saved it."""
+    manifest = Manifest.from_json(_read_text(path), path)
+    return {"kept": RankSet.of(kept_ranks(manifest)).to_json(), "world": manifest.world_size}
+
+
+def _sources(
+    path: str, domains: list[list[int]], have: list[bool], kept: list[Any]
+) -> list[list[Any]]:
+    """On rank 0: ``[source domain's first rank, [first ranks of the domains receiving its
+    copy]]`` for each copy to send, from what each holding domain's first rank reported it
+    keeps (``kept[r]``): a domain lacking what its ranks need receives the copy of the
+    first domain that keeps it (rank 0's file for a rank beyond the saved world)."""
+    reported = [(d[0], kept[d[0]]) for d in domains if kept[d[0]] is not None]
+    holders = [(first, RankSet.from_json(found["kept"])) for first, found in reported]
+    world = reported[0][1]["world"] if reported else 0
+    groups: dict[int, list[int]] = {}
+    lost = []
+    for domain in domains:
+        if all(have[r] for r in domain):
+            continue
+        needed = {r if r < world else 0 for r in domain}
+        source = next(
+            (f for f, ranks in holders if f != domain[0] and all(r in ranks for r in needed)),
+            None,
+        )
+        if source is None:
+            lost.extend(needed)
+        else:
+            groups.setdefault(source, []).append(domain[0])
+    if lost:
+        raise CorruptCheckpointError(
+            f"{path}: no node that holds this checkpoint keeps the own files (random streams, "
+            f"data position) of ranks {_ranks(lost)}: the nodes that kept them lost their "
+            "copies (the fast tier keeps a node's files on FastTier(partners=...) other nodes)"
+        )
+    return [[source, receivers] for source, receivers in sorted(groups.items())]
+
+
+def _fan_out(
+    comm: Comm,
+    path: str,
+    tmp: str,
+    source: list[int],
+    receivers: list[int],
+    link: Callable[[int], Pair],
+) -> tuple[Manifest, bytes] | None:
+    """Copy the checkpoint of ``source``'s storage into ``tmp`` of the first ranks of
+    ``receivers``: the manifest from the source's first rank, then each file from one of
+    its ranks, each by doubling (:class:`FanOut`, all in one order). A receiver returns the
+    manifest it received, and its text."""
+    line = tuple(receivers)
+    place = line.index(comm.rank) + 1 if comm.rank in receivers else -1  # -1: no receiver
+    text = _read_text(path) if comm.rank in source else b""  # its own copy's
+    for part in FanOut(source[0], line).part_at(0 if comm.rank == source[0] else place):
+        if part.role == "receive":
+            text = link(part.peer).recv_bytes()
+        else:
+            link(part.peer).send_bytes(text)
+    if not text:
+        return None
+    manifest = Manifest.from_json(text, path)
+    owners = assign({name: f.size for name, f in manifest.files.items()}, source)
+    for name in sorted(manifest.files):  # in one order, and round by round in each
+        size, fan = manifest.files[name].size, FanOut(owners[name], line)
+        for part in fan.part_at(0 if comm.rank == owners[name] else place):
+            if part.role == "receive":
+                _receive(os.path.join(tmp, name), manifest, name, part.peer, link(part.peer))
+            else:  # the holder sends its own copy; a receiver passes on what it got
+                held = path if comm.rank == owners[name] else tmp
+                _send(os.path.join(held, name), size, link(part.peer))
+    return (manifest, text) if comm.rank in receivers else None
 
 
 def _read_text(path: str) -> bytes:

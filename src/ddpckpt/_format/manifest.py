@@ -289,6 +289,8 @@ def _copy(doc: Any, where: str, world_size: int) -> dict[str, Any]:
         return {}
     count = fields.integer("count", 1, MAX_RANKS, 1)
     copy = {"index": fields.integer("index", 0, count - 1, 0), "count": count}
+    if "partners" in doc:  # a node's copy keeping some ranks' own files (format 3 and on)
+        copy["partners"] = fields.integer("partners", 1, MAX_RANKS)
     if "ranks" in doc:
         ranks = fields.sequence("ranks")
         copy["ranks"] = [

@@ -38,9 +38,10 @@ def rank_file_name(rank: int) -> str:
 
 def kept_ranks(manifest: Manifest) -> list[int]:
     """The ranks whose own files this copy of a checkpoint lists: every rank's, except in
-    a node's copy written with partners (the fast tier: :class:`ddpckpt.FastTier`), which
-    keeps its own ranks' and its partner nodes' ranks' files."""
-    if manifest.rank_keys is None or manifest.copy.get("count", 1) <= 1:
+    a node's copy written with partners (the fast tier: :class:`ddpckpt.FastTier`; its
+    manifest's ``copy`` says ``partners``), which keeps its own ranks' files and those of
+    the partner nodes before it."""
+    if manifest.rank_keys is None or "partners" not in manifest.copy:
         return list(range(manifest.world_size))
     found = (_RANK_FILE.fullmatch(name.rpartition("/")[2]) for name in manifest.files)
     return sorted(r for r in (int(m[1]) for m in found if m) if r < manifest.world_size)

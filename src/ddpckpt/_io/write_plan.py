@@ -61,6 +61,11 @@ class WritePlan:
         return Partners(self.domains, self.keepers)
 
     @property
+    def kept(self) -> int:
+        """How many ranks' own files this rank's domain keeps."""
+        return len(self.partners.ranks_kept_by(self.domains.index(self.domain)))
+
+    @property
     def domain(self) -> list[int]:
         return next(d for d in self.domains if self.comm.rank in d)
 

@@ -131,6 +131,8 @@ def plan_write(
     owners, shards = comm.alone(share)
     rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
     rank_bytes = sum(tensor_nbytes(t) for _, t in rank_items) + len(json.dumps(snapshot.rank_state))
+    index = next(i for i, d in enumerate(domains) if comm.rank in d)
+    kept = len(Partners(domains, partners).ranks_kept_by(index))  # the rank files of this copy
     return WritePlan(
         comm=comm,
         path=path,
@@ -142,7 +144,7 @@ def plan_write(
         order=list(snapshot.tensors),
         needed=sum(tensor_nbytes(t) for t in snapshot.tensors.values())
         + shards.nbytes
-        + comm.world_size * (rank_bytes + 4096),
+        + kept * (rank_bytes + 4096),
         shared_state=snapshot.state,
         movable=movable,
         rank_items=rank_items,
@@ -292,7 +294,7 @@ def _prepare(plan: WritePlan, tmp: str) -> bool:
             )
         where = store.parent(path)
         free = store.free_bytes(where)
-        reserve = space_reserve(plan.needed, files=3 * plan.comm.world_size + 1)
+        reserve = space_reserve(plan.needed, files=3 * len(plan.domain) + plan.kept + 1)
         needed = plan.needed + reserve
         if free is not None and free < needed:
             raise InsufficientSpaceError(
@@ -394,6 +396,7 @@ def _commit(plan: WritePlan, tmp: str, written: _CopyResults | None) -> None:
             "index": plan.domains.index(domain),
             "count": len(plan.domains),
             "ranks": domain + sorted(plan.alone),
+            **({"partners": plan.keepers} if plan.keepers is not None else {}),
         },
     )
     for rank, result in sorted(written.results.items()):

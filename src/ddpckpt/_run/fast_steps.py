@@ -29,6 +29,22 @@ def by_step(views: list[dict[str, str]]) -> Held:
     }
 
 
+LACKING = "~"  # after a node's copy id: the copy lacks the rank's own file
+
+
+def holdings(copies: dict[str, list[list[int]]]) -> tuple[RankSet, RankSet]:
+    """Of one step's copies (id -> the ranks whose node holds it, as :func:`by_step` gives
+    them), the copy most ranks' nodes hold: the ranks whose node holds it with the files
+    they need, and the ranks whose node holds it at all."""
+    by_id: dict[str, list[RankSet]] = {}
+    for ident, spans in copies.items():
+        by_id.setdefault(ident.removesuffix(LACKING), []).append(RankSet.from_json(spans))
+    sets = max(by_id.values(), key=lambda found: sum(len(s) for s in found))
+    ident = next(i for i in by_id if by_id[i] is sets)
+    have = RankSet.from_json(copies.get(ident, []))
+    return have, RankSet.of(r for s in sets for a, b in s.spans for r in range(a, b))
+
+
 def keep_up_to(directory: str, step: int | None) -> tuple[int | None, list[int]]:
     """Delete the steps of ``directory`` newer than ``step`` (all for ``None``) and those
     not committed; the newest left, and the committed steps deleted."""

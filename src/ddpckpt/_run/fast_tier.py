@@ -52,7 +52,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from ddpckpt._coord.comm import Comm
-from ddpckpt._coord.rankset import RankSet
 from ddpckpt._coord.replicate import repair_copies
 from ddpckpt._format.rankparts import kept_ranks
 from ddpckpt._format.runfiles import (
@@ -65,8 +64,10 @@ from ddpckpt._io.load import failure_of, partly_note
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._run.fast_steps import (
+    LACKING,
     Held,
     by_step,
+    holdings,
     keep_up_to,
     say_dropped,
     say_durable_served,
@@ -373,17 +374,19 @@ class FastSaves:
         )
 
     def _held_here(self, owner: str, rank: int) -> dict[str, str]:
-        """The committed steps this rank's node holds for the run ``owner`` with the files
-        ``rank`` needs (its own, or rank 0's for a rank the checkpoint did not have: a
-        node's copy keeps only some ranks' files, FastTier.partners), with their checkpoint
-        ids; none, with a WARNING, if its marker names another run (they are deleted after
-        the resume, :meth:`keep_up_to`)."""
+        """The committed steps this rank's node holds for the run ``owner``, with their
+        checkpoint ids; an id ends with :data:`LACKING` where the node's copy lacks the
+        file ``rank`` needs (its own, or rank 0's for a rank the checkpoint did not have:
+        a node keeps only some ranks' files, ``FastTier.partners``). None, with a WARNING,
+        if its marker names another run (they are deleted after the resume,
+        :meth:`keep_up_to`)."""
         held = {
             str(e.step): e.manifest.id
+            + ("" if (rank if rank < e.manifest.world_size else 0) in kept_ranks(e.manifest)
+               else LACKING)
             for e in scan(self.directory)
             if e.manifest is not None
-            and (rank if rank < e.manifest.world_size else 0) in kept_ranks(e.manifest)
-        }
+        }  # fmt: skip
         found = self._found
         if held and (found is None or found.run != owner):
             _log.warning(
@@ -447,12 +450,12 @@ class FastSaves:
         """Restore fast-tier ``step``, first copying it to the nodes that lack it; ``None``
         (reported) if that fails."""
         path = self.saves.path(step)
-        copies = [RankSet.from_json(spans) for spans in self._held[str(step)].values()]
-        ranks = max(copies, key=len)  # the copy most nodes hold
+        have, copies = holdings(self._held[str(step)])  # of the copy most nodes hold
         try:
             with self.saves.comm("Checkpointer.resume (fast tier copies)", path) as comm:
-                if len(ranks) < comm.world_size:
-                    repair_copies(comm, path, ranks.mask(comm.world_size), _SHARING)
+                if len(have) < comm.world_size:
+                    world = comm.world_size
+                    repair_copies(comm, path, have.mask(world), _SHARING, copies.mask(world))
             return step, load(path)
         except (*_CANNOT_SERVE, PartiallyRestoredError) as exc:
             cause = failure_of(exc)

@@ -108,7 +108,7 @@ class FastTier:
         directory: The same path on every node, in node-local memory that outlives the
             worker processes (a tmpfs such as ``/dev/shm/<job>``); each node keeps there
             a complete copy of the newest steps' shared state (model, optimizer), with its
-            own ranks' files and those of its ``partners``. Not a
+            own ranks' files and those of the ``partners`` nodes before it. Not a
             URL, and neither inside the run directory nor holding it. ``None`` (or
             ``fast_tier="auto"``): ``/dev/shm/ddpckpt-<uid>-<hash of the run's identity>``,
             named by the first ``resume()`` or ``save()`` (:func:`auto_directory`): the same
