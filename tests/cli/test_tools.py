@@ -153,3 +153,18 @@ def test_tools_name_a_run_directory_given_for_a_checkpoint(tmp_path) -> None:
     with pytest.raises(CheckpointNotFoundError, match=expected):
         export(run, os.fspath(tmp_path / "w.pt"))
     assert summary(run / "step-00000007")["step"] == 7
+
+
+def test_a_summary_without_the_tensor_table_reads_no_shard_index(tmp_path) -> None:
+    """``inspect --no-tensors`` counts a sharded checkpoint's tensors from the manifest,
+    without reading every writer's index (one is removed here); the table reads them."""
+    fixture = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "format-v6-hsdp")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(fixture, ckpt)
+    whole = summary(ckpt)
+    assert whole["tensor_count"] == len(whole["tensors"]) == 32
+    (ckpt / "shards-00003.json").unlink()
+    brief = summary(ckpt, tensors=False)
+    assert brief["tensor_count"] == 32 and brief["tensors"] == []
+    with pytest.raises(CorruptCheckpointError, match=r"shards-00003\.json"):
+        summary(ckpt)

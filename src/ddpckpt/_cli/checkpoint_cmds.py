@@ -35,7 +35,7 @@ def _inspect(args: argparse.Namespace) -> int:
     if copy.get("count", 1) > 1:
         print(f"copy        {copy['index'] + 1} of {copy['count']} (node-local storage)")
     print(
-        f"size        {size(info['bytes'])} in {info['files']} files, {len(info['tensors'])} tensors"
+        f"size        {size(info['bytes'])} in {info['files']} files, {info['tensor_count']} tensors"
     )
     for name, kind in info["sections"].items():
         if name.startswith("optimizer_groups"):  # "optimizer_groups NAME" for named ones

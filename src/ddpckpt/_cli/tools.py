@@ -61,6 +61,7 @@ def summary(path: str | os.PathLike[str], *, tensors: bool = True) -> dict[str, 
         "copy": manifest.copy,
         "bytes": manifest.nbytes,
         "files": len(manifest.files),
+        "tensor_count": len(manifest.tensors) + len(manifest.shards),
         "sections": sections,
         "tensors": sorted(
             [
