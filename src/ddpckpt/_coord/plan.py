@@ -141,6 +141,10 @@ class Partners:
         """The indexes of the domains whose files domain ``index`` keeps (itself first)."""
         return [index, *((index - s) % len(self.domains) for s in self.shifts)]
 
+    def kept_count(self, index: int) -> int:
+        """How many ranks' own files domain ``index``'s copy holds."""
+        return sum(len(self.domains[i]) for i in self.kept_by(index))
+
     def ranks_kept_by(self, index: int) -> list[int]:
         """The ranks whose own files domain ``index``'s copy holds, in rank order."""
         return sorted(r for i in self.kept_by(index) for r in self.domains[i])

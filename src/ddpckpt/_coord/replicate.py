@@ -32,7 +32,7 @@ from ddpckpt._coord.rankset import RankSet
 from ddpckpt._coord.topology import storage_domains
 from ddpckpt._format.boundary import MAX_MANIFEST_BYTES, open_checked, read_small
 from ddpckpt._format.manifest import MANIFEST_NAME, Manifest
-from ddpckpt._format.rankparts import kept_ranks
+from ddpckpt._format.rankparts import file_rank, kept_ranks
 from ddpckpt._format.tensorfile import byte_view
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CorruptCheckpointError
@@ -162,7 +162,7 @@ def _sources(
     for domain in domains:
         if all(have[r] for r in domain):
             continue
-        needed = {r if r < world else 0 for r in domain}
+        needed = {file_rank(r, world) for r in domain}
         source = next(
             (f for f, ranks in holders if f != domain[0] and all(r in ranks for r in needed)),
             None,

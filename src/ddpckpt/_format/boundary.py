@@ -28,6 +28,8 @@ from collections.abc import Callable
 from itertools import accumulate
 from typing import Any
 
+import xxhash
+
 from ddpckpt.errors import CorruptCheckpointError
 from ddpckpt.storage import Storage, storage_for
 from ddpckpt.storage._base import NotRegularFileError
@@ -76,6 +78,18 @@ def read_small(location: str, limit: int, what: str, storage: Storage | None = N
         return read_bounded(location, limit, what, storage)
     except NotRegularFileError as exc:
         raise CorruptCheckpointError(f"{location}: the {what} is {exc.kind}; refused") from None
+
+
+def read_listed(
+    location: str, size: int, digest: str, what: str, limit: int | None = None
+) -> bytes:
+    """The bytes of a file a manifest lists with ``size`` and xxh3-64 ``digest``, read as
+    :func:`read_small` does (at most ``limit`` bytes, by default its listed size) and
+    checked against both: :class:`CorruptCheckpointError` if they differ."""
+    data = read_small(location, size if limit is None else min(size, limit), what)
+    if len(data) != size or xxhash.xxh3_64(data).hexdigest() != digest:
+        raise CorruptCheckpointError(f"{location}: file checksum mismatch (corrupt)")
+    return data
 
 
 def read_bounded(location: str, limit: int, what: str, storage: Storage | None = None) -> bytes:

@@ -22,7 +22,7 @@ from typing import Any
 
 import xxhash
 
-from ddpckpt._format.boundary import load_json, read_small
+from ddpckpt._format.boundary import load_json, read_listed
 from ddpckpt._format.manifest import Manifest
 from ddpckpt._format.tensorfile import TensorEntry, read_header
 from ddpckpt.errors import CorruptCheckpointError
@@ -45,6 +45,12 @@ def kept_ranks(manifest: Manifest) -> list[int]:
         return list(range(manifest.world_size))
     found = (_RANK_FILE.fullmatch(name.rpartition("/")[2]) for name in manifest.files)
     return sorted(r for r in (int(m[1]) for m in found if m) if r < manifest.world_size)
+
+
+def file_rank(rank: int, world_size: int) -> int:
+    """Whose own file ``rank`` loads from a checkpoint of ``world_size`` ranks: its own, or
+    rank 0's for a rank the checkpoint did not have."""
+    return rank if rank < world_size else 0
 
 
 _RANK_FILE = re.compile(r"rank-([0-9]{5,10})\.safetensors", re.ASCII)
@@ -131,11 +137,9 @@ def _read_rank_file(manifest: Manifest, path: str, rank: int) -> tuple[dict, lis
     where = os.path.join(path, name)
     listed = manifest.files[name]
     try:
-        data = read_small(where, listed.size, f"rank {rank}'s file")
+        data = read_listed(where, listed.size, listed.digest, f"rank {rank}'s file")
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: rank {rank}'s file is missing") from None
-    if len(data) != listed.size or xxhash.xxh3_64(data).hexdigest() != listed.digest:
-        raise CorruptCheckpointError(f"{where}: file checksum mismatch (corrupt)")
     header = read_header(lambda at, n: data[at : at + n], len(data), where, name)
     if RANK_STATE_KEY not in header.metadata:
         raise CorruptCheckpointError(f"{where}: damaged rank file header: no {RANK_STATE_KEY}")

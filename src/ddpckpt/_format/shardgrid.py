@@ -164,6 +164,28 @@ def replica_coordinate(
     return tuple(next(reps) if p == REPLICATE else next(keys) for p in placements)
 
 
+Pattern = tuple[str, tuple[int, ...], tuple[bool, ...]]  # mesh ranks, mesh shape, replicated
+
+
+def pattern(ranks: str, mesh: Sequence[int], placements: Sequence[str]) -> Pattern:
+    """What decides which ranks are a cell's replicas, for tensors of one group: the mesh's
+    rank order (its digest), its shape, and which of its dims replicate."""
+    return ranks, tuple(mesh), tuple(p == REPLICATE for p in placements)
+
+
+def holders_by_key(
+    mesh: Sequence[int], placements: Sequence[str], members: Iterable[tuple[int, Coordinate]]
+) -> dict[Coordinate, list[int]]:
+    """Of ``members`` (a rank and its coordinate in the mesh: one storage domain's), those
+    holding the cells of each shard key, in replica order: the ranks that may write them."""
+    found: dict[Coordinate, list[tuple[int, int]]] = {}
+    for rank, at in members:
+        found.setdefault(shard_key(placements, at), []).append(
+            (replica_index(mesh, placements, at), rank)
+        )
+    return {key: [rank for _, rank in sorted(held)] for key, held in found.items()}
+
+
 def assign(cells: Iterable[tuple[int, str]], count: int) -> dict[str, int]:
     """Which of ``count`` replicas writes each tensor's cell at one shard key: ``cells``
     are (bytes, tensor name); largest first, each to the least-loaded replica, ties to the

@@ -27,21 +27,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
-from ddpckpt._format.boundary import MAX_MANIFEST_BYTES, load_json, read_small
+from ddpckpt._format.boundary import MAX_MANIFEST_BYTES, load_json, read_listed
 from ddpckpt._format.reshard import Box
 from ddpckpt._format.shardgrid import (
-    REPLICATE,
     Coordinate,
     MeshRanks,
+    Pattern,
     assign,
     cells_overlapping,
     coordinate_at,
+    holders_by_key,
+    pattern,
     position_of,
     region_at,
     replica_coordinate,
-    replica_index,
     replicas,
     shard_key,
 )
@@ -64,12 +63,9 @@ def index_document(token: str, rank: int, pieces: dict[str, dict[str, Any]]) -> 
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
-Pattern = tuple[str, tuple[int, ...], tuple[bool, ...]]  # mesh ranks, mesh shape, replicated
-
-
 def _pattern(record: ShardedEntry) -> Pattern:
     """What decides which ranks are a cell's replicas (as the save's planner groups)."""
-    return record.ranks, record.mesh, tuple(p == REPLICATE for p in record.placements)
+    return pattern(record.ranks, record.mesh, record.placements)
 
 
 @dataclass(frozen=True)
@@ -88,8 +84,7 @@ class ShardIndex:
 
     ``records`` are the manifest's sharded tensors, ``meshes`` its rank orders,
     ``files`` its files, ``domain`` the ranks that wrote this copy when each node wrote
-    its own (else ``None``). Local to the calling process; :attr:`reads` counts the index
-    files read.
+    its own (else ``None``). Local to the calling process.
     """
 
     def __init__(
@@ -103,7 +98,6 @@ class ShardIndex:
     ) -> None:
         self.path, self.token, self.records, self.meshes = path, token, records, meshes
         self.files, self.domain = files, domain
-        self.reads = 0
         self._indexes: dict[int, dict[str, Piece]] = {}
         self._members: dict[Pattern, list[str]] | None = None
         self._writers: dict[tuple[Pattern, Coordinate], dict[str, int]] = {}
@@ -132,24 +126,24 @@ class ShardIndex:
         :mod:`ddpckpt._format.shardgrid`): the save's own rule, recomputed once per shard
         key over the tensors of its mesh."""
         record = self.records[name]
-        pattern, key = _pattern(record), shard_key(record.placements, coordinate)
-        writers = self._writers.get((pattern, key))
+        group, key = _pattern(record), shard_key(record.placements, coordinate)
+        writers = self._writers.get((group, key))
         if writers is None:
             cells = []
-            for member in self._pattern_members()[pattern]:
+            for member in self._pattern_members()[group]:
                 other = self.records[member]
                 size = region_at(other.shape, other.mesh, other.placements, coordinate)[1]
                 if math.prod(size):
                     itemsize = dtype_from_name(other.dtype, self.path).itemsize
                     cells.append((math.prod(size) * itemsize, member))
-            holders = self._holders_of(record, pattern, key)
+            holders = self._holders_of(record, group, key)
             slots = assign(cells, holders.count)
-            writers = self._writers[(pattern, key)] = {n: holders(s) for n, s in slots.items()}
+            writers = self._writers[(group, key)] = {n: holders(s) for n, s in slots.items()}
         if name not in writers:
             raise self._bad(f"{name[:200]!r} has no shard at mesh coordinate {list(coordinate)}")
         return writers[name]
 
-    def _holders_of(self, record: ShardedEntry, pattern: Pattern, key: Coordinate) -> _Holders:
+    def _holders_of(self, record: ShardedEntry, group: Pattern, key: Coordinate) -> _Holders:
         """The ranks that may have written the cells at ``key``, in replica order: every
         replica when all ranks shared the storage, else those of this copy's domain."""
         mesh = self.meshes[record.ranks]
@@ -162,20 +156,11 @@ class ShardIndex:
                     )
                 ),
             )
-        grouped = self._grouped.get(pattern)
+        grouped = self._grouped.get(group)
         if grouped is None:
-            found: dict[Coordinate, list[tuple[int, int]]] = {}
-            for member in self.domain:
-                position = mesh.position(member)
-                if position is None:
-                    continue
-                at = coordinate_at(record.mesh, position)
-                found.setdefault(shard_key(record.placements, at), []).append(
-                    (replica_index(record.mesh, record.placements, at), member)
-                )
-            grouped = self._grouped[pattern] = {
-                k: [m for _, m in sorted(v)] for k, v in found.items()
-            }
+            positions = ((m, mesh.position(m)) for m in self.domain)
+            members = [(m, coordinate_at(record.mesh, p)) for m, p in positions if p is not None]
+            grouped = self._grouped[group] = holders_by_key(record.mesh, record.placements, members)
         holders = grouped.get(key)
         if not holders:
             raise self._bad(
@@ -214,14 +199,13 @@ class ShardIndex:
         listed = self.files[name]
         location = os.path.join(self.path, name)
         try:
-            raw = read_small(location, min(listed.size, MAX_MANIFEST_BYTES), "shard index")
+            raw = read_listed(
+                location, listed.size, listed.digest, "shard index", limit=MAX_MANIFEST_BYTES
+            )
         except FileNotFoundError:
             raise IncompleteCheckpointError(
                 f"{self.path}: {name}, listed in the manifest, is missing"
             ) from None
-        self.reads += 1
-        if len(raw) != listed.size or xxhash.xxh3_64(raw).hexdigest() != listed.digest:
-            raise CorruptCheckpointError(f"{location}: file checksum mismatch (corrupt)")
         doc = load_json(raw, location, "shard index")
         if (
             not isinstance(doc, dict)

@@ -101,11 +101,12 @@ class FileSource:
         self._files: dict[str, TensorFile] = {}
         self._entries_by_file: dict[str, list[TensorEntry]] | None = None
         self.index = manifest.shard_index(path)
+        self._nbytes: int | None = None  # of all the checkpoint's files, once asked
         self.own: dict[str, str] = {}  # shared name -> this rank's own copy (see own_tensors)
 
     def for_rank(self, rank: int) -> FileSource:
         source = FileSource(self.path, self.manifest, f"rank{rank}/", self.progress)
-        source._files, source.index = self._files, self.index
+        source._files, source.index, source._nbytes = self._files, self.index, self._nbytes
         return source
 
     def _in_file(self, name: str) -> list[TensorEntry]:
@@ -121,12 +122,8 @@ class FileSource:
         return found + [p.entry for p in pieces if p.entry.file == name]
 
     def pieces(self, name: str, record: ShardedEntry, region: Box) -> list[Piece]:
-        """The pieces of the sharded ``name`` that overlap ``region``: of format 6 from the
-        index files of the ranks that wrote them (only those), of format 5 from the
-        manifest."""
-        if record.indexed:
-            return self.index.pieces(self.prefix + name, region)
-        return [p for p in record.pieces if overlap((p.offsets, p.shape), region) is not None]
+        """The pieces of the sharded ``name`` that overlap ``region`` (:func:`_pieces_of`)."""
+        return _pieces_of(self.prefix + name, record, self.index, region)
 
     def entry(self, name: str) -> TensorEntry:
         key = self.own.get(name, self.prefix + name)
@@ -156,10 +153,12 @@ class FileSource:
         if record.indexed:
             inside = region is not None and _inside(region, record.shape)
             pieces = tuple(self.pieces(name, record, region)) if inside else ()  # type: ignore[arg-type]
-            if record.nbytes > self.manifest.nbytes:
+            if self._nbytes is None:  # summed once: a load asks for every tensor
+                self._nbytes = self.manifest.nbytes
+            if record.nbytes > self._nbytes:
                 raise CorruptCheckpointError(
                     f"{self.path}: sharded tensor {name[:200]!r} has {record.nbytes} bytes, more "
-                    f"than all the checkpoint's files ({self.manifest.nbytes})"
+                    f"than all the checkpoint's files ({self._nbytes})"
                 )
         for piece in pieces:
             self._file(piece.entry)
@@ -349,7 +348,7 @@ def _indexed_pieces(
     (their data files cannot be checked against it): each index read once, each problem
     (a damaged index, a shard no index lists) added to ``problems``."""
     index = manifest.shard_index(path)
-    found = {n: list(r.pieces) for n, r in manifest.shards.items() if not r.indexed}
+    found = _listed_pieces(manifest)
     unlisted = set()
     for name in manifest.files:
         if is_index_file(name):
@@ -379,12 +378,22 @@ def _all_pieces(manifest: Manifest, index: ShardIndex) -> dict[str, list[Piece]]
     return {name: _pieces_of(name, record, index) for name, record in manifest.shards.items()}
 
 
-def _pieces_of(name: str, record: ShardedEntry, index: ShardIndex) -> list[Piece]:
-    """Every piece of ``name``, in offset order."""
+def _pieces_of(
+    name: str, record: ShardedEntry, index: ShardIndex, region: Box | None = None
+) -> list[Piece]:
+    """The pieces of the sharded ``name`` that overlap ``region`` (all without one), in
+    offset order: of format 6 from the index files of the ranks that wrote them (only
+    those), of format 5 from the manifest."""
+    if region is None:
+        region = ((0,) * len(record.shape), record.shape)
     if record.indexed:
-        found = index.pieces(name, ((0,) * len(record.shape), record.shape))
-        return sorted(found, key=lambda p: p.offsets)
-    return list(record.pieces)
+        return sorted(index.pieces(name, region), key=lambda p: p.offsets)
+    return [p for p in record.pieces if overlap((p.offsets, p.shape), region) is not None]
+
+
+def _listed_pieces(manifest: Manifest) -> dict[str, list[Piece]]:
+    """The pieces the manifest itself lists (format 5's)."""
+    return {n: list(r.pieces) for n, r in manifest.shards.items() if not r.indexed}
 
 
 def _entries_by_file(
@@ -393,7 +402,7 @@ def _entries_by_file(
     """Every tensor entry of each data file: whole tensors, and the shards in ``pieces``
     (by default those the manifest lists: format 5's)."""
     if pieces is None:
-        pieces = {n: list(r.pieces) for n, r in manifest.shards.items() if not r.indexed}
+        pieces = _listed_pieces(manifest)
     by_file: dict[str, list[TensorEntry]] = {name: [] for name in manifest.files}
     for entry in manifest.tensors.values():
         by_file.setdefault(entry.file, []).append(entry)

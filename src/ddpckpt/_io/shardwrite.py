@@ -23,7 +23,15 @@ from typing import Any
 
 import torch
 
-from ddpckpt._format.shardgrid import REPLICATE, MeshRanks, assign, nonempty_shards, region_at
+from ddpckpt._format.shardgrid import (
+    MeshRanks,
+    Pattern,
+    assign,
+    holders_by_key,
+    nonempty_shards,
+    pattern,
+    region_at,
+)
 from ddpckpt._format.shards import Piece, ShardedEntry
 from ddpckpt._format.tensorfile import CHUNK, TensorEntry, dtype_name, tensor_nbytes
 from ddpckpt._state.sharded import MeshLayout, ShardedTensor
@@ -96,10 +104,9 @@ def plan_shards(
     return plan
 
 
-def _pattern(layout: MeshLayout) -> tuple[Any, ...]:
-    """What decides which ranks are a shard's replicas: the mesh's ranks and shape, and
-    which of its dims replicate."""
-    return (layout.ranks.digest, layout.shape, tuple(p == REPLICATE for p in layout.placements))
+def _pattern(layout: MeshLayout) -> Pattern:
+    """What decides which ranks are a shard's replicas (:func:`~ddpckpt._format.shardgrid.pattern`)."""
+    return pattern(layout.ranks.digest, layout.shape, layout.placements)
 
 
 class _Replicas:
@@ -116,13 +123,8 @@ class _Replicas:
         key = _pattern(layout)
         groups = self._groups.get(key)
         if groups is None:
-            found: dict[tuple[int, ...], list[tuple[int, int]]] = {}
-            for member in self.domain or ():
-                coordinate = layout.coordinate(member)
-                found.setdefault(layout.shard_key(coordinate), []).append(
-                    (layout.replica_index(coordinate), member)
-                )
-            groups = self._groups[key] = {k: [m for _, m in sorted(v)] for k, v in found.items()}
+            members = ((m, layout.coordinate(m)) for m in self.domain or ())
+            groups = self._groups[key] = holders_by_key(layout.shape, layout.placements, members)
         return groups
 
     def slots(self, layout: MeshLayout, rank: int) -> tuple[int, int]:

@@ -63,7 +63,7 @@ class WritePlan:
     @property
     def kept(self) -> int:
         """How many ranks' own files this rank's domain keeps."""
-        return len(self.partners.ranks_kept_by(self.domains.index(self.domain)))
+        return self.partners.kept_count(self.domains.index(self.domain))
 
     @property
     def domain(self) -> list[int]:

@@ -48,7 +48,7 @@ from ddpckpt._format.manifest import (
 )
 from ddpckpt._format.rankparts import rank_keys
 from ddpckpt._format.shardindex import index_document, index_name
-from ddpckpt._format.tensorfile import CHUNK, tensor_nbytes
+from ddpckpt._format.tensorfile import CHUNK, FileEntry, tensor_nbytes
 from ddpckpt._format.tensorwrite import serialize, write_file
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.settling import settle_plan
@@ -131,9 +131,7 @@ def plan_write(
     owners, shards = comm.alone(share)
     rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
     rank_bytes = sum(tensor_nbytes(t) for _, t in rank_items) + len(json.dumps(snapshot.rank_state))
-    index = next(i for i, d in enumerate(domains) if comm.rank in d)
-    kept = len(Partners(domains, partners).ranks_kept_by(index))  # the rank files of this copy
-    return WritePlan(
+    plan = WritePlan(
         comm=comm,
         path=path,
         header=header,
@@ -142,9 +140,7 @@ def plan_write(
         items=[(n, t) for n, t in snapshot.tensors.items() if owners[n] == comm.rank]
         + shards.items,
         order=list(snapshot.tensors),
-        needed=sum(tensor_nbytes(t) for t in snapshot.tensors.values())
-        + shards.nbytes
-        + kept * (rank_bytes + 4096),
+        needed=sum(tensor_nbytes(t) for t in snapshot.tensors.values()) + shards.nbytes,
         shared_state=snapshot.state,
         movable=movable,
         rank_items=rank_items,
@@ -157,6 +153,8 @@ def plan_write(
         owned_state=snapshot.owned_state,
         keepers=partners,
     )
+    plan.needed += plan.kept * (rank_bytes + 4096)  # the rank files this copy keeps
+    return plan
 
 
 def add_ranks(
@@ -364,8 +362,8 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
             blob = index_document(plan.comm.token, plan.comm.rank, pieces)
             name = index_name(plan.comm.rank)
             store.write_new(os.path.join(tmp, name), blob)
-            files.append({"name": name, "size": len(blob), "writer": plan.comm.rank,
-                          "xxh3_64": xxhash.xxh3_64(blob).hexdigest()})  # fmt: skip
+            index = FileEntry(name, len(blob), xxhash.xxh3_64(blob).hexdigest(), plan.comm.rank)
+            files.append({"name": name, **file_to_json(index)})
     return {
         "files": files,
         "tensors": tensors,
@@ -409,10 +407,10 @@ def _commit(plan: WritePlan, tmp: str, written: _CopyResults | None) -> None:
             manifest.tensors[name] = tensor_from_json(doc)
     manifest.shards = shard_specs(plan.shards.specs, plan.path)
     manifest.meshes = dict(plan.shards.meshes)
-    written, expected = sum(r["pieces"] for r in ours), expected_pieces(manifest.shards)
-    if written != expected:  # each rank planned alone: what they planned must tile the state
+    pieces, expected = sum(r["pieces"] for r in ours), expected_pieces(manifest.shards)
+    if pieces != expected:  # each rank planned alone: what they planned must tile the state
         raise RuntimeError(
-            f"{plan.path}: the ranks wrote {written} shards of sharded tensors, not the "
+            f"{plan.path}: the ranks wrote {pieces} shards of sharded tensors, not the "
             f"{expected} distinct ones; nothing was committed (a bug in ddpckpt: please report)"
         )
     order = {name: i for i, name in enumerate(plan.order)}

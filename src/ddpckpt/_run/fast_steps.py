@@ -39,10 +39,9 @@ def holdings(copies: dict[str, list[list[int]]]) -> tuple[RankSet, RankSet]:
     by_id: dict[str, list[RankSet]] = {}
     for ident, spans in copies.items():
         by_id.setdefault(ident.removesuffix(LACKING), []).append(RankSet.from_json(spans))
-    sets = max(by_id.values(), key=lambda found: sum(len(s) for s in found))
-    ident = next(i for i in by_id if by_id[i] is sets)
+    ident = max(by_id, key=lambda i: sum(len(s) for s in by_id[i]))
     have = RankSet.from_json(copies.get(ident, []))
-    return have, RankSet.of(r for s in sets for a, b in s.spans for r in range(a, b))
+    return have, RankSet.of(r for s in by_id[ident] for a, b in s.spans for r in range(a, b))
 
 
 def keep_up_to(directory: str, step: int | None) -> tuple[int | None, list[int]]:

@@ -53,7 +53,7 @@ from typing import Any
 
 from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.replicate import repair_copies
-from ddpckpt._format.rankparts import kept_ranks
+from ddpckpt._format.rankparts import file_rank, kept_ranks
 from ddpckpt._format.runfiles import (
     FAST_TIER_FORMAT,
     FastTierMarker,
@@ -382,7 +382,7 @@ class FastSaves:
         :meth:`keep_up_to`)."""
         held = {
             str(e.step): e.manifest.id
-            + ("" if (rank if rank < e.manifest.world_size else 0) in kept_ranks(e.manifest)
+            + ("" if file_rank(rank, e.manifest.world_size) in kept_ranks(e.manifest)
                else LACKING)
             for e in scan(self.directory)
             if e.manifest is not None
