@@ -17,6 +17,7 @@ else torch reads from the environment at import.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing
 import multiprocessing.connection
@@ -115,10 +116,13 @@ def _rank_main(
 def _stop(procs: Sequence[multiprocessing.process.BaseProcess], how: signal.Signals) -> None:
     for proc in procs:
         if proc.exitcode is None and proc.pid is not None:
-            try:
-                os.killpg(proc.pid, how)
-            except ProcessLookupError:  # not yet its own group leader
-                os.kill(proc.pid, how)
+            # The forkserver, not this process, reaps a rank: its exitcode can still read None
+            # after it is gone, so "no such process" here means it has already stopped.
+            with contextlib.suppress(ProcessLookupError):
+                try:
+                    os.killpg(proc.pid, how)
+                except ProcessLookupError:  # not yet its own group leader
+                    os.kill(proc.pid, how)
 
 
 def run_ranks(
