@@ -14,6 +14,7 @@ Everything here is local to the calling rank; ``loader`` is a tracked DataLoader
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -69,7 +70,11 @@ class IndexStream:
 
     def __init__(self, inner: Any, loader: Any) -> None:
         self.inner = inner
-        self.loader = loader
+        # Weak: the loader's worker iterator holds this stream, so a strong reference makes
+        # a cycle that only the garbage collector frees, and it frees the iterator's queues
+        # before the iterator can tell its persistent workers to stop (each then waits out
+        # torch's 5 s timeout and is terminated).
+        self._loader = weakref.ref(loader)
         self.skip = 0
         self.sizes: deque[int] = deque()  # indices per batch handed out, not yet yielded
         self.replay: Mapping[str, Any] | None = None  # the saved order draw, for the next pass
@@ -80,6 +85,13 @@ class IndexStream:
         self.whole_pass_len = False
         # the index batches handed out, not yet yielded: only under ddpckpt check-resume
         self.handed: deque[Any] | None = deque() if observer() else None
+
+    @property
+    def loader(self) -> Any:
+        loader = self._loader()
+        if loader is None:  # iterators keep their loader alive; only a stray stream can ask
+            raise ReferenceError("the DataLoader this index stream belonged to is gone")
+        return loader
 
     def __len__(self) -> int:
         if self.whole_pass_len:
