@@ -44,10 +44,11 @@ test: lint
 # each target for FUZZ_SECONDS; a violation leaves its input as crash-* in fuzz-output/.
 fuzz: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[fuzz]'
-	mkdir -p fuzz-output/checkpoint fuzz-output/torchfile fuzz-output/dcp
+	mkdir -p fuzz-output/checkpoint fuzz-output/torchfile fuzz-output/dcp fuzz-output/deepspeed
 	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py checkpoint -max_total_time=$(FUZZ_SECONDS) checkpoint
 	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py torchfile -max_total_time=$(FUZZ_SECONDS) torchfile
 	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py dcp -max_total_time=$(FUZZ_SECONDS) dcp
+	cd fuzz-output && ../$(BIN)/python ../tests/fuzz/fuzz_checkpoints.py deepspeed -max_total_time=$(FUZZ_SECONDS) deepspeed
 
 # The quick loop while developing: the unit tier (no test in it starts a process or a
 # server); `make test` (what CI runs) is the whole suite.

@@ -93,3 +93,14 @@ def test_mutated_trainer_and_accelerate_directories_import_or_are_refused(tmp_pa
         one(Draws(data))
 
     check()
+
+
+def test_mutated_deepspeed_checkpoints_import_or_are_refused(tmp_path_factory) -> None:
+    one = example("deepspeed", tmp_path_factory.mktemp("deepspeed"))
+
+    @fuzz(120)
+    @given(st.data())
+    def check(data: st.DataObject) -> None:
+        one(Draws(data))
+
+    check()

@@ -4,7 +4,7 @@ hundred examples), driven for as long as you let it run.
 
 With atheris (``pip install 'ddpckpt[fuzz]'``), coverage-guided::
 
-    make fuzz                                    # both targets, 30 minutes each
+    make fuzz                                    # every target, 30 minutes each
     python tests/fuzz/fuzz_checkpoints.py checkpoint -max_total_time=3600 corpus/
     python tests/fuzz/fuzz_checkpoints.py torchfile -atheris_runs=100000
 
@@ -75,7 +75,7 @@ def _without_atheris(kind: str, root: Path, examples: int, seed: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kind", choices=["checkpoint", "torchfile", "dcp"])
+    parser.add_argument("kind", choices=["checkpoint", "torchfile", "dcp", "deepspeed"])
     parser.add_argument("--examples", type=int, default=10_000, help="without atheris")
     parser.add_argument("--seed", type=int, default=0, help="without atheris")
     args, rest = parser.parse_known_args()

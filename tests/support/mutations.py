@@ -557,6 +557,16 @@ def seed_hf_directories(root: Path) -> list[Path]:
     return [trainer, accelerate]
 
 
+def seed_deepspeed_directory(root: Path) -> Path:
+    """A DeepSpeed ZeRO-2 checkpoint of 2 ranks (deepspeed_layout.py): its tag directory."""
+    from deepspeed_layout import write
+
+    model, optimizer, scheduler = _objects()
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return write(root, model, optimizer, world=2, step=1, scheduler=scheduler)
+
+
 def mutated_hf_directory(chooser: Chooser, seed: Path, target: Path) -> None:
     """``seed`` with one file's pickle, zip, safetensors or JSON bytes changed or cut short."""
     if target.exists():
@@ -590,7 +600,7 @@ class RandomChooser:
 
 def example(kind: str, root: Path) -> Callable[[Chooser], None]:
     """One check of the property on an input of ``kind`` (``checkpoint``, ``torchfile``,
-    ``dcp`` or ``hf``: a Trainer checkpoint or an Accelerate save_state) mutated by a chooser's choices; the seed input is made under ``root`` first."""
+    ``dcp``, ``deepspeed`` or ``hf``: a Trainer checkpoint or an Accelerate save_state) mutated by a chooser's choices; the seed input is made under ``root`` first."""
     if kind == "dcp":
         seeds = seed_dcp_directories(root / "seeds")
 
@@ -608,6 +618,14 @@ def example(kind: str, root: Path) -> Callable[[Chooser], None]:
             check_torch_file(root / "mutated" / seed.name, root / "mutated" / "out")
 
         return one_hf
+    if kind == "deepspeed":
+        tag = seed_deepspeed_directory(root / "seeds")
+
+        def one_deepspeed(chooser: Chooser) -> None:
+            mutated_hf_directory(chooser, tag, root / "mutated" / tag.name)
+            check_torch_file(root / "mutated" / tag.name, root / "mutated" / "out")
+
+        return one_deepspeed
     if kind == "sharded":
         seed = root / "seed" / "run" / "ckpt"
         expected = seed_sharded(seed)

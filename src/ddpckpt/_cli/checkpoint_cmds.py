@@ -145,7 +145,8 @@ def _import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "legacy",
         help="a file written by torch.save, a Lightning .ckpt, a torch.distributed.checkpoint "
-        "(DCP) directory, a Trainer checkpoint-N directory or an Accelerate save_state directory",
+        "(DCP) directory, a Trainer checkpoint-N directory, an Accelerate save_state directory "
+        "or a DeepSpeed ZeRO-1/2 checkpoint directory",
     )
     p.add_argument("outdir", help="the ddpckpt checkpoint directory to create")
     p.add_argument("--model-key", help="the entry holding the model weights, if not detected")
@@ -222,8 +223,8 @@ EXPORT = Command(
 )
 IMPORT = Command(
     "import",
-    "convert a torch.save / Lightning file, a DCP, Trainer or Accelerate directory "
-    "(no pickle code runs)",
+    "convert a torch.save / Lightning file, a DCP, Trainer, Accelerate or DeepSpeed "
+    "directory (no pickle code runs)",
     _import_arguments,
     _import,
     description="Convert a checkpoint written with torch.save (a state dict, the usual "
@@ -231,7 +232,9 @@ IMPORT = Command(
     "torch.distributed.checkpoint directory (dcp.save; a sharded save's pieces "
     "put together; torchtitan's layout too), a Hugging Face Trainer checkpoint-N directory "
     "or an Accelerate "
-    "save_state directory (each process's random streams kept as that rank's) into a "
+    "save_state directory (each process's random streams kept as that rank's) or a "
+    "DeepSpeed ZeRO-1/2 checkpoint (fp32 master weights and moments put together from "
+    "every rank's slice) into a "
     "ddpckpt checkpoint. torch.save files and DCP's items are read with "
     "torch's weights-only unpickler, DCP's .metadata with one that knows only DCP's own "
     "metadata records: a pickle naming any other global is refused before it runs. "

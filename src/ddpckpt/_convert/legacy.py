@@ -12,6 +12,8 @@ Understood layouts:
   reads it without running its pickle), holding any of the above, such as
   ``{"model": ..., "optim": ...}`` of ``get_state_dict``, inside one wrapping entry or not,
   or torchtitan's layout (:mod:`ddpckpt._convert.torchtitan`);
+* a DeepSpeed ZeRO-1/2 checkpoint (:mod:`ddpckpt._convert.deepspeed`), read as the model's
+  fp32 master weights, the optimizer by parameter name, the scheduler and the step;
 * a Hugging Face ``Trainer`` ``checkpoint-N`` or an Accelerate ``save_state`` directory
   (:mod:`ddpckpt._convert.hf`), written as the objects ddpckpt's integrations save, each
   process's random streams in that rank's file (:func:`~ddpckpt._io.writing.add_ranks`).
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from ddpckpt._convert.dcp import is_dcp_directory, read_dcp
+from ddpckpt._convert.deepspeed import is_deepspeed_checkpoint, read_deepspeed
 from ddpckpt._convert.hf import (
     Source,
     is_accelerate_state,
@@ -309,7 +312,10 @@ def import_checkpoint(
         snapshot, header, parts = _hf_snapshot(found, source)
         return _write(source, destination, snapshot, header, found.left_out, parts, overwrite)
     left_out: list[str] = []
-    if is_dcp_directory(source):
+    if is_deepspeed_checkpoint(source):
+        obj, left_out = read_deepspeed(source, trusted_globals, trusted_source)
+        model_key = "model"
+    elif is_dcp_directory(source):
         obj = _unwrapped(read_dcp(source, trusted_globals, trusted_source))
         if model_key is None and is_torchtitan(obj):
             obj, left_out = from_torchtitan(obj, source)
@@ -325,8 +331,9 @@ def import_checkpoint(
         raise CorruptCheckpointError(
             f"{source}: a directory of no format `import` reads: a "
             "torch.distributed.checkpoint directory (.metadata), a Trainer checkpoint "
-            "(trainer_state.json) or an Accelerate save_state (random_states_0.pkl); or a "
-            "torch.save file, a Lightning .ckpt"
+            "(trainer_state.json), an Accelerate save_state (random_states_0.pkl) or a "
+            "DeepSpeed ZeRO checkpoint (mp_rank_00_model_states.pt, or the 'latest' file "
+            "naming it); or a torch.save file, a Lightning .ckpt"
         )
     else:
         obj, _ = read_torch_file(source, trusted_globals, trusted_source)

@@ -138,8 +138,9 @@ def trusted_globals(names: Iterable[str]) -> list[Any]:
 
 
 def read_torch_file(
-    path: str, trusted: Iterable[str] = (), trusted_source: bool = False, *, arrays: bool = False
-) -> tuple[Any, int]:
+    path: str, trusted: Iterable[str] = (), trusted_source: bool = False, *, arrays: bool = False,
+    stand_ins: Sequence[tuple[type, str]] = (),
+) -> tuple[Any, int]:  # fmt: skip
     """What the ``torch.save`` file ``path`` holds (CPU tensors, memory-mapped where the
     file is in the zip format) and the file's size, within the limits of this module.
 
@@ -148,7 +149,9 @@ def read_torch_file(
     ``transformers`` and ``accelerate`` allow them, each array declared empty before its
     bytes are set and exactly its shape's bytes, of a plain number's dtype (the scan refuses
     any other use of them, such as calling ``ndarray`` or an array of Python objects), from a
-    file in torch's zip format only."""
+    file in torch's zip format only. ``stand_ins``: ``(class, "module.Name")`` pairs, a
+    class of ddpckpt's own (no code of its own: see :func:`why_not_plain`) built where the
+    pickle names a class of another package (DeepSpeed's records), which is never imported."""
 
     def load() -> tuple[Any, int]:
         size = _scan(path)
@@ -158,7 +161,8 @@ def read_torch_file(
             )
         return load_torch_file(path), size
 
-    return _read(path, load, trusted, trusted_source, _numpy_globals() if arrays else [])
+    allowed = [*(_numpy_globals() if arrays else []), *stand_ins]
+    return _read(path, load, trusted, trusted_source, allowed)
 
 
 def read_torch_bytes(

@@ -1,0 +1,395 @@
+"""Reading a DeepSpeed ZeRO-1/2 checkpoint without DeepSpeed and without running its pickles.
+
+A tag directory of ``engine.save_checkpoint`` (or its parent, whose ``latest`` names the
+tag) holds ``mp_rank_00_model_states.pt`` (the model in its training precision, the
+parameters' names and shapes in the optimizer's flat order, the scheduler, the step) and
+one ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per data-parallel rank R (that
+rank's slice of every parameter group's fp32 master weights, flattened, and of the
+optimizer's moments). The weights are put back together as DeepSpeed's own
+``zero_to_fp32.py`` does (its reconstruction protocol: each group's slices concatenated in
+rank order, the parameters taken one after another in ``param_shapes`` order, the group
+padded to ``2 * world`` elements), and the moments the same way, so the result is the
+``torch.save`` recipe :mod:`ddpckpt._convert.legacy` imports: the model (fp32 masters),
+the optimizer keyed by parameter name, the scheduler and the step.
+
+The files pickle four DeepSpeed classes (the loss scaler, the ZeRO stage enum, a slice
+address); each is read as an inert record of this module (DeepSpeed is never imported, and
+no code of the file runs: torch's weights-only unpickler builds only these records,
+tensors and plain values). ZeRO-3 (each rank its own model states) is refused by name.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ddpckpt._convert.torchfile import read_torch_file
+from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage._base import NotRegularFileError
+from ddpckpt.storage._posix import open_regular
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+_ZERO3_MODEL = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+_OPTIM = re.compile(r"(?:bf16_)?zero_pp_rank_(\d{1,6})_mp_rank_00_optim_states\.pt")
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,254}")
+_LATEST_BYTES = 256
+
+
+class _Record:
+    """An inert record: what a DeepSpeed object's pickled ``__dict__`` held, nothing else."""
+
+
+class LossScaler(_Record):
+    pass
+
+
+class DynamicLossScaler(_Record):
+    pass
+
+
+class ZeroStage(enum.IntEnum):
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+
+
+@dataclass
+class FragmentAddress:
+    numel: int
+    start: int
+
+
+STAND_INS: tuple[tuple[type, str], ...] = (
+    (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
+    (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
+    (ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
+)
+
+
+def tag_directory(path: str) -> str:
+    """``path`` itself, or the tag its ``latest`` file names (DeepSpeed's save directory)."""
+    if os.path.lexists(os.path.join(path, MODEL_STATES)) or os.path.lexists(
+        os.path.join(path, _ZERO3_MODEL)
+    ):
+        return path
+    latest = os.path.join(path, "latest")
+    if not os.path.lexists(latest):
+        return path
+    try:
+        fd = open_regular(latest)
+    except NotRegularFileError as exc:
+        raise CorruptCheckpointError(f"{latest}: {exc.kind}, not DeepSpeed's tag file") from None
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(_LATEST_BYTES + 1)
+    tag = text.decode("utf-8", "replace").strip()
+    if len(text) > _LATEST_BYTES or not _TAG.fullmatch(tag) or tag in (".", ".."):
+        raise CorruptCheckpointError(
+            f"{latest}: names no checkpoint tag (DeepSpeed writes one directory name there)"
+        )
+    return os.path.join(path, tag)
+
+
+def is_deepspeed_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a DeepSpeed checkpoint's tag directory, or a save directory
+    with DeepSpeed's ``latest`` file (read, and checked, by :func:`read_deepspeed`)."""
+    return os.path.isdir(path) and any(
+        os.path.lexists(os.path.join(path, n)) for n in (MODEL_STATES, _ZERO3_MODEL, "latest")
+    )
+
+
+def read_deepspeed(
+    source: str, trusted: Iterable[str] = (), trusted_source: bool = False
+) -> tuple[dict[str, Any], list[str]]:
+    """The checkpoint at ``source`` as the ``torch.save`` recipe :mod:`.legacy` imports
+    (``model``, ``optimizer`` keyed by name, ``lr_scheduler``, ``global_steps`` ...), and
+    what was left out, with why; local."""
+    directory = tag_directory(source)
+    if not os.path.isdir(directory):
+        raise CorruptCheckpointError(
+            f"{os.path.join(source, 'latest')}: names the tag {os.path.basename(directory)!r}, "
+            f"which {source} does not hold"
+        )
+    names = os.listdir(directory)
+    if _ZERO3_MODEL in names:
+        raise CorruptCheckpointError(
+            f"{directory}: a DeepSpeed ZeRO-3 checkpoint (zero_pp_rank_*_model_states.pt), not "
+            "imported yet; load it with DeepSpeed, then save once with ddpckpt"
+        )
+    if MODEL_STATES not in names:
+        raise CorruptCheckpointError(
+            f"{directory}: no {MODEL_STATES}: not a DeepSpeed checkpoint's tag directory"
+        )
+    model = _read(directory, MODEL_STATES, trusted, trusted_source)
+    ranks = sorted((int(m.group(1)), n) for n in names if (m := _OPTIM.fullmatch(n)))
+    if not ranks:
+        raise CorruptCheckpointError(
+            f"{directory}: no zero_pp_rank_*_optim_states.pt: a DeepSpeed checkpoint saved "
+            "without ZeRO (its optimizer in the model states) is not imported yet"
+        )
+    if [r for r, _ in ranks] != list(range(len(ranks))):
+        raise CorruptCheckpointError(
+            f"{directory}: the optimizer files are of ranks {[r for r, _ in ranks][:20]}, not "
+            f"0 to {len(ranks) - 1}: a rank's file is missing"
+        )
+    optims = [_zero_state(directory, n, trusted, trusted_source) for _, n in ranks]
+    return _assemble(directory, model, optims)
+
+
+def _read(directory: str, name: str, trusted: Iterable[str], trusted_source: bool) -> Any:
+    path = os.path.join(directory, name)
+    if os.path.islink(path):
+        raise CorruptCheckpointError(f"{path}: a symbolic link, not a file of the checkpoint")
+    obj, _ = read_torch_file(path, trusted, trusted_source, stand_ins=STAND_INS)
+    if not isinstance(obj, Mapping):
+        raise CorruptCheckpointError(f"{path}: holds a {type(obj).__name__}, not DeepSpeed's dict")
+    return obj
+
+
+@dataclass
+class _RankState:
+    """One rank's optimizer file: its slice of each group (fp32 masters, padding removed),
+    the padding of its moments, and its base optimizer's state."""
+
+    path: str
+    fp32: list[torch.Tensor]
+    paddings: list[int]
+    base: Any
+    base_step: Any
+    stage: int
+    world: int
+    scaler: Any
+
+
+def _zero_state(
+    directory: str, name: str, trusted: Iterable[str], trusted_source: bool
+) -> _RankState:
+    path = os.path.join(directory, name)
+    doc = _read(directory, name, trusted, trusted_source).get("optimizer_state_dict")
+    if not isinstance(doc, Mapping) or "zero_stage" not in doc:
+        raise CorruptCheckpointError(f"{path}: holds no ZeRO optimizer state (zero_stage)")
+    stage = doc["zero_stage"]
+    if not isinstance(stage, int) or int(stage) not in (1, 2):
+        raise CorruptCheckpointError(f"{path}: ZeRO stage {stage!r}: only stages 1 and 2 are read")
+    count = doc.get("partition_count")
+    counts = count if isinstance(count, list) else [count]
+    if not counts or not all(type(c) is int and 0 < c <= 1 << 20 for c in counts):
+        raise CorruptCheckpointError(f"{path}: partition_count {count!r} is not a rank count")
+    fp32 = doc.get("single_partition_of_fp32_groups")
+    if not isinstance(fp32, list) or not all(
+        isinstance(t, torch.Tensor) and t.dim() == 1 and t.is_floating_point() for t in fp32
+    ):
+        raise CorruptCheckpointError(
+            f"{path}: single_partition_of_fp32_groups is not one flat float tensor per group"
+        )
+    paddings = doc.get("group_paddings", [0] * len(fp32))
+    if not (
+        isinstance(paddings, list)
+        and len(paddings) == len(fp32)
+        and all(type(p) is int and p >= 0 for p in paddings)
+    ):
+        raise CorruptCheckpointError(f"{path}: group_paddings is not one count per group")
+    scaler = doc.get("loss_scaler")
+    return _RankState(path, fp32, paddings, doc.get("base_optimizer_state"),
+                      doc.get("base_optimizer_state_step"), int(stage), max(counts), scaler)  # fmt: skip
+
+
+def _shapes(model: Mapping[str, Any], where: str) -> list[dict[str, tuple[int, ...]]]:
+    groups = model.get("param_shapes")
+    if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
+        raise CorruptCheckpointError(f"{where}: param_shapes is not a list of name-to-shape maps")
+    out = []
+    for group in groups:
+        shapes = {}
+        for name, shape in group.items():
+            if not isinstance(name, str) or not isinstance(shape, (torch.Size, list, tuple)):
+                raise CorruptCheckpointError(f"{where}: param_shapes holds a malformed entry")
+            dims = tuple(shape)
+            if not all(type(d) is int and 0 <= d < 1 << 62 for d in dims):
+                raise CorruptCheckpointError(f"{where}: the shape of {name[:200]!r} is not a shape")
+            shapes[name] = dims
+        out.append(shapes)
+    return out
+
+
+def _split(
+    flat: torch.Tensor, shapes: Mapping[str, tuple[int, ...]], world: int, where: str
+) -> dict[str, torch.Tensor]:
+    """One group's flat vector cut into its parameters, as ``zero_to_fp32.py`` cuts it."""
+    out, offset = {}, 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        if offset + numel > flat.numel():
+            raise CorruptCheckpointError(
+                f"{where}: the parameters need more than the {flat.numel()} elements the ranks hold"
+            )
+        out[name] = flat.narrow(0, offset, numel).view(shape)
+        offset += numel
+    align = 2 * world
+    if align * math.ceil(offset / align) != align * math.ceil(flat.numel() / align):
+        raise CorruptCheckpointError(
+            f"{where}: the ranks hold {flat.numel()} elements, the parameters {offset}: the "
+            "optimizer files are not of this checkpoint"
+        )
+    return out
+
+
+def _assemble(
+    directory: str, model: Mapping[str, Any], optims: list[_RankState]
+) -> tuple[dict[str, Any], list[str]]:
+    where = os.path.join(directory, MODEL_STATES)
+    world = optims[0].world
+    if world != len(optims):
+        raise CorruptCheckpointError(
+            f"{directory}: saved by {world} data-parallel ranks, but it has {len(optims)} "
+            "optimizer files"
+        )
+    shapes = _shapes(model, where)
+    groups = len(shapes)
+    if any(len(o.fp32) != groups or o.world != world for o in optims):
+        raise CorruptCheckpointError(
+            f"{directory}: the optimizer files do not all hold {groups} parameter groups of "
+            f"{world} ranks"
+        )
+    masters: dict[str, torch.Tensor] = {}
+    for g in range(groups):
+        flat = torch.cat([o.fp32[g].float() for o in optims])
+        masters.update(_split(flat, shapes[g], world, f"{where} (group {g})"))
+    module = model.get("module")
+    if not isinstance(module, Mapping):
+        raise CorruptCheckpointError(f"{where}: holds no model state_dict ('module')")
+    buffers = set(model.get("buffer_names") or ())
+    frozen = model.get("frozen_param_fragments") or {}
+    shared = model.get("shared_params") or {}
+    if not isinstance(frozen, Mapping) or not isinstance(shared, Mapping):
+        raise CorruptCheckpointError(f"{where}: frozen_param_fragments or shared_params malformed")
+    weights: dict[str, Any] = {}
+    for key, value in module.items():
+        if key in masters:
+            weights[key] = masters[key]
+        elif key in frozen and isinstance(frozen[key], torch.Tensor):
+            weights[key] = frozen[key]
+        elif key in buffers and isinstance(value, torch.Tensor) and value.is_floating_point():
+            weights[key] = value.float()  # as zero_to_fp32.py restores them
+        else:
+            weights[key] = value
+    weights.update((k, v) for k, v in masters.items() if k not in weights)
+    for name, target in shared.items():
+        if isinstance(name, str) and isinstance(target, str) and target in weights:
+            weights[name] = weights[target]  # a tie: stored once, loaded tied
+    obj: dict[str, Any] = {"model": weights}
+    left_out: list[str] = []
+    optimizer = _optimizer(optims, shapes, world, where)
+    if optimizer is not None:
+        obj["optimizer"] = optimizer
+    scheduler = model.get("lr_scheduler")
+    if isinstance(scheduler, Mapping) and scheduler:
+        obj["lr_scheduler"] = dict(scheduler)
+    if type(model.get("global_steps")) is int:
+        obj["global_step"] = model["global_steps"]
+    for key in ("global_samples", "skipped_steps"):
+        if type(model.get(key)) is int:
+            obj[key] = model[key]
+    scaler = optims[0].scaler
+    if isinstance(scaler, _Record):
+        scale = vars(scaler).get("cur_scale")
+        left_out.append(
+            f"loss_scaler (DeepSpeed's {type(scaler).__name__}, scale {scale!r}): torch's "
+            "GradScaler keeps other state; start it with init_scale at that scale"
+        )
+    for key in ("data_sampler", "random_ltd"):
+        if model.get(key) is not None:
+            left_out.append(f"{key} (DeepSpeed's own state)")
+    return obj, left_out
+
+
+def _optimizer(
+    optims: list[_RankState], shapes: list[dict[str, tuple[int, ...]]], world: int, where: str
+) -> dict[str, Any] | None:
+    """The base optimizer's state keyed by parameter name: each moment's slices joined and
+    cut as the weights are; a step kept in the group (DeepSpeed's Adam) goes to each
+    parameter, as torch's Adam keeps it; DeepSpeed's Adam flags as torch's."""
+    base = optims[0].base
+    if base is None:
+        return None
+    elastic = isinstance(base, list)
+    if elastic:
+        groups_in = None
+        if not all(isinstance(o.base, list) and len(o.base) == len(shapes) for o in optims):
+            raise CorruptCheckpointError(
+                f"{where}: the ranks' base_optimizer_state is not one state per group on each"
+            )
+        per_group = [[o.base[g] for o in optims] for g in range(len(shapes))]
+    else:
+        if not isinstance(base, Mapping) or not isinstance(base.get("param_groups"), list):
+            raise CorruptCheckpointError(f"{optims[0].path}: base_optimizer_state is malformed")
+        groups_in = base["param_groups"]
+        if len(groups_in) != len(shapes):
+            raise CorruptCheckpointError(
+                f"{optims[0].path}: the optimizer has {len(groups_in)} groups, the model "
+                f"{len(shapes)}"
+            )
+        per_group = []
+        for g, group in enumerate(groups_in):
+            params = group.get("params") if isinstance(group, Mapping) else None
+            if not (isinstance(params, list) and len(params) == 1 and type(params[0]) is int):
+                raise CorruptCheckpointError(
+                    f"{optims[0].path}: group {g} of base_optimizer_state is not one flat slice"
+                )
+            per_group.append([_rank_group_state(o, params[0]) for o in optims])
+    state: dict[str, dict[str, Any]] = {}
+    param_groups = []
+    for g, ranks in enumerate(per_group):
+        if not all(isinstance(r, Mapping) for r in ranks):
+            raise CorruptCheckpointError(f"{optims[0].path}: group {g}'s state is not a dict")
+        joined: dict[str, dict[str, torch.Tensor]] = {}
+        scalars: dict[str, Any] = {}
+        for key, value in ranks[0].items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1:
+                parts = []
+                for o, r in zip(optims, ranks, strict=True):
+                    part = r.get(key)
+                    if not isinstance(part, torch.Tensor) or part.dim() != 1:
+                        raise CorruptCheckpointError(f"{o.path}: group {g} lacks its {key!r}")
+                    pad = 0 if elastic else o.paddings[g]
+                    parts.append(part.narrow(0, 0, max(0, part.numel() - pad)))
+                joined[key] = _split(torch.cat(parts), shapes[g], world, f"{where} ({key})")
+            else:
+                scalars[key] = value
+        hyper = dict(groups_in[g]) if groups_in is not None else {}
+        hyper.pop("params", None)
+        step = scalars.pop("step", hyper.pop("step", optims[0].base_step))
+        if "adam_w_mode" in hyper:  # DeepSpeed's FusedAdam / CPUAdam flags, as torch's
+            hyper["decoupled_weight_decay"] = bool(hyper.pop("adam_w_mode"))
+            if hyper.pop("bias_correction", True) is False:
+                raise CorruptCheckpointError(
+                    f"{optims[0].path}: an Adam without bias correction, which torch's Adam "
+                    "cannot continue"
+                )
+        for name in shapes[g]:
+            own = {key: cut[name] for key, cut in joined.items()}
+            if own and step is not None:
+                own["step"] = (
+                    step.float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
+                )
+            own.update(scalars)
+            if own:
+                state[name] = own
+        param_groups.append({**hyper, "params": list(shapes[g])})
+    return {"state": state, "param_groups": param_groups}
+
+
+def _rank_group_state(rank: _RankState, index: int) -> Any:
+    """The state of the flat slice ``index`` in ``rank``'s base optimizer (non-elastic)."""
+    state = rank.base.get("state") if isinstance(rank.base, Mapping) else None
+    if not isinstance(state, Mapping):
+        raise CorruptCheckpointError(f"{rank.path}: base_optimizer_state holds no state")
+    return state.get(index, {})

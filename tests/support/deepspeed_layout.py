@@ -1,0 +1,202 @@
+"""DeepSpeed ZeRO-1/2 checkpoints written by the layout DeepSpeed's own code writes, without
+DeepSpeed (its package builds its extensions at install: it does not install from this
+project's CPU wheel of torch without building).
+
+Followed from deepspeedai/DeepSpeed (commit edaa722, 2026-08): ``engine._save_checkpoint``
+and ``_common_checkpoint_state`` (``mp_rank_00_model_states.pt``), ``_save_zero_checkpoint``
+and ``stage_1_and_2.DeepSpeedZeroOptimizer.state_dict`` (one
+``zero_pp_rank_R_mp_rank_00_optim_states.pt`` per rank), ``_get_zero_param_shapes``,
+``_get_shared_params``, ``utils/zero_to_fp32.py`` (the reconstruction it documents). The
+pickles name DeepSpeed's own classes (``DynamicLossScaler``, ``ZeroStageEnum``,
+``fragment_address``): classes of those names are placed in ``sys.modules`` while saving.
+
+The optimizer works on each rank's slice of a group's flat fp32 vector; Adam is elementwise,
+so an AdamW over the model's parameters has exactly the moments the ranks' slices hold:
+:func:`write` takes a trained model and its ``torch.optim.AdamW`` and writes what DeepSpeed
+would have written for them at ``world`` ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import sys
+import types
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+VERSION = "0.18.2"
+
+
+class DynamicLossScaler:
+    def __init__(self) -> None:
+        self.cur_scale = 65536.0
+        self.cur_iter = 12
+        self.last_overflow_iter = 3
+        self.scale_factor = 2.0
+        self.scale_window = 1000
+        self.min_scale = 1.0
+        self.delayed_shift = 2
+        self.cur_hysteresis = 2
+        self.consecutive_hysteresis = False
+        self.raise_error_at_min_scale = True
+        self.dynamic = True
+        self.dtype = torch.float16
+
+
+class ZeroStageEnum(int, enum.Enum):
+    disabled = 0
+    optimizer_states = 1
+    gradients = 2
+    weights = 3
+    max_stage = 3
+
+
+@dataclass
+class fragment_address:  # DeepSpeed's name
+    numel: int
+    start: int
+
+
+_MODULES = {
+    "deepspeed.runtime.fp16.loss_scaler": {"DynamicLossScaler": DynamicLossScaler},
+    "deepspeed.runtime.zero.config": {"ZeroStageEnum": ZeroStageEnum},
+    "deepspeed.utils.tensor_fragment": {"fragment_address": fragment_address},
+}
+
+
+def _as_deepspeed() -> list[str]:
+    added = []
+    for name, classes in _MODULES.items():
+        parts = name.split(".")
+        for i in range(1, len(parts) + 1):
+            module = ".".join(parts[:i])
+            if module not in sys.modules:
+                sys.modules[module] = types.ModuleType(module)
+                added.append(module)
+        for cls_name, cls in classes.items():
+            cls.__module__ = name
+            setattr(sys.modules[name], cls_name, cls)
+    return added
+
+
+def write(
+    directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world: int,
+    step: int, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    fused_adam: bool = False, tag: str | None = None, stage: int = 2,
+) -> Path:  # fmt: skip
+    """Write ``model`` and its AdamW ``optimizer`` as DeepSpeed ZeRO-``stage`` at ``world``
+    ranks, fp16 training (the module in half precision, fp32 masters in the optimizer
+    files), into ``directory/tag`` with ``directory/latest`` naming it; the tag directory.
+    ``fused_adam``: the optimizer as DeepSpeed's FusedAdam keeps it (the step in the
+    group, ``adam_w_mode``)."""
+    tag = tag or f"global_step{step}"
+    out = directory / tag
+    out.mkdir(parents=True)
+    (directory / "latest").write_text(tag)
+    names = {p: n for n, p in model.named_parameters()}  # first name of a tied parameter
+    groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+    align = 2 * world  # nccl_start_alignment_factor (2) x world
+    partitions: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    paddings: list[list[int]] = [[] for _ in range(world)]
+    moments: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(world)]
+    for params in groups:
+        flat = torch.cat([p.detach().float().reshape(-1) for p in params])
+        padded = align * math.ceil(flat.numel() / align)
+        size = padded // world
+        state_flat = {
+            key: torch.cat([optimizer.state[p][key].reshape(-1) for p in params])
+            for key in ("exp_avg", "exp_avg_sq")
+        }
+        for rank in range(world):
+            begin, end = rank * size, (rank + 1) * size
+            pad = padded - flat.numel() if rank == world - 1 else 0
+            padded_flat = torch.nn.functional.pad(flat, (0, padded - flat.numel()))
+            partitions[rank].append(padded_flat[begin : end - pad].clone())  # without padding
+            paddings[rank].append(pad)
+            moments[rank].append({
+                key: torch.nn.functional.pad(value, (0, padded - flat.numel()))[begin:end].clone()
+                for key, value in state_flat.items()
+            })  # fmt: skip
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    added = _as_deepspeed()
+    try:
+        module = OrderedDict(
+            (k, v.half() if v.is_floating_point() else v) for k, v in model.state_dict().items()
+        )
+        buffers = [n for n, _ in model.named_buffers()]
+        shapes = [OrderedDict((names[p], p.shape) for p in params) for params in groups]
+        shared = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            if names[param] != name:
+                shared[name] = names[param]
+        frozen = OrderedDict((n, p.detach().cpu()) for n, p in model.named_parameters()
+                             if not p.requires_grad)  # fmt: skip
+        torch.save(
+            {
+                "module": module,
+                "buffer_names": buffers,
+                "optimizer": None,
+                "param_shapes": shapes,
+                "frozen_param_shapes": OrderedDict((n, t.shape) for n, t in frozen.items())
+                if stage == 2 else None,
+                "shared_params": shared,
+                "frozen_param_fragments": frozen if stage == 2 else None,
+                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "data_sampler": None,
+                "random_ltd": None,
+                "sparse_tensor_module_names": set(),
+                "skipped_steps": 0,
+                "global_steps": step,
+                "global_samples": step * 8,
+                "dp_world_size": world,
+                "mp_world_size": 1,
+                "ds_config": {"train_batch_size": 8, "fp16": {"enabled": True},
+                              "zero_optimization": {"stage": stage}},
+                "ds_version": VERSION,
+            },
+            out / "mp_rank_00_model_states.pt",
+        )  # fmt: skip
+        for rank in range(world):
+            if fused_adam:
+                groups_out = [{**{k: v for k, v in h.items()
+                                  if k in ("lr", "betas", "eps", "weight_decay", "amsgrad")},
+                               "bias_correction": True, "adam_w_mode": True, "step": step,
+                               "params": [g]} for g, h in enumerate(hyper)]  # fmt: skip
+                state = {g: dict(m) for g, m in enumerate(moments[rank])}
+            else:
+                groups_out = [{**h, "params": [g]} for g, h in enumerate(hyper)]
+                state = {g: {"step": torch.tensor(float(step)), **m}
+                         for g, m in enumerate(moments[rank])}  # fmt: skip
+            offsets = []
+            for params in groups:
+                mapping, start = OrderedDict(), 0
+                for p in params:
+                    mapping[names[p]] = fragment_address(p.numel(), start)
+                    start += p.numel()
+                offsets.append(mapping)
+            zero = {
+                "loss_scaler": DynamicLossScaler(),
+                "dynamic_loss_scale": True,
+                "overflow": False,
+                "clip_grad": 1.0,
+                "base_optimizer_state": {"state": state, "param_groups": groups_out},
+                "single_partition_of_fp32_groups": partitions[rank],
+                "zero_stage": ZeroStageEnum(stage),
+                "group_paddings": paddings[rank],
+                "partition_count": [world] * len(groups),
+                "ds_version": VERSION,
+                "param_slice_mappings": offsets,
+            }
+            torch.save(
+                {"optimizer_state_dict": zero, "ds_config": {"train_batch_size": 8},
+                 "ds_version": VERSION},
+                out / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+            )  # fmt: skip
+    finally:
+        for module_name in added:
+            sys.modules.pop(module_name, None)
+    return out
