@@ -213,6 +213,64 @@ def test_an_accelerate_save_state_resumes_under_ddpckpt_as_under_accelerates_loa
     ]
 
 
+def _two_models(seed: int):
+    """Two models, each with its optimizer and scheduler, as a GAN's script prepares them."""
+    from accelerate import Accelerator
+
+    torch.manual_seed(seed)
+    models = [torch.nn.Linear(4, 3), torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Tanh())]
+    optimizers = [torch.optim.AdamW(models[0].parameters(), lr=1e-2),
+                  torch.optim.SGD(models[1].parameters(), lr=0.1, momentum=0.9)]  # fmt: skip
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in optimizers]
+    accelerator = Accelerator(cpu=True)
+    prepared = accelerator.prepare(*models, *optimizers, *schedulers)
+    return accelerator, prepared[:2], prepared[2:4], prepared[4:]
+
+
+def _two_model_steps(accelerator, models, optimizers, schedulers, n: int) -> list[float]:
+    losses = []
+    for step in range(n):
+        inputs = torch.Generator().manual_seed(step)
+        loss = models[1](models[0](torch.randn(2, 4, generator=inputs))).pow(2).mean()
+        accelerator.backward(loss)
+        for optimizer, scheduler in zip(optimizers, schedulers, strict=True):
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@needs_accelerate
+def test_a_save_state_of_two_models_resumes_each_under_ddpckpt_as_under_accelerate(
+    tmp_path: Path,
+) -> None:
+    """model_1.safetensors, optimizer_1.bin, scheduler_1.bin: named model0/model1 ... as
+    ddpckpt's Accelerate integration names several prepared objects."""
+    from ddpckpt.integrations.accelerate import load_state
+
+    objects = _two_models(0)
+    _two_model_steps(*objects, 3)
+    objects[0].save_state(str(tmp_path / "state"))
+    assert (tmp_path / "state" / "model_1.safetensors").exists()
+
+    objects = _two_models(1)
+    objects[0].load_state(str(tmp_path / "state"))
+    own = _two_model_steps(*objects, 2), [p.clone() for m in objects[1] for p in m.parameters()]
+
+    path, left_out = import_checkpoint(tmp_path / "state", tmp_path / "imported")
+    assert left_out == []
+    objects = _two_models(2)
+    load_state(objects[0], path)
+    ours = _two_model_steps(*objects, 2), [p.clone() for m in objects[1] for p in m.parameters()]
+    assert ours[0] == own[0]
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], own[1], strict=True))
+
+    (tmp_path / "state" / "optimizer.bin").unlink()  # optimizer_1.bin without the first
+    with pytest.raises(CorruptCheckpointError, match=r"optimizer_1.bin without every optimizer"):
+        import_checkpoint(tmp_path / "state", tmp_path / "again")
+
+
 # ------------------------------------------------------------------ nothing of theirs runs
 
 

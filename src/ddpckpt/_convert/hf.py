@@ -51,9 +51,9 @@ class Source:
     form) in process order, and what was left out, with why."""
 
     kind: str  # "trainer" or "accelerate"
-    weights: dict[str, torch.Tensor]
-    optimizer: Any = None
-    scheduler: Any = None
+    models: list[dict[str, torch.Tensor]]  # one, or Accelerate's prepared models in order
+    optimizers: list[Any] = field(default_factory=list)  # in the order they were prepared
+    schedulers: list[Any] = field(default_factory=list)
     scaler: Any = None
     streams: list[dict[str, Any]] = field(default_factory=list)
     step: int | None = None
@@ -86,7 +86,7 @@ def read_trainer(directory: str, trusted_source: bool = False) -> Source:
         raise CorruptCheckpointError(
             f"{_at(directory, TRAINER_STATE)}: global_step is {step!r:.40}, not a step count"
         )
-    source = Source("trainer", _weights(directory, "model", names), step=step,
+    source = Source("trainer", [_weights(directory, "model", names)], step=step,
                     trainer_state=state_text)  # fmt: skip
     if "config.json" in names:
         config = load_json(_json_text(directory, "config.json"), _at(directory, "config.json"),
@@ -112,15 +112,9 @@ def read_trainer(directory: str, trusted_source: bool = False) -> Source:
 def read_accelerate(directory: str, trusted_source: bool = False) -> Source:
     """The directory ``Accelerator.save_state`` wrote; local."""
     names = set(os.listdir(directory))
-    for many in ("model_1.safetensors", "pytorch_model_1.bin", "optimizer_1.bin",
-                 "scheduler_1.bin"):  # fmt: skip
-        if many in names:
-            raise CorruptCheckpointError(
-                f"{_at(directory, many)}: a save_state of several models, optimizers or "
-                "schedulers is not imported yet (one of each is); load it with Accelerate, "
-                "then save once with ddpckpt.integrations.accelerate.save_state"
-            )
-    source = Source("accelerate", _weights(directory, "model", names, accelerate=True))
+    more = _more_models(directory, names)
+    source = Source("accelerate", [_weights(directory, "model", names, accelerate=True)])
+    source.models += [_weights(directory, f"model_{i}", names, accelerate=True) for i in more]
     _read_states(source, directory, names, "bin", trusted_source)
     ranks = _numbered(names, _ACCELERATE_RNG)
     for rank, name in ranks:
@@ -132,8 +126,27 @@ def read_accelerate(directory: str, trusted_source: bool = False) -> Source:
     customs = _numbered(names, re.compile(r"custom_checkpoint_(\d{1,6})\.pkl"))
     for _, name in customs:
         source.custom.append(_torch(directory, name, trusted_source))
-    source.left_out += _unread(names, _ACCELERATE_KNOWN, ranks + customs, "Accelerate")
+    taken = {name for i in more for name in (f"model_{i}.safetensors", f"pytorch_model_{i}.bin")}
+    taken |= {f"{role}_{i}.bin" for role in ("optimizer", "scheduler") for i in range(1, 1 << 10)
+              if f"{role}_{i}.bin" in names}  # fmt: skip
+    source.left_out += _unread(names, _ACCELERATE_KNOWN | taken, ranks + customs, "Accelerate")
     return source
+
+
+def _more_models(directory: str, names: set[str]) -> list[int]:
+    """The numbers 1, 2, ... of the models after the first in an Accelerate ``save_state``
+    (``model_1.safetensors`` or ``pytorch_model_1.bin`` ...), without a gap."""
+    numbers = sorted(
+        int(m.group(1))
+        for n in names
+        if (m := re.fullmatch(r"(?:model|pytorch_model)_([1-9]\d{0,5})\.(?:safetensors|bin)", n))
+    )
+    if numbers != list(range(1, len(numbers) + 1)):
+        raise CorruptCheckpointError(
+            f"{directory}: the models after the first are numbered {numbers[:20]}, not 1, 2, "
+            "... without a gap (one weight file each): some are missing or doubled"
+        )
+    return numbers
 
 
 # ---------------------------------------------------------------- files of the directory
@@ -209,10 +222,19 @@ def _read_states(
 ) -> None:
     """The optimizer's and scheduler's ``torch.save`` files (``optimizer.<suffix>``, the
     Trainer's ``pt``, Accelerate's ``bin``) and the scaler's ``scaler.pt``, where present."""
-    for role, name in (("optimizer", f"optimizer.{suffix}"), ("scheduler", f"scheduler.{suffix}"),
-                       ("scaler", "scaler.pt")):  # fmt: skip
-        if name in names:
-            setattr(source, role, _torch(directory, name, trusted_source))
+    for role, found in (("optimizer", source.optimizers), ("scheduler", source.schedulers)):
+        # Accelerate's second, third ... as optimizer_1.bin, optimizer_2.bin ...
+        files = [f"{role}.{suffix}", *(f"{role}_{i}.{suffix}" for i in range(1, 1 << 10))]
+        for name in itertools.takewhile(names.__contains__, files):
+            found.append(_torch(directory, name, trusted_source))
+        beyond = sorted(n for n in names if re.fullmatch(rf"{role}_\d+\.{suffix}", n))
+        if len(beyond) > max(0, len(found) - 1):
+            raise CorruptCheckpointError(
+                f"{directory}: {', '.join(beyond)[:300]} without every {role} file before "
+                "them: some are missing"
+            )
+    if "scaler.pt" in names:
+        source.scaler = _torch(directory, "scaler.pt", trusted_source)
     if f"optimizer.{suffix}" not in names:
         _log.warning(
             "%s holds no optimizer.%s (the Trainer's save_only_model saves none; otherwise a "
@@ -294,17 +316,16 @@ def _weights(
                 )
             weights.update((k, tensors[k]) for k in sorted(keys))
         return weights
-    if "pytorch_model.bin" in names:
-        weights = _torch(directory, "pytorch_model.bin", False)
+    pickled = f"pytorch_{stem}.bin"  # pytorch_model.bin; Accelerate's pytorch_model_1.bin ...
+    if pickled in names:
+        weights = _torch(directory, pickled, False)
         if not isinstance(weights, Mapping) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()
         ):
-            raise CorruptCheckpointError(
-                f"{_at(directory, 'pytorch_model.bin')}: not a model state_dict"
-            )
+            raise CorruptCheckpointError(f"{_at(directory, pickled)}: not a model state_dict")
         return dict(weights)
     raise CorruptCheckpointError(
-        f"{directory}: holds no model weights (model.safetensors, its index, or pytorch_model.bin)"
+        f"{directory}: holds no model weights ({stem}.safetensors, its index, or {pickled})"
     )
 
 

@@ -50,7 +50,10 @@ from ddpckpt._convert.torchtitan import from_torchtitan, is_torchtitan
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import encode
 from ddpckpt._format.sections import (
+    NAMED,
+    SINGLE,
     ExtraEntry,
+    Layout,
     ModelSection,
     OptimizerSection,
     StatefulSection,
@@ -134,7 +137,9 @@ def _is_state_dict(value: Any) -> bool:
     )
 
 
-def _model_section(weights: Mapping[str, Any], snapshot: Snapshot) -> ModelSection:
+def _model_section(
+    weights: Mapping[str, Any], snapshot: Snapshot, name: str = "model", layout: Layout = SINGLE
+) -> ModelSection:
     keys: list[str] = []
     aliases: dict[str, str] = {}
     seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
@@ -149,16 +154,17 @@ def _model_section(weights: Mapping[str, Any], snapshot: Snapshot) -> ModelSecti
             continue
         seen[identity] = key
         keys.append(key)
-        snapshot.tensors[f"model/{key}"] = value
+        snapshot.tensors[f"{layout.model_prefix(name)}{key}"] = value
     section = ModelSection("imported", keys, aliases, {}, list(extra_state))
     if extra_state:
-        section.extra_state = encode(extra_state, "model_extra_state", snapshot.tensors)
+        section.extra_state = encode(extra_state, layout.model_extra_prefix(name), snapshot.tensors)
     return section
 
 
 def _optimizer_section(
-    optimizer: Mapping[str, Any], snapshot: Snapshot, where: str, prefixes: list[str]
-) -> OptimizerSection:
+    optimizer: Mapping[str, Any], snapshot: Snapshot, where: str, prefixes: list[str],
+    tensors: str = "optimizer",
+) -> OptimizerSection:  # fmt: skip
     if not isinstance(optimizer, Mapping):
         raise CorruptCheckpointError(f"{where}: the optimizer entry is not an optimizer state_dict")
     groups_in, state_in = optimizer.get("param_groups"), optimizer.get("state")
@@ -205,7 +211,7 @@ def _optimizer_section(
         "shapes": shapes,
         "by_position": not named,
     }
-    return OptimizerSection.from_json(encode(section, "optimizer", snapshot.tensors), where)
+    return OptimizerSection.from_json(encode(section, tensors, snapshot.tensors), where)
 
 
 def _classify(
@@ -361,24 +367,43 @@ def _write(
     return write_and_commit(plan), dropped
 
 
+def _numbered_names(role: str, values: list[Any]) -> list[tuple[str, Any]]:
+    """``role`` for one value, ``role0``, ``role1`` ... for several."""
+    if len(values) == 1:
+        return [(role, values[0])]
+    return [(f"{role}{i}", value) for i, value in enumerate(values)]
+
+
 def _hf_snapshot(
     found: Source, where: str
 ) -> tuple[Snapshot, dict[str, Any], list[tuple[dict[str, Any], dict[str, torch.Tensor]]]]:
     """The objects ddpckpt's integration of the source's framework saves (see
     :mod:`ddpckpt._convert.hf`): the snapshot (rank 0's per-rank state in it), the header,
     and the per-rank state of the other processes."""
-    snapshot, sections = Snapshot(), StateSections()
-    # Accelerate saves the model of a DDP or compiled run with its wrappers' prefixes
-    prefixes = _wrapper_prefixes(list(found.weights))
-    sections.models["model"] = _model_section(_strip_wrappers(found.weights, prefixes), snapshot)
-    if found.optimizer:
-        sections.optimizers["optimizer"] = _optimizer_section(found.optimizer, snapshot, where, [])
-    for kind, value in (("scheduler", found.scheduler), ("scaler", found.scaler)):
-        if value is not None:
-            if not isinstance(value, Mapping):
-                raise CorruptCheckpointError(f"{where}: the {kind}'s file holds no state_dict")
-            state = encode(dict(value), kind, snapshot.tensors)
-            sections.place(f"{kind}s", kind, StatefulSection("imported", state))
+    # Named as the integration names the prepared objects: "model", or "model0", "model1" ...
+    # for several (ddpckpt.integrations.accelerate.training_state), in the named layout
+    several = max(len(found.models), len(found.optimizers), len(found.schedulers)) > 1
+    layout = NAMED if several else SINGLE
+    snapshot, sections = Snapshot(), StateSections(layout)
+    for name, weights in _numbered_names("model", found.models):
+        # Accelerate saves the model of a DDP or compiled run with its wrappers' prefixes
+        prefixes = _wrapper_prefixes(list(weights))
+        sections.models[name] = _model_section(
+            _strip_wrappers(weights, prefixes), snapshot, name, layout
+        )
+    for name, optimizer in _numbered_names("optimizer", found.optimizers):
+        if optimizer:
+            sections.optimizers[name] = _optimizer_section(
+                optimizer, snapshot, where, [], layout.prefix("optimizers", name)
+            )
+    schedulers = _numbered_names("scheduler", found.schedulers)
+    scalers = [] if found.scaler is None else [("scaler", found.scaler)]
+    for (name, value), role in [*((s, "schedulers") for s in schedulers),
+                                *((s, "scalers") for s in scalers)]:  # fmt: skip
+        if not isinstance(value, Mapping):
+            raise CorruptCheckpointError(f"{where}: the {name}'s file holds no state_dict")
+        state = encode(dict(value), layout.prefix(role, name), snapshot.tensors)
+        sections.place(role, name, StatefulSection("imported", state))
     for name, text in (("trainer_state", found.trainer_state), ("config", found.config)):
         if text is not None:
             sections.extra[name] = ExtraEntry("value", None, encode(text, f"extra/{name}", {}))
