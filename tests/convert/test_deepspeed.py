@@ -1,4 +1,4 @@
-"""Importing a DeepSpeed ZeRO-1/2 checkpoint (written by DeepSpeed's documented layout:
+"""Importing a DeepSpeed ZeRO checkpoint (stages 2 and 3) (written by DeepSpeed's documented layout:
 deepspeed_layout.py) without DeepSpeed and without running its pickles: the training
 continues from the same fp32 weights, moments, schedule and step, tied weights stay tied,
 and what cannot carry over is named."""
@@ -61,19 +61,22 @@ def train(model: nn.Module, optimizer, scheduler, steps: range) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize(("world", "fused_adam"), [(2, False), (3, True)])
+@pytest.mark.parametrize(
+    ("stage", "world", "fused_adam"), [(2, 2, False), (2, 3, True), (3, 2, False), (3, 3, True)]
+)
 def test_a_zero_checkpoint_continues_as_the_run_would_have(
-    tmp_path: Path, world, fused_adam
+    tmp_path: Path, stage, world, fused_adam
 ) -> None:
-    """3 ranks cut the groups unevenly (the last rank's slice padded); DeepSpeed's FusedAdam
-    keeps the step in its group and says adam_w_mode: both continue as torch's AdamW."""
+    """3 ranks cut the groups (ZeRO-1/2) or each parameter (ZeRO-3) unevenly, the last
+    rank's piece padded; DeepSpeed's FusedAdam keeps the step in its group and says
+    adam_w_mode: each continues as torch's AdamW."""
     model, optimizer, scheduler = build(0)
     train(model, optimizer, scheduler, range(3))
     with torch.no_grad():  # DeepSpeed's fp16 module holds the buffers, in half precision
         for buffer in model.buffers():
             buffer.copy_(buffer.half()) if buffer.is_floating_point() else None
     write(tmp_path / "ds", model, optimizer, world=world, step=3, scheduler=scheduler,
-          fused_adam=fused_adam)  # fmt: skip
+          fused_adam=fused_adam, stage=stage)  # fmt: skip
     done = import_checkpoint(tmp_path / "ds", tmp_path / "imported")  # through its "latest"
     path, left_out = done.path, done.left_out
     assert [x.split(" (")[0] for x in left_out] == ["loss_scaler"]
@@ -95,13 +98,14 @@ def test_a_zero_checkpoint_continues_as_the_run_would_have(
         assert torch.equal(a, b)
 
 
-def test_the_tag_directory_itself_imports_and_a_frozen_parameter_comes_from_its_fragment(
-    tmp_path: Path,
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_tag_directory_itself_imports_and_a_frozen_parameter_comes_from_its_fragments(
+    tmp_path: Path, stage
 ) -> None:
     model, optimizer, scheduler = build(0)
     model.hidden.bias.requires_grad_(False)
     train(model, optimizer, scheduler, range(2))
-    tag = write(tmp_path / "ds", model, optimizer, world=2, step=2)
+    tag = write(tmp_path / "ds", model, optimizer, world=3, step=2, stage=stage)
     obj, _ = read_deepspeed(str(tag))
     assert torch.equal(obj["model"]["hidden.bias"], model.hidden.bias)
     assert obj["model"]["norm.num_batches_tracked"].dtype == torch.int64  # kept an integer
@@ -109,7 +113,7 @@ def test_the_tag_directory_itself_imports_and_a_frozen_parameter_comes_from_its_
     assert obj["global_step"] == 2 and "hidden.bias" not in obj["optimizer"]["state"]
 
 
-def test_zero3_and_a_missing_rank_are_refused_by_name(tmp_path: Path) -> None:
+def test_a_missing_rank_and_files_of_two_stages_are_refused_by_name(tmp_path: Path) -> None:
     model, optimizer, scheduler = build(0)
     train(model, optimizer, scheduler, range(1))
     tag = write(tmp_path / "ds", model, optimizer, world=2, step=1)
@@ -118,8 +122,11 @@ def test_zero3_and_a_missing_rank_are_refused_by_name(tmp_path: Path) -> None:
         CorruptCheckpointError, match=r"saved by 2 data-parallel ranks, but it has 1"
     ):
         import_checkpoint(tag, tmp_path / "a")
-    (tag / "zero_pp_rank_0_mp_rank_00_model_states.pt").write_bytes(b"")
-    with pytest.raises(CorruptCheckpointError, match=r"ZeRO-3 .*not imported yet"):
+    other = write(tmp_path / "ds3", model, optimizer, world=2, step=1, stage=3)
+    for rank in (0, 1):
+        name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+        (tag / name).write_bytes((other / name).read_bytes())
+    with pytest.raises(CorruptCheckpointError, match=r"different ZeRO stages"):
         import_checkpoint(tag, tmp_path / "b")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 

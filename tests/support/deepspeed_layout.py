@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO-1/2 checkpoints written by the layout DeepSpeed's own code writes, without
+"""DeepSpeed ZeRO checkpoints (stages 1 to 3) written by the layout DeepSpeed's own code writes, without
 DeepSpeed (its package builds its extensions at install: it does not install from this
 project's CPU wheel of torch without building).
 
@@ -88,11 +88,14 @@ def write(
     step: int, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     fused_adam: bool = False, tag: str | None = None, stage: int = 2,
 ) -> Path:  # fmt: skip
-    """Write ``model`` and its AdamW ``optimizer`` as DeepSpeed ZeRO-``stage`` at ``world``
+    """Write ``model`` and its AdamW ``optimizer`` as DeepSpeed ZeRO-``stage`` (1, 2 or 3) at ``world``
     ranks, fp16 training (the module in half precision, fp32 masters in the optimizer
     files), into ``directory/tag`` with ``directory/latest`` naming it; the tag directory.
     ``fused_adam``: the optimizer as DeepSpeed's FusedAdam keeps it (the step in the
     group, ``adam_w_mode``)."""
+    if stage == 3:
+        return _write_zero3(directory, model, optimizer, world=world, step=step,
+                            scheduler=scheduler, fused_adam=fused_adam, tag=tag)  # fmt: skip
     tag = tag or f"global_step{step}"
     out = directory / tag
     out.mkdir(parents=True)
@@ -195,6 +198,101 @@ def write(
                 {"optimizer_state_dict": zero, "ds_config": {"train_batch_size": 8},
                  "ds_version": VERSION},
                 out / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+            )  # fmt: skip
+    finally:
+        for module_name in added:
+            sys.modules.pop(module_name, None)
+    return out
+
+
+def _pieces(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """ZeRO-3's partition of one parameter: ``ceil(numel / world)`` elements per rank, the
+    last padded with zeros (``zero3_partitioned_param_info``)."""
+    flat = tensor.detach().float().reshape(-1)
+    piece = -(-flat.numel() // world)
+    padded = torch.nn.functional.pad(flat, (0, piece * world - flat.numel()))
+    return [padded[r * piece : (r + 1) * piece].clone() for r in range(world)]
+
+
+def _write_zero3(
+    directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world: int,
+    step: int, scheduler: torch.optim.lr_scheduler.LRScheduler | None, fused_adam: bool,
+    tag: str | None,
+) -> Path:  # fmt: skip
+    """ZeRO-3: stage3's ``_rigid_state_dict`` (``fp32_flat_groups``: each rank's pieces of
+    its group's parameters, one after another; the base optimizer's state over them) and one
+    model states file per rank (the parameters as empty placeholders, frozen ones as this
+    rank's piece), one sub-group per optimizer group."""
+    tag = tag or f"global_step{step}"
+    out = directory / tag
+    out.mkdir(parents=True)
+    (directory / "latest").write_text(tag)
+    names = {p: n for n, p in model.named_parameters()}
+    groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    added = _as_deepspeed()
+    try:
+        for rank in range(world):
+            flats = [torch.cat([_pieces(p, world)[rank] for p in params]) for params in groups]
+            state = {}
+            for g, params in enumerate(groups):
+                moments = {key: torch.cat([_pieces(optimizer.state[p][key], world)[rank]
+                                           for p in params])
+                           for key in ("exp_avg", "exp_avg_sq")}  # fmt: skip
+                state[g] = moments if fused_adam else {"step": torch.tensor(float(step)), **moments}
+            if fused_adam:
+                groups_out = [{**{k: v for k, v in h.items()
+                                  if k in ("lr", "betas", "eps", "weight_decay", "amsgrad")},
+                               "bias_correction": True, "adam_w_mode": True, "step": step,
+                               "params": [g]} for g, h in enumerate(hyper)]  # fmt: skip
+            else:
+                groups_out = [{**h, "params": [g]} for g, h in enumerate(hyper)]
+            zero = {
+                "zero_stage": ZeroStageEnum(3),
+                "loss_scaler": DynamicLossScaler(),
+                "dynamic_loss_scale": True,
+                "overflow": False,
+                "partition_count": world,
+                "optimizer_state_dict": {"state": state, "param_groups": groups_out},
+                "fp32_flat_groups": flats,
+            }
+            torch.save(
+                {"optimizer_state_dict": zero, "ds_config": {"train_batch_size": 8},
+                 "ds_version": VERSION},
+                out / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+            )  # fmt: skip
+            module = OrderedDict()
+            for key, value in model.state_dict().items():
+                is_param = any(key == n for n, _ in model.named_parameters(remove_duplicate=False))
+                module[key] = (torch.empty(0, dtype=torch.float16) if is_param
+                               else value.half() if value.is_floating_point() else value)  # fmt: skip
+            shared = {n: names[p] for n, p in model.named_parameters(remove_duplicate=False)
+                      if names[p] != n}  # fmt: skip
+            torch.save(
+                {
+                    "module": module,
+                    "buffer_names": [n for n, _ in model.named_buffers()],
+                    "optimizer": None,
+                    "param_shapes": [OrderedDict((names[p], p.shape) for p in params)
+                                     for params in groups],
+                    "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen),
+                    "shared_params": shared,
+                    "frozen_param_fragments": OrderedDict(
+                        (n, _pieces(p, world)[rank]) for n, p in frozen),
+                    "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+                    "data_sampler": None,
+                    "random_ltd": None,
+                    "sparse_tensor_module_names": set(),
+                    "skipped_steps": 0,
+                    "global_steps": step,
+                    "global_samples": step * 8,
+                    "dp_world_size": world,
+                    "mp_world_size": 1,
+                    "ds_config": {"zero_optimization": {"stage": 3}},
+                    "ds_version": VERSION,
+                },
+                out / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
             )  # fmt: skip
     finally:
         for module_name in added:

@@ -557,14 +557,16 @@ def seed_hf_directories(root: Path) -> list[Path]:
     return [trainer, accelerate]
 
 
-def seed_deepspeed_directory(root: Path) -> Path:
-    """A DeepSpeed ZeRO-2 checkpoint of 2 ranks (deepspeed_layout.py): its tag directory."""
+def seed_deepspeed_directories(root: Path) -> list[Path]:
+    """DeepSpeed ZeRO-2 and ZeRO-3 checkpoints of 2 ranks (deepspeed_layout.py): their tag
+    directories."""
     from deepspeed_layout import write
 
     model, optimizer, scheduler = _objects()
     model(torch.randn(2, 4)).sum().backward()
     optimizer.step()
-    return write(root, model, optimizer, world=2, step=1, scheduler=scheduler)
+    return [write(root / f"zero{stage}", model, optimizer, world=2, step=1,
+                  scheduler=scheduler, stage=stage) for stage in (2, 3)]  # fmt: skip
 
 
 def mutated_hf_directory(chooser: Chooser, seed: Path, target: Path) -> None:
@@ -619,9 +621,10 @@ def example(kind: str, root: Path) -> Callable[[Chooser], None]:
 
         return one_hf
     if kind == "deepspeed":
-        tag = seed_deepspeed_directory(root / "seeds")
+        tags = seed_deepspeed_directories(root / "seeds")
 
         def one_deepspeed(chooser: Chooser) -> None:
+            tag = choice(chooser, tags)
             mutated_hf_directory(chooser, tag, root / "mutated" / tag.name)
             check_torch_file(root / "mutated" / tag.name, root / "mutated" / "out")
 

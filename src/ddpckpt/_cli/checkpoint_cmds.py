@@ -146,7 +146,7 @@ def _import_arguments(p: argparse.ArgumentParser) -> None:
         "legacy",
         help="a file written by torch.save, a Lightning .ckpt, a torch.distributed.checkpoint "
         "(DCP) directory, a Trainer checkpoint-N directory, an Accelerate save_state directory "
-        "or a DeepSpeed ZeRO-1/2 checkpoint directory",
+        "or a DeepSpeed ZeRO checkpoint directory",
     )
     p.add_argument("outdir", help="the ddpckpt checkpoint directory to create")
     p.add_argument("--model-key", help="the entry holding the model weights, if not detected")
@@ -233,7 +233,7 @@ IMPORT = Command(
     "put together; torchtitan's layout too), a Hugging Face Trainer checkpoint-N directory "
     "or an Accelerate "
     "save_state directory (each process's random streams kept as that rank's) or a "
-    "DeepSpeed ZeRO-1/2 checkpoint (fp32 master weights and moments put together from "
+    "DeepSpeed ZeRO checkpoint, stage 1, 2 or 3 (fp32 master weights and moments put together from "
     "every rank's slice) into a "
     "ddpckpt checkpoint. torch.save files and DCP's items are read with "
     "torch's weights-only unpickler, DCP's .metadata with one that knows only DCP's own "

@@ -1,4 +1,4 @@
-"""Reading a DeepSpeed ZeRO-1/2 checkpoint without DeepSpeed and without running its pickles.
+"""Reading a DeepSpeed ZeRO checkpoint (stages 1, 2, 3) without DeepSpeed or its pickles.
 
 A tag directory of ``engine.save_checkpoint`` (or its parent, whose ``latest`` names the
 tag) holds ``mp_rank_00_model_states.pt`` (the model in its training precision, the
@@ -15,7 +15,8 @@ the optimizer keyed by parameter name, the scheduler and the step.
 The files pickle four DeepSpeed classes (the loss scaler, the ZeRO stage enum, a slice
 address); each is read as an inert record of this module (DeepSpeed is never imported, and
 no code of the file runs: torch's weights-only unpickler builds only these records,
-tensors and plain values). ZeRO-3 (each rank its own model states) is refused by name.
+tensors and plain values). ZeRO-3 (``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank,
+each parameter cut into equal pieces, one per rank) is read by its own protocol.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def read_deepspeed(
     source: str, trusted: Iterable[str] = (), trusted_source: bool = False
 ) -> tuple[dict[str, Any], list[str]]:
     """The checkpoint at ``source`` as the ``torch.save`` recipe :mod:`.legacy` imports
-    (``model``, ``optimizer`` keyed by name, ``lr_scheduler``, ``global_steps`` ...), and
+    (``model``, ``optimizer`` keyed by name, ``lr_scheduler``, ``global_step`` ...), and
     what was left out, with why; local."""
     directory = tag_directory(source)
     if not os.path.isdir(directory):
@@ -119,17 +120,33 @@ def read_deepspeed(
             f"which {source} does not hold"
         )
     names = os.listdir(directory)
-    if _ZERO3_MODEL in names:
-        raise CorruptCheckpointError(
-            f"{directory}: a DeepSpeed ZeRO-3 checkpoint (zero_pp_rank_*_model_states.pt), not "
-            "imported yet; load it with DeepSpeed, then save once with ddpckpt"
-        )
-    if MODEL_STATES not in names:
+    optim_files = _by_rank(directory, names, _OPTIM, "optimizer")
+    if _ZERO3_MODEL in names:  # ZeRO-3: every rank its own model states
+        model_files = _by_rank(directory, names, _ZERO3_MODELS, "model states")
+        models = [_read(directory, n, trusted, trusted_source) for n in model_files]
+    elif MODEL_STATES in names:
+        models = [_read(directory, MODEL_STATES, trusted, trusted_source)]
+    else:
         raise CorruptCheckpointError(
             f"{directory}: no {MODEL_STATES}: not a DeepSpeed checkpoint's tag directory"
         )
-    model = _read(directory, MODEL_STATES, trusted, trusted_source)
-    ranks = sorted((int(m.group(1)), n) for n in names if (m := _OPTIM.fullmatch(n)))
+    optims = [_zero_state(directory, n, trusted, trusted_source) for n in optim_files]
+    stage = optims[0].stage
+    if any(o.stage != stage for o in optims) or (stage == 3) != (len(models) > 1 or
+                                                                  _ZERO3_MODEL in names):  # fmt: skip
+        raise CorruptCheckpointError(
+            f"{directory}: its files are of different ZeRO stages (model states of "
+            f"{'ZeRO-3' if _ZERO3_MODEL in names else 'ZeRO-1/2'}, optimizer of ZeRO-{stage})"
+        )
+    return _assemble(directory, models, optims)
+
+
+_ZERO3_MODELS = re.compile(r"zero_pp_rank_(\d{1,6})_mp_rank_00_model_states\.pt")
+
+
+def _by_rank(directory: str, names: list[str], pattern: re.Pattern[str], what: str) -> list[str]:
+    """The files ``pattern`` names, one per rank 0, 1, ... without a gap."""
+    ranks = sorted((int(m.group(1)), n) for n in names if (m := pattern.fullmatch(n)))
     if not ranks:
         raise CorruptCheckpointError(
             f"{directory}: no zero_pp_rank_*_optim_states.pt: a DeepSpeed checkpoint saved "
@@ -137,11 +154,10 @@ def read_deepspeed(
         )
     if [r for r, _ in ranks] != list(range(len(ranks))):
         raise CorruptCheckpointError(
-            f"{directory}: the optimizer files are of ranks {[r for r, _ in ranks][:20]}, not "
-            f"0 to {len(ranks) - 1}: a rank's file is missing"
+            f"{directory}: the {what} files are of ranks {[r for r, _ in ranks][:20]}, not "
+            f"0 to {len(ranks) - 1}: a rank's file is missing or doubled"
         )
-    optims = [_zero_state(directory, n, trusted, trusted_source) for _, n in ranks]
-    return _assemble(directory, model, optims)
+    return [n for _, n in ranks]
 
 
 def _read(directory: str, name: str, trusted: Iterable[str], trusted_source: bool) -> Any:
@@ -156,8 +172,8 @@ def _read(directory: str, name: str, trusted: Iterable[str], trusted_source: boo
 
 @dataclass
 class _RankState:
-    """One rank's optimizer file: its slice of each group (fp32 masters, padding removed),
-    the padding of its moments, and its base optimizer's state."""
+    """One rank's optimizer file: its slice of each group's fp32 master weights (ZeRO-1/2:
+    padding removed), the padding of its moments, and its base optimizer's state."""
 
     path: str
     fp32: list[torch.Tensor]
@@ -177,19 +193,18 @@ def _zero_state(
     if not isinstance(doc, Mapping) or "zero_stage" not in doc:
         raise CorruptCheckpointError(f"{path}: holds no ZeRO optimizer state (zero_stage)")
     stage = doc["zero_stage"]
-    if not isinstance(stage, int) or int(stage) not in (1, 2):
-        raise CorruptCheckpointError(f"{path}: ZeRO stage {stage!r}: only stages 1 and 2 are read")
+    if not isinstance(stage, int) or int(stage) not in (1, 2, 3):
+        raise CorruptCheckpointError(f"{path}: ZeRO stage {stage!r}: stages 1, 2 and 3 are read")
     count = doc.get("partition_count")
     counts = count if isinstance(count, list) else [count]
     if not counts or not all(type(c) is int and 0 < c <= 1 << 20 for c in counts):
         raise CorruptCheckpointError(f"{path}: partition_count {count!r} is not a rank count")
-    fp32 = doc.get("single_partition_of_fp32_groups")
+    key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+    fp32 = doc.get(key)
     if not isinstance(fp32, list) or not all(
         isinstance(t, torch.Tensor) and t.dim() == 1 and t.is_floating_point() for t in fp32
     ):
-        raise CorruptCheckpointError(
-            f"{path}: single_partition_of_fp32_groups is not one flat float tensor per group"
-        )
+        raise CorruptCheckpointError(f"{path}: {key} is not one flat float tensor per group")
     paddings = doc.get("group_paddings", [0] * len(fp32))
     if not (
         isinstance(paddings, list)
@@ -197,60 +212,103 @@ def _zero_state(
         and all(type(p) is int and p >= 0 for p in paddings)
     ):
         raise CorruptCheckpointError(f"{path}: group_paddings is not one count per group")
-    scaler = doc.get("loss_scaler")
-    return _RankState(path, fp32, paddings, doc.get("base_optimizer_state"),
-                      doc.get("base_optimizer_state_step"), int(stage), max(counts), scaler)  # fmt: skip
+    base = doc.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state")
+    return _RankState(path, fp32, paddings, base, doc.get("base_optimizer_state_step"),
+                      int(stage), max(counts), doc.get("loss_scaler"))  # fmt: skip
 
 
 def _shapes(model: Mapping[str, Any], where: str) -> list[dict[str, tuple[int, ...]]]:
     groups = model.get("param_shapes")
     if not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups):
         raise CorruptCheckpointError(f"{where}: param_shapes is not a list of name-to-shape maps")
-    out = []
+    out, seen = [], set()
     for group in groups:
         shapes = {}
         for name, shape in group.items():
             if not isinstance(name, str) or not isinstance(shape, (torch.Size, list, tuple)):
                 raise CorruptCheckpointError(f"{where}: param_shapes holds a malformed entry")
             dims = tuple(shape)
-            if not all(type(d) is int and 0 <= d < 1 << 62 for d in dims):
+            if not all(type(d) is int and 0 <= d < 1 << 62 for d in dims) or name in seen:
                 raise CorruptCheckpointError(f"{where}: the shape of {name[:200]!r} is not a shape")
+            seen.add(name)
             shapes[name] = dims
         out.append(shapes)
     return out
 
 
-def _split(
-    flat: torch.Tensor, shapes: Mapping[str, tuple[int, ...]], world: int, where: str
-) -> dict[str, torch.Tensor]:
-    """One group's flat vector cut into its parameters, as ``zero_to_fp32.py`` cuts it."""
-    out, offset = {}, 0
-    for name, shape in shapes.items():
-        numel = math.prod(shape)
-        if offset + numel > flat.numel():
+class _Cutter:
+    """Cuts per-rank flat vectors (``vectors[rank][group]``) into the parameters, by the
+    reconstruction protocol of DeepSpeed's ``zero_to_fp32.py`` for the stage.
+
+    ZeRO-1/2: each group's slices concatenated in rank order hold the group's parameters one
+    after another (the group padded to ``2 * world`` elements). ZeRO-3: each parameter is cut
+    into ``ceil(numel / world)`` elements per rank, and a rank's groups, concatenated, hold
+    its piece of every parameter one after another."""
+
+    def __init__(self, shapes: list[dict[str, tuple[int, ...]]], world: int, stage: int) -> None:
+        self.shapes, self.world, self.stage = shapes, world, stage
+
+    def __call__(self, vectors: list[list[torch.Tensor]], where: str) -> dict[str, torch.Tensor]:
+        if self.stage == 3:
+            return self._zero3([torch.cat(groups) for groups in vectors], where)
+        out: dict[str, torch.Tensor] = {}
+        for g, shapes in enumerate(self.shapes):
+            flat = torch.cat([groups[g] for groups in vectors])
+            out.update(self._zero2(flat, shapes, f"{where} (group {g})"))
+        return out
+
+    def _zero2(
+        self, flat: torch.Tensor, shapes: Mapping[str, tuple[int, ...]], where: str
+    ) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for name, shape in shapes.items():
+            numel = math.prod(shape)
+            if offset + numel > flat.numel():
+                raise CorruptCheckpointError(
+                    f"{where}: the parameters need more than the {flat.numel()} elements the "
+                    "ranks hold"
+                )
+            out[name] = flat.narrow(0, offset, numel).view(shape)
+            offset += numel
+        align = 2 * self.world
+        if align * math.ceil(offset / align) != align * math.ceil(flat.numel() / align):
             raise CorruptCheckpointError(
-                f"{where}: the parameters need more than the {flat.numel()} elements the ranks hold"
+                f"{where}: the ranks hold {flat.numel()} elements, the parameters {offset}: the "
+                "optimizer files are not of this checkpoint"
             )
-        out[name] = flat.narrow(0, offset, numel).view(shape)
-        offset += numel
-    align = 2 * world
-    if align * math.ceil(offset / align) != align * math.ceil(flat.numel() / align):
-        raise CorruptCheckpointError(
-            f"{where}: the ranks hold {flat.numel()} elements, the parameters {offset}: the "
-            "optimizer files are not of this checkpoint"
-        )
-    return out
+        return out
+
+    def _zero3(self, flats: list[torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+        out, offset = {}, 0
+        for shapes in self.shapes:
+            for name, shape in shapes.items():
+                numel = math.prod(shape)
+                piece = -(-numel // self.world)
+                if any(offset + piece > f.numel() for f in flats):
+                    raise CorruptCheckpointError(
+                        f"{where}: a rank holds fewer elements than the parameters' pieces need"
+                    )
+                whole = torch.cat([f.narrow(0, offset, piece) for f in flats])
+                out[name] = whole.narrow(0, 0, numel).view(shape)
+                offset += piece
+        if any(f.numel() != offset for f in flats):
+            raise CorruptCheckpointError(
+                f"{where}: a rank holds {max(f.numel() for f in flats)} elements, the "
+                f"parameters' pieces {offset}: the optimizer files are not of this checkpoint"
+            )
+        return out
 
 
 def _assemble(
-    directory: str, model: Mapping[str, Any], optims: list[_RankState]
+    directory: str, models: list[Mapping[str, Any]], optims: list[_RankState]
 ) -> tuple[dict[str, Any], list[str]]:
-    where = os.path.join(directory, MODEL_STATES)
+    model = models[0]
+    where = os.path.join(directory, MODEL_STATES if len(models) == 1 else _ZERO3_MODEL)
     world = optims[0].world
-    if world != len(optims):
+    if world != len(optims) or (len(models) > 1 and len(models) != world):
         raise CorruptCheckpointError(
             f"{directory}: saved by {world} data-parallel ranks, but it has {len(optims)} "
-            "optimizer files"
+            f"optimizer files and {len(models)} model states files"
         )
     shapes = _shapes(model, where)
     groups = len(shapes)
@@ -259,23 +317,21 @@ def _assemble(
             f"{directory}: the optimizer files do not all hold {groups} parameter groups of "
             f"{world} ranks"
         )
-    masters: dict[str, torch.Tensor] = {}
-    for g in range(groups):
-        flat = torch.cat([o.fp32[g].float() for o in optims])
-        masters.update(_split(flat, shapes[g], world, f"{where} (group {g})"))
+    cut = _Cutter(shapes, world, optims[0].stage)
+    masters = cut([[t.float() for t in o.fp32] for o in optims], f"{where}: fp32 weights")
     module = model.get("module")
     if not isinstance(module, Mapping):
         raise CorruptCheckpointError(f"{where}: holds no model state_dict ('module')")
     buffers = set(model.get("buffer_names") or ())
-    frozen = model.get("frozen_param_fragments") or {}
+    frozen = _frozen(models, world, where)
     shared = model.get("shared_params") or {}
-    if not isinstance(frozen, Mapping) or not isinstance(shared, Mapping):
-        raise CorruptCheckpointError(f"{where}: frozen_param_fragments or shared_params malformed")
+    if not isinstance(shared, Mapping):
+        raise CorruptCheckpointError(f"{where}: shared_params is not a map of names")
     weights: dict[str, Any] = {}
     for key, value in module.items():
         if key in masters:
             weights[key] = masters[key]
-        elif key in frozen and isinstance(frozen[key], torch.Tensor):
+        elif key in frozen:
             weights[key] = frozen[key]
         elif key in buffers and isinstance(value, torch.Tensor) and value.is_floating_point():
             weights[key] = value.float()  # as zero_to_fp32.py restores them
@@ -287,7 +343,7 @@ def _assemble(
             weights[name] = weights[target]  # a tie: stored once, loaded tied
     obj: dict[str, Any] = {"model": weights}
     left_out: list[str] = []
-    optimizer = _optimizer(optims, shapes, world, where)
+    optimizer = _optimizer(optims, cut, where)
     if optimizer is not None:
         obj["optimizer"] = optimizer
     scheduler = model.get("lr_scheduler")
@@ -311,15 +367,40 @@ def _assemble(
     return obj, left_out
 
 
-def _optimizer(
-    optims: list[_RankState], shapes: list[dict[str, tuple[int, ...]]], world: int, where: str
-) -> dict[str, Any] | None:
+def _frozen(models: list[Mapping[str, Any]], world: int, where: str) -> dict[str, torch.Tensor]:
+    """The frozen parameters: whole in the one model states file (ZeRO-1/2), or each rank's
+    piece in its own (ZeRO-3), joined as ``zero_to_fp32.py`` joins them."""
+    shapes = models[0].get("frozen_param_shapes") or {}
+    fragments = [m.get("frozen_param_fragments") or {} for m in models]
+    if not isinstance(shapes, Mapping) or not all(isinstance(f, Mapping) for f in fragments):
+        raise CorruptCheckpointError(f"{where}: frozen_param_shapes or _fragments malformed")
+    out = {}
+    for name, shape in shapes.items():
+        pieces = [f.get(name) for f in fragments]
+        dims = tuple(shape) if isinstance(shape, (torch.Size, list, tuple)) else None
+        if (
+            dims is None
+            or not all(type(d) is int and 0 <= d < 1 << 62 for d in dims)
+            or not all(isinstance(p, torch.Tensor) for p in pieces)
+        ):
+            raise CorruptCheckpointError(f"{where}: the frozen parameter {name!r:.200} malformed")
+        whole = torch.cat([p.reshape(-1) for p in pieces])
+        if whole.numel() < math.prod(dims):
+            raise CorruptCheckpointError(
+                f"{where}: the frozen parameter {name!r:.200} is cut short"
+            )
+        out[name] = whole.narrow(0, 0, math.prod(dims)).view(dims)
+    return out
+
+
+def _optimizer(optims: list[_RankState], cut: _Cutter, where: str) -> dict[str, Any] | None:
     """The base optimizer's state keyed by parameter name: each moment's slices joined and
     cut as the weights are; a step kept in the group (DeepSpeed's Adam) goes to each
     parameter, as torch's Adam keeps it; DeepSpeed's Adam flags as torch's."""
     base = optims[0].base
     if base is None:
         return None
+    shapes = cut.shapes
     elastic = isinstance(base, list)
     if elastic:
         groups_in = None
@@ -327,43 +408,48 @@ def _optimizer(
             raise CorruptCheckpointError(
                 f"{where}: the ranks' base_optimizer_state is not one state per group on each"
             )
-        per_group = [[o.base[g] for o in optims] for g in range(len(shapes))]
+        per_rank = [list(o.base) for o in optims]
     else:
         if not isinstance(base, Mapping) or not isinstance(base.get("param_groups"), list):
-            raise CorruptCheckpointError(f"{optims[0].path}: base_optimizer_state is malformed")
+            raise CorruptCheckpointError(
+                f"{optims[0].path}: the base optimizer's state is malformed"
+            )
         groups_in = base["param_groups"]
         if len(groups_in) != len(shapes):
             raise CorruptCheckpointError(
                 f"{optims[0].path}: the optimizer has {len(groups_in)} groups, the model "
                 f"{len(shapes)}"
             )
-        per_group = []
+        indices = []
         for g, group in enumerate(groups_in):
             params = group.get("params") if isinstance(group, Mapping) else None
             if not (isinstance(params, list) and len(params) == 1 and type(params[0]) is int):
                 raise CorruptCheckpointError(
-                    f"{optims[0].path}: group {g} of base_optimizer_state is not one flat slice"
+                    f"{optims[0].path}: group {g} of the base optimizer is not one flat slice"
                 )
-            per_group.append([_rank_group_state(o, params[0]) for o in optims])
+            indices.append(params[0])
+        per_rank = [[_rank_group_state(o, i) for i in indices] for o in optims]
+    if not all(isinstance(s, Mapping) for states in per_rank for s in states):
+        raise CorruptCheckpointError(f"{where}: a group's optimizer state is not a dict")
+    moments = sorted({k for s in per_rank[0] for k, v in s.items()
+                      if isinstance(v, torch.Tensor) and v.dim() == 1})  # fmt: skip
+    joined = {}
+    for key in moments:
+        vectors = []
+        for o, states in zip(optims, per_rank, strict=True):
+            row = []
+            for g, state in enumerate(states):
+                part = state.get(key)
+                if not isinstance(part, torch.Tensor) or part.dim() != 1:
+                    raise CorruptCheckpointError(f"{o.path}: group {g} lacks its {key!r}")
+                pad = 0 if elastic else o.paddings[g]
+                row.append(part.narrow(0, 0, max(0, part.numel() - pad)))
+            vectors.append(row)
+        joined[key] = cut(vectors, f"{where}: {key}")
     state: dict[str, dict[str, Any]] = {}
-    param_groups = []
-    for g, ranks in enumerate(per_group):
-        if not all(isinstance(r, Mapping) for r in ranks):
-            raise CorruptCheckpointError(f"{optims[0].path}: group {g}'s state is not a dict")
-        joined: dict[str, dict[str, torch.Tensor]] = {}
-        scalars: dict[str, Any] = {}
-        for key, value in ranks[0].items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1:
-                parts = []
-                for o, r in zip(optims, ranks, strict=True):
-                    part = r.get(key)
-                    if not isinstance(part, torch.Tensor) or part.dim() != 1:
-                        raise CorruptCheckpointError(f"{o.path}: group {g} lacks its {key!r}")
-                    pad = 0 if elastic else o.paddings[g]
-                    parts.append(part.narrow(0, 0, max(0, part.numel() - pad)))
-                joined[key] = _split(torch.cat(parts), shapes[g], world, f"{where} ({key})")
-            else:
-                scalars[key] = value
+    param_groups: list[dict[str, Any]] = []
+    for g, names in enumerate(shapes):
+        scalars = {k: v for k, v in per_rank[0][g].items() if k not in joined}
         hyper = dict(groups_in[g]) if groups_in is not None else {}
         hyper.pop("params", None)
         step = scalars.pop("step", hyper.pop("step", optims[0].base_step))
@@ -374,8 +460,8 @@ def _optimizer(
                     f"{optims[0].path}: an Adam without bias correction, which torch's Adam "
                     "cannot continue"
                 )
-        for name in shapes[g]:
-            own = {key: cut[name] for key, cut in joined.items()}
+        for name in names:
+            own: dict[str, Any] = {key: cut_key[name] for key, cut_key in joined.items()}
             if own and step is not None:
                 own["step"] = (
                     step.float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
@@ -383,13 +469,19 @@ def _optimizer(
             own.update(scalars)
             if own:
                 state[name] = own
-        param_groups.append({**hyper, "params": list(shapes[g])})
-    return {"state": state, "param_groups": param_groups}
+        if param_groups and param_groups[-1]["hyper"] == hyper:  # ZeRO-3's sub-groups of one
+            param_groups[-1]["params"] += list(names)
+        else:
+            param_groups.append({"hyper": hyper, "params": list(names)})
+    return {
+        "state": state,
+        "param_groups": [{**g["hyper"], "params": g["params"]} for g in param_groups],
+    }
 
 
 def _rank_group_state(rank: _RankState, index: int) -> Any:
     """The state of the flat slice ``index`` in ``rank``'s base optimizer (non-elastic)."""
     state = rank.base.get("state") if isinstance(rank.base, Mapping) else None
     if not isinstance(state, Mapping):
-        raise CorruptCheckpointError(f"{rank.path}: base_optimizer_state holds no state")
+        raise CorruptCheckpointError(f"{rank.path}: the base optimizer's state holds no state")
     return state.get(index, {})

@@ -12,7 +12,7 @@ Understood layouts:
   reads it without running its pickle), holding any of the above, such as
   ``{"model": ..., "optim": ...}`` of ``get_state_dict``, inside one wrapping entry or not,
   or torchtitan's layout (:mod:`ddpckpt._convert.torchtitan`);
-* a DeepSpeed ZeRO-1/2 checkpoint (:mod:`ddpckpt._convert.deepspeed`), read as the model's
+* a DeepSpeed ZeRO checkpoint, stage 1, 2 or 3 (:mod:`ddpckpt._convert.deepspeed`), read as the model's
   fp32 master weights, the optimizer by parameter name, the scheduler and the step;
 * a Hugging Face ``Trainer`` ``checkpoint-N`` or an Accelerate ``save_state`` directory
   (:mod:`ddpckpt._convert.hf`), written as the objects ddpckpt's integrations save, each
