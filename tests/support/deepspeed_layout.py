@@ -87,12 +87,15 @@ def write(
     directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world: int,
     step: int, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     fused_adam: bool = False, tag: str | None = None, stage: int = 2,
+    bf16_optimizer: bool = False,
 ) -> Path:  # fmt: skip
     """Write ``model`` and its AdamW ``optimizer`` as DeepSpeed ZeRO-``stage`` (1, 2 or 3) at ``world``
     ranks, fp16 training (the module in half precision, fp32 masters in the optimizer
     files), into ``directory/tag`` with ``directory/latest`` naming it; the tag directory.
     ``fused_adam``: the optimizer as DeepSpeed's FusedAdam keeps it (the step in the
-    group, ``adam_w_mode``)."""
+    group, ``adam_w_mode``). ``bf16_optimizer``: as DeepSpeed's BF16_Optimizer (bf16 under
+    ZeRO-1) writes it: ``bf16_zero_pp_rank_R_...``, no stage recorded, the fp32 slices with
+    their padding (``bf16_optimizer.BF16_Optimizer.state_dict``)."""
     if stage == 3:
         return _write_zero3(directory, model, optimizer, world=world, step=step,
                             scheduler=scheduler, fused_adam=fused_adam, tag=tag)  # fmt: skip
@@ -118,7 +121,8 @@ def write(
             begin, end = rank * size, (rank + 1) * size
             pad = padded - flat.numel() if rank == world - 1 else 0
             padded_flat = torch.nn.functional.pad(flat, (0, padded - flat.numel()))
-            partitions[rank].append(padded_flat[begin : end - pad].clone())  # without padding
+            keep = end if bf16_optimizer else end - pad  # BF16_Optimizer keeps the padding
+            partitions[rank].append(padded_flat[begin:keep].clone())
             paddings[rank].append(pad)
             moments[rank].append({
                 key: torch.nn.functional.pad(value, (0, padded - flat.numel()))[begin:end].clone()
@@ -194,10 +198,17 @@ def write(
                 "ds_version": VERSION,
                 "param_slice_mappings": offsets,
             }
+            prefix = "zero_pp_rank"
+            if bf16_optimizer:  # BF16_Optimizer.state_dict's keys only
+                prefix = "bf16_zero_pp_rank"
+                zero = {k: zero[k] for k in ("clip_grad", "base_optimizer_state",
+                                             "single_partition_of_fp32_groups", "group_paddings",
+                                             "partition_count", "ds_version",
+                                             "param_slice_mappings")}  # fmt: skip
             torch.save(
                 {"optimizer_state_dict": zero, "ds_config": {"train_batch_size": 8},
                  "ds_version": VERSION},
-                out / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
+                out / f"{prefix}_{rank}_mp_rank_00_optim_states.pt",
             )  # fmt: skip
     finally:
         for module_name in added:

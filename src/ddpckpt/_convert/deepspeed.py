@@ -190,9 +190,12 @@ def _zero_state(
 ) -> _RankState:
     path = os.path.join(directory, name)
     doc = _read(directory, name, trusted, trusted_source).get("optimizer_state_dict")
-    if not isinstance(doc, Mapping) or "zero_stage" not in doc:
+    # DeepSpeed's BF16_Optimizer (bf16 under ZeRO-1) records no stage and keeps the padding
+    # of its slices: read as ZeRO-1 once the padding is removed
+    bf16 = isinstance(doc, Mapping) and "zero_stage" not in doc and name.startswith("bf16_")
+    if not isinstance(doc, Mapping) or ("zero_stage" not in doc and not bf16):
         raise CorruptCheckpointError(f"{path}: holds no ZeRO optimizer state (zero_stage)")
-    stage = doc["zero_stage"]
+    stage = 1 if bf16 else doc["zero_stage"]
     if not isinstance(stage, int) or int(stage) not in (1, 2, 3):
         raise CorruptCheckpointError(f"{path}: ZeRO stage {stage!r}: stages 1, 2 and 3 are read")
     count = doc.get("partition_count")
@@ -212,6 +215,8 @@ def _zero_state(
         and all(type(p) is int and p >= 0 for p in paddings)
     ):
         raise CorruptCheckpointError(f"{path}: group_paddings is not one count per group")
+    if bf16:
+        fp32 = [t.narrow(0, 0, max(0, t.numel() - p)) for t, p in zip(fp32, paddings, strict=True)]
     base = doc.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state")
     return _RankState(path, fp32, paddings, base, doc.get("base_optimizer_state_step"),
                       int(stage), max(counts), doc.get("loss_scaler"))  # fmt: skip
