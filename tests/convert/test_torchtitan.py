@@ -51,13 +51,21 @@ class _Titan(nn.Module):
         return self.output(self.norm(h))
 
 
-def _make(seed: int = 0):
+def _make(seed: int = 0, groups: str = "decay-first"):
+    """``groups``: the model's order (``decay-first``), no decay first (``reversed``), or
+    the decayed parameters split into two groups of the same hyperparameters (``split``)."""
     torch.manual_seed(seed)
     model = _Titan()
     decay = [p for n, p in model.named_parameters() if "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if "norm" in n]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)  # fmt: skip
+    param_groups = [{"params": decay, "weight_decay": 0.1},
+                    {"params": no_decay, "weight_decay": 0.0}]  # fmt: skip
+    if groups == "reversed":
+        param_groups.reverse()
+    elif groups == "split":
+        param_groups[:1] = [{"params": decay[:2], "weight_decay": 0.1},
+                            {"params": decay[2:], "weight_decay": 0.1}]  # fmt: skip
+    optimizer = torch.optim.AdamW(param_groups, lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, functools.partial(lambda warmup, step: min(1.0, (step + 1) / warmup), 4)
     )
@@ -165,3 +173,34 @@ def test_dotted_parameter_names_are_split_at_the_longest_name_that_fits() -> Non
     assert set(doc["optimizer"]["state"]) == {"a.b", "a.b.c"}
     assert doc["optimizer"]["param_groups"] == [{"lr": 0.1, "params": ["a.b"]},
                                                 {"lr": 0.2, "params": ["a.b.c"]}]  # fmt: skip
+
+
+@pytest.mark.parametrize("groups", ["reversed", "split"])
+def test_param_groups_in_another_order_or_split_take_their_parameters_hyperparameters(
+    tmp_path: Path, groups: str
+) -> None:
+    """torchtitan's flattened state keeps each parameter's hyperparameters, not the groups'
+    order: the rebuilt groups are matched to the live optimizer's by their parameters (they
+    were refused when their order differed from the model's)."""
+    model, optimizer, scheduler = _make(groups=groups)
+    for i in range(2):
+        _step(model, optimizer, scheduler, i)
+    _titan_save(tmp_path / "step-2", model, optimizer, scheduler, step=2, current=True)
+    path, _ = import_checkpoint(tmp_path / "step-2", tmp_path / "imported")
+    resumed, resumed_optimizer, resumed_scheduler = _make(seed=1, groups=groups)
+    ddpckpt.load(path, model=resumed, optimizer=resumed_optimizer, scheduler=resumed_scheduler,
+                 rng=False)  # fmt: skip
+    assert resumed_optimizer.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+    for i in range(2, 4):
+        assert _step(resumed, resumed_optimizer, resumed_scheduler, i) == _step(
+            model, optimizer, scheduler, i
+        )
+    other, other_optimizer, _ = _make(
+        seed=1, groups="decay-first" if groups == "split" else "split"
+    )
+    moved = [{"params": list(g["params"]), **{k: v for k, v in g.items() if k != "params"}}
+             for g in other_optimizer.param_groups]  # fmt: skip
+    moved[0]["params"].append(moved[-1]["params"].pop())  # a norm among the decayed ones
+    with pytest.raises(ddpckpt.StateMismatchError, match=r"param group 0 holds .* which it gave "
+                       "different hyperparameters. Group the parameters as the run"):  # fmt: skip
+        ddpckpt.load(path, model=other, optimizer=torch.optim.AdamW(moved, lr=1e-2), rng=False)

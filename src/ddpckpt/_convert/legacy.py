@@ -163,7 +163,7 @@ def _model_section(
 
 def _optimizer_section(
     optimizer: Mapping[str, Any], snapshot: Snapshot, where: str, prefixes: list[str],
-    tensors: str = "optimizer",
+    tensors: str = "optimizer", groups_rebuilt: bool = False,
 ) -> OptimizerSection:  # fmt: skip
     if not isinstance(optimizer, Mapping):
         raise CorruptCheckpointError(f"{where}: the optimizer entry is not an optimizer state_dict")
@@ -210,12 +210,13 @@ def _optimizer_section(
         "state": state,
         "shapes": shapes,
         "by_position": not named,
+        **({"groups_rebuilt": True} if groups_rebuilt and named else {}),
     }
     return OptimizerSection.from_json(encode(section, tensors, snapshot.tensors), where)
 
 
 def _classify(
-    obj: Any, where: str, model_key: str | None
+    obj: Any, where: str, model_key: str | None, groups_rebuilt: bool = False
 ) -> tuple[Snapshot, dict[str, Any], list[str]]:
     """Split a loaded legacy object into a snapshot, header fields and dropped keys."""
     snapshot, sections = Snapshot(), StateSections()
@@ -258,7 +259,7 @@ def _classify(
     name, optimizer = _pick(doc, _OPTIMIZER_KEYS)
     if name is not None and optimizer:
         sections.optimizers["optimizer"] = _optimizer_section(
-            doc.pop(name), snapshot, where, prefixes
+            doc.pop(name), snapshot, where, prefixes, groups_rebuilt=groups_rebuilt
         )
     for kind, names in (("scheduler", _SCHEDULER_KEYS), ("scaler", _SCALER_KEYS)):
         name, value = _pick(doc, names)
@@ -318,6 +319,7 @@ def import_checkpoint(
         snapshot, header, parts = _hf_snapshot(found, source)
         return _write(source, destination, snapshot, header, found.left_out, parts, overwrite)
     left_out: list[str] = []
+    groups_rebuilt = False  # param groups rebuilt from each parameter's hyperparameters
     if is_deepspeed_checkpoint(source):
         obj, left_out = read_deepspeed(source, trusted_globals, trusted_source)
         model_key = "model"
@@ -325,7 +327,7 @@ def import_checkpoint(
         obj = _unwrapped(read_dcp(source, trusted_globals, trusted_source))
         if model_key is None and is_torchtitan(obj):
             obj, left_out = from_torchtitan(obj, source)
-            model_key = "model"
+            model_key, groups_rebuilt = "model", True
         beside = [k for k in _OPTIMIZER_KEYS if isinstance(obj.get(k), dict)]
         if model_key is None and _is_state_dict(obj) and beside:
             raise CorruptCheckpointError(
@@ -343,7 +345,7 @@ def import_checkpoint(
         )
     else:
         obj, _ = read_torch_file(source, trusted_globals, trusted_source)
-    snapshot, header, dropped = _classify(obj, source, model_key)
+    snapshot, header, dropped = _classify(obj, source, model_key, groups_rebuilt)
     return _write(source, destination, snapshot, header, left_out + dropped, [], overwrite)
 
 

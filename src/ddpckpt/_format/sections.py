@@ -295,7 +295,10 @@ class OptimizerSection:
     ``state`` is encoded (:mod:`ddpckpt._format.codec`); ``placement`` and ``own_dtype``
     say where its tensors lived (absent before format 2); ``by_position`` marks state
     imported from a ``torch.save`` file, keyed by position; ``zero`` the partition of a
-    ``ZeroRedundancyOptimizer``, whose ``type`` is its local optimizer's.
+    ``ZeroRedundancyOptimizer``, whose ``type`` is its local optimizer's; ``groups_rebuilt``
+    marks param groups an import rebuilt from each parameter's hyperparameters (torchtitan's
+    flattened state records no group order): they are matched to the live optimizer's groups
+    by their parameters, not by position.
     """
 
     type: str
@@ -306,6 +309,7 @@ class OptimizerSection:
     own_dtype: list[str] | None = None
     by_position: bool = False
     zero: ZeroPartition | None = None
+    groups_rebuilt: bool = False
 
     def to_json(self) -> dict[str, JSON]:
         doc: dict[str, JSON] = {
@@ -322,6 +326,8 @@ class OptimizerSection:
             doc["by_position"] = True
         if self.zero is not None:
             doc["zero"] = self.zero.to_json()
+        if self.groups_rebuilt:
+            doc["groups_rebuilt"] = True
         return doc
 
     @classmethod
@@ -340,7 +346,8 @@ class OptimizerSection:
                    r.mapping_of("placement", lambda v: v in ("param", "host"), "places", None),
                    r.strings("own_dtype", None),
                    bool(r.get("by_position", bool, False)),
-                   None if zero is None else ZeroPartition.from_json(zero, groups, where))  # fmt: skip
+                   None if zero is None else ZeroPartition.from_json(zero, groups, where),
+                   bool(r.get("groups_rebuilt", bool, False)))  # fmt: skip
 
 
 @dataclass

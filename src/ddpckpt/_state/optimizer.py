@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ddpckpt._format.codec import decode, encode
-from ddpckpt._format.sections import SINGLE, Layout, OptimizerSection
+from ddpckpt._format.sections import SINGLE, Layout, OptimizerSection, ParamGroup
 from ddpckpt._log import get_logger
 from ddpckpt._state.dtensor import is_dtensor, local_tensor, new_dtensor_like, restore_dtensor
 from ddpckpt._state.model import (
@@ -97,6 +97,40 @@ def _live_names(
         ]
     stored = [set(group.params) for group in section.groups]
     return _param_names(names, optimizer, stored)
+
+
+def _stored_groups(
+    section: OptimizerSection, live_names: list[list[str]]
+) -> tuple[list[ParamGroup], str | None]:
+    """The stored param groups, one per live group in the live order, and why not, if they
+    cannot be. Groups an import rebuilt (``groups_rebuilt``) are cut to the live groups by
+    their parameters: each live group takes the hyperparameters of the stored group holding
+    its parameters, when one holds all of them and every stored parameter goes to exactly
+    one live group; other groups are matched by position."""
+    if not section.groups_rebuilt:
+        return section.groups, None
+    home = {name: g for g, group in enumerate(section.groups) for name in group.params}
+    regrouped = []
+    for g, names in enumerate(live_names):
+        owners = [home.get(name) for name in names]
+        if None in owners:
+            name = names[owners.index(None)]
+            why = f"live param group {g} holds {name!r}, which it has no group for"
+            return section.groups, why
+        if len(set(owners)) > 1:
+            other = next(n for n, o in zip(names, owners, strict=True) if o != owners[0])
+            first = names[0]
+            return section.groups, (
+                f"live param group {g} holds {first!r} and {other!r}, which it gave different "
+                "hyperparameters"
+            )
+        if owners:
+            regrouped.append(ParamGroup(list(names), section.groups[owners[0]].hyper))
+    left = sorted(set(home) - {name for names in live_names for name in names})
+    if left or len(regrouped) != len(live_names):
+        what = f"{left[0]!r} is in no live param group" if left else "a live group is empty"
+        return section.groups, what
+    return regrouped, None
 
 
 def capture_optimizer(
@@ -230,7 +264,14 @@ def check_optimizer(
         _check_moment_shapes(section, source, where, label)
     shapes = section.shapes
     live_names = _live_names(section, names, optimizer)
-    stored_groups = section.groups
+    stored_groups, why = _stored_groups(section, live_names)
+    if why is not None:
+        raise StateMismatchError(
+            f"{where}: the checkpoint's {label} was imported with the hyperparameters of each "
+            "parameter (torchtitan's flattened state, which keeps no group order), and is "
+            f"matched to the live {type(optimizer).__qualname__}'s param groups by their "
+            f"parameters: {why}. Group the parameters as the run that saved it did"
+        )
     if len(stored_groups) != len(live_names):
         raise StateMismatchError(
             f"{where}: the checkpoint's {label} has {len(stored_groups)} param group(s), "
@@ -342,7 +383,7 @@ def restore_optimizer(
         )
     param_groups, state, index = [], {}, 0
     for stored, names, group in zip(
-        section.groups, live_names, optimizer.param_groups, strict=True
+        _stored_groups(section, live_names)[0], live_names, optimizer.param_groups, strict=True
     ):
         indices = []
         hyper = decode(stored.hyper, _LazyTensor, where=where)
