@@ -17,32 +17,36 @@ import ddpckpt
 from ddpckpt._convert.deepspeed import read_deepspeed
 from ddpckpt.convert import import_checkpoint
 from ddpckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
-from deepspeed_layout import write
+from deepspeed_layout import edit, write
 
 
 class TiedLM(nn.Module):
+    """Groups of 80, 15 and 1 elements: padded at 2 and 3 ranks, the last group's padding
+    over every rank's slice at 3 (2 elements each, 1 of them the parameter)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.embed = nn.Embedding(11, 6)
-        self.norm = nn.BatchNorm1d(6)
-        self.hidden = nn.Linear(6, 6)
-        self.head = nn.Linear(6, 11, bias=False)
+        self.embed = nn.Embedding(11, 5)
+        self.norm = nn.BatchNorm1d(5)
+        self.hidden = nn.Linear(5, 5)
+        self.head = nn.Linear(5, 11, bias=False)
         self.head.weight = self.embed.weight  # tied, as language models tie them
+        self.temperature = nn.Parameter(torch.ones(1))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.relu(self.hidden(self.norm(self.embed(tokens)))))
+        hidden = torch.relu(self.hidden(self.norm(self.embed(tokens))))
+        return self.head(hidden) / self.temperature
 
 
 def build(seed: int) -> tuple[TiedLM, torch.optim.AdamW, torch.optim.lr_scheduler.LRScheduler]:
     torch.manual_seed(seed)
     model = TiedLM()
-    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "norm" not in n]
-    rest = [
-        p for n, p in model.named_parameters() if not (n.endswith("weight") and "norm" not in n)
-    ]
+    decay = [model.embed.weight, model.hidden.weight]
+    rest = [model.norm.weight, model.norm.bias, model.hidden.bias]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}], lr=0.01
-    )
+        [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0},
+         {"params": [model.temperature], "lr": 0.005, "weight_decay": 0.0}], lr=0.01
+    )  # fmt: skip
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     return model, optimizer, scheduler
 
@@ -110,7 +114,8 @@ def test_the_tag_directory_itself_imports_and_a_frozen_parameter_comes_from_its_
     train(model, optimizer, scheduler, range(2))
     tag = write(tmp_path / "ds", model, optimizer, world=3, step=2, stage=stage)
     obj, _ = read_deepspeed(str(tag))
-    assert torch.equal(obj["model"]["hidden.bias"], model.hidden.bias)
+    # the module's half precision (DeepSpeed keeps no fp32 copy of a frozen parameter)
+    assert torch.equal(obj["model"]["hidden.bias"], model.hidden.bias.half().float())
     assert obj["model"]["norm.num_batches_tracked"].dtype == torch.int64  # kept an integer
     assert obj["model"]["norm.running_mean"].dtype == torch.float32  # fp16 copy, as fp32
     assert obj["global_step"] == 2 and "hidden.bias" not in obj["optimizer"]["state"]
@@ -163,3 +168,111 @@ def test_a_model_states_file_naming_a_function_is_refused_before_it_runs(
     assert "ran" not in capsys.readouterr().out
     with pytest.raises(pickle.UnpicklingError):  # what torch itself refuses, as a check
         torch.load(states, weights_only=True)
+
+
+def _written(tmp_path: Path, **options) -> Path:
+    model, optimizer, scheduler = build(0)
+    train(model, optimizer, scheduler, range(2))
+    return write(tmp_path / "ds", model, optimizer, world=2, step=2, scheduler=scheduler, **options)
+
+
+def _optim_files(tag: Path) -> list[Path]:
+    return sorted(tag.glob("zero_pp_rank_*_optim_states.pt"))
+
+
+def test_what_cannot_carry_over_is_named(tmp_path: Path) -> None:
+    """DeepSpeed's own scheduler (a torch scheduler would start over from it), an Adam whose
+    mode the config does not say, a loss scaler's scale that is not a number."""
+    tag = _written(tmp_path, fused_adam=True)
+
+    def deepspeed_scheduler(doc):
+        doc["lr_scheduler"] = {"last_batch_iteration": 7}
+        doc["ds_config"].pop("optimizer")  # FusedAdam built by the script
+
+    edit(tag / "mp_rank_00_model_states.pt", deepspeed_scheduler)
+    edit(_optim_files(tag)[0], lambda d: setattr(
+        d["optimizer_state_dict"]["loss_scaler"], "cur_scale", [[1] * 3] * 3))  # fmt: skip
+    done = import_checkpoint(tag, tmp_path / "imported")
+    said = "\n".join(done.left_out)
+    assert "last_batch_iteration 7" in said and "step it that many times" in said
+    assert "the Adam mode" in said and "decoupled weight decay (AdamW)" in said
+    assert "DynamicLossScaler, scale unknown" in said
+    model, optimizer, scheduler = build(1)
+    info = ddpckpt.load(done.path, model=model, optimizer=optimizer)
+    assert info.step == 2 and all(g["decoupled_weight_decay"] for g in optimizer.param_groups)
+    with pytest.raises(ddpckpt.StateMismatchError, match="scheduler"):
+        ddpckpt.load(done.path, model=model, optimizer=optimizer, scheduler=scheduler)
+
+
+def test_an_elastic_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
+    tag = _written(tmp_path)
+
+    def elastic(doc):
+        state = doc["optimizer_state_dict"]["base_optimizer_state"]["state"]
+        doc["optimizer_state_dict"]["base_optimizer_state"] = [state[g] for g in sorted(state)]
+
+    for path in _optim_files(tag):
+        edit(path, elastic)
+    with pytest.raises(CorruptCheckpointError, match=r"elastic_checkpoint, which keeps no hyper"):
+        import_checkpoint(tag, tmp_path / "imported")
+
+
+@pytest.mark.parametrize(
+    ("where", "change"),
+    [
+        ("optim", lambda d: d["optimizer_state_dict"]["base_optimizer_state"]["state"][0]
+         .__setitem__("step", "x")),
+        ("model", lambda d: d.__setitem__("buffer_names", [[1]])),
+        ("model", lambda d: d.__setitem__("shared_params", torch.ones(3))),
+        ("model", lambda d: d.__setitem__("frozen_param_fragments", torch.ones(3))),
+        ("optim", lambda d: d["optimizer_state_dict"]["base_optimizer_state"]["param_groups"][0]
+         .__setitem__("bias_correction", torch.ones(2))),
+    ],
+    ids=["step", "buffer-names", "shared", "frozen", "bias-correction"],
+)  # fmt: skip
+def test_a_field_of_a_type_deepspeed_never_writes_is_a_corrupt_checkpoint(
+    tmp_path: Path, where, change
+) -> None:
+    tag = _written(tmp_path, fused_adam=True)
+    files = [tag / "mp_rank_00_model_states.pt"] if where == "model" else _optim_files(tag)
+    for path in files:
+        edit(path, change)
+    with pytest.raises(CorruptCheckpointError):
+        import_checkpoint(tag, tmp_path / "imported")
+
+
+def test_one_tensor_shared_by_many_groups_is_refused_before_it_is_copied_for_each(
+    tmp_path: Path,
+) -> None:
+    """100 groups whose slices are one tensor of 200 kB: joining them would copy it 200
+    times (40 MB from files of under 1 MB)."""
+    tag = _written(tmp_path)
+    shared = torch.zeros(50_000)
+
+    def groups(doc):
+        doc["param_shapes"] = [{f"p{i}": torch.Size([100_000])} for i in range(100)]
+
+    def slices(doc):
+        zero = doc["optimizer_state_dict"]
+        zero["single_partition_of_fp32_groups"] = [shared] * 100
+        zero["group_paddings"] = [0] * 100
+        zero["partition_count"] = [2] * 100
+
+    edit(tag / "mp_rank_00_model_states.pt", groups)
+    for path in _optim_files(tag):
+        edit(path, slices)
+    with pytest.raises(CorruptCheckpointError, match=r"add up to more bytes than the optimizer"):
+        import_checkpoint(tag, tmp_path / "imported")
+
+
+def test_a_zero_stage_in_a_file_changes_nothing_beyond_the_import(tmp_path: Path) -> None:
+    """The stage is read as a number, no enum member a pickle's state could be set on."""
+    from ddpckpt._convert import deepspeed
+
+    assert deepspeed.zero_stage(2) == 2
+    with pytest.raises(CorruptCheckpointError, match="no ZeRO stage"):
+        deepspeed.zero_stage(9)
+    tag = _written(tmp_path)
+    edit(_optim_files(tag)[0], lambda d: d["optimizer_state_dict"].__setitem__("zero_stage", 7))
+    with pytest.raises(CorruptCheckpointError, match=r"zero_pp_rank_0_mp_rank_00_optim_states.pt"):
+        import_checkpoint(tag, tmp_path / "imported")

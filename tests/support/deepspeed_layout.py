@@ -119,7 +119,9 @@ def write(
         }
         for rank in range(world):
             begin, end = rank * size, (rank + 1) * size
-            pad = padded - flat.numel() if rank == world - 1 else 0
+            # the part of this rank's slice past the group's elements (stage_1_and_2's
+            # groups_padding: several trailing ranks may hold padding, or only padding)
+            pad = max(0, end - max(begin, flat.numel()))
             padded_flat = torch.nn.functional.pad(flat, (0, padded - flat.numel()))
             keep = end if bf16_optimizer else end - pad  # BF16_Optimizer keeps the padding
             partitions[rank].append(padded_flat[begin:keep].clone())
@@ -140,8 +142,9 @@ def write(
         for name, param in model.named_parameters(remove_duplicate=False):
             if names[param] != name:
                 shared[name] = names[param]
-        frozen = OrderedDict((n, p.detach().cpu()) for n, p in model.named_parameters()
-                             if not p.requires_grad)  # fmt: skip
+        frozen = OrderedDict(
+            (n, p.detach().cpu().half()) for n, p in model.named_parameters() if not p.requires_grad
+        )  # fmt: skip (the module's precision)
         torch.save(
             {
                 "module": module,
@@ -162,18 +165,20 @@ def write(
                 "dp_world_size": world,
                 "mp_world_size": 1,
                 "ds_config": {"train_batch_size": 8, "fp16": {"enabled": True},
-                              "zero_optimization": {"stage": stage}},
+                              "zero_optimization": {"stage": stage},
+                              **({"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+                                 if fused_adam else {})},
                 "ds_version": VERSION,
             },
             out / "mp_rank_00_model_states.pt",
         )  # fmt: skip
         for rank in range(world):
-            if fused_adam:
+            if fused_adam:  # FusedAdam's defaults; its step per parameter, the group's 0
                 groups_out = [{**{k: v for k, v in h.items()
-                                  if k in ("lr", "betas", "eps", "weight_decay", "amsgrad")},
-                               "bias_correction": True, "adam_w_mode": True, "step": step,
+                                  if k in ("lr", "betas", "eps", "weight_decay")},
+                               "bias_correction": True, "step": 0,
                                "params": [g]} for g, h in enumerate(hyper)]  # fmt: skip
-                state = {g: dict(m) for g, m in enumerate(moments[rank])}
+                state = {g: {"step": step, **m} for g, m in enumerate(moments[rank])}
             else:
                 groups_out = [{**h, "params": [g]} for g, h in enumerate(hyper)]
                 state = {g: {"step": torch.tensor(float(step)), **m}
@@ -251,11 +256,11 @@ def _write_zero3(
                 moments = {key: torch.cat([_pieces(optimizer.state[p][key], world)[rank]
                                            for p in params])
                            for key in ("exp_avg", "exp_avg_sq")}  # fmt: skip
-                state[g] = moments if fused_adam else {"step": torch.tensor(float(step)), **moments}
+                state[g] = {"step": step if fused_adam else torch.tensor(float(step)), **moments}
             if fused_adam:
                 groups_out = [{**{k: v for k, v in h.items()
-                                  if k in ("lr", "betas", "eps", "weight_decay", "amsgrad")},
-                               "bias_correction": True, "adam_w_mode": True, "step": step,
+                                  if k in ("lr", "betas", "eps", "weight_decay")},
+                               "bias_correction": True, "step": 0,
                                "params": [g]} for g, h in enumerate(hyper)]  # fmt: skip
             else:
                 groups_out = [{**h, "params": [g]} for g, h in enumerate(hyper)]
@@ -290,7 +295,7 @@ def _write_zero3(
                     "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen),
                     "shared_params": shared,
                     "frozen_param_fragments": OrderedDict(
-                        (n, _pieces(p, world)[rank]) for n, p in frozen),
+                        (n, _pieces(p, world)[rank].half()) for n, p in frozen),
                     "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
                     "data_sampler": None,
                     "random_ltd": None,
@@ -300,7 +305,8 @@ def _write_zero3(
                     "global_samples": step * 8,
                     "dp_world_size": world,
                     "mp_world_size": 1,
-                    "ds_config": {"zero_optimization": {"stage": 3}},
+                    "ds_config": {"zero_optimization": {"stage": 3},
+                                  **({"optimizer": {"type": "Adam"}} if fused_adam else {})},
                     "ds_version": VERSION,
                 },
                 out / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
@@ -309,3 +315,16 @@ def _write_zero3(
         for module_name in added:
             sys.modules.pop(module_name, None)
     return out
+
+
+def edit(path: Path, change) -> None:
+    """Load the file ``path`` (this module's classes standing for DeepSpeed's), apply
+    ``change`` to what it holds, and save it again: a damaged or hostile variant."""
+    added = _as_deepspeed()
+    try:
+        doc = torch.load(path, weights_only=False)
+        change(doc)
+        torch.save(doc, path)
+    finally:
+        for module_name in added:
+            sys.modules.pop(module_name, None)

@@ -348,6 +348,21 @@ def test_a_dropped_loader_with_persistent_workers_stops_them_at_once() -> None:
         gc.enable()
 
 
+def test_a_deep_copy_of_a_tracked_loader_records_its_own_position() -> None:
+    """Its index stream belongs to the copy: the copy's mid-epoch state records the random
+    state its order was drawn from, as the original's does."""
+    import copy
+
+    loader = ddpckpt.data.track_loader(plain(SAMPLERS["random"](), 0))
+    twin = copy.deepcopy(loader)
+    assert twin._ddpckpt_stream.loader is twin
+    iterator = iter(twin)
+    next(iterator)
+    state = twin.state_dict()
+    assert state["order_draw"] is not None and state["position"] == 1
+    assert loader.state_dict()["started"] is False  # the original untouched
+
+
 class Prefetching(DataLoader):
     """A wrapper as Ray Train's prepare_data_loader makes: it copies the DataLoader's
     attributes, iterates it, and holds the next batch ahead of training."""

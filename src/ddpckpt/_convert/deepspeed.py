@@ -21,7 +21,6 @@ each parameter cut into equal pieces, one per rank) is read by its own protocol.
 
 from __future__ import annotations
 
-import enum
 import math
 import os
 import re
@@ -55,11 +54,12 @@ class DynamicLossScaler(_Record):
     pass
 
 
-class ZeroStage(enum.IntEnum):
-    disabled = 0
-    optimizer_states = 1
-    gradients = 2
-    weights = 3
+def zero_stage(value: Any) -> int:
+    """What a pickled ``ZeroStageEnum(n)`` becomes: the number (no enum member a pickle could
+    change for the whole process)."""
+    if type(value) is not int or not 0 <= value <= 3:
+        raise CorruptCheckpointError(f"ZeroStageEnum({value!r:.40}) is no ZeRO stage")
+    return value
 
 
 @dataclass
@@ -68,10 +68,10 @@ class FragmentAddress:
     start: int
 
 
-STAND_INS: tuple[tuple[type, str], ...] = (
+STAND_INS: tuple[tuple[Any, str], ...] = (
     (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-    (ZeroStage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
+    (zero_stage, "deepspeed.runtime.zero.config.ZeroStageEnum"),
     (FragmentAddress, "deepspeed.utils.tensor_fragment.fragment_address"),
 )
 
@@ -131,6 +131,7 @@ def read_deepspeed(
             f"{directory}: no {MODEL_STATES}: not a DeepSpeed checkpoint's tag directory"
         )
     optims = [_zero_state(directory, n, trusted, trusted_source) for n in optim_files]
+    sizes = sum(os.path.getsize(os.path.join(directory, n)) for n in optim_files)
     stage = optims[0].stage
     if any(o.stage != stage for o in optims) or (stage == 3) != (len(models) > 1 or
                                                                   _ZERO3_MODEL in names):  # fmt: skip
@@ -138,7 +139,17 @@ def read_deepspeed(
             f"{directory}: its files are of different ZeRO stages (model states of "
             f"{'ZeRO-3' if _ZERO3_MODEL in names else 'ZeRO-1/2'}, optimizer of ZeRO-{stage})"
         )
-    return _assemble(directory, models, optims)
+    try:
+        return _assemble(directory, models, optims, sizes)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError,
+            OverflowError, RecursionError) as exc:  # fmt: skip
+        if isinstance(exc, CorruptCheckpointError):
+            raise
+        # a field of a type DeepSpeed never writes, met where the checks above do not look
+        raise CorruptCheckpointError(
+            f"{directory}: not a DeepSpeed checkpoint this importer can read "
+            f"({type(exc).__name__} on a malformed field)"
+        ) from exc
 
 
 _ZERO3_MODELS = re.compile(r"zero_pp_rank_(\d{1,6})_mp_rank_00_model_states\.pt")
@@ -164,7 +175,12 @@ def _read(directory: str, name: str, trusted: Iterable[str], trusted_source: boo
     path = os.path.join(directory, name)
     if os.path.islink(path):
         raise CorruptCheckpointError(f"{path}: a symbolic link, not a file of the checkpoint")
-    obj, _ = read_torch_file(path, trusted, trusted_source, stand_ins=STAND_INS)
+    try:
+        obj, _ = read_torch_file(path, trusted, trusted_source, stand_ins=STAND_INS)
+    except CorruptCheckpointError as exc:
+        if path in str(exc):
+            raise
+        raise CorruptCheckpointError(f"{path}: {exc}") from exc
     if not isinstance(obj, Mapping):
         raise CorruptCheckpointError(f"{path}: holds a {type(obj).__name__}, not DeepSpeed's dict")
     return obj
@@ -250,10 +266,22 @@ class _Cutter:
     into ``ceil(numel / world)`` elements per rank, and a rank's groups, concatenated, hold
     its piece of every parameter one after another."""
 
-    def __init__(self, shapes: list[dict[str, tuple[int, ...]]], world: int, stage: int) -> None:
+    def __init__(
+        self, shapes: list[dict[str, tuple[int, ...]]], world: int, stage: int, budget: int
+    ) -> None:
         self.shapes, self.world, self.stage = shapes, world, stage
+        # Bytes the optimizer files hold: every slice is stored once and joined once (for
+        # the weights and for each moment), so joining more means slices shared in the
+        # pickle, which would copy one tensor many times.
+        self.budget = budget
 
     def __call__(self, vectors: list[list[torch.Tensor]], where: str) -> dict[str, torch.Tensor]:
+        self.budget -= sum(t.numel() * t.element_size() for row in vectors for t in row)
+        if self.budget < 0:
+            raise CorruptCheckpointError(
+                f"{where}: the ranks' slices add up to more bytes than the optimizer files "
+                "hold (one tensor shared by many slices): refused"
+            )
         if self.stage == 3:
             return self._zero3([torch.cat(groups) for groups in vectors], where)
         out: dict[str, torch.Tensor] = {}
@@ -305,7 +333,7 @@ class _Cutter:
 
 
 def _assemble(
-    directory: str, models: list[Mapping[str, Any]], optims: list[_RankState]
+    directory: str, models: list[Mapping[str, Any]], optims: list[_RankState], sizes: int
 ) -> tuple[dict[str, Any], list[str]]:
     model = models[0]
     where = os.path.join(directory, MODEL_STATES if len(models) == 1 else _ZERO3_MODEL)
@@ -322,23 +350,24 @@ def _assemble(
             f"{directory}: the optimizer files do not all hold {groups} parameter groups of "
             f"{world} ranks"
         )
-    cut = _Cutter(shapes, world, optims[0].stage)
-    masters = cut([[t.float() for t in o.fp32] for o in optims], f"{where}: fp32 weights")
+    cut = _Cutter(shapes, world, optims[0].stage, sizes)
+    masters = cut([list(o.fp32) for o in optims], f"{where}: fp32 weights")
+    masters = {name: t.float() for name, t in masters.items()}
     module = model.get("module")
     if not isinstance(module, Mapping):
         raise CorruptCheckpointError(f"{where}: holds no model state_dict ('module')")
-    buffers = set(model.get("buffer_names") or ())
-    frozen = _frozen(models, world, where)
-    shared = model.get("shared_params") or {}
-    if not isinstance(shared, Mapping):
-        raise CorruptCheckpointError(f"{where}: shared_params is not a map of names")
+    buffers = _field(model, "buffer_names", list, where)
+    if not all(isinstance(b, str) for b in buffers):
+        raise CorruptCheckpointError(f"{where}: buffer_names is not a list of names")
+    frozen = _frozen(models, where)
+    shared = _field(model, "shared_params", Mapping, where)
     weights: dict[str, Any] = {}
     for key, value in module.items():
         if key in masters:
             weights[key] = masters[key]
         elif key in frozen:
             weights[key] = frozen[key]
-        elif key in buffers and isinstance(value, torch.Tensor) and value.is_floating_point():
+        elif key in set(buffers) and isinstance(value, torch.Tensor) and value.is_floating_point():
             weights[key] = value.float()  # as zero_to_fp32.py restores them
         else:
             weights[key] = value
@@ -348,11 +377,19 @@ def _assemble(
             weights[name] = weights[target]  # a tie: stored once, loaded tied
     obj: dict[str, Any] = {"model": weights}
     left_out: list[str] = []
-    optimizer = _optimizer(optims, cut, where)
+    optimizer = _optimizer(optims, cut, where, _adam_mode(model, optims, left_out))
     if optimizer is not None:
         obj["optimizer"] = optimizer
     scheduler = model.get("lr_scheduler")
-    if isinstance(scheduler, Mapping) and scheduler:
+    if isinstance(scheduler, Mapping) and set(scheduler) == {"last_batch_iteration"}:
+        # DeepSpeed's own schedulers (WarmupLR, WarmupDecayLR, OneCycle ...) keep only this:
+        # a torch scheduler would take it as its state and start its schedule over
+        left_out.append(
+            f"lr_scheduler (a DeepSpeed scheduler's state, last_batch_iteration "
+            f"{_number(scheduler['last_batch_iteration'])}: a torch scheduler cannot take it; "
+            "build the torch scheduler that replaces it and step it that many times)"
+        )
+    elif isinstance(scheduler, Mapping) and scheduler:
         obj["lr_scheduler"] = dict(scheduler)
     if type(model.get("global_steps")) is int:
         obj["global_step"] = model["global_steps"]
@@ -360,11 +397,11 @@ def _assemble(
         if type(model.get(key)) is int:
             obj[key] = model[key]
     scaler = optims[0].scaler
-    if isinstance(scaler, _Record):
-        scale = vars(scaler).get("cur_scale")
+    if isinstance(scaler, DynamicLossScaler):
         left_out.append(
-            f"loss_scaler (DeepSpeed's {type(scaler).__name__}, scale {scale!r}): torch's "
-            "GradScaler keeps other state; start it with init_scale at that scale"
+            f"loss_scaler (DeepSpeed's DynamicLossScaler, scale "
+            f"{_number(vars(scaler).get('cur_scale'))}): torch's GradScaler keeps other state; "
+            "start it with init_scale at that scale"
         )
     for key in ("data_sampler", "random_ltd"):
         if model.get(key) is not None:
@@ -372,13 +409,28 @@ def _assemble(
     return obj, left_out
 
 
-def _frozen(models: list[Mapping[str, Any]], world: int, where: str) -> dict[str, torch.Tensor]:
-    """The frozen parameters: whole in the one model states file (ZeRO-1/2), or each rank's
-    piece in its own (ZeRO-3), joined as ``zero_to_fp32.py`` joins them."""
-    shapes = models[0].get("frozen_param_shapes") or {}
-    fragments = [m.get("frozen_param_fragments") or {} for m in models]
-    if not isinstance(shapes, Mapping) or not all(isinstance(f, Mapping) for f in fragments):
-        raise CorruptCheckpointError(f"{where}: frozen_param_shapes or _fragments malformed")
+def _field(doc: Mapping[str, Any], key: str, kind: type, where: str) -> Any:
+    """``doc[key]``, an empty ``kind`` if absent or None, else a value of ``kind``."""
+    value = doc.get(key)
+    if value is None:
+        return kind() if kind is not Mapping else {}
+    if not isinstance(value, kind):
+        raise CorruptCheckpointError(f"{where}: {key} is a {type(value).__name__}")
+    return value
+
+
+def _number(value: Any) -> str:
+    """A number of the file for a message; anything else is not repeated."""
+    return repr(value) if type(value) in (int, float) else "unknown"
+
+
+def _frozen(models: list[Mapping[str, Any]], where: str) -> dict[str, torch.Tensor]:
+    """The frozen parameters, as float32 when floating: whole in the one model states file
+    (ZeRO-1/2), or each rank's piece in its own (ZeRO-3), joined as ``zero_to_fp32.py``
+    joins them."""
+    shapes = _field(models[0], "frozen_param_shapes", Mapping, where)
+    fragments = [_field(m, "frozen_param_fragments", Mapping, where) for m in models]
+    budget = sum(f.numel() for fr in fragments for f in fr.values() if isinstance(f, torch.Tensor))
     out = {}
     for name, shape in shapes.items():
         pieces = [f.get(name) for f in fragments]
@@ -389,16 +441,45 @@ def _frozen(models: list[Mapping[str, Any]], world: int, where: str) -> dict[str
             or not all(isinstance(p, torch.Tensor) for p in pieces)
         ):
             raise CorruptCheckpointError(f"{where}: the frozen parameter {name!r:.200} malformed")
+        budget -= sum(p.numel() for p in pieces)
+        if budget < 0:
+            raise CorruptCheckpointError(f"{where}: the frozen parameters share their fragments")
         whole = torch.cat([p.reshape(-1) for p in pieces])
         if whole.numel() < math.prod(dims):
             raise CorruptCheckpointError(
                 f"{where}: the frozen parameter {name!r:.200} is cut short"
             )
-        out[name] = whole.narrow(0, 0, math.prod(dims)).view(dims)
+        value = whole.narrow(0, 0, math.prod(dims)).view(dims)
+        out[name] = value.float() if value.is_floating_point() else value
     return out
 
 
-def _optimizer(optims: list[_RankState], cut: _Cutter, where: str) -> dict[str, Any] | None:
+def _adam_mode(model: Mapping[str, Any], optims: list[_RankState], left_out: list[str]) -> bool:
+    """Whether DeepSpeed's own Adam (FusedAdam, CPUAdam: groups with ``bias_correction``)
+    decayed the weights decoupled (AdamW), from the saved config: its optimizer ``type`` and
+    ``adam_w_mode`` (default True, as DeepSpeed's); named in ``left_out`` when unknown."""
+    groups = optims[0].base.get("param_groups") if isinstance(optims[0].base, Mapping) else None
+    if not (isinstance(groups, list) and groups and isinstance(groups[0], Mapping)
+            and "bias_correction" in groups[0]):  # fmt: skip
+        return False  # not DeepSpeed's Adam: its groups say what they are
+    config = model.get("ds_config")
+    spec = config.get("optimizer") if isinstance(config, Mapping) else None
+    kind = spec.get("type") if isinstance(spec, Mapping) else None
+    params = spec.get("params") if isinstance(spec, Mapping) else None
+    if isinstance(kind, str) and kind.lower() in ("adam", "adamw"):
+        mode = params.get("adam_w_mode", True) if isinstance(params, Mapping) else True
+        return kind.lower() == "adamw" or mode is not False
+    left_out.append(
+        "the Adam mode (DeepSpeed's FusedAdam or CPUAdam, built by the script, not named in "
+        "ds_config): taken as decoupled weight decay (AdamW), their default; if the run set "
+        "adam_w_mode=False, set decoupled_weight_decay=False in the optimizer's param groups"
+    )
+    return True
+
+
+def _optimizer(
+    optims: list[_RankState], cut: _Cutter, where: str, adam_w: bool
+) -> dict[str, Any] | None:
     """The base optimizer's state keyed by parameter name: each moment's slices joined and
     cut as the weights are; a step kept in the group (DeepSpeed's Adam) goes to each
     parameter, as torch's Adam keeps it; DeepSpeed's Adam flags as torch's."""
@@ -406,14 +487,12 @@ def _optimizer(optims: list[_RankState], cut: _Cutter, where: str) -> dict[str, 
     if base is None:
         return None
     shapes = cut.shapes
-    elastic = isinstance(base, list)
-    if elastic:
-        groups_in = None
-        if not all(isinstance(o.base, list) and len(o.base) == len(shapes) for o in optims):
-            raise CorruptCheckpointError(
-                f"{where}: the ranks' base_optimizer_state is not one state per group on each"
-            )
-        per_rank = [list(o.base) for o in optims]
+    if isinstance(base, list):
+        raise CorruptCheckpointError(
+            f"{optims[0].path}: saved with elastic_checkpoint, which keeps no hyperparameters "
+            "(learning rate, betas ...) of the optimizer: not imported; load it with DeepSpeed "
+            "and save it once with elastic_checkpoint off, or with ddpckpt"
+        )
     else:
         if not isinstance(base, Mapping) or not isinstance(base.get("param_groups"), list):
             raise CorruptCheckpointError(
@@ -436,6 +515,8 @@ def _optimizer(optims: list[_RankState], cut: _Cutter, where: str) -> dict[str, 
         per_rank = [[_rank_group_state(o, i) for i in indices] for o in optims]
     if not all(isinstance(s, Mapping) for states in per_rank for s in states):
         raise CorruptCheckpointError(f"{where}: a group's optimizer state is not a dict")
+    if not all(isinstance(g, Mapping) for g in groups_in):
+        raise CorruptCheckpointError(f"{where}: a param group is not a dict")
     moments = sorted({k for s in per_rank[0] for k, v in s.items()
                       if isinstance(v, torch.Tensor) and v.dim() == 1})  # fmt: skip
     joined = {}
@@ -447,7 +528,7 @@ def _optimizer(optims: list[_RankState], cut: _Cutter, where: str) -> dict[str, 
                 part = state.get(key)
                 if not isinstance(part, torch.Tensor) or part.dim() != 1:
                     raise CorruptCheckpointError(f"{o.path}: group {g} lacks its {key!r}")
-                pad = 0 if elastic else o.paddings[g]
+                pad = o.paddings[g]
                 row.append(part.narrow(0, 0, max(0, part.numel() - pad)))
             vectors.append(row)
         joined[key] = cut(vectors, f"{where}: {key}")
@@ -455,22 +536,22 @@ def _optimizer(optims: list[_RankState], cut: _Cutter, where: str) -> dict[str, 
     param_groups: list[dict[str, Any]] = []
     for g, names in enumerate(shapes):
         scalars = {k: v for k, v in per_rank[0][g].items() if k not in joined}
-        hyper = dict(groups_in[g]) if groups_in is not None else {}
+        hyper = dict(groups_in[g])
         hyper.pop("params", None)
-        step = scalars.pop("step", hyper.pop("step", optims[0].base_step))
-        if "adam_w_mode" in hyper:  # DeepSpeed's FusedAdam / CPUAdam flags, as torch's
-            hyper["decoupled_weight_decay"] = bool(hyper.pop("adam_w_mode"))
-            if hyper.pop("bias_correction", True) is False:
+        group_step = hyper.pop("step", optims[0].base_step)
+        step = scalars.pop("step", group_step)  # FusedAdam: per parameter, its group's is 0
+        if "bias_correction" in hyper:  # DeepSpeed's FusedAdam / CPUAdam, as torch's Adam
+            if hyper.pop("bias_correction") is not True:
                 raise CorruptCheckpointError(
                     f"{optims[0].path}: an Adam without bias correction, which torch's Adam "
                     "cannot continue"
                 )
+            hyper.pop("adam_w_mode", None)
+            hyper["decoupled_weight_decay"] = adam_w
         for name in names:
             own: dict[str, Any] = {key: cut_key[name] for key, cut_key in joined.items()}
             if own and step is not None:
-                own["step"] = (
-                    step.float() if isinstance(step, torch.Tensor) else torch.tensor(float(step))
-                )
+                own["step"] = _step(step, optims[0].path)
             own.update(scalars)
             if own:
                 state[name] = own
@@ -490,3 +571,12 @@ def _rank_group_state(rank: _RankState, index: int) -> Any:
     if not isinstance(state, Mapping):
         raise CorruptCheckpointError(f"{rank.path}: the base optimizer's state holds no state")
     return state.get(index, {})
+
+
+def _step(value: Any, where: str) -> torch.Tensor:
+    """A step count as torch's Adam keeps it: a float32 scalar tensor."""
+    if type(value) in (int, float) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+        number = float(value)
+        if math.isfinite(number) and number >= 0:
+            return torch.tensor(number)
+    raise CorruptCheckpointError(f"{where}: a step count that is not a number of steps")

@@ -139,7 +139,7 @@ def trusted_globals(names: Iterable[str]) -> list[Any]:
 
 def read_torch_file(
     path: str, trusted: Iterable[str] = (), trusted_source: bool = False, *, arrays: bool = False,
-    stand_ins: Sequence[tuple[type, str]] = (),
+    stand_ins: Sequence[tuple[Any, str]] = (),
 ) -> tuple[Any, int]:  # fmt: skip
     """What the ``torch.save`` file ``path`` holds (CPU tensors, memory-mapped where the
     file is in the zip format) and the file's size, within the limits of this module.
@@ -149,9 +149,10 @@ def read_torch_file(
     ``transformers`` and ``accelerate`` allow them, each array declared empty before its
     bytes are set and exactly its shape's bytes, of a plain number's dtype (the scan refuses
     any other use of them, such as calling ``ndarray`` or an array of Python objects), from a
-    file in torch's zip format only. ``stand_ins``: ``(class, "module.Name")`` pairs, a
-    class of ddpckpt's own (no code of its own: see :func:`why_not_plain`) built where the
-    pickle names a class of another package (DeepSpeed's records), which is never imported."""
+    file in torch's zip format only. ``stand_ins``: ``(class_or_function, "module.Name")``
+    pairs: ddpckpt's own record class (no code of its own: see :func:`why_not_plain`) or
+    checking function, built or called where the pickle names a class of another package
+    (DeepSpeed's records), which is never imported."""
 
     def load() -> tuple[Any, int]:
         size = _scan(path)

@@ -13,6 +13,7 @@ Everything here is local to the calling rank; ``loader`` is a tracked DataLoader
 
 from __future__ import annotations
 
+import copy
 import itertools
 import weakref
 from collections import deque
@@ -89,9 +90,21 @@ class IndexStream:
     @property
     def loader(self) -> Any:
         loader = self._loader()
-        if loader is None:  # iterators keep their loader alive; only a stray stream can ask
+        if loader is None:  # a tracked loader's iterators keep it alive
             raise ReferenceError("the DataLoader this index stream belonged to is gone")
         return loader
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> IndexStream:
+        """A copy that belongs to the copy of its loader (``copy.deepcopy`` of a tracked
+        loader), not to the original: a weak reference is copied as the same reference."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        for key, value in vars(self).items():
+            if key != "_loader":
+                setattr(new, key, copy.deepcopy(value, memo))
+        loader = self._loader()
+        new._loader = weakref.ref(memo.get(id(loader), loader))
+        return new
 
     def __len__(self) -> int:
         if self.whole_pass_len:
