@@ -528,8 +528,9 @@ def mutated_dcp_directory(chooser: Chooser, seed: Path, target: Path) -> None:
 
 
 def seed_hf_directories(root: Path) -> list[Path]:
-    """A Trainer ``checkpoint-N`` of two processes and an Accelerate ``save_state``, each file
-    written as those packages write it (without them: the same calls on the same values)."""
+    """A Trainer ``checkpoint-N`` of two processes, an Accelerate ``save_state`` and a sharded
+    save of DCP's HuggingFaceStorageWriter, each file written as those packages write it
+    (without them: the same calls on the same values)."""
     import numpy as np
     from safetensors.torch import save_file
 
@@ -554,7 +555,15 @@ def seed_hf_directories(root: Path) -> list[Path]:
                 "torch_manual_seed": streams["cpu"], "step": 0},
                accelerate / "random_states_0.pkl")  # fmt: skip
     torch.save({"n": 3}, accelerate / "custom_checkpoint_0.pkl")
-    return [trainer, accelerate]
+    # DCP's HuggingFaceStorageWriter, sharded: each rank's file a row chunk of each tensor
+    sharded = root / "safetensors"
+    sharded.mkdir()
+    for rank in range(2):
+        chunks = {k: v[rank * 2 : rank * 2 + 2].contiguous() for k, v in model.state_dict().items()}
+        info = {k: {"saved_offsets": [rank * 2] + [0] * (v.dim() - 1)} for k, v in chunks.items()}
+        save_file(chunks, sharded / f"shard-{rank:05d}-model-00001-of-00001.safetensors",
+                  metadata={"DCP_SHARDING_INFO": json.dumps(info)})  # fmt: skip
+    return [trainer, accelerate, sharded]
 
 
 def seed_deepspeed_directories(root: Path) -> list[Path]:

@@ -145,8 +145,8 @@ def _import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "legacy",
         help="a file written by torch.save, a Lightning .ckpt, a torch.distributed.checkpoint "
-        "(DCP) directory, a Trainer checkpoint-N directory, an Accelerate save_state directory "
-        "or a DeepSpeed ZeRO checkpoint directory",
+        "(DCP) directory, a Trainer checkpoint-N directory, an Accelerate save_state directory, "
+        "a DeepSpeed ZeRO checkpoint directory or a directory of safetensors weights",
     )
     p.add_argument("outdir", help="the ddpckpt checkpoint directory to create")
     p.add_argument("--model-key", help="the entry holding the model weights, if not detected")
@@ -223,8 +223,8 @@ EXPORT = Command(
 )
 IMPORT = Command(
     "import",
-    "convert a torch.save / Lightning file, a DCP, Trainer, Accelerate or DeepSpeed "
-    "directory (no pickle code runs)",
+    "convert a torch.save / Lightning file, a DCP, Trainer, Accelerate, DeepSpeed or "
+    "safetensors directory (no pickle code runs)",
     _import_arguments,
     _import,
     description="Convert a checkpoint written with torch.save (a state dict, the usual "

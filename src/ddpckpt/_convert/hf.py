@@ -296,10 +296,14 @@ def _weights(
                 f"{_at(directory, marker)}: {what}, not imported yet; load it with the "
                 "Trainer, then save once with DdpckptTrainer"
             )
-    if any(n.startswith("global_step") for n in names):
+    steps = sorted(n for n in names if n.startswith("global_step"))
+    if steps:
         raise CorruptCheckpointError(
-            f"{directory}: a checkpoint of the Trainer's DeepSpeed integration (global_step*), "
-            "not imported yet; load it with the Trainer, then save once with DdpckptTrainer"
+            f"{directory}: a checkpoint of the Trainer's DeepSpeed integration: import the "
+            f"DeepSpeed checkpoint inside it (ddpckpt import {_at(directory, steps[-1])} OUT) "
+            "for the model, optimizer and scheduler; the Trainer's own state (its step "
+            "counter, random streams) does not carry over that way: load it with the Trainer, "
+            "then save once with DdpckptTrainer, to keep it"
         )
     if f"{stem}.safetensors" in names:
         return read_safetensors(_regular(directory, f"{stem}.safetensors"))
@@ -349,6 +353,11 @@ def _index(directory: str, name: str) -> dict[str, set[str]]:
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file ``path`` (a regular file), as CPU tensors, its
     header parsed within ddpckpt's bounds (no record outside the file, none overlapping)."""
+    return safetensors_file(path)[0]
+
+
+def safetensors_file(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """:func:`read_safetensors`, and the header's ``__metadata__`` strings."""
     fd = open_regular(path)
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(f.fileno()).st_size
@@ -371,7 +380,7 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
                 else torch.empty(0, dtype=torch.uint8)
             )
             tensors[entry.key] = flat.view(dtype).reshape(entry.shape)
-    return tensors
+    return tensors, dict(header.metadata)
 
 
 # ---------------------------------------------------------------- random streams

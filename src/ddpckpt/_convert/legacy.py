@@ -14,6 +14,8 @@ Understood layouts:
   or torchtitan's layout (:mod:`ddpckpt._convert.torchtitan`);
 * a DeepSpeed ZeRO checkpoint, stage 1, 2 or 3 (:mod:`ddpckpt._convert.deepspeed`), read as the model's
   fp32 master weights, the optimizer by parameter name, the scheduler and the step;
+* a directory of safetensors weights (:mod:`ddpckpt._convert.safetensors_dir`): DCP's
+  ``HuggingFaceStorageWriter``, ``save_pretrained``;
 * a Hugging Face ``Trainer`` ``checkpoint-N`` or an Accelerate ``save_state`` directory
   (:mod:`ddpckpt._convert.hf`), written as the objects ddpckpt's integrations save, each
   process's random streams in that rank's file (:func:`~ddpckpt._io.writing.add_ranks`).
@@ -45,6 +47,7 @@ from ddpckpt._convert.hf import (
     read_accelerate,
     read_trainer,
 )
+from ddpckpt._convert.safetensors_dir import is_safetensors_directory, read_safetensors_directory
 from ddpckpt._convert.torchfile import read_torch_file
 from ddpckpt._convert.torchtitan import from_torchtitan, is_torchtitan
 from ddpckpt._coord.comm import Comm
@@ -335,13 +338,21 @@ def import_checkpoint(
                 f"{beside[0]!r}, whose keys are not torchtitan's (state.<parameter>.<name>): "
                 "load it with the code that wrote it, then save once with ddpckpt"
             )
+    elif is_safetensors_directory(source):
+        obj, model_key = {"model": read_safetensors_directory(source)}, "model"
+        left_out = [
+            f"{n} (not read: the import takes the weights)"
+            for n in sorted(os.listdir(source))
+            if not n.endswith(".safetensors") and n != "model.safetensors.index.json"
+        ]
     elif os.path.isdir(source):
         raise CorruptCheckpointError(
             f"{source}: a directory of no format `import` reads: a "
             "torch.distributed.checkpoint directory (.metadata), a Trainer checkpoint "
-            "(trainer_state.json), an Accelerate save_state (random_states_0.pkl) or a "
+            "(trainer_state.json), an Accelerate save_state (random_states_0.pkl), a "
             "DeepSpeed ZeRO checkpoint (mp_rank_00_model_states.pt, or the 'latest' file "
-            "naming it); or a torch.save file, a Lightning .ckpt"
+            "naming it) or safetensors weights (*.safetensors); or a torch.save file, a "
+            "Lightning .ckpt"
         )
     else:
         obj, _ = read_torch_file(source, trusted_globals, trusted_source)
