@@ -142,7 +142,7 @@ def test_a_missing_rank_and_files_of_two_stages_are_refused_by_name(tmp_path: Pa
 def test_a_latest_file_naming_another_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "latest").write_text("../../etc")
-    with pytest.raises(CorruptCheckpointError, match=r"latest: names no checkpoint tag"):
+    with pytest.raises(CorruptCheckpointError, match=r"latest: names no tag this importer takes"):
         import_checkpoint(tmp_path / "ds", tmp_path / "out")
 
 
@@ -276,3 +276,26 @@ def test_a_zero_stage_in_a_file_changes_nothing_beyond_the_import(tmp_path: Path
     edit(_optim_files(tag)[0], lambda d: d["optimizer_state_dict"].__setitem__("zero_stage", 7))
     with pytest.raises(CorruptCheckpointError, match=r"zero_pp_rank_0_mp_rank_00_optim_states.pt"):
         import_checkpoint(tag, tmp_path / "imported")
+
+
+def test_layouts_not_read_are_refused_by_name(tmp_path: Path) -> None:
+    """Mixture-of-experts groups (partitioned over fewer ranks), a pipeline-parallel model
+    (its 'module' None), a tag 'latest' names that is no plain directory name."""
+    tag = _written(tmp_path)
+    edit(_optim_files(tag)[0], lambda d: d["optimizer_state_dict"].__setitem__(
+        "partition_count", [2, 1, 2]))  # fmt: skip
+    with pytest.raises(CorruptCheckpointError, match=r"mixture-of-experts checkpoint"):
+        import_checkpoint(tag, tmp_path / "a")
+    tag = _written(tmp_path / "pipeline")
+    edit(tag / "mp_rank_00_model_states.pt", lambda d: d.__setitem__("module", None))
+    with pytest.raises(CorruptCheckpointError, match=r"a pipeline-parallel checkpoint"):
+        import_checkpoint(tag, tmp_path / "b")
+    (tag.parent / "latest").write_text("global step 2")
+    with pytest.raises(CorruptCheckpointError, match=r"give the tag directory itself"):
+        import_checkpoint(tag.parent, tmp_path / "c")
+
+
+def test_a_ddpckpt_checkpoint_is_not_imported_again(tmp_path: Path) -> None:
+    ddpckpt.save(tmp_path / "ckpt", model=nn.Linear(2, 2))
+    with pytest.raises(CorruptCheckpointError, match=r"a ddpckpt checkpoint already"):
+        import_checkpoint(tmp_path / "ckpt", tmp_path / "out")

@@ -92,7 +92,8 @@ def tag_directory(path: str) -> str:
     tag = text.decode("utf-8", "replace").strip()
     if len(text) > _LATEST_BYTES or not _TAG.fullmatch(tag) or tag in (".", ".."):
         raise CorruptCheckpointError(
-            f"{latest}: names no checkpoint tag (DeepSpeed writes one directory name there)"
+            f"{latest}: names no tag this importer takes (a directory name of letters, digits, "
+            "'.', '_' and '-'): give the tag directory itself"
         )
     return os.path.join(path, tag)
 
@@ -201,7 +202,13 @@ def _zero_state(
     count = doc.get("partition_count")
     counts = count if isinstance(count, list) else [count]
     if not counts or not all(type(c) is int and 0 < c <= 1 << 20 for c in counts):
-        raise CorruptCheckpointError(f"{path}: partition_count {count!r} is not a rank count")
+        raise CorruptCheckpointError(f"{path}: partition_count {count!r:.100} is no rank count")
+    if len(set(counts)) > 1:
+        raise CorruptCheckpointError(
+            f"{path}: groups partitioned over {sorted(set(counts))} ranks: a mixture-of-experts "
+            "checkpoint (experts partitioned over fewer ranks), not imported; load it with "
+            "DeepSpeed, then save once with ddpckpt"
+        )
     key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
     fp32 = doc.get(key)
     if not isinstance(fp32, list) or not all(

@@ -52,6 +52,7 @@ from ddpckpt._convert.torchfile import read_torch_file
 from ddpckpt._convert.torchtitan import from_torchtitan, is_torchtitan
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import encode
+from ddpckpt._format.manifest import MANIFEST_NAME
 from ddpckpt._format.sections import (
     NAMED,
     SINGLE,
@@ -323,10 +324,12 @@ def import_checkpoint(
         return _write(source, destination, snapshot, header, found.left_out, parts, overwrite)
     left_out: list[str] = []
     groups_rebuilt = False  # param groups rebuilt from each parameter's hyperparameters
-    if is_deepspeed_checkpoint(source):
-        obj, left_out = read_deepspeed(source, trusted_globals, trusted_source)
-        model_key = "model"
-    elif is_dcp_directory(source):
+    if os.path.isdir(source) and os.path.lexists(os.path.join(source, MANIFEST_NAME)):
+        raise CorruptCheckpointError(
+            f"{source}: a ddpckpt checkpoint already (it holds {MANIFEST_NAME}): load it with "
+            "ddpckpt.load, no import needed"
+        )
+    if is_dcp_directory(source):
         obj = _unwrapped(read_dcp(source, trusted_globals, trusted_source))
         if model_key is None and is_torchtitan(obj):
             obj, left_out = from_torchtitan(obj, source)
@@ -338,6 +341,9 @@ def import_checkpoint(
                 f"{beside[0]!r}, whose keys are not torchtitan's (state.<parameter>.<name>): "
                 "load it with the code that wrote it, then save once with ddpckpt"
             )
+    elif is_deepspeed_checkpoint(source):
+        obj, left_out = read_deepspeed(source, trusted_globals, trusted_source)
+        model_key = "model"
     elif is_safetensors_directory(source):
         obj, model_key = {"model": read_safetensors_directory(source)}, "model"
         left_out = [

@@ -159,7 +159,13 @@ def merge(
     masters = {name: t.float() for name, t in masters.items()}
     module = model.get("module")
     if not isinstance(module, Mapping):
-        raise CorruptCheckpointError(f"{where}: holds no model state_dict ('module')")
+        why = (
+            ": a pipeline-parallel checkpoint (its layers in layer_*-model_states.pt), not "
+            "imported; load it with DeepSpeed, then save once with ddpckpt"
+            if module is None
+            else ""
+        )
+        raise CorruptCheckpointError(f"{where}: holds no model state_dict ('module'){why}")
     buffers = _field(model, "buffer_names", list, where)
     if not all(isinstance(b, str) for b in buffers):
         raise CorruptCheckpointError(f"{where}: buffer_names is not a list of names")
