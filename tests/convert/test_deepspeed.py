@@ -299,3 +299,47 @@ def test_a_ddpckpt_checkpoint_is_not_imported_again(tmp_path: Path) -> None:
     ddpckpt.save(tmp_path / "ckpt", model=nn.Linear(2, 2))
     with pytest.raises(CorruptCheckpointError, match=r"a ddpckpt checkpoint already"):
         import_checkpoint(tmp_path / "ckpt", tmp_path / "out")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_neighbouring_groups_of_equal_hyperparameters_and_zero3_sub_groups_stay_apart(
+    tmp_path: Path, stage: int
+) -> None:
+    """Two param groups alike (each its own group in the live optimizer too), and ZeRO-3's
+    sub-groups (a group's pieces over sub_group_size: several flat slices in one group)."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    alike = [{"params": [model.embed.weight, model.hidden.weight]},
+             {"params": [model.norm.weight, model.norm.bias, model.hidden.bias,
+                         model.temperature]}]  # fmt: skip
+    optimizer = torch.optim.AdamW(alike, lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    train(model, optimizer, scheduler, range(2))
+    write(tmp_path / "ds", model, optimizer, world=3, step=2, stage=stage, sub_group_size=10)
+    done = import_checkpoint(tmp_path / "ds", tmp_path / "imported")
+    torch.manual_seed(1)
+    again = TiedLM()
+    groups = [{"params": [again.embed.weight, again.hidden.weight]},
+              {"params": [again.norm.weight, again.norm.bias, again.hidden.bias,
+                          again.temperature]}]  # fmt: skip
+    again_optimizer = torch.optim.AdamW(groups, lr=0.01)
+    ddpckpt.load(done.path, model=again, optimizer=again_optimizer)
+    assert again_optimizer.state_dict()["param_groups"] == optimizer.state_dict()["param_groups"]
+    for p, q in zip(model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(optimizer.state[p]["exp_avg"], again_optimizer.state[q]["exp_avg"])
+
+
+def test_one_buffer_under_many_names_is_refused_before_it_is_copied_for_each(
+    tmp_path: Path,
+) -> None:
+    tag = _written(tmp_path)
+    shared = torch.zeros(100_000, dtype=torch.float16)
+
+    def many(doc):
+        for i in range(100):
+            doc["module"][f"copy{i}"] = shared
+        doc["buffer_names"] += [f"copy{i}" for i in range(100)]
+
+    edit(tag / "mp_rank_00_model_states.pt", many)
+    with pytest.raises(CorruptCheckpointError, match=r"more bytes than the model states files"):
+        import_checkpoint(tag, tmp_path / "imported")

@@ -110,3 +110,16 @@ def test_damaged_or_hostile_shards_are_refused(tmp_path: Path, damage: str) -> N
     with pytest.raises(CorruptCheckpointError, match=expected):
         import_checkpoint(directory, tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
+
+
+def test_empty_chunks_far_out_claim_no_tensor(tmp_path: Path) -> None:
+    """Two empty chunks hold no bytes, but their offsets made a tensor of about 2**62
+    elements in each other dimension (torch's RuntimeError escaped)."""
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    for rank in range(2):
+        info = {"w": {"saved_offsets": [0, 2**61 * rank, 2**61]}}
+        save_file({"w": torch.zeros(0, 1, 1)}, directory / f"shard-{rank}.safetensors",
+                  metadata={"DCP_SHARDING_INFO": json.dumps(info)})  # fmt: skip
+    with pytest.raises(CorruptCheckpointError, match="claim a tensor of"):
+        import_checkpoint(directory, tmp_path / "imported")

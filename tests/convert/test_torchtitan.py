@@ -204,3 +204,72 @@ def test_param_groups_in_another_order_or_split_take_their_parameters_hyperparam
     with pytest.raises(ddpckpt.StateMismatchError, match=r"param group 0 holds .* which it gave "
                        "different hyperparameters. Group the parameters as the run"):  # fmt: skip
         ddpckpt.load(path, model=other, optimizer=torch.optim.AdamW(moved, lr=1e-2), rng=False)
+
+
+def _zero_rank(rank: int, store: str, path: str, out: str) -> None:
+    """One rank of two loading the import into a ZeroRedundancyOptimizer whose groups come
+    in the saved run's order (no decay first), not in the rebuilt (model's) order."""
+    import json
+
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model = _make(1)[0]
+        no_decay = [p for n, p in model.named_parameters() if "norm" in n]
+        decay = [p for n, p in model.named_parameters() if "norm" not in n]
+        optimizer = ZeroRedundancyOptimizer(no_decay, torch.optim.AdamW, lr=1e-2,
+                                            weight_decay=0.0)  # fmt: skip
+        optimizer.add_param_group({"params": decay, "weight_decay": 0.1})
+        ddpckpt.load(path, model=model, optimizer=optimizer, rng=False)
+        local = [(g["weight_decay"], len(g["params"])) for g in optimizer.optim.param_groups]
+        Path(out, f"rank{rank}.json").write_text(json.dumps(local))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.processes
+def test_a_zero_redundancy_optimizer_takes_each_groups_own_hyperparameters(
+    tmp_path: Path,
+) -> None:
+    """Its local optimizer holds only the parameters the rank owns: the rebuilt groups are
+    cut to the wrapper's groups first (each local group was matched by position, so the
+    no-decay group took the decayed one's weight decay)."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    model, optimizer, scheduler = _make(groups="reversed")
+    _step(model, optimizer, scheduler, 0)
+    _titan_save(tmp_path / "step-1", model, optimizer, scheduler, step=1, current=True)
+    path, _ = import_checkpoint(tmp_path / "step-1", tmp_path / "imported")
+    mp.spawn(_zero_rank, args=(str(tmp_path / "store"), path, str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        local = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [wd for wd, _ in local] == [0.0, 0.1], (rank, local)
+
+
+def test_a_scheduler_whose_groups_would_take_another_groups_rate_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The saving run had no decay first; the scheduler's base_lrs are in that order. A live
+    optimizer of the other order would get each group's rate right at the load and swapped
+    at the next scheduler.step(): refused before anything is loaded."""
+    model, optimizer, _ = _make(groups="reversed")
+    for group, lr in zip(optimizer.param_groups, (1e-3, 1e-2), strict=True):
+        group["lr"] = group["initial_lr"] = lr
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    _step(model, optimizer, scheduler, 0)
+    _titan_save(tmp_path / "step-1", model, optimizer, scheduler, step=1, current=True)
+    path, _ = import_checkpoint(tmp_path / "step-1", tmp_path / "imported")
+    other, other_optimizer, _ = _make(seed=1)
+    other_scheduler = torch.optim.lr_scheduler.StepLR(other_optimizer, step_size=1, gamma=0.5)
+    before = [p.detach().clone() for p in other.parameters()]
+    with pytest.raises(ddpckpt.StateMismatchError, match=r"starting from \[0.001, 0.01\]"):
+        ddpckpt.load(path, model=other, optimizer=other_optimizer, scheduler=other_scheduler,
+                     rng=False)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))
+    same, same_optimizer, _ = _make(seed=1, groups="reversed")
+    same_scheduler = torch.optim.lr_scheduler.StepLR(same_optimizer, step_size=1, gamma=0.5)
+    ddpckpt.load(path, model=same, optimizer=same_optimizer, scheduler=same_scheduler, rng=False)

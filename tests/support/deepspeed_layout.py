@@ -87,7 +87,7 @@ def write(
     directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world: int,
     step: int, scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     fused_adam: bool = False, tag: str | None = None, stage: int = 2,
-    bf16_optimizer: bool = False,
+    bf16_optimizer: bool = False, sub_group_size: int | None = None,
 ) -> Path:  # fmt: skip
     """Write ``model`` and its AdamW ``optimizer`` as DeepSpeed ZeRO-``stage`` (1, 2 or 3) at ``world``
     ranks, fp16 training (the module in half precision, fp32 masters in the optimizer
@@ -98,7 +98,8 @@ def write(
     their padding (``bf16_optimizer.BF16_Optimizer.state_dict``)."""
     if stage == 3:
         return _write_zero3(directory, model, optimizer, world=world, step=step,
-                            scheduler=scheduler, fused_adam=fused_adam, tag=tag)  # fmt: skip
+                            scheduler=scheduler, fused_adam=fused_adam, tag=tag,
+                            sub_group_size=sub_group_size)  # fmt: skip
     tag = tag or f"global_step{step}"
     out = directory / tag
     out.mkdir(parents=True)
@@ -233,20 +234,27 @@ def _pieces(tensor: torch.Tensor, world: int) -> list[torch.Tensor]:
 def _write_zero3(
     directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world: int,
     step: int, scheduler: torch.optim.lr_scheduler.LRScheduler | None, fused_adam: bool,
-    tag: str | None,
+    tag: str | None, sub_group_size: int | None,
 ) -> Path:  # fmt: skip
     """ZeRO-3: stage3's ``_rigid_state_dict`` (``fp32_flat_groups``: each rank's pieces of
     its group's parameters, one after another; the base optimizer's state over them) and one
     model states file per rank (the parameters as empty placeholders, frozen ones as this
-    rank's piece), one sub-group per optimizer group."""
+    rank's piece). A group whose pieces hold more than ``sub_group_size`` elements is cut
+    into sub-groups (``_create_fp16_sub_groups``): one flat group each, listed in its param
+    group (``_set_fp32_optimizer_param_groups``)."""
     tag = tag or f"global_step{step}"
     out = directory / tag
     out.mkdir(parents=True)
     (directory / "latest").write_text(tag)
     names = {p: n for n, p in model.named_parameters()}
-    groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+    user_groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    groups, owner = [], []  # the sub-groups, in order, and the param group of each
+    for g, params in enumerate(user_groups):
+        for sub in _sub_groups(params, world, sub_group_size):
+            groups.append(sub)
+            owner.append(g)
     added = _as_deepspeed()
     try:
         for rank in range(world):
@@ -257,13 +265,14 @@ def _write_zero3(
                                            for p in params])
                            for key in ("exp_avg", "exp_avg_sq")}  # fmt: skip
                 state[g] = {"step": step if fused_adam else torch.tensor(float(step)), **moments}
+            listed = [[i for i, o in enumerate(owner) if o == g] for g in range(len(hyper))]
             if fused_adam:
                 groups_out = [{**{k: v for k, v in h.items()
                                   if k in ("lr", "betas", "eps", "weight_decay")},
                                "bias_correction": True, "step": 0,
-                               "params": [g]} for g, h in enumerate(hyper)]  # fmt: skip
+                               "params": listed[g]} for g, h in enumerate(hyper)]  # fmt: skip
             else:
-                groups_out = [{**h, "params": [g]} for g, h in enumerate(hyper)]
+                groups_out = [{**h, "params": listed[g]} for g, h in enumerate(hyper)]
             zero = {
                 "zero_stage": ZeroStageEnum(3),
                 "loss_scaler": DynamicLossScaler(),
@@ -328,3 +337,21 @@ def edit(path: Path, change) -> None:
     finally:
         for module_name in added:
             sys.modules.pop(module_name, None)
+
+
+def _sub_groups(
+    params: list[torch.Tensor], world: int, size: int | None
+) -> list[list[torch.Tensor]]:
+    """stage3's ``_create_fp16_sub_groups``: parameters in order, a sub-group closed once
+    its pieces hold ``size`` elements or more."""
+    pieces = [-(-p.numel() // world) for p in params]
+    if size is None or size >= sum(pieces):
+        return [params]
+    out, current, held = [], [], 0
+    for param, piece in zip(params, pieces, strict=True):
+        current.append(param)
+        held += piece
+        if held >= size or param is params[-1]:
+            out.append(current)
+            current, held = [], 0
+    return out

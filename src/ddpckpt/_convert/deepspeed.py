@@ -139,8 +139,10 @@ def read_deepspeed(
             f"{'ZeRO-3' if _ZERO3_MODEL in names else 'ZeRO-1/2'}, optimizer of ZeRO-{stage})"
         )
     where = os.path.join(directory, MODEL_STATES if len(models) == 1 else _ZERO3_MODEL)
+    model_names = model_files if len(models) > 1 else [MODEL_STATES]
+    model_sizes = sum(os.path.getsize(os.path.join(directory, n)) for n in model_names)
     try:
-        return merge(directory, where, models, optims, sizes)
+        return merge(directory, where, models, optims, sizes, model_sizes)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError,
             OverflowError, RecursionError) as exc:  # fmt: skip
         if isinstance(exc, CorruptCheckpointError):

@@ -166,6 +166,10 @@ _WHY_LEFT_OUT = {
     "dl_state_dict.bin": "a stateful DataLoader's position, which ddpckpt's loader does "
     "not take; the resumed loader starts its epoch at the beginning",
 }
+_WHY_LEFT_OUT_NUMBERED = {  # Accelerate's second, third ... DataLoader's
+    re.compile(r"sampler_\d{1,6}\.bin"): _WHY_LEFT_OUT["sampler.bin"],
+    re.compile(r"dl_state_dict_\d{1,6}\.bin"): _WHY_LEFT_OUT["dl_state_dict.bin"],
+}
 # What save_pretrained writes beside the weights: not needed to resume the run
 _FOR_FROM_PRETRAINED = frozenset({
     "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -280,7 +284,10 @@ def _unread(
         if name in _FOR_FROM_PRETRAINED:
             why = "written for from_pretrained, not needed to resume; it stays in the source"
         else:
-            why = _WHY_LEFT_OUT.get(name, f"a file {writer} does not write, not understood")
+            numbered = (w for p, w in _WHY_LEFT_OUT_NUMBERED.items() if p.fullmatch(name))
+            why = _WHY_LEFT_OUT.get(name) or next(
+                numbered, f"a file {writer} does not write, not understood"
+            )
         out.append(f"{name} ({why})")
     return out
 
@@ -296,7 +303,9 @@ def _weights(
                 f"{_at(directory, marker)}: {what}, not imported yet; load it with the "
                 "Trainer, then save once with DdpckptTrainer"
             )
-    steps = sorted(n for n in names if n.startswith("global_step"))
+    steps = sorted(
+        (n for n in names if n.startswith("global_step")), key=lambda n: (len(n), n)
+    )  # fmt: skip (global_step9 before global_step10)
     if steps:
         raise CorruptCheckpointError(
             f"{directory}: a checkpoint of the Trainer's DeepSpeed integration: import the "

@@ -123,13 +123,19 @@ def _whole(key: str, entry: _Tensor, directory: str) -> torch.Tensor:
         )
     size = tuple(max(o[d] + c.shape[d] for o, c in entry.chunks) for d in range(dims))
     held = sum(c.numel() for _, c in entry.chunks)
-    if math.prod(size) > 2 * held + (1 << 20):
+    if math.prod(size) > 2 * held + (1 << 20) or any(d >= 1 << 40 for d in size):
         raise CorruptCheckpointError(
             f"{directory}: the chunks of {key[:200]!r} claim a tensor of {list(size)}, "
             f"{held} elements held; refused"
         )
-    whole = torch.empty(size, dtype=dtype)
-    covered = torch.zeros(size, dtype=torch.bool)
+    try:  # dimensions from the files' offsets: an empty chunk far out claims no bytes
+        whole = torch.empty(size, dtype=dtype)
+        covered = torch.zeros(size, dtype=torch.bool)
+    except (RuntimeError, ValueError, OverflowError, MemoryError) as exc:
+        raise CorruptCheckpointError(
+            f"{directory}: the chunks of {key[:200]!r} claim a tensor of {list(size)} that "
+            f"cannot be made ({type(exc).__name__}); refused"
+        ) from None
     for (offset, chunk), name in zip(entry.chunks, entry.files, strict=True):
         region = tuple(slice(o, o + s) for o, s in zip(offset, chunk.shape, strict=True))
         if covered[region].any():

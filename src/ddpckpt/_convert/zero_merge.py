@@ -135,11 +135,15 @@ def merge(
     models: list[Mapping[str, Any]],
     optims: list[RankSlices],
     sizes: int,
+    model_sizes: int,
 ) -> tuple[dict[str, Any], list[str]]:
     """The recipe the importer reads (``model``, ``optimizer`` by name, ``lr_scheduler``,
     ``global_step`` ...) from the model states ``models`` (one, or one per rank under
     ZeRO-3; ``where`` names the first) and every rank's slices; ``sizes``: the optimizer
-    files' bytes, which the slices joined may not exceed; and what was left out, with why."""
+    files' bytes, which the slices joined may not exceed; ``model_sizes``: the model states
+    files' bytes, four times which the buffers and frozen parameters made float32 may not
+    exceed (one tensor under many names would be copied for each); and what was left out,
+    with why."""
     model = models[0]
     world = optims[0].world
     if world != len(optims) or (len(models) > 1 and len(models) != world):
@@ -169,7 +173,8 @@ def merge(
     buffers = _field(model, "buffer_names", list, where)
     if not all(isinstance(b, str) for b in buffers):
         raise CorruptCheckpointError(f"{where}: buffer_names is not a list of names")
-    frozen = _frozen(models, where)
+    budget = _Budget(4 * model_sizes, where)
+    frozen = _frozen(models, where, budget)
     shared = _field(model, "shared_params", Mapping, where)
     weights: dict[str, Any] = {}
     for key, value in module.items():
@@ -177,8 +182,11 @@ def merge(
             weights[key] = masters[key]
         elif key in frozen:
             weights[key] = frozen[key]
-        elif key in set(buffers) and isinstance(value, torch.Tensor) and value.is_floating_point():
-            weights[key] = value.float()  # as zero_to_fp32.py restores them
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            # a buffer (as zero_to_fp32.py restores them), or a parameter ZeRO-1 kept only in
+            # the module (frozen): float32, as the fp32 masters
+            budget.spend(value.numel() * 4)
+            weights[key] = value.float()
         else:
             weights[key] = value
     weights.update((k, v) for k, v in masters.items() if k not in weights)
@@ -232,13 +240,29 @@ def number(value: Any) -> str:
     return repr(value) if type(value) in (int, float) else "unknown"
 
 
-def _frozen(models: list[Mapping[str, Any]], where: str) -> dict[str, torch.Tensor]:
+class _Budget:
+    """Bytes the import may still make from the model states (see :func:`merge`)."""
+
+    def __init__(self, left: int, where: str) -> None:
+        self.left, self.where = left, where
+
+    def spend(self, nbytes: int) -> None:
+        self.left -= nbytes
+        if self.left < 0:
+            raise CorruptCheckpointError(
+                f"{self.where}: its buffers and frozen parameters add up to more bytes than "
+                "the model states files hold (one tensor under many names): refused"
+            )
+
+
+def _frozen(
+    models: list[Mapping[str, Any]], where: str, budget: _Budget
+) -> dict[str, torch.Tensor]:
     """The frozen parameters, as float32 when floating: whole in the one model states file
     (ZeRO-1/2), or each rank's piece in its own (ZeRO-3), joined as ``zero_to_fp32.py``
     joins them."""
     shapes = _field(models[0], "frozen_param_shapes", Mapping, where)
     fragments = [_field(m, "frozen_param_fragments", Mapping, where) for m in models]
-    budget = sum(f.numel() for fr in fragments for f in fr.values() if isinstance(f, torch.Tensor))
     out = {}
     for name, shape in shapes.items():
         pieces = [f.get(name) for f in fragments]
@@ -249,9 +273,7 @@ def _frozen(models: list[Mapping[str, Any]], where: str) -> dict[str, torch.Tens
             or not all(isinstance(p, torch.Tensor) for p in pieces)
         ):
             raise CorruptCheckpointError(f"{where}: the frozen parameter {name!r:.200} malformed")
-        budget -= sum(p.numel() for p in pieces)
-        if budget < 0:
-            raise CorruptCheckpointError(f"{where}: the frozen parameters share their fragments")
+        budget.spend(8 * sum(p.numel() for p in pieces))  # joined, then as float32
         whole = torch.cat([p.reshape(-1) for p in pieces])
         if whole.numel() < math.prod(dims):
             raise CorruptCheckpointError(
@@ -301,26 +323,27 @@ def _optimizer(
             "(learning rate, betas ...) of the optimizer: not imported; load it with DeepSpeed "
             "and save it once with elastic_checkpoint off, or with ddpckpt"
         )
-    else:
-        if not isinstance(base, Mapping) or not isinstance(base.get("param_groups"), list):
+    if not isinstance(base, Mapping) or not isinstance(base.get("param_groups"), list):
+        raise CorruptCheckpointError(f"{optims[0].path}: the base optimizer's state is malformed")
+    groups_in = base["param_groups"]
+    # Each param group lists its flat slices: one under ZeRO-1/2, one per sub-group under
+    # ZeRO-3 (a group larger than sub_group_size), numbered in param_shapes' order.
+    owner: dict[int, int] = {}
+    for g, group in enumerate(groups_in):
+        params = group.get("params") if isinstance(group, Mapping) else None
+        if not isinstance(params, list) or not all(type(i) is int for i in params):
             raise CorruptCheckpointError(
-                f"{optims[0].path}: the base optimizer's state is malformed"
+                f"{optims[0].path}: group {g} of the base optimizer does not list its slices"
             )
-        groups_in = base["param_groups"]
-        if len(groups_in) != len(shapes):
-            raise CorruptCheckpointError(
-                f"{optims[0].path}: the optimizer has {len(groups_in)} groups, the model "
-                f"{len(shapes)}"
-            )
-        indices = []
-        for g, group in enumerate(groups_in):
-            params = group.get("params") if isinstance(group, Mapping) else None
-            if not (isinstance(params, list) and len(params) == 1 and type(params[0]) is int):
-                raise CorruptCheckpointError(
-                    f"{optims[0].path}: group {g} of the base optimizer is not one flat slice"
-                )
-            indices.append(params[0])
-        per_rank = [[_rank_group_state(o, i) for i in indices] for o in optims]
+        owner.update((i, g) for i in params)
+    if sorted(owner) != list(range(len(shapes))) or len(owner) != sum(
+        len(group["params"]) for group in groups_in
+    ):
+        raise CorruptCheckpointError(
+            f"{optims[0].path}: the optimizer's groups list slices {sorted(owner)[:20]}, the "
+            f"model's parameters lie in {len(shapes)}"
+        )
+    per_rank = [[_rank_group_state(o, i) for i in range(len(shapes))] for o in optims]
     if not all(isinstance(s, Mapping) for states in per_rank for s in states):
         raise CorruptCheckpointError(f"{where}: a group's optimizer state is not a dict")
     if not all(isinstance(g, Mapping) for g in groups_in):
@@ -341,10 +364,10 @@ def _optimizer(
             vectors.append(row)
         joined[key] = cut(vectors, f"{where}: {key}")
     state: dict[str, dict[str, Any]] = {}
-    param_groups: list[dict[str, Any]] = []
-    for g, names in enumerate(shapes):
+    param_groups: list[dict[str, Any]] = [{"params": []} for _ in groups_in]
+    for g, names in enumerate(shapes):  # g: a slice (a ZeRO-3 sub-group), of group owner[g]
         scalars = {k: v for k, v in per_rank[0][g].items() if k not in joined}
-        hyper = dict(groups_in[g])
+        hyper = dict(groups_in[owner[g]])
         hyper.pop("params", None)
         group_step = hyper.pop("step", optims[0].base_step)
         step = scalars.pop("step", group_step)  # FusedAdam: per parameter, its group's is 0
@@ -363,14 +386,8 @@ def _optimizer(
             own.update(scalars)
             if own:
                 state[name] = own
-        if param_groups and param_groups[-1]["hyper"] == hyper:  # ZeRO-3's sub-groups of one
-            param_groups[-1]["params"] += list(names)
-        else:
-            param_groups.append({"hyper": hyper, "params": list(names)})
-    return {
-        "state": state,
-        "param_groups": [{**g["hyper"], "params": g["params"]} for g in param_groups],
-    }
+        param_groups[owner[g]] = {**hyper, "params": param_groups[owner[g]]["params"] + list(names)}
+    return {"state": state, "param_groups": param_groups}
 
 
 def _rank_group_state(rank: RankSlices, index: int) -> Any:

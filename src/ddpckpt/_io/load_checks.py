@@ -3,13 +3,15 @@ them: every mismatch is a :class:`StateMismatchError` naming the object and what
 
 from __future__ import annotations
 
+from typing import Any
+
 from ddpckpt._format.manifest import Manifest
 from ddpckpt._format.sections import ROLE_KEYS, Layout, StateSections
 from ddpckpt._io.reader import FileSource
 from ddpckpt._state.capture import TrainingState
 from ddpckpt._state.model import check_model
 from ddpckpt._state.objects import extra_kind
-from ddpckpt._state.optimizer import check_optimizer, param_names
+from ddpckpt._state.optimizer import check_optimizer, param_names, rebuilt_group_hyper
 from ddpckpt._state.zero import optimizer_type
 from ddpckpt.errors import StateMismatchError
 
@@ -58,6 +60,10 @@ def check_state(
     for name, optimizer in state.optimizers.items():
         label = _label(layout, "optimizers", name)
         check_optimizer(optimizer, names, stored.optimizers[name], path, label, source)
+    for name, scheduler in state.schedulers.items():
+        _check_scheduler_groups(
+            scheduler, state, stored, names, path, _label(layout, "schedulers", name), name
+        )
     for name, scaler in state.scalers.items():
         if not stored.scalers[name].state and scaler.is_enabled():
             raise StateMismatchError(
@@ -125,3 +131,30 @@ _KINDS = {
     "stateful": "an object with state_dict() shared by all ranks",
     "per_rank": "per-rank state (PerRank, a StatefulDataLoader ...)",
 }
+
+
+def _check_scheduler_groups(
+    scheduler: Any, state: TrainingState, stored: StateSections, names: Any, path: str,
+    label: str, name: str,
+) -> None:  # fmt: skip
+    """A scheduler keeps a learning rate per param group, in the saving run's order. Where
+    its optimizer's groups were rebuilt by an import and matched to the live ones by their
+    parameters, the live groups must start from those rates in that order: otherwise the
+    next ``scheduler.step()`` would give each group another group's rate."""
+    optimizer = getattr(scheduler, "optimizer", None)
+    owner = next((n for n, o in state.optimizers.items() if o is optimizer), None)
+    if owner is None or name not in stored.schedulers:
+        return
+    hypers = rebuilt_group_hyper(optimizer, names, stored.optimizers[owner])
+    saved = stored.schedulers[name].state
+    base = saved.get("base_lrs") if isinstance(saved, dict) else None
+    if hypers is None or not isinstance(base, list):
+        return
+    starts = [h.get("initial_lr") if isinstance(h, dict) else None for h in hypers]
+    if starts != base:
+        raise StateMismatchError(
+            f"{path}: {label} keeps a learning rate per param group in the saving run's order, "
+            f"starting from {base}; the live optimizer's groups, matched to the imported ones "
+            f"by their parameters, start from {starts}: build the param groups in the order "
+            "and number of the run that saved it, or leave the scheduler out of the load"
+        )

@@ -14,7 +14,7 @@ Every function here is local to the calling rank.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -131,6 +131,18 @@ def _stored_groups(
         what = f"{left[0]!r} is in no live param group" if left else "a live group is empty"
         return section.groups, what
     return regrouped, None
+
+
+def rebuilt_group_hyper(
+    optimizer: torch.optim.Optimizer, names: ParamNames, section: OptimizerSection
+) -> list[Any] | None:
+    """For groups an import rebuilt (``groups_rebuilt``): the encoded hyperparameters each
+    live group takes, in the live order (``None`` otherwise, or if they cannot be matched,
+    which :func:`check_optimizer` reports)."""
+    if not section.groups_rebuilt:
+        return None
+    groups, why = _stored_groups(section, _live_names(section, names, optimizer))
+    return None if why is not None else [group.hyper for group in groups]
 
 
 def capture_optimizer(
@@ -370,6 +382,11 @@ def restore_optimizer(
     parameters it owns now, and nothing else.
     """
     if is_zero(optimizer):
+        if section.groups_rebuilt:  # cut to the wrapper's groups, which its local one follows
+            groups, why = _stored_groups(section, _live_names(section, names, optimizer))
+            if why is not None:
+                raise StateMismatchError(f"{where}: {why}")
+            section = replace(section, groups=groups, groups_rebuilt=False)
         restore_optimizer(optimizer.optim, names, section, source, where)  # type: ignore[attr-defined]
         after_restore(optimizer)
         return
@@ -381,10 +398,11 @@ def restore_optimizer(
             "position: it is matched to the live parameters in order (shapes checked)",
             where,
         )
+    stored_groups, why = _stored_groups(section, live_names)
+    if why is not None:  # check_optimizer refused it already, unless it was not called
+        raise StateMismatchError(f"{where}: {why}")
     param_groups, state, index = [], {}, 0
-    for stored, names, group in zip(
-        _stored_groups(section, live_names)[0], live_names, optimizer.param_groups, strict=True
-    ):
+    for stored, names, group in zip(stored_groups, live_names, optimizer.param_groups, strict=True):
         indices = []
         hyper = decode(stored.hyper, _LazyTensor, where=where)
         fused = bool(hyper.get("fused")) or bool(hyper.get("capturable"))
