@@ -51,9 +51,13 @@ def import_checkpoint(
     ``checkpoint-N`` directory or an Accelerate ``save_state`` directory (these two as
     :class:`~ddpckpt.integrations.transformers.DdpckptTrainer` and
     :func:`~ddpckpt.integrations.accelerate.load_state` resume them, each process's random
-    streams as that rank's own). No pickle of it runs: ``torch.save`` files are read with
-    torch's weights-only unpickler (numpy arrays of numbers allowed in random streams only),
-    DCP's ``.metadata`` with one that knows only DCP's own metadata records. ``module.`` and ``_orig_mod.``
+    streams as that rank's own; Accelerate's several models as ``model0``, ``model1`` ...),
+    a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3: its fp32 master weights and moments put
+    together from every rank's slice), or a directory of safetensors weights (DCP's
+    ``HuggingFaceStorageWriter``, ``save_pretrained``). No pickle of it runs: ``torch.save``
+    files are read with torch's weights-only unpickler (numpy arrays of numbers allowed in
+    random streams only; DeepSpeed's four records as inert stand-ins), DCP's ``.metadata``
+    with one that knows only DCP's own metadata records. ``module.`` and ``_orig_mod.``
     prefixes are removed.
 
     Args:
