@@ -273,3 +273,46 @@ def test_a_scheduler_whose_groups_would_take_another_groups_rate_is_refused(
     same, same_optimizer, _ = _make(seed=1, groups="reversed")
     same_scheduler = torch.optim.lr_scheduler.StepLR(same_optimizer, step_size=1, gamma=0.5)
     ddpckpt.load(path, model=same, optimizer=same_optimizer, scheduler=same_scheduler, rng=False)
+
+
+class _TiedTitan(_Titan):
+    """The output tied to the embedding, stored under the embedding's name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.output.weight = self.tok_embeddings.weight
+
+
+class _HeadFirst(_TiedTitan):
+    """The same model with the output defined first: the tie's first name is output.weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._modules = {"output": self._modules.pop("output"), **self._modules}
+
+
+def test_a_tied_weight_named_otherwise_in_the_live_model_keeps_its_state(tmp_path: Path) -> None:
+    """Rebuilt groups in another order than the live ones, and a tie whose stored name is
+    its second name in the live model: its state is found under either name."""
+    torch.manual_seed(0)
+    model = _TiedTitan()
+    no_decay = [p for n, p in model.named_parameters() if "norm" in n]
+    decay = [p for n, p in model.named_parameters() if "norm" not in n]
+    optimizer = torch.optim.AdamW([{"params": no_decay, "weight_decay": 0.0},
+                                   {"params": decay, "weight_decay": 0.1}], lr=1e-2)  # fmt: skip
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    _step(model, optimizer, scheduler, 0)
+    _titan_save(tmp_path / "step-1", model, optimizer, scheduler, step=1, current=True)
+    path, _ = import_checkpoint(tmp_path / "step-1", tmp_path / "imported")
+    torch.manual_seed(1)
+    again = _HeadFirst()
+    assert next(n for n, p in again.named_parameters() if p is again.output.weight) == (
+        "output.weight"
+    )
+    again_optimizer = torch.optim.AdamW(
+        [{"params": [p for n, p in again.named_parameters() if "norm" in n], "weight_decay": 0.0},
+         {"params": [p for n, p in again.named_parameters() if "norm" not in n],
+          "weight_decay": 0.1}], lr=1e-2)  # fmt: skip
+    ddpckpt.load(path, model=again, optimizer=again_optimizer, rng=False)
+    saved = optimizer.state[model.tok_embeddings.weight]["exp_avg"]
+    assert torch.equal(again_optimizer.state[again.output.weight]["exp_avg"], saved)

@@ -96,6 +96,9 @@ def _live_names(
             for g, group in enumerate(optimizer.param_groups)
         ]
     stored = [set(group.params) for group in section.groups]
+    if section.groups_rebuilt:  # matched by parameters, not position: a tie's name from any
+        every = set().union(*stored)
+        stored = [every] * len(optimizer.param_groups)
     return _param_names(names, optimizer, stored)
 
 
