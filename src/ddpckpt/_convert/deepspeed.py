@@ -229,5 +229,4 @@ def _zero_state(
     base = doc.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state")
     scaler = doc.get("loss_scaler")
     scale = number(vars(scaler).get("cur_scale")) if isinstance(scaler, DynamicLossScaler) else None
-    return RankSlices(path, fp32, paddings, base, doc.get("base_optimizer_state_step"),
-                      int(stage), max(counts), scale)  # fmt: skip
+    return RankSlices(path, fp32, paddings, base, int(stage), max(counts), scale)

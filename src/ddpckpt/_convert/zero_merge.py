@@ -28,8 +28,7 @@ class RankSlices:
     path: str
     fp32: list[torch.Tensor]
     paddings: list[int]
-    base: Any
-    base_step: Any
+    base: Any  # the base optimizer's state_dict
     stage: int
     world: int
     scale: str | None  # a DynamicLossScaler's scale, as printed ("unknown" if no number)
@@ -369,7 +368,7 @@ def _optimizer(
         scalars = {k: v for k, v in per_rank[0][g].items() if k not in joined}
         hyper = dict(groups_in[owner[g]])
         hyper.pop("params", None)
-        group_step = hyper.pop("step", optims[0].base_step)
+        group_step = hyper.pop("step", None)
         step = scalars.pop("step", group_step)  # FusedAdam: per parameter, its group's is 0
         if "bias_correction" in hyper:  # DeepSpeed's FusedAdam / CPUAdam, as torch's Adam
             if hyper.pop("bias_correction") is not True:
