@@ -290,6 +290,11 @@ def test_layouts_not_read_are_refused_by_name(tmp_path: Path) -> None:
     edit(tag / "mp_rank_00_model_states.pt", lambda d: d.__setitem__("module", None))
     with pytest.raises(CorruptCheckpointError, match=r"a pipeline-parallel checkpoint"):
         import_checkpoint(tag, tmp_path / "b")
+    tag = _written(tmp_path / "experts")
+    edit(tag / "mp_rank_00_model_states.pt", lambda d: d.__setitem__(
+        "ds_autoep_layers", [{"num_experts": 4}]))  # fmt: skip
+    with pytest.raises(CorruptCheckpointError, match=r"expert parallelism \(AutoEP\)"):
+        import_checkpoint(tag, tmp_path / "d")
     (tag.parent / "latest").write_text("global step 2")
     with pytest.raises(CorruptCheckpointError, match=r"give the tag directory itself"):
         import_checkpoint(tag.parent, tmp_path / "c")

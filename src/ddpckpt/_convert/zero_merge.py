@@ -144,6 +144,12 @@ def merge(
     exceed (one tensor under many names would be copied for each); and what was left out,
     with why."""
     model = models[0]
+    if any(model.get(k) for k in ("ds_autoep_layers", "autoep_layers")):
+        raise CorruptCheckpointError(
+            f"{where}: a checkpoint of DeepSpeed's expert parallelism (AutoEP), its experts "
+            "partitioned over expert groups, not imported; load it with DeepSpeed, then save "
+            "once with ddpckpt"
+        )
     world = optims[0].world
     if world != len(optims) or (len(models) > 1 and len(models) != world):
         raise CorruptCheckpointError(
