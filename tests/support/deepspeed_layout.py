@@ -100,10 +100,7 @@ def write(
         return _write_zero3(directory, model, optimizer, world=world, step=step,
                             scheduler=scheduler, fused_adam=fused_adam, tag=tag,
                             sub_group_size=sub_group_size)  # fmt: skip
-    tag = tag or f"global_step{step}"
-    out = directory / tag
-    out.mkdir(parents=True)
-    (directory / "latest").write_text(tag)
+    out = _tag_directory(directory, tag or f"global_step{step}")
     names = {p: n for n, p in model.named_parameters()}  # first name of a tied parameter
     groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     align = 2 * world  # nccl_start_alignment_factor (2) x world
@@ -137,53 +134,22 @@ def write(
         module = OrderedDict(
             (k, v.half() if v.is_floating_point() else v) for k, v in model.state_dict().items()
         )
-        buffers = [n for n, _ in model.named_buffers()]
         shapes = [OrderedDict((names[p], p.shape) for p in params) for params in groups]
-        shared = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            if names[param] != name:
-                shared[name] = names[param]
         frozen = OrderedDict(
             (n, p.detach().cpu().half()) for n, p in model.named_parameters() if not p.requires_grad
         )  # fmt: skip (the module's precision)
-        torch.save(
-            {
-                "module": module,
-                "buffer_names": buffers,
-                "optimizer": None,
-                "param_shapes": shapes,
-                "frozen_param_shapes": OrderedDict((n, t.shape) for n, t in frozen.items())
-                if stage == 2 else None,
-                "shared_params": shared,
-                "frozen_param_fragments": frozen if stage == 2 else None,
-                "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-                "data_sampler": None,
-                "random_ltd": None,
-                "sparse_tensor_module_names": set(),
-                "skipped_steps": 0,
-                "global_steps": step,
-                "global_samples": step * 8,
-                "dp_world_size": world,
-                "mp_world_size": 1,
-                "ds_config": {"train_batch_size": 8, "fp16": {"enabled": True},
-                              "zero_optimization": {"stage": stage},
-                              **({"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
-                                 if fused_adam else {})},
-                "ds_version": VERSION,
-            },
-            out / "mp_rank_00_model_states.pt",
-        )  # fmt: skip
+        config = {"train_batch_size": 8, "fp16": {"enabled": True},
+                  "zero_optimization": {"stage": stage},
+                  **({"optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+                     if fused_adam else {})}  # fmt: skip
+        states = _model_states(model, names, module, shapes, step, world, scheduler, config)
+        if stage == 2:  # saved where gradients are partitioned (save_frozen_param)
+            states["frozen_param_shapes"] = OrderedDict((n, t.shape) for n, t in frozen.items())
+            states["frozen_param_fragments"] = frozen
+        torch.save(states, out / "mp_rank_00_model_states.pt")
         for rank in range(world):
-            if fused_adam:  # FusedAdam's defaults; its step per parameter, the group's 0
-                groups_out = [{**{k: v for k, v in h.items()
-                                  if k in ("lr", "betas", "eps", "weight_decay")},
-                               "bias_correction": True, "step": 0,
-                               "params": [g]} for g, h in enumerate(hyper)]  # fmt: skip
-                state = {g: {"step": step, **m} for g, m in enumerate(moments[rank])}
-            else:
-                groups_out = [{**h, "params": [g]} for g, h in enumerate(hyper)]
-                state = {g: {"step": torch.tensor(float(step)), **m}
-                         for g, m in enumerate(moments[rank])}  # fmt: skip
+            groups_out = _param_groups(hyper, [[g] for g in range(len(hyper))], fused_adam)
+            state = {g: _with_step(m, step, fused_adam) for g, m in enumerate(moments[rank])}
             offsets = []
             for params in groups:
                 mapping, start = OrderedDict(), 0
@@ -211,11 +177,7 @@ def write(
                                              "single_partition_of_fp32_groups", "group_paddings",
                                              "partition_count", "ds_version",
                                              "param_slice_mappings")}  # fmt: skip
-            torch.save(
-                {"optimizer_state_dict": zero, "ds_config": {"train_batch_size": 8},
-                 "ds_version": VERSION},
-                out / f"{prefix}_{rank}_mp_rank_00_optim_states.pt",
-            )  # fmt: skip
+            _save_optimizer(zero, out / f"{prefix}_{rank}_mp_rank_00_optim_states.pt")
     finally:
         for module_name in added:
             sys.modules.pop(module_name, None)
@@ -242,10 +204,7 @@ def _write_zero3(
     rank's piece). A group whose pieces hold more than ``sub_group_size`` elements is cut
     into sub-groups (``_create_fp16_sub_groups``): one flat group each, listed in its param
     group (``_set_fp32_optimizer_param_groups``)."""
-    tag = tag or f"global_step{step}"
-    out = directory / tag
-    out.mkdir(parents=True)
-    (directory / "latest").write_text(tag)
+    out = _tag_directory(directory, tag or f"global_step{step}")
     names = {p: n for n, p in model.named_parameters()}
     user_groups = [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
     hyper = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
@@ -264,15 +223,9 @@ def _write_zero3(
                 moments = {key: torch.cat([_pieces(optimizer.state[p][key], world)[rank]
                                            for p in params])
                            for key in ("exp_avg", "exp_avg_sq")}  # fmt: skip
-                state[g] = {"step": step if fused_adam else torch.tensor(float(step)), **moments}
+                state[g] = _with_step(moments, step, fused_adam)
             listed = [[i for i, o in enumerate(owner) if o == g] for g in range(len(hyper))]
-            if fused_adam:
-                groups_out = [{**{k: v for k, v in h.items()
-                                  if k in ("lr", "betas", "eps", "weight_decay")},
-                               "bias_correction": True, "step": 0,
-                               "params": listed[g]} for g, h in enumerate(hyper)]  # fmt: skip
-            else:
-                groups_out = [{**h, "params": listed[g]} for g, h in enumerate(hyper)]
+            groups_out = _param_groups(hyper, listed, fused_adam)
             zero = {
                 "zero_stage": ZeroStageEnum(3),
                 "loss_scaler": DynamicLossScaler(),
@@ -282,44 +235,21 @@ def _write_zero3(
                 "optimizer_state_dict": {"state": state, "param_groups": groups_out},
                 "fp32_flat_groups": flats,
             }
-            torch.save(
-                {"optimizer_state_dict": zero, "ds_config": {"train_batch_size": 8},
-                 "ds_version": VERSION},
-                out / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt",
-            )  # fmt: skip
+            _save_optimizer(zero, out / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
             module = OrderedDict()
             for key, value in model.state_dict().items():
                 is_param = any(key == n for n, _ in model.named_parameters(remove_duplicate=False))
                 module[key] = (torch.empty(0, dtype=torch.float16) if is_param
                                else value.half() if value.is_floating_point() else value)  # fmt: skip
-            shared = {n: names[p] for n, p in model.named_parameters(remove_duplicate=False)
-                      if names[p] != n}  # fmt: skip
-            torch.save(
-                {
-                    "module": module,
-                    "buffer_names": [n for n, _ in model.named_buffers()],
-                    "optimizer": None,
-                    "param_shapes": [OrderedDict((names[p], p.shape) for p in params)
-                                     for params in groups],
-                    "frozen_param_shapes": OrderedDict((n, p.shape) for n, p in frozen),
-                    "shared_params": shared,
-                    "frozen_param_fragments": OrderedDict(
-                        (n, _pieces(p, world)[rank].half()) for n, p in frozen),
-                    "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
-                    "data_sampler": None,
-                    "random_ltd": None,
-                    "sparse_tensor_module_names": set(),
-                    "skipped_steps": 0,
-                    "global_steps": step,
-                    "global_samples": step * 8,
-                    "dp_world_size": world,
-                    "mp_world_size": 1,
-                    "ds_config": {"zero_optimization": {"stage": 3},
-                                  **({"optimizer": {"type": "Adam"}} if fused_adam else {})},
-                    "ds_version": VERSION,
-                },
-                out / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt",
-            )  # fmt: skip
+            config = {"zero_optimization": {"stage": 3},
+                      **({"optimizer": {"type": "Adam"}} if fused_adam else {})}  # fmt: skip
+            shapes = [OrderedDict((names[p], p.shape) for p in params) for params in groups]
+            states = _model_states(model, names, module, shapes, step, world, scheduler, config)
+            states["frozen_param_shapes"] = OrderedDict((n, p.shape) for n, p in frozen)
+            states["frozen_param_fragments"] = OrderedDict(
+                (n, _pieces(p, world)[rank].half()) for n, p in frozen
+            )
+            torch.save(states, out / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt")
     finally:
         for module_name in added:
             sys.modules.pop(module_name, None)
@@ -355,3 +285,64 @@ def _sub_groups(
             out.append(current)
             current, held = [], 0
     return out
+
+
+def _tag_directory(directory: Path, tag: str) -> Path:
+    """``directory/tag``, made, and ``directory/latest`` naming it (``save_checkpoint``)."""
+    out = directory / tag
+    out.mkdir(parents=True)
+    (directory / "latest").write_text(tag)
+    return out
+
+
+def _model_states(
+    model: torch.nn.Module, names: dict[torch.nn.Parameter, str], module: OrderedDict,
+    shapes: list[OrderedDict], step: int, world: int,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None, config: dict,
+) -> dict:  # fmt: skip
+    """``engine._common_checkpoint_state`` of a ZeRO run (no frozen parameters saved: the
+    caller adds them where the stage saves them)."""
+    shared = {
+        n: names[p] for n, p in model.named_parameters(remove_duplicate=False) if names[p] != n
+    }  # fmt: skip (_get_shared_params: a tie's other names)
+    return {
+        "module": module,
+        "buffer_names": [n for n, _ in model.named_buffers()],
+        "optimizer": None,
+        "param_shapes": shapes,
+        "frozen_param_shapes": None,
+        "shared_params": shared,
+        "frozen_param_fragments": None,
+        "lr_scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "sparse_tensor_module_names": set(),
+        "skipped_steps": 0,
+        "global_steps": step,
+        "global_samples": step * 8,
+        "dp_world_size": world,
+        "mp_world_size": 1,
+        "ds_config": config,
+        "ds_version": VERSION,
+    }
+
+
+def _param_groups(hyper: list[dict], listed: list[list[int]], fused_adam: bool) -> list[dict]:
+    """The base optimizer's param groups, each listing its flat slices: torch's AdamW's
+    hyperparameters, or FusedAdam's defaults (its step per parameter, the group's 0)."""
+    if not fused_adam:
+        return [{**h, "params": listed[g]} for g, h in enumerate(hyper)]
+    kept = ("lr", "betas", "eps", "weight_decay")
+    return [{**{k: v for k, v in h.items() if k in kept}, "bias_correction": True, "step": 0,
+             "params": listed[g]} for g, h in enumerate(hyper)]  # fmt: skip
+
+
+def _with_step(moments: dict, step: int, fused_adam: bool) -> dict:
+    """A slice's optimizer state: FusedAdam's step an int, torch's Adam's a float tensor."""
+    return {"step": step if fused_adam else torch.tensor(float(step)), **moments}
+
+
+def _save_optimizer(zero: dict, path: Path) -> None:
+    """``engine._save_zero_checkpoint``: the ZeRO optimizer's state_dict and the config."""
+    torch.save({"optimizer_state_dict": zero, "ds_config": {"train_batch_size": 8},
+                "ds_version": VERSION}, path)  # fmt: skip
