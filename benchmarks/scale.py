@@ -19,7 +19,11 @@ Per layout and N it reports, for the last rank:
   and placements, and each mesh's ranks as runs: format 6), which one rank per storage
   domain writes and every rank reads at a load, as the manifest writer encodes them;
 * ``files B``: the manifest's list of files (each with its size and digest: four per
-  writing rank), which every rank reads with it;
+  writing rank up to ``TABLE_RANKS`` ranks; from there on (format 7) the files holding
+  whole tensors and one entry per file table), which every rank reads with it;
+* ``table B`` and ``tables``: the file table listing this rank's own files (format 7),
+  and how many tables it reads to load its own shards (its own, and those of the ranks
+  that wrote them);
 * ``index B`` and ``indexes``: the index file this rank writes (its shards' records),
   and how many index files it reads to load its own shards (the real ``ShardIndex``);
 * ``held B``: what the fast tier's resume sends every rank about which node holds which
@@ -49,6 +53,8 @@ from typing import Any
 import torch
 
 from ddpckpt._coord.plan import FanOut, Partners, plan_owners
+from ddpckpt._format import filetable
+from ddpckpt._format.filetable import FileTable
 from ddpckpt._format.manifest import Manifest, file_to_json
 from ddpckpt._format.shardgrid import cells_overlapping
 from ddpckpt._format.shardindex import ShardIndex, index_document
@@ -128,23 +134,44 @@ def sharded_records(snapshot: Snapshot, ranks: int, rank: int) -> dict[str, int]
                             (1 << 33) + nbytes, "0" * 16,
                             tuple("0" * 16 for _ in range(-(-nbytes // CHUNK))))  # fmt: skip
         pieces[name] = piece_json(offsets, entry)
-    index = ShardIndex("ckpt", "id", records, dict(plan.meshes), {}, None)
+    index = ShardIndex("ckpt", "id", records, dict(plan.meshes), FileTable(), None)
     writers = set()
     for name, record in records.items():
         region = snapshot.sharded[name].layout.region(record.shape, rank)
         for cell in cells_overlapping(record.shape, record.mesh, record.placements, region):
             writers.add(index.writer(name, cell))
-    file = json.dumps(
-        {"model-00000.safetensors": file_to_json(FileEntry("", 1 << 33, "0" * 16, rank))}
-    )
+    files, table = file_lists(ranks, rank)
+    own = {rank // filetable.TABLE_RANKS}
     return {
         "manifest_bytes": len(
             json.dumps({"shards": manifest["shards"], "meshes": manifest["meshes"]})
         ),
-        "files_bytes": 4 * ranks * len(file),
+        "files_bytes": files,
+        "table_bytes": table,
         "index_bytes": len(index_document("0" * 12, rank, pieces)),
         "indexes_read": len(writers),
+        "tables_read": len(own | {w // filetable.TABLE_RANKS for w in writers}) if table else 0,
     }
+
+
+def file_lists(ranks: int, rank: int) -> tuple[int, int]:
+    """The manifest's list of files (format 7: with its file tables' entries) and the
+    table that lists ``rank``'s own files (0 without tables), as the real writer encodes
+    them: four files per rank, the shared state in rank 0's state file."""
+    files = FileTable()
+    for writer in range(ranks):
+        for kind in ("model", "state", "rank"):
+            name = f"{kind}-{writer:05d}.safetensors"
+            files[name] = FileEntry(name, 1 << 33, "0" * 16, writer)
+        name = f"shards-{writer:05d}.json"
+        files[name] = FileEntry(name, 200_000, "0" * 16, writer)
+    blobs = {}
+    if ranks > filetable.TABLE_RANKS:
+        blobs = files.tabulate({"state-00000.safetensors"}, "0" * 12, 0)
+    listed = {name: file_to_json(f) for name, f in files.inline.items()}
+    tables = files.tables_to_json() if files.tables else {}
+    own = blobs.get(filetable.table_name(rank // filetable.TABLE_RANKS), b"")
+    return len(json.dumps(listed)) + len(json.dumps(tables)), len(own)
 
 
 def held_bytes(ranks: int) -> int:
@@ -186,6 +213,13 @@ def measure(kind: str, ranks: int, layers: int, exact_resume_per_rank: int) -> d
     }
 
 
+def _growth(values: list[float]) -> float:
+    """Last over first of ``values``, from the first that is not 0 (a file table exists
+    only from ``TABLE_RANKS`` + 1 ranks on)."""
+    found = [v for v in values if v]
+    return found[-1] / found[0] if found else 1.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="16,256,1024,4096,16384")
@@ -203,23 +237,24 @@ def main() -> None:
     print(
         f"\n{len(shapes(args.layers))} parameters x 3 (AdamW), one rank of N, {PER_NODE} per node"
     )
-    header = ("layout", "N", "plan ms", "fingerprint B", "manifest B", "files B", "index B",
-              "indexes", "held B", "ExactResume B", "fast rounds", "fast files", "repair rounds",
-              "repair parts")  # fmt: skip
+    header = ("layout", "N", "plan ms", "fingerprint B", "manifest B", "files B", "table B",
+              "tables", "index B", "indexes", "held B", "ExactResume B", "fast rounds",
+              "fast files", "repair rounds", "repair parts")  # fmt: skip
     print(" | ".join(header))
     for kind, rows in results.items():
         for ranks, r in rows.items():
             print(f"{kind} | {ranks} | {r['plan_ms']:.1f} | {r['fingerprint_bytes']} | "
-                  f"{r['manifest_bytes']} | {r['files_bytes']} | {r['index_bytes']} | "
+                  f"{r['manifest_bytes']} | {r['files_bytes']} | {r['table_bytes']} | "
+                  f"{r['tables_read']} | {r['index_bytes']} | "
                   f"{r['indexes_read']} | {r['held_bytes']} | {r['exact_resume_bytes']} | "
                   f"{r['fast_rounds']} | {r['fast_files']} | "
                   f"{r['repair_rounds']} | {r['repair_parts']}")  # fmt: skip
     low, high = counts[0], counts[-1]
     print(f"\nfrom N={low} to N={high} ({high // low}x the ranks):")
-    for column in ("plan_ms", "fingerprint_bytes", "manifest_bytes", "files_bytes", "index_bytes",
-                   "indexes_read", "held_bytes", "exact_resume_bytes", "fast_rounds",
+    for column in ("plan_ms", "fingerprint_bytes", "manifest_bytes", "files_bytes", "table_bytes",
+                   "tables_read", "index_bytes", "indexes_read", "held_bytes", "exact_resume_bytes", "fast_rounds",
                    "fast_files", "repair_rounds", "repair_parts"):  # fmt: skip
-        growth = max(rows[high][column] / max(rows[low][column], 1e-9) for rows in results.values())
+        growth = max(_growth([rows[n][column] for n in counts]) for rows in results.values())
         logarithmic = column.startswith(("repair", "fast_rounds")) and all(
             rows[high][column] <= (high // PER_NODE).bit_length() for rows in results.values()
         )

@@ -21,3 +21,11 @@ def test_a_repair_of_every_node_but_one_takes_log_rounds() -> None:
     # 2,048 nodes of 8 ranks, 2,047 replaced: 11 rounds (one after another: 2,047)
     assert scale.repair(16384) == (11, 11)
     assert scale.repair(16) == (1, 1) and scale.repair(8) == (0, 0)
+
+
+def test_the_file_lists_a_rank_reads_stay_small_at_16384_ranks() -> None:
+    # the manifest's list (files of whole tensors, one entry per table) and one table of
+    # 128 ranks' files; format 6 listed every file: about 6.4 MB
+    listed, table = scale.file_lists(16384, 16383)
+    assert listed < 32_000 and table < 64_000, (listed, table)
+    assert scale.file_lists(64, 63) == (scale.file_lists(64, 63)[0], 0)  # no tables

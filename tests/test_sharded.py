@@ -213,7 +213,10 @@ def test_replicate_hsdp_and_zero_round_trip_on_four_ranks(four, saved) -> None:
     weight = manifest.shards["model/0.weight"]
     assert weight.mesh == (2, 2) and weight.placements == ("R", "S0")
     assert len(pieces["model/0.weight"]) == 2  # each distinct shard once, not once per replica
-    assert manifest.format_version == 6 and len(manifest.meshes) == 1
+    assert manifest.format_version == 7 and len(manifest.meshes) == 1
+    assert sorted(manifest.files.tables) == ["files-00000.json", "files-00001.json"]
+    whole = {entry.file for entry in manifest.tensors.values()}  # the manifest's own records'
+    assert set(manifest.files.inline) == whole | set(manifest.files.tables)
     model = _plain_model()
     ddpckpt.load(root / "hsdp", model=model)  # 4 ranks -> 1 process
     reference = torch.load(root / "hsdp-reference.pt")["model"]

@@ -19,6 +19,7 @@ from torch import nn
 
 import ddpckpt
 import ddpckpt._format.shardindex as shardindex
+from ddpckpt._format.filetable import FileTable
 from ddpckpt._format.manifest import Manifest
 from ddpckpt._format.shardgrid import cells_overlapping, region_at
 from ddpckpt._format.shardindex import ShardIndex, index_document
@@ -35,7 +36,9 @@ def _index_of(layout: MeshLayout, domain: list[int] | None, rank: int = 0) -> Sh
     """A reader's index of a save of ``snapshot_of`` on ``layout`` (no files: only the
     writer rule is used)."""
     plan = plan_shards(snapshot_of(layout, rank), [list(layout.ranks)], rank, len(layout.ranks))
-    return ShardIndex("ckpt", "id", shard_specs(plan.specs, "ckpt"), dict(plan.meshes), {}, domain)
+    return ShardIndex(
+        "ckpt", "id", shard_specs(plan.specs, "ckpt"), dict(plan.meshes), FileTable(), domain
+    )
 
 
 @pytest.mark.parametrize(("mesh", "placements", "domains"), LAYOUTS)
@@ -75,7 +78,7 @@ def test_at_4096_ranks_a_rank_reads_one_index_and_the_manifest_does_not_grow(mes
         records = shard_specs(plan.specs, "ckpt")
         manifest = Manifest(shards=records, meshes=dict(plan.meshes))
         sizes[world] = (len(json.dumps([manifest.to_json("ckpt")])), len(plan.pieces))
-        index = ShardIndex("ckpt", "id", records, dict(plan.meshes), {}, None)
+        index = ShardIndex("ckpt", "id", records, dict(plan.meshes), FileTable(), None)
         calls = Counter()
         real = shardindex.region_at
 

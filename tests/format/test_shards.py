@@ -157,12 +157,13 @@ def _fixture_model() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-@pytest.mark.parametrize("version", [5, 6])
+@pytest.mark.parametrize("version", [5, 6, 7])
 @pytest.mark.parametrize("kind", ["fsdp", "hsdp"])
-def test_sharded_checkpoints_of_formats_5_and_6_still_load(kind, version) -> None:
+def test_sharded_checkpoints_of_formats_5_to_7_still_load(kind, version) -> None:
     """FSDP2 over 4 ranks and HSDP 2 x 2, one AdamW step, written by ddpckpt on 2026-11-28:
     format 5 with every shard's record in the manifest, format 6 with them in each writer's
-    index file."""
+    index file, format 7 (the files of format 6's, listed as a job of more than
+    ``TABLE_RANKS`` ranks lists them: in file tables of 2 ranks each)."""
     path = os.path.join(FIXTURES, f"format-v{version}-{kind}")
     expected = load_file(os.path.join(FIXTURES, f"format-v{version}-{kind}-expected.safetensors"))
     assert read_manifest(path).format_version == version

@@ -25,6 +25,7 @@ import ddpckpt
 import ddpckpt._io.writing as writing
 import ddpckpt._run.checkpointer as checkpointer
 from conftest import make_mlp, train_steps
+from ddpckpt._format.manifest import read_manifest
 from ddpckpt._io.staging import StagingPool
 from launch import _BIN, WORKER, _env, _finish, _start, torchrun_restarting_nodes
 from snippets import ROOT, RUNNABLE
@@ -124,7 +125,8 @@ def test_with_one_partner_three_nodes_keep_two_nodes_files_and_survive_one_lost(
         node.mkdir()
     out = tmp_path / "out"
     args = ["--durable", str(tmp_path / "run"), "--fast", "fast", "--steps", "12", "--crash", "3",
-            "--replace", "6", "--lose-nodes", "10", "--lost", "1,2", "--partners", "1"]  # fmt: skip
+            "--replace", "6", "--lose-nodes", "10", "--lost", "1,2", "--partners", "1",
+            "--table-ranks", "1"]  # fmt: skip
     torchrun_restarting_nodes(FAST, "train", out, cwds=nodes, nproc=1, args=args).ok()
     found = resumes(out)
     assert sorted(found) == [0, 2, 5, 8], sorted(found)
@@ -140,6 +142,13 @@ def test_with_one_partner_three_nodes_keep_two_nodes_files_and_survive_one_lost(
         assert final["digest"] == final["reference"]["digest"], rank
     for node in range(3):
         assert len(json.loads((out / f"kept-node{node}.json").read_text())) == 2, node
+    # every copy listed its files in one table per rank (format 7), as jobs of more than
+    # TABLE_RANKS ranks do: the repair sent the tables first, then the files they list
+    # (a node's copy: the two ranks' whose files it keeps)
+    durable = read_manifest(str(tmp_path / "run" / "step-00000012"))
+    assert sorted(durable.files.tables) == [f"files-0000{g}.json" for g in range(3)]
+    for node in nodes:
+        assert len(read_manifest(str(node / "fast" / "step-00000012")).files.tables) == 2, node
 
 
 @pytest.mark.long

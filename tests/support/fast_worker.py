@@ -63,6 +63,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
+from ddpckpt._format import filetable
 from ddpckpt.storage._posix import PosixStorage
 from exiting import exit_now
 from faults import Faults
@@ -292,7 +293,10 @@ def main() -> None:
     parser.add_argument("--partners", type=int, default=1)
     parser.add_argument("--full", default="")
     parser.add_argument("--kill-in-save", default="[]")
+    parser.add_argument("--table-ranks", type=int, default=0, help="file tables of so many ranks")
     args = parser.parse_args()
+    if args.table_ranks:  # a job of thousands of ranks' layout (format 7), on a few
+        filetable.TABLE_RANKS = args.table_ranks
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     (trust if args.mode == "trust" else train)(args)

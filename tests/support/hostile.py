@@ -50,13 +50,27 @@ def rename_file(doc: dict[str, Any], old: str, new: str) -> None:
 
 
 def refresh_file(ckpt: Path, name: str) -> None:
-    """Record the file's current size and digest in the manifest (as an attacker would)."""
+    """Record the file's current size and digest where it is listed (as an attacker
+    would): in the manifest, or in the file table that lists it (format 7), then that
+    table's in the manifest."""
     data = (ckpt / name).read_bytes()
-
-    def edit(doc: dict[str, Any]) -> None:
-        doc["files"][name].update(size=len(data), xxh3_64=xxhash.xxh3_64(data).hexdigest())
-
-    edit_manifest(ckpt, edit)
+    doc = manifest_doc(ckpt)
+    if name not in doc["files"]:
+        for table in doc.get("file_tables", {}).get("tables", {}):
+            if not (ckpt / str(table)).is_file():
+                continue  # a name an earlier mutation of the manifest left
+            listed = json.loads((ckpt / table).read_text())
+            if name in listed.get("files", {}):
+                entry = listed["files"][name]
+                change = len(data) - entry["size"]
+                entry.update(size=len(data), xxh3_64=xxhash.xxh3_64(data).hexdigest())
+                (ckpt / table).write_text(json.dumps(listed))
+                doc["file_tables"]["tables"][table]["bytes"] += change
+                write_manifest(ckpt, doc)
+                return refresh_file(ckpt, table)
+    doc["files"][name].update(size=len(data), xxh3_64=xxhash.xxh3_64(data).hexdigest())
+    write_manifest(ckpt, doc)
+    return None
 
 
 def split_header(data: bytes) -> tuple[dict[str, Any], bytes]:

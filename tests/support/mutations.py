@@ -181,11 +181,23 @@ def _mutate_index(chooser: Chooser, ckpt: Path) -> bool:
     return True
 
 
+def _mutate_table(chooser: Chooser, ckpt: Path) -> bool:
+    """A file table changed as an attacker would: its digest recomputed in the manifest."""
+    name = choice(chooser, sorted(p.name for p in ckpt.iterdir() if p.name.startswith("files-")))
+    doc = json.loads((ckpt / name).read_text())
+    within = choice(chooser, [(), ("files",)])
+    (ckpt / name).write_text(json.dumps(mutate_json(chooser, doc, within)))
+    refresh_file(ckpt, name)
+    return True
+
+
 def _mutate_manifest(chooser: Chooser, ckpt: Path) -> bool:
     doc = manifest_doc(ckpt)
     within = choice(
-        chooser, [(), ("files",), ("tensors",), ("state",), ("metrics",), ("shards",), ("meshes",)]
-    )
+        chooser,
+        [(), ("files",), ("file_tables",), ("tensors",), ("state",), ("metrics",), ("shards",),
+         ("meshes",)],
+    )  # fmt: skip
     write_manifest(
         ckpt, mutate_json(chooser, doc, within if within[0:1] and within[0] in doc else ())
     )
@@ -284,13 +296,13 @@ def _objects() -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
     return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1)
 
 
-SHARDED_SEED = Path(__file__).parent.parent / "data" / "format-v6-hsdp"
-SHARDED_MUTATIONS = [*MUTATIONS, _mutate_index, _mutate_index]
+SHARDED_SEED = Path(__file__).parent.parent / "data" / "format-v7-hsdp"
+SHARDED_MUTATIONS = [*MUTATIONS, _mutate_index, _mutate_index, _mutate_table, _mutate_table]
 
 
 def seed_sharded(path: Path) -> dict[str, torch.Tensor]:
-    """The committed format-6 HSDP checkpoint (2 x 2, shards in 4 index files) at
-    ``path``; returns its tensors."""
+    """The committed format-7 HSDP checkpoint (2 x 2, shards in 4 index files, the files
+    of ranks 0-1 and 2-3 in 2 file tables) at ``path``; returns its tensors."""
     from safetensors.torch import load_file
 
     shutil.copytree(SHARDED_SEED, path)

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Partial
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
+from ddpckpt._format import filetable
 from ddpckpt._resumecheck.digests import digest
 from dist_worker import Warnings
 from exiting import exit_now
@@ -253,6 +254,9 @@ def scenario_four_ranks(args, rank: int) -> dict[str, Any]:
     runs and compared (each reference kept for the 3-rank loads); then the 2-rank
     checkpoints loaded here."""
     hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    # the files listed in tables of 2 ranks each, as a job of more than TABLE_RANKS ranks
+    # lists them (format 7), so the loads on 4, 3 and 1 ranks read them
+    filetable.TABLE_RANKS = 2
     result: dict[str, Any] = {}
     runs = (("replicate", replicate_run, 16), ("hsdp", lambda seed=0: fsdp_run(seed, hsdp), 16),
             ("zero4", zero_run, 1024))  # fmt: skip

@@ -203,15 +203,24 @@ def _fan_out(
     if not text:
         return None
     manifest = Manifest.from_json(text, path)
-    owners = assign({name: f.size for name, f in manifest.files.items()}, source)
-    for name in sorted(manifest.files):  # in one order, and round by round in each
-        size, fan = manifest.files[name].size, FanOut(owners[name], line)
-        for part in fan.part_at(0 if comm.rank == owners[name] else place):
-            if part.role == "receive":
-                _receive(os.path.join(tmp, name), manifest, name, part.peer, link(part.peer))
-            else:  # the holder sends its own copy; a receiver passes on what it got
-                held = path if comm.rank == owners[name] else tmp
-                _send(os.path.join(held, name), size, link(part.peer))
+    files = manifest.files
+    # The files the manifest lists itself first, among them its file tables (format 7),
+    # which list the others: a receiver reads them from what it has just received.
+    listed = {name: f.size for name, f in files.inline.items()}
+    for batch in (listed, None):
+        if batch is None:
+            if comm.rank in receivers:
+                files.bind(tmp)
+            batch = {name: f.size for name, f in files.items() if name not in listed}
+        owners = assign(batch, source)
+        for name in sorted(batch):  # in one order, and round by round in each
+            fan = FanOut(owners[name], line)
+            for part in fan.part_at(0 if comm.rank == owners[name] else place):
+                if part.role == "receive":
+                    _receive(os.path.join(tmp, name), manifest, name, part.peer, link(part.peer))
+                else:  # the holder sends its own copy; a receiver passes on what it got
+                    held = path if comm.rank == owners[name] else tmp
+                    _send(os.path.join(held, name), batch[name], link(part.peer))
     return (manifest, text) if comm.rank in receivers else None
 
 

@@ -45,7 +45,7 @@ MAX_DIMS = 64
 
 _DATA_FILE = re.compile(
     r"(?:\.next-[0-9A-Za-z_-]{1,64}/)?"
-    r"(?:(?:model|state|rank)-[0-9]{5,10}\.safetensors|shards-[0-9]{5,10}\.json)",
+    r"(?:(?:model|state|rank)-[0-9]{5,10}\.safetensors|(?:shards|files)-[0-9]{5,10}\.json)",
     re.ASCII,
 )
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
@@ -55,13 +55,14 @@ _NESTING = [{ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}.get(b, 0) for
 
 def check_file_name(name: object, where: str) -> str:
     """``name`` if it is a data file name ddpckpt writes (``model-00000.safetensors``,
-    ``state-...``, ``rank-...``, a shard index ``shards-00000.json``, optionally under an
+    ``state-...``, ``rank-...``, a shard index ``shards-00000.json``, a file table
+    ``files-00000.json``, optionally under an
     object store's ``.next-<token>/``);
     else :class:`CorruptCheckpointError`: nothing absolute, no ``..``, no other separator."""
     if not isinstance(name, str) or not _DATA_FILE.fullmatch(name):
         raise CorruptCheckpointError(
             f"{where}: the manifest names a file {str(name)[:200]!r}, which is no name ddpckpt "
-            "writes (model-, state- or rank-NNNNN.safetensors, or shards-NNNNN.json, inside the "
+            "writes (model-, state- or rank-NNNNN.safetensors, shards- or files-NNNNN.json, inside the "
             "checkpoint); refused"
         )
     return name

@@ -40,6 +40,7 @@ from ddpckpt._format.boundary import (
     read_small,
 )
 from ddpckpt._format.codec import JSON
+from ddpckpt._format.filetable import FileTable, file_entry, file_to_json, tables_from_json
 from ddpckpt._format.runfiles import describe_path
 from ddpckpt._format.sections import layout_version
 from ddpckpt._format.shardgrid import MeshRanks
@@ -62,11 +63,13 @@ FORMAT_NAME = "ddpckpt"
 # describes it: 3 puts per-rank state in the rank files (ddpckpt._format.rankparts), 4 the
 # named layout of several models and optimizers (ddpckpt._format.sections), 5 sharded
 # tensors (ddpckpt._format.shards), 6 their pieces in the writers' index files
-# (ddpckpt._format.shardindex).
-FORMAT_VERSION = 6
+# (ddpckpt._format.shardindex), 7 the files of a job of many ranks in file tables
+# (ddpckpt._format.filetable).
+FORMAT_VERSION = 7
 RANK_FILES_VERSION = 3
 SHARDS_VERSION = 5
 SHARD_INDEX_VERSION = 6
+FILE_TABLES_VERSION = 7
 MANIFEST_NAME = MANIFEST
 
 
@@ -86,7 +89,7 @@ class Manifest:
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     shards: dict[str, ShardedEntry] = field(default_factory=dict)  # format 5: sharded tensors
     meshes: dict[str, MeshRanks] = field(default_factory=dict)  # format 6: their meshes' ranks
-    files: dict[str, FileEntry] = field(default_factory=dict)
+    files: FileTable = field(default_factory=FileTable)  # format 7: some in file tables
     copy: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     library_version: str = __version__
@@ -101,11 +104,13 @@ class Manifest:
         shards = SHARDS_VERSION if self.shards else 0
         if any(s.indexed for s in self.shards.values()):
             shards = SHARD_INDEX_VERSION
-        return max(layout_version(self.state), rank_files, shards)
+        tables = FILE_TABLES_VERSION if self.files.tables else 0
+        return max(layout_version(self.state), rank_files, shards, tables)
 
     @property
     def nbytes(self) -> int:
-        return sum(f.size for f in self.files.values())
+        """The bytes of all its files (of format 7 without reading a table)."""
+        return self.files.nbytes
 
     def shard_index(self, path: str) -> ShardIndex:
         """Where the pieces of this checkpoint's sharded tensors are (format 6), for the
@@ -133,7 +138,8 @@ class Manifest:
             "state": self.state,
             "ranks": self.ranks if self.rank_keys is None else [],
             **({} if self.rank_keys is None else {"rank_keys": self.rank_keys}),
-            "files": {name: file_to_json(f) for name, f in sorted(self.files.items())},
+            "files": {name: file_to_json(f) for name, f in sorted(self.files.inline.items())},
+            **({"file_tables": self.files.tables_to_json()} if self.files.tables else {}),
             "tensors": {name: tensor_to_json(t) for name, t in self.tensors.items()},
             **({"shards": {n: s.to_json() for n, s in self.shards.items()}} if self.shards else {}),
             **({"meshes": _meshes_to_json(self.meshes)} if self.meshes else {}),
@@ -199,10 +205,15 @@ def _parse(doc: Any, where: str) -> Manifest:
     fields = Fields(doc, where, "manifest")
     version = _check_version(doc, where)
     world_size = fields.integer("world_size", 1, MAX_RANKS)
-    files = {
-        name: _file_entry(check_file_name(name, where), entry, where, world_size)
+    token = fields.text("id", "")
+    inline = {
+        name: file_entry(check_file_name(name, where), entry, where, world_size)
         for name, entry in fields.mapping("files").items()
     }
+    files = tables_from_json(
+        fields.mapping("file_tables", None) if version >= FILE_TABLES_VERSION else None,
+        where, inline, token, world_size,
+    )  # fmt: skip
     tensors = {
         key: _tensor_entry(key, entry, where, files)
         for key, entry in fields.mapping("tensors").items()
@@ -216,7 +227,7 @@ def _parse(doc: Any, where: str) -> Manifest:
     meshes = _meshes(fields.mapping("meshes", None) or {}, where, world_size)
     shards = _shards_from_json(fields.mapping("shards", None) or {}, where, files, tensors, meshes)
     return Manifest(
-        id=fields.text("id", ""),
+        id=token,
         step=fields.integer("step", default=None, optional=True),
         epoch=fields.integer("epoch", default=None, optional=True),
         metrics=fields.mapping("metrics", None) or {},
@@ -247,17 +258,7 @@ def _digest_field(fields: Fields, key: str) -> str:
     return value
 
 
-def _file_entry(name: str, doc: Any, where: str, world_size: int) -> FileEntry:
-    fields = Fields(doc, where, lambda: f"manifest entry of file {name!r}")
-    return FileEntry(
-        name,
-        fields.integer("size"),
-        _digest_field(fields, "xxh3_64"),
-        fields.integer("writer", 0, world_size - 1),
-    )
-
-
-def _tensor_entry(key: str, doc: Any, where: str, files: dict[str, FileEntry]) -> TensorEntry:
+def _tensor_entry(key: str, doc: Any, where: str, files: FileTable) -> TensorEntry:
     fields = Fields(doc, where, lambda: f"manifest entry of tensor {key[:200]!r}")
     file = fields.text("file")
     if file not in files:
@@ -335,7 +336,7 @@ def _meshes(doc: dict[str, Any], where: str, world_size: int) -> dict[str, MeshR
 def _shards_from_json(
     doc: dict[str, Any],
     where: str,
-    files: dict[str, FileEntry],
+    files: FileTable,
     tensors: dict[str, TensorEntry],
     meshes: dict[str, MeshRanks],
 ) -> dict[str, ShardedEntry]:
@@ -365,10 +366,6 @@ def _shards_from_json(
                 )
         shards[name] = entry
     return shards
-
-
-def file_to_json(entry: FileEntry) -> dict[str, Any]:
-    return {"size": entry.size, "xxh3_64": entry.digest, "writer": entry.writer}
 
 
 def file_from_json(name: str, doc: dict[str, Any]) -> FileEntry:
@@ -455,10 +452,7 @@ def relocated(manifest: bytes, prefix: str, where: str) -> bytes:
     replacement written under ``D/prefix`` commits as ``D``'s manifest
     (:class:`ddpckpt.storage.ManifestLastCommit`)."""
     parsed = Manifest.from_json(manifest, where)
-    parsed.files = {
-        f"{prefix}/{name}": dataclasses.replace(entry, name=f"{prefix}/{name}")
-        for name, entry in parsed.files.items()
-    }
+    parsed.files = parsed.files.relocated(prefix)
     parsed.tensors = {
         key: dataclasses.replace(entry, file=f"{prefix}/{entry.file}")
         for key, entry in parsed.tensors.items()

@@ -109,9 +109,7 @@ def _listed_name(manifest: Manifest, base: str) -> str | None:
     """The name under which the manifest lists the file ``base``: ``base`` itself, or
     ``<prefix>/<base>`` where an overwrite on an object store committed the replacement
     under a prefix (:mod:`ddpckpt.storage._base`); ``None`` if it lists neither."""
-    if base in manifest.files:
-        return base
-    return next((n for n in manifest.files if n.endswith(f"/{base}")), None)
+    return manifest.files.find(base)
 
 
 def _checked(state: Any, where: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpckpt._format.boundary import MAX_MANIFEST_BYTES, load_json, read_listed
+from ddpckpt._format.filetable import FileTable
 from ddpckpt._format.reshard import Box
 from ddpckpt._format.shardgrid import (
     Coordinate,
@@ -45,7 +46,7 @@ from ddpckpt._format.shardgrid import (
     shard_key,
 )
 from ddpckpt._format.shards import Piece, ShardedEntry, parse_piece
-from ddpckpt._format.tensorfile import FileEntry, dtype_from_name
+from ddpckpt._format.tensorfile import dtype_from_name
 from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
 
 INDEX_FORMAT = "ddpckpt-shards"
@@ -93,7 +94,7 @@ class ShardIndex:
         token: str,
         records: dict[str, ShardedEntry],
         meshes: dict[str, MeshRanks],
-        files: dict[str, FileEntry],
+        files: FileTable,
         domain: list[int] | None,
     ) -> None:
         self.path, self.token, self.records, self.meshes = path, token, records, meshes
@@ -102,7 +103,6 @@ class ShardIndex:
         self._members: dict[Pattern, list[str]] | None = None
         self._writers: dict[tuple[Pattern, Coordinate], dict[str, int]] = {}
         self._grouped: dict[Pattern, dict[Coordinate, list[int]]] = {}
-        self._names: dict[str, str] | None = None  # index_name -> its name in ``files``
 
     def pieces(self, name: str, region: Box) -> list[Piece]:
         """The pieces of ``name`` that overlap ``region``, each checked to be its cell."""
@@ -184,10 +184,10 @@ class ShardIndex:
         return found
 
     def file_of(self, rank: int) -> str | None:
-        """The name (as the manifest lists it) of ``rank``'s index file, if it wrote one."""
-        if self._names is None:
-            self._names = {n.rpartition("/")[2]: n for n in self.files if is_index_file(n)}
-        return self._names.get(index_name(rank))
+        """The name (as the manifest lists it) of ``rank``'s index file, if it wrote one:
+        looked up, not searched for, so that only the file table of ``rank``'s group is
+        read (format 7)."""
+        return self.files.find(index_name(rank))
 
     def _read(self, rank: int) -> dict[str, Piece]:
         name = self.file_of(rank)

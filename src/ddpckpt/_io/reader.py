@@ -17,6 +17,7 @@ import torch
 
 from ddpckpt import _observe
 from ddpckpt._format.codec import decode
+from ddpckpt._format.filetable import is_table
 from ddpckpt._format.manifest import Manifest, read_manifest
 from ddpckpt._format.rankparts import fill_rank_parts
 from ddpckpt._format.reshard import Box, overlap, plan_reads
@@ -326,8 +327,8 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
     chunks = {p.entry.key: manifest.shards[n].chunk for n, ps in pieces.items() for p in ps}
     # a whole tensor's chunk digests are per CHUNK bytes
     for name, file in sorted(manifest.files.items()):
-        if is_index_file(name) or file.writer in unlisted:
-            continue  # read and verified by _indexed_pieces; or its shards are unknown
+        if is_index_file(name) or is_table(name) or file.writer in unlisted:
+            continue  # read and verified as read; or its shards are unknown
         try:
             mapped = TensorFile(os.path.join(path, name), file.size)
             mapped.check_header(by_file.get(name, []))
@@ -403,7 +404,7 @@ def _entries_by_file(
     (by default those the manifest lists: format 5's)."""
     if pieces is None:
         pieces = _listed_pieces(manifest)
-    by_file: dict[str, list[TensorEntry]] = {name: [] for name in manifest.files}
+    by_file: dict[str, list[TensorEntry]] = {}
     for entry in manifest.tensors.values():
         by_file.setdefault(entry.file, []).append(entry)
     for parts in pieces.values():

@@ -36,6 +36,7 @@ from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.consistency import check_replicated
 from ddpckpt._coord.plan import Partners, file_names, plan_owners
 from ddpckpt._coord.topology import storage_domains
+from ddpckpt._format import filetable
 from ddpckpt._format.codec import encode
 from ddpckpt._format.manifest import (
     MANIFEST_NAME,
@@ -393,7 +394,8 @@ def _commit(plan: WritePlan, tmp: str, written: _CopyResults | None) -> None:
         copy={
             "index": plan.domains.index(domain),
             "count": len(plan.domains),
-            "ranks": domain + sorted(plan.alone),
+            # which ranks wrote this copy matters only when each node wrote its own
+            **({"ranks": domain + sorted(plan.alone)} if len(plan.domains) > 1 else {}),
             **({"partners": plan.keepers} if plan.keepers is not None else {}),
         },
     )
@@ -419,6 +421,10 @@ def _commit(plan: WritePlan, tmp: str, written: _CopyResults | None) -> None:
     )
     store = storage_for(plan.path)
     with storage_errors(plan.path):
+        if written.world_size > filetable.TABLE_RANKS:  # format 7: a manifest flat in N
+            whole = {entry.file for entry in manifest.tensors.values()}
+            for name, blob in manifest.files.tabulate(whole, comm.token, comm.rank).items():
+                store.write_new(os.path.join(tmp, name), blob)
         store.write_new(os.path.join(tmp, MANIFEST_NAME), manifest.to_json(plan.path).encode())
     try:
         store.commit.publish(store, tmp, plan.path, overwrite=plan.overwrite)
