@@ -69,7 +69,7 @@ def run(framework: str, mode: str, out: Path) -> dict[str, Any]:
 
     script, _, checkpoint, _ = FRAMEWORKS[framework]
     ports = ",".join(str(free_port()) for _ in range(3))
-    launch = processes(mode, out, args=["--ports", ports], script=_SUPPORT / script, timeout=900)
+    launch = processes(mode, out, args=["--ports", ports], worker=_SUPPORT / script, timeout=900)
     if launch.returncode != 0:
         raise SystemExit(f"{framework} {mode} failed:\n{launch.output[-4000:]}")
     ranks = {}

@@ -28,8 +28,10 @@ Per layout and N it reports, for the last rank:
   and how many index files it reads to load its own shards (the real ``ShardIndex``);
 * ``held B``: what the fast tier's resume sends every rank about which node holds which
   step (one node lacking the newest step), through rank 0's store;
-* ``ExactResume B``: Lightning's ``ExactResume`` state of every rank, gathered at rank 0
-  into each checkpoint and read by every rank at a resume;
+* ``ExactResume B`` and ``ExactResume read B``: what Lightning's ``ExactResume`` puts in
+  each checkpoint (a reference to the state each rank saves beside it; before 2026-11-28
+  every rank's state, gathered at rank 0), and what one rank reads of it at a resume (the
+  manifest of that state, its file table and its own state);
 * ``fast rounds`` and ``fast files``: a fast save's sequential rounds of transfers between
   nodes (each node's ranks' own files to its ``FastTier.partners`` nodes, default 1, then
   rank 0's shared state by doubling), and the ranks' own files each node then keeps (the
@@ -195,6 +197,26 @@ def fast_save(ranks: int) -> tuple[int, int]:
     return len(partners.shifts) + shared, len(partners.ranks_kept_by(len(nodes) - 1))
 
 
+def exact_resume(ranks: int, per_rank: int) -> dict[str, int]:
+    """What Lightning's ``ExactResume`` puts in each checkpoint (a reference to the ranks'
+    own state, saved by each rank beside it), and what one rank reads of that state at a
+    resume: the manifest of the state beside it, the file table of its rank (from 129 ranks
+    on) and its own state (as the real writers encode them)."""
+    manifest = Manifest(id="0" * 12, step=1, world_size=ranks)
+    for writer in range(ranks):
+        name = f"rank-{writer:05d}.safetensors"
+        manifest.files[name] = FileEntry(name, per_rank, "0" * 16, writer)
+    tables = {}
+    if ranks > filetable.TABLE_RANKS:
+        tables = manifest.files.tabulate(set(), manifest.id, 0)
+    table = tables.get(filetable.table_name((ranks - 1) // filetable.TABLE_RANKS), b"")
+    reference = {"saved": ".ddpckpt-ranks/last.ckpt@step-0000000000", "id": manifest.id}
+    return {
+        "exact_resume_bytes": len(json.dumps({"ddpckpt.ExactResume": reference})),
+        "exact_resume_read": len(manifest.to_json("ckpt")) + len(table) + per_rank,
+    }
+
+
 def measure(kind: str, ranks: int, layers: int, exact_resume_per_rank: int) -> dict[str, Any]:
     rank = ranks - 1
     snapshot = snapshot_for(kind, ranks, rank, layers)
@@ -205,7 +227,7 @@ def measure(kind: str, ranks: int, layers: int, exact_resume_per_rank: int) -> d
         "fingerprint_bytes": len(json.dumps(fingerprint)),
         **sharded_records(snapshot, ranks, rank),
         "held_bytes": held_bytes(ranks),
-        "exact_resume_bytes": exact_resume_per_rank * ranks,
+        **exact_resume(ranks, exact_resume_per_rank),
         "fast_rounds": fast_save(ranks)[0],
         "fast_files": fast_save(ranks)[1],
         "repair_rounds": repair(ranks)[0],
@@ -238,7 +260,8 @@ def main() -> None:
         f"\n{len(shapes(args.layers))} parameters x 3 (AdamW), one rank of N, {PER_NODE} per node"
     )
     header = ("layout", "N", "plan ms", "fingerprint B", "manifest B", "files B", "table B",
-              "tables", "index B", "indexes", "held B", "ExactResume B", "fast rounds",
+              "tables", "index B", "indexes", "held B", "ExactResume B", "ExactResume read B",
+              "fast rounds",
               "fast files", "repair rounds", "repair parts")  # fmt: skip
     print(" | ".join(header))
     for kind, rows in results.items():
@@ -247,12 +270,13 @@ def main() -> None:
                   f"{r['manifest_bytes']} | {r['files_bytes']} | {r['table_bytes']} | "
                   f"{r['tables_read']} | {r['index_bytes']} | "
                   f"{r['indexes_read']} | {r['held_bytes']} | {r['exact_resume_bytes']} | "
+                  f"{r['exact_resume_read']} | "
                   f"{r['fast_rounds']} | {r['fast_files']} | "
                   f"{r['repair_rounds']} | {r['repair_parts']}")  # fmt: skip
     low, high = counts[0], counts[-1]
     print(f"\nfrom N={low} to N={high} ({high // low}x the ranks):")
     for column in ("plan_ms", "fingerprint_bytes", "manifest_bytes", "files_bytes", "table_bytes",
-                   "tables_read", "index_bytes", "indexes_read", "held_bytes", "exact_resume_bytes", "fast_rounds",
+                   "tables_read", "index_bytes", "indexes_read", "held_bytes", "exact_resume_bytes", "exact_resume_read", "fast_rounds",
                    "fast_files", "repair_rounds", "repair_parts"):  # fmt: skip
         growth = max(_growth([rows[n][column] for n in counts]) for rows in results.values())
         logarithmic = column.startswith(("repair", "fast_rounds")) and all(

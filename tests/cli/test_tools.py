@@ -124,7 +124,7 @@ def test_a_quick_diff_still_catches_a_truncated_or_missing_file(tmp_path) -> Non
         diff(a, b, verify=False)
     assert f"{truncated}: file is" in str(caught.value)
     os.remove(truncated)
-    with pytest.raises(CorruptCheckpointError, match="listed in the manifest is missing"):
+    with pytest.raises(CorruptCheckpointError, match="missing, a data file the checkpoint lists"):
         diff(b, a, verify=False)
 
 

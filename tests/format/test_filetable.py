@@ -24,8 +24,9 @@ from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest, rel
 from ddpckpt._format.rankparts import rank_file_name, rank_part
 from ddpckpt._format.shardindex import ShardIndex
 from ddpckpt._format.tensorfile import FileEntry, TensorEntry
-from ddpckpt._io.reader import FileSource
+from ddpckpt._io.reader import FileSource, find_problems
 from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
+from ddpckpt.storage import storage_for
 from hostile import edit_manifest, manifest_doc, refresh_file
 
 FIXTURE = Path(__file__).parent.parent / "data" / "format-v7-hsdp"
@@ -111,8 +112,12 @@ def test_every_file_is_listed_once_and_iterating_reads_every_table(tmp_path, rea
     assert files.nbytes == sum(f.size for f in files.values())
 
 
-def test_a_job_of_table_ranks_or_fewer_lists_its_files_in_the_manifest(tmp_path) -> None:
-    """As format 6 does, so that releases before format 7 still read it."""
+def test_a_job_of_table_ranks_or_fewer_lists_its_files_in_the_manifest(
+    tmp_path, monkeypatch
+) -> None:
+    """As format 6 does, so that releases before format 7 still read it: here a job of
+    one rank, with tables of one rank (a job of two writes them: test_fast_tier.py)."""
+    monkeypatch.setattr(filetable, "TABLE_RANKS", 1)
     model = torch.nn.Linear(3, 2)
     ddpckpt.save(tmp_path / "ckpt", model=model, step=1)
     manifest = read_manifest(str(tmp_path / "ckpt"))
@@ -203,8 +208,8 @@ def test_a_damaged_or_missing_table_is_refused_naming_it(ckpt) -> None:
         IncompleteCheckpointError, match=r"files-00001\.json, listed in the manifest, is missing"
     ):
         _load(ckpt)
-    with pytest.raises(IncompleteCheckpointError, match=r"files-00001\.json"):
-        ddpckpt.verify(ckpt)
+    with pytest.raises(CorruptCheckpointError, match=r"1 problem.*\n.*files-00001\.json, listed"):
+        ddpckpt.verify(ckpt)  # once, not once per file it lists
 
 
 @pytest.mark.parametrize(
@@ -250,7 +255,7 @@ def test_a_replacement_committed_under_a_prefix_resolves_its_tables_names_there(
         assert torch.equal(param.detach(), expected[f"model/{name}"])
 
 
-def test_tables_are_read_only_once_read() -> None:
+def test_the_files_become_read_only_once_in_tables() -> None:
     files = FileTable()
     files["rank-00000.safetensors"] = FileEntry("rank-00000.safetensors", 1, "0" * 16, 0)
     files.ranks = 1
@@ -271,3 +276,84 @@ def test_reading_one_rank_s_state_or_one_whole_tensor_reads_only_its_writer_s_ta
     source = FileSource(str(ckpt), manifest)
     assert source.get("optimizer/state/2.bias/step").shape == ()
     assert reads == ["files-00001.json"]  # read once, and not the other group's
+
+
+def test_an_overwrite_on_an_object_store_keeps_every_file_its_tables_list(tmp_path) -> None:
+    """The replacement is committed under ``.next-<token>/`` by switching the manifest, then
+    the old checkpoint's objects are deleted: those its file tables list are the new
+    checkpoint's too (they were deleted, as not listed in the manifest itself)."""
+    where = f"memory://tables-{tmp_path.name}/ckpt"
+    store = storage_for(where)
+
+    def put(prefix: str) -> None:
+        for file in sorted(FIXTURE.iterdir(), key=lambda f: f.name == MANIFEST_NAME):
+            store.replace(f"{prefix}/{file.name}", file.read_bytes())  # the manifest last
+
+    put(where)
+    staging = store.commit.staging(store, where, "tok123", overwrite=True)
+    put(staging)
+    store.commit.publish(store, staging, where, overwrite=True)
+    assert all(name.startswith(".next-") for name in store.walk(where) if name != MANIFEST_NAME)
+    ddpckpt.verify(where)
+    model, opt = _fixture_model()
+    ddpckpt.load(where, model=model, optimizer=opt, rng=False)
+
+
+@pytest.fixture
+def run(tmp_path) -> Path:
+    """A run directory of two format-7 checkpoints, steps 1 and 2."""
+    root = tmp_path / "run"
+    for step in (1, 2):
+        shutil.copytree(FIXTURE, root / f"step-{step:08d}")
+        edit_manifest(root / f"step-{step:08d}", lambda d, step=step: d.update(step=step))
+    return root
+
+
+def test_a_damaged_table_makes_its_checkpoint_skipped_or_reported_never_the_listing_fail(
+    run, caplog
+) -> None:
+    newest = run / "step-00000002"
+    data = bytearray((newest / "files-00001.json").read_bytes())
+    data[10] ^= 0x01
+    (newest / "files-00001.json").write_bytes(bytes(data))
+    model, opt = _fixture_model()
+    info = ddpckpt.load_latest(run, model=model, optimizer=opt, rng=False)
+    assert info.step == 1  # the damaged step 2 skipped, as any damaged checkpoint
+    assert "instead of" in caplog.text and "files-00001.json" in caplog.text
+    problems = find_problems(newest)
+    assert any("files-00001.json" in p for p in problems), problems
+    (newest / "files-00001.json").unlink()
+    problems = find_problems(newest)
+    assert any("files-00001.json" in p and "missing" in p for p in problems), problems
+    assert ddpckpt.latest(run) == str(run / "step-00000001")
+
+
+def test_two_tables_of_one_group_or_a_table_not_named_by_its_group_are_refused(ckpt) -> None:
+    def twice(doc: dict[str, Any]) -> None:
+        doc["files"]["files-000000.json"] = doc["files"]["files-00000.json"]
+        doc["file_tables"]["tables"]["files-000000.json"] = {"files": 6, "bytes": 1}
+
+    shutil.copy(ckpt / "files-00000.json", ckpt / "files-000000.json")
+    edit_manifest(ckpt, twice)
+    with pytest.raises(CorruptCheckpointError, match="no file table of the 4 ranks"):
+        read_manifest(str(ckpt))
+
+
+def test_load_latest_lists_without_reading_tables_and_falls_back_past_a_missing_file(
+    run, reads, caplog
+) -> None:
+    """Every rank lists the run directory: it reads manifests, not the file tables (which
+    grow with N); a file a table lists that is missing is found when it is loaded, and the
+    load falls back to the checkpoint before, as for any damaged one."""
+    from ddpckpt._run.catalog import newest_first
+
+    assert [c[-1] for c in newest_first(str(run), every_file=False)] == [
+        "step-00000002",
+        "step-00000001",
+    ]
+    assert reads == []
+    (run / "step-00000002" / "model-00003.safetensors").unlink()  # its shards are loaded
+    model, opt = _fixture_model()
+    info = ddpckpt.load_latest(run, model=model, optimizer=opt, rng=False)
+    assert info.step == 1
+    assert "model-00003.safetensors" in caplog.text and "instead of" in caplog.text

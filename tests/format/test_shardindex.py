@@ -179,7 +179,7 @@ def test_a_damaged_missing_or_linked_index_is_refused(ckpt) -> None:
     index.write_bytes(bytes(data))
     _refused(ckpt, r"shards-00002\.json: file checksum mismatch")
     index.unlink()
-    _refused(ckpt, r"shards-00002\.json, listed in the manifest, is missing")
+    _refused(ckpt, r"shards-00002\.json, which the checkpoint lists, is missing")
     with pytest.raises(CorruptCheckpointError) as found:  # the index named, no data file blamed
         ddpckpt.verify(ckpt)
     assert "shards-00002.json" in str(found.value) and "model-0000" not in str(found.value)

@@ -4,6 +4,7 @@ epoch resumes bit for bit; the CheckpointIO on its own; a missing Lightning."""
 from __future__ import annotations
 
 import pickle
+import shutil
 import sys
 from importlib.util import find_spec
 from pathlib import Path
@@ -324,3 +325,88 @@ def test_load_from_checkpoint_refuses_a_dict_that_is_not_lightnings(
     io.save_checkpoint(saved, tmp_path / "a.ckpt")
     with pytest.raises(ddpckpt.CorruptCheckpointError, match=refusal):
         load_from_checkpoint(classifier, tmp_path / "a.ckpt")
+
+
+# ---------------------------------------------------------------- ExactResume's own state
+
+
+def _exact_trainer(out: Path, steps: int, io: bool, **checkpointing: Any) -> Any:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ddpckpt.integrations.lightning import DdpckptCheckpointIO, ExactResume
+
+    return pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=out,
+        plugins=[DdpckptCheckpointIO()] if io else [],
+        callbacks=[ExactResume(),
+                   ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=1,
+                                   **checkpointing)],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("io", [True, False], ids=["ddpckpt-io", "lightning-io"])
+def test_each_rank_s_state_lives_beside_the_checkpoint_and_goes_with_it(
+    tmp_path: Path, io: bool
+) -> None:
+    """The checkpoint keeps a reference, not every rank's state; the state of a checkpoint
+    Lightning deletes (top-k) is deleted with it, last.ckpt keeps its two newest; a resume
+    reads it back, and says so plainly when it was lost or replaced."""
+    from ddpckpt.errors import InexactResumeError
+
+    classifier, _, data = _classifier_classes()
+    out = tmp_path / "run"
+    trainer = _exact_trainer(out, 4, io, save_top_k=1, monitor="step", mode="max",
+                             save_last=True)  # fmt: skip
+    trainer.fit(classifier(), datamodule=data(batch_size=4))
+    checkpoints = out / "checkpoints"
+    kept = sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith("."))
+    assert kept == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in (checkpoints / ".ddpckpt-ranks").iterdir()) == [
+        "epoch=0-step=4.ckpt@step-0000000004",
+        "last.ckpt@step-0000000003",
+        "last.ckpt@step-0000000004",
+    ]
+    last = checkpoints / "last.ckpt"
+    saved = (ddpckpt.load_dict(last) if io else torch.load(last, weights_only=True))["callbacks"]
+    reference = saved["ddpckpt.ExactResume"]
+    assert sorted(reference) == ["id", "saved"], reference  # no rank's state in it
+    assert reference["saved"] == ".ddpckpt-ranks/last.ckpt@step-0000000004"
+
+    resumed = _exact_trainer(tmp_path / "again", 6, io)
+    resumed.fit(classifier(), datamodule=data(batch_size=4), ckpt_path=last)
+    assert resumed.global_step == 6
+
+    # replaced: a later save of last.ckpt at the same step, whose file was not written
+    other = _exact_trainer(tmp_path / "other", 4, io, save_last=True)
+    other.fit(classifier(), datamodule=data(batch_size=4))
+    replacement = (
+        tmp_path / "other" / "checkpoints" / ".ddpckpt-ranks" / "last.ckpt@step-0000000004"
+    )
+    shutil.rmtree(checkpoints / ".ddpckpt-ranks" / replacement.name)
+    shutil.copytree(replacement, checkpoints / ".ddpckpt-ranks" / replacement.name)
+    with pytest.raises(InexactResumeError, match=r"holds the ranks' state of a later save"):
+        _exact_trainer(tmp_path / "third", 6, io).fit(
+            classifier(), datamodule=data(batch_size=4), ckpt_path=last
+        )
+    shutil.rmtree(checkpoints / ".ddpckpt-ranks")  # copied without its directory
+    with pytest.raises(InexactResumeError, match=r"which is gone: copy or move the checkpoint"):
+        _exact_trainer(tmp_path / "fourth", 6, io).fit(
+            classifier(), datamodule=data(batch_size=4), ckpt_path=last
+        )
+
+
+def test_a_state_gathered_by_an_earlier_release_still_resumes(tmp_path: Path) -> None:
+    """A checkpoint dumped outside Trainer.save_checkpoint holds every rank's state, as
+    every checkpoint did before 2026-11-28: it resumes."""
+    classifier, _, data = _classifier_classes()
+    trainer = _exact_trainer(tmp_path / "run", 2, False)
+    trainer.fit(classifier(), datamodule=data(batch_size=4))
+    dumped = trainer._checkpoint_connector.dump_checkpoint()
+    state = dumped["callbacks"]["ddpckpt.ExactResume"]
+    assert list(state) == ["ranks"] and len(state["ranks"]) == 1
+    torch.save(dumped, tmp_path / "old.ckpt")
+    resumed = _exact_trainer(tmp_path / "again", 4, False)
+    resumed.fit(classifier(), datamodule=data(batch_size=4), ckpt_path=tmp_path / "old.ckpt")
+    assert resumed.global_step == 4

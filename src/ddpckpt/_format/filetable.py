@@ -44,7 +44,7 @@ from ddpckpt._format.boundary import (
     read_listed,
 )
 from ddpckpt._format.tensorfile import FileEntry
-from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
+from ddpckpt.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
 
 # Ranks per table. A job of at most this many ranks lists its files in the manifest, as
 # format 6 does, so that it stays readable by the releases before format 7. 128 balances
@@ -126,6 +126,7 @@ class FileTable(MutableMapping[str, FileEntry]):
         self.ranks = TABLE_RANKS if ranks is None else ranks  # the module's, when called
         self.location, self.token, self.world_size = location, token, world_size
         self._read: dict[str, dict[str, FileEntry]] = {}
+        self._failed: dict[str, CheckpointError] = {}
         self._groups: dict[tuple[str, int], str] = {}
         for listed in self.tables:
             found = _TABLE.fullmatch(listed)
@@ -179,6 +180,19 @@ class FileTable(MutableMapping[str, FileEntry]):
         """The bytes of every file, without reading a table."""
         inline = sum(f.size for f in self.inline.values())
         return inline + sum(ref.nbytes for ref in self.tables.values())
+
+    def readable(self, problems: list[str]) -> dict[str, FileEntry]:
+        """Every file listed where it can be read: the manifest's own, and those of each
+        table that reads and checks; what is wrong with each other table is appended to
+        ``problems`` (for the scans and tools that report a damaged checkpoint rather than
+        stop at it)."""
+        found = dict(self.inline)
+        for listed in sorted(self.tables):
+            try:
+                found.update(self._load(listed))
+            except CheckpointError as exc:
+                problems.append(str(exc))
+        return found
 
     def find(self, base: str) -> str | None:
         """The name under which the file ``base`` is listed: ``base`` itself, or
@@ -245,7 +259,24 @@ class FileTable(MutableMapping[str, FileEntry]):
     def _load(self, listed: str) -> dict[str, FileEntry]:
         found = self._read.get(listed)
         if found is None:
-            found = self._read[listed] = self._parse_table(listed)
+            failed = self._failed.get(listed)
+            if failed is not None:  # read once: the same error for every name of its group
+                raise failed
+            try:
+                found = self._read[listed] = self._parse_table(listed)
+            except CheckpointError as exc:
+                self._failed[listed] = exc
+                raise
+        return found
+
+    def unreadable_ranks(self) -> set[int]:
+        """The ranks whose files are listed in a table that failed to read."""
+        found = set()
+        for listed in self._failed:
+            match = _TABLE.fullmatch(listed)
+            if match is not None:
+                group = int(match["group"])
+                found.update(range(group * self.ranks, (group + 1) * self.ranks))
         return found
 
     def _parse_table(self, listed: str) -> dict[str, FileEntry]:
@@ -310,14 +341,23 @@ def tables_from_json(
         return FileTable(inline, location=where, token=token, world_size=world_size)
     fields = Fields(doc, where, "manifest field 'file_tables'")
     ranks = fields.integer("ranks", 1, world_size)
-    tables = {}
+    tables, groups = {}, set()
     for listed, ref_doc in fields.mapping("tables").items():
         found = _TABLE.fullmatch(listed)
-        if found is None or listed not in inline or int(found["group"]) * ranks >= world_size:
+        group = int(found["group"]) if found is not None else -1
+        if (
+            found is None
+            or listed != found["prefix"] + table_name(group)  # one name per group
+            or listed not in inline
+            or group * ranks >= world_size
+        ):
             raise fields.error(
                 f"names {listed[:200]!r}, no file table of the {world_size} ranks it lists",
                 "tables",
             )
+        if group in groups:
+            raise fields.error(f"names two tables of ranks {group * ranks} on", "tables")
+        groups.add(group)
         ref = Fields(ref_doc, where, f"manifest entry of file table {listed!r}")
         tables[listed] = TableRef(ref.integer("files", 1, 64 * ranks), ref.integer("bytes"))
     return FileTable(

@@ -43,7 +43,8 @@ def kept_ranks(manifest: Manifest) -> list[int]:
     the partner nodes before it."""
     if manifest.rank_keys is None or "partners" not in manifest.copy:
         return list(range(manifest.world_size))
-    found = (_RANK_FILE.fullmatch(name.rpartition("/")[2]) for name in manifest.files)
+    listed = manifest.files.readable([])  # a damaged file table's ranks: not kept here
+    found = (_RANK_FILE.fullmatch(name.rpartition("/")[2]) for name in listed)
     return sorted(r for r in (int(m[1]) for m in found if m) if r < manifest.world_size)
 
 

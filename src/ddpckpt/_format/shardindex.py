@@ -204,7 +204,7 @@ class ShardIndex:
             )
         except FileNotFoundError:
             raise IncompleteCheckpointError(
-                f"{self.path}: {name}, listed in the manifest, is missing"
+                f"{self.path}: {name}, which the checkpoint lists, is missing"
             ) from None
         doc = load_json(raw, location, "shard index")
         if (

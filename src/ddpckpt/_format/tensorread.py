@@ -55,7 +55,7 @@ class TensorFile:
             reader = open_checked(path, "data file")
         except FileNotFoundError:
             raise IncompleteCheckpointError(
-                f"{path}: data file listed in the manifest is missing"
+                f"{path}: missing, a data file the checkpoint lists"
             ) from None
         try:
             if reader.size != size:

@@ -17,14 +17,13 @@ import torch
 
 from ddpckpt import _observe
 from ddpckpt._format.codec import decode
-from ddpckpt._format.filetable import is_table
 from ddpckpt._format.manifest import Manifest, read_manifest
 from ddpckpt._format.rankparts import fill_rank_parts
 from ddpckpt._format.reshard import Box, overlap, plan_reads
 from ddpckpt._format.sections import StateSections
 from ddpckpt._format.shardindex import ShardIndex, is_index_file
 from ddpckpt._format.shards import Piece, ShardedEntry
-from ddpckpt._format.tensorfile import CHUNK, TensorEntry, can_read_into, dtype_from_name
+from ddpckpt._format.tensorfile import CHUNK, FileEntry, TensorEntry, can_read_into, dtype_from_name
 from ddpckpt._format.tensorread import TensorFile
 from ddpckpt._io.progress import Progress
 from ddpckpt._observe import Access
@@ -102,6 +101,7 @@ class FileSource:
         self._files: dict[str, TensorFile] = {}
         self._entries_by_file: dict[str, list[TensorEntry]] | None = None
         self.index = manifest.shard_index(path)
+        self._indexed = any(record.indexed for record in manifest.shards.values())
         self._nbytes: int | None = None  # of all the checkpoint's files, once asked
         self.own: dict[str, str] = {}  # shared name -> this rank's own copy (see own_tensors)
 
@@ -116,6 +116,8 @@ class FileSource:
         if self._entries_by_file is None:
             self._entries_by_file = _entries_by_file(self.manifest, None)
         found = self._entries_by_file.get(name, [])
+        if not self._indexed:
+            return found  # no index to look up (which would read the writer's file table)
         writer = self.manifest.files[name].writer
         if self.index.file_of(writer) is None:
             return found
@@ -322,12 +324,14 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
         StateSections.from_json(manifest.state, path)  # what load parses, checked here too
     except CorruptCheckpointError as exc:
         problems.append(str(exc))
-    pieces, unlisted = _indexed_pieces(path, manifest, problems)
+    files = manifest.files.readable(problems)  # a damaged file table is one problem
+    pieces, unlisted = _indexed_pieces(path, manifest, files, problems)
+    unlisted |= manifest.files.unreadable_ranks()  # their shards' indexes are unknown
     by_file = _entries_by_file(manifest, pieces)
     chunks = {p.entry.key: manifest.shards[n].chunk for n, ps in pieces.items() for p in ps}
     # a whole tensor's chunk digests are per CHUNK bytes
-    for name, file in sorted(manifest.files.items()):
-        if is_index_file(name) or is_table(name) or file.writer in unlisted:
+    for name, file in sorted(files.items()):
+        if is_index_file(name) or name in manifest.files.tables or file.writer in unlisted:
             continue  # read and verified as read; or its shards are unknown
         try:
             mapped = TensorFile(os.path.join(path, name), file.size)
@@ -339,11 +343,11 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
                 problems += mapped.chunk_problems(entry, chunks.get(entry.key, CHUNK))
         except CheckpointError as exc:
             problems.append(str(exc))
-    return problems
+    return list(dict.fromkeys(problems))  # a damaged table is met once per file it lists
 
 
 def _indexed_pieces(
-    path: str, manifest: Manifest, problems: list[str]
+    path: str, manifest: Manifest, files: dict[str, FileEntry], problems: list[str]
 ) -> tuple[dict[str, list[Piece]], set[int]]:
     """Every shard of the checkpoint and the ranks whose shard index could not be read
     (their data files cannot be checked against it): each index read once, each problem
@@ -351,9 +355,9 @@ def _indexed_pieces(
     index = manifest.shard_index(path)
     found = _listed_pieces(manifest)
     unlisted = set()
-    for name in manifest.files:
+    for name, file in files.items():
         if is_index_file(name):
-            rank = manifest.files[name].writer
+            rank = file.writer
             try:
                 for tensor, piece in index.index(rank).items():
                     found.setdefault(tensor, []).append(piece)

@@ -80,9 +80,13 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
 Candidate = tuple[bool, int, float, str]  # has a step, step, created, name: newest sorts last
 
 
-def newest_first(directory: str, caller: str = "latest()") -> list[Candidate]:
+def newest_first(
+    directory: str, caller: str = "latest()", *, every_file: bool = True
+) -> list[Candidate]:
     """The committed checkpoints directly inside ``directory`` (checked as :func:`latest`
-    describes), newest first."""
+    describes), newest first. Without ``every_file``, of a checkpoint of file tables
+    (format 7) only the files its manifest lists itself are checked (the others when they
+    are loaded): what every rank of a job can afford, whatever its number of ranks."""
     try:
         names = storage_for(directory).list(directory)
     except BucketNotFoundError:
@@ -107,7 +111,7 @@ def newest_first(directory: str, caller: str = "latest()") -> list[Candidate]:
             continue
         if (replaced := previous_of(name)) is not None and replaced in names:
             continue  # a replaced copy: the checkpoint is the one under its own name
-        manifest = _committed(os.path.join(directory, name), caller)
+        manifest = _committed(os.path.join(directory, name), caller, every_file)
         if manifest is not None:
             found.append(candidate(name, manifest))
     return sorted(found, reverse=True)
@@ -139,8 +143,10 @@ def load_latest(
     it holds none. Collective, as :func:`ddpckpt.load`, which takes the same arguments
     (``model=``, ``optimizer=``, ... or a :class:`TrainingState`).
 
-    Every rank lists the directory (as :func:`latest` checks it) and the lists are merged,
-    so a node whose disk lacks a checkpoint still loads it (a copy is sent to it). The
+    Every rank lists the directory (as :func:`latest` checks it, but of a checkpoint of
+    more than 128 ranks only the files its manifest lists itself: the others are checked as
+    they are loaded) and the lists are merged, so a node whose disk lacks a checkpoint
+    still loads it (a copy is sent to it). The
     newest is loaded, every byte read verified; if it is damaged (a checksum fails, a file
     is missing or malformed) or deleted meanwhile, a warning names it and why, and the next
     newer one is loaded, which restores every object passed again (also after a damaged
@@ -157,8 +163,10 @@ def load_latest(
     configure(directory, storage_options)
     with Comm.open("ddpckpt.load_latest", path=directory, timeout=timeout) as comm:
         directory = comm.path or directory
-        merged = comm.run_reduce(
-            "list", lambda: newest_first(directory, "load_latest()"), _merged_candidates
+        merged = comm.run_reduce(  # each rank reads manifests, not the O(N) file tables
+            "list",
+            lambda: newest_first(directory, "load_latest()", every_file=False),
+            _merged_candidates,
         )
     paths = [os.path.join(directory, name) for *_, name in merged]
 
@@ -226,8 +234,9 @@ def _merged_candidates(views: list[list[Candidate]]) -> list[Candidate]:
     return sorted({tuple(c) for view in views for c in view}, reverse=True)  # type: ignore[misc]
 
 
-def _committed(path: str, caller: str) -> Manifest | None:
-    """The manifest of the checkpoint at ``path`` if it is one and its files are all there."""
+def _committed(path: str, caller: str, every_file: bool = True) -> Manifest | None:
+    """The manifest of the checkpoint at ``path`` if it is one and its files are all there
+    (without ``every_file``: those its manifest lists itself, its file tables among them)."""
     store = storage_for(path)
     if not store.is_dir(path):
         return None
@@ -237,7 +246,11 @@ def _committed(path: str, caller: str) -> Manifest | None:
         return None  # no manifest: an unfinished save, no checkpoint at all, or just deleted
     except CheckpointError as exc:
         return _skipped(path, str(exc), caller)
-    for name, file in manifest.files.items():
+    problems: list[str] = []
+    files = manifest.files.readable(problems) if every_file else manifest.files.inline
+    if problems:
+        return None if not store.is_dir(path) else _skipped(path, problems[0], caller)
+    for name, file in files.items():
         try:
             size = store.size(os.path.join(path, name))
         except OSError as exc:

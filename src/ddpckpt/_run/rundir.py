@@ -153,13 +153,13 @@ def size_problems(path: str, manifest: Manifest) -> list[str]:
     """Files of a checkpoint that are missing or not the size its manifest records: the
     cheap check (no data read) that catches a truncated copy, never a bit flip."""
     store = storage_for(path)
-    problems = []
-    for name, file in sorted(manifest.files.items()):
+    problems: list[str] = []
+    for name, file in sorted(manifest.files.readable(problems).items()):
         try:
             actual = store.size(os.path.join(path, name))
         except FileNotFoundError:
             problems.append(
-                f"{os.path.join(path, name)}: data file listed in the manifest is missing"
+                f"{os.path.join(path, name)}: missing, a data file the checkpoint lists"
             )
             continue
         if actual != file.size:

@@ -102,25 +102,33 @@ def world_size() -> int:
 
 
 def own_streams(ranks: list[dict[str, Any]], where: str) -> dict[str, Any]:
-    """This rank's random streams among every saved rank's (``ranks[r]["rng"]``).
-
-    A rank the checkpoint has none of (the job grew) gets streams derived from rank 0's and
-    its rank, with a warning: deterministic, distinct per rank, not a continuation.
-    """
+    """This rank's random streams among every saved rank's (``ranks[r]["rng"]``): see
+    :func:`continued_streams`."""
     if not ranks:
         raise CorruptCheckpointError(f"{where}: the saved state holds no rank's random streams")
+    rank = current_rank()
+    return continued_streams(ranks[rank if rank < len(ranks) else 0]["rng"], len(ranks), where)
+
+
+def continued_streams(loaded: Any, saved_world: int, where: str) -> dict[str, Any]:
+    """This rank's random streams, from ``loaded``: its own, saved by a job of
+    ``saved_world`` ranks; or, for a rank that job did not have (the job grew), rank 0's,
+    from which streams are derived with its rank, with a warning: deterministic, distinct
+    per rank, not a continuation."""
+    if not isinstance(loaded, dict):
+        raise CorruptCheckpointError(f"{where}: the saved random streams are no dict")
     world = world_size()
-    if world > len(ranks):  # every rank says it; rank 0 prints it
+    if world > saved_world:  # every rank says it; rank 0 prints it
         _log.warning(
             "%s: saved on %d ranks, resumed on %d: ranks %d and up start from random streams "
             "derived from rank 0's, so their randomness does not continue a saved stream",
             where,
-            len(ranks),
+            saved_world,
             world,
-            len(ranks),
+            saved_world,
             extra=same_on_every_rank(),
         )
     rank = current_rank()
-    if rank < len(ranks):
-        return ranks[rank]["rng"]
-    return numpy_key_as_tensor(derive_rng(ranks[0]["rng"], rank))
+    if rank < saved_world:
+        return loaded
+    return numpy_key_as_tensor(derive_rng(loaded, rank))

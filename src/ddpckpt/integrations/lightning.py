@@ -45,8 +45,15 @@ from ddpckpt.errors import (  # noqa: E402
     StateMismatchError,
 )
 from ddpckpt.events import SaveEvent, add_listener  # noqa: E402
+from ddpckpt.integrations._rank_files import (  # noqa: E402
+    SIDECARS,
+    load_own,
+    prune_own,
+    save_own,
+)
 from ddpckpt.integrations._ranks import (  # noqa: E402
     capture_streams,
+    continued_streams,
     gather,
     own_streams,
     restore_streams,
@@ -362,8 +369,14 @@ class ExactResume(Callback):
     What it changes in a run: the train loaders are tracked by ddpckpt (``len()`` stays
     the whole epoch); validation inside ``fit`` runs on a copy of the random streams (as
     Lightning's sanity check does), so where validation happens does not change training's
-    randomness; each checkpoint gathers every rank's state at rank 0 through the default
-    process group's store (bounded by ``timeout``, default ``$DDPCKPT_TIMEOUT`` or 600 s).
+    randomness; at each checkpoint every rank saves its own state, about 21 kB, in a ddpckpt
+    checkpoint beside Lightning's (under ``.ddpckpt-ranks/`` in its directory: keep the two
+    together when you copy a checkpoint), and Lightning's checkpoint keeps a reference to it,
+    so no rank's cost grows with the number of ranks; those of a checkpoint Lightning
+    deletes are deleted with it (the collective calls are bounded by ``timeout``, default
+    ``$DDPCKPT_TIMEOUT`` or 600 s). A checkpoint saved other than through
+    ``Trainer.save_checkpoint`` in ``fit`` (a ``dump_checkpoint`` of your own) gathers every
+    rank's state at rank 0 into it instead, as releases before 2026-11-28 did; both resume.
     With ``log_checkpoints`` every committed checkpoint's cost goes to the Trainer's loggers
     as ``checkpoint/stall_s``, ``checkpoint/durable_s``, ``checkpoint/size_bytes`` and
     ``checkpoint/verified``, at the checkpoint's step.
@@ -388,6 +401,9 @@ class ExactResume(Callback):
         self._in_fit_run = False  # inside the fit loop's run: the loops' progress is restored
         self._load_states: Callable[[], None] = lambda: None  # Lightning's, set up in setup()
         self._built: dict[str, Any] | None = None  # the streams as the train loaders were built
+        self._saving: str | None = None  # inside Trainer.save_checkpoint: the path it writes
+        self._saving_step = 0  # and the step it saves
+        self._loading: str | None = None  # the checkpoint being restored (on_load_checkpoint)
 
     # ------------------------------------------------------------------ set-up
 
@@ -409,12 +425,18 @@ class ExactResume(Callback):
         fit_loop.reset = lambda: self._after_pass_began(reset)
         fit_loop.run = lambda: self._fit_run(fit_loop, run)
         val_loop.run = lambda: self._isolated(run_validation)
+        save, remove = trainer.save_checkpoint, trainer.strategy.remove_checkpoint
+        trainer.save_checkpoint = lambda path, *a, **k: self._save(trainer, path, save, a, k)  # type: ignore[method-assign]
+        trainer.strategy.remove_checkpoint = lambda path: self._remove(trainer, path, remove)  # type: ignore[method-assign]
+        strategy = trainer.strategy
         self._undo = [
             lambda: vars(fit_loop).pop("_load_combined_loader_states", None),
             lambda: vars(fit_loop).pop("reset", None),
             lambda: vars(fit_loop).pop("run", None),
             lambda: vars(fit_loop).pop("setup_data", None),
             lambda: vars(val_loop).pop("run", None),
+            lambda: vars(trainer).pop("save_checkpoint", None),
+            lambda: vars(strategy).pop("remove_checkpoint", None),
         ]
         if self.log_checkpoints:
             self._undo.append(add_listener(self._events.append))
@@ -424,6 +446,28 @@ class ExactResume(Callback):
         for undo in self._undo:
             undo()
         self._undo = []
+
+    def _save(
+        self, trainer: pl.Trainer, path: Any, save: Callable[..., None], args: Any, kwargs: Any
+    ) -> None:
+        """``Trainer.save_checkpoint`` (every rank calls it with the same path): the path
+        is known to :meth:`state_dict` while Lightning gathers the checkpoint; once it is
+        written, rank 0 deletes the ranks' state of this path's saves but the newest two
+        (the previous one may be what the file holds until the new one is written)."""
+        self._saving, self._saving_step = os.fspath(path), trainer.global_step
+        try:
+            save(path, *args, **kwargs)
+        finally:
+            self._saving = None
+        if current_rank() == 0:
+            prune_own(os.fspath(path), keep=2)
+
+    def _remove(self, trainer: pl.Trainer, path: Any, remove: Callable[[Any], None]) -> None:
+        """``Strategy.remove_checkpoint`` (Lightning deletes a checkpoint): the ranks' state
+        saved for it goes too."""
+        remove(path)
+        if trainer.is_global_zero:
+            prune_own(os.fspath(path), keep=0)
 
     def _set_up_data(self, fit_loop: Any, setup_data: Callable[[], None]) -> None:
         """Lightning's train data set-up. When it builds the loaders (the first time, or a
@@ -533,13 +577,17 @@ class ExactResume(Callback):
         return "ddpckpt.ExactResume"
 
     def state_dict(self) -> dict[str, Any]:
-        """Every rank's streams and loader positions; collective (Lightning calls it on every
-        rank when it saves a checkpoint), the result meaningful on global rank 0."""
+        """Every rank's streams and loader positions, saved by each rank beside the
+        checkpoint ``Trainer.save_checkpoint`` writes (a reference to them), else gathered
+        at rank 0; collective (Lightning calls it on every rank when it saves a
+        checkpoint), the result meaningful on global rank 0."""
         mine = {
             "rng": self._training_streams or capture_streams(),
             "loaders": [self._position(loader) for loader in self._loaders],
             **({"built": self._built} if self._built is not None else {}),
         }
+        if self._saving is not None:
+            return save_own(self._saving, self._saving_step, mine, timeout=self.timeout)
         ranks = gather("ddpckpt.integrations.lightning", mine, self.timeout)
         return {"ranks": ranks or []}
 
@@ -551,13 +599,28 @@ class ExactResume(Callback):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """This rank's streams and loader positions, applied when the fit loop runs;
+        collective for a checkpoint whose ranks saved their own state (every rank restores
+        the callbacks)."""
+        rank = current_rank()
+        if "saved" in state_dict:
+            checkpoint = self._loading or ""
+            mine, world = load_own(checkpoint, state_dict, timeout=self.timeout)
+            if not isinstance(mine, dict) or not isinstance(mine.get("loaders"), list):
+                raise CorruptCheckpointError(f"{checkpoint}: ExactResume's state of rank {rank} "
+                                             "is not one it saves")  # fmt: skip
+            self._pending = {
+                "rng": continued_streams(mine.get("rng"), world, "ExactResume"),
+                "loaders": mine["loaders"],
+                "built": mine.get("built") if rank < world else None,
+            }
+            return
         ranks = state_dict.get("ranks")
         if not isinstance(ranks, list) or not ranks:
             raise StateMismatchError(
                 f"ExactResume: the checkpoint's state for it is not ExactResume's (keys "
                 f"{sorted(state_dict)})"
             )
-        rank = current_rank()
         self._pending = {
             "rng": own_streams(ranks, "ExactResume"),
             "loaders": ranks[min(rank, len(ranks) - 1)]["loaders"],
@@ -571,6 +634,8 @@ class ExactResume(Callback):
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
+        path = trainer.ckpt_path
+        self._loading = None if path is None else os.fspath(path)
         if self.state_key not in checkpoint.get("callbacks", {}):
             _log.warning(
                 "ExactResume: the checkpoint was saved without ExactResume, so it holds no "
@@ -593,6 +658,8 @@ class ExactResume(Callback):
         thread: an asynchronous save commits on another)."""
         while self._events:
             event = self._events.pop(0)  # atomic: a writer thread may append meanwhile
+            if f"{SIDECARS}" in event.path.replace("\\", "/").split("/"):
+                continue  # the ranks' own state saved beside a checkpoint: part of it
             metrics = {
                 "checkpoint/stall_s": event.stall_seconds,
                 "checkpoint/durable_s": event.durable_seconds,

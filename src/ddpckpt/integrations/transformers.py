@@ -516,7 +516,7 @@ def _check_size(skeleton: torch.nn.Module, checkpoint: str, saved: SavedModelCon
     compared with the checkpoint's tensors, but are allocated all the same."""
     tensors = [*skeleton.parameters(), *skeleton.buffers()]
     needed = sum(t.numel() * t.element_size() for t in tensors)
-    stored = sum(f.size for f in read_manifest(checkpoint).files.values())
+    stored = read_manifest(checkpoint).nbytes
     if needed > 2 * stored + (64 << 20):
         raise ddpckpt.CorruptCheckpointError(
             f"{checkpoint}: malformed saved model config: {saved.architecture} built from it "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import re
 from collections.abc import Callable
 
 from ddpckpt._log import get_logger
@@ -194,9 +195,14 @@ def _after_replacing(final: str, delete_old: Callable[[], None]) -> None:
 
 
 def _missing_files(storage: Storage, staging: str) -> list[str]:
-    """The files the manifest in ``staging`` lists that are not there."""
+    """The files the manifest in ``staging`` lists that are not there (those its file
+    tables list too, format 7)."""
     present = set(storage.walk(staging))
-    return sorted(set(_listed(storage.read(f"{staging}/{MANIFEST}"))) - present)
+    listed = set(_listed(storage.read(f"{staging}/{MANIFEST}")))
+    for table in sorted(listed & present):
+        if _TABLE.fullmatch(table):
+            listed.update(_listed(storage.read(f"{staging}/{table}")))
+    return sorted(listed - present)
 
 
 def _undone(storage: Storage, previous: str, final: str, exc: OSError) -> CheckpointWriteError:
@@ -277,9 +283,9 @@ class ManifestLastCommit(CommitStrategy):
         manifest = _relocated(storage.read(f"{staging}/{MANIFEST}"), prefix, final)
         storage.replace(f"{final}/{MANIFEST}", manifest)
         try:  # committed: what follows only frees space
-            keep = {MANIFEST, *_listed(manifest)}
-            for name in storage.walk(final):
-                if name not in keep:
+            for name in storage.walk(final):  # the new checkpoint is all under its prefix
+                ours = name.startswith(f"{prefix}/") and name != f"{prefix}/{MANIFEST}"
+                if name != MANIFEST and not ours:
                     storage.delete(f"{final}/{name}")
         except OSError as exc:
             _log.warning(
@@ -335,8 +341,12 @@ class ManifestLastCommit(CommitStrategy):
 _NEXT_MARK = ".next-"
 
 
+_TABLE = re.compile(r"files-[0-9]{5,10}\.json", re.ASCII)  # a file table (format 7)
+
+
 def _listed(manifest: bytes) -> list[str]:
-    """The object names a manifest lists (read without verifying: a cleanup's question)."""
+    """The object names a manifest (or a file table) lists (read without verifying: a
+    cleanup's question)."""
     try:
         return list(json.loads(manifest)["files"])
     except (ValueError, KeyError, TypeError):
