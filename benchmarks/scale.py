@@ -3,12 +3,16 @@ run for one simulated rank of N, at N = 16 to 16,384, in one process.
 
 Run it from a source checkout (``pip install -e .``, or ``PYTHONPATH=src``)::
 
-    python benchmarks/scale.py [--ranks 16,256,1024,4096,16384] [--layers 32] [--json out.json]
+    python benchmarks/scale.py [--ranks 16,256,1024,4096,16384] [--model 7b|70b] [--layers N]
+        [--layouts ddp,zero1,fsdp2,hsdp] [--json out.json]
 
-The state is 7B-like: ``--layers`` transformer blocks of 4096-wide attention and
-11008-wide MLP weights, an embedding and an output layer, with AdamW's two moments (about
-870 tensors), held as DTensors by FSDP2 (``Shard(0)`` over all N ranks) or HSDP
-(``Replicate`` over N/8 nodes, ``Shard(0)`` over each node's 8 ranks), 8 ranks per node.
+The state is 7B-like (32 transformer blocks of 4096-wide attention and 11008-wide MLP
+weights, an embedding and an output layer: 291 parameters) or 70B-like (``--model 70b``: 80
+blocks 8192 wide, 28672-wide MLP, grouped-query keys and values 1024 wide: 723 parameters),
+with AdamW's two moments, in fp32, held by DDP (every tensor replicated, each written by one
+rank), ZeRO-1 (the moments written by the rank whose partition holds the parameter), or as
+DTensors by FSDP2 (``Shard(0)`` over all N ranks) or HSDP (``Replicate`` over N/8 nodes,
+``Shard(0)`` over each node's 8 ranks), 8 ranks per node.
 Per layout and N it reports, for the last rank:
 
 * ``plan ms``: CPU time of deciding what it writes at a save (its shards and its share
@@ -48,16 +52,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddpckpt._coord.plan import FanOut, Partners, plan_owners
+from ddpckpt._coord.plan import FanOut, Partners, assign, plan_owners
 from ddpckpt._format import filetable
 from ddpckpt._format.filetable import FileTable
-from ddpckpt._format.manifest import Manifest, file_to_json
+from ddpckpt._format.manifest import Manifest, file_to_json, tensor_to_json
 from ddpckpt._format.shardgrid import cells_overlapping
 from ddpckpt._format.shardindex import ShardIndex, index_document
 from ddpckpt._format.tensorfile import CHUNK, FileEntry, TensorEntry
@@ -70,24 +75,30 @@ from ddpckpt.integrations._ranks import capture_streams, pack
 PER_NODE = 8
 
 
-def shapes(layers: int) -> dict[str, tuple[int, ...]]:
-    """A 7B-like model's parameters (name: global shape)."""
+# width, MLP width, key/value width (grouped-query attention), blocks
+MODELS = {"7b": (4096, 11008, 4096, 32), "70b": (8192, 28672, 1024, 80)}
+
+
+def shapes(layers: int, model: str = "7b") -> dict[str, tuple[int, ...]]:
+    """A 7B-like or 70B-like model's parameters (name: global shape), of ``layers`` blocks."""
+    width, mlp, kv, _ = MODELS[model]
     found: dict[str, tuple[int, ...]] = {
-        "embed.weight": (32000, 4096),
-        "head.weight": (32000, 4096),
+        "embed.weight": (32000, width),
+        "head.weight": (32000, width),
     }
     for i in range(layers):
-        for proj in ("q", "k", "v", "o"):
-            found[f"layers.{i}.attn.{proj}.weight"] = (4096, 4096)
+        for proj, shape in (("q", (width, width)), ("k", (kv, width)), ("v", (kv, width)),
+                            ("o", (width, width))):  # fmt: skip
+            found[f"layers.{i}.attn.{proj}.weight"] = shape
         for proj, shape in (
-            ("gate", (11008, 4096)),
-            ("up", (11008, 4096)),
-            ("down", (4096, 11008)),
+            ("gate", (mlp, width)),
+            ("up", (mlp, width)),
+            ("down", (width, mlp)),
         ):
             found[f"layers.{i}.mlp.{proj}.weight"] = shape
-        found[f"layers.{i}.norm1.weight"] = (4096,)
-        found[f"layers.{i}.norm2.weight"] = (4096,)
-    found["norm.weight"] = (4096,)
+        found[f"layers.{i}.norm1.weight"] = (width,)
+        found[f"layers.{i}.norm2.weight"] = (width,)
+    found["norm.weight"] = (width,)
     return found
 
 
@@ -98,12 +109,12 @@ def layout_of(kind: str, ranks: int) -> MeshLayout:
     return MeshLayout((ranks // PER_NODE, PER_NODE), order, ("R", "S0"))
 
 
-def snapshot_for(kind: str, ranks: int, rank: int, layers: int) -> Snapshot:
+def snapshot_for(kind: str, ranks: int, rank: int, layers: int, model: str = "7b") -> Snapshot:
     """``rank``'s sharded state: each parameter and its two AdamW moments, as empty local
     shards of the right sizes (no memory is touched)."""
     layout = layout_of(kind, ranks)
     sharded = {}
-    for name, shape in shapes(layers).items():
+    for name, shape in shapes(layers, model).items():
         size = layout.region(shape, rank)[1]
         for part in ("", ".exp_avg", ".exp_avg_sq"):
             local = torch.empty(size, dtype=torch.float32, device="meta")
@@ -217,21 +228,87 @@ def exact_resume(ranks: int, per_rank: int) -> dict[str, int]:
     }
 
 
-def measure(kind: str, ranks: int, layers: int, exact_resume_per_rank: int) -> dict[str, Any]:
+def replicated(kind: str, ranks: int, layers: int, model: str) -> dict[str, Any]:
+    """The per-rank costs of DDP (everything replicated: parameters and AdamW's moments,
+    each written by one rank, balanced by the real ``plan_owners``) or ZeRO-1 (the moments
+    written by the rank whose partition holds the parameter, balanced the same way), for
+    the last rank of ``ranks``: planning, the manifest's records (each tensor stored whole,
+    with a digest per 8 MiB), its list of files and file table (the real writers), and the
+    layout every rank hashes (as ``check_replicated`` builds it)."""
     rank = ranks - 1
-    snapshot = snapshot_for(kind, ranks, rank, layers)
-    fingerprint = [[n, *s.fingerprint()] for n, s in sorted(snapshot.sharded.items())]
+    params = shapes(layers, model)
+    sizes, shape_of = {}, {}
+    for name, shape in params.items():
+        for key in (
+            f"model/{name}",
+            *(f"optimizer/state/{name}/{m}" for m in ("exp_avg", "exp_avg_sq")),
+        ):
+            sizes[key], shape_of[key] = math.prod(shape) * 4, shape
+    planned = sizes if kind == "ddp" else {n: b for n, b in sizes.items() if n.startswith("model/")}
+    best, owners = float("inf"), {}
+    for _ in range(3):
+        start = time.perf_counter()
+        owners = plan_owners(planned, range(ranks), set(planned))
+        best = min(best, time.perf_counter() - start)
+    if kind == "zero1":  # ZeroRedundancyOptimizer's partition, by parameter size
+        partition = assign({n: sizes[f"model/{n}"] for n in params}, range(ranks))
+        for name in params:
+            for moment in ("exp_avg", "exp_avg_sq"):
+                owners[f"optimizer/state/{name}/{moment}"] = partition[name]
+    records, files = {}, FileTable()
+    for name, nbytes in sizes.items():
+        kind_of = "model" if name.startswith("model/") else "state"
+        file = f"{kind_of}-{owners[name]:05d}.safetensors"
+        chunks = tuple("0" * 16 for _ in range(-(-nbytes // CHUNK)) if nbytes > CHUNK)
+        entry = TensorEntry(file, name, "F32", shape_of[name], 1 << 33, (1 << 33) + nbytes,
+                            "0" * 16, chunks)  # fmt: skip
+        records[name] = tensor_to_json(entry)
+        files[file] = FileEntry(file, 1 << 36, "0" * 16, owners[name])
+    for writer in range(ranks):
+        name = f"rank-{writer:05d}.safetensors"
+        files[name] = FileEntry(name, 20_000, "0" * 16, writer)
+    blobs = {}
+    if ranks > filetable.TABLE_RANKS:
+        blobs = files.tabulate({r["file"] for r in records.values()}, "0" * 12, 0)
+    listed = {name: file_to_json(f) for name, f in files.inline.items()}
+    tables = files.tables_to_json() if files.tables else {}
+    table = blobs.get(filetable.table_name(rank // filetable.TABLE_RANKS), b"")
+    layout = sorted((n, "torch.float32", list(shape_of[n])) for n in sizes)
     return {
-        "tensors": len(snapshot.sharded),
-        "plan_ms": plan_ms(snapshot, ranks, rank),
-        "fingerprint_bytes": len(json.dumps(fingerprint)),
-        **sharded_records(snapshot, ranks, rank),
+        "tensors": len(sizes),
+        "plan_ms": best * 1e3,
+        "fingerprint_bytes": len(json.dumps(layout)),
+        "manifest_bytes": len(json.dumps(records)),
+        "files_bytes": len(json.dumps(listed)) + len(json.dumps(tables)),
+        "table_bytes": len(table),
+        "index_bytes": 0,
+        "indexes_read": 0,
+        "tables_read": 1 if table else 0,
+    }
+
+
+def measure(
+    kind: str, ranks: int, layers: int, exact_resume_per_rank: int, model: str = "7b"
+) -> dict[str, Any]:
+    rank = ranks - 1
+    common = {
         "held_bytes": held_bytes(ranks),
         **exact_resume(ranks, exact_resume_per_rank),
         "fast_rounds": fast_save(ranks)[0],
         "fast_files": fast_save(ranks)[1],
         "repair_rounds": repair(ranks)[0],
         "repair_parts": repair(ranks)[1],
+    }
+    if kind in ("ddp", "zero1"):
+        return {**replicated(kind, ranks, layers, model), **common}
+    snapshot = snapshot_for(kind, ranks, rank, layers, model)
+    fingerprint = [[n, *s.fingerprint()] for n, s in sorted(snapshot.sharded.items())]
+    return {
+        "tensors": len(snapshot.sharded),
+        "plan_ms": plan_ms(snapshot, ranks, rank),
+        "fingerprint_bytes": len(json.dumps(fingerprint)),
+        **sharded_records(snapshot, ranks, rank),
+        **common,
     }
 
 
@@ -245,19 +322,23 @@ def _growth(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", default="16,256,1024,4096,16384")
-    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--model", choices=sorted(MODELS), default="7b")
+    parser.add_argument("--layers", type=int, help="blocks (default: the model's)")
+    parser.add_argument("--layouts", default="ddp,zero1,fsdp2,hsdp")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     counts = [int(n) for n in args.ranks.split(",")]
     per_rank = len(json.dumps(pack({"rng": capture_streams(), "loaders": [{"position": 0}]})))
+    layers = args.layers or MODELS[args.model][3]
     results: dict[str, dict[int, dict[str, Any]]] = {}
-    for kind in ("fsdp2", "hsdp"):
+    for kind in args.layouts.split(","):
         results[kind] = {}
         for ranks in counts:
-            results[kind][ranks] = row = measure(kind, ranks, args.layers, per_rank)
+            results[kind][ranks] = row = measure(kind, ranks, layers, per_rank, args.model)
             print(f"{kind} N={ranks}: {json.dumps(row)}", flush=True)
+    count = len(shapes(layers, args.model))
     print(
-        f"\n{len(shapes(args.layers))} parameters x 3 (AdamW), one rank of N, {PER_NODE} per node"
+        f"\n{args.model}-like: {count} parameters x 3 (AdamW), one rank of N, {PER_NODE} per node"
     )
     header = ("layout", "N", "plan ms", "fingerprint B", "manifest B", "files B", "table B",
               "tables", "index B", "indexes", "held B", "ExactResume B", "ExactResume read B",

@@ -36,3 +36,13 @@ def test_the_file_lists_a_rank_reads_stay_small_at_16384_ranks() -> None:
     listed, table = scale.file_lists(16384, 16383)
     assert listed < 32_000 and table < 64_000, (listed, table)
     assert scale.file_lists(64, 63) == (scale.file_lists(64, 63)[0], 0)  # no tables
+
+
+def test_replicated_layouts_records_do_not_grow_with_the_ranks() -> None:
+    # DDP and ZeRO-1: every tensor stored whole once, so the manifest's records are the
+    # same at 16 and 1,024 ranks; the files holding them at most one per tensor
+    for kind in ("ddp", "zero1"):
+        small = scale.measure(kind, 16, layers=1, exact_resume_per_rank=100, model="70b")
+        large = scale.measure(kind, 1024, layers=1, exact_resume_per_rank=100, model="70b")
+        assert small["manifest_bytes"] == large["manifest_bytes"], kind
+        assert large["tables_read"] == 1 and large["files_bytes"] < 40 * small["tensors"] * 30

@@ -39,11 +39,22 @@ def test_every_exported_name_exists_and_has_a_docstring(module: str) -> None:
 def test_every_name_an_integration_exports_is_defined_with_a_docstring(name: str) -> None:
     path = Path(ddpckpt.__file__).parent / "integrations" / f"{name}.py"
     tree = ast.parse(path.read_text())
-    defined = {
-        node.name: ast.get_docstring(node)
-        for node in tree.body
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef))
-    }
+
+    def definitions(module: ast.Module) -> dict[str, str | None]:
+        return {
+            node.name: ast.get_docstring(node)
+            for node in module.body
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef))
+        }
+
+    defined = definitions(tree)
+    for node in tree.body:  # or defined in a private module beside it, imported from there
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+            "ddpckpt.integrations._"
+        ):
+            private = path.with_name(f"{node.module.rpartition('.')[2]}.py")
+            found = definitions(ast.parse(private.read_text()))
+            defined |= {a.name: found.get(a.name) for a in node.names if a.name in found}
     (exported,) = [
         ast.literal_eval(node.value)
         for node in tree.body

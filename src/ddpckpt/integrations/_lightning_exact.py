@@ -1,0 +1,358 @@
+"""Lightning's ``ExactResume`` callback (public as
+:class:`ddpckpt.integrations.lightning.ExactResume`): what a Lightning checkpoint lacks for an
+exact mid-epoch resume, each rank's random streams and train DataLoader position, saved by
+each rank beside the checkpoint (:mod:`ddpckpt.integrations._rank_files`)."""
+
+from __future__ import annotations
+
+from ddpckpt.integrations._require import require
+
+require("lightning", "PyTorch Lightning", "lightning")
+
+import os  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.fabric.utilities.data import _set_sampler_epoch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
+
+from ddpckpt._log import current_rank, get_logger  # noqa: E402
+from ddpckpt._training.loader import track_loader  # noqa: E402
+from ddpckpt.errors import (  # noqa: E402
+    CorruptCheckpointError,
+    InexactResumeError,
+    StateMismatchError,
+)
+from ddpckpt.events import SaveEvent, add_listener  # noqa: E402
+from ddpckpt.integrations._rank_files import (  # noqa: E402
+    SIDECARS,
+    load_own,
+    prune_own,
+    save_own,
+)
+from ddpckpt.integrations._ranks import (  # noqa: E402
+    capture_streams,
+    continued_streams,
+    gather,
+    own_streams,
+    restore_streams,
+)
+
+_log = get_logger("ddpckpt.integrations.lightning")
+
+
+class ExactResume(Callback):
+    """What a Lightning checkpoint lacks for an exact resume, saved in it: ``callbacks=[ExactResume()]``.
+
+    At every checkpoint it stores, for every rank, the random streams (Python, numpy, torch,
+    CUDA) and the position of each train DataLoader: the batches training consumed in the
+    current epoch, the random states the sampler's order and the loader workers' seed were
+    drawn from. Resuming from it (``trainer.fit(model, ckpt_path=...)``), every rank
+    continues after the last batch it trained on, without loading the skipped samples,
+    with the next batch and the random numbers an uninterrupted run would have used.
+
+    What it changes in a run: the train loaders are tracked by ddpckpt (``len()`` stays
+    the whole epoch); validation inside ``fit`` runs on a copy of the random streams (as
+    Lightning's sanity check does), so where validation happens does not change training's
+    randomness; at each checkpoint every rank saves its own state, about 21 kB, in a ddpckpt
+    checkpoint beside Lightning's (under ``.ddpckpt-ranks/`` in its directory: keep the two
+    together when you copy a checkpoint), and Lightning's checkpoint keeps a reference to it,
+    so no rank's cost grows with the number of ranks; those of a checkpoint Lightning
+    deletes are deleted with it (the collective calls are bounded by ``timeout``, default
+    ``$DDPCKPT_TIMEOUT`` or 600 s). A checkpoint saved other than through
+    ``Trainer.save_checkpoint`` in ``fit`` (a ``dump_checkpoint`` of your own) gathers every
+    rank's state at rank 0 into it instead, as releases before 2026-11-28 did; both resume.
+    With ``log_checkpoints`` every committed checkpoint's cost goes to the Trainer's loggers
+    as ``checkpoint/stall_s``, ``checkpoint/durable_s``, ``checkpoint/size_bytes`` and
+    ``checkpoint/verified``, at the checkpoint's step.
+
+    Limits: map-style datasets only (Lightning reads one batch ahead from a loader without
+    a length); random augmentation inside loader workers repeats exactly only if it depends
+    on the sample, not on which worker ran it (:class:`ddpckpt.data.SeededDataset`).
+    Resuming from a checkpoint saved without this callback is possible but not exact (a
+    warning says so).
+    """
+
+    def __init__(self, *, log_checkpoints: bool = True, timeout: float | None = None) -> None:
+        self.log_checkpoints = log_checkpoints
+        self.timeout = timeout
+        self._loaders: list[DataLoader] = []
+        self._pending: dict[str, Any] | None = None  # this rank's loaded state, applied once
+        self._training_streams: dict[str, Any] | None = None  # during validation
+        self._events: list[SaveEvent] = []
+        self._undo: list[Callable[[], None]] = []
+        self._batches_per_epoch: int | None = None  # Lightning's limit, when it has one
+        self._resumed = False  # the streams were restored for the first pass after a resume
+        self._in_fit_run = False  # inside the fit loop's run: the loops' progress is restored
+        self._load_states: Callable[[], None] = lambda: None  # Lightning's, set up in setup()
+        self._built: dict[str, Any] | None = None  # the streams as the train loaders were built
+        self._saving: str | None = None  # inside Trainer.save_checkpoint: the path it writes
+        self._saving_step = 0  # and the step it saves
+        self._loading: str | None = None  # the checkpoint being restored (on_load_checkpoint)
+
+    # ------------------------------------------------------------------ set-up
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        fit_loop = trainer.fit_loop
+        val_loop = fit_loop.epoch_loop.val_loop
+        if not callable(getattr(fit_loop, "_load_combined_loader_states", None)):
+            raise RuntimeError(
+                f"ExactResume does not know this Lightning ({pl.__version__}): its fit loop "
+                "has no _load_combined_loader_states; ddpckpt was tested with Lightning 2.6"
+            )
+        self._load_states = fit_loop._load_combined_loader_states
+        reset, run, run_validation = fit_loop.reset, fit_loop.run, val_loop.run
+        setup_data = fit_loop.setup_data
+        fit_loop.setup_data = lambda: self._set_up_data(fit_loop, setup_data)
+        fit_loop._load_combined_loader_states = lambda: self._before_pass(trainer)
+        fit_loop.reset = lambda: self._after_pass_began(reset)
+        fit_loop.run = lambda: self._fit_run(fit_loop, run)
+        val_loop.run = lambda: self._isolated(run_validation)
+        save, remove = trainer.save_checkpoint, trainer.strategy.remove_checkpoint
+        trainer.save_checkpoint = lambda path, *a, **k: self._save(trainer, path, save, a, k)  # type: ignore[method-assign]
+        trainer.strategy.remove_checkpoint = lambda path: self._remove(trainer, path, remove)  # type: ignore[method-assign]
+        strategy = trainer.strategy
+        self._undo = [
+            lambda: vars(fit_loop).pop("_load_combined_loader_states", None),
+            lambda: vars(fit_loop).pop("reset", None),
+            lambda: vars(fit_loop).pop("run", None),
+            lambda: vars(fit_loop).pop("setup_data", None),
+            lambda: vars(val_loop).pop("run", None),
+            lambda: vars(trainer).pop("save_checkpoint", None),
+            lambda: vars(strategy).pop("remove_checkpoint", None),
+        ]
+        if self.log_checkpoints:
+            self._undo.append(add_listener(self._events.append))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._report(trainer)
+        for undo in self._undo:
+            undo()
+        self._undo = []
+
+    def _save(
+        self, trainer: pl.Trainer, path: Any, save: Callable[..., None], args: Any, kwargs: Any
+    ) -> None:
+        """``Trainer.save_checkpoint`` (every rank calls it with the same path): the path
+        is known to :meth:`state_dict` while Lightning gathers the checkpoint; once it is
+        written, rank 0 deletes the ranks' state of this path's saves but the newest two
+        (the previous one may be what the file holds until the new one is written)."""
+        self._saving, self._saving_step = os.fspath(path), trainer.global_step
+        try:
+            save(path, *args, **kwargs)
+        finally:
+            self._saving = None
+        if current_rank() == 0:
+            prune_own(os.fspath(path), keep=2)
+
+    def _remove(self, trainer: pl.Trainer, path: Any, remove: Callable[[Any], None]) -> None:
+        """``Strategy.remove_checkpoint`` (Lightning deletes a checkpoint): the ranks' state
+        saved for it goes too."""
+        remove(path)
+        if trainer.is_global_zero:
+            prune_own(os.fspath(path), keep=0)
+
+    def _set_up_data(self, fit_loop: Any, setup_data: Callable[[], None]) -> None:
+        """Lightning's train data set-up. When it builds the loaders (the first time, or a
+        ``reload_dataloaders_every_n_epochs`` reload), the random streams as the build began
+        are kept for the checkpoint, and a resumed run builds them from the saved ones
+        (until the saved position is applied): a ``train_dataloader()`` that draws from
+        them (random data, a random split) builds what the saved run trained on."""
+        if fit_loop._combined_loader is not None and not fit_loop._should_reload_train_dl:
+            setup_data()  # nothing to build
+            return
+        saved = self._pending.get("built") if self._pending is not None else None
+        if saved is not None:
+            restore_streams(saved, "ExactResume")
+        self._built = capture_streams()
+        setup_data()
+
+    def _fit_run(self, fit_loop: Any, run: Callable[[], None]) -> None:
+        """The fit loop's run, inside which the saved position is applied. Train loaders set
+        up before the loops' progress was restored (a ``configure_optimizers`` that reads
+        ``trainer.estimated_stepping_batches`` sets them up during ``strategy.setup``, and
+        Lightning does not set them up again) get it here: the same loaders, at the restored
+        epoch, iterated anew (``train_dataloader()`` is not called again: it may draw from
+        the random streams, as a dataset built there does)."""
+        self._in_fit_run = True
+        try:
+            early = fit_loop._combined_loader is not None and fit_loop._data_fetcher is not None
+            if self._pending is not None and early:
+                self._load_states()
+                self._place_loaders(fit_loop)
+                fit_loop._data_fetcher.setup(fit_loop._combined_loader)
+                iter(fit_loop._data_fetcher)  # as setup_data does: a new pass, positioned
+            run()
+        finally:
+            self._in_fit_run = False
+
+    def _before_pass(self, trainer: pl.Trainer) -> None:
+        """In the fit loop's data set-up, before the first ``iter()`` of new train loaders."""
+        combined = trainer.fit_loop._combined_loader
+        self._loaders = []
+        for loader in combined.flattened if combined is not None else []:
+            if not isinstance(loader, DataLoader):
+                _log.warning(
+                    "ExactResume: the train iterable %s is not a torch DataLoader; its "
+                    "position is not saved, so a resume inside an epoch is not exact",
+                    type(loader).__qualname__,
+                )
+                continue
+            if isinstance(loader.dataset, IterableDataset):
+                raise InexactResumeError(
+                    "ExactResume: the train DataLoader reads the IterableDataset "
+                    f"{type(loader.dataset).__qualname__}, which Lightning reads one batch ahead "
+                    "of training, so its position is not what training consumed; use a "
+                    "map-style dataset (with __len__ and __getitem__)"
+                )
+            track_loader(loader)
+            loader._ddpckpt_stream.whole_pass_len = True  # Lightning counts against len()
+            self._loaders.append(loader)
+        self._load_states()  # Lightning's own (rank 0's) loader states, when it restarts an epoch
+        self._place_loaders(trainer.fit_loop)
+
+    def _place_loaders(self, fit_loop: Any) -> None:
+        """Set the train loaders' sampler epoch (Lightning does it after the next ``iter()``;
+        workers need it now) and, in the fit loop's run after a resume, the saved position
+        and random streams."""
+        epoch = fit_loop.epoch_progress.current.processed
+        for loader in self._loaders:
+            _set_sampler_epoch(loader, epoch)
+        if self._pending is None or not self._in_fit_run:  # not yet: see _fit_run
+            return
+        pending, self._pending = self._pending, None
+        if len(pending["loaders"]) != len(self._loaders):
+            raise StateMismatchError(
+                f"ExactResume: the checkpoint holds the positions of {len(pending['loaders'])} "
+                f"train DataLoader(s), this run has {len(self._loaders)}: train on the same loaders"
+            )
+        for loader, state in zip(self._loaders, pending["loaders"], strict=True):
+            loader.load_state_dict(state)
+        restore_streams(pending["rng"], "ExactResume")  # what a new pass draws from, as saved
+        self._resumed = True
+
+    def _after_pass_began(self, reset: Callable[[], None]) -> None:
+        """Right after the first ``iter()`` of a resumed run: the random streams as they are
+        now are those of the saved run; what Lightning and the user's hooks draw from here
+        to the first batch (a ``val_dataloader()`` building its data, ``on_train_start``)
+        the saved run drew before its checkpoint. They are set back right before the first
+        batch is taken."""
+        if self._resumed and self._loaders:
+            self._resumed = False
+            streams = capture_streams()
+            self._loaders[0]._ddpckpt_before_next = lambda: restore_streams(streams, "ExactResume")
+        reset()
+
+    def _isolated(self, run_validation: Callable[[], Any]) -> Any:
+        """Validation on a copy of the random streams: training's continue as if it had not run."""
+        streams = capture_streams()
+        self._training_streams = streams
+        try:
+            return run_validation()
+        finally:
+            self._training_streams = None
+            restore_streams(streams, "ExactResume")
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def state_key(self) -> str:
+        return "ddpckpt.ExactResume"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's streams and loader positions, saved by each rank beside the
+        checkpoint ``Trainer.save_checkpoint`` writes (a reference to them), else gathered
+        at rank 0; collective (Lightning calls it on every rank when it saves a
+        checkpoint), the result meaningful on global rank 0."""
+        mine = {
+            "rng": self._training_streams or capture_streams(),
+            "loaders": [self._position(loader) for loader in self._loaders],
+            **({"built": self._built} if self._built is not None else {}),
+        }
+        if self._saving is not None:
+            return save_own(self._saving, self._saving_step, mine, timeout=self.timeout)
+        ranks = gather("ddpckpt.integrations.lightning", mine, self.timeout)
+        return {"ranks": ranks or []}
+
+    def _position(self, loader: DataLoader) -> dict[str, Any]:
+        state = loader.state_dict()
+        limit = self._batches_per_epoch
+        if state["started"] and limit is not None and state["position"] >= limit:
+            state["finished"] = True  # Lightning stops at its limit without asking for more
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """This rank's streams and loader positions, applied when the fit loop runs;
+        collective for a checkpoint whose ranks saved their own state (every rank restores
+        the callbacks)."""
+        rank = current_rank()
+        if "saved" in state_dict:
+            checkpoint = self._loading or ""
+            mine, world = load_own(checkpoint, state_dict, timeout=self.timeout)
+            if not isinstance(mine, dict) or not isinstance(mine.get("loaders"), list):
+                raise CorruptCheckpointError(f"{checkpoint}: ExactResume's state of rank {rank} "
+                                             "is not one it saves")  # fmt: skip
+            self._pending = {
+                "rng": continued_streams(mine.get("rng"), world, "ExactResume"),
+                "loaders": mine["loaders"],
+                "built": mine.get("built") if rank < world else None,
+            }
+            return
+        ranks = state_dict.get("ranks")
+        if not isinstance(ranks, list) or not ranks:
+            raise StateMismatchError(
+                f"ExactResume: the checkpoint's state for it is not ExactResume's (keys "
+                f"{sorted(state_dict)})"
+            )
+        self._pending = {
+            "rng": own_streams(ranks, "ExactResume"),
+            "loaders": ranks[min(rank, len(ranks) - 1)]["loaders"],
+            "built": ranks[rank].get("built") if rank < len(ranks) else None,
+        }
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        batches = trainer.num_training_batches
+        self._batches_per_epoch = None if batches == float("inf") else int(batches)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        path = trainer.ckpt_path
+        self._loading = None if path is None else os.fspath(path)
+        if self.state_key not in checkpoint.get("callbacks", {}):
+            _log.warning(
+                "ExactResume: the checkpoint was saved without ExactResume, so it holds no "
+                "random streams and no DataLoader position: this resume is not exact",
+            )
+
+    # ------------------------------------------------------------------ trackers
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._report(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._report(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._report(trainer)
+
+    def _report(self, trainer: pl.Trainer) -> None:
+        """Send the checkpoints committed since the last call to the loggers (on the training
+        thread: an asynchronous save commits on another)."""
+        while self._events:
+            event = self._events.pop(0)  # atomic: a writer thread may append meanwhile
+            if f"{SIDECARS}" in event.path.replace("\\", "/").split("/"):
+                continue  # the ranks' own state saved beside a checkpoint: part of it
+            metrics = {
+                "checkpoint/stall_s": event.stall_seconds,
+                "checkpoint/durable_s": event.durable_seconds,
+                "checkpoint/size_bytes": float(event.nbytes),
+                "checkpoint/verified": float(event.verified),
+            }
+            step = event.step if event.step is not None else trainer.global_step
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
