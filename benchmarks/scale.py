@@ -63,7 +63,7 @@ from ddpckpt._coord.plan import FanOut, Partners, assign, plan_owners
 from ddpckpt._format import filetable
 from ddpckpt._format.filetable import FileTable
 from ddpckpt._format.manifest import Manifest, file_to_json, tensor_to_json
-from ddpckpt._format.shardgrid import cells_overlapping
+from ddpckpt._format.shardgrid import SHARD_WRITERS, cells_overlapping
 from ddpckpt._format.shardindex import ShardIndex, index_document
 from ddpckpt._format.tensorfile import CHUNK, FileEntry, TensorEntry
 from ddpckpt._io.shardwrite import piece_json, plan_shards, shard_specs
@@ -147,7 +147,7 @@ def sharded_records(snapshot: Snapshot, ranks: int, rank: int) -> dict[str, int]
                             (1 << 33) + nbytes, "0" * 16,
                             tuple("0" * 16 for _ in range(-(-nbytes // CHUNK))))  # fmt: skip
         pieces[name] = piece_json(offsets, entry)
-    index = ShardIndex("ckpt", "id", records, dict(plan.meshes), FileTable(), None)
+    index = ShardIndex("ckpt", "id", records, dict(plan.meshes), FileTable(), None, SHARD_WRITERS)
     writers = set()
     for name, record in records.items():
         region = snapshot.sharded[name].layout.region(record.shape, rank)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 from hypothesis import given
@@ -16,6 +17,7 @@ from ddpckpt._coord.plan import FanOut, Transfer, assign, plan_owners
     st.lists(st.integers(0, 64), min_size=1, max_size=8, unique=True),
 )
 def test_assignment_covers_everything_and_balances(sizes, ranks) -> None:
+    ranks = sorted(ranks)  # as storage domains list them
     owners = assign(sizes, ranks)
     assert owners.keys() == sizes.keys()
     assert set(owners.values()) <= set(ranks)
@@ -24,7 +26,7 @@ def test_assignment_covers_everything_and_balances(sizes, ranks) -> None:
         loads[rank] += sizes[name]
     biggest = max(sizes.values(), default=0)
     assert max(loads.values()) - min(loads.values()) <= biggest
-    assert assign(sizes, list(reversed(ranks))) == owners  # same on every rank, whatever order
+    assert assign(dict(reversed(sizes.items())), ranks) == owners  # whatever the tensors' order
 
 
 def test_no_ranks_is_an_error() -> None:
@@ -39,6 +41,7 @@ def test_no_ranks_is_an_error() -> None:
     st.data(),
 )
 def test_each_domain_writes_a_full_copy(sizes, ranks, count, data) -> None:
+    ranks = sorted(ranks)
     domains = [ranks[i::count] for i in range(count) if ranks[i::count]]
     movable = data.draw(st.sets(st.sampled_from(sorted(sizes))) if sizes else st.just(set()))
     for domain in domains:
@@ -47,7 +50,7 @@ def test_each_domain_writes_a_full_copy(sizes, ranks, count, data) -> None:
         assert all(owners[n] == domain[0] for n in sizes if n not in movable)
         assert all(owners[n] in domain for n in movable)
         assert owners == {**dict.fromkeys(sizes, domain[0]), **assign(
-            {n: sizes[n] for n in movable}, list(reversed(domain)))}  # fmt: skip
+            {n: sizes[n] for n in movable}, domain)}  # fmt: skip
         assert plan_owners(sizes, domain, movable) == owners  # pure: same on every rank
 
 
@@ -84,3 +87,23 @@ def test_a_fan_out_reaches_every_receiver_once_in_log_rounds(receivers) -> None:
     assert set(has) == set(line)
     assert max(len(p) for p in parts.values()) <= fan.rounds  # per rank: O(log R) parts
     assert all(p == sorted(p, key=lambda t: t.round) for p in parts.values())
+
+
+def test_assigning_tensors_costs_the_tensors_not_the_ranks() -> None:
+    """A billion ranks, never enumerated: only the first len(sizes) can get a tensor."""
+
+    class Ranks(Sequence[int]):
+        def __len__(self) -> int:
+            return 10**9
+
+        def __getitem__(self, index):  # type: ignore[override]
+            if isinstance(index, slice):
+                return range(10**9)[index]
+            return index
+
+        def __iter__(self):  # type: ignore[override]
+            raise AssertionError("every rank enumerated")
+
+    owners = assign({"a": 30, "b": 20, "c": 10, "d": 5}, Ranks())
+    assert owners == {"a": 0, "b": 1, "c": 2, "d": 3}
+    assert plan_owners({"x": 1, "y": 1}, Ranks(), {"x", "y"}) == {"x": 0, "y": 1}

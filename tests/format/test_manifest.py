@@ -63,3 +63,18 @@ def test_reading_missing_incomplete_and_garbage(tmp_path) -> None:
     (tmp_path / "file.pt").write_bytes(b"x")
     with pytest.raises(CheckpointNotFoundError, match="ddpckpt import"):
         read_manifest(os.fspath(tmp_path / "file.pt"))
+
+
+def test_the_writers_a_save_capped_are_format_7_and_round_trip() -> None:
+    m = sample()
+    assert "shard_writers" not in m.to_json("here")  # not capped: an older format
+    m.shard_writers = 64
+    back = Manifest.from_json(m.to_json("here"), "here")
+    assert back.shard_writers == 64 and back.format_version == 7
+    doc = json.loads(m.to_json("here"))
+    doc.pop("manifest_xxh3_64")
+    doc["shard_writers"] = 0
+    from ddpckpt._format.manifest import _with_checksum
+
+    with pytest.raises(CorruptCheckpointError, match="shard_writers"):
+        Manifest.from_json(_with_checksum(doc), "here")

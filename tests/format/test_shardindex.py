@@ -21,7 +21,7 @@ import ddpckpt
 import ddpckpt._format.shardindex as shardindex
 from ddpckpt._format.filetable import FileTable
 from ddpckpt._format.manifest import Manifest
-from ddpckpt._format.shardgrid import cells_overlapping, region_at
+from ddpckpt._format.shardgrid import SHARD_WRITERS, cells_overlapping, region_at
 from ddpckpt._format.shardindex import ShardIndex, index_document
 from ddpckpt._io.shardwrite import plan_shards, shard_specs
 from ddpckpt._state.sharded import MeshLayout
@@ -78,7 +78,9 @@ def test_at_4096_ranks_a_rank_reads_one_index_and_the_manifest_does_not_grow(mes
         records = shard_specs(plan.specs, "ckpt")
         manifest = Manifest(shards=records, meshes=dict(plan.meshes))
         sizes[world] = (len(json.dumps([manifest.to_json("ckpt")])), len(plan.pieces))
-        index = ShardIndex("ckpt", "id", records, dict(plan.meshes), FileTable(), None)
+        index = ShardIndex(
+            "ckpt", "id", records, dict(plan.meshes), FileTable(), None, SHARD_WRITERS
+        )
         calls = Counter()
         real = shardindex.region_at
 
@@ -98,8 +100,8 @@ def test_at_4096_ranks_a_rank_reads_one_index_and_the_manifest_does_not_grow(mes
             shardindex.region_at = real
         if placements[0] == "S0":
             assert writers == {rank}
-        else:  # the replicas of a shard share its tensors: at most one index per tensor
-            assert len(writers) == min(each[0], len(records)), writers
+        else:  # at most SHARD_WRITERS replicas of a shard share its tensors
+            assert len(writers) == min(each[0], len(records), SHARD_WRITERS), writers
         assert calls["region_at"] <= 2 * len(records), calls  # per tensor of the mesh, not per rank
     # the shards one rank lists in its index: one per tensor at most (fewer where replicas
     # share them), at any number of ranks
@@ -239,3 +241,32 @@ def test_an_index_is_verified_by_its_digest_like_any_file() -> None:
     blob = index_document("t", 0, {})
     assert json.loads(blob) == {"format": "ddpckpt-shards", "id": "t", "rank": 0, "pieces": {}}
     assert xxhash.xxh3_64(blob).hexdigest()
+
+
+def test_at_most_shard_writers_replicas_write_and_a_reader_finds_each_one() -> None:
+    """HSDP over 256 nodes of 8 with 400 tensors: every shard is written by one of its first
+    SHARD_WRITERS replicas, exactly the one the reader computes, so a rank loading its own
+    shards reads at most SHARD_WRITERS indexes (256 before format 7: one per replica)."""
+    layout = MeshLayout((256, 8), range(2048), ("R", "S0"))
+    shapes = [(64, 16)] * 400
+    position = 5  # the ranks holding shard position 5: replica r is rank 8 r + 5
+    written = {}
+    for replica in range(256):
+        rank = 8 * replica + position
+        plan = plan_shards(snapshot_of(layout, rank, shapes), [list(range(2048))], rank, 2048)
+        for name in plan.pieces:
+            written[name] = rank
+        if replica == 0:
+            records = shard_specs(plan.specs, "ckpt")
+            meshes = dict(plan.meshes)
+    assert len(written) == len(records)  # each shard once
+    assert max(written.values()) < 8 * SHARD_WRITERS  # by the first SHARD_WRITERS replicas
+    assert len(set(written.values())) == SHARD_WRITERS
+    index = ShardIndex("ckpt", "id", records, meshes, FileTable(), None, SHARD_WRITERS)
+    key = layout.coordinate(position)
+    for name, rank in written.items():
+        record = records[name]
+        cell = cells_overlapping(record.shape, record.mesh, record.placements,
+                                 layout.region(record.shape, position))  # fmt: skip
+        assert index.writer(name, cell[0]) == rank, name
+    assert key == (0, position)

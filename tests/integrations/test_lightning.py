@@ -330,83 +330,120 @@ def test_load_from_checkpoint_refuses_a_dict_that_is_not_lightnings(
 # ---------------------------------------------------------------- ExactResume's own state
 
 
-def _exact_trainer(out: Path, steps: int, io: bool, **checkpointing: Any) -> Any:
+def _exact_trainer(
+    out: Path, steps: int, io: str, callbacks: tuple = (), **checkpointing: Any
+) -> Any:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     from ddpckpt.integrations.lightning import DdpckptCheckpointIO, ExactResume
 
+    plugins = {"ddpckpt-io": [DdpckptCheckpointIO()], "lightning-io": [],
+               "async-io": [AsyncCheckpointIO(DdpckptCheckpointIO())]}[io]  # fmt: skip
     return pl.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=out,
-        plugins=[DdpckptCheckpointIO()] if io else [],
-        callbacks=[ExactResume(),
+        enable_model_summary=False, default_root_dir=out, plugins=plugins,
+        callbacks=[ExactResume(), *callbacks,
                    ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=1,
                                    **checkpointing)],
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("io", [True, False], ids=["ddpckpt-io", "lightning-io"])
+def _read(path: Path, io: str) -> dict[str, Any]:
+    return torch.load(path, weights_only=True) if io == "lightning-io" else ddpckpt.load_dict(path)
+
+
+def _saved_states(checkpoints: Path) -> list[str]:
+    """The checkpoint each saved state belongs to (its name without the token)."""
+    return sorted(p.name.split("@")[0] for p in (checkpoints / ".ddpckpt-ranks").iterdir())
+
+
+IOS = ["ddpckpt-io", "lightning-io", "async-io"]
+
+
+@pytest.mark.parametrize("io", IOS)
 def test_each_rank_s_state_lives_beside_the_checkpoint_and_goes_with_it(
-    tmp_path: Path, io: bool
+    tmp_path: Path, io: str
 ) -> None:
-    """The checkpoint keeps a reference, not every rank's state; the state of a checkpoint
-    Lightning deletes (top-k) is deleted with it, last.ckpt keeps its two newest; a resume
-    reads it back, and says so plainly when it was lost or replaced."""
+    """The checkpoint keeps a reference, not every rank's state; once a file is written the
+    states of its older saves go (last.ckpt, saved at every step), and those of a checkpoint
+    Lightning deletes (top-k); a resume reads the state back, and says plainly when it is
+    missing or another save's."""
     from ddpckpt.errors import InexactResumeError
 
     classifier, _, data = _classifier_classes()
     out = tmp_path / "run"
-    trainer = _exact_trainer(out, 4, io, save_top_k=1, monitor="step", mode="max",
+    # Lightning's AsyncCheckpointIO deletes a top-k file at once, and may write it after:
+    # with it, every checkpoint is kept
+    top_k = -1 if io == "async-io" else 1
+    trainer = _exact_trainer(out, 4, io, save_top_k=top_k, monitor="step", mode="max",
                              save_last=True)  # fmt: skip
     trainer.fit(classifier(), datamodule=data(batch_size=4))
     checkpoints = out / "checkpoints"
     kept = sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith("."))
-    assert kept == ["epoch=0-step=4.ckpt", "last.ckpt"]
-    assert sorted(p.name for p in (checkpoints / ".ddpckpt-ranks").iterdir()) == [
-        "epoch=0-step=4.ckpt@step-0000000004",
-        "last.ckpt@step-0000000003",
-        "last.ckpt@step-0000000004",
-    ]
+    steps = range(1, 5) if io == "async-io" else [4]
+    assert kept == [*(f"epoch=0-step={s}.ckpt" for s in steps), "last.ckpt"]
+    assert _saved_states(checkpoints) == kept  # one each: last.ckpt's older ones went
     last = checkpoints / "last.ckpt"
-    saved = (ddpckpt.load_dict(last) if io else torch.load(last, weights_only=True))["callbacks"]
-    reference = saved["ddpckpt.ExactResume"]
+    reference = _read(last, io)["callbacks"]["ddpckpt.ExactResume"]
     assert sorted(reference) == ["id", "saved"], reference  # no rank's state in it
-    assert reference["saved"] == ".ddpckpt-ranks/last.ckpt@step-0000000004"
+    assert reference["saved"] == f".ddpckpt-ranks/last.ckpt@{reference['id']}"
 
     resumed = _exact_trainer(tmp_path / "again", 6, io)
     resumed.fit(classifier(), datamodule=data(batch_size=4), ckpt_path=last)
     assert resumed.global_step == 6
 
-    # replaced: a later save of last.ckpt at the same step, whose file was not written
-    other = _exact_trainer(tmp_path / "other", 4, io, save_last=True)
-    other.fit(classifier(), datamodule=data(batch_size=4))
-    replacement = (
-        tmp_path / "other" / "checkpoints" / ".ddpckpt-ranks" / "last.ckpt@step-0000000004"
+    # evaluating a checkpoint needs none of it (the file alone, copied elsewhere)
+    alone = tmp_path / "evaluate" / "last.ckpt"
+    alone.parent.mkdir()
+    (shutil.copytree if last.is_dir() else shutil.copy)(last, alone)
+
+    class Evaluated(classifier):  # type: ignore[misc, valid-type]
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("loss", self.training_step(batch, batch_idx))
+
+    loader = data(batch_size=4).train_dataloader()
+    _exact_trainer(tmp_path / "evaluate", 0, io).validate(
+        Evaluated(), dataloaders=loader, ckpt_path=alone, verbose=False
     )
-    shutil.rmtree(checkpoints / ".ddpckpt-ranks" / replacement.name)
-    shutil.copytree(replacement, checkpoints / ".ddpckpt-ranks" / replacement.name)
-    with pytest.raises(InexactResumeError, match=r"holds the ranks' state of a later save"):
-        _exact_trainer(tmp_path / "third", 6, io).fit(
-            classifier(), datamodule=data(batch_size=4), ckpt_path=last
-        )
-    shutil.rmtree(checkpoints / ".ddpckpt-ranks")  # copied without its directory
-    with pytest.raises(InexactResumeError, match=r"which is gone: copy or move the checkpoint"):
+
+    with pytest.raises(InexactResumeError, match=r"is missing \(a checkpoint copied or moved"):
         _exact_trainer(tmp_path / "fourth", 6, io).fit(
-            classifier(), datamodule=data(batch_size=4), ckpt_path=last
+            classifier(), datamodule=data(batch_size=4), ckpt_path=alone
         )
+
+
+def test_a_save_called_with_keywords_inside_fit_still_saves_every_rank_s_state(
+    tmp_path: Path,
+) -> None:
+    import lightning.pytorch as pl
+
+    class Keywords(pl.Callback):
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 2:
+                trainer.save_checkpoint(filepath=tmp_path / "mine.ckpt", weights_only=False)
+
+    classifier, _, data = _classifier_classes()
+    trainer = _exact_trainer(tmp_path / "run", 3, "lightning-io", callbacks=(Keywords(),))
+    trainer.fit(classifier(), datamodule=data(batch_size=4))
+    reference = _read(tmp_path / "mine.ckpt", "lightning-io")["callbacks"]["ddpckpt.ExactResume"]
+    assert reference["saved"].startswith(".ddpckpt-ranks/mine.ckpt@")
+    resumed = _exact_trainer(tmp_path / "again", 4, "lightning-io")
+    resumed.fit(classifier(), datamodule=data(batch_size=4), ckpt_path=tmp_path / "mine.ckpt")
+    assert resumed.global_step == 4
 
 
 def test_a_state_gathered_by_an_earlier_release_still_resumes(tmp_path: Path) -> None:
     """A checkpoint dumped outside Trainer.save_checkpoint holds every rank's state, as
     every checkpoint did before 2026-11-28: it resumes."""
     classifier, _, data = _classifier_classes()
-    trainer = _exact_trainer(tmp_path / "run", 2, False)
+    trainer = _exact_trainer(tmp_path / "run", 2, "lightning-io")
     trainer.fit(classifier(), datamodule=data(batch_size=4))
     dumped = trainer._checkpoint_connector.dump_checkpoint()
     state = dumped["callbacks"]["ddpckpt.ExactResume"]
     assert list(state) == ["ranks"] and len(state["ranks"]) == 1
     torch.save(dumped, tmp_path / "old.ckpt")
-    resumed = _exact_trainer(tmp_path / "again", 4, False)
+    resumed = _exact_trainer(tmp_path / "again", 4, "lightning-io")
     resumed.fit(classifier(), datamodule=data(batch_size=4), ckpt_path=tmp_path / "old.ckpt")
     assert resumed.global_step == 4

@@ -1,6 +1,7 @@
 """Each rank's own state saved beside a framework's checkpoint (one process here; 2 ranks
-under Lightning in test_lightning.py): the reference round-trips, a forged one is refused
-before anything is read, and pruning keeps what it says."""
+under Lightning in test_lightning.py): the reference round-trips, every save has its own
+token and name, a forged reference is refused before anything is read, and pruning deletes
+only the saves older than the one a file was written with."""
 
 from __future__ import annotations
 
@@ -17,20 +18,36 @@ def _state(seed: int) -> dict:
     return {"rng": {"torch": torch.arange(seed, seed + 4)}, "loaders": [{"position": seed}]}
 
 
-def test_a_rank_s_state_comes_back_and_a_later_save_under_the_same_name_is_told_apart(
+def _saved(root: Path) -> list[str]:
+    return sorted(p.name for p in (root / ".ddpckpt-ranks").iterdir())
+
+
+def test_a_rank_s_state_comes_back_and_a_later_save_under_the_same_name_is_another(
     tmp_path: Path,
 ) -> None:
     checkpoint = str(tmp_path / "last.ckpt")
-    first = save_own(checkpoint, 7, _state(1))
-    assert first["saved"] == ".ddpckpt-ranks/last.ckpt@step-0000000007"
+    first = save_own(checkpoint, _state(1))
+    assert first["saved"] == f".ddpckpt-ranks/last.ckpt@{first['id']}"
     state, world = load_own(checkpoint, first)
     assert world == 1 and state["loaders"] == [{"position": 1}]
     assert torch.equal(state["rng"]["torch"], torch.arange(1, 5))
-    second = save_own(checkpoint, 7, _state(2))  # replaced: the same name and step
-    assert second["id"] != first["id"]
-    with pytest.raises(InexactResumeError, match="a later save of this checkpoint"):
-        load_own(checkpoint, first)
+    second = save_own(checkpoint, _state(2))  # the same name: its own, the first one kept
+    assert second["id"] > first["id"]  # tokens order the saves
+    assert load_own(checkpoint, first)[0]["loaders"] == [{"position": 1}]
     assert load_own(checkpoint, second)[0]["loaders"] == [{"position": 2}]
+
+
+def test_a_reference_whose_state_is_another_save_s_is_refused(tmp_path: Path) -> None:
+    checkpoint = str(tmp_path / "last.ckpt")
+    first, second = save_own(checkpoint, _state(1)), save_own(checkpoint, _state(2))
+    forged = {"saved": first["saved"].replace(first["id"], second["id"]), "id": first["id"]}
+    with pytest.raises(CorruptCheckpointError, match="not one ddpckpt writes"):
+        load_own(checkpoint, forged)
+    root = tmp_path / ".ddpckpt-ranks"
+    (root / f"last.ckpt@{first['id']}").rename(root / "moved")
+    (root / f"last.ckpt@{second['id']}").rename(root / f"last.ckpt@{first['id']}")
+    with pytest.raises(InexactResumeError, match="another save"):
+        load_own(checkpoint, first)
 
 
 @pytest.mark.parametrize(
@@ -38,12 +55,12 @@ def test_a_rank_s_state_comes_back_and_a_later_save_under_the_same_name_is_told_
     [
         None,
         [],
-        {"saved": "../outside@step-0000000001", "id": "a"},
-        {"saved": ".ddpckpt-ranks/../x@step-0000000001", "id": "a"},
-        {"saved": ".ddpckpt-ranks/..@step-0000000001", "id": "a"},
-        {"saved": "/abs/.ddpckpt-ranks/x@step-0000000001", "id": "a"},
-        {"saved": ".ddpckpt-ranks/x@step-1", "id": "a"},
-        {"saved": ".ddpckpt-ranks/x@step-0000000001", "id": 5},
+        {"saved": "../outside@0123456789abcdef01234567", "id": "0123456789abcdef01234567"},
+        {"saved": ".ddpckpt-ranks/../x@0123456789abcdef01234567", "id": "0123456789abcdef01234567"},
+        {"saved": ".ddpckpt-ranks/..@0123456789abcdef01234567", "id": "0123456789abcdef01234567"},
+        {"saved": "/a/.ddpckpt-ranks/x@0123456789abcdef01234567", "id": "0123456789abcdef01234567"},
+        {"saved": ".ddpckpt-ranks/x@0123", "id": "0123"},
+        {"saved": ".ddpckpt-ranks/x@0123456789abcdef01234567", "id": 5},
     ],
 )
 def test_a_forged_reference_is_refused_before_anything_is_read(tmp_path, reference) -> None:
@@ -52,22 +69,40 @@ def test_a_forged_reference_is_refused_before_anything_is_read(tmp_path, referen
 
 
 def test_a_reference_to_state_that_is_gone_says_what_to_do(tmp_path: Path) -> None:
-    reference = save_own(str(tmp_path / "a" / "last.ckpt"), 1, _state(1))
-    with pytest.raises(InexactResumeError, match=r"which is gone: copy or move the checkpoint"):
-        load_own(str(tmp_path / "b" / "last.ckpt"), reference)  # moved without it
+    reference = save_own(str(tmp_path / "a" / "last.ckpt"), _state(1))
+    with pytest.raises(InexactResumeError, match=r"is missing \(a checkpoint copied or moved"):
+        load_own(str(tmp_path / "b" / "last.ckpt"), reference)
 
 
-def test_pruning_keeps_the_newest_of_one_checkpoint_and_nothing_else(tmp_path: Path) -> None:
-    for step in (1, 2, 3):
-        save_own(str(tmp_path / "last.ckpt"), step, _state(step))
-    save_own(str(tmp_path / "epoch=0-step=3.ckpt"), 3, _state(3))
-    prune_own(str(tmp_path / "last.ckpt"), keep=2)
-    names = sorted(p.name for p in (tmp_path / ".ddpckpt-ranks").iterdir())
-    assert names == [
-        "epoch=0-step=3.ckpt@step-0000000003",
-        "last.ckpt@step-0000000002",
-        "last.ckpt@step-0000000003",
-    ]
-    prune_own(str(tmp_path / "epoch=0-step=3.ckpt"), keep=0)
-    prune_own(str(tmp_path / "never-saved.ckpt"), keep=0)
-    assert sorted(p.name for p in (tmp_path / ".ddpckpt-ranks").iterdir()) == names[1:]
+def test_pruning_deletes_only_the_saves_older_than_the_written_one(tmp_path: Path) -> None:
+    """A file written with the second of three saves (an asynchronous write that has not
+    caught up): the first goes, the second and the third (whose file is still to be
+    written) stay; another checkpoint's saves are never touched; a deleted checkpoint's
+    all go."""
+    last = [save_own(str(tmp_path / "last.ckpt"), _state(s)) for s in (1, 2, 3)]
+    other = save_own(str(tmp_path / "epoch=0-step=3.ckpt"), _state(3))
+    prune_own(str(tmp_path / "last.ckpt"), older_than=last[1]["id"])
+    kept = [f"last.ckpt@{r['id']}" for r in last[1:]] + [f"epoch=0-step=3.ckpt@{other['id']}"]
+    assert _saved(tmp_path) == sorted(kept)
+    prune_own(str(tmp_path / "epoch=0-step=3.ckpt"), older_than=None)
+    prune_own(str(tmp_path / "never-saved.ckpt"), older_than=None)
+    assert _saved(tmp_path) == sorted(kept[:2])
+
+
+def test_a_rollback_s_saves_are_newer_whatever_their_step(tmp_path: Path) -> None:
+    """Tokens order saves by time, not step: a run resumed from an earlier step in the same
+    directory keeps its own last.ckpt's state (ordering by step deleted it)."""
+    old = save_own(str(tmp_path / "last.ckpt"), _state(1000))
+    rolled_back = save_own(str(tmp_path / "last.ckpt"), _state(400))
+    prune_own(str(tmp_path / "last.ckpt"), older_than=rolled_back["id"])
+    assert _saved(tmp_path) == [f"last.ckpt@{rolled_back['id']}"]
+    assert load_own(str(tmp_path / "last.ckpt"), rolled_back)[0]["loaders"] == [{"position": 400}]
+    assert old["id"] < rolled_back["id"]
+
+
+def test_a_long_file_name_gets_a_short_distinct_name(tmp_path: Path) -> None:
+    names = ["x" * 240 + "-a.ckpt", "x" * 240 + "-b.ckpt"]
+    saved = [save_own(str(tmp_path / n), _state(i)) for i, n in enumerate(names)]
+    assert all(len(Path(s["saved"]).name.encode()) < 255 for s in saved)
+    assert len({Path(s["saved"]).name.split("@")[0] for s in saved}) == 2
+    assert load_own(str(tmp_path / names[1]), saved[1])[0]["loaders"] == [{"position": 1}]

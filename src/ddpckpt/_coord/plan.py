@@ -37,11 +37,12 @@ def plan_owners(
 
 
 def assign(sizes: Mapping[str, int], ranks: Sequence[int]) -> dict[str, int]:
-    """Map each tensor name to one of ``ranks``, balancing the bytes."""
+    """Map each tensor name to one of ``ranks`` (in increasing order, as a storage domain
+    lists them), balancing the bytes; in time of the tensors, not of the ranks."""
     if not ranks:
         raise ValueError("cannot assign tensors to an empty set of ranks")
     # all start at 0, ties to the lowest rank: only the len(sizes) lowest can get a tensor
-    heap = [(0, rank) for rank in heapq.nsmallest(len(sizes), ranks)]
+    heap = [(0, rank) for rank in ranks[: len(sizes)]]
     heapq.heapify(heap)
     owners: dict[str, int] = {}
     for name in sorted(sizes, key=lambda n: (-sizes[n], n)):

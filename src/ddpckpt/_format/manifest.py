@@ -64,7 +64,8 @@ FORMAT_NAME = "ddpckpt"
 # named layout of several models and optimizers (ddpckpt._format.sections), 5 sharded
 # tensors (ddpckpt._format.shards), 6 their pieces in the writers' index files
 # (ddpckpt._format.shardindex), 7 the files of a job of many ranks in file tables
-# (ddpckpt._format.filetable).
+# (ddpckpt._format.filetable) and at most shard_writers replicas writing a shard's tensors
+# (ddpckpt._format.shardgrid.SHARD_WRITERS).
 FORMAT_VERSION = 7
 RANK_FILES_VERSION = 3
 SHARDS_VERSION = 5
@@ -89,6 +90,7 @@ class Manifest:
     tensors: dict[str, TensorEntry] = field(default_factory=dict)
     shards: dict[str, ShardedEntry] = field(default_factory=dict)  # format 5: sharded tensors
     meshes: dict[str, MeshRanks] = field(default_factory=dict)  # format 6: their meshes' ranks
+    shard_writers: int | None = None  # format 7: the most replicas of a shard that write it
     files: FileTable = field(default_factory=FileTable)  # format 7: some in file tables
     copy: dict[str, Any] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
@@ -104,7 +106,7 @@ class Manifest:
         shards = SHARDS_VERSION if self.shards else 0
         if any(s.indexed for s in self.shards.values()):
             shards = SHARD_INDEX_VERSION
-        tables = FILE_TABLES_VERSION if self.files.tables else 0
+        tables = FILE_TABLES_VERSION if self.files.tables or self.shard_writers else 0
         return max(layout_version(self.state), rank_files, shards, tables)
 
     @property
@@ -117,7 +119,9 @@ class Manifest:
         checkpoint at ``path``; local."""
         count = self.copy.get("count", 1)
         domain = self.copy.get("ranks") if count > 1 else None
-        return ShardIndex(path, self.id, self.shards, self.meshes, self.files, domain)
+        return ShardIndex(
+            path, self.id, self.shards, self.meshes, self.files, domain, self.shard_writers
+        )
 
     def to_json(self, where: str) -> str:
         """The manifest's text; ``where`` names the checkpoint in the error of one too big
@@ -143,6 +147,7 @@ class Manifest:
             "tensors": {name: tensor_to_json(t) for name, t in self.tensors.items()},
             **({"shards": {n: s.to_json() for n, s in self.shards.items()}} if self.shards else {}),
             **({"meshes": _meshes_to_json(self.meshes)} if self.meshes else {}),
+            **({"shard_writers": self.shard_writers} if self.shard_writers else {}),
         }
         text = _with_checksum(doc)
         if len(text) > MAX_MANIFEST_BYTES:  # what could not be read back is not written
@@ -238,6 +243,11 @@ def _parse(doc: Any, where: str) -> Manifest:
         tensors=tensors,
         shards=shards,
         meshes=meshes,
+        shard_writers=(
+            fields.integer("shard_writers", 1, MAX_RANKS, None)
+            if version >= FILE_TABLES_VERSION
+            else None
+        ),
         files=files,
         copy=_copy(fields.mapping("copy", None) or {}, where, world_size),
         created=fields.number("created"),

@@ -186,11 +186,22 @@ def holders_by_key(
     return {key: [rank for _, rank in sorted(held)] for key, held in found.items()}
 
 
-def assign(cells: Iterable[tuple[int, str]], count: int) -> dict[str, int]:
+# At most this many replicas of a shard write its tensors (format 7: the manifest's
+# "shard_writers"): enough to spread a save's writes over 64 nodes, and a rank loading its
+# shards under HSDP reads at most 64 writers' indexes, whatever the number of replicas.
+SHARD_WRITERS = 64
+
+
+def assign(
+    cells: Iterable[tuple[int, str]], count: int, writers: int | None = None
+) -> dict[str, int]:
     """Which of ``count`` replicas writes each tensor's cell at one shard key: ``cells``
     are (bytes, tensor name); largest first, each to the least-loaded replica, ties to the
-    lowest. The rule of the format: a reader recomputes it to find a cell's writer."""
+    lowest, among the first ``writers`` replicas (all without it: checkpoints before format
+    7). The rule of the format: a reader recomputes it to find a cell's writer."""
     ordered = sorted(cells, key=lambda c: (-c[0], c[1]))
+    if writers is not None:
+        count = min(count, writers)
     heap = [(0, s) for s in range(min(count, len(ordered)))]  # the others would get nothing
     slots = {}
     for nbytes, name in ordered:

@@ -85,7 +85,8 @@ class ShardIndex:
 
     ``records`` are the manifest's sharded tensors, ``meshes`` its rank orders,
     ``files`` its files, ``domain`` the ranks that wrote this copy when each node wrote
-    its own (else ``None``). Local to the calling process.
+    its own (else ``None``), ``writers`` the most replicas of a shard that wrote its
+    tensors (format 7; ``None``: all of them). Local to the calling process.
     """
 
     def __init__(
@@ -96,9 +97,10 @@ class ShardIndex:
         meshes: dict[str, MeshRanks],
         files: FileTable,
         domain: list[int] | None,
+        writers: int | None = None,
     ) -> None:
         self.path, self.token, self.records, self.meshes = path, token, records, meshes
-        self.files, self.domain = files, domain
+        self.files, self.domain, self.writers = files, domain, writers
         self._indexes: dict[int, dict[str, Piece]] = {}
         self._members: dict[Pattern, list[str]] | None = None
         self._writers: dict[tuple[Pattern, Coordinate], dict[str, int]] = {}
@@ -137,7 +139,7 @@ class ShardIndex:
                     itemsize = dtype_from_name(other.dtype, self.path).itemsize
                     cells.append((math.prod(size) * itemsize, member))
             holders = self._holders_of(record, group, key)
-            slots = assign(cells, holders.count)
+            slots = assign(cells, holders.count, self.writers)
             writers = self._writers[(group, key)] = {n: holders(s) for n, s in slots.items()}
         if name not in writers:
             raise self._bad(f"{name[:200]!r} has no shard at mesh coordinate {list(coordinate)}")

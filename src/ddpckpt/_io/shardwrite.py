@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ddpckpt._format.shardgrid import (
+    SHARD_WRITERS,
     MeshRanks,
     Pattern,
     assign,
@@ -96,7 +97,7 @@ def plan_shards(
     for shards in mine.values():
         layout = snapshot.sharded[shards[0][1]].layout
         count, slot = replicas.slots(layout, rank)
-        owners = assign(((nbytes, name) for nbytes, name, _ in shards), count)
+        owners = assign(((nbytes, name) for nbytes, name, _ in shards), count, SHARD_WRITERS)
         for _, name, offsets in shards:
             if owners[name] == slot:
                 plan.items.append((name, snapshot.sharded[name].local))

@@ -48,6 +48,7 @@ from ddpckpt._format.manifest import (
     tensor_to_json,
 )
 from ddpckpt._format.rankparts import rank_keys
+from ddpckpt._format.shardgrid import SHARD_WRITERS, replicas
 from ddpckpt._format.shardindex import index_document, index_name
 from ddpckpt._format.tensorfile import CHUNK, FileEntry, tensor_nbytes
 from ddpckpt._format.tensorwrite import serialize, write_file
@@ -409,6 +410,8 @@ def _commit(plan: WritePlan, tmp: str, written: _CopyResults | None) -> None:
             manifest.tensors[name] = tensor_from_json(doc)
     manifest.shards = shard_specs(plan.shards.specs, plan.path)
     manifest.meshes = dict(plan.shards.meshes)
+    if any(replicas(r.mesh, r.placements) > SHARD_WRITERS for r in manifest.shards.values()):
+        manifest.shard_writers = SHARD_WRITERS  # format 7: the writers the save capped
     pieces, expected = sum(r["pieces"] for r in ours), expected_pieces(manifest.shards)
     if pieces != expected:  # each rank planned alone: what they planned must tile the state
         raise RuntimeError(

@@ -16,6 +16,8 @@ from typing import Any  # noqa: E402
 import lightning.pytorch as pl  # noqa: E402
 from lightning.fabric.utilities.data import _set_sampler_epoch  # noqa: E402
 from lightning.pytorch.callbacks import Callback  # noqa: E402
+from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO  # noqa: E402
+from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
 from ddpckpt._log import current_rank, get_logger  # noqa: E402
@@ -31,6 +33,7 @@ from ddpckpt.integrations._rank_files import (  # noqa: E402
     load_own,
     prune_own,
     save_own,
+    token_of,
 )
 from ddpckpt.integrations._ranks import (  # noqa: E402
     capture_streams,
@@ -59,11 +62,13 @@ class ExactResume(Callback):
     randomness; at each checkpoint every rank saves its own state, about 21 kB, in a ddpckpt
     checkpoint beside Lightning's (under ``.ddpckpt-ranks/`` in its directory: keep the two
     together when you copy a checkpoint), and Lightning's checkpoint keeps a reference to it,
-    so no rank's cost grows with the number of ranks; those of a checkpoint Lightning
-    deletes are deleted with it (the collective calls are bounded by ``timeout``, default
-    ``$DDPCKPT_TIMEOUT`` or 600 s). A checkpoint saved other than through
-    ``Trainer.save_checkpoint`` in ``fit`` (a ``dump_checkpoint`` of your own) gathers every
-    rank's state at rank 0 into it instead, as releases before 2026-11-28 did; both resume.
+    so no rank's cost grows with the number of ranks; once a file is written its older
+    saves' states are deleted, and those of a checkpoint Lightning deletes with it (the
+    collective calls are bounded by ``timeout``, default ``$DDPCKPT_TIMEOUT`` or 600 s).
+    ``validate``, ``test`` and ``predict`` from a checkpoint need none of it. A checkpoint
+    saved other than through ``Trainer.save_checkpoint`` in ``fit`` (after ``fit``, or a
+    ``dump_checkpoint`` of your own) gathers every rank's state at rank 0 into it instead,
+    as releases before 2026-11-28 did; both resume.
     With ``log_checkpoints`` every committed checkpoint's cost goes to the Trainer's loggers
     as ``checkpoint/stall_s``, ``checkpoint/durable_s``, ``checkpoint/size_bytes`` and
     ``checkpoint/verified``, at the checkpoint's step.
@@ -89,12 +94,15 @@ class ExactResume(Callback):
         self._load_states: Callable[[], None] = lambda: None  # Lightning's, set up in setup()
         self._built: dict[str, Any] | None = None  # the streams as the train loaders were built
         self._saving: str | None = None  # inside Trainer.save_checkpoint: the path it writes
-        self._saving_step = 0  # and the step it saves
         self._loading: str | None = None  # the checkpoint being restored (on_load_checkpoint)
+        self._fitting = True  # whether it is restored to fit (not validate, test, predict)
 
     # ------------------------------------------------------------------ set-up
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for undo in self._undo:  # left by a fit that raised (Lightning skips teardown then)
+            undo()
+        self._undo = []
         if stage != "fit":
             return
         fit_loop = trainer.fit_loop
@@ -112,10 +120,36 @@ class ExactResume(Callback):
         fit_loop.reset = lambda: self._after_pass_began(reset)
         fit_loop.run = lambda: self._fit_run(fit_loop, run)
         val_loop.run = lambda: self._isolated(run_validation)
-        save, remove = trainer.save_checkpoint, trainer.strategy.remove_checkpoint
-        trainer.save_checkpoint = lambda path, *a, **k: self._save(trainer, path, save, a, k)  # type: ignore[method-assign]
-        trainer.strategy.remove_checkpoint = lambda path: self._remove(trainer, path, remove)  # type: ignore[method-assign]
-        strategy = trainer.strategy
+        strategy, writer = trainer.strategy, _innermost(trainer.strategy.checkpoint_io)
+        save, remove, write = (
+            trainer.save_checkpoint,
+            strategy.remove_checkpoint,
+            writer.save_checkpoint,
+        )
+
+        def saving(
+            filepath: Any, weights_only: bool | None = None, storage_options: Any = None
+        ) -> None:
+            self._saving = os.fspath(filepath)  # what state_dict() saves the ranks' state for
+            try:
+                save(filepath, weights_only=weights_only, storage_options=storage_options)
+            finally:
+                self._saving = None
+
+        def written(checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+            write(checkpoint, path, storage_options=storage_options)  # on rank 0, maybe a thread
+            token = token_of(checkpoint.get("callbacks", {}).get(self.state_key))
+            if token is not None:  # the file holds this save: the older ones are no longer needed
+                prune_own(os.fspath(path), older_than=token)
+
+        def removing(filepath: Any) -> None:
+            remove(filepath)
+            if trainer.is_global_zero:
+                prune_own(os.fspath(filepath), older_than=None)
+
+        trainer.save_checkpoint = saving  # type: ignore[method-assign]
+        writer.save_checkpoint = written  # type: ignore[method-assign]
+        strategy.remove_checkpoint = removing  # type: ignore[method-assign]
         self._undo = [
             lambda: vars(fit_loop).pop("_load_combined_loader_states", None),
             lambda: vars(fit_loop).pop("reset", None),
@@ -123,6 +157,7 @@ class ExactResume(Callback):
             lambda: vars(fit_loop).pop("setup_data", None),
             lambda: vars(val_loop).pop("run", None),
             lambda: vars(trainer).pop("save_checkpoint", None),
+            lambda: vars(writer).pop("save_checkpoint", None),
             lambda: vars(strategy).pop("remove_checkpoint", None),
         ]
         if self.log_checkpoints:
@@ -133,28 +168,6 @@ class ExactResume(Callback):
         for undo in self._undo:
             undo()
         self._undo = []
-
-    def _save(
-        self, trainer: pl.Trainer, path: Any, save: Callable[..., None], args: Any, kwargs: Any
-    ) -> None:
-        """``Trainer.save_checkpoint`` (every rank calls it with the same path): the path
-        is known to :meth:`state_dict` while Lightning gathers the checkpoint; once it is
-        written, rank 0 deletes the ranks' state of this path's saves but the newest two
-        (the previous one may be what the file holds until the new one is written)."""
-        self._saving, self._saving_step = os.fspath(path), trainer.global_step
-        try:
-            save(path, *args, **kwargs)
-        finally:
-            self._saving = None
-        if current_rank() == 0:
-            prune_own(os.fspath(path), keep=2)
-
-    def _remove(self, trainer: pl.Trainer, path: Any, remove: Callable[[Any], None]) -> None:
-        """``Strategy.remove_checkpoint`` (Lightning deletes a checkpoint): the ranks' state
-        saved for it goes too."""
-        remove(path)
-        if trainer.is_global_zero:
-            prune_own(os.fspath(path), keep=0)
 
     def _set_up_data(self, fit_loop: Any, setup_data: Callable[[], None]) -> None:
         """Lightning's train data set-up. When it builds the loaders (the first time, or a
@@ -274,7 +287,7 @@ class ExactResume(Callback):
             **({"built": self._built} if self._built is not None else {}),
         }
         if self._saving is not None:
-            return save_own(self._saving, self._saving_step, mine, timeout=self.timeout)
+            return save_own(self._saving, mine, timeout=self.timeout)
         ranks = gather("ddpckpt.integrations.lightning", mine, self.timeout)
         return {"ranks": ranks or []}
 
@@ -290,8 +303,16 @@ class ExactResume(Callback):
         collective for a checkpoint whose ranks saved their own state (every rank restores
         the callbacks)."""
         rank = current_rank()
+        if not self._fitting:
+            return  # validate, test, predict: nothing to continue (the state may not be here)
         if "saved" in state_dict:
-            checkpoint = self._loading or ""
+            checkpoint = self._loading
+            if checkpoint is None:
+                raise InexactResumeError(
+                    "ExactResume: Lightning restores a checkpoint without saying its path "
+                    "(trainer.ckpt_path), so the ranks' own state saved beside it cannot be "
+                    "found; resume with trainer.fit(..., ckpt_path=...)"
+                )
             mine, world = load_own(checkpoint, state_dict, timeout=self.timeout)
             if not isinstance(mine, dict) or not isinstance(mine.get("loaders"), list):
                 raise CorruptCheckpointError(f"{checkpoint}: ExactResume's state of rank {rank} "
@@ -323,6 +344,7 @@ class ExactResume(Callback):
     ) -> None:
         path = trainer.ckpt_path
         self._loading = None if path is None else os.fspath(path)
+        self._fitting = trainer.state.fn == TrainerFn.FITTING
         if self.state_key not in checkpoint.get("callbacks", {}):
             _log.warning(
                 "ExactResume: the checkpoint was saved without ExactResume, so it holds no "
@@ -356,3 +378,11 @@ class ExactResume(Callback):
             step = event.step if event.step is not None else trainer.global_step
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
+
+
+def _innermost(io: Any) -> Any:
+    """The checkpoint IO that writes the file: Lightning's ``AsyncCheckpointIO`` (a wrapper)
+    calls it in its thread once the save's turn comes."""
+    while isinstance(io, _WrappingCheckpointIO) and io.checkpoint_io is not None:
+        io = io.checkpoint_io
+    return io

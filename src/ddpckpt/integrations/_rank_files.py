@@ -6,17 +6,17 @@ every rank's random streams and loader position without gathering them at rank 0
 O(N) per rank and O(N²) in all. Instead, every rank saves its own state in a ddpckpt
 checkpoint beside the framework's (:func:`save_own`, collective: each rank writes its own
 rank file, rank 0 the manifest), and the framework's checkpoint keeps only a reference,
-``{"saved": ".ddpckpt-ranks/<its file name>@step-<step>", "id": <a token>}``, the token
-agreed by the ranks and saved with their state (so that state replaced by a later save
-under the same name and step is told apart).
+``{"saved": ".ddpckpt-ranks/<its file name>@<token>", "id": <token>}``. The token is agreed
+by the ranks at each save (rank 0's clock in nanoseconds, then random digits), saved with
+their state and part of its name: every save has its own, so a later save under the same
+name never replaces what an earlier file refers to, and the tokens order the saves.
 At a resume every rank reads the manifest and its own rank file (:func:`load_own`; from
 129 ranks on, through one file table: :mod:`ddpckpt._format.filetable`), so no rank's cost
 grows with the number of ranks.
 
-One such checkpoint is kept per framework checkpoint and step, under ``.ddpckpt-ranks/``
-next to it; :func:`prune_own` deletes those of a framework checkpoint that was deleted, or
-replaced twice since (the one replaced last may still be what its file holds while the new
-file is written).
+:func:`prune_own` deletes the saves of a framework checkpoint older than the one its file
+was last written with (once that write has returned), or all of them when the framework
+deletes the checkpoint.
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ from __future__ import annotations
 import os
 import posixpath
 import re
+import time
 import uuid
 from typing import Any
+
+import xxhash
 
 import ddpckpt
 from ddpckpt._coord.comm import Comm
@@ -36,7 +39,9 @@ from ddpckpt.storage import storage_for
 SIDECARS = ".ddpckpt-ranks"
 _KEY = "ranks_own_state"
 _TOKEN = "token"  # the same on every rank: what the framework checkpoint's reference names
-_SAVED = re.compile(r"\.ddpckpt-ranks/(?P<name>[^/\\]{1,255})@step-(?P<step>[0-9]{10})", re.ASCII)
+_TOKEN_FORM = re.compile(r"[0-9a-f]{24}", re.ASCII)  # 16 hex digits of nanoseconds, 8 random
+_SAVED = re.compile(r"\.ddpckpt-ranks/(?P<name>[^/\\]{1,200})@(?P<token>[0-9a-f]{24})", re.ASCII)
+_LONGEST = 200  # a longer file name is shortened (the sidecar's name stays under 255 bytes)
 
 _log = get_logger(__name__)
 
@@ -59,88 +64,95 @@ def _join(directory: str, name: str) -> str:
 
 
 def _split(checkpoint: str) -> tuple[str, str]:
+    """The directory of the framework checkpoint ``checkpoint`` and the name its saves are
+    kept under (its file name; a long one shortened, with a digest of the whole)."""
     checkpoint = checkpoint.rstrip("/") if "://" in checkpoint else os.path.normpath(checkpoint)
-    split = posixpath.split if "://" in checkpoint else os.path.split
-    return split(checkpoint)
+    directory, name = (posixpath.split if "://" in checkpoint else os.path.split)(checkpoint)
+    if len(name.encode()) > _LONGEST or name in (".", ".."):
+        name = f"{name.encode()[:150].decode(errors='ignore')}~{xxhash.xxh3_64_hexdigest(name.encode())}"
+    return directory, name
 
 
-def save_own(
-    checkpoint: str, step: int, state: Any, *, timeout: float | None = None
-) -> dict[str, Any]:
+def save_own(checkpoint: str, state: Any, *, timeout: float | None = None) -> dict[str, Any]:
     """Save this rank's ``state`` (tensors and plain values) for the framework checkpoint
     about to be written at ``checkpoint``; collective: every rank calls it, with the same
-    ``checkpoint`` and ``step``. Returns the reference the framework checkpoint keeps."""
+    ``checkpoint``. Returns the reference the framework checkpoint keeps."""
     directory, name = _split(checkpoint)
-    relative = f"{SIDECARS}/{name}@step-{max(step, 0):010d}"
     with Comm.open("ddpckpt.integrations (ranks' own state)", timeout=timeout) as comm:
-        token = comm.run_reduce("token", lambda: uuid.uuid4().hex[:16], lambda found: found[0])
+        token = comm.run_reduce(
+            "token", lambda: f"{time.time_ns():016x}{uuid.uuid4().hex[:8]}", lambda found: found[0]
+        )
+    relative = f"{SIDECARS}/{name}@{token}"
     own = ddpckpt.TrainingState({_KEY: ddpckpt.PerRank(_Held(state)), _TOKEN: token}, rng=False)
-    ddpckpt.save(_join(directory, relative), own, step=step, overwrite=True, timeout=timeout)
+    ddpckpt.save(_join(directory, relative), own, timeout=timeout)
     return {"saved": relative, "id": token}
+
+
+def token_of(reference: Any) -> str | None:
+    """The token of a reference :func:`save_own` returned, or ``None``."""
+    found = reference.get("id") if isinstance(reference, dict) else None
+    return found if isinstance(found, str) and _TOKEN_FORM.fullmatch(found) else None
 
 
 def load_own(checkpoint: str, reference: Any, *, timeout: float | None = None) -> tuple[Any, int]:
     """This rank's state saved for the framework checkpoint ``checkpoint`` whose reference
-    is ``reference`` (what :func:`save_own` returned on rank 0), and the number of ranks
-    that saved it; collective. A rank the save did not have gets rank 0's state, with a
-    warning. Raises :class:`~ddpckpt.errors.CorruptCheckpointError` for a reference that is
-    not one, :class:`~ddpckpt.errors.InexactResumeError` if the state it names is missing
-    or was replaced by a later save."""
+    is ``reference`` (what :func:`save_own` returned), and the number of ranks that saved
+    it; collective. A rank the save did not have gets rank 0's state, with a warning.
+    Raises :class:`~ddpckpt.errors.CorruptCheckpointError` for a reference that is not one,
+    :class:`~ddpckpt.errors.InexactResumeError` if the state it names is missing or is not
+    the one it names."""
     fields = reference if isinstance(reference, dict) else {}
-    relative, ident = fields.get("saved"), fields.get("id")
-    if (
-        not isinstance(relative, str)
-        or not _SAVED.fullmatch(relative)
-        or not isinstance(ident, str)
-    ):
+    relative, ident = fields.get("saved"), token_of(reference)
+    found = _SAVED.fullmatch(relative) if isinstance(relative, str) else None
+    if found is None or ident is None or found["token"] != ident:
         raise CorruptCheckpointError(
             f"{checkpoint}: the reference to its ranks' own state is not one ddpckpt writes"
         )
-    name = _SAVED.fullmatch(relative)["name"]  # type: ignore[index]
-    if name in (".", ".."):
+    if found["name"] in (".", ".."):
         raise CorruptCheckpointError(f"{checkpoint}: the reference names {relative!r}; refused")
     path = _join(_split(checkpoint)[0], relative)
-    held, found = _Held(), {_KEY: None, _TOKEN: None}
-    found[_KEY] = ddpckpt.PerRank(held)
+    held, values = _Held(), {_KEY: None, _TOKEN: None}
+    values[_KEY] = ddpckpt.PerRank(held)
     try:
-        info = ddpckpt.load(path, ddpckpt.TrainingState(found, rng=False), timeout=timeout)
+        info = ddpckpt.load(path, ddpckpt.TrainingState(values, rng=False), timeout=timeout)
     except CheckpointNotFoundError:
         raise InexactResumeError(
-            f"{checkpoint}: the random streams and data positions of its ranks were saved in "
-            f"{path}, which is gone: copy or move the checkpoint together with its "
-            f"{SIDECARS} directory, or resume from another checkpoint"
+            f"{checkpoint}: its ranks' random streams and data positions were saved in {path}, "
+            f"which is missing (a checkpoint copied or moved needs its {SIDECARS} entry beside "
+            "it). Resume from another checkpoint, or without ExactResume to continue from "
+            "this one with new random streams and data order for the rest of its epoch"
         ) from None
-    if found[_TOKEN] != ident:  # the same on every rank: every rank raises it
+    if values[_TOKEN] != ident:  # the same on every rank: every rank raises it
         raise InexactResumeError(
-            f"{checkpoint}: {path} holds the ranks' state of a later save of this checkpoint "
-            f"(id {str(found[_TOKEN])[:16]}, not {ident[:16]}): it was replaced while this "
-            "file was not; resume from another checkpoint"
+            f"{checkpoint}: {path} holds the ranks' state of another save (token "
+            f"{str(values[_TOKEN])[:24]}, not {ident}); resume from another checkpoint"
         )
     return held.value, info.world_size
 
 
-def prune_own(checkpoint: str, *, keep: int) -> None:
-    """Delete the saved ranks' state of the framework checkpoint ``checkpoint`` but the
-    newest ``keep``; on the rank that deletes the framework's checkpoints (rank 0), alone.
-    What cannot be deleted is logged, never raised (the checkpoint itself is intact)."""
+def prune_own(checkpoint: str, *, older_than: str | None) -> None:
+    """Delete the ranks' state saved for the framework checkpoint ``checkpoint`` by saves
+    before the one of token ``older_than`` (its file was just written with it), or every
+    save's (``None``: the checkpoint was deleted); by the rank that writes and deletes the
+    framework's checkpoints, alone. What cannot be deleted is logged, never raised (the
+    checkpoint itself is intact)."""
     directory, name = _split(checkpoint)
     sidecars = _join(directory, SIDECARS)
-    store = storage_for(sidecars)
     try:
-        names = store.list(sidecars)
+        entries = storage_for(sidecars).list(sidecars)
     except FileNotFoundError:
         return
     except OSError as exc:
-        _log.warning("could not list %s to delete the ranks' state of %s: %s", sidecars, name, exc)
+        _log.warning("could not list %s to delete older states of %s: %s", sidecars, name, exc)
         return
-    found = sorted(
-        (int(m["step"]), entry)
-        for entry in names
-        if (m := _SAVED.fullmatch(f"{SIDECARS}/{entry}")) is not None and m["name"] == name
-    )
-    for _, entry in found[: max(len(found) - keep, 0)]:
+    for entry in sorted(entries):
+        found = _SAVED.fullmatch(f"{SIDECARS}/{entry}")
+        if found is None or found["name"] != name:
+            continue
+        if older_than is not None and found["token"] >= older_than:
+            continue  # this save's, or a later one whose file may not be written yet
         try:
             ddpckpt.remove_checkpoint(_join(sidecars, entry))
         except (OSError, ddpckpt.CheckpointError) as exc:
-            _log.warning("could not delete %s, the ranks' state of a deleted checkpoint: %s",
-                         _join(sidecars, entry), exc)  # fmt: skip
+            _log.warning("could not delete %s, the ranks' state of an older save of %s: %s",
+                         _join(sidecars, entry), name, exc)  # fmt: skip

@@ -1,11 +1,14 @@
 """Per-rank state for framework checkpoints written by one process.
 
 Lightning writes its checkpoint from global rank 0 only, but each rank has random streams
-(and a loader position) of its own. :func:`gather` brings every rank's state to rank 0
-through ddpckpt's collective wrapper (the default process group's store, never the
-training group), so rank 0's checkpoint holds all of them; at a resume each rank takes its
-own back (:func:`own`). :func:`capture_streams` holds only tensors and plain values, which
-any ``CheckpointIO`` stores (``torch.load(weights_only=True)`` included).
+(and a loader position) of its own. Each rank saves them beside the checkpoint
+(:mod:`ddpckpt.integrations._rank_files`); where no save path is known (a checkpoint dict
+taken outside a save), :func:`gather` brings every rank's state to rank 0 through ddpckpt's
+collective wrapper (the default process group's store, never the training group), so rank
+0's checkpoint holds all of them, and at a resume each rank takes its own back
+(:func:`own_streams`, :func:`continued_streams`). :func:`capture_streams` holds only tensors
+and plain values, which any ``CheckpointIO`` stores (``torch.load(weights_only=True)``
+included).
 """
 
 from __future__ import annotations
