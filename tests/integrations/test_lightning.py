@@ -447,3 +447,36 @@ def test_a_state_gathered_by_an_earlier_release_still_resumes(tmp_path: Path) ->
     resumed = _exact_trainer(tmp_path / "again", 4, "lightning-io")
     resumed.fit(classifier(), datamodule=data(batch_size=4), ckpt_path=tmp_path / "old.ckpt")
     assert resumed.global_step == 4
+
+
+def test_a_strategy_that_writes_the_file_itself_still_has_older_states_deleted(
+    tmp_path: Path,
+) -> None:
+    """FSDP's sharded and DeepSpeed's checkpoints bypass the CheckpointIO: the states of a
+    file's older saves go once the strategy has returned (they piled up without limit)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from ddpckpt.integrations.lightning import ExactResume
+
+    class WritesItself(SingleDeviceStrategy):
+        def save_checkpoint(self, checkpoint: Any, filepath: Any, storage_options: Any = None):
+            torch.save(checkpoint, filepath)
+
+    import lightning.pytorch as pl
+
+    classifier, _, data = _classifier_classes()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=4, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=tmp_path,
+        strategy=WritesItself(device=torch.device("cpu")),
+        callbacks=[ExactResume(), ModelCheckpoint(dirpath=tmp_path / "checkpoints",
+                                                  every_n_train_steps=1, save_top_k=0,
+                                                  save_last=True)],
+    )  # fmt: skip
+    trainer.fit(classifier(), datamodule=data(batch_size=4))
+    assert _saved_states(tmp_path / "checkpoints") == ["last.ckpt"]
+    resumed = _exact_trainer(tmp_path / "again", 6, "lightning-io")
+    resumed.fit(classifier(), datamodule=data(batch_size=4),
+                ckpt_path=tmp_path / "checkpoints" / "last.ckpt")  # fmt: skip
+    assert resumed.global_step == 6

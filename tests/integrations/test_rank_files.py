@@ -57,7 +57,10 @@ def test_a_reference_whose_state_is_another_save_s_is_refused(tmp_path: Path) ->
         [],
         {"saved": "../outside@0123456789abcdef01234567", "id": "0123456789abcdef01234567"},
         {"saved": ".ddpckpt-ranks/../x@0123456789abcdef01234567", "id": "0123456789abcdef01234567"},
-        {"saved": ".ddpckpt-ranks/..@0123456789abcdef01234567", "id": "0123456789abcdef01234567"},
+        {
+            "saved": ".ddpckpt-ranks/a\x00b@0123456789abcdef01234567",
+            "id": "0123456789abcdef01234567",
+        },
         {"saved": "/a/.ddpckpt-ranks/x@0123456789abcdef01234567", "id": "0123456789abcdef01234567"},
         {"saved": ".ddpckpt-ranks/x@0123", "id": "0123"},
         {"saved": ".ddpckpt-ranks/x@0123456789abcdef01234567", "id": 5},
@@ -106,3 +109,39 @@ def test_a_long_file_name_gets_a_short_distinct_name(tmp_path: Path) -> None:
     assert all(len(Path(s["saved"]).name.encode()) < 255 for s in saved)
     assert len({Path(s["saved"]).name.split("@")[0] for s in saved}) == 2
     assert load_own(str(tmp_path / names[1]), saved[1])[0]["loaders"] == [{"position": 1}]
+
+
+def test_tokens_grow_even_when_the_clock_is_set_back(tmp_path: Path, monkeypatch) -> None:
+    """A save after the clock went back must not look older than the one before (its state
+    would be deleted once the earlier file is written)."""
+    import ddpckpt.integrations._rank_files as rank_files
+
+    times = iter([2_000_000_000_000_000_000, 1_000_000_000_000_000_000])
+    monkeypatch.setattr(rank_files.time, "time_ns", lambda: next(times))
+    first = save_own(str(tmp_path / "last.ckpt"), _state(1))
+    second = save_own(str(tmp_path / "last.ckpt"), _state(2))
+    assert second["id"] > first["id"]
+    prune_own(str(tmp_path / "last.ckpt"), older_than=first["id"])
+    assert f"last.ckpt@{second['id']}" in _saved(tmp_path)
+
+
+def test_pruning_also_deletes_what_interrupted_saves_left(tmp_path: Path) -> None:
+    old, new = save_own(str(tmp_path / "last.ckpt"), _state(1)), None
+    root = tmp_path / ".ddpckpt-ranks"
+    unfinished = root / f"last.ckpt@{'0' * 24}"  # no manifest: a save cut short
+    unfinished.mkdir()
+    (unfinished / "rank-00000.safetensors").write_bytes(b"x")
+    temporary = root / f".last.ckpt@{'0' * 23}1.tmp-ab12"
+    temporary.mkdir()
+    new = save_own(str(tmp_path / "last.ckpt"), _state(2))
+    prune_own(str(tmp_path / "last.ckpt"), older_than=new["id"])
+    assert _saved(tmp_path) == [f"last.ckpt@{new['id']}"], old
+
+
+def test_a_name_with_a_backslash_or_control_character_gets_a_plain_one(tmp_path: Path) -> None:
+    for name in ("a\\b.ckpt", "tab\there.ckpt"):
+        saved = save_own(str(tmp_path / name), _state(1))
+        assert "\\" not in saved["saved"] and "\t" not in saved["saved"]
+        assert load_own(str(tmp_path / name), saved)[0]["loaders"] == [{"position": 1}]
+        prune_own(str(tmp_path / name), older_than=None)
+    assert _saved(tmp_path) == []

@@ -96,6 +96,8 @@ class ExactResume(Callback):
         self._saving: str | None = None  # inside Trainer.save_checkpoint: the path it writes
         self._loading: str | None = None  # the checkpoint being restored (on_load_checkpoint)
         self._fitting = True  # whether it is restored to fit (not validate, test, predict)
+        self._token: str | None = None  # the token of the save under way
+        self._io_called = False  # whether that save went through the CheckpointIO
 
     # ------------------------------------------------------------------ set-up
 
@@ -120,45 +122,37 @@ class ExactResume(Callback):
         fit_loop.reset = lambda: self._after_pass_began(reset)
         fit_loop.run = lambda: self._fit_run(fit_loop, run)
         val_loop.run = lambda: self._isolated(run_validation)
-        strategy, writer = trainer.strategy, _innermost(trainer.strategy.checkpoint_io)
-        save, remove, write = (
-            trainer.save_checkpoint,
-            strategy.remove_checkpoint,
-            writer.save_checkpoint,
-        )
+        strategy = trainer.strategy
+        save, remove = trainer.save_checkpoint, strategy.remove_checkpoint
 
         def saving(
             filepath: Any, weights_only: bool | None = None, storage_options: Any = None
         ) -> None:
-            self._saving = os.fspath(filepath)  # what state_dict() saves the ranks' state for
+            self._saving, self._token, self._io_called = os.fspath(filepath), None, False
+            self._hook_io(strategy)  # the IO of this save (another callback may have set it)
             try:
                 save(filepath, weights_only=weights_only, storage_options=storage_options)
             finally:
                 self._saving = None
-
-        def written(checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-            write(checkpoint, path, storage_options=storage_options)  # on rank 0, maybe a thread
-            token = token_of(checkpoint.get("callbacks", {}).get(self.state_key))
-            if token is not None:  # the file holds this save: the older ones are no longer needed
-                prune_own(os.fspath(path), older_than=token)
+            if self._token is not None and not self._io_called and current_rank() == 0:
+                # the strategy wrote the file itself (FSDP's sharded, DeepSpeed), before returning
+                prune_own(os.fspath(filepath), older_than=self._token)
 
         def removing(filepath: Any) -> None:
-            remove(filepath)
-            if trainer.is_global_zero:
-                prune_own(os.fspath(filepath), older_than=None)
+            try:
+                remove(filepath)
+            finally:
+                if trainer.is_global_zero:
+                    prune_own(os.fspath(filepath), older_than=None)
 
-        trainer.save_checkpoint = saving  # type: ignore[method-assign]
-        writer.save_checkpoint = written  # type: ignore[method-assign]
-        strategy.remove_checkpoint = removing  # type: ignore[method-assign]
         self._undo = [
             lambda: vars(fit_loop).pop("_load_combined_loader_states", None),
             lambda: vars(fit_loop).pop("reset", None),
             lambda: vars(fit_loop).pop("run", None),
             lambda: vars(fit_loop).pop("setup_data", None),
             lambda: vars(val_loop).pop("run", None),
-            lambda: vars(trainer).pop("save_checkpoint", None),
-            lambda: vars(writer).pop("save_checkpoint", None),
-            lambda: vars(strategy).pop("remove_checkpoint", None),
+            _patch(trainer, "save_checkpoint", saving),
+            _patch(strategy, "remove_checkpoint", removing),
         ]
         if self.log_checkpoints:
             self._undo.append(add_listener(self._events.append))
@@ -168,6 +162,32 @@ class ExactResume(Callback):
         for undo in self._undo:
             undo()
         self._undo = []
+
+    def _hook_io(self, strategy: Any) -> None:
+        """Hook the strategy's CheckpointIO, once per IO object: the outermost's call says
+        the file goes through it; once the innermost (the one that writes the file,
+        synchronously; in ``AsyncCheckpointIO``'s thread) has written it, the states of
+        that file's older saves are deleted."""
+        outer = strategy.checkpoint_io
+        inner = _innermost(outer)
+        for io in {id(outer): outer, id(inner): inner}.values():
+            if getattr(io.save_checkpoint, "ddpckpt_exact_resume", None) is self:
+                continue
+            write = io.save_checkpoint
+
+            def hooked(
+                checkpoint: dict[str, Any], path: Any, storage_options: Any = None,
+                *, write: Callable[..., None] = write, writes: bool = io is inner,
+            ) -> None:  # fmt: skip
+                self._io_called = True
+                write(checkpoint, path, storage_options=storage_options)
+                if writes:
+                    token = token_of(checkpoint.get("callbacks", {}).get(self.state_key))
+                    if token is not None:  # the file holds this save: its older ones can go
+                        prune_own(os.fspath(path), older_than=token)
+
+            hooked.ddpckpt_exact_resume = self  # type: ignore[attr-defined]
+            self._undo.append(_patch(io, "save_checkpoint", hooked))
 
     def _set_up_data(self, fit_loop: Any, setup_data: Callable[[], None]) -> None:
         """Lightning's train data set-up. When it builds the loaders (the first time, or a
@@ -287,7 +307,9 @@ class ExactResume(Callback):
             **({"built": self._built} if self._built is not None else {}),
         }
         if self._saving is not None:
-            return save_own(self._saving, mine, timeout=self.timeout)
+            reference = save_own(self._saving, mine, timeout=self.timeout)
+            self._token = reference["id"]
+            return reference
         ranks = gather("ddpckpt.integrations.lightning", mine, self.timeout)
         return {"ranks": ranks or []}
 
@@ -386,3 +408,19 @@ def _innermost(io: Any) -> Any:
     while isinstance(io, _WrappingCheckpointIO) and io.checkpoint_io is not None:
         io = io.checkpoint_io
     return io
+
+
+def _patch(obj: Any, name: str, value: Any) -> Callable[[], None]:
+    """Set the instance attribute ``obj.name``; returns what puts back what the instance
+    had (if the attribute is still ``value``: a later hook's is left alone)."""
+    had, previous = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, value)
+
+    def undo() -> None:
+        if vars(obj).get(name) is value:
+            if had:
+                setattr(obj, name, previous)
+            else:
+                vars(obj).pop(name, None)
+
+    return undo

@@ -40,8 +40,13 @@ SIDECARS = ".ddpckpt-ranks"
 _KEY = "ranks_own_state"
 _TOKEN = "token"  # the same on every rank: what the framework checkpoint's reference names
 _TOKEN_FORM = re.compile(r"[0-9a-f]{24}", re.ASCII)  # 16 hex digits of nanoseconds, 8 random
-_SAVED = re.compile(r"\.ddpckpt-ranks/(?P<name>[^/\\]{1,200})@(?P<token>[0-9a-f]{24})", re.ASCII)
+_NAME = r"[^/\\\x00-\x1f\x7f]{1,200}"
+_SAVED = re.compile(rf"\.ddpckpt-ranks/(?P<name>{_NAME})@(?P<token>[0-9a-f]{{24}})", re.ASCII)
+# what an interrupted save or deletion of one leaves: ".<name>@<token>.tmp-...", renamed away
+_LEFT = re.compile(rf"\.(?P<name>{_NAME})@(?P<token>[0-9a-f]{{24}})\..+", re.ASCII)
+_SAFE = re.compile(_NAME, re.ASCII)
 _LONGEST = 200  # a longer file name is shortened (the sidecar's name stays under 255 bytes)
+_last_time = 0  # the last token's time this process issued: tokens only grow
 
 _log = get_logger(__name__)
 
@@ -68,9 +73,18 @@ def _split(checkpoint: str) -> tuple[str, str]:
     kept under (its file name; a long one shortened, with a digest of the whole)."""
     checkpoint = checkpoint.rstrip("/") if "://" in checkpoint else os.path.normpath(checkpoint)
     directory, name = (posixpath.split if "://" in checkpoint else os.path.split)(checkpoint)
-    if len(name.encode()) > _LONGEST or name in (".", ".."):
-        name = f"{name.encode()[:150].decode(errors='ignore')}~{xxhash.xxh3_64_hexdigest(name.encode())}"
+    if len(name.encode()) > _LONGEST or not _SAFE.fullmatch(name) or name in (".", ".."):
+        plain = re.sub(r"[\\\x00-\x1f\x7f]", "_", name.encode()[:150].decode(errors="ignore"))
+        name = f"{plain}~{xxhash.xxh3_64_hexdigest(name.encode())}"
     return directory, name
+
+
+def _next_token() -> str:
+    """Nanoseconds of this process's clock (never less than the last token's: a clock set
+    back must not make a later save look older), then 8 random hex digits."""
+    global _last_time
+    _last_time = max(time.time_ns(), _last_time + 1)
+    return f"{_last_time:016x}{uuid.uuid4().hex[:8]}"
 
 
 def save_own(checkpoint: str, state: Any, *, timeout: float | None = None) -> dict[str, Any]:
@@ -79,9 +93,7 @@ def save_own(checkpoint: str, state: Any, *, timeout: float | None = None) -> di
     ``checkpoint``. Returns the reference the framework checkpoint keeps."""
     directory, name = _split(checkpoint)
     with Comm.open("ddpckpt.integrations (ranks' own state)", timeout=timeout) as comm:
-        token = comm.run_reduce(
-            "token", lambda: f"{time.time_ns():016x}{uuid.uuid4().hex[:8]}", lambda found: found[0]
-        )
+        token = comm.run_reduce("token", _next_token, lambda found: found[0])
     relative = f"{SIDECARS}/{name}@{token}"
     own = ddpckpt.TrainingState({_KEY: ddpckpt.PerRank(_Held(state)), _TOKEN: token}, rng=False)
     ddpckpt.save(_join(directory, relative), own, timeout=timeout)
@@ -108,8 +120,6 @@ def load_own(checkpoint: str, reference: Any, *, timeout: float | None = None) -
         raise CorruptCheckpointError(
             f"{checkpoint}: the reference to its ranks' own state is not one ddpckpt writes"
         )
-    if found["name"] in (".", ".."):
-        raise CorruptCheckpointError(f"{checkpoint}: the reference names {relative!r}; refused")
     path = _join(_split(checkpoint)[0], relative)
     held, values = _Held(), {_KEY: None, _TOKEN: None}
     values[_KEY] = ddpckpt.PerRank(held)
@@ -138,21 +148,30 @@ def prune_own(checkpoint: str, *, older_than: str | None) -> None:
     checkpoint itself is intact)."""
     directory, name = _split(checkpoint)
     sidecars = _join(directory, SIDECARS)
+    store = storage_for(sidecars)
     try:
-        entries = storage_for(sidecars).list(sidecars)
+        entries = store.list(sidecars)
     except FileNotFoundError:
         return
     except OSError as exc:
         _log.warning("could not list %s to delete older states of %s: %s", sidecars, name, exc)
         return
     for entry in sorted(entries):
-        found = _SAVED.fullmatch(f"{SIDECARS}/{entry}")
+        saved, left = _SAVED.fullmatch(f"{SIDECARS}/{entry}"), _LEFT.fullmatch(entry)
+        found = saved or left
         if found is None or found["name"] != name:
             continue
         if older_than is not None and found["token"] >= older_than:
             continue  # this save's, or a later one whose file may not be written yet
+        path = _join(sidecars, entry)
         try:
-            ddpckpt.remove_checkpoint(_join(sidecars, entry))
+            if saved is not None:
+                try:
+                    ddpckpt.remove_checkpoint(path)
+                    continue
+                except CheckpointNotFoundError:
+                    pass  # no manifest: a save of it interrupted, never committed
+            store.delete_tree(path)
         except (OSError, ddpckpt.CheckpointError) as exc:
             _log.warning("could not delete %s, the ranks' state of an older save of %s: %s",
-                         _join(sidecars, entry), name, exc)  # fmt: skip
+                         path, name, exc)  # fmt: skip
