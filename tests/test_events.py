@@ -82,3 +82,23 @@ def test_a_removed_listener_hears_nothing(tmp_path) -> None:
     add_listener(seen.append)()
     ddpckpt.save(tmp_path / "a", model=nn.Linear(2, 2))
     assert seen == []
+
+
+def test_a_checkpoint_deleted_right_after_its_commit_still_saves(
+    tmp_path, events, monkeypatch
+) -> None:
+    """Lightning's AsyncCheckpointIO lets ModelCheckpoint delete a top-k checkpoint while
+    its write runs: the save committed, so it returns, with nothing left to report (it
+    raised CheckpointNotFoundError from the report)."""
+    from ddpckpt.storage import storage_for
+
+    commit = storage_for(str(tmp_path)).commit
+    original = commit.publish
+
+    def publish_then_delete(store, staging, final, *, overwrite):
+        original(store, staging, final, overwrite=overwrite)
+        ddpckpt.remove_checkpoint(final)  # another thread's deletion, right after
+
+    monkeypatch.setattr(commit, "publish", publish_then_delete)
+    path = ddpckpt.save(tmp_path / "a", model=nn.Linear(4, 2), step=1)
+    assert path == str(tmp_path / "a") and events == []

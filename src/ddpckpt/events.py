@@ -148,8 +148,17 @@ def committed(path: str, step: int | None) -> None:
     if call is None:
         return
     from ddpckpt._format.manifest import read_manifest
+    from ddpckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
 
-    call.committed(path, step, read_manifest(path).nbytes)
+    try:
+        nbytes = read_manifest(path).nbytes
+    except (CheckpointNotFoundError, IncompleteCheckpointError):
+        # deleted (or being replaced) by another thread or process right after it was
+        # committed, as Lightning's AsyncCheckpointIO lets its top-k deletion do: the save
+        # itself succeeded, so it must not fail; there is just nothing left to report
+        _log.info("%s: committed, then deleted before it could be reported", path)
+        return
+    call.committed(path, step, nbytes)
 
 
 def _send(event: SaveEvent) -> None:

@@ -22,6 +22,18 @@ pytestmark = pytest.mark.skipif(find_spec("lightning") is None, reason="no light
 SCRIPT = WORKER.with_name("lightning_worker.py")
 
 
+@pytest.fixture(autouse=True)
+def _signal_handlers() -> Any:
+    """Lightning's Trainer installs signal handlers it removes only in a teardown a failing
+    fit may skip: put the process's back, so that one failure stays one failure."""
+    import signal
+
+    kept = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    yield
+    for number, handler in kept.items():
+        signal.signal(number, handler)
+
+
 @pytest.fixture
 def io() -> Any:
     from ddpckpt.integrations.lightning import DdpckptCheckpointIO
@@ -390,7 +402,7 @@ def test_each_rank_s_state_lives_beside_the_checkpoint_and_goes_with_it(
     assert sorted(reference) == ["id", "saved"], reference  # no rank's state in it
     assert reference["saved"] == f".ddpckpt-ranks/last.ckpt@{reference['id']}"
 
-    resumed = _exact_trainer(tmp_path / "again", 6, io)
+    resumed = _exact_trainer(tmp_path / "again", 6, io, save_top_k=top_k)
     resumed.fit(classifier(), datamodule=data(batch_size=4), ckpt_path=last)
     assert resumed.global_step == 6
 
@@ -409,7 +421,7 @@ def test_each_rank_s_state_lives_beside_the_checkpoint_and_goes_with_it(
     )
 
     with pytest.raises(InexactResumeError, match=r"is missing \(a checkpoint copied or moved"):
-        _exact_trainer(tmp_path / "fourth", 6, io).fit(
+        _exact_trainer(tmp_path / "fourth", 6, io, save_top_k=top_k).fit(
             classifier(), datamodule=data(batch_size=4), ckpt_path=alone
         )
 
