@@ -61,7 +61,7 @@ _RANKED = re.compile(
 _TABLE = re.compile(
     r"(?P<prefix>(?:\.next-[0-9A-Za-z_-]{1,64}/)?)files-(?P<group>[0-9]{5,10})\.json"
 )
-_DIGEST = re.compile(r"[0-9a-f]{16}", re.ASCII)
+DIGEST = re.compile(r"[0-9a-f]{16}", re.ASCII)
 
 
 def table_name(group: int) -> str:
@@ -83,12 +83,20 @@ def file_entry(
 ) -> FileEntry:
     """The entry of file ``name`` from ``doc`` read in ``where``, every field checked."""
     fields = Fields(doc, where, lambda: f"{what} entry of file {name[:200]!r}")
-    digest = fields.text("xxh3_64", max_length=16)
-    if not _DIGEST.fullmatch(digest):
-        raise fields.error(f"is {digest!r}, not an xxh3-64 digest", "xxh3_64")
     return FileEntry(
-        name, fields.integer("size"), digest, fields.integer("writer", 0, world_size - 1)
+        name,
+        fields.integer("size"),
+        digest_field(fields, "xxh3_64"),
+        fields.integer("writer", 0, world_size - 1),
     )
+
+
+def digest_field(fields: Fields, key: str) -> str:
+    """The xxh3-64 digest (16 lowercase hex digits) in field ``key``."""
+    value = fields.text(key, max_length=16)
+    if not DIGEST.fullmatch(value):
+        raise fields.error(f"is {value!r}, not an xxh3-64 digest", key)
+    return value
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import platform
-import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +39,14 @@ from ddpckpt._format.boundary import (
     read_small,
 )
 from ddpckpt._format.codec import JSON
-from ddpckpt._format.filetable import FileTable, file_entry, file_to_json, tables_from_json
+from ddpckpt._format.filetable import (
+    DIGEST,
+    FileTable,
+    digest_field,
+    file_entry,
+    file_to_json,
+    tables_from_json,
+)
 from ddpckpt._format.runfiles import describe_path
 from ddpckpt._format.sections import layout_version
 from ddpckpt._format.shardgrid import MeshRanks
@@ -258,16 +264,6 @@ def _parse(doc: Any, where: str) -> Manifest:
     )
 
 
-_DIGEST = re.compile(r"[0-9a-f]{16}", re.ASCII)
-
-
-def _digest_field(fields: Fields, key: str) -> str:
-    value = fields.text(key, max_length=16)
-    if not _DIGEST.fullmatch(value):
-        raise fields.error(f"is {value!r}, not an xxh3-64 digest", key)
-    return value
-
-
 def _tensor_entry(key: str, doc: Any, where: str, files: FileTable) -> TensorEntry:
     fields = Fields(doc, where, lambda: f"manifest entry of tensor {key[:200]!r}")
     file = fields.text("file")
@@ -276,7 +272,7 @@ def _tensor_entry(key: str, doc: Any, where: str, files: FileTable) -> TensorEnt
     dtype, shape, begin, end = checked_layout(fields, files[file].size)
     return TensorEntry(
         file, fields.text("key", max_length=1 << 16), dtype, shape, begin, end,
-        _digest_field(fields, "xxh3_64"), _chunk_digests(fields, end - begin),
+        digest_field(fields, "xxh3_64"), _chunk_digests(fields, end - begin),
     )  # fmt: skip
 
 
@@ -288,7 +284,7 @@ def _chunk_digests(fields: Fields, nbytes: int) -> tuple[str, ...]:
         return ()
     if not isinstance(found, list) or len(found) != chunk_count(nbytes, CHUNK):
         raise fields.error(f"is not one digest per {CHUNK} bytes of the tensor", "chunks")
-    if not all(isinstance(c, str) and _DIGEST.fullmatch(c) for c in found):
+    if not all(isinstance(c, str) and DIGEST.fullmatch(c) for c in found):
         raise fields.error("holds a value that is not an xxh3-64 digest", "chunks")
     return tuple(found)
 
