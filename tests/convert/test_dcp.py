@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import ddpckpt
 from ddpckpt._cli.main import main as cli
-from ddpckpt._convert import dcp as reader
+from ddpckpt._convert import dcp_metadata as reader
 from ddpckpt._convert.legacy import import_checkpoint
 from ddpckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 from launch import forked_ranks

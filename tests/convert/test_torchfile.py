@@ -17,7 +17,7 @@ import ddpckpt
 from conftest import make_mlp
 from ddpckpt._cli.main import main
 from ddpckpt._convert.legacy import import_checkpoint
-from ddpckpt._convert.torchfile import why_not_plain
+from ddpckpt._convert.pickle_trust import why_not_plain
 from ddpckpt.errors import CorruptCheckpointError, UnsafeCheckpointError
 
 

@@ -20,7 +20,7 @@ from ddpckpt.storage import (
     Storage,
     resolve,
 )
-from ddpckpt.storage._base import MANIFEST, is_temp_name, new_token, temp_name
+from ddpckpt.storage._layout import MANIFEST, is_temp_name, new_token, temp_name
 from ddpckpt.storage._memory import SCHEME
 
 

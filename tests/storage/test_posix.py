@@ -11,7 +11,7 @@ import torch
 
 import ddpckpt
 from ddpckpt.storage import RenameCommit
-from ddpckpt.storage._base import is_temp_name
+from ddpckpt.storage._layout import is_temp_name
 from ddpckpt.storage._posix import PosixStorage
 
 storage = PosixStorage()
@@ -163,7 +163,7 @@ def test_without_exchange_a_save_to_a_checkpoint_kept_aside_is_refused(
     """``.step-1.previous`` *is* step-1 while step-1 is missing: a save there without
     ``overwrite`` is refused as for step-1 itself, and one with it replaces it."""
     path, old, _ = _overwrite_failing(tmp_path, monkeypatch, fail={2, 3})
-    with pytest.raises(ddpckpt.CheckpointExistsError):
+    with pytest.raises(ddpckpt.errors.CheckpointExistsError):
         ddpckpt.save(path, model=torch.nn.Linear(3, 2), step=2)
     assert _loads_as(str(tmp_path / ".step-1.previous"), old)  # untouched
     new = torch.nn.Linear(3, 2)

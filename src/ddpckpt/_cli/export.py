@@ -29,7 +29,7 @@ from ddpckpt._format.tensorwrite import write_file
 from ddpckpt._io.reader import FileSource, chosen_model, load_state_dict
 from ddpckpt.errors import UnsupportedValueError
 from ddpckpt.storage import Storage, Writer, storage_for
-from ddpckpt.storage._base import new_token, temp_name
+from ddpckpt.storage._layout import new_token, temp_name
 
 FILE_SUFFIXES = (".safetensors", ".pt", ".pth")
 DEFAULT_SHARD_SIZE = "5GB"

@@ -30,7 +30,7 @@ from ddpckpt._format.sections import OptimizerSection, StateSections
 from ddpckpt._io.reader import FileSource, chosen_model
 from ddpckpt.errors import UnsupportedValueError
 from ddpckpt.storage import storage_for
-from ddpckpt.storage._base import new_token, temp_name
+from ddpckpt.storage._layout import new_token, temp_name
 
 DATA_FILE = "__0_0.distcp"
 MODEL_KEY, OPTIMIZER_KEY = "model", "optim"

@@ -30,7 +30,7 @@ import torch
 from ddpckpt._convert.torchfile import read_torch_file
 from ddpckpt._convert.zero_merge import RankSlices, merge, number
 from ddpckpt.errors import CorruptCheckpointError
-from ddpckpt.storage._base import NotRegularFileError
+from ddpckpt.storage._errors import NotRegularFileError
 from ddpckpt.storage._posix import open_regular
 
 MODEL_STATES = "mp_rank_00_model_states.pt"

@@ -33,7 +33,7 @@ from ddpckpt._format.boundary import load_json
 from ddpckpt._format.tensorfile import dtype_from_name, read_header
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CorruptCheckpointError
-from ddpckpt.storage._base import NotRegularFileError
+from ddpckpt.storage._errors import NotRegularFileError
 from ddpckpt.storage._posix import open_regular
 
 TRAINER_STATE = "trainer_state.json"

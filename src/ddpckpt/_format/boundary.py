@@ -5,7 +5,7 @@ A checkpoint may come from anywhere (downloaded, copied between clusters, damage
 file system, crafted), so its bytes are untrusted input, parsed with explicit limits:
 
 * files are opened only when they are regular files (a symbolic link, FIFO or device is
-  refused by the storage without blocking, :class:`~ddpckpt.storage._base.NotRegularFileError`),
+  refused by the storage without blocking, :class:`~ddpckpt.storage._errors.NotRegularFileError`),
   and small ones (manifest, ``latest``, ``run.json``, ``.lock``) are read only up to a cap
   checked against the opened file's size before reading (:func:`read_small`);
 * JSON is parsed with caps on its size and nesting depth and with finite numbers only
@@ -32,7 +32,7 @@ import xxhash
 
 from ddpckpt.errors import CorruptCheckpointError
 from ddpckpt.storage import Storage, storage_for
-from ddpckpt.storage._base import NotRegularFileError
+from ddpckpt.storage._errors import NotRegularFileError
 
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_HEADER_BYTES = 100_000_000  # a safetensors header (the safetensors library's own cap)
@@ -95,7 +95,7 @@ def read_listed(
 
 def read_bounded(location: str, limit: int, what: str, storage: Storage | None = None) -> bytes:
     """As :func:`read_small`, but a location that is no regular file raises the storage's
-    :class:`~ddpckpt.storage._base.NotRegularFileError` (an :class:`OSError`): for files
+    :class:`~ddpckpt.storage._errors.NotRegularFileError` (an :class:`OSError`): for files
     whose readers report I/O errors as such (the run's lock)."""
     reader = (storage or storage_for(location)).open(location)
     try:

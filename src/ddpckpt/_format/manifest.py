@@ -61,8 +61,8 @@ from ddpckpt.errors import (
     UnsupportedValueError,
 )
 from ddpckpt.storage import storage_for
-from ddpckpt.storage._base import MANIFEST
 from ddpckpt.storage._commit import register_relocation
+from ddpckpt.storage._layout import MANIFEST
 
 FORMAT_NAME = "ddpckpt"
 # The newest version this library reads. A checkpoint is written with the oldest version that

@@ -41,7 +41,7 @@ from ddpckpt._format.boundary import (
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CorruptCheckpointError
 from ddpckpt.storage import Storage, storage_for
-from ddpckpt.storage._base import MANIFEST, is_temp_name
+from ddpckpt.storage._layout import MANIFEST, is_temp_name
 
 _log = get_logger(__name__)
 

@@ -36,7 +36,8 @@ from ddpckpt.errors import (
     PartiallyRestoredError,
 )
 from ddpckpt.storage import configure, storage_for
-from ddpckpt.storage._base import BucketNotFoundError, is_temp_name, previous_of
+from ddpckpt.storage._errors import BucketNotFoundError
+from ddpckpt.storage._layout import is_temp_name, previous_of
 
 _log = get_logger(__name__)
 

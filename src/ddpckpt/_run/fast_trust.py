@@ -39,7 +39,7 @@ from ddpckpt._run.options import nests
 from ddpckpt._run.saving import run_storage_errors
 from ddpckpt.errors import CorruptCheckpointError
 from ddpckpt.storage import storage_for
-from ddpckpt.storage._base import is_temp_name
+from ddpckpt.storage._layout import is_temp_name
 
 AVOID = (
     "give fast_tier= a directory of this user's own that does not exist yet (it is created "

@@ -42,8 +42,8 @@ from ddpckpt._run.runlock import RunLock
 from ddpckpt.errors import CheckpointError, CheckpointLockedError, IncompleteCheckpointError
 from ddpckpt.policies import Record, Retention
 from ddpckpt.storage import storage_for
-from ddpckpt.storage._base import is_temp_name, new_token, previous_name, previous_of
 from ddpckpt.storage._commit import restore_interrupted
+from ddpckpt.storage._layout import is_temp_name, new_token, previous_name, previous_of
 
 _log = get_logger(__name__)
 

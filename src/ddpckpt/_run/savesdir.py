@@ -26,7 +26,7 @@ from ddpckpt._run.catalog import Candidate, candidate, newest_first
 from ddpckpt._run.rundir import size_problems
 from ddpckpt.errors import CheckpointError, IncompleteCheckpointError
 from ddpckpt.storage import storage_for
-from ddpckpt.storage._base import is_temp_name, previous_of
+from ddpckpt.storage._layout import is_temp_name, previous_of
 
 _CALLER = "load_latest()"  # newest_first's warnings say what load_latest would skip
 

@@ -18,10 +18,11 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ddpckpt.storage._base import CommitStrategy, Reader, Storage, Writer
+from ddpckpt.storage._base import CommitStrategy, Storage
 from ddpckpt.storage._commit import ManifestLastCommit, RenameCommit
 from ddpckpt.storage._memory import MemoryStorage
 from ddpckpt.storage._posix import PosixStorage
+from ddpckpt.storage._streams import Reader, Writer
 
 __all__ = [
     "CommitStrategy",

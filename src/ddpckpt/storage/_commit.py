@@ -17,15 +17,8 @@ from collections.abc import Callable
 
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointWriteError
-from ddpckpt.storage._base import (
-    MANIFEST,
-    CommitStrategy,
-    Storage,
-    new_token,
-    previous_name,
-    previous_of,
-    temp_name,
-)
+from ddpckpt.storage._base import CommitStrategy, Storage
+from ddpckpt.storage._layout import MANIFEST, new_token, previous_name, previous_of, temp_name
 
 _log = get_logger(__name__)
 

@@ -16,8 +16,9 @@ import threading
 import time
 from typing import Any
 
-from ddpckpt.storage._base import Reader, Storage, Writer
+from ddpckpt.storage._base import Storage
 from ddpckpt.storage._commit import ManifestLastCommit
+from ddpckpt.storage._streams import Reader, Writer
 
 SCHEME = "memory://"
 

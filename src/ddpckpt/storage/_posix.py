@@ -4,7 +4,7 @@ Locations are ordinary paths. Objects are created with ``O_EXCL`` and fsynced; s
 writes hand finished pages to the disk early (``posix_fadvise``) so the final fsync waits
 for less; reads are ``preadv`` into the caller's buffer or a copy-on-write ``mmap``, of
 regular files only: a symbolic link, FIFO or device at a location raises
-:class:`~ddpckpt.storage._base.NotRegularFileError` without blocking or following it.
+:class:`~ddpckpt.storage._errors.NotRegularFileError` without blocking or following it.
 Checkpoints commit with :class:`~ddpckpt.storage._commit.RenameCommit`: a temporary sibling
 directory, fsynced, renamed into place (exchanged atomically with an old one through Linux
 ``renameat2`` when overwriting), and the parent directory fsynced.
@@ -37,15 +37,11 @@ import time
 from typing import Any
 
 from ddpckpt._log import get_logger
-from ddpckpt.storage._base import (
-    NotRegularFileError,
-    Reader,
-    Storage,
-    Writer,
-    new_token,
-    temp_name,
-)
+from ddpckpt.storage._base import Storage
 from ddpckpt.storage._commit import RenameCommit
+from ddpckpt.storage._errors import NotRegularFileError
+from ddpckpt.storage._layout import new_token, temp_name
+from ddpckpt.storage._streams import Reader, Writer
 
 _log = get_logger(__name__)
 _WRITEBACK_BYTES = 32 << 20  # start the disk writing after this many new bytes

@@ -21,7 +21,7 @@ except ImportError as _missing:  # pragma: no cover - depends on the installatio
     raise ImportError("s3:// locations need boto3: pip install 'ddpckpt[s3]'") from _missing
 
 from ddpckpt._log import get_logger
-from ddpckpt.storage._base import BucketNotFoundError
+from ddpckpt.storage._errors import BucketNotFoundError
 
 SCHEME = "s3://"
 CLIENT_ERRORS = (botocore.exceptions.BotoCoreError, botocore.exceptions.ClientError)

@@ -12,8 +12,8 @@ from concurrent.futures import Executor, Future
 from typing import Any, Protocol
 
 from ddpckpt._log import get_logger
-from ddpckpt.storage._base import RangedReader, Writer
 from ddpckpt.storage._s3client import CLIENT_ERRORS, EmptyObject, S3Requests, os_error, split
+from ddpckpt.storage._streams import RangedReader, Writer
 
 _log = get_logger(__name__)
 _PARTS_PER_SIZE = 1000

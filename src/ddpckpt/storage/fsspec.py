@@ -32,9 +32,10 @@ except ImportError as _missing:  # pragma: no cover - depends on the installatio
     ) from _missing
 
 from ddpckpt.storage import register
-from ddpckpt.storage._base import RangedReader, Reader, Storage, Writer
+from ddpckpt.storage._base import Storage
 from ddpckpt.storage._commit import ManifestLastCommit
 from ddpckpt.storage._names import plain_name
+from ddpckpt.storage._streams import RangedReader, Reader, Writer
 
 __all__ = ["FsspecStorage", "use"]
 

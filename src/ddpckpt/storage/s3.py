@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ddpckpt._log import get_logger
-from ddpckpt.storage._base import Reader, Storage, Writer
+from ddpckpt.storage._base import Storage
 from ddpckpt.storage._commit import ManifestLastCommit
 from ddpckpt.storage._names import plain_name
 from ddpckpt.storage._s3client import (
@@ -50,6 +50,7 @@ from ddpckpt.storage._s3client import (
     split,
 )
 from ddpckpt.storage._s3io import S3Reader, S3Writer
+from ddpckpt.storage._streams import Reader, Writer
 
 __all__ = ["SCHEME", "S3Storage", "default_storage", "reset_default"]
 
