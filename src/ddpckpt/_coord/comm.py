@@ -65,15 +65,13 @@ from ddpckpt._coord.store import (
     unpack,
 )
 from ddpckpt._coord.topology import node_id
+from ddpckpt._coord.wire import CloseCount, Mark
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointError, CollectiveMismatchError, CollectiveTimeoutError
 
 T = TypeVar("T")
 R = TypeVar("R")
 _log = get_logger(__name__)
-
-_ORPHANED = 1 << 32  # added to the call's count of ranks that left by a rank leaving orphans
-_WAITING = 1 << 62  # added to it by rank 0 when it waits for the others to leave
 
 
 class Comm(Exchanges):
@@ -210,15 +208,15 @@ class Comm(Exchanges):
             if self._orphans:  # listed for the last rank to leave (rank 0 may read them still)
                 self._store.append(orphans, "".join(f"{key}\n" for key in self._orphans))
             waits = self.rank == 0 and everyone
-            count = self._store.add(
-                closed, 1 + (_ORPHANED if self._orphans else 0) + (_WAITING if waits else 0)
+            count = CloseCount.of(
+                self._store.add(closed, CloseCount.add(bool(self._orphans), waits))
             )
-            if count % _ORPHANED == self.world_size:  # nobody reads them any more
-                if count % _WAITING >= _ORPHANED:
+            if count.left == self.world_size:  # nobody reads them any more
+                if count.orphaned:
                     keys += [*self._store.get(orphans).decode().split(), orphans]
                 for key in [*keys, closed]:
                     self._store.delete_key(key)
-                if count >= _WAITING and self.rank != 0:
+                if count.waiting and self.rank != 0:
                     self._store.set(left, b"")  # rank 0 waits for it, and deletes it
             elif waits:
                 self._wait_for_the_others(left)
@@ -274,7 +272,7 @@ class Comm(Exchanges):
             table = {"names": names, "index": [index[n] for n in self._nodes]}
             self._store.set(nodes_key, json.dumps(table).encode())
             agreed = {"path": path, "token": self.token}
-            self._publish("enter", b"K" + json.dumps(agreed).encode())
+            self._publish("enter", Mark.DATA + json.dumps(agreed).encode())
         else:
             agreed = json.loads(self._receive("enter"))
             self._nodes = None
@@ -419,11 +417,11 @@ class Comm(Exchanges):
             if split is not None:
                 for r, blob in encoded.items():  # before the reply: a receiver reads it at once
                     self._store.set(self._key(tag, f"to{r}"), blob)
-                self._publish(tag, b"K")
+                self._publish(tag, Mark.DATA)
                 return mine, None
-            self._publish(tag, b"K" + reply)
+            self._publish(tag, Mark.DATA + reply)
             return json.loads(reply), None  # exactly what the other ranks decode
-        self._publish(tag, b"K" + (pack(gathered) if share else b""))
+        self._publish(tag, Mark.DATA + (pack(gathered) if share else b""))
         return result, results if share or keep else None
 
     # ------------------------------------------------------------------ tensors

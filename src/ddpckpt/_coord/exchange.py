@@ -31,11 +31,11 @@ from ddpckpt._coord.failures import (
 )
 from ddpckpt._coord.liveness import Liveness, Watch
 from ddpckpt._coord.store import multi_get, namespace, pack, unpack
+from ddpckpt._coord.wire import Mark
 from ddpckpt.errors import CheckpointError
 
 T = TypeVar("T")
 LEADER = 0
-_MARKERS = (b"T", b"P", b"A")  # set by rank 0's heartbeat: silent, pending, a failure posted
 
 
 class Exchanges:
@@ -65,7 +65,7 @@ class Exchanges:
             return [payload]
         payloads = self._collect(tag, payload)
         if payloads is not None:
-            self._publish(tag, b"K" + pack(payloads))
+            self._publish(tag, Mark.DATA + pack(payloads))
             return payloads
         return unpack(self._receive(tag))
 
@@ -79,7 +79,7 @@ class Exchanges:
         key = self._key(tag, f"from{src}")
         self._share(key)
         if self.rank == src:
-            self._store.set(key, b"K" + payload)  # type: ignore[operator]
+            self._store.set(key, Mark.DATA + payload)  # type: ignore[operator]
             return payload  # type: ignore[return-value]
         self._live.wait(Watch(tag, {src: key}, self._exchanges, gather=False))
         return self._unwrap(self._store.get(key))
@@ -116,27 +116,27 @@ class Exchanges:
         """
         self._exchanges += 1
         if self.rank != LEADER:
-            self._store.set(self._key(tag, self.rank), b"K" + payload)
+            self._store.set(self._key(tag, self.rank), Mark.DATA + payload)
             self._live.posted(self._exchanges, tag)
             return None
         keys = {r: self._key(tag, r) for r in range(1, self.world_size)}
         self._live.wait(Watch(tag, keys, self._exchanges, gather=True))
         blobs = multi_get(self._store, list(keys.values()))
-        marked = [r for r, blob in zip(keys, blobs, strict=True) if blob[:1] in _MARKERS]
+        marked = [r for r, blob in zip(keys, blobs, strict=True) if Mark.wakes(blob)]
         if marked:
-            for r in marked:  # markers: the ranks that posted delete their own keys
+            for r in marked:  # no rank posted these: rank 0 deletes them
                 self._store.delete_key(keys[r])
-            silent = [r for r, blob in zip(keys, blobs, strict=True) if blob[:1] == b"T"]
+            silent = [r for r, blob in zip(keys, blobs, strict=True) if blob[:1] == Mark.SILENT]
             error = self._fail(tag, timeout_error(self.call, self.timeout, silent, tag))
             raise error from cause
         return [payload, *(blob[1:] for blob in blobs)]
 
     def _publish(self, tag: str, reply: bytes) -> None:
-        """Rank 0 answers the exchange ``tag``: ``b"K"`` and data, or an encoded error."""
+        """Rank 0 answers the exchange ``tag``: ``Mark.DATA`` and data, or an encoded error."""
         key = self._key(tag, "reply")
         self._share(key)
         self._store.set(key, reply)
-        if reply[:1] == b"E":
+        if reply[:1] == Mark.ERROR:
             self._settled = True
 
     def _receive(self, tag: str) -> bytes:
@@ -145,7 +145,7 @@ class Exchanges:
         self._share(key)
         self._live.wait(Watch(tag, {LEADER: key}, self._exchanges, gather=False))
         reply = self._store.get(key)
-        if reply[:1] == b"F":  # a posted failure, not rank 0's reply: it may still read both
+        if reply[:1] == Mark.FAILED:  # a posted failure, not rank 0's reply: it may still read both
             self._orphans += [self._key(tag, self.rank), key]
         else:
             self._store.delete_key(self._key(tag, self.rank))  # rank 0 has read it
@@ -153,7 +153,7 @@ class Exchanges:
 
     def _unwrap(self, reply: bytes) -> bytes:
         """:func:`unwrap`, noting that an error it raises is one every rank raises."""
-        if reply[:1] in (b"E", b"F"):
+        if Mark.raises(reply):
             self._settled = True
         return unwrap(reply)
 

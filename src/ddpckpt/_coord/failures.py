@@ -3,7 +3,7 @@
 :meth:`~ddpckpt._coord.comm.Comm.run` sends each rank's outcome to rank 0, which combines
 the failures into one error, identical on every rank: the ranks' common error type where
 they share one, with a per-rank report in ``failures``. Errors travel through the store
-encoded as JSON (``b"E"`` and the document), never pickled, and are rebuilt by type name.
+encoded as JSON (``Mark.ERROR`` and the document), never pickled, and are rebuilt by type name.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import platform
 from collections.abc import Sequence
 from typing import Any
 
+from ddpckpt._coord.wire import Mark
 from ddpckpt._log import all_ranks, get_logger
 from ddpckpt.errors import (
     CheckpointError,
@@ -73,9 +74,10 @@ def timeout_error(
 
 
 def unwrap(blob: bytes) -> bytes:
-    """The data of a reply (``b"K"`` and data), or raise the error it carries (``b"E"``, or
-    ``b"F"``: a failure another rank posted, put there by this rank's heartbeat)."""
-    if blob[:1] in (b"E", b"F"):
+    """The data of a reply (``Mark.DATA`` and data), or raise the error it carries
+    (``Mark.ERROR``, or ``Mark.FAILED``: a failure another rank posted, put there by this
+    rank's heartbeat)."""
+    if Mark.raises(blob):
         raise decode_error(blob)
     return blob[1:]
 
@@ -97,7 +99,7 @@ def encode_error(exc: CheckpointError) -> bytes:
         doc.update(errno=exc.errno, message=exc.strerror)
     else:
         doc["message"] = str(exc)
-    return b"E" + json.dumps(doc).encode()
+    return Mark.ERROR + json.dumps(doc).encode()
 
 
 def describe(exc: BaseException) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from typing import Any
 
 from ddpckpt._coord.failures import encode_error, rank_list, timeout_error
 from ddpckpt._coord.store import StoreGroup, StoreTimeout, multi_get, namespace
+from ddpckpt._coord.wire import Mark
 from ddpckpt._log import get_logger
 
 _log = get_logger(__name__)
@@ -218,7 +219,7 @@ class Liveness:
             unknown = [r for r in watch.keys if r not in watch.posted]
             if client.check([failed]):  # a rank failed on its own: wake rank 0 with it
                 for r in unknown:
-                    client.compare_set(watch.keys[r], b"", b"A")
+                    client.compare_set(watch.keys[r], b"", Mark.POSTED)
                 return
             beats = self._beats(client, unknown)
             mine = (watch.exchange, tag_code(watch.tag))
@@ -231,17 +232,21 @@ class Liveness:
                 for r in pending
                 if watch.silent(r, beats[r].work if r in beats else None, now, self.timeout)
             ]
-            marked = [r for r in silent if client.compare_set(watch.keys[r], b"", b"T") == b"T"]
+            marked = [
+                r
+                for r in silent
+                if client.compare_set(watch.keys[r], b"", Mark.SILENT) == Mark.SILENT
+            ]
             if marked:  # wake rank 0: every key it waits for must exist
                 for r in pending:
                     if r not in marked:
-                        client.compare_set(watch.keys[r], b"", b"P")
+                        client.compare_set(watch.keys[r], b"", Mark.PENDING)
             return
         ((source, key),) = watch.keys.items()
         # Rank 0's heartbeat record says "failed" only until its next call rewrites it, which
         # can come within one period: the call's own failure key is what must be read.
-        if client.check([failed]):  # b"F": rank 0 may not have read this rank's part
-            client.compare_set(key, b"", b"F" + client.get(failed)[1:])
+        if client.check([failed]):  # rank 0 may not have read this rank's part
+            client.compare_set(key, b"", Mark.FAILED + client.get(failed)[1:])
             return
         beat = self._beats(client, [source]).get(source)
         if watch.silent(source, beat.alive if beat else None, now, self.timeout):
