@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import socket
@@ -179,6 +180,7 @@ def closing_checkpointers() -> Iterator[None]:
     opened = []
     real = Checkpointer.__init__
 
+    @functools.wraps(real)
     def init(self, *args, **kwargs) -> None:
         real(self, *args, **kwargs)
         opened.append(self)

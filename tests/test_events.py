@@ -57,7 +57,7 @@ def test_save_dict_and_a_checkpointer_report_too(tmp_path, events) -> None:
 
 def test_a_failed_save_reports_nothing(tmp_path, events) -> None:
     ddpckpt.save(tmp_path / "a", model=nn.Linear(2, 2))
-    with pytest.raises(ddpckpt.CheckpointExistsError):
+    with pytest.raises(ddpckpt.errors.CheckpointExistsError):
         ddpckpt.save(tmp_path / "a", model=nn.Linear(2, 2))
     assert len(events) == 1
 

@@ -23,52 +23,28 @@ from ddpckpt._training.accumulation import GradientAccumulation
 from ddpckpt._version import __version__
 from ddpckpt.errors import (
     CheckpointError,
-    CheckpointExistsError,
-    CheckpointLockedError,
     CheckpointNotFoundError,
-    CheckpointStepError,
     CheckpointWriteError,
-    CollectiveMismatchError,
-    CollectiveTimeoutError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
     InexactResumeError,
-    InsufficientSpaceError,
     PartiallyRestoredError,
-    RankFailureError,
-    ResumeCheckRefusedError,
-    StateMismatchError,
-    UnsafeCheckpointError,
-    UnsupportedValueError,
 )
 
 __all__ = [
     "CheckpointError",
-    "CheckpointExistsError",
     "CheckpointInfo",
-    "CheckpointLockedError",
     "CheckpointNotFoundError",
-    "CheckpointStepError",
     "CheckpointWriteError",
     "Checkpointer",
-    "CollectiveMismatchError",
-    "CollectiveTimeoutError",
     "CorruptCheckpointError",
     "FastTier",
     "GradientAccumulation",
-    "IncompleteCheckpointError",
     "InexactResumeError",
-    "InsufficientSpaceError",
     "PartiallyRestoredError",
     "PendingSave",
     "PerRank",
     "Preemption",
-    "RankFailureError",
-    "ResumeCheckRefusedError",
-    "StateMismatchError",
     "TrainingState",
-    "UnsafeCheckpointError",
-    "UnsupportedValueError",
     "__version__",
     "convert",
     "data",
@@ -93,15 +69,15 @@ _MOVED_TO_DATA = ("ResumableDistributedSampler", "SampleIndex", "SeededDataset",
 
 
 def __getattr__(name: str) -> Any:
-    """The data helpers' old top-level names, now in :mod:`ddpckpt.data` (deprecated)."""
-    if name in _MOVED_TO_DATA:
-        from ddpckpt import data
+    """Old top-level names (deprecated): the data helpers, now in :mod:`ddpckpt.data`, and
+    the errors that are public in :mod:`ddpckpt.errors` only (the top level keeps the ones
+    a training script catches)."""
+    module = data if name in _MOVED_TO_DATA else errors if name in errors.__all__ else None
+    if module is not None:
         from ddpckpt._deprecation import warn_renamed
 
-        warn_renamed(f"ddpckpt.{name}", f"ddpckpt.data.{name}")
-        return getattr(data, name)
+        warn_renamed(f"ddpckpt.{name}", f"{module.__name__}.{name}")
+        return getattr(module, name)
     if name == "resumable_loader":
-        from ddpckpt import data
-
         return data._resumable_loader("ddpckpt.resumable_loader")
     raise AttributeError(f"module 'ddpckpt' has no attribute {name!r}")

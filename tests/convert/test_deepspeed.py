@@ -200,7 +200,7 @@ def test_what_cannot_carry_over_is_named(tmp_path: Path) -> None:
     model, optimizer, scheduler = build(1)
     info = ddpckpt.load(done.path, model=model, optimizer=optimizer)
     assert info.step == 2 and all(g["decoupled_weight_decay"] for g in optimizer.param_groups)
-    with pytest.raises(ddpckpt.StateMismatchError, match="scheduler"):
+    with pytest.raises(ddpckpt.errors.StateMismatchError, match="scheduler"):
         ddpckpt.load(done.path, model=model, optimizer=optimizer, scheduler=scheduler)
 
 

@@ -288,7 +288,9 @@ def _trainer_directory(tmp_path: Path, weights: bool = True) -> Path:
 def test_a_random_stream_file_naming_a_function_is_refused_before_it_runs(tmp_path: Path) -> None:
     directory = _trainer_directory(tmp_path)
     torch.save({"python": os.getcwd, "cpu": torch.get_rng_state()}, directory / "rng_state.pth")
-    with pytest.raises(ddpckpt.UnsafeCheckpointError, match=r"rng_state\.pth.*posix\.getcwd"):
+    with pytest.raises(
+        ddpckpt.errors.UnsafeCheckpointError, match=r"rng_state\.pth.*posix\.getcwd"
+    ):
         import_checkpoint(directory, tmp_path / "out")
 
 

@@ -201,7 +201,7 @@ def test_param_groups_in_another_order_or_split_take_their_parameters_hyperparam
     moved = [{"params": list(g["params"]), **{k: v for k, v in g.items() if k != "params"}}
              for g in other_optimizer.param_groups]  # fmt: skip
     moved[0]["params"].append(moved[-1]["params"].pop())  # a norm among the decayed ones
-    with pytest.raises(ddpckpt.StateMismatchError, match=r"param group 0 holds .* which it gave "
+    with pytest.raises(ddpckpt.errors.StateMismatchError, match=r"param group 0 holds .* which it gave "
                        "different hyperparameters. Group the parameters as the run"):  # fmt: skip
         ddpckpt.load(path, model=other, optimizer=torch.optim.AdamW(moved, lr=1e-2), rng=False)
 
@@ -266,7 +266,7 @@ def test_a_scheduler_whose_groups_would_take_another_groups_rate_is_refused(
     other, other_optimizer, _ = _make(seed=1)
     other_scheduler = torch.optim.lr_scheduler.StepLR(other_optimizer, step_size=1, gamma=0.5)
     before = [p.detach().clone() for p in other.parameters()]
-    with pytest.raises(ddpckpt.StateMismatchError, match=r"starting from \[0.001, 0.01\]"):
+    with pytest.raises(ddpckpt.errors.StateMismatchError, match=r"starting from \[0.001, 0.01\]"):
         ddpckpt.load(path, model=other, optimizer=other_optimizer, scheduler=other_scheduler,
                      rng=False)  # fmt: skip
     assert all(torch.equal(a, b) for a, b in zip(before, other.parameters(), strict=True))

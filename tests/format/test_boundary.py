@@ -248,11 +248,13 @@ def test_what_could_not_be_read_back_is_not_written(tmp_path, monkeypatch) -> No
     assert back == extra
     for _ in range(100):
         deep = [deep]
-    with pytest.raises(ddpckpt.UnsupportedValueError, match=r"extra/deep/0/0.*nested deeper"):
+    with pytest.raises(
+        ddpckpt.errors.UnsupportedValueError, match=r"extra/deep/0/0.*nested deeper"
+    ):
         ddpckpt.save(tmp_path / "deep", model=make_mlp(), extra={"deep": deep})
     monkeypatch.setattr("ddpckpt._format.manifest.MAX_MANIFEST_BYTES", 10_000)
     with pytest.raises(
-        ddpckpt.UnsupportedValueError, match=r"big: the manifest would be .* as tensors"
+        ddpckpt.errors.UnsupportedValueError, match=r"big: the manifest would be .* as tensors"
     ):
         ddpckpt.save(tmp_path / "big", model=make_mlp(), extra={"ids": list(range(5000))})
     assert not (tmp_path / "deep").exists() and not (tmp_path / "big").exists()

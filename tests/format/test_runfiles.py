@@ -80,7 +80,7 @@ def test_a_malformed_lock_is_a_torn_one_taken_over_once_old(run, content) -> Non
     with pytest.raises(CorruptCheckpointError, match=r"\.lock"):
         parse_lock(content, str(run / ".lock"))
     (run / ".lock").write_bytes(content)
-    with pytest.raises(ddpckpt.CheckpointLockedError, match=r"creating it right now"):
+    with pytest.raises(ddpckpt.errors.CheckpointLockedError, match=r"creating it right now"):
         resume(run)  # young: maybe a job writing it this very moment
     old = time.time() - 3600
     os.utime(run / ".lock", (old, old))

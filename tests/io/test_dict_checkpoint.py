@@ -10,14 +10,9 @@ import torch
 
 import ddpckpt
 from conftest import make_mlp
-from ddpckpt import (
-    CheckpointExistsError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    StateMismatchError,
-    UnsupportedValueError,
-)
+from ddpckpt import CheckpointNotFoundError, CorruptCheckpointError
 from ddpckpt._format.manifest import read_manifest
+from ddpckpt.errors import CheckpointExistsError, StateMismatchError, UnsupportedValueError
 from dist_worker import lightning_checkpoint, same_tree
 from io_helpers import flip_byte
 from launch import forked_ranks

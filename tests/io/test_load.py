@@ -18,12 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
 from conftest import TiedLM, make_mlp, train_steps
-from ddpckpt import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    PartiallyRestoredError,
-    StateMismatchError,
-)
+from ddpckpt import CheckpointNotFoundError, CorruptCheckpointError, PartiallyRestoredError
+from ddpckpt.errors import StateMismatchError
 from ddpckpt.storage import storage_for
 from io_helpers import Counter, assert_state_equal, flip_byte
 

@@ -11,7 +11,8 @@ import torch
 
 import ddpckpt
 from conftest import make_mlp, train_steps
-from ddpckpt import StateMismatchError, TrainingState
+from ddpckpt import TrainingState
+from ddpckpt.errors import StateMismatchError
 from io_helpers import Counter, assert_state_equal
 
 

@@ -10,11 +10,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
 from conftest import make_mlp, train_steps
-from ddpckpt import (
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    PartiallyRestoredError,
-)
+from ddpckpt import CorruptCheckpointError, PartiallyRestoredError
+from ddpckpt.errors import IncompleteCheckpointError
 from ddpckpt.storage import storage_for
 from io_helpers import assert_state_equal, flip_byte
 

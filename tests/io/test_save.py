@@ -13,7 +13,8 @@ import torch
 
 import ddpckpt
 from conftest import make_mlp, train_steps
-from ddpckpt import CheckpointExistsError, CheckpointWriteError, UnsupportedValueError
+from ddpckpt import CheckpointWriteError
+from ddpckpt.errors import CheckpointExistsError, UnsupportedValueError
 from ddpckpt.storage import storage_for
 from io_helpers import names_in, parent_of
 from launch import forked_ranks

@@ -81,7 +81,7 @@ def test_the_users_checkpoint_loaded_by_its_path_is_refused_before_a_save_next_t
     under_check(user_run / "check" / "runs" / "reference")
     model = nn.Linear(2, 2)
     assert ddpckpt.load("ckpt/step-4", model=model).step == 4  # an input, as far as is known
-    with pytest.raises(ddpckpt.ResumeCheckRefusedError) as refused:
+    with pytest.raises(ddpckpt.errors.ResumeCheckRefusedError) as refused:
         ddpckpt.save("ckpt/step-8", model=model, step=8)
     message = str(refused.value)
     assert "save('ckpt/step-8')" in message and "step-4 (load)" in message
@@ -95,7 +95,7 @@ def test_a_load_from_the_directory_the_run_writes_to_that_it_did_not_write_is_re
     under_check(user_run / "check" / "runs" / "reference")
     model = nn.Linear(2, 2)
     ddpckpt.save("ckpt/step-1", model=model, step=1)
-    with pytest.raises(ddpckpt.ResumeCheckRefusedError, match=r"load\('ckpt/step-4'\)"):
+    with pytest.raises(ddpckpt.errors.ResumeCheckRefusedError, match=r"load\('ckpt/step-4'\)"):
         ddpckpt.load("ckpt/step-4", model=model)
 
 
@@ -120,7 +120,9 @@ def test_a_write_that_escaped_the_mapping_is_refused_by_the_storage(user_run, un
     """Fail closed: a location no ddpckpt call mapped cannot be written during a check."""
     under_check(user_run / "check" / "runs" / "reference")
     store = storage_for(str(user_run / "ckpt" / "stray"))
-    with pytest.raises(ddpckpt.ResumeCheckRefusedError, match="outside the check's directory"):
+    with pytest.raises(
+        ddpckpt.errors.ResumeCheckRefusedError, match="outside the check's directory"
+    ):
         store.write_new(str(user_run / "ckpt" / "stray"), b"x")
     assert not (user_run / "ckpt" / "stray").exists()
     assert store.exists(str(user_run / "ckpt" / "step-4"))  # reads pass

@@ -173,7 +173,7 @@ def test_load_latest_past_damaged_optimizer_state_resumes_the_previous_checkpoin
 def test_load_latest_of_nothing_is_none_and_a_mismatch_is_no_damage(ckpt_root) -> None:
     assert ddpckpt.load_latest(ckpt_root / "nothing", model=make_mlp()) is None
     ddpckpt.save(ckpt_root / "ckpt" / "a", model=make_mlp(), step=1)
-    with pytest.raises(ddpckpt.StateMismatchError):  # the live model is another: no fallback
+    with pytest.raises(ddpckpt.errors.StateMismatchError):  # the live model is another: no fallback
         ddpckpt.load_latest(ckpt_root / "ckpt", model=torch.nn.Linear(2, 2))
 
 

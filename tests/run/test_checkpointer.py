@@ -17,9 +17,14 @@ import torch
 
 import ddpckpt
 from conftest import make_mlp, train_steps
-from ddpckpt import Checkpointer, CheckpointLockedError, CheckpointStepError
+from ddpckpt import Checkpointer
 from ddpckpt._cli.main import main
-from ddpckpt.errors import InsufficientSpaceError, StateMismatchError
+from ddpckpt.errors import (
+    CheckpointLockedError,
+    CheckpointStepError,
+    InsufficientSpaceError,
+    StateMismatchError,
+)
 from io_helpers import assert_state_equal
 
 
@@ -639,5 +644,7 @@ def test_a_fresh_empty_lock_is_explained(run_root) -> None:
     run = run_root / "run"
     run.mkdir()
     (run / ".lock").write_bytes(b"")
-    with pytest.raises(ddpckpt.CheckpointLockedError, match="is empty: a job is creating it"):
+    with pytest.raises(
+        ddpckpt.errors.CheckpointLockedError, match="is empty: a job is creating it"
+    ):
         Checkpointer(run, model=make_mlp()).save(1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import shutil
 import signal
@@ -12,7 +13,7 @@ import torch
 
 from conftest import make_mlp
 from ddpckpt import Checkpointer, FastTier, Preemption
-from ddpckpt._run.options import auto_directory, resolve
+from ddpckpt._run.options import Arguments, auto_directory, resolve
 from ddpckpt.policies import EverySteps, KeepAll, KeepAnyOf, KeepBest, KeepLast, Never
 
 
@@ -49,16 +50,30 @@ def test_flat_arguments_land_in_their_groups(tmp_path) -> None:
     ckpt.close()
 
 
+def test_the_checkpointers_option_keywords_are_exactly_the_arguments_record() -> None:
+    """One list of the option keywords and their defaults: ``Arguments``. Beside them the
+    Checkpointer takes only where it saves, what it saves (the state or its shorthand),
+    how to reach the storage, and a deprecated spelling."""
+    own = {"directory", "state", "model", "optimizer", "scheduler", "scaler", "extra"}
+    own |= {"rng", "storage_options", "storage"}
+    parameters = inspect.signature(Checkpointer).parameters
+    keywords = {n: p.default for n, p in parameters.items() if n not in own}
+    assert keywords == {f.name: f.default for f in dataclasses.fields(Arguments)}
+    assert all(parameters[n].kind is inspect.Parameter.KEYWORD_ONLY for n in keywords)
+
+
 def test_defaults_and_policy_objects_are_kept() -> None:
     defaults = resolve()
     assert isinstance(defaults.schedule.policy, Never)
     assert defaults.keeping.retention == KeepLast(3) and defaults.keeping.mode == "min"
     assert not defaults.asynchronous.enabled and defaults.failures.on_error == "warn"
     policy, retention = EverySteps(7), KeepBest(2, "loss", "min")
-    given = resolve(save_policy=policy, retention=retention, keep_last=None, preemption=True)
+    given = resolve(
+        Arguments(save_policy=policy, retention=retention, keep_last=None, preemption=True)
+    )
     assert given.schedule.policy is policy and given.keeping.retention is retention
     assert given.schedule.preemption == Preemption()
-    assert resolve(keep_last=None).keeping.retention == KeepAll()
+    assert resolve(Arguments(keep_last=None)).keeping.retention == KeepAll()
 
 
 @pytest.mark.parametrize(

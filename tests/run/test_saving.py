@@ -19,7 +19,7 @@ from conftest import make_mlp
 from ddpckpt import Checkpointer
 from ddpckpt._io.async_saver import AsyncSaver
 from ddpckpt._io.writing import header_fields
-from ddpckpt._run.options import resolve
+from ddpckpt._run.options import Arguments, resolve
 from ddpckpt._run.saving import RunSaves
 from ddpckpt._state.capture import TrainingState, capture
 from ddpckpt.errors import CheckpointStepError, CheckpointWriteError
@@ -28,7 +28,7 @@ from ddpckpt.errors import CheckpointStepError, CheckpointWriteError
 def test_saves_commit_retain_and_refuse_going_back(tmp_path) -> None:
     run = tmp_path / "run"
     model = make_mlp()
-    saves = RunSaves(str(run), resolve(keep_last=1), AsyncSaver())
+    saves = RunSaves(str(run), resolve(Arguments(keep_last=1)), AsyncSaver())
     assert saves.newest() == "nothing (this run has no committed checkpoint)"
 
     def save(step: int) -> str | None:
@@ -59,7 +59,7 @@ def test_saves_that_come_faster_than_they_are_written_say_so_once(
     fast tier saved every 4 steps waited 1.4-3.1 s per save); it used to say nothing. Now
     the first such wait is a WARNING with the figures and the cadence that would not wait."""
     model = make_mlp()
-    saves = RunSaves(str(tmp_path / "run"), resolve(async_save=True), AsyncSaver())
+    saves = RunSaves(str(tmp_path / "run"), resolve(Arguments(async_save=True)), AsyncSaver())
     persist = saves._persist
     monkeypatch.setattr(saves, "_persist", lambda plan: time.sleep(0.8) or persist(plan))
 

@@ -95,7 +95,7 @@ def test_untied_state_into_a_tied_model_is_refused_naming_the_extra_name(tmp_pat
     path = os.fspath(tmp_path / "ckpt")
     ddpckpt.save(path, model=model, optimizer=opt, rng=False)
     tied = EmbeddingFirst(seed=0)
-    with pytest.raises(ddpckpt.StateMismatchError, match="unexpected"):
+    with pytest.raises(ddpckpt.errors.StateMismatchError, match="unexpected"):
         ddpckpt.load(path, model=tied, optimizer=torch.optim.AdamW(tied.parameters()), rng=False)
 
 

@@ -11,9 +11,10 @@ from torch.utils.data import DataLoader
 
 import ddpckpt
 from conftest import make_mlp
-from ddpckpt import StateMismatchError, TrainingState
+from ddpckpt import TrainingState
 from ddpckpt._format.manifest import read_manifest
 from ddpckpt._state.capture import capture
+from ddpckpt.errors import StateMismatchError
 from dist_worker import gan_steps
 from launch import forked_ranks
 from toy_data import Numbers

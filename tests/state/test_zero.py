@@ -17,7 +17,7 @@ def test_overlap_with_ddp_is_refused_and_nothing_stored(process_group, tmp_path)
         model.parameters(), optimizer_class=torch.optim.AdamW, overlap_with_ddp=True
     )
     with pytest.raises(
-        ddpckpt.UnsupportedValueError,
+        ddpckpt.errors.UnsupportedValueError,
         match=r"^optimizer: ZeroRedundancyOptimizer\(overlap_with_ddp=True\) is not",
     ):
         ddpckpt.save(tmp_path / "ckpt", model=model, optimizer=zero)

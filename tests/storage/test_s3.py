@@ -592,11 +592,13 @@ def test_an_async_save_into_a_run_another_job_took_over_writes_nothing(s3_root) 
     taker = {"host": "another-node", "pid": 1, "job": "job-9", "since": 0}
     (run / ".lock").write_text(json.dumps(taker))
     checkpointer.save(step=2)  # returns at once; the background save refuses to write
-    with pytest.raises(ddpckpt.CheckpointLockedError, match="took this directory's lock over"):
+    with pytest.raises(
+        ddpckpt.errors.CheckpointLockedError, match="took this directory's lock over"
+    ):
         checkpointer.save(step=3)
     assert not (run / "step-00000002").exists() and not (run / "step-00000003").exists()
     assert json.loads((run / ".lock").read_text())["host"] == "another-node"  # left alone
-    with pytest.raises(ddpckpt.CheckpointLockedError):  # the failed save, reported once more
+    with pytest.raises(ddpckpt.errors.CheckpointLockedError):  # the failed save, reported once more
         checkpointer.close()
 
 

@@ -182,7 +182,7 @@ def scenario_save_then_die(args, rank: int) -> dict[str, Any]:
                                    extra={"pending": pending}, on_error="raise")  # fmt: skip
     try:
         partial.save(1)
-    except ddpckpt.UnsupportedValueError as exc:
+    except ddpckpt.errors.UnsupportedValueError as exc:
         result["refused"] = str(exc)
     result["partial_listing"] = sorted(os.listdir(os.path.join(args.ckpt, "partial")))
     partial.close()

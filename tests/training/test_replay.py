@@ -142,9 +142,9 @@ def test_a_mid_epoch_state_without_the_draws_is_refused() -> None:
     iterator = iter(loader)
     next(iterator)
     state = {k: v for k, v in loader.state_dict().items() if k not in ("seed_draw", "order_draw")}
-    with pytest.raises(ddpckpt.StateMismatchError, match="earlier ddpckpt"):
+    with pytest.raises(ddpckpt.errors.StateMismatchError, match="earlier ddpckpt"):
         own("random", 0).load_state_dict(state)
-    with pytest.raises(ddpckpt.StateMismatchError, match="1 generator"):
+    with pytest.raises(ddpckpt.errors.StateMismatchError, match="1 generator"):
         ddpckpt.data.track_loader(DataLoader(list(range(12)), batch_size=2)).load_state_dict(
             loader.state_dict()
         )

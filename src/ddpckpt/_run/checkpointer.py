@@ -56,7 +56,7 @@ from ddpckpt._run.checkpointer_queries import RunQueries
 from ddpckpt._run.durable import DurableSaves
 from ddpckpt._run.fast_tier import FastSaves
 from ddpckpt._run.gate import SaveGate
-from ddpckpt._run.options import FastTier, resolve
+from ddpckpt._run.options import Arguments, FastTier, resolve
 from ddpckpt._run.preemption import Preemption, PreemptionWatch
 from ddpckpt._run.resume import resume_run
 from ddpckpt._run.rundir import checkpoint_path
@@ -188,26 +188,7 @@ class Checkpointer(RunQueries):
             extra=extra, rng=rng,
         )  # fmt: skip
         self.options = resolve(
-            state=self.state,
-            keep_last=keep_last,
-            keep_best=keep_best,
-            monitor=monitor,
-            mode=mode,
-            every_steps=every_steps,
-            every_seconds=every_seconds,
-            save_policy=save_policy,
-            retention=retention,
-            on_error=on_error,
-            retries=retries,
-            retry_backoff=retry_backoff,
-            async_save=async_save,
-            sharing=sharing,
-            timeout=timeout,
-            lock_stale_after=lock_stale_after,
-            read_only=read_only,
-            preemption=preemption,
-            fast_tier=fast_tier,
-            directory=os.fspath(directory),
+            Arguments.of(locals()), state=self.state, directory=os.fspath(directory)
         )
         self.read_only = read_only
         self.directory = (  # under ddpckpt check-resume: its own directory

@@ -42,7 +42,9 @@ from __future__ import annotations
 import hashlib
 import numbers
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 from ddpckpt._coord.limits import resolve_timeout
 from ddpckpt._coord.topology import resolve_storage_mode
@@ -227,66 +229,82 @@ class CheckpointerOptions:
     fast_tier: FastTier | None = None
 
 
+@dataclass(frozen=True, kw_only=True)
+class Arguments:
+    """The Checkpointer's option keywords as given, with their defaults: the one list of
+    them (a test checks it against ``Checkpointer.__init__``'s signature)."""
+
+    keep_last: int | None = 3
+    keep_best: int | None = None
+    monitor: str | None = None
+    mode: str = "min"
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    save_policy: SavePolicy | None = None
+    retention: Retention | None = None
+    on_error: str = "warn"
+    retries: int = 2
+    retry_backoff: float = 1.0
+    async_save: bool | str = False
+    sharing: str | None = None
+    timeout: float | None = None
+    lock_stale_after: float = 600.0
+    read_only: bool = False
+    preemption: bool | Preemption = False
+    fast_tier: str | os.PathLike[str] | FastTier | None = None
+
+    @classmethod
+    def of(cls, given: Mapping[str, Any]) -> Arguments:
+        """The arguments among ``given`` (a call's ``locals()``), by name."""
+        return cls(**{f.name: given[f.name] for f in fields(cls)})
+
+
 def resolve(
+    arguments: Arguments = Arguments(),
     *,
     state: TrainingState | None = None,
-    keep_last: int | None = 3,
-    keep_best: int | None = None,
-    monitor: str | None = None,
-    mode: str = "min",
-    every_steps: int | None = None,
-    every_seconds: float | None = None,
-    save_policy: SavePolicy | None = None,
-    retention: Retention | None = None,
-    on_error: str = "warn",
-    retries: int = 2,
-    retry_backoff: float = 1.0,
-    async_save: bool | str = False,
-    sharing: str | None = None,
-    timeout: float | None = None,
-    lock_stale_after: float = 600.0,
-    read_only: bool = False,
-    preemption: bool | Preemption = False,
-    fast_tier: str | os.PathLike[str] | FastTier | None = None,
     directory: str = "",
 ) -> CheckpointerOptions:
     """The grouped options of ``Checkpointer(**arguments)``; raises ``ValueError`` or
     ``TypeError`` naming the argument for anything it cannot honour. Local, no side effects.
     ``state``: the objects saved (``async_save="overlap"`` needs an optimizer in it);
     ``directory``: the run directory (the fast tier must be another)."""
-    if on_error not in ("warn", "raise"):
-        raise ValueError(f"on_error must be 'warn' or 'raise', got {on_error!r}")
-    if type(retries) is not int or retries < 0:
-        raise ValueError(f"retries must be a non-negative int, got {retries!r}")
-    _check_seconds("retry_backoff", retry_backoff, zero=True)
-    _check_seconds("every_seconds", every_seconds)
-    _check_seconds("timeout", timeout)
-    _check_seconds("lock_stale_after", lock_stale_after)
-    resolve_storage_mode(sharing)  # "auto", "shared", "local" (or $DDPCKPT_STORAGE)
-    resolve_timeout(timeout)  # or $DDPCKPT_TIMEOUT
-    _check_policy("save_policy", save_policy, SavePolicy, every_steps=every_steps,
-                  every_seconds=every_seconds)  # fmt: skip
-    _check_policy("retention", retention, Retention, keep_best=keep_best, monitor=monitor)
-    if mode not in ("min", "max"):
-        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-    if monitor is not None and keep_best is None and retention is None:
+    a = arguments
+    if a.on_error not in ("warn", "raise"):
+        raise ValueError(f"on_error must be 'warn' or 'raise', got {a.on_error!r}")
+    if type(a.retries) is not int or a.retries < 0:
+        raise ValueError(f"retries must be a non-negative int, got {a.retries!r}")
+    _check_seconds("retry_backoff", a.retry_backoff, zero=True)
+    _check_seconds("every_seconds", a.every_seconds)
+    _check_seconds("timeout", a.timeout)
+    _check_seconds("lock_stale_after", a.lock_stale_after)
+    resolve_storage_mode(a.sharing)  # "auto", "shared", "local" (or $DDPCKPT_STORAGE)
+    resolve_timeout(a.timeout)  # or $DDPCKPT_TIMEOUT
+    _check_policy("save_policy", a.save_policy, SavePolicy, every_steps=a.every_steps,
+                  every_seconds=a.every_seconds)  # fmt: skip
+    _check_policy("retention", a.retention, Retention, keep_best=a.keep_best, monitor=a.monitor)
+    if a.mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {a.mode!r}")
+    if a.monitor is not None and a.keep_best is None and a.retention is None:
         raise ValueError("monitor= only matters with keep_best=; pass keep_best=K as well")
-    overlap = async_mode(async_save, state if state is not None else TrainingState())
-    watched = Preemption.of(preemption)
+    overlap = async_mode(a.async_save, state if state is not None else TrainingState())
+    watched = Preemption.of(a.preemption)
     if watched is not None:
-        if read_only:
+        if a.read_only:
             raise ValueError("preemption= saves a checkpoint; a read_only Checkpointer cannot")
         watched.signal_numbers()  # a bad value fails now, not at the signal
         grace_period(watched.grace_seconds)
-    fast = FastTier.of(fast_tier)
+    fast = FastTier.of(a.fast_tier)
     if fast is not None:
-        fast.check(directory, read_only)
+        fast.check(directory, a.read_only)
     return CheckpointerOptions(
-        schedule=Schedule(save_policy or _schedule(every_steps, every_seconds), watched),
-        keeping=Keeping(retention or _keeping(keep_last, keep_best, monitor, mode), mode),
-        failures=FailureHandling(on_error, retries, retry_backoff),
-        asynchronous=Asynchronous(bool(async_save), overlap),
-        storage=StorageOptions(sharing, timeout, lock_stale_after, read_only),
+        schedule=Schedule(a.save_policy or _schedule(a.every_steps, a.every_seconds), watched),
+        keeping=Keeping(
+            a.retention or _keeping(a.keep_last, a.keep_best, a.monitor, a.mode), a.mode
+        ),
+        failures=FailureHandling(a.on_error, a.retries, a.retry_backoff),
+        asynchronous=Asynchronous(bool(a.async_save), overlap),
+        storage=StorageOptions(a.sharing, a.timeout, a.lock_stale_after, a.read_only),
         fast_tier=fast,
     )
 
