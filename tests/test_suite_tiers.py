@@ -173,15 +173,15 @@ def test_stopping_a_rank_that_is_gone_but_not_yet_seen_exited_is_not_an_error() 
 
 
 SHARED = """
-from ddpckpt.storage import resolve
+from ddpckpt.storage import storage_for
 
 
 def test_patches_the_shared_in_memory_storage(monkeypatch):
-    monkeypatch.setattr(resolve("memory://x")[0], "delete", lambda location: None)
+    monkeypatch.setattr(storage_for("memory://x"), "delete", lambda location: None)
 
 
 def test_finds_it_as_its_class_defines_it():
-    storage = resolve("memory://x")[0]
+    storage = storage_for("memory://x")
     assert "delete" not in vars(storage), vars(storage)
 """
 

@@ -55,7 +55,7 @@ sends = []
 atexit.register(lambda: print("SENDS", len(sends), flush=True))  # runs after ddpckpt's
 sys.path.insert(0, sys.argv[1])
 import s3server, torch, ddpckpt
-from ddpckpt.storage import mount
+from ddpckpt.storage._registry import mount
 from ddpckpt.storage.s3 import S3Storage
 from ddpckpt.storage._s3client import S3Requests
 

@@ -18,10 +18,14 @@ from ddpckpt.storage import (
     ManifestLastCommit,
     RenameCommit,
     Storage,
-    resolve,
+    storage_for,
 )
 from ddpckpt.storage._layout import MANIFEST, is_temp_name, new_token, temp_name
 from ddpckpt.storage._memory import SCHEME
+
+
+def _at(root: str) -> tuple[Storage, str]:
+    return storage_for(root), root
 
 
 @pytest.fixture(params=["posix", "posix-no-exchange", "memory", "s3", "fsspec"])
@@ -32,16 +36,16 @@ def store(request, tmp_path) -> Iterator[tuple[Storage, str]]:
     if request.param.startswith("posix"):
         if request.param == "posix-no-exchange":  # not a parameter: see s3_root
             request.getfixturevalue("monkeypatch").setenv("DDPCKPT_RENAME_EXCHANGE", "0")
-        yield resolve(os.fspath(tmp_path))
+        yield _at(os.fspath(tmp_path))
         return
     if request.param == "s3":
-        yield resolve(request.getfixturevalue("s3_root"))
+        yield _at(request.getfixturevalue("s3_root"))
         return
     if request.param == "fsspec":
-        yield resolve(request.getfixturevalue("fsspec_root"))
+        yield _at(request.getfixturevalue("fsspec_root"))
         return
     name = f"test-{uuid.uuid4().hex[:8]}"
-    storage, root = resolve(f"{SCHEME}{name}/root")
+    storage, root = _at(f"{SCHEME}{name}/root")
     yield storage, root
     storage.clear(name)
 
@@ -251,22 +255,22 @@ def test_a_save_without_manifest_is_no_checkpoint_and_is_replaced(store) -> None
     assert ddpckpt.latest(root) == path
 
 
-def test_resolve_picks_the_storage_by_scheme() -> None:
-    from ddpckpt.storage import mount
+def test_storage_for_picks_the_storage_by_scheme() -> None:
     from ddpckpt.storage._memory import MemoryStorage
     from ddpckpt.storage._posix import PosixStorage
+    from ddpckpt.storage._registry import mount
 
-    assert isinstance(resolve("/tmp/x")[0], PosixStorage)
-    assert isinstance(resolve("relative/x")[0], PosixStorage)
-    assert isinstance(resolve("memory://t/x")[0], MemoryStorage)
+    assert isinstance(storage_for("/tmp/x"), PosixStorage)
+    assert isinstance(storage_for("relative/x"), PosixStorage)
+    assert isinstance(storage_for("memory://t/x"), MemoryStorage)
     with pytest.raises(ValueError, match="no storage for nope:// URLs"):
-        resolve("nope://bucket/x")
+        storage_for("nope://bucket/x")
     mine = MemoryStorage()
     mount("nope://bucket", mine)
     try:
-        assert resolve("nope://bucket/run/x") == (mine, "nope://bucket/run/x")
+        assert storage_for("nope://bucket/run/x") is mine
         with pytest.raises(ValueError):
-            resolve("nope://other/x")
+            storage_for("nope://other/x")
     finally:
         mount("nope://bucket", None)
 
@@ -387,3 +391,16 @@ def test_an_overwrite_killed_before_its_commit_is_a_leftover_ls_lists_and_resume
     loaded = torch.nn.Linear(3, 2)
     ddpckpt.load(step, model=loaded)  # the committed checkpoint is whole
     assert torch.equal(loaded.weight, model.weight)
+
+
+@pytest.mark.parametrize("old", ["configure", "mount", "resolve"])
+def test_the_registrys_other_functions_still_work_with_a_warning(old: str) -> None:
+    """One way to add a backend (``register``) and one to look one up (``storage_for``)."""
+    import ddpckpt.storage
+    from ddpckpt.storage import _registry
+
+    with pytest.warns(DeprecationWarning, match=rf"ddpckpt\.storage\.{old} is deprecated"):
+        function = getattr(ddpckpt.storage, old)
+    assert function is getattr(_registry, old)
+    with pytest.raises(AttributeError, match="no_such"):
+        ddpckpt.storage.no_such  # noqa: B018

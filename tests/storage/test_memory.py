@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from ddpckpt.storage import ManifestLastCommit, resolve
+from ddpckpt.storage import ManifestLastCommit, storage_for
 from ddpckpt.storage._memory import MemoryStorage
 
 
@@ -71,6 +71,6 @@ def test_locations_must_name_a_store() -> None:
 
 
 def test_the_url_scheme_reaches_one_store_per_process() -> None:
-    first, _ = resolve("memory://shared-test/x")
-    second, _ = resolve("memory://other-test/y")
+    first = storage_for("memory://shared-test/x")
+    second = storage_for("memory://other-test/y")
     assert first is second

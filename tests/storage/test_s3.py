@@ -19,7 +19,8 @@ from conftest import StoredPath, make_mlp, train_steps
 from ddpckpt import Checkpointer
 from ddpckpt._cli.main import main
 from ddpckpt.errors import CheckpointWriteError
-from ddpckpt.storage import ManifestLastCommit, mount, resolve, storage_for
+from ddpckpt.storage import ManifestLastCommit, storage_for
+from ddpckpt.storage._registry import configure, mount
 from launch import forked_ranks, torchrun
 
 pytestmark = pytest.mark.skipif(bool(s3server.missing()), reason=str(s3server.missing()))
@@ -45,8 +46,8 @@ def mounted(s3_endpoint, s3_root):
 def test_s3_urls_resolve_to_one_storage_with_manifest_last_commit(s3_endpoint) -> None:
     from ddpckpt.storage.s3 import S3Storage
 
-    storage, location = resolve(f"s3://{s3server.BUCKET}/run/step-1")
-    assert isinstance(storage, S3Storage) and location == f"s3://{s3server.BUCKET}/run/step-1"
+    storage = storage_for(f"s3://{s3server.BUCKET}/run/step-1")
+    assert isinstance(storage, S3Storage)
     assert storage is storage_for(f"s3://{s3server.BUCKET}/other")
     assert isinstance(storage.commit, ManifestLastCommit)
     assert s3_endpoint in repr(storage) and "testing" not in repr(storage)  # no credentials
@@ -362,7 +363,6 @@ def test_a_server_without_conditional_writes_gets_plain_ones_after_a_warning(
 
 _KILLED_TRAINER = """
 import sys, time, torch, ddpckpt
-from ddpckpt.storage import mount
 from ddpckpt.storage.s3 import S3Storage
 
 root = sys.argv[1]
@@ -466,11 +466,11 @@ def test_credentials_in_storage_options_never_reach_messages_or_logs(
         ddpckpt.load(url, model=make_mlp(), storage_options=dead)
     assert "127.0.0.1:9" in str(caught.value) or "127.0.0.1:9" in repr(caught.value.__cause__)
     with pytest.raises(ValueError, match="missing: aws_access_key_id") as partial:
-        ddpckpt.storage.configure(url, {"secret": SECRET})
+        configure(url, {"secret": SECRET})
     with pytest.raises(ValueError, match="unknown S3 option 'bogus'") as unknown:
-        ddpckpt.storage.configure(url, {"secret": SECRET, "bogus": SECRET})
+        configure(url, {"secret": SECRET, "bogus": SECRET})
     with pytest.raises(ValueError, match="'key' and 'aws_access_key_id' both set") as twice:
-        ddpckpt.storage.configure(url, {"key": SECRET, "aws_access_key_id": "other"})
+        configure(url, {"key": SECRET, "aws_access_key_id": "other"})
     with pytest.raises(ValueError, match="a local path takes none"):
         ddpckpt.save("/tmp/x", model=make_mlp(), storage_options={"secret": SECRET})
     texts = [caplog.text, str(caught.value), repr(caught.value.__cause__), str(unknown.value)]

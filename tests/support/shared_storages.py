@@ -20,7 +20,7 @@ _TABLES = ("_mounts", "_configured", "_schemes", "_configurable")
 
 
 def _shared() -> list[Any]:
-    import ddpckpt.storage as storage
+    import ddpckpt.storage._registry as storage
 
     s3 = sys.modules.get("ddpckpt.storage.s3")
     default = getattr(s3, "_default", None) if s3 is not None else None
@@ -36,7 +36,7 @@ def _copied_methods(instance: Any) -> list[str]:
 @pytest.fixture(autouse=True)
 def _shared_storages_restored() -> Iterator[None]:
     """Set up before the test's ``monkeypatch`` (it takes none), so torn down after it."""
-    import ddpckpt.storage as storage
+    import ddpckpt.storage._registry as storage
 
     tables = {name: dict(getattr(storage, name)) for name in _TABLES}
     guard = storage._guard

@@ -46,7 +46,7 @@ from ddpckpt.errors import (
     RankFailureError,
     error_class,
 )
-from ddpckpt.storage import configure
+from ddpckpt.storage._registry import configure
 
 _log = get_logger(__name__)
 
@@ -97,8 +97,8 @@ def load(
         rng: Restore each rank's random generators (default: if saved). Ranks the
             checkpoint has no state for get a deterministic derived state and a warning.
         timeout: Seconds a rank waits for a silent one.
-        storage_options: Configures an ``s3://`` URL's client
-            (:func:`ddpckpt.storage.configure`).
+        storage_options: Configures an ``s3://`` URL's client (endpoint, region,
+            credentials: :meth:`S3Storage.from_options <ddpckpt.storage.s3.S3Storage.from_options>`).
 
     Returns:
         The checkpoint's metadata and plain ``extra`` values.
@@ -120,7 +120,7 @@ def load(
         CollectiveTimeoutError: A rank did not arrive within ``timeout``.
     """
     path = os.fspath(path)
-    configure(path, storage_options)  # an s3:// URL's client (ddpckpt.storage.configure)
+    configure(path, storage_options)  # an s3:// URL's client
     path = _observe.place(path, "load", Access.READ)  # under check-resume: what its run wrote
     state = TrainingState.coerce(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,

@@ -26,7 +26,7 @@ from ddpckpt._io.background import PendingSave
 from ddpckpt._io.writing import header_fields, plan_write, write_and_commit
 from ddpckpt._observe import Access, Saved
 from ddpckpt._state.capture import Snapshot, TrainingState, capture
-from ddpckpt.storage import configure
+from ddpckpt.storage._registry import configure
 
 
 @events.timed_save
@@ -88,8 +88,8 @@ def save(
             ``"local"`` (node-local disks: one copy per machine).
         timeout: Seconds a rank waits for a silent one before raising
             :class:`~ddpckpt.errors.CollectiveTimeoutError`.
-        storage_options: Configures an ``s3://`` URL's client
-            (:func:`ddpckpt.storage.configure`).
+        storage_options: Configures an ``s3://`` URL's client (endpoint, region,
+            credentials: :meth:`S3Storage.from_options <ddpckpt.storage.s3.S3Storage.from_options>`).
         storage: Deprecated spelling of ``sharing`` (warns; may be removed after
             2027-06-01).
 

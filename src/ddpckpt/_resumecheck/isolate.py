@@ -223,6 +223,6 @@ class _ReadOnly:
 def install(isolation: Isolation | None) -> None:
     """Guard this process's storage with ``isolation`` (``None``: stop): see
     :meth:`Isolation.guard`."""
-    from ddpckpt import storage
+    from ddpckpt.storage import _registry
 
-    storage._guard = None if isolation is None else isolation.guard
+    _registry._guard = None if isolation is None else isolation.guard

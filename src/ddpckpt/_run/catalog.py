@@ -35,9 +35,10 @@ from ddpckpt.errors import (
     IncompleteCheckpointError,
     PartiallyRestoredError,
 )
-from ddpckpt.storage import configure, storage_for
+from ddpckpt.storage import storage_for
 from ddpckpt.storage._errors import BucketNotFoundError
 from ddpckpt.storage._layout import is_temp_name, previous_of
+from ddpckpt.storage._registry import configure
 
 _log = get_logger(__name__)
 

@@ -65,7 +65,7 @@ from ddpckpt._state.capture import Snapshot, capture
 from ddpckpt._state.training_state import ROLES, TrainingState
 from ddpckpt.errors import CheckpointError
 from ddpckpt.policies import Retention, SavePolicy
-from ddpckpt.storage import configure
+from ddpckpt.storage._registry import configure
 
 _log = get_logger(__name__)
 
@@ -127,8 +127,8 @@ class Checkpointer(RunQueries):
             any rank makes :meth:`should_save` return True at the same step on every rank;
             that save is synchronous, then :attr:`preempted` is True and the loop should
             stop and exit with :attr:`exit_code`.
-        storage_options: Configures an ``s3://`` URL's client
-            (:func:`ddpckpt.storage.configure`).
+        storage_options: Configures an ``s3://`` URL's client (endpoint, region,
+            credentials: :meth:`S3Storage.from_options <ddpckpt.storage.s3.S3Storage.from_options>`).
         fast_tier: A directory in each node's memory (such as ``"/dev/shm/<job>"``),
             ``"auto"`` (one named for this user and run directory under ``/dev/shm``: the
             same at every launch of the job; see :attr:`fast_tier_directory`) or a

@@ -39,7 +39,7 @@ from ddpckpt.errors import (  # noqa: E402
     CorruptCheckpointError,
 )
 from ddpckpt.integrations._lightning_exact import ExactResume  # noqa: E402
-from ddpckpt.storage import configure  # noqa: E402
+from ddpckpt.storage._registry import configure  # noqa: E402
 
 __all__ = ["DdpckptCheckpointIO", "ExactResume", "load_from_checkpoint"]
 ExactResume.__module__ = __name__  # public here (its code: _lightning_exact.py)
@@ -67,8 +67,8 @@ class DdpckptCheckpointIO(CheckpointIO):
         Args:
             checkpoint: Lightning's checkpoint dict.
             path: The checkpoint directory (or URL).
-            storage_options: Configure an ``s3://`` URL's client
-                (:func:`ddpckpt.storage.configure`).
+            storage_options: Configure an ``s3://`` URL's client (endpoint, region,
+                credentials: :meth:`S3Storage.from_options <ddpckpt.storage.s3.S3Storage.from_options>`).
 
         Raises:
             CheckpointError: As :func:`ddpckpt.save_dict`.

@@ -1,27 +1,21 @@
 """Where checkpoints are stored: a path or URL resolved to a :class:`Storage`.
 
-``/data/run`` is the local file system, ``memory://name/run`` the
-in-memory store of this process, ``s3://bucket/run`` S3-compatible object storage (extra
-``ddpckpt[s3]``; see :mod:`ddpckpt.storage.s3`). Another backend registers its URL scheme with
-:func:`register` (a factory from the URL to a storage, e.g. one per bucket and options);
-:func:`mount` serves one URL prefix from a given storage instance, and :func:`configure`
-from a storage made with a ``storage_options`` mapping (what ``save``, ``load`` and
-``Checkpointer`` take as ``storage_options=``).
+``/data/run`` is the local file system, ``memory://name/run`` the in-memory store of this
+process, ``s3://bucket/run`` S3-compatible object storage (extra ``ddpckpt[s3]``; see
+:mod:`ddpckpt.storage.s3`), configured with the ``storage_options=`` of ``save``, ``load``
+and ``Checkpointer``. Another backend subclasses :class:`Storage` and registers its URL
+scheme with :func:`register` (a factory from the URL to a storage, e.g. one per bucket
+and options): the one way to add a backend. :func:`storage_for` says which storage serves
+a path.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import threading
-from collections.abc import Callable, Mapping
 from typing import Any
 
 from ddpckpt.storage._base import CommitStrategy, Storage
 from ddpckpt.storage._commit import ManifestLastCommit, RenameCommit
-from ddpckpt.storage._memory import MemoryStorage
-from ddpckpt.storage._posix import PosixStorage
+from ddpckpt.storage._registry import register, storage_for
 from ddpckpt.storage._streams import Reader, Writer
 
 __all__ = [
@@ -31,162 +25,23 @@ __all__ = [
     "RenameCommit",
     "Storage",
     "Writer",
-    "configure",
-    "mount",
     "register",
-    "resolve",
     "storage_for",
 ]
 
-_lock = threading.Lock()
-_local = PosixStorage()  # local paths (not named _posix: that is its module)
-_memory = MemoryStorage()
+_REPLACED = {  # deprecated spellings: what to use instead
+    "configure": "the storage_options= argument of ddpckpt.save, ddpckpt.load or Checkpointer",
+    "mount": "ddpckpt.storage.register (with a factory that returns your storage instance)",
+    "resolve": "ddpckpt.storage.storage_for",
+}
 
 
-def _s3(url: str) -> Storage:
-    from ddpckpt.storage.s3 import default_storage  # boto3 is optional: imported on use
+def __getattr__(name: str) -> Any:
+    """The registry's other functions, public before (deprecated)."""
+    if name in _REPLACED:
+        from ddpckpt._deprecation import warn_renamed
+        from ddpckpt.storage import _registry
 
-    return default_storage(url)
-
-
-def _s3_configured(options: Mapping[str, Any]) -> Storage:
-    from ddpckpt.storage.s3 import S3Storage
-
-    return S3Storage.from_options(options)
-
-
-_schemes: dict[str, Callable[[str], Storage]] = {"memory": lambda url: _memory, "s3": _s3}
-_configurable: dict[str, Callable[[Mapping[str, Any]], Storage]] = {"s3": _s3_configured}
-_configured: dict[tuple[str, str], Storage] = {}  # one storage per scheme and options
-_mounts: dict[str, Storage] = {}
-# Under ``ddpckpt check-resume`` only: wraps the storage of a location outside the check's
-# directory so that it refuses writes (ddpckpt._resumecheck.isolate); None otherwise.
-_guard: Callable[[Storage, str], Storage] | None = None
-
-
-def register(
-    scheme: str,
-    factory: Callable[[str], Storage],
-    *,
-    configured: Callable[[Mapping[str, Any]], Storage] | None = None,
-) -> None:
-    """Serve ``scheme://...`` URLs from a storage of your own; local.
-
-    Call it in every process (at import of your backend's module, say) before the first
-    save or load of such a URL.
-
-    Args:
-        scheme: The URL scheme, without ``://`` (``"gs"``).
-        factory: Called with each URL resolved (``"gs://bucket/run/step-1"``); returns
-            the :class:`Storage` serving it (typically one per bucket, reused).
-        configured: Makes a storage from a ``storage_options`` mapping, for
-            :func:`configure` (what ``save``, ``load`` and ``Checkpointer`` take as
-            ``storage_options=``). Without it, such URLs take no options.
-    """
-    with _lock:
-        _schemes[scheme] = factory
-        if configured is not None:
-            _configurable[scheme] = configured
-
-
-def configure(path: str | os.PathLike[str], options: Mapping[str, Any] | None) -> None:
-    """Serve the bucket of the URL ``path`` from a storage made with ``options``; local.
-
-    ``save``, ``load`` and ``Checkpointer`` call it with their ``storage_options=``. A
-    checkpoint's run directory and its neighbours live in the bucket (``s3://bucket``).
-    Equal options share one storage (one connection pool); the options given last for a
-    bucket serve it. Messages name options, never their values.
-
-    Args:
-        path: A URL (``s3://bucket/run``).
-        options: For ``s3://``: endpoint, region, profile, credentials, timeouts (see
-            :meth:`S3Storage.from_options <ddpckpt.storage.s3.S3Storage.from_options>`).
-            Nothing to do when ``None`` or empty.
-
-    Raises:
-        ValueError: ``path`` is a local path, or its scheme takes no options.
-    """
-    if not options:
-        return
-    location = os.fspath(path)
-    scheme, sep, rest = location.partition("://")
-    if not sep or "/" in scheme:
-        raise ValueError(
-            f"{location}: storage_options apply to URLs such as s3://bucket/run; "
-            "a local path takes none"
-        )
-    with _lock:
-        make = _configurable.get(scheme)
-    if make is None:
-        raise ValueError(f"{location}: {scheme}:// locations take no storage_options")
-    text = json.dumps(dict(options), sort_keys=True, default=repr)
-    key = (scheme, hashlib.sha256(text.encode()).hexdigest())
-    with _lock:
-        storage = _configured.get(key)
-    if storage is None:
-        made = make(options)
-        with _lock:
-            storage = _configured.setdefault(key, made)
-    mount(f"{scheme}://{rest.strip('/').split('/')[0]}", storage)
-
-
-def mount(prefix: str, storage: Storage | None) -> None:
-    """Serve every location under the URL ``prefix`` from ``storage``; local.
-
-    Args:
-        prefix: A URL prefix (``"s3://bucket"``); the longest mounted prefix wins.
-        storage: The storage instance, or ``None`` to unmount.
-    """
-    with _lock:
-        if storage is None:
-            _mounts.pop(prefix.rstrip("/"), None)
-        else:
-            _mounts[prefix.rstrip("/")] = storage
-
-
-def resolve(path: str | os.PathLike[str]) -> tuple[Storage, str]:
-    """The storage holding ``path``, and the location to pass it; local.
-
-    Args:
-        path: A local path or a URL.
-
-    Returns:
-        The storage, and the path as given (so messages name it as the user wrote it).
-
-    Raises:
-        ValueError: No storage serves the URL's scheme (lists the known ones).
-    """
-    storage, location = _resolve(os.fspath(path))
-    return (storage, location) if _guard is None else (_guard(storage, location), location)
-
-
-def _resolve(location: str) -> tuple[Storage, str]:
-    scheme, sep, _ = location.partition("://")
-    if not sep or "/" in scheme:
-        return _local, location
-    with _lock:
-        for prefix in sorted(_mounts, key=len, reverse=True):
-            if location == prefix or location.startswith(prefix + "/"):
-                return _mounts[prefix], location
-        factory = _schemes.get(scheme)
-    if factory is None:
-        known = ", ".join(f"{s}://" for s in sorted(_schemes))
-        raise ValueError(
-            f"{location}: no storage for {scheme}:// URLs (known: {known}, and local paths)"
-        )
-    return factory(location), location
-
-
-def storage_for(path: str | os.PathLike[str]) -> Storage:
-    """The storage holding ``path``; local (:func:`resolve` without the location).
-
-    Args:
-        path: A local path or a URL.
-
-    Returns:
-        The :class:`Storage` serving it.
-
-    Raises:
-        ValueError: No storage serves the URL's scheme.
-    """
-    return resolve(path)[0]
+        warn_renamed(f"ddpckpt.storage.{name}", _REPLACED[name])
+        return getattr(_registry, name)
+    raise AttributeError(f"module 'ddpckpt.storage' has no attribute {name!r}")

@@ -5,7 +5,7 @@ hands out in :mod:`ddpckpt.storage._streams`).
 A storage is addressed by *locations*: strings that name an object (a file) or a prefix
 (a directory) in that storage's own spelling, e.g. ``/data/run/step-00000100/manifest.json``
 on a file system or ``memory://t/run/step-00000100/manifest.json`` in memory. Locations are
-joined with ``/`` (``os.path.join`` on POSIX); :func:`ddpckpt.storage.resolve` maps a path or
+joined with ``/`` (``os.path.join`` on POSIX); :func:`ddpckpt.storage.storage_for` maps a path or
 URL to the storage that serves it.
 
 Nothing here knows about ranks. The callers decide who calls what: every rank creates,

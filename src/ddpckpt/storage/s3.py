@@ -73,10 +73,8 @@ class S3Storage(Storage):
     local server: the last part's upload, after the last byte is written, is shorter.
     Credentials are never logged.
 
-    Serve a URL prefix from a configured instance with :func:`ddpckpt.storage.mount`
-    (``mount("s3://bucket", S3Storage(endpoint_url=...))``), or pass ``storage_options=``
-    (:meth:`from_options`) to ``save``, ``load`` or ``Checkpointer`` (the Object storage
-    page of the documentation shows both). One instance serves all the threads of a
+    Configure it with ``storage_options=`` (:meth:`from_options`) to ``save``, ``load`` or
+    ``Checkpointer`` (the Object storage page of the documentation shows it). One instance serves all the threads of a
     process; each process makes its own.
 
     Args:
@@ -140,7 +138,7 @@ class S3Storage(Storage):
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> S3Storage:
         """A storage made from a ``storage_options`` mapping (what
-        :func:`ddpckpt.storage.configure` calls); local.
+        ``storage_options=`` of ``save``, ``load`` and ``Checkpointer`` makes); local.
 
         Args:
             options: In this class's argument names or in those s3fs/fsspec users pass:
@@ -360,7 +358,7 @@ _default_lock = threading.Lock()
 
 
 def default_storage(url: str) -> S3Storage:
-    """The storage for ``s3://`` URLs not under a :func:`~ddpckpt.storage.mount`: one per
+    """The storage for ``s3://`` URLs not configured with ``storage_options=``: one per
     process, configured from the environment and AWS config files, made on first use;
     local and thread-safe (the ``s3`` scheme's factory).
 
