@@ -62,7 +62,8 @@ import torch
 from ddpckpt._coord.plan import FanOut, Partners, assign, plan_owners
 from ddpckpt._format import filetable
 from ddpckpt._format.filetable import FileTable
-from ddpckpt._format.manifest import Manifest, file_to_json, tensor_to_json
+from ddpckpt._format.manifest import Manifest, file_to_json
+from ddpckpt._format.manifestfields import tensor_to_json
 from ddpckpt._format.shardgrid import SHARD_WRITERS, cells_overlapping
 from ddpckpt._format.shardindex import ShardIndex, index_document
 from ddpckpt._format.tensorfile import CHUNK, FileEntry, TensorEntry

@@ -143,12 +143,12 @@ def test_a_data_write_queued_right_after_an_overlap_save_is_caught(
 def test_a_digest_allocates_nothing_the_size_of_the_tensor() -> None:
     """The save-time sum runs on the training stream: widening every word to 64 bits first
     took twice the tensor's size in GPU memory at every overlap save."""
-    from ddpckpt._io import staging
+    from ddpckpt._io import copy_checks
 
     for dtype, numel in ((torch.float32, 64 << 20), (torch.bfloat16, (64 << 20) + 1)):
         x = torch.ones(numel, dtype=dtype, device="cuda")
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        int(staging._digest(x))
+        int(copy_checks.digest(x))
         assert torch.cuda.max_memory_allocated() - before < 128 << 20, dtype  # one chunk

@@ -14,7 +14,8 @@ from torch import nn
 import ddpckpt
 from conftest import make_mlp
 from ddpckpt._format.manifest import read_manifest
-from ddpckpt._format.sections import ModelSection, OptimizerSection, StateSections, layout_of
+from ddpckpt._format.sections import ModelSection, OptimizerSection, StateSections
+from ddpckpt._format.statelayout import layout_of
 from ddpckpt.errors import CorruptCheckpointError
 from stored import assert_loaded_as_stored, assert_near_optimizer
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ddpckpt
+import ddpckpt._io.copy_checks as copy_checks
 import ddpckpt._io.staging as staging
 from conftest import make_mlp, train_steps
 from ddpckpt import Checkpointer
@@ -62,8 +63,9 @@ def fake_digests(monkeypatch) -> list[object]:
     """Digests of fake tensors: what ``bytes_now`` says they hold. Returns the tensors
     digested, in order."""
     summed: list[object] = []
-    monkeypatch.setattr(staging, "_digest", lambda t: summed.append(t) or t.bytes_now)
-    monkeypatch.setattr(staging, "_fetch", list)
+    # staging's copies call copy_checks.digest by the name staging imported it under
+    monkeypatch.setattr(staging, "digest", lambda t: summed.append(t) or t.bytes_now)
+    monkeypatch.setattr(copy_checks, "_fetch", list)
     return summed
 
 
@@ -167,7 +169,8 @@ def test_deferred_copies_wait_on_every_device(monkeypatch) -> None:
     monkeypatch.setattr(staging, "_cuda", cuda)
     fake_digests(monkeypatch)
     deferred = [
-        staging.Deferred(f"t{i}", FakeHost(), FakeGpuTensor(cuda, i, f"t{i}"), 0) for i in (2, 0, 3)
+        copy_checks.Deferred(f"t{i}", FakeHost(), FakeGpuTensor(cuda, i, f"t{i}"), 0)
+        for i in (2, 0, 3)
     ]
     earlier = FakeEvent(cuda)
     fence = staging._copy_later(deferred, [earlier])
@@ -184,7 +187,7 @@ def test_a_cuda_tensor_written_before_its_copy_landed_is_copied_again(monkeypatc
     monkeypatch.setattr(staging, "_cuda", cuda)
     fake_digests(monkeypatch)
     sources = [FakeGpuTensor(cuda, 0, name) for name in ("kept", "written")]
-    deferred = [staging.Deferred(s.name, FakeHost(), s, 0) for s in sources]
+    deferred = [copy_checks.Deferred(s.name, FakeHost(), s, 0) for s in sources]
     reported: list[list[str]] = []
     cuda.landing.clear()
     fence = staging._copy_later(deferred, [], reported.append)
@@ -227,7 +230,7 @@ def deferred_copy_of(monkeypatch, written: type[FakeHost]) -> tuple[list[list[st
     summed = fake_digests(monkeypatch)
     sources = [FakeGpuTensor(cuda, 0, name) for name in ("kept", "written")]
     hosts = [FakeHost(), written()]
-    deferred = [staging.Deferred(s.name, h, s, 0) for s, h in zip(sources, hosts, strict=True)]
+    deferred = [copy_checks.Deferred(s.name, h, s, 0) for s, h in zip(sources, hosts, strict=True)]
     reported: list[list[str]] = []
     staging._copy_later(deferred, [], reported.append).wait()
     # The check and the copy taken again read the GPU's bytes on the GPU: a host-side sum
@@ -250,24 +253,24 @@ def test_a_cuda_tensor_written_through_data_after_save_is_caught(monkeypatch, wr
 
 def test_a_digest_sums_the_bytes_of_any_dtype() -> None:
     for tensor in (torch.arange(6, dtype=torch.float16), torch.ones(3, dtype=torch.bool)):
-        assert int(staging._digest(tensor)) == int(staging._digest(tensor.clone()))
+        assert int(copy_checks.digest(tensor)) == int(copy_checks.digest(tensor.clone()))
     x = torch.arange(8, dtype=torch.float32)
     y = x.clone()
     y[5] = -1
-    assert int(staging._digest(x)) != int(staging._digest(y))
+    assert int(copy_checks.digest(x)) != int(copy_checks.digest(y))
     # a view at a 2-byte offset is summed as bytes, and sees a write to any of them
     flat = torch.arange(9, dtype=torch.bfloat16)
     view = flat[1:]
-    before = int(staging._digest(view))
+    before = int(copy_checks.digest(view))
     flat[8] = 100
-    assert int(staging._digest(view)) != before
+    assert int(copy_checks.digest(view)) != before
 
 
 def test_a_digest_of_bytes_one_by_one_is_summed_in_chunks(monkeypatch) -> None:
-    monkeypatch.setattr(staging, "_DIGEST_CHUNK", 7)
+    monkeypatch.setattr(copy_checks, "_DIGEST_CHUNK", 7)
     raw = torch.arange(51, dtype=torch.uint8) * 5  # 51 bytes: neither 32- nor 64-bit words
-    assert int(staging._digest(raw)) == int(raw.to(torch.int64).sum())
-    assert int(staging._digest(raw[:0])) == 0
+    assert int(copy_checks.digest(raw)) == int(raw.to(torch.int64).sum())
+    assert int(copy_checks.digest(raw[:0])) == 0
 
 
 @pytest.mark.parametrize("how", ["no_grad", "data"])
@@ -285,7 +288,7 @@ def test_a_cpu_tensor_written_during_its_deferred_copy_is_copied_again(how) -> N
         gate.wait(30)
 
     with mock.patch.object(staging, "_copy", held_copy):
-        deferred = [staging.Deferred("w", host, source.detach(), source._version)]
+        deferred = [copy_checks.Deferred("w", host, source.detach(), source._version)]
         fence = staging._copy_later(deferred, [], reported.append)
         assert copied.wait(30)
         if how == "data":
@@ -602,12 +605,12 @@ def test_a_tensor_that_keeps_changing_while_copied_again_fails_the_save() -> Non
     from ddpckpt.errors import CheckpointWriteError
 
     reported: list[list[str]] = []
-    check = staging._checked([staging.Deferred("w", Sink(), Restless(), 0)], reported.append)
+    check = staging._checked([copy_checks.Deferred("w", Sink(), Restless(), 0)], reported.append)
     with pytest.raises(CheckpointWriteError, match="w kept changing while they were copied"):
         check()
     assert reported == []  # nothing claims a good copy
 
 
 def test_digests_are_fetched_once_per_device() -> None:
-    assert staging._fetch([torch.tensor(3), torch.tensor(-5), torch.tensor(7)]) == [3, -5, 7]
-    assert staging._fetch([]) == []
+    assert copy_checks._fetch([torch.tensor(3), torch.tensor(-5), torch.tensor(7)]) == [3, -5, 7]
+    assert copy_checks._fetch([]) == []

@@ -640,6 +640,7 @@ def scenario_one_rank_fails(args, rank: int) -> dict[str, Any]:
     """One ddpckpt call per phase of a save or load, each failing on one rank only (a
     different one from phase to phase): what every rank raised, and when."""
     import ddpckpt._io.load as load_module
+    import ddpckpt._io.planning as planning_module
     import ddpckpt._io.staging as staging_module
     import ddpckpt._run.saving as saving_module
     from ddpckpt._io.async_saver import DEFAULT_SAVER
@@ -652,12 +653,12 @@ def scenario_one_rank_fails(args, rank: int) -> dict[str, Any]:
     enomem = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 GB")
     phases = {  # phase: (failing rank, module, function, what it raises)
         "staging": (1, DEFAULT_SAVER.pool, "stage", enomem),
-        "planning": (2, checkpoint_module, "plan_owners", enomem),
+        "planning": (2, planning_module, "plan_owners", enomem),
         "writing": (1, checkpoint_module, "write_file", OSError(errno.ENOSPC, "No space left")),
         "fences": (2, staging_module.Fence, "wait", RuntimeError("CUDA error: illegal access")),
         "commit": (0, checkpoint_module, "_commit", OSError(errno.EIO, "Input/output error")),
         "retention": (0, saving_module, "apply_retention", interrupt),
-        "load": (2, load_module, "_restore", interrupt),
+        "load": (2, load_module, "restore_objects", interrupt),
     }
     run_dir = os.path.join(args.ckpt, "run")
     ckpt = ddpckpt.Checkpointer(run_dir, model=ddp, optimizer=opt, keep_last=1)

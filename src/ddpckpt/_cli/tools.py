@@ -20,8 +20,9 @@ import torch
 from ddpckpt._format.codec import JSON
 from ddpckpt._format.manifest import Manifest, read_manifest
 from ddpckpt._format.rankparts import fill_rank_parts
-from ddpckpt._format.sections import ROLE_KEYS, StateSections
+from ddpckpt._format.sections import StateSections
 from ddpckpt._format.shards import Piece, ShardedEntry
+from ddpckpt._format.statelayout import ROLE_KEYS
 from ddpckpt._io.reader import FileSource, all_pieces, find_problems
 from ddpckpt._run.rundir import size_problems
 from ddpckpt.errors import (

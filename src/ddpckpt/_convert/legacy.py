@@ -18,7 +18,7 @@ Understood layouts:
   ``HuggingFaceStorageWriter``, ``save_pretrained``;
 * a Hugging Face ``Trainer`` ``checkpoint-N`` or an Accelerate ``save_state`` directory
   (:mod:`ddpckpt._convert.hf`), written as the objects ddpckpt's integrations save, each
-  process's random streams in that rank's file (:func:`~ddpckpt._io.writing.add_ranks`).
+  process's random streams in that rank's file (:func:`~ddpckpt._io.planning.add_ranks`).
 
 ``module.`` (DDP/DataParallel) and ``_orig_mod.`` (torch.compile) prefixes are removed.
 The file is read by :mod:`ddpckpt._convert.torchfile`: ``torch.load(weights_only=True)``
@@ -54,16 +54,15 @@ from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import encode
 from ddpckpt._format.manifest import MANIFEST_NAME
 from ddpckpt._format.sections import (
-    NAMED,
-    SINGLE,
     ExtraEntry,
-    Layout,
     ModelSection,
     OptimizerSection,
     StatefulSection,
     StateSections,
 )
-from ddpckpt._io.writing import add_ranks, header_fields, plan_write, write_and_commit
+from ddpckpt._format.statelayout import NAMED, SINGLE, Layout
+from ddpckpt._io.planning import add_ranks, plan_write
+from ddpckpt._io.writing import header_fields, write_and_commit
 from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot
 from ddpckpt._state.rng import numpy_key_as_tensor

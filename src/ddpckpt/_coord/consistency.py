@@ -2,7 +2,7 @@
 
 ddpckpt writes a replicated tensor once, from one rank. That is right only if every rank
 holds the same bytes, so :func:`check_replicated` (collective, every rank calls it from
-:func:`ddpckpt._io.writing.plan_write`) compares xxh3 digests across ranks, one small list
+:func:`ddpckpt._io.planning.plan_write`) compares xxh3 digests across ranks, one small list
 per rank through the store:
 
 * tensors nothing keeps identical (``Snapshot.unverified``: a model without DDP, a

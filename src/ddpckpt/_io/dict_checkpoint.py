@@ -23,9 +23,11 @@ from ddpckpt import _observe, events
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.codec import decode, encode
 from ddpckpt._format.manifest import MANIFEST_NAME, read_manifest
-from ddpckpt._format.sections import DICT_KEY, DictSection, StateSections
+from ddpckpt._format.sections import DictSection, StateSections
+from ddpckpt._format.statelayout import DICT_KEY
+from ddpckpt._io.planning import plan_write
 from ddpckpt._io.reader import FileSource
-from ddpckpt._io.writing import header_fields, plan_write, write_and_commit
+from ddpckpt._io.writing import header_fields, write_and_commit
 from ddpckpt._observe import Access
 from ddpckpt._state.snapshot import Snapshot
 from ddpckpt.errors import CheckpointNotFoundError, StateMismatchError

@@ -4,8 +4,9 @@
 with the same arguments (rank 0's path is used everywhere); it works unchanged in a single
 process. It finds the checkpoint on every rank (repairing node-local copies,
 :mod:`ddpckpt._coord.replicate`), checks every object against it, then reads checksum-verified
-tensors (:class:`~ddpckpt._io.reader.FileSource`) into the live objects through
-:mod:`ddpckpt._state`. A failure on any rank raises the same error on every rank.
+tensors (:class:`~ddpckpt._io.reader.FileSource`) into the live objects
+(:mod:`ddpckpt._io.restore`, through :mod:`ddpckpt._state`). A failure on any rank raises
+the same error on every rank.
 """
 
 from __future__ import annotations
@@ -20,23 +21,17 @@ from torch import nn
 
 from ddpckpt import _observe
 from ddpckpt._coord.comm import Comm
-from ddpckpt._format.codec import decode
 from ddpckpt._format.manifest import Manifest, read_manifest
 from ddpckpt._format.rankparts import rank_has, rank_part
-from ddpckpt._format.sections import Layout, StateSections
 from ddpckpt._io.async_saver import DEFAULT_SAVER, wait_for_live_copies
 from ddpckpt._io.load_checks import check_state
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.reader import CheckpointInfo, FileSource, read_metrics
+from ddpckpt._io.restore import Began, restore_objects
 from ddpckpt._log import get_logger
 from ddpckpt._observe import Access, Loaded
 from ddpckpt._state.capture import TrainingState
-from ddpckpt._state.ddp_buckets import restore_buckets
-from ddpckpt._state.model import restore_model, restore_rank_buffers
-from ddpckpt._state.objects import restore_stateful
-from ddpckpt._state.optimizer import param_names, restore_optimizer
 from ddpckpt._state.partial import clear, mark
-from ddpckpt._state.rng import derive_rng, restore_rng
 from ddpckpt.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -142,11 +137,11 @@ def load(
                 read_metrics(manifest, path)  # what the info returns: damage found before writing
 
             comm.run("check", _unless_changed(path, manifest, check))
-            began = _Began()
+            began = Began()
             restore = _unless_changed(
                 path,
                 manifest,
-                lambda: _restore(manifest, source, state, strict, path, comm.rank, began),
+                lambda: restore_objects(manifest, source, state, strict, path, comm.rank, began),
             )
             info = _restore_on_every_rank(comm, path, state, restore, began)
     _observe.tell(Loaded(path, state, info))
@@ -200,13 +195,6 @@ def none_loaded(
 
 
 @dataclass
-class _Began:
-    """Whether this rank's restore began writing into the live objects."""
-
-    writing: bool = False
-
-
-@dataclass
 class _Attempt:
     """This rank's restore: its result, or what stopped it."""
 
@@ -219,7 +207,7 @@ def _restore_on_every_rank(
     path: str,
     state: TrainingState,
     restore: Callable[[], CheckpointInfo],
-    began: _Began,
+    began: Began,
 ) -> CheckpointInfo:
     """Run ``restore`` on every rank; collective. Returns this rank's info when it succeeded
     on every rank, and clears the objects' marks (:mod:`ddpckpt._state.partial`).
@@ -385,131 +373,3 @@ def own_tensors(manifest: Manifest, rank: int, path: str) -> dict[str, str]:
             rank,
         )
     return {}
-
-
-def _restore(
-    manifest: Manifest,
-    source: FileSource,
-    state: TrainingState,
-    strict: bool,
-    path: str,
-    rank: int,
-    began: _Began,
-) -> CheckpointInfo:
-    """Write the checkpoint's state into the objects of ``state``; local. ``began`` says
-    from when a failure leaves them partly restored: tensors are read straight into the
-    live ones, and verified as they are read, so from the first object on."""
-    stored = StateSections.from_json(manifest.state, path)
-    layout = stored.layout
-    began.writing = True
-    for name, model in state.models.items():
-        section = stored.models[name]
-        restore_model(model, section, source, path, strict, layout.model_prefix(name))
-        _restore_rank_buffers(manifest, layout, name, model, source, path, rank)
-        restore_buckets(
-            model, section.ddp_buckets, path, f"model {name!r}" if layout.named else "the model"
-        )
-    names = param_names(state.models, layout)
-    for name, optimizer in state.optimizers.items():
-        restore_optimizer(optimizer, names, stored.optimizers[name], source, path)
-    for role in ("schedulers", "scalers"):
-        for name, obj in getattr(state, role).items():
-            restore_stateful(obj, getattr(stored, role)[name].state, source, path)
-    values: dict[str, Any] = {}
-    for name, entry in stored.extra.items():
-        if entry.kind == "value":
-            values[name] = decode(entry.state, lambda n: source.get(n).clone(), where=path)
-    for name, obj in list(state.extra.items()):
-        entry = stored.extra[name]
-        if entry.kind == "stateful":
-            restore_stateful(obj, entry.state, source, path)
-        elif entry.kind == "per_rank":
-            owner = _per_rank_owner(manifest, name, rank, path)
-            own = rank_part(manifest, path, owner)["extra"][name]
-            restore_stateful(obj, own, source.for_rank(owner), path)
-        else:
-            state.set_value(name, values[name])
-    if state.rng:
-        _restore_rng(manifest, source, path, rank)
-    _log.info("loaded checkpoint %s (step %s)", path, manifest.step)
-    return CheckpointInfo.from_manifest(path, manifest, values)
-
-
-def _restore_rank_buffers(
-    manifest: Manifest,
-    layout: Layout,
-    name: str,
-    model: nn.Module,
-    source: FileSource,
-    path: str,
-    rank: int,
-) -> None:
-    """This rank's own buffers of model ``name``, saved under ``broadcast_buffers=False``."""
-    key = layout.buffers_key + (f"/{name}" if layout.named else "")
-    if not rank_has(manifest, key):
-        return
-    if rank < manifest.world_size:
-        encoded = layout.rank_buffers(rank_part(manifest, path, rank), name)
-        if encoded is not None:
-            restore_rank_buffers(model, encoded, source.for_rank(rank), path)
-            return
-    _log.warning(
-        "%s: saved with %d ranks and per-rank buffers (broadcast_buffers=False); rank %d "
-        "has none stored and starts from rank 0's buffers",
-        path,
-        manifest.world_size,
-        rank,
-    )
-
-
-def _per_rank_owner(manifest: Manifest, name: str, rank: int, path: str) -> int:
-    """Whose saved per-rank state ``rank`` loads: its own, or rank 0's if it has none."""
-    if rank < manifest.world_size:
-        if name not in rank_part(manifest, path, rank).get("extra", {}):
-            raise CorruptCheckpointError(
-                f"{path}: no per-rank state of extra[{name!r}] for rank {rank}"
-            )
-        return rank
-    _log.warning(
-        "%s: saved with %d ranks, so rank %d has no extra[%r] state of its own; it starts from rank 0's",
-        path,
-        manifest.world_size,
-        rank,
-        name,
-    )
-    return 0
-
-
-def _restore_rng(manifest: Manifest, source: FileSource, path: str, rank: int) -> None:
-    if not rank_has(manifest, "rng"):
-        _log.warning(
-            "%s: the checkpoint holds no RNG state; random generators left as they are", path
-        )
-        return
-    if rank < manifest.world_size:
-        mine = rank_part(manifest, path, rank)
-        if "rng" not in mine:
-            raise CorruptCheckpointError(f"{path}: no RNG state stored for rank {rank}")
-        rank_source = source.for_rank(rank)
-        state = decode(mine["rng"], lambda n: rank_source.get(n).clone(), where=path)
-        restore_rng(state, f"{path} (rank {rank})")
-        return
-    first = 0 if "rng" in rank_part(manifest, path, 0) else _first_with_rng(manifest, path)
-    rank0 = source.for_rank(first)
-    base = decode(
-        rank_part(manifest, path, first)["rng"], lambda n: rank0.get(n).clone(), where=path
-    )
-    _log.warning(
-        "%s: saved with %d ranks, so rank %d has no stored RNG state; seeding its generators "
-        "deterministically from rank %d's state and its rank number",
-        path,
-        manifest.world_size,
-        rank,
-        first,
-    )
-    restore_rng(derive_rng(base, rank), f"{path} (derived for rank {rank})")
-
-
-def _first_with_rng(manifest: Manifest, path: str) -> int:
-    """The first rank that stored RNG state (rank 0 did not: only in old checkpoints)."""
-    return next(r for r in range(manifest.world_size) if "rng" in rank_part(manifest, path, r))

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from ddpckpt._format.manifest import Manifest
-from ddpckpt._format.sections import ROLE_KEYS, Layout, StateSections
+from ddpckpt._format.sections import StateSections
+from ddpckpt._format.statelayout import ROLE_KEYS, Layout
 from ddpckpt._io.reader import FileSource
 from ddpckpt._state.capture import TrainingState
 from ddpckpt._state.model import check_model

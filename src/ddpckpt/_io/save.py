@@ -23,7 +23,8 @@ from ddpckpt._coord.failures import shorten
 from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import DEFAULT_SAVER, async_mode
 from ddpckpt._io.background import PendingSave
-from ddpckpt._io.writing import header_fields, plan_write, write_and_commit
+from ddpckpt._io.planning import plan_write
+from ddpckpt._io.writing import header_fields, write_and_commit
 from ddpckpt._observe import Access, Saved
 from ddpckpt._state.capture import Snapshot, TrainingState, capture
 from ddpckpt.storage._registry import configure

@@ -1,6 +1,6 @@
 """The part of a save's plan that may wait until its tensors are copied.
 
-:func:`~ddpckpt._io.writing.plan_write` decides who writes what as if every unverified
+:func:`~ddpckpt._io.planning.plan_write` decides who writes what as if every unverified
 tensor (nothing keeps it identical: an EMA in ``extra``, a model without DDP) were the
 same on every rank. :func:`settle_plan` then compares them, stores those that differ per
 rank, and, when the checkpoint has several storage domains, sends every rank's file to

@@ -20,19 +20,9 @@ fence is waited on: parameters and optimizer state, which change only in
 ``optimizer.step()``. Work queued on other streams than a device's current one is not
 ordered before the copies.
 
-That assumption is checked, not trusted: each deferred tensor's version counter is read
-when it is staged and again once its copy has landed, and, for writes through ``.data``
-(which leave the counter alone), a CPU tensor's copy is compared with the tensor itself and
-a CUDA tensor's bytes are summed on its GPU twice: when it is staged, on its device's
-current stream (so before any kernel the training thread queues later), and right after
-its copy read them, on the copy's stream. Sums that differ mean a write landed before or
-while the copy read the tensor: a copy that may not hold the value as of the save, torn or
-whole, is caught, and nothing is summed on the host (a host-side sum of a 4 GB state took
-seconds, which the next ``optimizer.step()`` waited for). Not caught: a write undone
-before the second sum, one that only moves words around, one from a stream the current
-stream did not wait for, and writes through ``.data`` to non-contiguous tensors.
-A tensor written in between is copied again at once, so the checkpoint is never torn, and
-reported to the fence's ``on_written`` (the saver warns and stops deferring it).
+That assumption is checked, not trusted (:mod:`ddpckpt._io.copy_checks`): a tensor
+written in between is copied again at once, so the checkpoint is never torn, and reported
+to the fence's ``on_written`` (the saver warns and stops deferring it).
 
 CUDA copies are grouped by the source tensor's device, and each group has its own
 stream and event on its own device. Waiting on the current device alone would let a
@@ -46,12 +36,13 @@ import errno
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from ddpckpt._format.tensorfile import tensor_nbytes
+from ddpckpt._io.copy_checks import Deferred, differs, digest, written_since_staged
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointWriteError
 
@@ -60,19 +51,6 @@ _ALIGN = 64
 _cuda: Any = torch.cuda  # the CUDA calls staging makes, replaceable in CPU-only tests
 
 _Pair = tuple[torch.Tensor, torch.Tensor]  # (host destination, source)
-
-
-@dataclass(frozen=True)
-class Deferred:
-    """A copy left to the background and the source's version counter when staged; for a
-    contiguous CUDA source, also two :func:`_digest` of its bytes on its device: as of the
-    save, and right after the copy read them."""
-
-    name: str
-    host: torch.Tensor
-    source: torch.Tensor
-    version: int
-    digests: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Fence:
@@ -281,8 +259,8 @@ def _start_copies(
     CPU sources are copied before this returns. Each CUDA device's copies are queued on a
     new stream of that device which first waits for the device's current stream, so they
     see the values as of now while the training thread goes on. With ``digests``, each
-    contiguous CUDA source's :func:`_digest` is queued right after its copy, on the same
-    stream, by ``id()`` of its host copy.
+    contiguous CUDA source's :func:`~ddpckpt._io.copy_checks.digest` is queued right after
+    its copy, on the same stream, by ``id()`` of its host copy.
     """
     events = []
     for device, group in by_device(pairs).items():
@@ -297,7 +275,7 @@ def _start_copies(
                     host.copy_(tensor, non_blocking=True)
                     tensor.record_stream(stream)  # not reused by the allocator meanwhile
                     if digests is not None and tensor.is_contiguous():
-                        digests[id(host)] = _digest(tensor)
+                        digests[id(host)] = digest(tensor)
                 event = _cuda.Event()
                 event.record(stream)
         events.append((device, event))
@@ -317,7 +295,7 @@ def _digests_now(deferred: Sequence[Deferred]) -> tuple[dict[int, torch.Tensor],
         with _cuda.device(device):
             for host, source in group:
                 if source.is_contiguous():
-                    digests[id(host)] = _digest(source)
+                    digests[id(host)] = digest(source)
             event = _cuda.Event()
             event.record(_cuda.current_stream(device))
         events.append(event)
@@ -328,82 +306,6 @@ def _copy(pairs: Sequence[_Pair]) -> None:
     """Copy pairs whose sources are not on a CUDA device (blocking)."""
     for host, tensor in pairs:
         host.copy_(tensor)
-
-
-def written_since_staged(deferred: Sequence[Deferred]) -> list[Deferred]:
-    """The deferred copies whose source was written after it was staged. Call it once the
-    copies (and digests) have landed. Written means: its version counter moved; or, for
-    writes through ``.data``, which leave the counter alone, a CPU source no longer equals
-    its copy, or a CUDA source's bytes as of the save differ from its bytes right after the
-    copy read them (a write that landed before or while the copy read it: the copy may not
-    hold the saved value). Both CUDA digests are sums on the GPU: nothing is summed on the
-    host. Other devices: the counter only."""
-    summed = [d for d in deferred if d.digests is not None]
-    values = _fetch([digest for d in summed for digest in d.digests or ()])
-    pairs = {id(d): (values[2 * i], values[2 * i + 1]) for i, d in enumerate(summed)}
-    return [d for d in deferred if _differs(d, pairs.get(id(d)))]
-
-
-def _fetch(digests: list[torch.Tensor]) -> list[int]:
-    """The values of device digests, one transfer per device."""
-    values: dict[int, int] = {}
-    by_device: dict[Any, list[int]] = {}
-    for i, digest in enumerate(digests):
-        by_device.setdefault(digest.device, []).append(i)
-    for indices in by_device.values():
-        stacked = torch.stack([digests[i] for i in indices]).tolist()
-        values.update(zip(indices, stacked, strict=True))
-    return [values[i] for i in range(len(digests))]
-
-
-def _differs(d: Deferred, digests: tuple[int, int] | None) -> bool:
-    """Whether ``d``'s copy may not hold its source as staged (``digests``: the values of
-    its CUDA digests, as of the save and after the copy)."""
-    if d.source._version != d.version:
-        return True
-    if d.source.device.type == "cpu":
-        return not torch.equal(_as_compared(d.host), _as_compared(d.source))
-    return digests is not None and digests[0] != digests[1]
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)  # NaNs compare as the bytes they are
-
-
-def _as_compared(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s bytes as 64-bit words where they divide so and are aligned (eight times
-    fewer elements to compare than bytes), else as bytes."""
-    flat = _as_bytes(tensor)
-    if flat.numel() % 8 == 0 and flat.data_ptr() % 8 == 0:
-        return flat.view(torch.int64)
-    return flat
-
-
-_DIGEST_CHUNK = 16 << 20  # bytes widened at a time when a tensor's bytes are summed one by one
-
-
-def _digest(tensor: torch.Tensor) -> torch.Tensor:
-    """The sum (wrapping) of a contiguous tensor's bytes on its device, as 64-bit or 32-bit
-    words where they divide so and its data is aligned to them, else as single bytes: equal
-    bytes give equal sums, and a GPU reads them at memory speed, far faster than the copy
-    to the host. Each sum accumulates in its words' own type, so it allocates nothing the
-    size of the tensor (a sum of 32-bit words into 64 bits widened a copy of all of them
-    first); single bytes are widened a chunk at a time."""
-    flat = _as_bytes(tensor)
-    nbytes, at = flat.numel(), flat.data_ptr()
-    if nbytes % 8 == 0 and at % 8 == 0:
-        return flat.view(torch.int64).sum()
-    if nbytes % 4 == 0 and at % 4 == 0:
-        return flat.view(torch.int32).sum(dtype=torch.int32)
-    parts = [
-        flat[i : i + _DIGEST_CHUNK].to(torch.int32).sum(dtype=torch.int32)
-        for i in range(0, nbytes, _DIGEST_CHUNK)
-    ]
-    return (
-        torch.stack(parts).sum(dtype=torch.int32)
-        if parts
-        else flat.new_zeros((), dtype=torch.int32)
-    )
 
 
 _RECOPIES = 3  # tries at a copy nothing writes meanwhile, before the save fails
@@ -418,12 +320,12 @@ def _recopy(d: Deferred) -> bool:
             _cuda.synchronize(d.source.device)  # the writes of every stream, the user's own too
         taken = replace(d, version=d.source._version)
         if d.source.is_cuda and d.source.is_contiguous():
-            before = int(_digest(d.source))
+            before = int(digest(d.source))
             d.host.copy_(d.source)
-            digests = (before, int(_digest(d.source)))
+            digests = (before, int(digest(d.source)))
         else:
             d.host.copy_(d.source)
-        if not _differs(taken, digests):
+        if not differs(taken, digests):
             return True
     return False
 
@@ -461,8 +363,8 @@ def _copy_later(
 ) -> Fence:
     """The fence of ``events`` and of copying ``deferred`` in the background: a helper
     thread waits for the copies (CUDA: queued on side streams here; CPU: made there), then
-    checks them (see :func:`written_since_staged`), so that a waiter on the training
-    thread pays for neither."""
+    checks them (see :func:`~ddpckpt._io.copy_checks.written_since_staged`), so that a
+    waiter on the training thread pays for neither."""
     if not deferred:
         return Fence(events=events)
     pairs = [(d.host, d.source) for d in deferred]

@@ -1,5 +1,5 @@
 """What this rank writes for one checkpoint: the :class:`WritePlan` that
-:func:`~ddpckpt._io.writing.plan_write` makes, :func:`~ddpckpt._io.settling.settle_plan`
+:func:`~ddpckpt._io.planning.plan_write` makes, :func:`~ddpckpt._io.settling.settle_plan`
 finishes and :func:`~ddpckpt._io.writing.write_and_commit` carries out."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ FILE_METADATA = {"format": "pt", "writer": "ddpckpt"}  # the header of every fil
 
 @dataclass
 class WritePlan:
-    """What this rank writes for one checkpoint (see :func:`~ddpckpt._io.writing.plan_write`).
+    """What this rank writes for one checkpoint (see :func:`~ddpckpt._io.planning.plan_write`).
 
     Until :func:`~ddpckpt._io.settling.settle_plan` has run, ``items`` assumes that the
     ``pending`` tensors (unverified: nothing keeps them identical) are the same on every

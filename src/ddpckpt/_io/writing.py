@@ -1,11 +1,12 @@
-"""Writing a checkpoint collectively: plan who writes what, then write and commit.
+"""Writing a checkpoint collectively: plan who writes what (:mod:`ddpckpt._io.planning`),
+then write and commit.
 
 Every rank calls both steps, in order:
 
-1. :func:`plan_write` checks that every rank holds the same shared tensors, finds the
-   storage domains and assigns each tensor to exactly one rank of each domain (balanced
-   by bytes; tensors that are not replicated under DDP go to rank 0's copy). It returns
-   this rank's :class:`~ddpckpt._io.write_plan.WritePlan`.
+1. :func:`~ddpckpt._io.planning.plan_write` checks that every rank holds the same shared
+   tensors, finds the storage domains and assigns each tensor to exactly one rank of each
+   domain (balanced by bytes; tensors that are not replicated under DDP go to rank 0's
+   copy). It returns this rank's :class:`~ddpckpt._io.write_plan.WritePlan`.
 2. :func:`write_and_commit` settles what the plan left open (:mod:`ddpckpt._io.settling`:
    comparing the unverified tensors, the copies for other storage domains), then has the
    first rank of each domain create a temporary directory, every rank stream its files
@@ -21,9 +22,8 @@ from __future__ import annotations
 
 import copy
 import errno
-import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -32,39 +32,21 @@ import torch
 import xxhash
 
 from ddpckpt import events
-from ddpckpt._coord.comm import Comm
-from ddpckpt._coord.consistency import check_replicated
-from ddpckpt._coord.plan import Partners, file_names, plan_owners
-from ddpckpt._coord.topology import storage_domains
+from ddpckpt._coord.plan import Partners, file_names
 from ddpckpt._format import filetable
 from ddpckpt._format.codec import encode
-from ddpckpt._format.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    file_from_json,
-    file_to_json,
-    read_manifest,
-    tensor_from_json,
-    tensor_to_json,
-)
+from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, file_to_json, read_manifest
+from ddpckpt._format.manifestfields import file_from_json, tensor_from_json, tensor_to_json
 from ddpckpt._format.rankparts import rank_keys
 from ddpckpt._format.shardgrid import SHARD_WRITERS, replicas
 from ddpckpt._format.shardindex import index_document, index_name
 from ddpckpt._format.tensorfile import CHUNK, FileEntry, tensor_nbytes
-from ddpckpt._format.tensorwrite import serialize, write_file
+from ddpckpt._format.tensorwrite import write_file
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.settling import settle_plan
-from ddpckpt._io.shardwrite import (
-    ShardWrites,
-    expected_pieces,
-    piece_json,
-    piece_key,
-    plan_shards,
-    shard_specs,
-)
-from ddpckpt._io.write_plan import FILE_METADATA, WritePlan, rank_metadata
+from ddpckpt._io.shardwrite import expected_pieces, piece_json, piece_key, shard_specs
+from ddpckpt._io.write_plan import FILE_METADATA, WritePlan
 from ddpckpt._log import get_logger
-from ddpckpt._state.capture import Snapshot
 from ddpckpt._state.zero import merge_owned_state
 from ddpckpt.errors import (
     CheckpointError,
@@ -96,105 +78,6 @@ def header_fields(
             )
         plain[key] = value
     return {"step": step, "epoch": epoch, "metrics": encode(plain, "metrics", {})}
-
-
-def plan_write(
-    comm: Comm,
-    snapshot: Snapshot,
-    header: Mapping[str, Any],
-    *,
-    overwrite: bool = False,
-    storage: str | None = None,
-    domains: list[list[int]] | None = None,
-    partners: int | None = None,
-) -> WritePlan:
-    """Decide this rank's part of writing ``snapshot`` to ``comm.path``; collective.
-
-    What may wait until the tensors are copied (comparing the unverified ones, this rank's
-    file, the copies for other storage domains) is left to
-    :func:`~ddpckpt._io.settling.settle_plan`, which :func:`write_and_commit` runs first.
-    """
-    if comm.path is None:
-        raise ValueError("plan_write needs a Comm opened with a path")
-    path = comm.path
-    check_replicated(comm, snapshot)
-    if domains is None:
-        with storage_errors(path):  # creating the parent directory may fail
-            domains = storage_domains(comm, storage_for(path).parent(path), storage)
-    pending = sorted(snapshot.unverified)
-    movable = snapshot.balanced | snapshot.unverified  # until the pending ones are compared
-
-    def share() -> tuple[dict[str, int], ShardWrites]:  # this rank's own work
-        shards = plan_shards(snapshot, domains, comm.rank, comm.world_size)
-        sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
-        domain = next(d for d in domains if comm.rank in d)
-        return plan_owners(sizes, domain, movable), shards
-
-    owners, shards = comm.alone(share)
-    rank_items = [(f"rank{comm.rank}/{n}", t) for n, t in snapshot.rank_tensors.items()]
-    rank_bytes = sum(tensor_nbytes(t) for _, t in rank_items) + len(json.dumps(snapshot.rank_state))
-    plan = WritePlan(
-        comm=comm,
-        path=path,
-        header=header,
-        overwrite=overwrite,
-        domains=domains,
-        items=[(n, t) for n, t in snapshot.tensors.items() if owners[n] == comm.rank]
-        + shards.items,
-        order=list(snapshot.tensors),
-        needed=sum(tensor_nbytes(t) for t in snapshot.tensors.values()) + shards.nbytes,
-        shared_state=snapshot.state,
-        movable=movable,
-        rank_items=rank_items,
-        rank_state=dict(snapshot.rank_state),
-        pending=pending,
-        may_differ=frozenset(snapshot.may_differ),
-        unsynced=dict(snapshot.unsynced),
-        checked=[(n, snapshot.tensors[n]) for n in pending if owners[n] != comm.rank],
-        shards=shards,
-        owned_state=snapshot.owned_state,
-        keepers=partners,
-    )
-    plan.needed += plan.kept * (rank_bytes + 4096)  # the rank files this copy keeps
-    return plan
-
-
-def add_ranks(
-    plan: WritePlan, parts: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]
-) -> None:
-    """Have ``plan`` (a local one: one process writes the whole checkpoint) also write the
-    per-rank files of ranks 1, 2, ...: ``parts`` holds each one's encoded per-rank state and
-    its tensors, as a rank's :class:`Snapshot` would. The checkpoint is then one of
-    ``1 + len(parts)`` ranks, as if each had saved its own (an import of a job's per-rank
-    random streams); local."""
-    if plan.comm.world_size != 1:
-        raise ValueError("add_ranks is for a checkpoint one process writes alone")
-    for rank, (state, tensors) in enumerate(parts, start=1):
-        items = [(f"rank{rank}/{n}", t) for n, t in tensors.items()]
-        blob, entry, _ = serialize(
-            file_names(rank)["rank"], items, writer=0, metadata=rank_metadata(state)
-        )
-        plan.foreign[rank] = blob
-        plan.alone[rank] = {
-            "rank_keys": rank_keys(state),
-            "rank_file": {"name": entry.name, **file_to_json(entry)},
-        }
-        plan.needed += len(blob) + 4096
-
-
-def staging_share(snapshot: Snapshot, domains: list[list[int]], rank: int) -> list[torch.Tensor]:
-    """The tensors ``rank`` would copy for ``snapshot`` in an asynchronous save (as
-    :func:`plan_write` assigns them), for sizing its staging buffer before the first save;
-    local."""
-    domain = next(d for d in domains if rank in d)
-    shards = plan_shards(snapshot, domains, rank, 1)
-    sizes = {n: tensor_nbytes(t) for n, t in snapshot.tensors.items()}
-    movable = snapshot.balanced | snapshot.unverified
-    owners = plan_owners(sizes, domain, movable)
-    shared = [
-        t for n, t in snapshot.tensors.items() if owners[n] == rank or n in snapshot.unverified
-    ]
-    return shared + [t for _, t in shards.items] + list(snapshot.rank_tensors.values())
 
 
 def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:

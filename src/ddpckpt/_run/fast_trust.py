@@ -1,7 +1,7 @@
 """Whether a directory may be a run's fast tier (:mod:`ddpckpt._run.fast_tier`), and the
 files that say whose it is.
 
-Ownership and trust (:meth:`FastSaves._set_up`, before anything is read from the directory
+Ownership and trust (:meth:`FastDirectory._set_up`, before anything is read from the directory
 or written there, on every rank): the directory is this user's alone, made ``0700`` with
 files ``0600`` (:meth:`~ddpckpt.storage._posix.PosixStorage.make_private_dir`); one that is
 a symbolic link, another user's, or writable by its group or others is refused. It must

@@ -29,8 +29,9 @@ from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.topology import storage_domains
 from ddpckpt._format.manifest import MANIFEST_NAME
 from ddpckpt._io.async_saver import AsyncSaver
+from ddpckpt._io.planning import plan_write, staging_share
 from ddpckpt._io.write_plan import WritePlan
-from ddpckpt._io.writing import plan_write, staging_share, write_and_commit
+from ddpckpt._io.writing import write_and_commit
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._run.options import CheckpointerOptions
 from ddpckpt._run.rundir import (

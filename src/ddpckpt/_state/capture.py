@@ -5,13 +5,14 @@ The entry points :mod:`ddpckpt._io` uses: :func:`capture` takes a
 :mod:`ddpckpt._io.writing` decides which rank writes what, :mod:`ddpckpt._io.load` restores
 each part through the restore functions of the modules below.
 
-Each object is stored in the layout :mod:`ddpckpt._format.sections` describes (one model,
+Each object is stored in the layout :mod:`ddpckpt._format.statelayout` describes (one model,
 or several by name).
 
 * **Model** (:mod:`ddpckpt._state.model`): canonical keys, tied weights, what DDP keeps
   replicated; restored through the module's own ``load_state_dict``. Its DDP's gradient
   bucket layout (:mod:`ddpckpt._state.ddp_buckets`), which an exact resume needs.
-* **Optimizer** (:mod:`ddpckpt._state.optimizer`): state and param groups keyed by
+* **Optimizer** (:mod:`ddpckpt._state.optimizer`, captured by
+  :mod:`ddpckpt._state.optimizer_capture`): state and param groups keyed by
   *parameter name*, with shapes.
 * **Scheduler, GradScaler, extras** (:mod:`ddpckpt._state.objects`): their
   ``state_dict()``, encoded without pickle.
@@ -23,17 +24,15 @@ or several by name).
 from __future__ import annotations
 
 from ddpckpt._format.codec import encode
-from ddpckpt._format.sections import NAMED, SINGLE, Layout, StateSections
+from ddpckpt._format.sections import StateSections
+from ddpckpt._format.statelayout import NAMED, SINGLE, Layout
 from ddpckpt._state.ddp_buckets import record_buckets
 from ddpckpt._state.dtensor import split_sharded
 from ddpckpt._state.inplace import record_forward_writers
 from ddpckpt._state.model import Replication, capture_model
 from ddpckpt._state.objects import capture_extra, capture_stateful
-from ddpckpt._state.optimizer import (
-    capture_optimizer,
-    param_names,
-    record_steppers,
-)
+from ddpckpt._state.optimizer import param_names
+from ddpckpt._state.optimizer_capture import capture_optimizer, record_steppers
 from ddpckpt._state.partial import refuse_marked
 from ddpckpt._state.rng import capture_rng
 from ddpckpt._state.snapshot import Snapshot

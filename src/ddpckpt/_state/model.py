@@ -23,7 +23,8 @@ from torch import nn
 
 from ddpckpt._format.codec import JSON, decode, encode
 from ddpckpt._format.pinned_ring import passes_through
-from ddpckpt._format.sections import SINGLE, Layout, ModelSection
+from ddpckpt._format.sections import ModelSection
+from ddpckpt._format.statelayout import SINGLE, Layout
 from ddpckpt._log import get_logger
 from ddpckpt._state.dtensor import is_dtensor, live_region, local_tensor, restore_dtensor
 from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring

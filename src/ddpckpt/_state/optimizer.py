@@ -4,11 +4,12 @@ State is keyed by the *canonical name* of each parameter (a tied one by whicheve
 names the checkpoint knows), with shapes, so reordered module definitions restore the
 right moments or fail with a clear error. In the single-model layout parameters outside
 the model are named by position; in the named layout (several models, see
-:mod:`ddpckpt._format.sections`) names are ``<model>/<parameter>`` and a parameter outside
+:mod:`ddpckpt._format.statelayout`) names are ``<model>/<parameter>`` and a parameter outside
 every model is an error. Each state tensor is replicated, per rank or to be verified as its parameter
 is, and restoring puts every tensor back on the device and in the dtype it had when saved.
 
-Every function here is local to the calling rank.
+Here: the parameters' names, and checking and restoring stored state; capturing it is
+:mod:`ddpckpt._state.optimizer_capture`. Every function here is local to the calling rank.
 """
 
 from __future__ import annotations
@@ -20,21 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpckpt._format.codec import decode, encode
-from ddpckpt._format.sections import SINGLE, Layout, OptimizerSection, ParamGroup
+from ddpckpt._format.codec import decode
+from ddpckpt._format.sections import OptimizerSection, ParamGroup
+from ddpckpt._format.statelayout import SINGLE, Layout
 from ddpckpt._log import get_logger
 from ddpckpt._state.dtensor import is_dtensor, local_tensor, new_dtensor_like, restore_dtensor
-from ddpckpt._state.model import (
-    Replication,
-    canonical_key,
-    mismatch_report,
-    read_region,
-    tensor_identity,
-    unwrap_model,
-)
-from ddpckpt._state.placement import note_placement
-from ddpckpt._state.snapshot import Snapshot, TensorSource, restoring
-from ddpckpt._state.zero import after_restore, encode_owned, is_zero, param_state, zero_section
+from ddpckpt._state.model import canonical_key, mismatch_report, read_region, unwrap_model
+from ddpckpt._state.snapshot import TensorSource, restoring
+from ddpckpt._state.zero import after_restore, is_zero
 from ddpckpt.errors import CorruptCheckpointError, StateMismatchError
 
 ParamNames = dict[int, list[str]]  # id(parameter) -> every name it has in the models
@@ -54,7 +48,7 @@ def param_names(models: Mapping[str, nn.Module], layout: Layout = SINGLE) -> Par
     return names
 
 
-def _param_names(
+def group_param_names(
     names: ParamNames,
     optimizer: torch.optim.Optimizer,
     stored: list[set[str]] | None = None,
@@ -99,7 +93,7 @@ def _live_names(
     if section.groups_rebuilt:  # matched by parameters, not position: a tie's name from any
         every = set().union(*stored)
         stored = [every] * len(optimizer.param_groups)
-    return _param_names(names, optimizer, stored)
+    return group_param_names(names, optimizer, stored)
 
 
 def _stored_groups(
@@ -146,121 +140,6 @@ def rebuilt_group_hyper(
         return None
     groups, why = _stored_groups(section, _live_names(section, names, optimizer))
     return None if why is not None else [group.hyper for group in groups]
-
-
-def capture_optimizer(
-    optimizer: torch.optim.Optimizer,
-    names: ParamNames,
-    replication: Replication,
-    snapshot: Snapshot,
-    prefix: str = "optimizer",
-    label: str | None = None,
-) -> OptimizerSection:
-    """Add ``optimizer``'s state tensors to ``snapshot`` under ``prefix``; returns its
-    section.
-
-    ``names`` (from :func:`param_names`) names the parameters; ``replication`` (from
-    :func:`~ddpckpt._state.model.capture_model`) sorts each state tensor as its parameter.
-    With ``label`` a parameter in no model is an error naming the optimizer so. A
-    ``ZeroRedundancyOptimizer``'s state goes to ``snapshot.owned`` under its name
-    (``label``'s, or ``"optimizer"``; see :mod:`ddpckpt._state.zero`).
-    """
-    before = set(snapshot.tensors)
-    if is_zero(optimizer):
-        group_names = _param_names(names, optimizer, label=label)
-        section, part = zero_section(optimizer, group_names, label or "optimizer")
-        name = prefix.partition("/")[2] or "optimizer"
-        snapshot.owned_state[name] = encode_owned(part, prefix, snapshot.owned)
-    else:
-        section = _section(optimizer, names, label)
-    encoded = encode(section, prefix, snapshot.tensors)
-    added = set(snapshot.tensors) - before
-    snapshot.balanced.update(added)
-    _sort_optimizer_state(optimizer, added, replication, snapshot)
-    return OptimizerSection.from_json(encoded, prefix)
-
-
-def _section(
-    optimizer: torch.optim.Optimizer, names: ParamNames, label: str | None
-) -> dict[str, Any]:
-    """The optimizer's ``state_dict()`` keyed by parameter name, with shapes and placement."""
-    group_names = _param_names(names, optimizer, label=label)
-    saved = optimizer.state_dict()
-    groups, state, shapes = [], {}, {}
-    placement: dict[str, str] = {}
-    own_dtype: set[str] = set()
-    for g, (saved_group, names_in_group, live_group) in enumerate(
-        zip(saved["param_groups"], group_names, optimizer.param_groups, strict=True)
-    ):
-        for index, name, param in zip(
-            saved_group["params"], names_in_group, live_group["params"], strict=True
-        ):
-            shapes[name] = list(param.shape)
-            if index in saved["state"]:
-                state[name] = saved["state"][index]
-                note_placement(state[name], param, placement, own_dtype)
-        hyper = {k: v for k, v in saved_group.items() if k != "params"}
-        groups.append({"params": names_in_group, "hyper": hyper})
-        if len(set(names_in_group)) != len(names_in_group):
-            raise StateMismatchError(
-                f"{label or 'optimizer'} param group {g} lists a parameter twice"
-            )
-    return {
-        "type": type(optimizer).__qualname__,
-        "groups": groups,
-        "state": state,
-        "shapes": shapes,
-        "placement": placement,
-        "own_dtype": sorted(own_dtype),
-    }
-
-
-def _sort_optimizer_state(
-    optimizer: torch.optim.Optimizer,
-    names: set[str],
-    replication: Replication,
-    snapshot: Snapshot,
-) -> None:
-    """Replicated, per rank or to be verified: each state tensor follows its parameter.
-
-    Only the state of parameters DDP synchronizes stays ``balanced``; state that cannot be
-    traced to a parameter is verified too (never assumed).
-    """
-    by_id = {id(snapshot.tensors[n]): n for n in names}
-    synced: set[str] = set()
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            for value in param_state(optimizer).get(param, {}).values():
-                name = by_id.get(id(value))
-                if name is None:
-                    continue
-                if id(param) in replication.synced:
-                    synced.add(name)
-                elif id(param) in replication.ignored:
-                    snapshot.per_rank.add(name)
-    snapshot.balanced -= names - synced
-    snapshot.unverified |= names - synced - snapshot.per_rank
-
-
-def record_steppers(optimizers: list[torch.optim.Optimizer], snapshot: Snapshot) -> None:
-    """Note which optimizers' ``step()`` writes which captured tensor: their parameters
-    and their per-parameter state (moments, step counts)."""
-    by_identity: dict[tuple[Any, ...], list[torch.optim.Optimizer]] = {}
-    for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                state = param_state(optimizer).get(param, {}).values()
-                for tensor in [param, *(v for v in state if isinstance(v, torch.Tensor))]:
-                    writers = by_identity.setdefault(tensor_identity(tensor) or (), [])
-                    if optimizer not in writers:
-                        writers.append(optimizer)
-    by_identity.pop((), None)
-    captured = {**snapshot.tensors, **snapshot.owned,
-                **{name: shard.local for name, shard in snapshot.sharded.items()}}  # fmt: skip
-    for name, tensor in captured.items():
-        writers = by_identity.get(tensor_identity(tensor) or ())
-        if writers:
-            snapshot.stepped_by[name] = writers
 
 
 def check_optimizer(

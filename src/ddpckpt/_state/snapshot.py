@@ -2,8 +2,8 @@
 
 :mod:`ddpckpt._state.capture` fills a :class:`Snapshot` from live objects (its model,
 optimizer and object parts live in :mod:`~ddpckpt._state.model`,
-:mod:`~ddpckpt._state.optimizer` and :mod:`~ddpckpt._state.objects`); :mod:`ddpckpt._io`
-plans, writes and reads it. Restoring takes tensors from a :class:`TensorSource`.
+:mod:`~ddpckpt._state.optimizer_capture` and :mod:`~ddpckpt._state.objects`);
+:mod:`ddpckpt._io` plans, writes and reads it. Restoring takes tensors from a :class:`TensorSource`.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ddpckpt._format.codec import JSON, encode
-from ddpckpt._format.sections import layout_of
+from ddpckpt._format.statelayout import layout_of
 from ddpckpt._state.placement import note_placement
 from ddpckpt.errors import UnsupportedValueError
 
