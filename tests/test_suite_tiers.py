@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -15,6 +16,7 @@ from forked import run_ranks
 from launch import _env, on_a_free_port
 
 pytest_plugins = ["pytester"]
+SUPPORT = Path(__file__).parent / "support"
 
 INNER = """
 import subprocess
@@ -106,6 +108,32 @@ def test_a_port_someone_else_bound_first_is_picked_again_and_the_waiting_peer_st
     outs = on_a_free_port(starts, timeout=90)
     assert len(tried) == 2
     assert outs == [(0, f"host on {tried[1]}\n"), (0, "peer\n")]
+
+
+@pytest.mark.processes
+def test_a_killed_run_whose_phase_port_was_taken_starts_again_on_new_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """killed_run.py's phases bind ports picked before the launch: the one taken by another
+    process in between fails that phase with EADDRINUSE, and the whole launch is made again,
+    from nothing, on ports picked anew."""
+    import launch
+    from killed_run import assert_resumed_exactly, launch_killed_run
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picked: list[int] = []
+        real = launch.free_port
+
+        def free_port() -> int:  # the launch's own port, then the phases' (the first: taken)
+            picked.append(taken.getsockname()[1] if len(picked) == 1 else real())
+            return picked[-1]
+
+        monkeypatch.setattr(launch, "free_port", free_port)
+        run = launch_killed_run(SUPPORT / "plain_killed_worker.py", tmp_path, mode="plain")
+    assert len(picked) == 8  # two attempts of the launch's port and three phases' ports
+    assert_resumed_exactly(run, resumed_from=2, steps=2)
 
 
 @pytest.mark.processes

@@ -363,6 +363,7 @@ def test_a_server_without_conditional_writes_gets_plain_ones_after_a_warning(
 
 _KILLED_TRAINER = """
 import sys, time, torch, ddpckpt
+from ddpckpt.storage import register
 from ddpckpt.storage.s3 import S3Storage
 
 root = sys.argv[1]
@@ -374,7 +375,8 @@ class Stalling(S3Storage):
             time.sleep(600)
         return super().create(location)
 
-mount(root, Stalling(part_size=5 << 20))
+stalling = Stalling(part_size=5 << 20)
+register("s3", lambda url: stalling)  # this process's s3:// URLs: the one way to add a backend
 torch.manual_seed(0)
 model = torch.nn.Linear(1024, 2048)  # 8 MiB: a multipart upload
 with ddpckpt.Checkpointer(root + "/run", model=model) as ckpt:
@@ -412,10 +414,10 @@ def test_a_trainer_killed_during_upload_resumes_from_the_previous_checkpoint(s3_
 @pytest.fixture
 def no_mounts(monkeypatch):
     """Mounts and configured storages made by the test are forgotten after it."""
-    import ddpckpt.storage
+    from ddpckpt.storage import _registry
 
-    monkeypatch.setattr(ddpckpt.storage, "_mounts", {})
-    monkeypatch.setattr(ddpckpt.storage, "_configured", {})
+    monkeypatch.setattr(_registry, "_mounts", {})
+    monkeypatch.setattr(_registry, "_configured", {})
 
 
 SECRET = "SECRET-never-logged-7f3a"

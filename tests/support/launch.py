@@ -247,15 +247,20 @@ def torchrun_restarting_nodes(
 
 
 def processes(
-    scenario: str, out_dir: Path, *, world: int = 2, args: Sequence[str] = (), timeout: float = 120,
+    scenario: str, out_dir: Path, *, world: int = 2,
+    args: Sequence[str] | Callable[[], Sequence[str]] = (), timeout: float = 120,
     env: Mapping[str, str] | None = None, launcher: str = "env", worker: Path = WORKER,
 ) -> Launch:  # fmt: skip
     """Plain processes, as a cluster scheduler starts them (RANK, WORLD_SIZE, LOCAL_RANK ...).
 
     ``launcher="distributed.launch"`` uses the deprecated ``python -m torch.distributed.launch``.
     No agent watches them, so survivors of a killed rank run on and report what they saw.
-    ``worker`` replaces dist_worker.py (the framework workers, see killed_run.py).
+    ``worker`` replaces dist_worker.py (the framework workers, see killed_run.py). ``args``
+    may be a function, called again for each attempt :func:`on_a_free_port` makes (new
+    ports of the worker's own, say).
     """
+    if callable(args) and launcher == "distributed.launch":
+        raise ValueError("distributed.launch makes one attempt: pass the arguments themselves")
     if launcher == "distributed.launch":
         cmd = [sys.executable, "-m", "torch.distributed.launch", f"--nproc-per-node={world}",
                *ONE_NODE, *_worker_args(scenario, out_dir, args)]  # fmt: skip
@@ -263,7 +268,8 @@ def processes(
         return Launch(code, out, _collect(out_dir))
 
     def starts(port: int) -> list[Start]:
-        cmd = [sys.executable, *_worker_args(scenario, out_dir, args, worker)]
+        given = args() if callable(args) else args
+        cmd = [sys.executable, *_worker_args(scenario, out_dir, given, worker)]
         return [
             (cmd, _env({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                         "LOCAL_WORLD_SIZE": str(world), "MASTER_PORT": str(port), **(env or {})}),

@@ -18,8 +18,11 @@ key                  written by                      deleted by
                                                      rank 0 for a key it found marked
 ``tag/reply``        rank 0 (``DATA`` or            the last rank to close the call (shared)
                      ``ERROR``), or a waiting rank's
-                     heartbeat (``FAILED``)
-``tag/from<src>``    ``src`` (``DATA``)              the last rank to close (shared)
+                     heartbeat (``FAILED``, or
+                     ``ERROR``: rank 0 is silent)
+``tag/from<src>``    ``src`` (``DATA``), or a        the last rank to close (shared)
+                     waiting rank's heartbeat (as
+                     for ``tag/reply``)
 ``tag/to<rank>``     rank 0, before its reply        that rank, once read
 ``failed/all``       the first rank to post a        the last rank to close (shared)
                      failure (``compare_set``)
@@ -32,8 +35,10 @@ key                  written by                      deleted by
 a pair's addresses   each rank of a transfer pair    that rank, as it closes
 ===================  ==============================  ========================================
 
-Nothing a call writes outlives it, except each rank's heartbeat record (one per rank for
-the job) and the roster of the ranks that have one (:mod:`ddpckpt._coord.liveness`).
+A call that ends well leaves nothing behind but each rank's heartbeat record (one per rank
+for the job) and the roster of the ranks that have one (:mod:`ddpckpt._coord.liveness`). A
+failed one may also leave a ``tag/to<rank>`` its receiver never read (it raised first, or
+died), and ``left/all`` when rank 0 stopped waiting for the last rank before it came.
 """
 
 from __future__ import annotations
@@ -45,16 +50,17 @@ from typing import ClassVar, Final
 class Mark:
     """The first byte of every value of a call's keys (compare it with ``value[:1]``).
 
-    ``DATA`` and ``ERROR`` are the only marks a rank writes into its own messages. The
-    heartbeat threads write the others, with ``compare_set`` on an empty expected value,
-    into keys somebody is blocked on, so a mark never overwrites a message (one posted
-    first wins). A message posted after a mark overwrites it, but the reader has then
-    judged from the mark already and answered with the error every rank raises.
+    A rank's main thread writes only ``DATA`` and ``ERROR``. The heartbeat threads write
+    the others, and ``ERROR`` for a rank they judge silent, into the keys a main thread is
+    blocked on, with ``compare_set`` on an empty expected value: a mark never overwrites a
+    message (one posted first wins). A message posted after a mark overwrites it: rank 0,
+    which reads the parts after it woke, then finds that rank's part instead of its mark
+    and counts it as posted.
     """
 
     DATA: Final = b"K"  # a rank's part or rank 0's reply; the data follows
     ERROR: Final = b"E"  # rank 0's reply: an error every rank raises (failures.encode_error)
-    FAILED: Final = b"F"  # a waiting rank's heartbeat, in its reply key: a posted failure
+    FAILED: Final = b"F"  # a waiting rank's heartbeat, in the key it waits on: a posted failure
     SILENT: Final = b"T"  # rank 0's heartbeat, in a part key: that rank timed out
     PENDING: Final = b"P"  # rank 0's heartbeat, in a part key: woken as another is silent
     POSTED: Final = b"A"  # rank 0's heartbeat, in a part key: some rank posted a failure

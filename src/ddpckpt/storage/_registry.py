@@ -54,7 +54,10 @@ def register(
     """Serve ``scheme://...`` URLs from a storage of your own; local.
 
     Call it in every process (at import of your backend's module, say) before the first
-    save or load of such a URL.
+    save or load of such a URL. The factory serves the whole scheme: to serve some buckets
+    your own way, let it choose by URL and hand the rest to the scheme's former factory
+    (for ``s3``, :func:`ddpckpt.storage.s3.default_storage`). A bucket configured with
+    ``storage_options=`` in this process is served by that configuration instead.
 
     Args:
         scheme: The URL scheme, without ``://`` (``"gs"``).
