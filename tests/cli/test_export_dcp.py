@@ -85,3 +85,24 @@ def test_an_optimizer_keyed_by_position_is_refused_by_name(tmp_path) -> None:
     with pytest.raises(UnsupportedValueError, match="keyed by position"):
         export_dcp(path, tmp_path / "dcp")
     assert not (tmp_path / "dcp").exists()
+
+
+def test_numpy_arrays_in_the_optimizers_state_and_groups_are_exported(tmp_path) -> None:
+    """An optimizer may keep numpy arrays (saved as ``$ndarray``): the export wrote a
+    reference where the codec needed the array, and failed with an AttributeError."""
+    np = pytest.importorskip("numpy")
+    trained = _trained()
+    trained[1].param_groups[0]["window"] = np.arange(3.0)
+    trained[1].state[trained[1].param_groups[0]["params"][0]]["history"] = np.ones(2)
+    path = ddpckpt.save(tmp_path / "ckpt", model=trained[0], optimizer=trained[1])
+    export_dcp(path, tmp_path / "dcp")
+    model, opt = _trained()  # a live optimizer with the same keys, other values
+    opt.param_groups[0]["window"] = np.zeros(3)
+    opt.state[opt.param_groups[0]["params"][0]]["history"] = np.zeros(2)
+    _, optim_state = get_state_dict(model, opt)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"optim": optim_state}, checkpoint_id=str(tmp_path / "dcp"))
+    assert np.array_equal(optim_state["param_groups"][0]["window"], np.arange(3.0))
+    first = optim_state["state"][next(iter(optim_state["state"]))]
+    assert np.array_equal(first["history"], np.ones(2))

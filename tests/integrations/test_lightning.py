@@ -492,3 +492,49 @@ def test_a_strategy_that_writes_the_file_itself_still_has_older_states_deleted(
     resumed.fit(classifier(), datamodule=data(batch_size=4),
                 ckpt_path=tmp_path / "checkpoints" / "last.ckpt")  # fmt: skip
     assert resumed.global_step == 6
+
+
+def test_a_registered_wrapper_of_the_train_loader_resumes_at_its_next_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A train loader wrapped as Ray Train's ``prepare_data_loader`` wraps it (a registered
+    wrapper): ExactResume looked for the tracking on the wrapper, which has none (an
+    AttributeError at the first fit), instead of on the loader it wraps."""
+    from torch.utils.data import DataLoader
+
+    from ddpckpt._training import loader as loader_module
+
+    class Prefetching(DataLoader):  # shaped as Ray's: the loader in _dataloader, none held
+        def __init__(self, base: DataLoader) -> None:
+            super().__init__(base.dataset, batch_size=base.batch_size)
+            self._dataloader, self.next_batch = base, None
+
+        def __iter__(self) -> Any:
+            yield from self._dataloader
+
+    monkeypatch.setitem(loader_module._WRAPPERS, Prefetching, ("_dataloader", "next_batch"))
+    classifier, _, data = _classifier_classes()
+    seen: list[list[float]] = []
+
+    class Recording(classifier):  # type: ignore[misc, valid-type]
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            seen.append(batch[0][:, 0].tolist())
+            return super().training_step(batch, batch_idx)
+
+    class Wrapped(data):  # type: ignore[misc, valid-type]
+        def train_dataloader(self) -> DataLoader:
+            base = super().train_dataloader()
+            return Prefetching(DataLoader(base.dataset, batch_size=2, shuffle=True))
+
+    def fit(out: Path, steps: int, ckpt_path: Path | None = None) -> list[list[float]]:
+        seen.clear()
+        torch.manual_seed(0)
+        _exact_trainer(out, steps, "lightning-io", save_last=True).fit(
+            Recording(), datamodule=Wrapped(), ckpt_path=ckpt_path
+        )
+        return list(seen)
+
+    uninterrupted = fit(tmp_path / "straight", 6)
+    fit(tmp_path / "run", 3)
+    resumed = fit(tmp_path / "again", 6, ckpt_path=tmp_path / "run" / "checkpoints" / "last.ckpt")
+    assert len(uninterrupted) == 6 and resumed == uninterrupted[3:]

@@ -124,3 +124,18 @@ def test_each_tensor_knows_which_optimizers_step_it() -> None:
     assert snapshot.stepped_by["optimizer/state/G.weight/exp_avg"] == [opt_g]
     d_moments = [n for n, w in snapshot.stepped_by.items() if n.startswith("extra/") and w]
     assert d_moments and all(snapshot.stepped_by[n] == [opt_d] for n in d_moments)
+
+
+def test_a_numpy_array_among_a_param_groups_hyperparameters_loads_back(tmp_path) -> None:
+    """The restore reads tensors lazily, by reference: a numpy array (``$ndarray``) must be
+    read at once. It raised ``PartiallyRestoredError`` (no ``numpy`` on a reference)."""
+    np = pytest.importorskip("numpy")
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.param_groups[0]["mask"] = np.arange(3.0)
+    path = ddpckpt.save(tmp_path / "ckpt", model=model, optimizer=optimizer)
+    fresh = make_mlp()
+    loaded = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    ddpckpt.load(path, model=fresh, optimizer=loaded, rng=False)
+    mask = loaded.param_groups[0]["mask"]
+    assert isinstance(mask, np.ndarray) and np.array_equal(mask, np.arange(3.0))

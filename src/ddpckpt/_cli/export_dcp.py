@@ -143,14 +143,16 @@ def _optimizer_items(
 ) -> None:
     """The optimizer as get_state_dict keys it: ``state.<param>.<key>`` and
     ``param_groups.<i>.<key>`` (``params`` listing the parameters' names)."""
-    state = decode(section.state, _TensorRef, where=path)
+    state = decode(section.state, _TensorRef, where=path, array=lambda n: _read(source, n).numpy())
     for param, values in state.items():
         for key, value in values.items():
             if isinstance(value, _TensorRef):
                 value = _read(source, str(value))
             _item(data, written, (OPTIMIZER_KEY, "state", param, key), value)
     for g, group in enumerate(section.groups):
-        hyper = decode(group.hyper, _TensorRef, where=path)
+        hyper = decode(
+            group.hyper, _TensorRef, where=path, array=lambda n: _read(source, n).numpy()
+        )
         for key, value in {**hyper, "params": list(group.params)}.items():
             if isinstance(value, _TensorRef):
                 value = _read(source, str(value))

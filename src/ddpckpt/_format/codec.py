@@ -32,8 +32,8 @@ import math
 import sys
 import types
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sized
+from typing import Any, cast
 
 import torch
 
@@ -68,12 +68,21 @@ def encode(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> JSON:
     return _Encoder(tensors).encode(value, prefix)
 
 
-def decode(tree: JSON, tensor: Callable[[str], torch.Tensor], *, where: str = "") -> Any:
-    """Rebuild the value :func:`encode` produced; ``tensor(name)`` supplies each tensor.
+def decode(
+    tree: JSON,
+    tensor: Callable[[str], object],
+    *,
+    where: str = "",
+    array: Callable[[str], Any] | None = None,
+) -> Any:
+    """Rebuild the value :func:`encode` produced; ``tensor(name)`` supplies each tensor (or
+    what stands for it: a reference the caller reads later).
 
-    ``where`` names the checkpoint in error messages about a malformed tree.
+    ``where`` names the checkpoint in error messages about a malformed tree. ``array(name)``
+    supplies a numpy array's values, which must be read now (default: ``tensor(name)``'s,
+    copied): give it whenever ``tensor`` returns something other than a tensor.
     """
-    return _Decoder(tensor, where).decode(tree)
+    return _Decoder(tensor, where, array).decode(tree)
 
 
 class _Encoder:
@@ -208,8 +217,12 @@ class _Decoder:
     naming the checkpoint, never another error; nesting is capped (``MAX_VALUE_DEPTH``
     containers), so the recursion is bounded whatever the tree."""
 
-    def __init__(self, tensor: Callable[[str], torch.Tensor], where: str) -> None:
+    def __init__(
+        self, tensor: Callable[[str], object], where: str, array: Callable[[str], Any] | None
+    ) -> None:
         self.tensor = tensor
+        # without ``array``, the caller's tensor() returns tensors (see decode)
+        self.array = array or (lambda name: cast(torch.Tensor, tensor(name)).numpy().copy())
         self.where = where
         self.depth = 0
 
@@ -236,7 +249,7 @@ class _Decoder:
         finally:
             self.depth -= 1
 
-    def _arg(self, tag: str, arg: JSON, kind: type, length: int | None = None) -> Any:
+    def _arg(self, tag: str, arg: JSON, kind: type[Sized], length: int | None = None) -> Any:
         """``arg`` if it is a ``kind`` (of ``length`` items, for a list)."""
         if type(arg) is not kind or (length is not None and len(arg) != length):
             shape = f"a {kind.__name__}" + (f" of {length}" if length is not None else "")
@@ -264,7 +277,7 @@ class _Decoder:
                 raise self._bad("$complex holds parts that are no numbers")
             return complex(real, imag)
         if tag == "$ndarray":
-            return self.tensor(self._arg(tag, arg, str)).numpy().copy()
+            return self.array(self._arg(tag, arg, str))
         if tag == "$npscalar":
             return self._decode_npscalar(tag, arg)
         return self._decode_collection(tag, arg)

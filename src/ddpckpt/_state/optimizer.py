@@ -109,11 +109,12 @@ def _stored_groups(
     home = {name: g for g, group in enumerate(section.groups) for name in group.params}
     regrouped = []
     for g, names in enumerate(live_names):
-        owners = [home.get(name) for name in names]
-        if None in owners:
-            name = names[owners.index(None)]
+        found = [home.get(name) for name in names]
+        if None in found:
+            name = names[found.index(None)]
             why = f"live param group {g} holds {name!r}, which it has no group for"
             return section.groups, why
+        owners = [o for o in found if o is not None]  # all of them
         if len(set(owners)) > 1:
             other = next(n for n, o in zip(names, owners, strict=True) if o != owners[0])
             first = names[0]
@@ -172,16 +173,18 @@ def check_optimizer(
             f"the live {type(optimizer).__qualname__} has {len(live_names)}"
         )
     problems = []
-    for g, (stored, names, group) in enumerate(
+    for g, (stored, group_names, group) in enumerate(
         zip(stored_groups, live_names, optimizer.param_groups, strict=True)
     ):
-        live_shapes = {n: list(p.shape) for n, p in zip(names, group["params"], strict=True)}
-        missing = [n for n in names if n not in stored.params]
+        live_shapes = {n: list(p.shape) for n, p in zip(group_names, group["params"], strict=True)}
+        missing = [n for n in group_names if n not in stored.params]
         unexpected = [n for n in stored.params if n not in live_shapes]
         wrong = [
-            f"{n}: checkpoint {shapes[n]}, model {live_shapes[n]}"
+            f"{n}: checkpoint {recorded}, model {live_shapes[n]}"
             for n in stored.params
-            if n in live_shapes and shapes[n] is not None and list(shapes[n]) != live_shapes[n]
+            if n in live_shapes
+            and (recorded := shapes[n]) is not None
+            and list(recorded) != live_shapes[n]
         ]
         if missing or unexpected or wrong:
             problems.append(f" param group {g}:\n{mismatch_report(missing, unexpected, wrong)}")
@@ -273,7 +276,8 @@ def restore_optimizer(
         after_restore(optimizer)
         return
     live_names = _live_names(section, names, optimizer)
-    stored_state = decode(section.state, _LazyTensor, where=where)
+    array = lambda name: source.get(name).numpy().copy()  # noqa: E731 - read now, not lazily
+    stored_state = decode(section.state, _LazyTensor, where=where, array=array)
     if section.by_position:
         _log.warning(
             "%s: optimizer state was imported from a torch.save file, which keys it by "
@@ -284,12 +288,14 @@ def restore_optimizer(
     if why is not None:  # check_optimizer refused it already, unless it was not called
         raise StateMismatchError(f"{where}: {why}")
     param_groups, state, index = [], {}, 0
-    for stored, names, group in zip(stored_groups, live_names, optimizer.param_groups, strict=True):
+    for stored, group_names, group in zip(
+        stored_groups, live_names, optimizer.param_groups, strict=True
+    ):
         indices = []
-        hyper = decode(stored.hyper, _LazyTensor, where=where)
+        hyper = decode(stored.hyper, _LazyTensor, where=where, array=array)
         fused = bool(hyper.get("fused")) or bool(hyper.get("capturable"))
         kept = _Kept(fused, section.placement or {}, set(section.own_dtype or ()))
-        for name, param in zip(names, group["params"], strict=True):
+        for name, param in zip(group_names, group["params"], strict=True):
             if name in stored_state:
                 live = optimizer.state.get(param, {})
                 state[index] = {

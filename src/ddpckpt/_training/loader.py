@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -35,7 +35,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from ddpckpt._training.data import ResumableDistributedSampler, SeededDataset
 from ddpckpt._training.loader_checks import refuse_untrackable
-from ddpckpt._training.loader_tracking import Tracking
+from ddpckpt._training.loader_tracking import Tracking, loader_base
 from ddpckpt._training.replay import user_sampler
 from ddpckpt._training.worker_signals import IgnoringPreemptionSignals
 from ddpckpt._training.wrappers import is_stateful
@@ -54,7 +54,7 @@ class _FinishedPass:
     def state_dict(self: Any) -> dict[str, Any]:
         iterator = self._iterator
         if iterator is None or not iterator._finished:
-            return super(type(self), self).state_dict()
+            return loader_base(self).state_dict()
         state: dict[str, Any] = {"ddpckpt_finished_pass": True}
         sampler = user_sampler(self)
         if is_stateful(sampler):
@@ -65,9 +65,9 @@ class _FinishedPass:
 
     def load_state_dict(self: Any, state: Mapping[str, Any]) -> None:
         if not state.get("ddpckpt_finished_pass"):
-            super(type(self), self).load_state_dict(state)
+            loader_base(self).load_state_dict(state)
             return
-        super(type(self), self).load_state_dict({})
+        loader_base(self).load_state_dict({})
         sampler = user_sampler(self)
         if "sampler" in state and is_stateful(sampler):
             sampler.load_state_dict(state["sampler"])
@@ -123,6 +123,13 @@ def _wrapped_class(wrapper: Any) -> type:
 
 def _base_of(wrapper: Any) -> Any:
     return getattr(wrapper, _WRAPPERS[_wrapped_class(wrapper)][0])
+
+
+def tracked_loader(loader: DataLoader) -> DataLoader:
+    """The DataLoader whose iteration :func:`track_loader` tracks for ``loader``: ``loader``
+    itself, or the one a registered wrapper iterates (its stream and sampler are that
+    loader's)."""
+    return _base_of(loader) if _wrapped_class(loader) in _WRAPPERS else loader
 
 
 def consumed(loader: Any) -> dict[str, Any] | None:
@@ -212,7 +219,7 @@ def track_loader(loader: DataLoader) -> DataLoader:
         )
     refuse_untrackable(loader)
     _swap_class(loader, Tracking)
-    loader._ddpckpt_init()
+    cast(Tracking, loader)._ddpckpt_init()  # its class now has Tracking's methods
     loader.worker_init_fn = IgnoringPreemptionSignals(loader.worker_init_fn)
     return loader
 

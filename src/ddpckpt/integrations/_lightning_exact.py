@@ -10,8 +10,8 @@ from ddpckpt.integrations._require import require
 require("lightning", "PyTorch Lightning", "lightning")
 
 import os  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from typing import Any  # noqa: E402
+from collections.abc import Callable, Mapping  # noqa: E402
+from typing import Any, Protocol, cast  # noqa: E402
 
 import lightning.pytorch as pl  # noqa: E402
 from lightning.fabric.utilities.data import _set_sampler_epoch  # noqa: E402
@@ -21,7 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
 from torch.utils.data import DataLoader, IterableDataset  # noqa: E402
 
 from ddpckpt._log import current_rank, get_logger  # noqa: E402
-from ddpckpt._training.loader import track_loader  # noqa: E402
+from ddpckpt._training.loader import track_loader, tracked_loader  # noqa: E402
 from ddpckpt.errors import (  # noqa: E402
     CorruptCheckpointError,
     InexactResumeError,
@@ -44,6 +44,15 @@ from ddpckpt.integrations._ranks import (  # noqa: E402
 )
 
 _log = get_logger("ddpckpt.integrations.lightning")
+
+
+class _Tracked(Protocol):
+    """A train DataLoader after :func:`track_loader`, whose class it swapped for one that
+    saves and restores its position (no static type knows that class)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 class ExactResume(Callback):
@@ -117,11 +126,16 @@ class ExactResume(Callback):
         self._load_states = fit_loop._load_combined_loader_states
         reset, run, run_validation = fit_loop.reset, fit_loop.run, val_loop.run
         setup_data = fit_loop.setup_data
-        fit_loop.setup_data = lambda: self._set_up_data(fit_loop, setup_data)
-        fit_loop._load_combined_loader_states = lambda: self._before_pass(trainer)
-        fit_loop.reset = lambda: self._after_pass_began(reset)
-        fit_loop.run = lambda: self._fit_run(fit_loop, run)
-        val_loop.run = lambda: self._isolated(run_validation)
+        # Lightning's loop methods, patched on these instances (undone at teardown)
+        fit_loop.setup_data = (  # type: ignore[method-assign]
+            lambda: self._set_up_data(fit_loop, setup_data)
+        )
+        fit_loop._load_combined_loader_states = (  # type: ignore[method-assign]
+            lambda: self._before_pass(trainer)
+        )
+        fit_loop.reset = lambda: self._after_pass_began(reset)  # type: ignore[method-assign]
+        fit_loop.run = lambda: self._fit_run(fit_loop, run)  # type: ignore[method-assign]
+        val_loop.run = lambda: self._isolated(run_validation)  # type: ignore[method-assign]
         strategy = trainer.strategy
         save, remove = trainer.save_checkpoint, strategy.remove_checkpoint
 
@@ -243,7 +257,8 @@ class ExactResume(Callback):
                     "map-style dataset (with __len__ and __getitem__)"
                 )
             track_loader(loader)
-            loader._ddpckpt_stream.whole_pass_len = True  # Lightning counts against len()
+            # Lightning counts against len(); a registered wrapper's loader is what is tracked
+            tracked_loader(loader)._ddpckpt_stream.whole_pass_len = True  # type: ignore[attr-defined]
             self._loaders.append(loader)
         self._load_states()  # Lightning's own (rank 0's) loader states, when it restarts an epoch
         self._place_loaders(trainer.fit_loop)
@@ -254,7 +269,7 @@ class ExactResume(Callback):
         and random streams."""
         epoch = fit_loop.epoch_progress.current.processed
         for loader in self._loaders:
-            _set_sampler_epoch(loader, epoch)
+            _set_sampler_epoch(tracked_loader(loader), epoch)
         if self._pending is None or not self._in_fit_run:  # not yet: see _fit_run
             return
         pending, self._pending = self._pending, None
@@ -264,7 +279,7 @@ class ExactResume(Callback):
                 f"train DataLoader(s), this run has {len(self._loaders)}: train on the same loaders"
             )
         for loader, state in zip(self._loaders, pending["loaders"], strict=True):
-            loader.load_state_dict(state)
+            cast(_Tracked, loader).load_state_dict(state)  # class swapped by track_loader
         restore_streams(pending["rng"], "ExactResume")  # what a new pass draws from, as saved
         self._resumed = True
 
@@ -277,7 +292,8 @@ class ExactResume(Callback):
         if self._resumed and self._loaders:
             self._resumed = False
             streams = capture_streams()
-            self._loaders[0]._ddpckpt_before_next = lambda: restore_streams(streams, "ExactResume")
+            first = tracked_loader(self._loaders[0])
+            first._ddpckpt_before_next = lambda: restore_streams(streams, "ExactResume")
         reset()
 
     def _isolated(self, run_validation: Callable[[], Any]) -> Any:
@@ -314,7 +330,7 @@ class ExactResume(Callback):
         return {"ranks": ranks or []}
 
     def _position(self, loader: DataLoader) -> dict[str, Any]:
-        state = loader.state_dict()
+        state = cast(_Tracked, loader).state_dict()  # class swapped by track_loader
         limit = self._batches_per_epoch
         if state["started"] and limit is not None and state["position"] >= limit:
             state["finished"] = True  # Lightning stops at its limit without asking for more
