@@ -7,6 +7,9 @@ may be removed; Python shows it for code run as a script (``__main__``) and unde
 from __future__ import annotations
 
 import warnings
+from typing import TypeVar
+
+T = TypeVar("T")
 
 REMOVAL = "2027-06-01"  # old spellings may go in the first release after this date
 
@@ -20,7 +23,9 @@ def warn_renamed(old: str, new: str, *, stacklevel: int = 3) -> None:
     )
 
 
-def renamed_argument(call: str, old: str, old_value: object, new: str, new_value: object) -> object:
+def renamed_argument(
+    call: str, old: str, old_value: T | None, new: str, new_value: T | None
+) -> T | None:
     """The value of argument ``new`` of ``call``, taking a deprecated ``old`` spelling
     (with a warning); both given is a ``TypeError``."""
     if old_value is None:

@@ -105,7 +105,7 @@ class _StderrUntilConfigured(logging.Handler):
                 return False
             if not logger.propagate:
                 break
-            logger = logger.parent  # type: ignore[assignment]
+            logger = logger.parent
         return super().filter(record)
 
     def emit(self, record: logging.LogRecord) -> None:

@@ -94,7 +94,11 @@ def export(
             weights.write(tmp, list(weights.keys))
         else:
             with store.create(tmp) as writer:
-                torch.save(load_state_dict(path, model=model), _TorchSink(writer))
+                # torch.save takes any object with write(); its stubs say IO[bytes]
+                torch.save(
+                    load_state_dict(path, model=model),
+                    _TorchSink(writer),  # type: ignore[arg-type]
+                )
                 writer.sync()
         put_in_place(store, tmp, out.rstrip("/"), directory)
     finally:

@@ -33,7 +33,7 @@ import math
 import os
 import zipfile
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -118,7 +118,7 @@ def _tensor(
             raise CorruptCheckpointError(f"{where}: overlaps another chunk of {key}")
         covered[region] = True
         whole[region] = value
-    return whole
+    return cast(torch.Tensor, whole)  # several chunks: allocated above (one chunk returned)
 
 
 def _allocate(

@@ -109,11 +109,15 @@ def _memory_format(value: Any) -> int:
     return value
 
 
-class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+class _MetadataUnpickler(pickle._Unpickler):
     """DCP's metadata, each global it names an inert stand-in; any other global refused.
 
     The pure-Python unpickler keeps its memo in a dict (the C one grows an array to the
     largest index a pickle names)."""
+
+    # The pure-Python unpickler's own, which typeshed leaves out (``stack`` is set by load()).
+    stack: list[Any]
+    pop_mark: Callable[[], list[Any]]
 
     def __init__(self, file: Any, path: str) -> None:
         super().__init__(file, encoding="utf-8")
@@ -164,7 +168,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_no_sets(self) -> None:
         raise pickle.UnpicklingError("DCP's metadata holds no sets")
 
-    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[int, Any]] = dict(pickle._Unpickler.dispatch)
     dispatch[pickle.SETITEM[0]] = load_setitem
     dispatch[pickle.SETITEMS[0]] = load_setitems
     dispatch[pickle.EMPTY_SET[0]] = load_no_sets

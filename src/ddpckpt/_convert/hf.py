@@ -284,9 +284,9 @@ def _unread(
         if name in _FOR_FROM_PRETRAINED:
             why = "written for from_pretrained, not needed to resume; it stays in the source"
         else:
-            numbered = (w for p, w in _WHY_LEFT_OUT_NUMBERED.items() if p.fullmatch(name))
+            matched = (w for p, w in _WHY_LEFT_OUT_NUMBERED.items() if p.fullmatch(name))
             why = _WHY_LEFT_OUT.get(name) or next(
-                numbered, f"a file {writer} does not write, not understood"
+                matched, f"a file {writer} does not write, not understood"
             )
         out.append(f"{name} ({why})")
     return out

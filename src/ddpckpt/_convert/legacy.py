@@ -145,7 +145,7 @@ def _model_section(
 ) -> ModelSection:
     keys: list[str] = []
     aliases: dict[str, str] = {}
-    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    seen: dict[tuple[int, int | torch.SymInt, tuple[int, ...]], str] = {}
     extra_state: dict[str, Any] = {}
     for key, value in weights.items():
         if not isinstance(value, torch.Tensor):
@@ -228,6 +228,7 @@ def _classify(
         raise CorruptCheckpointError(f"{where}: holds a {type(obj).__qualname__}, not a dict")
     doc = dict(obj)
     lightning = "pytorch-lightning_version" in doc or "optimizer_states" in doc
+    key: str | None
     if model_key is not None:
         if model_key not in doc:
             raise CorruptCheckpointError(
@@ -269,8 +270,8 @@ def _classify(
         if name is not None and isinstance(value, Mapping) and value:
             state = encode(dict(doc.pop(name)), kind, snapshot.tensors)
             sections.place(f"{kind}s", kind, StatefulSection("imported", state))
-    for field_name, names in (("step", _STEP_KEYS), ("epoch", _EPOCH_KEYS)):
-        name, value = _pick(doc, names)
+    for field_name, keys in (("step", _STEP_KEYS), ("epoch", _EPOCH_KEYS)):
+        name, value = _pick(doc, keys)
         if name is not None and type(value) is int and value >= 0:
             header[field_name] = doc.pop(name)
     dropped = []

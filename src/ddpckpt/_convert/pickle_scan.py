@@ -158,7 +158,7 @@ _STORAGE_ITEMSIZE = {"UntypedStorage": 1} | {
 }
 
 
-class _Scanner(pickle._Unpickler):  # type: ignore[name-defined]
+class _Scanner(pickle._Unpickler):
     """Reads a pickle with every global an inert :class:`_Stub`, collecting the storages it
     declares (their key and byte count); nothing the pickle names is imported or called.
 

@@ -117,7 +117,8 @@ def _numpy_globals() -> list[Any]:
     rebuild = (
         np._core.multiarray._reconstruct
         if hasattr(np, "_core")
-        else np.core.multiarray._reconstruct
+        # numpy 1's name: numpy 2's stubs (the ones installed) lack np.core.multiarray
+        else np.core.multiarray._reconstruct  # type: ignore[attr-defined]
     )
     return [
         rebuild,

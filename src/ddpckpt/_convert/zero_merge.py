@@ -360,8 +360,8 @@ def _optimizer(
         vectors = []
         for o, states in zip(optims, per_rank, strict=True):
             row = []
-            for g, state in enumerate(states):
-                part = state.get(key)
+            for g, group_state in enumerate(states):
+                part = group_state.get(key)
                 if not isinstance(part, torch.Tensor) or part.dim() != 1:
                     raise CorruptCheckpointError(f"{o.path}: group {g} lacks its {key!r}")
                 pad = o.paddings[g]

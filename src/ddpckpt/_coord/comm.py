@@ -271,7 +271,7 @@ class Comm(Exchanges):
             index = {name: i for i, name in enumerate(names)}
             table = {"names": names, "index": [index[n] for n in self._nodes]}
             self._store.set(nodes_key, json.dumps(table).encode())
-            agreed = {"path": path, "token": self.token}
+            agreed: dict[str, Any] = {"path": path, "token": self.token}  # a JSON document
             self._publish("enter", Mark.DATA + json.dumps(agreed).encode())
         else:
             agreed = json.loads(self._receive("enter"))
@@ -335,7 +335,7 @@ class Comm(Exchanges):
         if self.world_size == 1:
             return json.loads(json.dumps(reduce([step()])))  # the same value as with ranks
         answer, _ = self._run(tag, step, share=False, keep=True, reduce=reduce)
-        return answer  # type: ignore[no-any-return]
+        return answer
 
     def run_scatter(
         self,

@@ -51,7 +51,8 @@ def tensor_digest(tensor: torch.Tensor) -> str:
 
 def _canaries(snapshot: Snapshot) -> list[str]:
     """The smallest replicated tensors, up to ``CANARY_BYTES`` (at least one)."""
-    chosen, total = [], 0
+    chosen: list[str] = []
+    total = 0
     for name in sorted(snapshot.balanced, key=lambda n: (tensor_nbytes(snapshot.tensors[n]), n)):
         total += tensor_nbytes(snapshot.tensors[name])
         if chosen and total > CANARY_BYTES:
@@ -88,9 +89,9 @@ def check_replicated(comm: Comm, snapshot: Snapshot) -> None:
         snapshot.unverified.clear()
         snapshot.per_rank.clear()
         return
-    layout = sorted((n, str(t.dtype), list(t.shape)) for n, t in snapshot.tensors.items())
-    layout += [[n, *s.fingerprint()] for n, s in sorted(snapshot.sharded.items())]
-    layout.append(sorted(snapshot.owned_state))
+    shared = sorted((n, str(t.dtype), list(t.shape)) for n, t in snapshot.tensors.items())
+    sharded = [[n, *s.fingerprint()] for n, s in sorted(snapshot.sharded.items())]
+    layout = [*shared, *sharded, sorted(snapshot.owned_state)]
     mine = [sorted(snapshot.unverified), sorted(snapshot.per_rank), _canaries(snapshot)]
     fingerprint = xxhash.xxh3_64(json.dumps([layout, mine]).encode()).hexdigest()
     mismatched = comm.run_reduce(

@@ -108,7 +108,7 @@ def finish(works: Sequence[Any], failed: Callable[[], bool]) -> None:
     A gloo wait cannot be interrupted, and a work is not marked complete before it is
     waited for: a helper thread waits, until the group's timeout at most.
     """
-    outcome: list[BaseException | None] = []
+    outcome: list[BaseException] = []
     done = threading.Event()
 
     def wait() -> None:
@@ -158,7 +158,7 @@ def send_to_leaders(comm: Any, partners: Partners, bundle: bytes) -> dict[int, b
             found = {i: sets[i] for i in partners.kept_by(index)[1:]}
         else:
             found = _to_partners(comm, groups, leaders, mine, partners)
-    received = {}
+    received: dict[int, bytes] = {}
     for other, data in found.items():
         received.update(zip(domains[other], unpack(data), strict=True))
     return received
@@ -197,7 +197,7 @@ def from_first_leader(comm: Any, domains: list[list[int]], data: bytes | None) -
             if part.role == "receive":
                 data = link.recv_bytes()
             else:
-                link.send_bytes(data)  # type: ignore[arg-type]
+                link.send_bytes(data)
     return data
 
 
@@ -229,8 +229,9 @@ def _around_ring(comm: Any, groups: ExitStack, leaders: list[int], mine: bytes) 
     after, before = leaders[(index + 1) % count], leaders[(index - 1) % count]
     waves = {after: _wave(index, count), before: _wave((index - 1) % count, count)}
     links = {
-        peer: groups.enter_context(comm.pair("ring", peer)) for peer in sorted(waves, key=waves.get)
-    }  # type: ignore[arg-type]
+        peer: groups.enter_context(comm.pair("ring", peer))
+        for peer in sorted(waves, key=waves.__getitem__)
+    }
     forward, back = links[after], links[before]  # one link when two leaders
     for step in range(count - 1):
         out, into = (index - step) % count, (index - step - 1) % count

@@ -168,7 +168,7 @@ def _common_error(kinds: set[str]) -> type[CheckpointError] | None:
         if candidate is CheckpointError:
             return None
         if isinstance(candidate, type) and all(issubclass(c, candidate) for c in classes):
-            return candidate  # type: ignore[return-value]
+            return candidate
     return None
 
 

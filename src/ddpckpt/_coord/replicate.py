@@ -158,7 +158,7 @@ def _sources(
     holders = [(first, RankSet.from_json(found["kept"])) for first, found in reported]
     world = reported[0][1]["world"] if reported else 0
     groups: dict[int, list[int]] = {}
-    lost = []
+    lost: list[int] = []
     for domain in domains:
         if all(have[r] for r in domain):
             continue

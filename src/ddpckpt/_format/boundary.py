@@ -255,7 +255,10 @@ def _kind(value: Any) -> str:
         return f"the number {value!r:.40}"
     if isinstance(value, str):
         return f"the string {value[:40]!r}"
-    return {dict: "a JSON object", list: "a list"}.get(type(value), type(value).__name__)
+    return _CONTAINER_KINDS.get(type(value), type(value).__name__)
+
+
+_CONTAINER_KINDS: dict[type, str] = {dict: "a JSON object", list: "a list"}
 
 
 # ---- check-resume's records (ddpckpt._resumecheck.records) read their fields with these

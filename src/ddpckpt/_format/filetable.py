@@ -279,7 +279,7 @@ class FileTable(MutableMapping[str, FileEntry]):
 
     def unreadable_ranks(self) -> set[int]:
         """The ranks whose files are listed in a table that failed to read."""
-        found = set()
+        found: set[int] = set()
         for listed in self._failed:
             match = _TABLE.fullmatch(listed)
             if match is not None:

@@ -344,7 +344,8 @@ def describe_path(path: str) -> str | None:
     base = os.path.basename(path.rstrip("/"))
     if parse_step(base) is not None or is_temp_name(base) or CORRUPT_MARK in base:
         return None  # a checkpoint directory whose save never wrote anything
-    steps = sorted((n for n in names if parse_step(n) is not None), key=parse_step)
+    stepped = [(n, step) for n in names if (step := parse_step(n)) is not None]
+    steps = [n for n, _ in sorted(stepped, key=lambda pair: pair[1])]
     if steps or RUN_MARKS & set(names):
         latest = read_latest(path) or (steps[-1] if steps else None)
         example = (

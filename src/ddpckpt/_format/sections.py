@@ -108,7 +108,7 @@ class DDPBuckets:
     def to_json(self) -> dict[str, JSON]:
         doc: dict[str, JSON] = {"state": self.state}
         if self.state == "rebuilt":
-            doc["buckets"] = self.buckets  # type: ignore[assignment]
+            doc["buckets"] = self.buckets
         if self.grad_views:
             doc["grad_views"] = True
         return doc
@@ -182,7 +182,7 @@ class ZeroPartition:
     ranks: list[list[int]]
 
     def to_json(self) -> dict[str, JSON]:
-        return {"world_size": self.world_size, "ranks": self.ranks}  # type: ignore[dict-item]
+        return {"world_size": self.world_size, "ranks": self.ranks}
 
     @classmethod
     def from_json(cls, doc: JSON, groups: list[ParamGroup], where: str) -> ZeroPartition:
@@ -229,7 +229,7 @@ class OptimizerSection:
             "type": self.type,
             "groups": [{"params": g.params, "hyper": g.hyper} for g in self.groups],
             "state": self.state,
-            "shapes": self.shapes,  # type: ignore[dict-item]
+            "shapes": self.shapes,
         }
         if self.placement is not None:
             doc["placement"] = self.placement
@@ -355,7 +355,7 @@ class StateSections:
         for role, (single, named) in ROLE_KEYS.items():
             for name, section in getattr(self, role).items():
                 if self.layout.named:
-                    doc.setdefault(named, {})[name] = section.to_json()  # type: ignore[index]
+                    doc.setdefault(named, {})[name] = section.to_json()
                 else:
                     doc[single] = section.to_json()
         if self.extra:

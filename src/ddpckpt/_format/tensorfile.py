@@ -20,6 +20,7 @@ import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import pairwise
 from typing import Any
 
@@ -147,7 +148,8 @@ def checked_layout(
     dtype, shape, span = doc.get("dtype"), doc.get("shape"), doc.get(offsets_key)
     itemsize = _ITEMSIZES.get(dtype) if isinstance(dtype, str) else None
     if (  # the record as ddpckpt writes it, checked without building any error
-        itemsize is not None
+        isinstance(dtype, str)
+        and itemsize is not None
         and type(shape) is list
         and len(shape) <= MAX_DIMS
         and all(type(d) is int and 0 <= d <= MAX_INT for d in shape)
@@ -228,7 +230,7 @@ def read_header(
     for key, record in doc.items():
         if key == "__metadata__":
             continue
-        fields = Fields(record, where, lambda key=key: f"safetensors header entry {key[:200]!r}")
+        fields = Fields(record, where, partial(_entry_what, key))
         dtype, shape, begin, end = checked_layout(fields, file_size, start, "data_offsets")
         entries.append(TensorEntry(name, key, dtype, shape, begin, end, ""))
     entries.sort(key=lambda e: (e.begin, e.end))
@@ -238,6 +240,11 @@ def read_header(
                 f"{where}: damaged safetensors header: {before.key!r} and {after.key!r} overlap"
             )
     return FileHeader(start, entries, metadata)
+
+
+def _entry_what(key: str) -> str:
+    """How an error names the safetensors header entry ``key``."""
+    return f"safetensors header entry {key[:200]!r}"
 
 
 def check_storable(key: str, tensor: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Sequence
 from typing import Any
 
 import torch
@@ -153,7 +153,7 @@ def _host_blocks(
     items: Sequence[tuple[str, torch.Tensor]],
     ring: Ring | None,
     produce: Callable[[str], torch.Tensor] | None = None,
-) -> Iterator[tuple[int, memoryview]]:
+) -> Generator[tuple[int, memoryview], None, None]:
     """Each tensor's bytes in order, as ``(index in items, bytes)`` blocks on the host.
 
     CPU tensors come as one view of their own memory (or through ``ring`` when it is

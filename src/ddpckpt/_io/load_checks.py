@@ -75,9 +75,9 @@ def check_state(
     stored_extra = stored.extra
     for name, obj in state.extra.items():
         if name not in stored_extra:
-            role = next((r for r in ROLE_KEYS if name in getattr(stored, r)), None)
-            saved_as = "" if role is None else (
-                f"; it holds {name!r} as a {ROLE_KEYS[role][0]} of a TrainingState: load it "
+            held_as = next((r for r in ROLE_KEYS if name in getattr(stored, r)), None)
+            saved_as = "" if held_as is None else (
+                f"; it holds {name!r} as a {ROLE_KEYS[held_as][0]} of a TrainingState: load it "
                 f"with ddpckpt.TrainingState({name}=...)"
             )  # fmt: skip
             raise StateMismatchError(
@@ -146,7 +146,7 @@ def _check_scheduler_groups(
     owner = next((n for n, o in state.optimizers.items() if o is optimizer), None)
     if owner is None or name not in stored.schedulers:
         return
-    hypers = rebuilt_group_hyper(optimizer, names, stored.optimizers[owner])
+    hypers = rebuilt_group_hyper(state.optimizers[owner], names, stored.optimizers[owner])
     saved = stored.schedulers[name].state
     base = saved.get("base_lrs") if isinstance(saved, dict) else None
     if hypers is None or not isinstance(base, list):

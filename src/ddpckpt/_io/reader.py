@@ -181,10 +181,12 @@ class FileSource:
         record = self.sharded(name)
         if record is not None:  # assembled whole, into ``like`` if it fits
             dtype, shape = self.meta(name)
-            fits = like is not None and (like.dtype, tuple(like.shape)) == (dtype, shape)
-            target = like if fits else torch.empty(shape, dtype=dtype)
+            if like is not None and (like.dtype, tuple(like.shape)) == (dtype, shape):
+                target = like
+            else:
+                target = torch.empty(shape, dtype=dtype)
             self.read_region(name, target, ((0,) * len(shape), shape))
-            return target  # type: ignore[return-value]
+            return target
         entry = self.entry(name)
         file = self._file(entry)
         if like is not None and can_read_into(like, entry):

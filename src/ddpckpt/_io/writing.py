@@ -64,9 +64,9 @@ def header_fields(
     step: int | None, epoch: int | None, metrics: Mapping[str, Any] | None
 ) -> dict[str, Any]:
     """Validate and encode the checkpoint's step, epoch and metrics."""
-    for name, value in (("step", step), ("epoch", epoch)):
-        if value is not None and (type(value) is not int or value < 0):
-            raise TypeError(f"{name} must be a non-negative int or None, got {value!r}")
+    for name, number in (("step", step), ("epoch", epoch)):
+        if number is not None and (type(number) is not int or number < 0):
+            raise TypeError(f"{name} must be a non-negative int or None, got {number!r}")
     plain: dict[str, Any] = {}
     for key, value in (metrics or {}).items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:

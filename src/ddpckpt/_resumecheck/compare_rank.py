@@ -4,7 +4,7 @@ three comparisons of :mod:`.compare`: before the kill, the replay, after the rep
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,7 +93,7 @@ class Found:
     initial: bool = False  # before the kill: at the start of the first step
 
 
-def note_first(found: Found | None, candidate: Found) -> Found:
+def note_first(found: Found | None, candidate: Found) -> Found | None:
     return candidate if candidate.diffs and (found is None or candidate.key < found.key) else found
 
 
@@ -146,7 +146,11 @@ def after_restart(
     sources = [Steps(processes[0])]
 
     def note(
-        key: tuple[int, int, int], step: int | None, phase: str, diffs: dict, recorded=()
+        key: tuple[int, int, int],
+        step: int | None,
+        phase: str,
+        diffs: dict[str, tuple[Any, Any]],
+        recorded: Iterable[str] = (),
     ) -> None:
         out.first = note_first(out.first, Found(key, step, phase, rank, diffs, frozenset(recorded)))
 
@@ -156,6 +160,7 @@ def after_restart(
                 return source.steps[(step, occurrence)], True
         return (ref.steps.get((step, occurrence)) if by_reference else None), False
 
+    seen: list[int]  # the steps taken so far in a segment
     for segment, events in enumerate(processes[1:], 1):
         steps = Steps(events)
         out.ended_at = steps.order[-1] if steps.order else out.ended_at

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from ddpckpt._resumecheck.situation import (
     BATCHNORM,
     DETERMINISM_FIX,
@@ -31,7 +33,8 @@ def scheduler_position(s: Situation) -> Explanation | None:
             "not hold (not passed as scheduler=, or created after resume()), or lr set by hand",
             "create the scheduler before resume() and pass it as scheduler= (a second one in extra)",
         )
-    got, expected = counts[0]["last_epoch"], counts[1]["last_epoch"]
+    states = cast("list[dict[str, Any]]", counts)  # dicts: checked above (all() can't narrow)
+    got, expected = states[0]["last_epoch"], states[1]["last_epoch"]
     what = (
         f"the scheduler has stepped {got} times {s.after}, the uninterrupted run {expected} "
         f"times{lrs} {s.on}"

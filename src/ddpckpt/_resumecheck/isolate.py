@@ -193,7 +193,7 @@ class Isolation:
         """``storage``, refusing writes when ``location`` is outside this run's directory."""
         if _split_url(location) is None and _inside(os.path.abspath(location), self.run_dir):
             return storage
-        if _split_url(location) is not None and _split_url(location)[0] == "memory":
+        if (url := _split_url(location)) is not None and url[0] == "memory":
             return storage
         return _ReadOnly(storage, location, self)
 

@@ -123,8 +123,9 @@ def _component_problem(component: Any, digest: Any) -> str | None:
     return None
 
 
-def _world(e: _Event) -> None:
-    e.integer("world", 1, MAX_RANKS)
+def _world(e: _Event) -> int:
+    world: int = e.integer("world", 1, MAX_RANKS)
+    return world
 
 
 # What the checker reads of each kind of event (see :mod:`.record` for what each means).
@@ -150,9 +151,11 @@ _SCHEMA: dict[str, Callable[[_Event], Any]] = {
 }  # fmt: skip
 
 
-def _generator(e: _Event) -> None:
-    if e.text("generator") not in _GENERATORS:
+def _generator(e: _Event) -> str:
+    generator: str = e.text("generator")
+    if generator not in _GENERATORS:
         raise e.error(f"is none of {', '.join(_GENERATORS)}", "generator")
+    return generator
 
 
 def check_event(doc: Any, where: str) -> dict[str, Any]:

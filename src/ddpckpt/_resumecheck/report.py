@@ -20,7 +20,7 @@ LIMITS = (
 
 
 def _saves(report: CheckReport) -> str:
-    parts = []
+    parts: list[str] = []
     for save in report.saves:
         text = str(save["step"]) + (" (epoch end)" if save["epoch_end"] else "")
         if not parts or parts[-1] != text:

@@ -247,23 +247,27 @@ def _committed(path: str, caller: str, every_file: bool = True) -> Manifest | No
     except (IncompleteCheckpointError, CheckpointNotFoundError):
         return None  # no manifest: an unfinished save, no checkpoint at all, or just deleted
     except CheckpointError as exc:
-        return _skipped(path, str(exc), caller)
+        _skipped(path, str(exc), caller)
+        return None
     problems: list[str] = []
     files = manifest.files.readable(problems) if every_file else manifest.files.inline
     if problems:
-        return None if not store.is_dir(path) else _skipped(path, problems[0], caller)
+        if store.is_dir(path):
+            _skipped(path, problems[0], caller)
+        return None
     for name, file in files.items():
         try:
             size = store.size(os.path.join(path, name))
         except OSError as exc:
             if not store.is_dir(path):
                 return None  # deleted meanwhile (the retention of a job saving there): not damaged
-            return _skipped(path, f"{name}: {exc}", caller)
+            _skipped(path, f"{name}: {exc}", caller)
+            return None
         if size != file.size:
-            return _skipped(path, f"{name} has {size} bytes, its manifest says {file.size}", caller)
+            _skipped(path, f"{name} has {size} bytes, its manifest says {file.size}", caller)
+            return None
     return manifest
 
 
 def _skipped(path: str, why: str, caller: str) -> None:
     _log.warning("%s: skipping the damaged checkpoint %s (%s); it is not loaded", caller, path, why)
-    return None

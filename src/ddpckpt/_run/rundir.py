@@ -256,7 +256,7 @@ def clean_temporaries(directory: str) -> list[str]:
     Call it only while holding the run's lock, when no save of this job is in flight.
     """
     store = storage_for(directory)
-    removed = []
+    removed: list[str] = []
     if not store.is_dir(directory):
         return removed
     restore_overwrites(directory)

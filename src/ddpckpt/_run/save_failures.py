@@ -50,8 +50,9 @@ class SaveFailures:
             return f"the newest good checkpoint is still {newest}"
         return self.names.none_yet
 
-    def retrying(self, path: str, attempt: Callable[[int], None]) -> None:
-        """Call ``attempt(n)`` until it succeeds, retrying transient storage errors."""
+    def retrying(self, path: str, attempt: Callable[[int], object]) -> None:
+        """Call ``attempt(n)`` until it succeeds (what it returns is dropped), retrying
+        transient storage errors."""
         for n in range(self.retries + 1):
             try:
                 attempt(n)

@@ -65,7 +65,7 @@ def capture(state: TrainingState) -> Snapshot:
         if captured.rank_buffers is not None:
             if layout.named:
                 buffers = snapshot.rank_state.setdefault(layout.buffers_key, {})
-                buffers[name] = captured.rank_buffers  # type: ignore[index]
+                buffers[name] = captured.rank_buffers
             else:
                 snapshot.rank_state[layout.buffers_key] = captured.rank_buffers
     names = param_names(state.models, layout)
@@ -76,8 +76,8 @@ def capture(state: TrainingState) -> Snapshot:
         sections.optimizers[name] = section
     for role in ("schedulers", "scalers"):
         for name, obj in getattr(state, role).items():
-            section = capture_stateful(layout.prefix(role, name), obj, snapshot)
-            sections.place(role, name, section)
+            stateful = capture_stateful(layout.prefix(role, name), obj, snapshot)
+            sections.place(role, name, stateful)
     if state.extra:
         sections.extra = capture_extra(state.extra, snapshot)
     if state.rng:

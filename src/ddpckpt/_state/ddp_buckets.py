@@ -40,7 +40,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -264,12 +264,13 @@ def _install(ddp: DistributedDataParallel, layout: list[list[int]] | None) -> bo
         with _assignment(layout, ddp.bucket_bytes_cap) as asked:
             ddp._ddp_init_helper(params, expect_sparse, debug_names, ddp.static_graph)
     old._remove_autograd_hooks()
+    # _ddp_init_helper (above) always sets ddp.logger, which torch types as Optional
     if ddp.static_graph:
         ddp.reducer._set_static_graph()
-        ddp.logger._set_static_graph()
+        cast("dist.Logger", ddp.logger)._set_static_graph()
         ddp._static_graph_delay_allreduce_enqueued = False
     for hook, state in ddp._comm_hooks:
-        ddp.logger._set_comm_hook_name(hook.__qualname__)
+        cast("dist.Logger", ddp.logger)._set_comm_hook_name(hook.__qualname__)
         dist._register_comm_hook(ddp.reducer, state, hook)
     ddp._has_rebuilt_buckets = False
     _installed.pop(ddp, None)

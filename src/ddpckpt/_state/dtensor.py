@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from ddpckpt._state.snapshot import Snapshot, TensorSource
 
 
-def is_dtensor(value: object) -> bool:
+def is_dtensor(value: object) -> TypeGuard[torch.Tensor]:
     """Whether ``value`` is a DTensor. Looked up, not imported: a process that made one has
     imported DTensor's module (whose import costs tens of MB a save should not)."""
     module = sys.modules.get("torch.distributed.tensor")

@@ -17,14 +17,17 @@ from torch import nn
 from ddpckpt._state.model import tensor_identity
 from ddpckpt._state.snapshot import Snapshot
 
+# The modules whose ``weight`` their forward may write.
+_Writer = nn.Embedding | nn.EmbeddingBag
+
 # (module type, the attribute that, when set, makes its forward write ``weight``)
-_WRITES_WEIGHT_IN_FORWARD: tuple[tuple[type[nn.Module], str], ...] = (
+_WRITES_WEIGHT_IN_FORWARD: tuple[tuple[type[_Writer], str], ...] = (
     (nn.Embedding, "max_norm"),
     (nn.EmbeddingBag, "max_norm"),
 )
 
 
-def forward_writers(model: nn.Module) -> list[nn.Module]:
+def forward_writers(model: nn.Module) -> list[_Writer]:
     """The submodules of ``model`` whose forward writes their ``weight`` in place."""
     return [
         module

@@ -132,6 +132,6 @@ def record_steppers(optimizers: list[torch.optim.Optimizer], snapshot: Snapshot)
     captured = {**snapshot.tensors, **snapshot.owned,
                 **{name: shard.local for name, shard in snapshot.sharded.items()}}  # fmt: skip
     for name, tensor in captured.items():
-        writers = by_identity.get(tensor_identity(tensor) or ())
-        if writers:
-            snapshot.stepped_by[name] = writers
+        stepping = by_identity.get(tensor_identity(tensor) or ())
+        if stepping:
+            snapshot.stepped_by[name] = stepping

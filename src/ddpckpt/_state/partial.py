@@ -52,9 +52,9 @@ def objects_of(state: TrainingState) -> Iterator[tuple[object, str]]:
     for name, obj in state.extra.items():
         if is_stateful(obj):
             yield obj, f"extra[{name!r}]"
-            inner = getattr(obj, "obj", None)  # a PerRank wraps the user's object
-            if inner is not None and is_stateful(inner):
-                yield inner, f"extra[{name!r}]"
+            held = getattr(obj, "obj", None)  # a PerRank wraps the user's object
+            if held is not None and is_stateful(held):
+                yield held, f"extra[{name!r}]"
 
 
 def mark(state: TrainingState, checkpoint: str) -> None:

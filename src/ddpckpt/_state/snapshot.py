@@ -115,7 +115,7 @@ class Snapshot:
             self.balanced.discard(name)
             self.unverified.discard(name)
             self.rank_tensors[f"own/{name}"] = self.tensors[name]
-            own[name] = f"own/{name}"  # type: ignore[index]
+            own[name] = f"own/{name}"
 
 
 @contextmanager

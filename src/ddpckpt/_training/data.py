@@ -23,6 +23,7 @@ import random
 import sys
 from collections.abc import Iterator, Sized
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import torch
@@ -284,7 +285,7 @@ class ResumableDistributedSampler(DistributedSampler):
 def _prefetching_feeder() -> str | None:
     """Best effort: the kind of untracked multi-worker DataLoader iterating us, if any."""
     base = getattr(torch.utils.data.dataloader, "_MultiProcessingDataLoaderIter", None)
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(12):
         if frame is None or base is None:
             return None

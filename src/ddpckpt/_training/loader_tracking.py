@@ -6,7 +6,7 @@ as training takes batches, and the state a save records and a load arms the next
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, cast
 
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -27,6 +27,19 @@ from ddpckpt._training.replay import (
 )
 from ddpckpt._training.wrappers import is_stateful
 from ddpckpt.errors import StateMismatchError
+
+
+def loader_base(loader: Any) -> Any:
+    """``super()`` of a loader whose class ddpckpt swapped at run time (for a direct subclass
+    with a mixin's methods: :func:`ddpckpt._training.loader._swap_class`): its own class,
+    the user's, which no static type knows."""
+    return super(type(loader), loader)
+
+
+class _StatefulDataset(Protocol):
+    """An ``IterableDataset`` a tracked loader accepts: it keeps its own position."""
+
+    def state_dict(self) -> Any: ...
 
 
 class _TrackedIterator:
@@ -140,13 +153,18 @@ class Tracking:
         # A new iterator draws the workers' base seed; persistent workers keep theirs.
         new_iterator = self._iterator is None or not self.persistent_workers
         try:
-            keep_workers_seed = self.persistent_workers and new_iterator and ended is not None
-            if record is None and keep_workers_seed and ended.get("seed_draw") is not None:
+            keep_workers_seed = self.persistent_workers and new_iterator
+            if (
+                record is None
+                and keep_workers_seed
+                and ended is not None
+                and ended.get("seed_draw") is not None
+            ):
                 inner = iter_with_saved_workers_seed(self, ended["seed_draw"])
             elif record is None:
                 if new_iterator:
                     self._ddpckpt_seed_draw = capture_draw(self, samplers=False)
-                inner = super(type(self), self).__iter__()  # the loader class that was tracked
+                inner = loader_base(self).__iter__()  # the loader class that was tracked
             else:
                 inner = replay_iter(self, record, new_iterator)
         finally:
@@ -193,7 +211,8 @@ class Tracking:
         if is_stateful(sampler):
             state["sampler"] = sampler.state_dict()
         if isinstance(self.dataset, IterableDataset):
-            state["dataset"] = self.dataset.state_dict()
+            # refuse_untrackable (above) refused an IterableDataset without state_dict()
+            state["dataset"] = cast(_StatefulDataset, self.dataset).state_dict()
         return state
 
     def load_state_dict(self: Any, state: Mapping[str, Any]) -> None:

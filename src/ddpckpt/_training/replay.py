@@ -148,17 +148,16 @@ class IndexStream:
                 return
         batched = self.loader._auto_collation
         epoch = getattr(user_sampler(self.loader), "epoch", None)
-        tag = isinstance(self.loader.dataset, SeededDataset) and epoch is not None
+        # The epoch to tag indices with: only for a SeededDataset, and only when known.
+        tag = epoch if isinstance(self.loader.dataset, SeededDataset) else None
         for item in indices:
             self.sizes.append(len(item) if batched else 1)
             if self.handed is not None:
                 self.handed.append(item)
-            if tag and batched:
-                item = [
-                    i if isinstance(i, SampleIndex) else SampleIndex(int(i), epoch) for i in item
-                ]
-            elif tag and not isinstance(item, SampleIndex):
-                item = SampleIndex(int(item), epoch)
+            if tag is not None and batched:
+                item = [i if isinstance(i, SampleIndex) else SampleIndex(int(i), tag) for i in item]
+            elif tag is not None and not isinstance(item, SampleIndex):
+                item = SampleIndex(int(item), tag)
             yield item
 
 

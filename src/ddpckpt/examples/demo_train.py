@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -103,7 +104,8 @@ def main() -> None:
         every_steps=args.every, keep_last=3, keep_best=1, monitor="loss",
     )  # fmt: skip
     info = ckpt.resume()
-    step, start_epoch = (info.step, info.epoch) if info else (0, 0)
+    # ints: every checkpoint in --dir is this script's, saved with its step and epoch
+    step, start_epoch = cast("tuple[int, int]", (info.step, info.epoch)) if info else (0, 0)
     window = 0.0
     epoch = start_epoch
     while step < args.steps:  # a run that already finished does nothing more

@@ -116,11 +116,12 @@ def load_own(checkpoint: str, reference: Any, *, timeout: float | None = None) -
     fields = reference if isinstance(reference, dict) else {}
     relative, ident = fields.get("saved"), token_of(reference)
     found = _SAVED.fullmatch(relative) if isinstance(relative, str) else None
-    if found is None or ident is None or found["token"] != ident:
+    if not isinstance(relative, str) or found is None or ident is None or found["token"] != ident:
         raise CorruptCheckpointError(
             f"{checkpoint}: the reference to its ranks' own state is not one ddpckpt writes"
         )
     path = _join(_split(checkpoint)[0], relative)
+    values: dict[str, Any]  # the slots load() fills with what the checkpoint holds
     held, values = _Held(), {_KEY: None, _TOKEN: None}
     values[_KEY] = ddpckpt.PerRank(held)
     try:

@@ -14,6 +14,7 @@ included).
 from __future__ import annotations
 
 import base64
+import importlib
 import sys
 from typing import Any
 
@@ -43,7 +44,7 @@ def restore_streams(state: dict[str, Any], where: str) -> None:
     if "numpy" in state:
         numpy = sys.modules.get("numpy")
         if numpy is None:
-            import numpy
+            numpy = importlib.import_module("numpy")
         try:
             numpy_state = dict(state["numpy"])
             inner = dict(numpy_state["state"])

@@ -216,9 +216,10 @@ def load_from_checkpoint(
     if hparams_file is not None:
         extension = os.fspath(hparams_file).rsplit(".", 1)[-1].lower()
         if extension == "csv":
-            hparams = saving.load_hparams_from_tags_csv(hparams_file)
+            # Lightning's annotation says str | Path; it takes any path (through fsspec)
+            hparams = saving.load_hparams_from_tags_csv(hparams_file)  # type: ignore[arg-type]
         elif extension in ("yml", "yaml"):
-            hparams = saving.load_hparams_from_yaml(hparams_file)
+            hparams = saving.load_hparams_from_yaml(hparams_file)  # type: ignore[arg-type]
         else:
             raise ValueError(f"hparams_file must be a .csv, .yml or .yaml file: {hparams_file}")
         checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = hparams
@@ -253,13 +254,15 @@ def _lightning_load_state() -> Callable[..., Any]:
     return load_state
 
 
-def _hparams_keys(cls: type) -> list[str]:
+def _hparams_keys(cls: type[pl.LightningModule] | type[pl.LightningDataModule]) -> list[str]:
     """The checkpoint keys Lightning reads ``cls``'s hyperparameters from."""
     past = list(saving.CHECKPOINT_PAST_HPARAMS_KEYS) if issubclass(cls, pl.LightningModule) else []
     return [*past, cls.CHECKPOINT_HYPER_PARAMS_KEY]
 
 
-def _check_lightning_dict(checkpoint: Any, cls: type, path: str) -> None:
+def _check_lightning_dict(
+    checkpoint: Any, cls: type[pl.LightningModule] | type[pl.LightningDataModule], path: str
+) -> None:
     """Raise :class:`CorruptCheckpointError` unless ``checkpoint`` has the types Lightning's
     load relies on (it would fail on others with a bare ``KeyError`` or ``TypeError``)."""
 
@@ -292,7 +295,12 @@ def _check_lightning_dict(checkpoint: Any, cls: type, path: str) -> None:
             raise bad("it has no 'state_dict' of tensors by name")
 
 
-def _refuse_instantiator(checkpoint: dict[str, Any], cls: type, path: str, trusted: bool) -> None:
+def _refuse_instantiator(
+    checkpoint: dict[str, Any],
+    cls: type[pl.LightningModule] | type[pl.LightningDataModule],
+    path: str,
+    trusted: bool,
+) -> None:
     """Refuse hyperparameters naming an ``_instantiator`` before Lightning sees them: it
     would import the class they name and call it with their arguments. With ``trusted``,
     only one outside Lightning's allowlist is refused (Lightning checks that too)."""

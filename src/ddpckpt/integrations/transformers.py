@@ -31,13 +31,14 @@ import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-from typing import Any  # noqa: E402
+from typing import Any, cast  # noqa: E402
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from transformers import Trainer, TrainerState  # noqa: E402
 from transformers.trainer_utils import (  # noqa: E402
     PREFIX_CHECKPOINT_DIR,
+    TrainOutput,
     compare_trainer_and_checkpoint_args,
 )
 
@@ -86,8 +87,10 @@ class _PerRankRun:
 
     def load_state_dict(self, state: Any) -> None:
         """Keep this process's saved run state, its types checked, until :meth:`apply`."""
-        kinds = {"rng": dict, "tr_loss": torch.Tensor, "total_loss": (int, float),
-                 "last_logged": int, "flos": (int, float)}  # fmt: skip
+        kinds: dict[str, type | tuple[type, ...]] = {
+            "rng": dict, "tr_loss": torch.Tensor, "total_loss": (int, float),
+            "last_logged": int, "flos": (int, float),
+        }  # fmt: skip
         where = self._where()
         if not isinstance(state, dict) or any(
             not isinstance(state.get(k), kind) or isinstance(state.get(k), bool)
@@ -178,13 +181,15 @@ class DdpckptTrainer(Trainer):
         run_dir = self._get_output_dir(trial=trial)
         step = self.state.global_step
         output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        # a dict by name after TrainerState.__post_init__ (annotated as the list it is made from)
+        exported = cast("dict[str, Any]", self.state.stateful_callbacks)
         for callback in [*self.callback_handler.callbacks, self.control]:
             if isinstance(callback, transformers.trainer_callback.ExportableState):
                 name = type(callback).__name__
-                if isinstance(self.state.stateful_callbacks.get(name), list):
-                    self.state.stateful_callbacks[name].append(callback.state())
+                if isinstance(exported.get(name), list):
+                    exported[name].append(callback.state())
                 else:
-                    self.state.stateful_callbacks[name] = callback.state()
+                    exported[name] = callback.state()
         if self.state.best_global_step:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.best_global_step}")
             if self.state.best_global_step == step or _is_checkpoint(best):
@@ -247,7 +252,9 @@ class DdpckptTrainer(Trainer):
 
     # ------------------------------------------------------------------ resuming
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+    ) -> TrainOutput:
         """``Trainer.train``; ``resume_from_checkpoint=True`` takes the newest committed
         checkpoint in ``output_dir`` that verifies (damaged ones are skipped, with a warning).
 
@@ -256,7 +263,8 @@ class DdpckptTrainer(Trainer):
         ``trainer_state.json`` beside it is never read, and nothing is written into it.
         """
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = ddpckpt.latest(self.args.output_dir)
+            # a str after TrainingArguments.__post_init__ (None becomes "trainer_output")
+            resume_from_checkpoint = ddpckpt.latest(cast(str, self.args.output_dir))
             if resume_from_checkpoint is None:
                 raise ValueError(
                     f"No valid checkpoint found in output directory ({self.args.output_dir})"
@@ -309,7 +317,9 @@ class DdpckptTrainer(Trainer):
         if not self.args.restore_callback_states_from_checkpoint:
             return
         live = [*self.callback_handler.callbacks, self.control]
-        for name, saved in self.state.stateful_callbacks.items():
+        # a dict by name after TrainerState.__post_init__ (annotated as the list it is made from)
+        exported = cast("dict[str, Any]", self.state.stateful_callbacks)
+        for name, saved in exported.items():
             matching = [c for c in live if type(c).__name__ == name]
             states = saved if isinstance(saved, list) else [saved]
             for callback, data in zip(matching, states, strict=False):  # as the Trainer pairs

@@ -22,6 +22,7 @@ its :class:`CommitStrategy`. Everything else (listing, deleting a tree) is not a
 from __future__ import annotations
 
 import abc
+import builtins
 import contextlib
 
 from ddpckpt._log import get_logger
@@ -206,7 +207,7 @@ class Storage(abc.ABC):
         """
 
     @abc.abstractmethod
-    def walk(self, location: str) -> list[str]:
+    def walk(self, location: str) -> builtins.list[str]:
         """Every object under ``location``, at any depth.
 
         Returns:

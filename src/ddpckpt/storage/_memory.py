@@ -11,6 +11,7 @@ processes (other ranks) see nothing of it. Thread-safe.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import threading
 import time
@@ -145,7 +146,7 @@ class MemoryStorage(Storage):
             raise FileNotFoundError(errno.ENOENT, "no such directory", location)
         return sorted(names)
 
-    def walk(self, location: str) -> list[str]:
+    def walk(self, location: str) -> builtins.list[str]:
         return sorted(self._children(self._key(location)))
 
     def make_dirs(self, location: str) -> None:

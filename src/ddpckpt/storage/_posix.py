@@ -23,6 +23,7 @@ the user puts it in. Under a directory made with :meth:`PosixStorage.make_privat
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import ctypes
 import errno
@@ -249,7 +250,7 @@ class PosixStorage(Storage):
     def list(self, location: str) -> list[str]:
         return os.listdir(location)
 
-    def walk(self, location: str) -> list[str]:
+    def walk(self, location: str) -> builtins.list[str]:
         found = []
         for root, _, files in os.walk(location):
             rel = os.path.relpath(root, location)

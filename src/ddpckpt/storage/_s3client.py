@@ -172,7 +172,9 @@ class _UnansweredWarning:
         self._retries, self._timeouts = retries, (connect_timeout, read_timeout)
         self._warned = False
 
-    def __call__(self, attempts: int, caught_exception: Exception | None = None, **kwargs: Any):
+    def __call__(
+        self, attempts: int, caught_exception: Exception | None = None, **kwargs: Any
+    ) -> None:
         if caught_exception is None:
             self._warned = False
         elif isinstance(caught_exception, _UNANSWERED) and not self._warned:

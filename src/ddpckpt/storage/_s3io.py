@@ -27,7 +27,9 @@ class S3Transfers(Protocol):
     max_concurrency: int
     small_object: int
     _requests: S3Requests
-    _pool: Executor
+
+    @property
+    def _pool(self) -> Executor: ...  # read only here: S3Storage's is a ThreadPoolExecutor
 
 
 class S3Writer(Writer):

@@ -17,6 +17,7 @@ own (``storage_options=`` reaches ``fsspec.filesystem(protocol, **options)``).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import datetime
 import errno
@@ -207,12 +208,14 @@ class FsspecStorage(Storage):
         listed = self._call(location, lambda path: self.fs.ls(path, detail=False))
         return sorted(set(self._names(location, listed, one_level=True)))
 
-    def walk(self, location: str) -> list[str]:
+    def walk(self, location: str) -> builtins.list[str]:
         if not self.is_dir(location):
             return []
         return sorted(self._names(location, self._call(location, self.fs.find), one_level=False))
 
-    def _names(self, location: str, listed: Iterable[Any], *, one_level: bool) -> list[str]:
+    def _names(
+        self, location: str, listed: Iterable[Any], *, one_level: bool
+    ) -> builtins.list[str]:
         """The names under ``location`` of the paths the file system ``listed``, each exactly
         as listed: one with an empty, ``.`` or ``..`` segment (an object store's key
         ``run//x`` or ``step-6/./manifest.json``), or outside ``location``, is skipped with a

@@ -28,6 +28,7 @@ on them). ``age`` compares the server's clock with this machine's.
 
 from __future__ import annotations
 
+import builtins
 import copy
 import errno
 import threading
@@ -291,7 +292,7 @@ class S3Storage(Storage):
             raise FileNotFoundError(errno.ENOENT, "no such prefix", location)
         return sorted(set(names))  # empty where all it holds was skipped (and reported)
 
-    def walk(self, location: str) -> list[str]:
+    def walk(self, location: str) -> builtins.list[str]:
         return sorted(self._keys(location, delimiter=False)[0])
 
     def make_dirs(self, location: str) -> None:
