@@ -448,3 +448,19 @@ def test_a_subclass_iterating_through_super_resumes_exactly(tmp_path) -> None:
     second = loader()
     ddpckpt.load(tmp_path / "c", ddpckpt.TrainingState(model=model, loader=second))
     assert [b.tolist() for b in second] == rest and len(rest) == 4
+
+
+def test_the_tracked_loader_of_a_registered_wrapper_is_its_base_once_tracked(monkeypatch) -> None:
+    monkeypatch.setitem(loader_module._WRAPPERS, Prefetching, ("_dataloader", "held"))
+
+    class Later(Prefetching):  # a user's subclass of it: never swapped, so never tracked
+        pass
+
+    wrapper, other = Prefetching(DataLoader(Numbers(4))), Later(DataLoader(Numbers(4)))
+    plain = DataLoader(Numbers(4))
+    assert loader_module.tracked_loader(wrapper) is wrapper  # not tracked yet
+    ddpckpt.data.track_loader(wrapper)
+    ddpckpt.data.track_loader(plain)
+    assert loader_module.tracked_loader(wrapper) is wrapper._dataloader
+    assert loader_module.tracked_loader(plain) is plain
+    assert loader_module.tracked_loader(other) is other

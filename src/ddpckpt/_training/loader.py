@@ -129,7 +129,9 @@ def tracked_loader(loader: DataLoader) -> DataLoader:
     """The DataLoader whose iteration :func:`track_loader` tracks for ``loader``: ``loader``
     itself, or the one a registered wrapper iterates (its stream and sampler are that
     loader's)."""
-    return _base_of(loader) if _wrapped_class(loader) in _WRAPPERS else loader
+    wrapped = _wrapped_class(loader)
+    swapped = _SUBCLASSES.get(wrapped) is type(loader)  # by track_loader, not a user subclass
+    return _base_of(loader) if swapped and wrapped in _WRAPPERS else loader
 
 
 def consumed(loader: Any) -> dict[str, Any] | None:
