@@ -464,3 +464,14 @@ def test_the_tracked_loader_of_a_registered_wrapper_is_its_base_once_tracked(mon
     assert loader_module.tracked_loader(wrapper) is wrapper._dataloader
     assert loader_module.tracked_loader(plain) is plain
     assert loader_module.tracked_loader(other) is other
+
+
+def test_a_loader_made_anew_from_a_tracked_loaders_class_is_tracked_from_its_start() -> None:
+    """Lightning re-creates a loader with ``type(loader)(...)`` to give it a distributed
+    sampler (and for ``predict``): made from a tracked loader, it had the tracking's methods
+    without its state, and its first iteration raised AttributeError."""
+    loader = DataLoader(Numbers(8), batch_size=2, shuffle=True)
+    ddpckpt.data.track_loader(loader)
+    again = type(loader)(loader.dataset, batch_size=2)
+    assert [b.tolist() for b in again] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert again.state_dict()["position"] == 4 and len(again) == 4

@@ -79,6 +79,13 @@ class Tracking:
 
     ddpckpt_per_rank = True  # each rank consumes its own shard: saved per rank
 
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        """A new loader of a tracked loader's class (``type(loader)(...)``: Lightning makes
+        one to give it a distributed sampler, or for ``predict``) is tracked from its start:
+        it had the tracking's methods without its state."""
+        loader_base(self).__init__(*args, **kwargs)
+        self._ddpckpt_init()
+
     def _ddpckpt_init(self: Any) -> None:
         inner = DataLoader._index_sampler.fget(self)  # type: ignore[attr-defined]
         self.__dict__["_ddpckpt_stream"] = IndexStream(inner, self)
