@@ -25,7 +25,7 @@ import torch
 
 from ddpckpt._cli.export import put_in_place
 from ddpckpt._cli.tools import open_manifest
-from ddpckpt._format.codec import decode
+from ddpckpt._format.codec import TensorRef, decode_refs
 from ddpckpt._format.sections import OptimizerSection, StateSections
 from ddpckpt._io.reader import FileSource, chosen_model
 from ddpckpt.errors import UnsupportedValueError
@@ -42,10 +42,6 @@ class _Written:
     offset: int
     length: int
     tensor: torch.Tensor | None  # its dtype and shape; None for a value stored as bytes
-
-
-class _TensorRef(str):
-    """A tensor named in the optimizer's encoded state, read when it is written."""
 
 
 def export_dcp(
@@ -143,18 +139,17 @@ def _optimizer_items(
 ) -> None:
     """The optimizer as get_state_dict keys it: ``state.<param>.<key>`` and
     ``param_groups.<i>.<key>`` (``params`` listing the parameters' names)."""
-    state = decode(section.state, _TensorRef, where=path, array=lambda n: _read(source, n).numpy())
+    array = lambda name: _read(source, name).numpy()  # noqa: E731
+    state = decode_refs(section.state, array, where=path)
     for param, values in state.items():
         for key, value in values.items():
-            if isinstance(value, _TensorRef):
+            if isinstance(value, TensorRef):
                 value = _read(source, str(value))
             _item(data, written, (OPTIMIZER_KEY, "state", param, key), value)
     for g, group in enumerate(section.groups):
-        hyper = decode(
-            group.hyper, _TensorRef, where=path, array=lambda n: _read(source, n).numpy()
-        )
+        hyper = decode_refs(group.hyper, array, where=path)
         for key, value in {**hyper, "params": list(group.params)}.items():
-            if isinstance(value, _TensorRef):
+            if isinstance(value, TensorRef):
                 value = _read(source, str(value))
             _item(data, written, (OPTIMIZER_KEY, "param_groups", g, key), value)
 

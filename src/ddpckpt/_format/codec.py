@@ -33,7 +33,7 @@ import sys
 import types
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Mapping, Sized
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -68,21 +68,23 @@ def encode(value: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> JSON:
     return _Encoder(tensors).encode(value, prefix)
 
 
-def decode(
-    tree: JSON,
-    tensor: Callable[[str], object],
-    *,
-    where: str = "",
-    array: Callable[[str], Any] | None = None,
-) -> Any:
-    """Rebuild the value :func:`encode` produced; ``tensor(name)`` supplies each tensor (or
-    what stands for it: a reference the caller reads later).
+def decode(tree: JSON, tensor: Callable[[str], torch.Tensor], *, where: str = "") -> Any:
+    """Rebuild the value :func:`encode` produced; ``tensor(name)`` supplies each tensor.
 
-    ``where`` names the checkpoint in error messages about a malformed tree. ``array(name)``
-    supplies a numpy array's values, which must be read now (default: ``tensor(name)``'s,
-    copied): give it whenever ``tensor`` returns something other than a tensor.
+    ``where`` names the checkpoint in error messages about a malformed tree.
     """
-    return _Decoder(tensor, where, array).decode(tree)
+    return _Decoder(tensor, lambda name: tensor(name).numpy().copy(), where).decode(tree)
+
+
+class TensorRef(str):
+    """A tensor's name in a tree :func:`decode_refs` rebuilt: the caller reads it later."""
+
+
+def decode_refs(tree: JSON, array: Callable[[str], Any], *, where: str = "") -> Any:
+    """:func:`decode`, each tensor left as a :class:`TensorRef` for the caller to read once
+    it knows where (one at a time, into its destination); a numpy array's values are part of
+    the value rebuilt, so ``array(name)`` reads them now."""
+    return _Decoder(TensorRef, array, where).decode(tree)
 
 
 class _Encoder:
@@ -218,11 +220,10 @@ class _Decoder:
     containers), so the recursion is bounded whatever the tree."""
 
     def __init__(
-        self, tensor: Callable[[str], object], where: str, array: Callable[[str], Any] | None
+        self, tensor: Callable[[str], object], array: Callable[[str], Any], where: str
     ) -> None:
         self.tensor = tensor
-        # without ``array``, the caller's tensor() returns tensors (see decode)
-        self.array = array or (lambda name: cast(torch.Tensor, tensor(name)).numpy().copy())
+        self.array = array
         self.where = where
         self.depth = 0
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ddpckpt._format.codec import decode
+from ddpckpt._format.codec import TensorRef, decode_refs
 from ddpckpt._format.sections import OptimizerSection, ParamGroup
 from ddpckpt._format.statelayout import SINGLE, Layout
 from ddpckpt._log import get_logger
@@ -276,8 +276,8 @@ def restore_optimizer(
         after_restore(optimizer)
         return
     live_names = _live_names(section, names, optimizer)
-    array = lambda name: source.get(name).numpy().copy()  # noqa: E731 - read now, not lazily
-    stored_state = decode(section.state, _LazyTensor, where=where, array=array)
+    array = lambda name: source.get(name).numpy().copy()  # noqa: E731
+    stored_state = decode_refs(section.state, array, where=where)
     if section.by_position:
         _log.warning(
             "%s: optimizer state was imported from a torch.save file, which keys it by "
@@ -292,7 +292,7 @@ def restore_optimizer(
         stored_groups, live_names, optimizer.param_groups, strict=True
     ):
         indices = []
-        hyper = decode(stored.hyper, _LazyTensor, where=where, array=array)
+        hyper = decode_refs(stored.hyper, array, where=where)
         fused = bool(hyper.get("fused")) or bool(hyper.get("capturable"))
         kept = _Kept(fused, section.placement or {}, set(section.own_dtype or ()))
         for name, param in zip(group_names, group["params"], strict=True):
@@ -311,10 +311,6 @@ def restore_optimizer(
     params = [param for group in optimizer.param_groups for param in group["params"]]
     for index, values in state.items():
         optimizer.state[params[index]].update(values)
-
-
-class _LazyTensor(str):
-    """A tensor reference decoded but not yet read (read once its destination is known)."""
 
 
 @dataclass
@@ -355,7 +351,7 @@ def _materialize(
     failure found while reading in place leaves the optimizer partly updated (see
     :func:`ddpckpt._io.load.load`).
     """
-    if isinstance(value, _LazyTensor):
+    if isinstance(value, TensorRef):
         stored_dtype, shape = source.meta(str(value))
         device, dtype = kept.target(key, param, stored_dtype)
         if is_dtensor(param) and shape == tuple(param.shape) and key != "step":
@@ -395,7 +391,7 @@ def _fits(
 
 def _cloned(value: Any, source: TensorSource) -> Any:
     """``value`` with every unread tensor reference replaced by a private CPU copy."""
-    if isinstance(value, _LazyTensor):
+    if isinstance(value, TensorRef):
         return source.get(str(value)).clone()
     if isinstance(value, dict):
         return {k: _cloned(v, source) for k, v in value.items()}
