@@ -22,7 +22,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).with_name("support")))
 # Fixtures of one subpackage's tests live there too, as plugins: a second conftest.py would
 # take the module name "conftest" that the tests import the helpers below from.
-pytest_plugins = ["check_recorder", "shared_storages", "tiers"]
+pytest_plugins = ["check_recorder", "shared_storages", "tiers", "warm_start"]
 
 
 class TiedLM(nn.Module):

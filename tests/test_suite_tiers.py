@@ -1,10 +1,9 @@
-"""The suite's own machinery: tiers enforced (tiers.py), forked ranks stopped as torchrun stops
+"""The suite's own machinery: tiers enforced (tiers.py), agentless ranks stopped as torchrun stops
 its workers (forked.py), a port lost to another process taken again (launch.py)."""
 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import sys
 import textwrap
@@ -149,7 +148,7 @@ def test_a_failure_that_is_not_the_port_is_not_retried() -> None:
 
 
 @pytest.mark.processes
-def test_forked_ranks_stop_the_others_once_one_fails(tmp_path: Path) -> None:
+def test_agentless_ranks_stop_the_others_once_one_fails(tmp_path: Path) -> None:
     worker = tmp_path / "worker.py"
     worker.write_text(
         textwrap.dedent(
@@ -180,24 +179,11 @@ def test_forked_ranks_stop_the_others_once_one_fails(tmp_path: Path) -> None:
 
 
 @pytest.mark.processes
-def test_forked_ranks_that_outlive_the_timeout_are_killed(tmp_path: Path) -> None:
+def test_agentless_ranks_that_outlive_the_timeout_are_killed(tmp_path: Path) -> None:
     worker = tmp_path / "worker.py"
     worker.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
     with pytest.raises(AssertionError, match=r"launch hung for 3 s and was killed:\n.*started"):
         run_ranks(worker, [], nproc=2, env=_env(None), timeout=3)
-
-
-@pytest.mark.processes  # starts and reaps one process to have a pid that is gone
-def test_stopping_a_rank_that_is_gone_but_not_yet_seen_exited_is_not_an_error() -> None:
-    """The forkserver reaps a rank; its Process can read exitcode None after the pid is gone."""
-    import subprocess
-    from types import SimpleNamespace
-
-    from forked import _stop
-
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    _stop([SimpleNamespace(exitcode=None, pid=gone.pid)], signal.SIGTERM)  # type: ignore[list-item]
 
 
 SHARED = """

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from forked import fresh_path, run_python, run_ranks
+from forked import run_python, run_ranks
 from launch import RUN_SCRIPT, lost_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,12 +120,12 @@ def first_traceback(stderr: str) -> int:
 def _launch(snippet: Snippet, script: Path, cwd: Path) -> tuple[int, str]:
     """Run ``script`` once as ``snippet``'s marker says: its exit status and output.
 
-    ``python`` and ``torchrun N`` run the snippet's code as written in processes forked
-    from a server that has imported torch (forked.py: the environment torchrun gives its
-    workers, the agent's way of stopping them), since the launcher is incidental to what
-    these runs check and a fresh interpreter costs 2.5 s of CPU for torch's import; the
-    real ``torchrun`` runs them under ``then check-resume`` (and in the tests about
-    launchers). ``accelerate N`` runs ``accelerate launch`` itself."""
+    ``python`` and ``torchrun N`` run the snippet's code as written in plain processes
+    started as torchrun starts its workers (forked.py: the environment torchrun gives them,
+    the agent's way of stopping them), since the launcher is incidental to what these runs
+    check and torchrun's agent costs a process of its own; the real ``torchrun`` runs them
+    under ``then check-resume`` (and in the tests about launchers). ``accelerate N`` runs
+    ``accelerate launch`` itself."""
     match = HOW.match(snippet.how)
     assert match is not None
     env = _environment(cwd)
@@ -133,7 +133,7 @@ def _launch(snippet: Snippet, script: Path, cwd: Path) -> tuple[int, str]:
         return run_python(RUN_SCRIPT, [str(script)], env=env, timeout=240, cwd=cwd)
     if match["nproc"]:
         return run_ranks(RUN_SCRIPT, [str(script)], nproc=int(match["nproc"]), env=env,
-                         timeout=240, cwd=cwd, path=fresh_path(env))  # fmt: skip
+                         timeout=240, cwd=cwd)  # fmt: skip
     done = _run(_command(snippet, script), cwd)
     for _ in range(2):  # accelerate launch picks a free port, then torchrun binds it
         if not lost_port(done.returncode, done.stdout + done.stderr):
@@ -167,6 +167,8 @@ def _environment(cwd: Path) -> dict[str, str]:
            "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "HOME": str(cwd)}  # fmt: skip
     if "PYTHONPATH" in os.environ:  # a development checkout imported through PYTHONPATH
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    if "DDPCKPT_TEST_WARM" in os.environ:  # the suite's warm starts (warm_start.py)
+        env["DDPCKPT_TEST_WARM"] = os.environ["DDPCKPT_TEST_WARM"]
     return env
 
 

@@ -1,0 +1,351 @@
+"""``python warm_server.py SOCKET``: the warm server of one test worker. It imports torch
+(and what every test program imports first) once, then forks a process for each program a
+stand-in (tests/support/warm/sitecustomize.py) hands over, and tells the stand-in its pid
+and, at the end, its wait status.
+
+The forked process becomes what a fresh ``python SCRIPT`` (or ``-m MODULE``) started by the
+stand-in's parent would be: its own session (so it and what it starts are killed together
+when the stand-in is SIGKILLed), the stand-in's file descriptors at their numbers, its
+environment, working directory, umask, resource limits, signal dispositions and mask,
+warning options, standard streams and module search path; NumPy's global generator seeded
+afresh (``random`` reseeds itself at a fork). It then runs the program as ``__main__`` and
+ends through the interpreter's own exit (threads joined, atexit handlers, finalization).
+
+What it shares with the server rather than having its own: modules imported at start-up
+(so environment variables read while torch loads must match; the server refuses
+otherwise), and the string-hash seed, so a set of strings iterates in one order in every
+warm process of a worker. The server serves only its own user, group and interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+import types
+
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "torch.utils.data",
+    "numpy",
+    "xxhash",
+)
+# Environment variables read while the preloaded modules load (OpenMP, the allocator,
+# torch's logging and C++ settings): a program whose values differ starts cold. CUDA's
+# (CUDA_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF ...) are read when CUDA is first used,
+# which the server never does.
+_LOAD_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "LD_PRELOAD", "LD_LIBRARY_PATH", "MALLOC_",
+              "TORCH_LOGS", "TORCH_CPP_", "TORCH_SHOW_CPP", "PYTHONHASHSEED", "PYTHONMALLOC",
+              "PYTHONHOME")  # fmt: skip
+
+
+def _load_time(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_LOAD_TIME)}
+
+
+def _refusal(request: dict, peer: tuple[int, int, int]) -> str | None:
+    """Why this server cannot start the request's program as a fresh interpreter would."""
+    _, uid, gid = peer
+    if (uid, gid) != (os.getuid(), os.getgid()) or sorted(request["groups"]) != sorted(
+        os.getgroups()
+    ):
+        return "another user or group"
+    if (request["executable"], request["prefix"]) != (sys.executable, sys.prefix):
+        return "another interpreter"
+    if request["flags"] != {name: getattr(sys.flags, name) for name in request["flags"]}:
+        return "other interpreter flags"
+    theirs, ours = _load_time(request["env"]), _load_time(dict(os.environ))
+    if theirs != ours:
+        differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+        return f"other load-time environment: {', '.join(differ)}"
+    from importlib.machinery import PathFinder
+
+    path = [_first(request), *request["path"]]
+    for name in {name.split(".")[0] for name in PRELOAD}:
+        spec = PathFinder.find_spec(name, path)
+        if spec is None or spec.origin != sys.modules[name].__spec__.origin:
+            return f"another {name} on its path"
+    import resource
+
+    for name, (_, hard) in request["limits"].items():
+        own = resource.getrlimit(getattr(resource, name))[1]
+        if own != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > own):
+            return f"a higher {name}"
+    return None
+
+
+def _first(request: dict) -> str:
+    """``sys.path[0]`` of the program: its script's directory, or (``-m``) the working one."""
+    script = request["script"]
+    return (
+        os.path.dirname(os.path.realpath(os.path.join(request["cwd"], script)))
+        if script
+        else request["cwd"]
+    )
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    size, fds, _, _ = socket.recv_fds(conn, 8, 1024)
+    if len(size) != 8:
+        raise OSError("short request")
+    length = int.from_bytes(size, "big")
+    data = b""
+    while len(data) < length:
+        chunk = conn.recv(length - len(data))
+        if not chunk:
+            raise OSError("short request")
+        data += chunk
+    return json.loads(data), fds
+
+
+def serve(path: str) -> None:
+    """Preload, listen on ``path``, and fork a program for each request until SIGTERM, the
+    end of the parent, or a closed listener. Only forked children return from here: into
+    :func:`_become`, which ends by raising SystemExit through the interpreter's exit."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    # Out of the collector's reach: a child's collections (its exit's among them) then
+    # neither walk nor copy the server's objects.
+    gc.collect()
+    gc.freeze()
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG: end with the test worker
+    parent = os.getppid()
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".binding")
+    os.chmod(path + ".binding", 0o600)
+    listener.listen(128)
+    os.rename(path + ".binding", path)  # clients find it only once it accepts
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    by_pid: dict[int, socket.socket] = {}
+    by_conn: dict[socket.socket, int] = {}
+    stopping = False
+    while not stopping:
+        for key, _ in selector.select(timeout=1.0):
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                child = _start(conn, [listener, wake_r, wake_w, *by_conn], selector)
+                if child == 0:
+                    return  # in the child: the program has ended (never reached)
+                if child > 0:
+                    by_pid[child] = conn
+                    by_conn[conn] = child
+                    selector.register(conn, selectors.EVENT_READ)
+            elif key.fileobj is wake_r:
+                try:
+                    signals = os.read(wake_r, 512)
+                except BlockingIOError:
+                    signals = b""
+                stopping = signal.SIGTERM in signals
+            else:  # the stand-in went away (SIGKILL): its program goes with it
+                conn = key.fileobj
+                try:
+                    gone = not conn.recv(1)
+                except OSError:
+                    gone = True
+                if gone:
+                    selector.unregister(conn)
+                    pid = by_conn.pop(conn)
+                    _kill_group(pid)
+                    conn.close()
+        _reap(by_pid, by_conn, selector)
+        if os.getppid() != parent:
+            stopping = True
+    for pid in by_pid:
+        _kill_group(pid)
+
+
+def _kill_group(pid: int) -> None:
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+            return
+        except ProcessLookupError:
+            continue
+
+
+def _reap(by_pid: dict, by_conn: dict, selector: selectors.BaseSelector) -> None:
+    while by_pid or by_conn:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = by_pid.pop(pid, None)
+        if conn is not None and by_conn.pop(conn, None) is not None:
+            selector.unregister(conn)
+            with contextlib.suppress(OSError):
+                conn.sendall(f"exit {status}\n".encode())
+            conn.close()
+
+
+def _start(conn: socket.socket, own: list, selector: selectors.BaseSelector) -> int:
+    """Fork the program ``conn`` asks for: its pid in the server (``0`` in the child, which
+    only returns once the program has ended), ``-1`` after a refusal."""
+    conn.settimeout(10)
+    fds: list[int] = []
+    try:
+        request, fds = _receive(conn)
+        peer = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        refusal = _refusal(request, tuple(int.from_bytes(peer[i : i + 4], "little")
+                                          for i in (0, 4, 8)))  # fmt: skip
+        if refusal is not None:
+            conn.sendall(f"no {refusal}\n".encode())
+            raise OSError(refusal)
+        pid = os.fork()
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+        return -1
+    if pid == 0:
+        selector.close()
+        for thing in own:
+            if isinstance(thing, int):
+                os.close(thing)
+            else:
+                thing.close()
+        _become(request, fds, conn)
+    for fd in fds:
+        os.close(fd)
+    conn.settimeout(None)
+    try:
+        conn.sendall(f"pid {pid}\n".encode())
+    except OSError:
+        _kill_group(pid)
+    return pid
+
+
+def _become(request: dict, received: list[int], conn: socket.socket) -> None:
+    """In the forked child: turn into the program's process, run it, and end as Python ends
+    (raises SystemExit or KeyboardInterrupt; never returns normally)."""
+    import faulthandler
+    import fcntl
+    import io
+    import resource
+    import warnings
+
+    conn.close()
+    os.setsid()
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        how = request["signals"].get(str(int(sig)))
+        handler = {"ignore": signal.SIG_IGN, "interrupt": signal.default_int_handler}.get(
+            how, signal.SIG_DFL
+        )
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [int(s) for s in request["blocked"]])
+    # The stand-in's descriptors at their own numbers; out of the way first, since a
+    # received descriptor may hold a number another one needs.
+    wanted = {int(fd): inheritable for fd, inheritable in request["fds"]}
+    above = max([*wanted, *received, 2]) + 1
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, above) for fd in received]
+    for fd in received:
+        os.close(fd)
+    for fd in (0, 1, 2):
+        if fd not in wanted:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    for temp, (fd, inheritable) in zip(high, wanted.items(), strict=True):
+        os.dup2(temp, fd, inheritable=inheritable)
+        os.close(temp)
+    for name, (soft, hard) in request["limits"].items():
+        resource.setrlimit(getattr(resource, name), (soft, hard))
+    os.umask(request["umask"])
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    _streams(request, io)
+    if request["faulthandler"]:
+        faulthandler.enable()
+    else:
+        faulthandler.disable()
+    sys.warnoptions[:] = request["warnoptions"]
+    warnings._processoptions(request["warnoptions"])  # type: ignore[attr-defined]
+    sys.orig_argv[:] = request["orig_argv"]
+    sys.argv[:] = request["argv"]
+    sys.path[:] = [_first(request), *request["path"]]
+    import numpy
+
+    numpy.random.seed()  # from the system's entropy, as at a fresh import
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
+    _run(main, request["script"], request["module"])
+
+
+def _streams(request: dict, io) -> None:
+    """``sys.stdin``, ``sys.stdout`` and ``sys.stderr`` as Python builds them at start-up."""
+    unbuffered = request["unbuffered"]
+    for fd, name in enumerate(("stdin", "stdout", "stderr")):
+        if name not in request["streams"] or fd not in {f for f, _ in request["fds"]}:
+            setattr(sys, name, None)
+            setattr(sys, f"__{name}__", None)
+            continue
+        encoding, errors = request["streams"][name]
+        tty = os.isatty(fd)
+        if name == "stdin":
+            stream = io.TextIOWrapper(io.open(fd, "rb", closefd=False), encoding, errors,
+                                      line_buffering=tty)  # fmt: skip
+        else:
+            raw = io.FileIO(fd, "w", closefd=False)
+            binary = raw if unbuffered else io.BufferedWriter(raw)
+            # -u: written through, never line-buffered; else stderr and a terminal by line
+            line = not unbuffered and (tty or name == "stderr")
+            stream = io.TextIOWrapper(binary, encoding, errors, write_through=unbuffered,
+                                      line_buffering=line)  # fmt: skip
+        stream.mode = "r" if name == "stdin" else "w"
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _run(main: types.ModuleType, script: str | None, module: str | None) -> None:
+    """Run the program in ``main`` (``sys.modules["__main__"]``) and end as ``python`` does:
+    SystemExit and KeyboardInterrupt propagate to the interpreter, any other exception is
+    printed without this module's frames and exits 1."""
+    import runpy
+    from importlib.machinery import SourceFileLoader
+
+    try:
+        if module is not None:
+            runpy._run_module_as_main(module)  # type: ignore[attr-defined]
+        else:
+            assert script is not None
+            main.__dict__.update(__file__=script, __cached__=None, __package__=None,
+                                 __spec__=None, __loader__=SourceFileLoader("__main__", script))  # fmt: skip
+            with open(script, "rb") as f:
+                code = compile(f.read(), script, "exec")
+            exec(code, main.__dict__)
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # printed as Python prints it; exit 1
+        tb = exc.__traceback__
+        here = (os.path.abspath(__file__), os.path.abspath(runpy.__file__))
+        while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in here:
+            tb = tb.tb_next
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        raise SystemExit(1) from None
+    raise SystemExit(0)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])

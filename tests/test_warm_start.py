@@ -1,0 +1,203 @@
+"""The suite's warm starts (tests/support/warm_start.py): a program forked from the warm
+server behaves as the same program started cold, as far as a test can see: what it is
+given, how it ends, the signals it gets; and what the server cannot reproduce starts cold."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.processes
+
+if not os.environ.get("DDPCKPT_TEST_WARM"):
+    pytest.skip("the suite runs cold (DDPCKPT_TEST_COLD)", allow_module_level=True)
+
+SHOW = textwrap.dedent(
+    """
+    import os, resource, signal, sys
+    import numpy
+    print("argv", sys.argv)
+    print("name", __name__, __file__)
+    print("path0", sys.path[0])
+    print("cwd", os.getcwd())
+    print("env", os.environ.get("SOME_SETTING"))
+    print("umask", oct(os.umask(0)))
+    print("fsize", resource.getrlimit(resource.RLIMIT_FSIZE))
+    print("sigint", signal.getsignal(signal.SIGINT))
+    print("sigusr1", signal.getsignal(signal.SIGUSR1))
+    print("stdin", sys.stdin.read().strip())
+    os.write(int(os.environ["FD"]), b"to the descriptor it was given")
+    print("warnings", sys.warnoptions)
+    print("streams", sys.stdout.encoding, sys.stderr.errors, sys.stderr.line_buffering)
+    sys.stdout.flush()
+    if sys.argv[1] == "raise":
+        raise ValueError("planted")
+    sys.exit(sys.argv[1])
+    """
+)
+
+
+def _run(
+    argv: list[str], env: Mapping[str, str], cwd: Path, *, warm: bool, log: Path, **kwargs
+) -> subprocess.CompletedProcess[str]:
+    env = {**env, "DDPCKPT_TEST_WARM_LOG": str(log)}
+    if not warm:
+        env.pop("DDPCKPT_TEST_WARM")
+    return subprocess.run(
+        argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=60, **kwargs
+    )
+
+
+def _starts(log: Path) -> list[str]:
+    return [line.split("\t")[0] for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.mark.parametrize("ending", ["0", "3", "a message", "raise"])
+def test_a_warm_program_is_given_and_ends_as_a_cold_one(tmp_path: Path, ending: str) -> None:
+    script = tmp_path / "scripts" / "show.py"
+    script.parent.mkdir()
+    script.write_text(SHOW)
+    env = {**os.environ, "SOME_SETTING": "x"}
+
+    def limits() -> None:  # as a launcher's preexec_fn sets them
+        os.umask(0o027)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 30, resource.RLIM_INFINITY))
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+    runs = {}
+    for warm in (False, True):
+        r, w = os.pipe()
+        log = tmp_path / f"starts-{warm}"
+        done = _run([sys.executable, "-W", "ignore::FutureWarning", str(script), ending],
+                    {**env, "FD": str(w)}, tmp_path, warm=warm, log=log, input="on stdin",
+                    pass_fds=(w,), preexec_fn=limits)  # fmt: skip
+        os.close(w)
+        with os.fdopen(r) as f:
+            runs[warm] = (done.returncode, done.stdout, done.stderr, f.read())
+        assert _starts(log) == (["warm"] if warm else [])
+    cold, warm = runs[False], runs[True]
+    assert warm == cold
+    assert f"path0 {script.parent}" in warm[1] and "stdin on stdin" in warm[1]
+    assert warm[3] == "to the descriptor it was given"
+    assert "fsize (1073741824, -1)" in warm[1] and "umask 0o27" in warm[1]
+    if ending == "raise":
+        assert warm[2].splitlines()[1] == f'  File "{script}", line 19, in <module>', warm[2]
+
+
+def test_signals_reach_the_program_and_its_end_is_the_stand_ins(tmp_path: Path) -> None:
+    script = tmp_path / "wait.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys, time
+            def stop(signum, frame):
+                print("stopped by", signal.Signals(signum).name, flush=True)
+                sys.exit(5)
+            signal.signal(signal.SIGTERM, stop)
+            open("pid", "w").write(str(os.getpid()))
+            if sys.argv[1] == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)
+            """
+        )
+    )
+    log = tmp_path / "starts"
+    env = {**os.environ, "DDPCKPT_TEST_WARM_LOG": str(log)}
+
+    def start(how: str) -> subprocess.Popen[str]:
+        (tmp_path / "pid").unlink(missing_ok=True)
+        proc = subprocess.Popen([sys.executable, str(script), how], env=env, cwd=tmp_path,
+                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        return proc
+
+    proc = start("wait")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 5 and proc.stdout.read() == "stopped by SIGTERM\n"
+
+    proc = start("die")
+    assert proc.wait(30) == -signal.SIGKILL
+
+    proc = start("wait")
+    program = int((tmp_path / "pid").read_text())
+    assert program != proc.pid
+    proc.kill()  # the stand-in: its program goes too
+    proc.wait(30)
+    deadline = time.monotonic() + 30
+    while _alive(program):
+        assert time.monotonic() < deadline, "the program outlived its killed stand-in"
+        time.sleep(0.02)
+    assert _starts(log) == ["warm"] * 3
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_module_runs_warm_and_what_the_server_cannot_reproduce_starts_cold(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "mod.py").write_text("import sys\nprint('module', sys.argv)\n")
+    script = tmp_path / "s.py"
+    script.write_text("print('script')\n")
+    log = tmp_path / "starts"
+    env = dict(os.environ)
+    done = _run([sys.executable, "-m", "mod", "x"], env, tmp_path, warm=True, log=log)
+    assert done.stdout == f"module ['{tmp_path / 'mod.py'}', 'x']\n"
+    cold = [
+        ([sys.executable, "-c", "print('script')"], env),
+        ([sys.executable, "-O", str(script)], env),
+        ([sys.executable, str(script)], {**env, "OMP_NUM_THREADS": "2"}),
+        ([sys.executable, str(script)], {**env, "DDPCKPT_CHECK_RESUME": str(tmp_path)}),
+    ]
+    for argv, run_env in cold:
+        done = _run(argv, run_env, tmp_path, warm=True, log=log)
+        assert done.stdout == "script\n", done.stderr
+    assert [line.split("\t")[:2] for line in log.read_text().splitlines()] == [
+        ["warm", ""],
+        ["cold", "option -c"],
+        ["cold", "option -O"],
+        ["cold", "refused: other load-time environment: OMP_NUM_THREADS"],
+        ["cold", "under check-resume"],
+    ]
+
+
+@pytest.mark.skipif(
+    shutil.which("setpriv") is None or os.geteuid() != 0,
+    reason="playing another user needs setpriv and root (CI runs as root)",
+)
+def test_another_users_program_starts_cold() -> None:
+    shared = Path(tempfile.mkdtemp(prefix="warm-other-user-", dir="/tmp"))  # tmp_path is 0700
+    try:
+        shared.chmod(0o1777)
+        script = shared / "s.py"
+        script.write_text("import os\nprint('as', os.getuid())\n")
+        script.chmod(0o644)
+        log = shared / "starts"
+        argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                sys.executable, str(script)]  # fmt: skip
+        done = _run(argv, dict(os.environ), shared, warm=True, log=log)
+        assert done.stdout == "as 65534\n", done.stderr
+        assert [line.split("\t")[:2] for line in log.read_text().splitlines()] == [
+            ["cold", "no server ([Errno 13] Permission denied)"]
+        ]
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
