@@ -39,7 +39,10 @@ SHOW = textwrap.dedent(
     print("stdin", sys.stdin.read().strip())
     os.write(int(os.environ["FD"]), b"to the descriptor it was given")
     print("warnings", sys.warnoptions)
-    print("streams", sys.stdout.encoding, sys.stderr.errors, sys.stderr.line_buffering)
+    print("streams", sys.stdout.encoding, sys.stderr.errors, sys.stderr.line_buffering,
+          sys.stdout.name, repr(sys.stdin.newlines), sys.dont_write_bytecode)
+    def annotated(a: int) -> None: ...
+    print("annotations", annotated.__annotations__)  # no __future__ of the server's
     sys.stdout.flush()
     if sys.argv[1] == "raise":
         raise ValueError("planted")
@@ -92,7 +95,7 @@ def test_a_warm_program_is_given_and_ends_as_a_cold_one(tmp_path: Path, ending: 
     assert warm[3] == "to the descriptor it was given"
     assert "fsize (1073741824, -1)" in warm[1] and "umask 0o27" in warm[1]
     if ending == "raise":
-        assert warm[2].splitlines()[1] == f'  File "{script}", line 19, in <module>', warm[2]
+        assert warm[2].splitlines()[1] == f'  File "{script}", line 22, in <module>', warm[2]
 
 
 def test_signals_reach_the_program_and_its_end_is_the_stand_ins(tmp_path: Path) -> None:
@@ -142,6 +145,47 @@ def test_signals_reach_the_program_and_its_end_is_the_stand_ins(tmp_path: Path) 
         assert time.monotonic() < deadline, "the program outlived its killed stand-in"
         time.sleep(0.02)
     assert _starts(log) == ["warm"] * 3
+
+
+def test_a_signal_before_the_program_starts_and_one_to_the_group_reach_it(tmp_path: Path) -> None:
+    """SIGTERM at once (before the stand-in knows the program's pid: the program gets it
+    first thing, its handler not yet set) ends both runs alike; a SIGTERM to the stand-in's
+    process group, as a launcher stops its workers, also reaches what the program started."""
+    script = tmp_path / "starts_one.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import subprocess, sys, time
+            sleeper = subprocess.Popen(["sleep", "60"])
+            open("sleeper", "w").write(str(sleeper.pid))
+            time.sleep(60)
+            """
+        )
+    )
+    log = tmp_path / "starts"
+    env = {**os.environ, "DDPCKPT_TEST_WARM_LOG": str(log)}
+    codes = {}
+    for warm in (False, True):
+        run_env = env if warm else {k: v for k, v in env.items() if k != "DDPCKPT_TEST_WARM"}
+        proc = subprocess.Popen([sys.executable, str(script)], env=run_env, cwd=tmp_path)
+        proc.send_signal(signal.SIGTERM)
+        codes[warm] = proc.wait(30)
+    assert codes[True] == codes[False] == -signal.SIGTERM
+
+    (tmp_path / "sleeper").unlink(missing_ok=True)
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, cwd=tmp_path,
+                            start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "sleeper").exists() or not (tmp_path / "sleeper").read_text():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(30) == -signal.SIGTERM
+    sleeper = int((tmp_path / "sleeper").read_text())
+    while _alive(sleeper):
+        assert time.monotonic() < deadline, "a process the program started missed the signal"
+        time.sleep(0.02)
+    assert _starts(log)[-1:] == ["warm"]  # the first warm run may end before it hands over
 
 
 def _alive(pid: int) -> bool:

@@ -43,8 +43,8 @@ PRELOAD = (
 # (CUDA_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF ...) are read when CUDA is first used,
 # which the server never does.
 _LOAD_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "LD_PRELOAD", "LD_LIBRARY_PATH", "MALLOC_",
-              "TORCH_LOGS", "TORCH_CPP_", "TORCH_SHOW_CPP", "PYTHONHASHSEED", "PYTHONMALLOC",
-              "PYTHONHOME")  # fmt: skip
+              "TORCH_LOGS", "TORCH_CPP_", "TORCH_SHOW_CPP", "PYTORCH_JIT", "NPY_", "NUMPY_",
+              "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONHOME", "LANG", "LC_", "TZ")  # fmt: skip
 
 
 def _load_time(env: dict[str, str]) -> dict[str, str]:
@@ -208,13 +208,17 @@ def _start(conn: socket.socket, own: list, selector: selectors.BaseSelector) -> 
         if refusal is not None:
             conn.sendall(f"no {refusal}\n".encode())
             raise OSError(refusal)
+        # Blocked until the child has its program's dispositions: a signal the stand-in
+        # passes on at once must not meet the server's handlers.
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         pid = os.fork()
-    except OSError:
+    except Exception:  # a request it cannot serve: refused (the stand-in starts cold)
         for fd in fds:
             os.close(fd)
         conn.close()
         return -1
     if pid == 0:
+        signal.set_wakeup_fd(-1)  # before its descriptor closes and the number is reused
         selector.close()
         for thing in own:
             if isinstance(thing, int):
@@ -222,6 +226,7 @@ def _start(conn: socket.socket, own: list, selector: selectors.BaseSelector) -> 
             else:
                 thing.close()
         _become(request, fds, conn)
+    signal.pthread_sigmask(signal.SIG_SETMASK, before)
     for fd in fds:
         os.close(fd)
     conn.settimeout(None)
@@ -235,6 +240,7 @@ def _start(conn: socket.socket, own: list, selector: selectors.BaseSelector) -> 
 def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     """In the forked child: turn into the program's process, run it, and end as Python ends
     (raises SystemExit or KeyboardInterrupt; never returns normally)."""
+    import ctypes
     import faulthandler
     import fcntl
     import io
@@ -243,7 +249,7 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
 
     conn.close()
     os.setsid()
-    signal.set_wakeup_fd(-1)
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG: not past the server
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
             continue
@@ -279,6 +285,9 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
         faulthandler.enable()
     else:
         faulthandler.disable()
+    sys.dont_write_bytecode = request["dont_write_bytecode"]
+    sys._xoptions.clear()
+    sys._xoptions.update(request["xoptions"])
     sys.warnoptions[:] = request["warnoptions"]
     warnings._processoptions(request["warnoptions"])  # type: ignore[attr-defined]
     sys.orig_argv[:] = request["orig_argv"]
@@ -303,16 +312,14 @@ def _streams(request: dict, io) -> None:
             continue
         encoding, errors = request["streams"][name]
         tty = os.isatty(fd)
-        if name == "stdin":
-            stream = io.TextIOWrapper(io.open(fd, "rb", closefd=False), encoding, errors,
-                                      line_buffering=tty)  # fmt: skip
-        else:
-            raw = io.FileIO(fd, "w", closefd=False)
-            binary = raw if unbuffered else io.BufferedWriter(raw)
-            # -u: written through, never line-buffered; else stderr and a terminal by line
-            line = not unbuffered and (tty or name == "stderr")
-            stream = io.TextIOWrapper(binary, encoding, errors, write_through=unbuffered,
-                                      line_buffering=line)  # fmt: skip
+        # As CPython's create_stdio: stdin always buffered; -u: the others written through
+        # and never line-buffered, else stderr and a terminal by line; "\n" untranslated.
+        buffering = 0 if unbuffered and name != "stdin" else -1
+        binary = io.open(fd, "rb" if name == "stdin" else "wb", buffering, closefd=False)
+        (binary if buffering == 0 else binary.raw).name = f"<{name}>"
+        line = not unbuffered and (tty or name == "stderr")
+        stream = io.TextIOWrapper(binary, encoding, errors, newline="\n", line_buffering=line,
+                                  write_through=unbuffered)  # fmt: skip
         stream.mode = "r" if name == "stdin" else "w"
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
@@ -333,7 +340,7 @@ def _run(main: types.ModuleType, script: str | None, module: str | None) -> None
             main.__dict__.update(__file__=script, __cached__=None, __package__=None,
                                  __spec__=None, __loader__=SourceFileLoader("__main__", script))  # fmt: skip
             with open(script, "rb") as f:
-                code = compile(f.read(), script, "exec")
+                code = compile(f.read(), script, "exec", dont_inherit=True)
             exec(code, main.__dict__)
     except (SystemExit, KeyboardInterrupt):
         raise

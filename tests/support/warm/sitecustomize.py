@@ -129,7 +129,9 @@ def _request(command: dict, os, sys) -> tuple[dict, list[int]]:
         "faulthandler": "faulthandler" in sys._xoptions
         or bool(os.environ.get("PYTHONFAULTHANDLER")),
         "streams": streams,
-        "flags": {name: getattr(sys.flags, name) for name in _FLAGS},
+        "flags": {name: getattr(sys.flags, name, None) for name in _FLAGS},
+        "dont_write_bytecode": sys.dont_write_bytecode,
+        "xoptions": dict(sys._xoptions),
         "prefix": sys.prefix,
         "executable": sys.executable,
     }
@@ -140,17 +142,27 @@ def _handover(where: str, command: dict, os, sys) -> str:
     """Start the program in the server and stand in for it until it ends; the reason
     when the server refused (this process then starts cold)."""
     import json
+    import resource
     import signal
     import socket
 
     pending: list[int] = []
     child = [0]
+    leader = os.getpgrp() == os.getpid()
 
     def forward(sig: int, frame: object) -> None:
-        if child[0]:
-            os.kill(child[0], sig)
-        else:
+        if not child[0]:
             pending.append(sig)
+            return
+        # A signal to this process's group (a launcher stopping its workers) is meant for
+        # the program's group too: the program leads its own, with what it started.
+        try:
+            if leader:
+                os.killpg(child[0], sig)
+            else:
+                os.kill(child[0], sig)
+        except ProcessLookupError:  # it has ended; its status is on its way
+            pass
 
     previous = {}
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
@@ -188,7 +200,7 @@ def _handover(where: str, command: dict, os, sys) -> str:
     _note("warm\t", os, sys)
     try:  # from here on this process only mirrors the program: it never runs it itself
         for sig in pending:
-            os.kill(child[0], sig)
+            forward(sig, None)
         reply = replies.readline().decode().strip()
         if not reply.startswith("exit "):
             os.write(2, b"warm start: the server ended before the program did\n")
@@ -199,6 +211,7 @@ def _handover(where: str, command: dict, os, sys) -> str:
             if sig not in (signal.SIGKILL, signal.SIGSTOP):
                 signal.signal(sig, signal.SIG_DFL)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the program dumped its own
             os.kill(os.getpid(), sig)
             os._exit(128 + sig)
         os._exit(os.waitstatus_to_exitcode(status))
@@ -231,7 +244,9 @@ def _wait_for_server(where: str, os) -> None:
     deadline = time.monotonic() + 30
     while not os.path.exists(where) and time.monotonic() < deadline:
         try:
-            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":  # ended, not yet reaped
+                    return
         except OSError:
             return
         time.sleep(0.05)
