@@ -240,8 +240,10 @@ def test_another_users_program_starts_cold() -> None:
                 sys.executable, str(script)]  # fmt: skip
         done = _run(argv, dict(os.environ), shared, warm=True, log=log)
         assert done.stdout == "as 65534\n", done.stderr
-        assert [line.split("\t")[:2] for line in log.read_text().splitlines()] == [
-            ["cold", "no server ([Errno 13] Permission denied)"]
-        ]
+        # Cold: the server's socket refused it, or (a checkout only root may read, as CI's
+        # clone) the stand-in itself was out of its reach.
+        lines = log.read_text().splitlines() if log.exists() else []
+        program = [sys.executable, str(script)]
+        assert lines in ([], [f"cold\tno server ([Errno 13] Permission denied)\t{program!r}"])
     finally:
         shutil.rmtree(shared, ignore_errors=True)
