@@ -200,6 +200,7 @@ def _start(conn: socket.socket, own: list, selector: selectors.BaseSelector) -> 
     only returns once the program has ended), ``-1`` after a refusal."""
     conn.settimeout(10)
     fds: list[int] = []
+    before: set[signal.Signals] | None = None
     try:
         request, fds = _receive(conn)
         peer = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
@@ -213,6 +214,8 @@ def _start(conn: socket.socket, own: list, selector: selectors.BaseSelector) -> 
         before = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
         pid = os.fork()
     except Exception:  # a request it cannot serve: refused (the stand-in starts cold)
+        if before is not None:  # the fork failed
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
         for fd in fds:
             os.close(fd)
         conn.close()
