@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import ddpckpt
 from ddpckpt._format.tensorwrite import write_file
+from ddpckpt.storage._location import locate
 
 _CHUNK = 8 << 20
 
@@ -636,7 +637,7 @@ def _write_loop(tensor: torch.Tensor, path: str, seconds: float, ready: Any = No
     count = 0
     while time.perf_counter() < end:
         target = f"{path}.{count}"
-        write_file(target, [("x", tensor)], writer=0, metadata={})
+        write_file(locate(target), [("x", tensor)], writer=0, metadata={})
         os.unlink(target)
         count += 1
 

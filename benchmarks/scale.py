@@ -72,6 +72,7 @@ from ddpckpt._run.fast_steps import by_step
 from ddpckpt._state.sharded import MeshLayout, ShardedTensor
 from ddpckpt._state.snapshot import Snapshot
 from ddpckpt.integrations._ranks import capture_streams, pack
+from ddpckpt.storage._location import locate
 
 PER_NODE = 8
 
@@ -148,7 +149,9 @@ def sharded_records(snapshot: Snapshot, ranks: int, rank: int) -> dict[str, int]
                             (1 << 33) + nbytes, "0" * 16,
                             tuple("0" * 16 for _ in range(-(-nbytes // CHUNK))))  # fmt: skip
         pieces[name] = piece_json(offsets, entry)
-    index = ShardIndex("ckpt", "id", records, dict(plan.meshes), FileTable(), None, SHARD_WRITERS)
+    index = ShardIndex(
+        locate("ckpt"), "id", records, dict(plan.meshes), FileTable(), None, SHARD_WRITERS
+    )
     writers = set()
     for name, record in records.items():
         region = snapshot.sharded[name].layout.region(record.shape, rank)

@@ -28,6 +28,7 @@ from ddpckpt._cli.main import main
 from ddpckpt._cli.tools import diff, summary
 from ddpckpt._format.manifest import read_manifest
 from ddpckpt._io.reader import all_pieces
+from ddpckpt.storage._location import locate
 from launch import forked_ranks
 from stored import shard_piece
 
@@ -206,8 +207,8 @@ def test_replicate_hsdp_and_zero_round_trip_on_four_ranks(four, saved) -> None:
         assert result["hsdp_digest_local"]
     for kind, shown in (("hsdp", "FSDP2"), ("replicate", "replicate()")):
         assert summary(root / kind)["sections"]["model"] == f"Sequential ({shown})"
-    manifest = read_manifest(str(root / "hsdp"))
-    pieces = all_pieces(str(root / "hsdp"), manifest)
+    manifest = read_manifest(locate(str(root / "hsdp")))
+    pieces = all_pieces(locate(str(root / "hsdp")), manifest)
     writers = {p.entry.file for found in pieces.values() for p in found}
     assert len(writers) >= 3, writers  # the replicas of each shard share the writing
     weight = manifest.shards["model/0.weight"]

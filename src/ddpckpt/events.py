@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ddpckpt._log import get_logger
+from ddpckpt.storage._location import Location
 
 __all__ = ["SaveEvent", "add_listener"]
 
@@ -141,17 +142,19 @@ def timed_save(func: F) -> F:
     return timed  # type: ignore[return-value]
 
 
-def committed(path: str, step: int | None) -> None:
-    """Called by the write path once a checkpoint is committed and durable (in the context
-    of the save call that planned it: asynchronous writers run in a copy of it)."""
+def committed(location: Location, step: int | None) -> None:
+    """Called by the write path once the checkpoint at ``location`` is committed and durable
+    (in the context of the save call that planned it: asynchronous writers run in a copy of
+    it)."""
     call = _current.get()
     if call is None:
         return
     from ddpckpt._format.manifest import read_manifest
     from ddpckpt.errors import CheckpointNotFoundError, IncompleteCheckpointError
 
+    path = location.path
     try:
-        nbytes = read_manifest(path).nbytes
+        nbytes = read_manifest(location).nbytes
     except (CheckpointNotFoundError, IncompleteCheckpointError):
         # deleted (or being replaced) by another thread or process right after it was
         # committed, as Lightning's AsyncCheckpointIO lets its top-k deletion do: the save

@@ -17,6 +17,7 @@ import ddpckpt
 from conftest import make_mlp
 from ddpckpt._cli.main import main
 from ddpckpt._run.catalog import latest
+from ddpckpt.storage._location import locate
 
 FALSE_CLAIM = "never loaded"
 
@@ -182,7 +183,7 @@ def test_a_run_directorys_suggestion_orders_steps_as_numbers(tmp_path) -> None:
     run = tmp_path / "run"
     for step in (99_999_999, 100_000_000):  # 8 digits and 9: text order puts 9 digits first
         (run / f"step-{step:08d}").mkdir(parents=True)
-    message = describe_path(os.fspath(run))
+    message = describe_path(locate(os.fspath(run)))
     assert message is not None and message.endswith(os.path.join(run, "step-100000000"))
     from ddpckpt._format.runfiles import natural_key
 

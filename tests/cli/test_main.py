@@ -15,6 +15,7 @@ import torch
 import ddpckpt
 from conftest import make_mlp, train_steps
 from ddpckpt._cli.main import main
+from ddpckpt.storage._location import locate
 
 
 def saved(path: str, seed: int = 0, step: int = 5) -> str:
@@ -212,7 +213,7 @@ def test_ls_tells_a_run_with_a_fast_tier_and_a_fast_tier_what_they_are(tmp_path,
     from ddpckpt._format.runfiles import read_run_identity
     from ddpckpt._run.options import auto_directory
 
-    where = auto_directory(read_run_identity(os.fspath(run)))  # what fast_tier="auto" uses
+    where = auto_directory(read_run_identity(locate(os.fspath(run))))  # what fast_tier="auto" uses
     assert f"(with fast_tier='auto', {where}, this user's)" in out
     assert main(["ls", "--json", os.fspath(run)]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -280,7 +281,8 @@ def test_clean_refuses_while_a_live_job_holds_the_lock(
     monkeypatch.setenv("SLURM_JOB_ID", "4242")  # the trainer's job
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from ddpckpt._run.runlock import RunLock; "
-         f"lock = RunLock({run!r}); lock.acquire(); print('held', flush=True); "
+         "from ddpckpt.storage._location import locate; "
+         f"lock = RunLock(locate({run!r})); lock.acquire(); print('held', flush=True); "
          "sys.stdin.read(); lock.release()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip

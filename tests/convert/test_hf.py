@@ -23,6 +23,7 @@ from ddpckpt._format.codec import decode
 from ddpckpt._format.manifest import read_manifest
 from ddpckpt._format.rankparts import rank_part
 from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage._location import locate
 from io_helpers import Counter
 
 needs_transformers = pytest.mark.skipif(
@@ -124,10 +125,10 @@ def test_each_processs_random_streams_become_that_ranks_own(tmp_path: Path) -> N
     saved = [_save_rng(source / f"rng_state_{rank}.pth", seed=rank + 10) for rank in range(3)]
 
     path, _ = import_checkpoint(source, tmp_path / "out")
-    manifest = read_manifest(path)
+    manifest = read_manifest(locate(path))
     assert manifest.world_size == 3
     for rank in range(3):
-        state = rank_part(manifest, path, rank)
+        state = rank_part(manifest, locate(path), rank)
         tensors = read_safetensors(os.path.join(path, f"rank-{rank:05d}.safetensors"))
         run = decode(state["extra"]["run"], lambda name, r=rank, t=tensors: t[f"rank{r}/{name}"])
         streams = run["rng"]

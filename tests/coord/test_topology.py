@@ -15,6 +15,7 @@ from ddpckpt._coord.comm import Comm
 from ddpckpt._coord.store import StoreGroup
 from ddpckpt._coord.topology import colliding_nodes, node_id, storage_domains
 from ddpckpt.errors import CheckpointError
+from ddpckpt.storage._location import locate
 from thread_ranks import ranks
 
 
@@ -64,8 +65,8 @@ def test_node_identity_without_any_machine_file_is_the_host_name(monkeypatch, tm
 
 def test_explicit_local_storage_makes_one_domain_per_node(tmp_path) -> None:
     view = RankView(["a", "a", "b", "b"], ["2"] * 4)
-    assert storage_domains(view, str(tmp_path / "d"), "local") == [[0, 1], [2, 3]]
-    assert storage_domains(view, str(tmp_path / "d"), "shared") == [[0, 1, 2, 3]]
+    assert storage_domains(view, locate(str(tmp_path / "d")), "local") == [[0, 1], [2, 3]]
+    assert storage_domains(view, locate(str(tmp_path / "d")), "shared") == [[0, 1, 2, 3]]
 
 
 def test_a_probe_removed_by_another_nodes_cleanup_is_no_failure(tmp_path) -> None:
@@ -87,7 +88,7 @@ def test_a_probe_removed_by_another_nodes_cleanup_is_no_failure(tmp_path) -> Non
     view.rank = 2
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / ".probe-0.tmp-t").write_bytes(b"")  # node a's probe
-    assert storage_domains(view, directory) == [[0, 1, 2, 3]]
+    assert storage_domains(view, locate(directory)) == [[0, 1, 2, 3]]
 
 
 @pytest.mark.parametrize("mode", ["local", "auto"])
@@ -96,8 +97,10 @@ def test_colliding_node_identities_are_refused_not_merged(tmp_path, mode) -> Non
     domain, so half the files went to each machine's disk."""
     view = RankView(["localhost/?"] * 4, ["2"] * 4)
     with pytest.raises(CheckpointError, match=r"ranks \[0, 1, 2, 3\] report the same machine"):
-        storage_domains(view, str(tmp_path / "d"), mode)
-    assert storage_domains(view, str(tmp_path / "d"), "shared") == [[0, 1, 2, 3]]  # as given
+        storage_domains(view, locate(str(tmp_path / "d")), mode)
+    assert storage_domains(view, locate(str(tmp_path / "d")), "shared") == [
+        [0, 1, 2, 3]
+    ]  # as given
 
 
 def test_collisions_are_found_from_each_machines_rank_count() -> None:
@@ -135,7 +138,7 @@ def test_the_layout_is_probed_once_per_directory_until_the_directory_changes(
                     directory.symlink_to(moved)
                 between.wait()
             with Comm.open("ddpckpt.save", timeout=30, group=group) as comm:
-                found.append(storage_domains(comm, str(directory)))
+                found.append(storage_domains(comm, locate(str(directory))))
         return found
 
     with tempfile.TemporaryDirectory(dir=elsewhere) as moved:

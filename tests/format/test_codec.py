@@ -20,6 +20,7 @@ import ddpckpt
 from ddpckpt._format.codec import decode, encode
 from ddpckpt._format.manifest import read_manifest
 from ddpckpt.errors import CorruptCheckpointError, UnsupportedValueError
+from ddpckpt.storage._location import locate
 from stored import assert_loaded_as_stored, assert_near_optimizer
 
 V1_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "format-v1")
@@ -206,7 +207,7 @@ def test_checkpoint_of_format_version_1_still_loads() -> None:
     info = ddpckpt.load(
         V1_CHECKPOINT, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched, extra=extra
     )
-    assert read_manifest(V1_CHECKPOINT).format_version == 1 and info.step == 3
+    assert read_manifest(locate(V1_CHECKPOINT)).format_version == 1 and info.step == 3
     assert_loaded_as_stored(fresh, fresh_opt, V1_CHECKPOINT)
     torch.testing.assert_close(dict(fresh.state_dict()), dict(expected[0]))
     assert_near_optimizer(fresh_opt, opt)

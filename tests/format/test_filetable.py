@@ -7,7 +7,6 @@ or lists the files of another group is refused, naming it."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from ddpckpt._format.tensorfile import FileEntry, TensorEntry
 from ddpckpt._io.reader import FileSource, find_problems
 from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
 from ddpckpt.storage import storage_for
+from ddpckpt.storage._location import Location, locate
 from hostile import edit_manifest, manifest_doc, refresh_file
 
 FIXTURE = Path(__file__).parent.parent / "data" / "format-v7-hsdp"
@@ -65,8 +65,8 @@ def reads(monkeypatch) -> list[str]:
     found: list[str] = []
     real = filetable.read_listed
 
-    def counting(location: str, *args: Any, **kwargs: Any) -> bytes:
-        found.append(os.path.basename(location))
+    def counting(location: Location, *args: Any, **kwargs: Any) -> bytes:
+        found.append(location.name)
         return real(location, *args, **kwargs)
 
     monkeypatch.setattr(filetable, "read_listed", counting)
@@ -79,7 +79,7 @@ def test_a_rank_reads_one_table_and_the_manifest_grows_by_one_entry_per_table(
     sizes = {}
     for ranks in (4096, 16384):
         path, sizes[ranks] = _job(tmp_path, ranks)
-        manifest = read_manifest(str(path))
+        manifest = read_manifest(locate(str(path)))
         files = manifest.files
         assert manifest.format_version == 7
         assert len(files.tables) == ranks // TABLE_RANKS
@@ -89,7 +89,7 @@ def test_a_rank_reads_one_table_and_the_manifest_grows_by_one_entry_per_table(
         last = ranks - 1
         rank_file = files.find(rank_file_name(last))
         assert rank_file == rank_file_name(last) and files[rank_file].writer == last
-        index = ShardIndex(str(path), manifest.id, {}, {}, files, None)
+        index = ShardIndex(locate(str(path)), manifest.id, {}, {}, files, None)
         assert index.file_of(last) == _name("shards", last)
         assert files[_name("model", last)].size == 150_000_000 + last
         assert reads == [filetable.table_name(last // TABLE_RANKS)]  # one table, read once
@@ -104,7 +104,7 @@ def test_a_rank_reads_one_table_and_the_manifest_grows_by_one_entry_per_table(
 
 def test_every_file_is_listed_once_and_iterating_reads_every_table(tmp_path, reads) -> None:
     path, _ = _job(tmp_path, 300)
-    files = read_manifest(str(path)).files
+    files = read_manifest(locate(str(path))).files
     names = list(files)
     assert len(names) == len(set(names)) == len(files) == 4 * 300 + 3
     assert set(names) >= {_name(kind, rank) for kind in KINDS for rank in range(300)}
@@ -120,7 +120,7 @@ def test_a_job_of_table_ranks_or_fewer_lists_its_files_in_the_manifest(
     monkeypatch.setattr(filetable, "TABLE_RANKS", 1)
     model = torch.nn.Linear(3, 2)
     ddpckpt.save(tmp_path / "ckpt", model=model, step=1)
-    manifest = read_manifest(str(tmp_path / "ckpt"))
+    manifest = read_manifest(locate(str(tmp_path / "ckpt")))
     assert manifest.format_version < 7 and not manifest.files.tables
     assert "file_tables" not in manifest_doc(tmp_path / "ckpt")
 
@@ -227,7 +227,7 @@ def test_a_damaged_or_missing_table_is_refused_naming_it(ckpt) -> None:
 def test_a_manifest_s_forged_tables_are_refused(ckpt, edit, message) -> None:
     edit_manifest(ckpt, edit)
     with pytest.raises(CorruptCheckpointError, match="malformed manifest") as e:
-        read_manifest(str(ckpt))
+        read_manifest(locate(str(ckpt)))
     assert message in str(e.value)
 
 
@@ -241,7 +241,7 @@ def test_a_replacement_committed_under_a_prefix_resolves_its_tables_names_there(
             file.rename(ckpt / prefix / file.name)
     text = relocated((ckpt / MANIFEST_NAME).read_bytes(), prefix, str(ckpt))
     (ckpt / MANIFEST_NAME).write_bytes(text)
-    manifest = read_manifest(str(ckpt))
+    manifest = read_manifest(locate(str(ckpt)))
     assert sorted(manifest.files.tables) == [
         f"{prefix}/files-00000.json",
         f"{prefix}/files-00001.json",
@@ -270,10 +270,10 @@ def test_reading_one_rank_s_state_or_one_whole_tensor_reads_only_its_writer_s_ta
     """The fixture's files of ranks 0-1 and 2-3 are in two tables: rank 3's own file, and a
     tensor in rank 2's state file (whose writer's shard index the reader opens with it),
     need only the second."""
-    manifest = read_manifest(str(ckpt))
-    rank_part(manifest, str(ckpt), 3)
+    manifest = read_manifest(locate(str(ckpt)))
+    rank_part(manifest, locate(str(ckpt)), 3)
     assert reads == ["files-00001.json"]
-    source = FileSource(str(ckpt), manifest)
+    source = FileSource(locate(str(ckpt)), manifest)
     assert source.get("optimizer/state/2.bias/step").shape == ()
     assert reads == ["files-00001.json"]  # read once, and not the other group's
 
@@ -320,10 +320,10 @@ def test_a_damaged_table_makes_its_checkpoint_skipped_or_reported_never_the_list
     info = ddpckpt.load_latest(run, model=model, optimizer=opt, rng=False)
     assert info.step == 1  # the damaged step 2 skipped, as any damaged checkpoint
     assert "instead of" in caplog.text and "files-00001.json" in caplog.text
-    problems = find_problems(newest)
+    problems = find_problems(locate(newest))
     assert any("files-00001.json" in p for p in problems), problems
     (newest / "files-00001.json").unlink()
-    problems = find_problems(newest)
+    problems = find_problems(locate(newest))
     assert any("files-00001.json" in p and "missing" in p for p in problems), problems
     assert ddpckpt.latest(run) == str(run / "step-00000001")
 
@@ -336,7 +336,7 @@ def test_two_tables_of_one_group_or_a_table_not_named_by_its_group_are_refused(c
     shutil.copy(ckpt / "files-00000.json", ckpt / "files-000000.json")
     edit_manifest(ckpt, twice)
     with pytest.raises(CorruptCheckpointError, match="no file table of the 4 ranks"):
-        read_manifest(str(ckpt))
+        read_manifest(locate(str(ckpt)))
 
 
 def test_load_latest_lists_without_reading_tables_and_falls_back_past_a_missing_file(
@@ -347,7 +347,7 @@ def test_load_latest_lists_without_reading_tables_and_falls_back_past_a_missing_
     load falls back to the checkpoint before, as for any damaged one."""
     from ddpckpt._run.catalog import newest_first
 
-    assert [c[-1] for c in newest_first(str(run), every_file=False)] == [
+    assert [c[-1] for c in newest_first(locate(str(run)), every_file=False)] == [
         "step-00000002",
         "step-00000001",
     ]

@@ -14,6 +14,7 @@ from ddpckpt.errors import (
     CorruptCheckpointError,
     IncompleteCheckpointError,
 )
+from ddpckpt.storage._location import locate
 
 
 def sample() -> Manifest:
@@ -50,19 +51,19 @@ def test_newer_format_asks_for_an_upgrade() -> None:
 
 def test_reading_missing_incomplete_and_garbage(tmp_path) -> None:
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint"):
-        read_manifest(os.fspath(tmp_path / "nope"))
+        read_manifest(locate(os.fspath(tmp_path / "nope")))
     (tmp_path / "half").mkdir()
     with pytest.raises(CheckpointNotFoundError, match="an empty directory, not a checkpoint"):
-        read_manifest(os.fspath(tmp_path / "half"))
+        read_manifest(locate(os.fspath(tmp_path / "half")))
     (tmp_path / "half" / "model-00000.safetensors").write_bytes(b"")  # a save cut short
     with pytest.raises(IncompleteCheckpointError, match="did not finish"):
-        read_manifest(os.fspath(tmp_path / "half"))
+        read_manifest(locate(os.fspath(tmp_path / "half")))
     (tmp_path / "half" / "manifest.json").write_text("{not json")
     with pytest.raises(CorruptCheckpointError, match="not valid JSON"):
-        read_manifest(os.fspath(tmp_path / "half"))
+        read_manifest(locate(os.fspath(tmp_path / "half")))
     (tmp_path / "file.pt").write_bytes(b"x")
     with pytest.raises(CheckpointNotFoundError, match="ddpckpt import"):
-        read_manifest(os.fspath(tmp_path / "file.pt"))
+        read_manifest(locate(os.fspath(tmp_path / "file.pt")))
 
 
 def test_the_writers_a_save_capped_are_format_7_and_round_trip() -> None:

@@ -12,6 +12,7 @@ from ddpckpt._format import pinned_ring
 from ddpckpt._format.tensorfile import can_read_into
 from ddpckpt._format.tensorread import TensorFile
 from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
+from ddpckpt.storage._location import locate
 from tensor_files import write
 
 # Tensors on a GPU pass through two pinned buffers (the copy of one piece runs while the
@@ -72,7 +73,7 @@ def test_a_ring_save_failing_midway_leaves_the_ring_reusable(
     pointers = [b.data_ptr() for b in ring.buffers]
     path, entry, entries = write(tmp_path, items, "again.safetensors")
     assert [b.data_ptr() for b in pinned_ring._rings[0].buffers] == pointers
-    mapped = TensorFile(path, entry.size)
+    mapped = TensorFile(locate(path), entry.size)
     for key, tensor in items:
         assert torch.equal(mapped.view(entries[key]), tensor.resolve_conj()), key
 
@@ -112,7 +113,7 @@ def test_gpu_tensors_are_written_through_pinned_buffers(tmp_path, monkeypatch) -
     x.mul_(2)
     path, entry, entries = write(tmp_path, on_gpu)
     assert pinned_ring._rings[0].buffers[0].is_pinned()
-    mapped = TensorFile(path, entry.size)
+    mapped = TensorFile(locate(path), entry.size)
     for key, tensor in on_gpu:
         assert torch.equal(mapped.view(entries[key]), tensor.cpu()), key
 
@@ -122,7 +123,7 @@ def test_read_into_through_the_ring_verifies_on_the_way(tmp_path, ring_on_cpu) -
     pinned_ring._RING_FOR_CPU = False
     path, entry, entries = write(tmp_path, items)
     pinned_ring._RING_FOR_CPU = True
-    mapped = TensorFile(path, entry.size)
+    mapped = TensorFile(locate(path), entry.size)
     big = torch.empty(5000)
     assert mapped.read_into(entries["big"], big) is big and torch.equal(big, items[0][1])
     with open(path, "r+b") as f:  # flip one bit in the big tensor's fourth piece
@@ -131,7 +132,7 @@ def test_read_into_through_the_ring_verifies_on_the_way(tmp_path, ring_on_cpu) -
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 1]))
     with pytest.raises(CorruptCheckpointError, match="big"):
-        TensorFile(path, entry.size).read_into(entries["big"], torch.empty(5000))
+        TensorFile(locate(path), entry.size).read_into(entries["big"], torch.empty(5000))
     (ring,) = pinned_ring._rings
     os.truncate(path, entries["big"].begin + 6000)  # the file ends inside the tensor
     with pytest.raises(IncompleteCheckpointError, match="big"):
@@ -147,6 +148,6 @@ def test_read_into_a_gpu_tensor(tmp_path, monkeypatch) -> None:
     path, entry, entries = write(tmp_path, [("x", tensor)])
     target = torch.empty(3_000_000, device="cuda")
     assert can_read_into(target, entries["x"])
-    got = TensorFile(path, entry.size).read_into(entries["x"], target)
+    got = TensorFile(locate(path), entry.size).read_into(entries["x"], target)
     assert got is target and torch.equal(target.sum(), tensor.cuda().sum())
     assert torch.equal(target.cpu(), tensor)

@@ -14,6 +14,7 @@ from conftest import make_mlp
 from ddpckpt import GradientAccumulation
 from ddpckpt._format.manifest import read_manifest
 from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage._location import locate
 from stored import assert_loaded_as_stored, assert_near_optimizer, stored_tensors
 
 V2_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "format-v2-ranks")
@@ -107,7 +108,7 @@ def test_a_damaged_rank_file_is_named(tmp_path) -> None:
 
 def test_format_2_checkpoints_with_per_rank_state_in_the_manifest_still_load() -> None:
     # Saved by ddpckpt with format 2 from mid_window(2) (see make_v2_fixture below).
-    assert read_manifest(V2_CHECKPOINT).format_version == 2
+    assert read_manifest(locate(V2_CHECKPOINT)).format_version == 2
     loaded = fresh()
     ddpckpt.load(V2_CHECKPOINT, model=loaded[0], optimizer=loaded[1], extra={"acc": loaded[2]})
     model, opt, accumulation = loaded

@@ -23,6 +23,7 @@ from ddpckpt._format.runfiles import (
     read_run_identity,
 )
 from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage._location import locate
 
 _json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=40),
@@ -111,11 +112,11 @@ def test_the_files_are_read_bounded_and_only_when_regular(tmp_path, name, how) -
         path.symlink_to(tmp_path / "target")
     read = read_fast_tier_marker if name == FAST_TIER_MARKER else read_run_identity
     with pytest.raises(CorruptCheckpointError, match=re.escape(name)) as caught:
-        read(str(tmp_path))
+        read(locate(str(tmp_path)))
     if how == "sparse":
         assert f"more than the {MAX_IDENTITY_BYTES}" in str(caught.value)
 
 
 def test_missing_files_are_none(tmp_path) -> None:
-    assert read_fast_tier_marker(str(tmp_path)) is None
-    assert read_run_identity(str(tmp_path)) is None
+    assert read_fast_tier_marker(locate(str(tmp_path))) is None
+    assert read_run_identity(locate(str(tmp_path))) is None

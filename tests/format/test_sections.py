@@ -17,6 +17,7 @@ from ddpckpt._format.manifest import read_manifest
 from ddpckpt._format.sections import ModelSection, OptimizerSection, StateSections
 from ddpckpt._format.statelayout import layout_of
 from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage._location import locate
 from stored import assert_loaded_as_stored, assert_near_optimizer
 
 V2_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "format-v2")
@@ -51,7 +52,10 @@ def test_checkpoint_of_format_version_2_still_loads() -> None:
         V2_CHECKPOINT, model=fresh, optimizer=fresh_opt, scheduler=fresh_sched,
         scaler=fresh_scaler, extra=extra, rng=False,
     )  # fmt: skip
-    assert read_manifest(V2_CHECKPOINT).format_version == 2 and (info.step, info.epoch) == (3, 1)
+    assert read_manifest(locate(V2_CHECKPOINT)).format_version == 2 and (info.step, info.epoch) == (
+        3,
+        1,
+    )
     assert_loaded_as_stored(fresh, fresh_opt, V2_CHECKPOINT)
     torch.testing.assert_close(dict(fresh.state_dict()), dict(model.state_dict()))
     assert_near_optimizer(fresh_opt, opt)
@@ -65,14 +69,14 @@ def test_the_shorthand_still_writes_the_single_model_layout_format_3(ckpt_dir) -
     model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ddpckpt.save(ckpt_dir, model=model, optimizer=opt, extra={"opt2": copy.copy(opt)})
-    manifest = read_manifest(ckpt_dir)
+    manifest = read_manifest(locate(ckpt_dir))
     assert manifest.format_version == 3 and not layout_of(manifest.state).named
     assert {"model", "optimizer", "extra"} <= set(manifest.state)
 
 
 def test_several_models_write_format_version_4(ckpt_dir) -> None:
     ddpckpt.save(ckpt_dir, ddpckpt.TrainingState(a=make_mlp(), b=make_mlp(seed=1)))
-    manifest = read_manifest(ckpt_dir)
+    manifest = read_manifest(locate(ckpt_dir))
     assert manifest.format_version == 4 and sorted(manifest.state["models"]) == ["a", "b"]
     assert "model/b/0.weight" in manifest.tensors
 
@@ -83,12 +87,12 @@ V1_CHECKPOINT = os.path.join(os.path.dirname(V2_CHECKPOINT), "format-v1")
 def test_typed_sections_read_and_write_every_stored_manifest_unchanged(tmp_path) -> None:
     ddpckpt.save(str(tmp_path / "named"), ddpckpt.TrainingState(a=make_mlp(), v=[1]))
     for path in (V1_CHECKPOINT, V2_CHECKPOINT, str(tmp_path / "named")):
-        state = read_manifest(path).state
+        state = read_manifest(locate(path)).state
         assert StateSections.from_json(state, path).to_json() == state, path
 
 
 def test_sections_are_typed_in_both_layouts() -> None:
-    single = StateSections.from_json(read_manifest(V2_CHECKPOINT).state, "v2")
+    single = StateSections.from_json(read_manifest(locate(V2_CHECKPOINT)).state, "v2")
     assert not single.layout.named and list(single.models) == ["model"]
     assert isinstance(single.models["model"], ModelSection)
     assert single.models["model"].keys == ["0.weight", "0.bias", "2.weight", "2.bias"]
@@ -100,7 +104,7 @@ def test_sections_are_typed_in_both_layouts() -> None:
 
 
 def test_a_malformed_section_is_a_corrupt_checkpoint_naming_it() -> None:
-    state = copy.deepcopy(read_manifest(V2_CHECKPOINT).state)
+    state = copy.deepcopy(read_manifest(locate(V2_CHECKPOINT)).state)
     del state["model"]["keys"]
     with pytest.raises(CorruptCheckpointError, match=r"ckpt: model 'model'.*no 'keys'"):
         StateSections.from_json(state, "ckpt")

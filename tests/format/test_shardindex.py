@@ -26,6 +26,7 @@ from ddpckpt._format.shardindex import ShardIndex, index_document
 from ddpckpt._io.shardwrite import plan_shards, shard_specs
 from ddpckpt._state.sharded import MeshLayout
 from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage._location import locate
 from hostile import edit_manifest, refresh_file
 from shard_snapshots import LAYOUTS, snapshot_of
 
@@ -37,7 +38,12 @@ def _index_of(layout: MeshLayout, domain: list[int] | None, rank: int = 0) -> Sh
     writer rule is used)."""
     plan = plan_shards(snapshot_of(layout, rank), [list(layout.ranks)], rank, len(layout.ranks))
     return ShardIndex(
-        "ckpt", "id", shard_specs(plan.specs, "ckpt"), dict(plan.meshes), FileTable(), domain
+        locate("ckpt"),
+        "id",
+        shard_specs(plan.specs, "ckpt"),
+        dict(plan.meshes),
+        FileTable(),
+        domain,
     )
 
 
@@ -79,7 +85,7 @@ def test_at_4096_ranks_a_rank_reads_one_index_and_the_manifest_does_not_grow(mes
         manifest = Manifest(shards=records, meshes=dict(plan.meshes))
         sizes[world] = (len(json.dumps([manifest.to_json("ckpt")])), len(plan.pieces))
         index = ShardIndex(
-            "ckpt", "id", records, dict(plan.meshes), FileTable(), None, SHARD_WRITERS
+            locate("ckpt"), "id", records, dict(plan.meshes), FileTable(), None, SHARD_WRITERS
         )
         calls = Counter()
         real = shardindex.region_at
@@ -262,7 +268,7 @@ def test_at_most_shard_writers_replicas_write_and_a_reader_finds_each_one() -> N
     assert len(written) == len(records)  # each shard once
     assert max(written.values()) < 8 * SHARD_WRITERS  # by the first SHARD_WRITERS replicas
     assert len(set(written.values())) == SHARD_WRITERS
-    index = ShardIndex("ckpt", "id", records, meshes, FileTable(), None, SHARD_WRITERS)
+    index = ShardIndex(locate("ckpt"), "id", records, meshes, FileTable(), None, SHARD_WRITERS)
     key = layout.coordinate(position)
     for name, rank in written.items():
         record = records[name]

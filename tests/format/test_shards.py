@@ -15,6 +15,7 @@ import ddpckpt
 from ddpckpt._format.manifest import read_manifest
 from ddpckpt._format.shards import ShardedEntry
 from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage._location import locate
 
 
 def _record() -> dict:
@@ -166,7 +167,7 @@ def test_sharded_checkpoints_of_formats_5_to_7_still_load(kind, version) -> None
     ``TABLE_RANKS`` ranks lists them: in file tables of 2 ranks each)."""
     path = os.path.join(FIXTURES, f"format-v{version}-{kind}")
     expected = load_file(os.path.join(FIXTURES, f"format-v{version}-{kind}-expected.safetensors"))
-    assert read_manifest(path).format_version == version
+    assert read_manifest(locate(path)).format_version == version
     ddpckpt.verify(path)
     model, opt = _fixture_model()
     info = ddpckpt.load(path, model=model, optimizer=opt, rng=False)

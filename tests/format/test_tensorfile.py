@@ -11,6 +11,7 @@ import torch
 from ddpckpt._format.tensorread import TensorFile
 from ddpckpt._format.tensorwrite import write_file
 from ddpckpt.errors import UnsupportedValueError
+from ddpckpt.storage._location import locate
 from tensor_files import write
 
 STORABLE = [
@@ -33,7 +34,7 @@ def sample(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
 def test_every_storable_dtype_roundtrips_through_safetensors_readers(tmp_path, dtype) -> None:
     tensor = sample(dtype)
     path, entry, entries = write(tmp_path, [("x", tensor)])
-    back = TensorFile(path, entry.size).view(entries["x"])
+    back = TensorFile(locate(path), entry.size).view(entries["x"])
     assert back.dtype == dtype and torch.equal(back.view(torch.uint8), tensor.view(torch.uint8))
     if dtype not in (torch.uint16, torch.uint32, torch.uint64):  # not all readers map these
         other = safetensors.torch.load_file(path)["x"]
@@ -51,7 +52,7 @@ def test_odd_shapes_and_layouts(tmp_path) -> None:
         ("param", torch.nn.Parameter(torch.ones(2))),
     ]
     path, entry, entries = write(tmp_path, items)
-    mapped = TensorFile(path, entry.size)
+    mapped = TensorFile(locate(path), entry.size)
     for key, tensor in items:
         back = mapped.view(entries[key])
         assert back.shape == tensor.shape and torch.equal(back, tensor.resolve_conj()), key
@@ -82,7 +83,9 @@ def test_header_metadata_and_alignment(tmp_path) -> None:
 )
 def test_unstorable_tensors_are_refused_naming_the_key(tmp_path, tensor, why) -> None:
     with pytest.raises(UnsupportedValueError, match=f"model/bad.*{why}|{why}.*"):
-        write_file(os.fspath(tmp_path / "x"), [("model/bad", tensor)], writer=0, metadata={})
+        write_file(
+            locate(os.fspath(tmp_path / "x")), [("model/bad", tensor)], writer=0, metadata={}
+        )
     assert not os.path.exists(tmp_path / "x")
 
 

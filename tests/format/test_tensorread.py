@@ -10,6 +10,7 @@ import torch
 from ddpckpt._format.tensorfile import can_read_into
 from ddpckpt._format.tensorread import TensorFile
 from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
+from ddpckpt.storage._location import locate
 from tensor_files import write
 
 
@@ -20,7 +21,7 @@ def test_flipped_bit_is_found_and_named(tmp_path) -> None:
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x10]))
-    mapped = TensorFile(path, entry.size)
+    mapped = TensorFile(locate(path), entry.size)
     assert torch.equal(mapped.view(entries["other"]), mapped.view(entries["other"]))
     with pytest.raises(CorruptCheckpointError, match=r"t\.safetensors.*'weight'"):
         mapped.view(entries["weight"])
@@ -33,7 +34,7 @@ def test_read_into_fills_the_destination_itself(tmp_path) -> None:
     big = torch.randn(3 << 20, dtype=torch.bfloat16)  # several read chunks
     small = torch.arange(12, dtype=torch.int32).reshape(3, 4)
     path, entry, entries = write(tmp_path, [("big", big), ("small", small)])
-    mapped = TensorFile(path, entry.size)
+    mapped = TensorFile(locate(path), entry.size)
     for key, original in (("big", big), ("small", small)):
         destination = torch.empty_like(original)
         assert can_read_into(destination, entries[key])
@@ -51,4 +52,4 @@ def test_truncated_file_is_reported_before_reading(tmp_path) -> None:
     path, entry, _ = write(tmp_path, [("w", torch.randn(100))])
     os.truncate(path, entry.size - 10)
     with pytest.raises(IncompleteCheckpointError, match="bytes, the manifest records"):
-        TensorFile(path, entry.size)
+        TensorFile(locate(path), entry.size)

@@ -325,10 +325,10 @@ def test_each_pending_save_reports_its_own_outcome(tmp_path, monkeypatch) -> Non
     real = writing.write_file
     first_fails = [errno.ENOSPC]
 
-    def write_file(path, *args, **kwargs):
-        if first_fails and "first" in path:
-            raise OSError(first_fails.pop(), os.strerror(errno.ENOSPC), path)
-        return real(path, *args, **kwargs)
+    def write_file(location, *args, **kwargs):
+        if first_fails and "first" in location.path:
+            raise OSError(first_fails.pop(), os.strerror(errno.ENOSPC), location.path)
+        return real(location, *args, **kwargs)
 
     monkeypatch.setattr(writing, "write_file", write_file)
     p1 = ddpckpt.save(tmp_path / "first", model=model, optimizer=opt, async_save=True)

@@ -13,6 +13,7 @@ from conftest import make_mlp
 from ddpckpt import CheckpointNotFoundError, CorruptCheckpointError
 from ddpckpt._format.manifest import read_manifest
 from ddpckpt.errors import CheckpointExistsError, StateMismatchError, UnsupportedValueError
+from ddpckpt.storage._location import locate
 from dist_worker import lightning_checkpoint, same_tree
 from io_helpers import flip_byte
 from launch import forked_ranks
@@ -25,7 +26,7 @@ def test_a_lightning_shaped_dict_round_trips_with_its_types(ckpt_dir) -> None:
     assert same_tree(loaded, checkpoint)
     assert isinstance(loaded["state_dict"], collections.OrderedDict)
     assert loaded["hyper_parameters"]["betas"] == (0.8, 0.9)
-    manifest = read_manifest(ckpt_dir)
+    manifest = read_manifest(locate(ckpt_dir))
     assert (manifest.step, manifest.epoch, manifest.format_version) == (40, 2, 4)
     assert ddpckpt.latest(os.path.dirname(ckpt_dir)) == ckpt_dir
     ddpckpt.verify(ckpt_dir)
@@ -142,4 +143,4 @@ def test_rank_0_alone_writes_and_both_ranks_read(tmp_path) -> None:
     launch = forked_ranks("dict_rank0", tmp_path / "out", args=["--ckpt", str(ckpt)]).ok()
     for rank in (0, 1):
         assert launch.result(rank)["same"], rank
-    assert read_manifest(str(ckpt)).world_size == 1
+    assert read_manifest(locate(str(ckpt))).world_size == 1

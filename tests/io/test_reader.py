@@ -13,6 +13,7 @@ from conftest import make_mlp, train_steps
 from ddpckpt import CorruptCheckpointError, PartiallyRestoredError
 from ddpckpt.errors import IncompleteCheckpointError
 from ddpckpt.storage import storage_for
+from ddpckpt.storage._location import locate
 from io_helpers import assert_state_equal, flip_byte
 
 
@@ -78,7 +79,7 @@ def test_a_whole_tensor_above_one_chunk_is_read_in_part_and_verified_by_chunk(
     model.big, model.small = torch.nn.Parameter(big), torch.nn.Parameter(torch.ones(3))
     path = tmp_path / "ckpt"
     ddpckpt.save(path, model=model)
-    manifest = read_manifest(str(path))
+    manifest = read_manifest(locate(str(path)))
     entry = manifest.tensors["model/big"]
     assert len(entry.chunks) == 4 and manifest.tensors["model/small"].chunks == ()
 
@@ -90,7 +91,7 @@ def test_a_whole_tensor_above_one_chunk_is_read_in_part_and_verified_by_chunk(
         return real(self, entry, first, last, chunk)
 
     monkeypatch.setattr(TensorFile, "read_chunks", counting)
-    source = FileSource(str(path), manifest, prefix="model/")
+    source = FileSource(locate(str(path)), manifest, prefix="model/")
     quarter = rows // 4
     target = torch.empty(quarter, width)
     source.read_region("big", target, ((quarter, 0), (quarter, width)))  # the second quarter
@@ -98,7 +99,7 @@ def test_a_whole_tensor_above_one_chunk_is_read_in_part_and_verified_by_chunk(
     assert ddpckpt.verify(path) is not None
 
     flip_byte(str(path / entry.file), entry.begin + 3 * CHUNK + 5)  # in the last chunk only
-    source = FileSource(str(path), manifest, prefix="model/")
+    source = FileSource(locate(str(path)), manifest, prefix="model/")
     source.read_region("big", target, ((quarter, 0), (quarter, width)))  # still good
     assert torch.equal(target, big[quarter : 2 * quarter])
     with pytest.raises(CorruptCheckpointError, match="chunk 3"):

@@ -25,6 +25,7 @@ from ddpckpt.errors import (
     InsufficientSpaceError,
     StateMismatchError,
 )
+from ddpckpt.storage._location import locate
 from io_helpers import assert_state_equal
 
 
@@ -275,11 +276,11 @@ def failing_writes(monkeypatch, errors: list[int]) -> list[int]:
     real = checkpoint.write_file
     seen: list[int] = []
 
-    def write_file(path, *args, **kwargs):
+    def write_file(location, *args, **kwargs):
         if errors:
             seen.append(errors[0])
-            raise OSError(errors.pop(0), os.strerror(seen[-1]), path)
-        return real(path, *args, **kwargs)
+            raise OSError(errors.pop(0), os.strerror(seen[-1]), location.path)
+        return real(location, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "write_file", write_file)
     return seen
@@ -533,28 +534,28 @@ def test_a_reader_that_loses_a_race_with_retention_loads_the_next(run_root, monk
     with Checkpointer(run, model=model, optimizer=opt, keep_last=None) as writer:
         for step in (1, 2):
             writer.save(step)
-    real_load = checkpointer.load
+    real_load = checkpointer.load_from
 
-    def deleted_first(path, **kwargs):  # the writer's retention wins the race
-        if path.endswith("step-00000002"):
-            remove_checkpoint(path)
-        return real_load(path, **kwargs)
+    def deleted_first(location, *args, **kwargs):  # the writer's retention wins the race
+        if location.path.endswith("step-00000002"):
+            remove_checkpoint(location)
+        return real_load(location, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointer, "load", deleted_first)
+    monkeypatch.setattr(checkpointer, "load_from", deleted_first)
     reader = Checkpointer(run, model=make_mlp(seed=6), read_only=True)
     with caplog.at_level(logging.WARNING, logger="ddpckpt"):
         assert reader.resume().step == 1
     assert "may have deleted or replaced it" in caplog.text
 
-    def all_deleted_first(path, **kwargs):  # the writer saved twice meanwhile (keep_last=1)
+    def all_deleted_first(location, *args, **kwargs):  # the writer saved twice meanwhile
         if not (run / "step-00000004").exists():
             ddpckpt.save(run / "step-00000003", model=model, step=3)
-            remove_checkpoint(str(run / "step-00000001"))
+            remove_checkpoint(locate(str(run / "step-00000001")))
             ddpckpt.save(run / "step-00000004", model=model, step=4)
-            remove_checkpoint(str(run / "step-00000003"))
-        return real_load(path, **kwargs)
+            remove_checkpoint(locate(str(run / "step-00000003")))
+        return real_load(location, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointer, "load", all_deleted_first)
+    monkeypatch.setattr(checkpointer, "load_from", all_deleted_first)
     assert reader.resume().step == 4  # listed again
 
 

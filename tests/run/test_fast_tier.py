@@ -27,6 +27,7 @@ import ddpckpt._run.checkpointer as checkpointer
 from conftest import make_mlp, train_steps
 from ddpckpt._format.manifest import read_manifest
 from ddpckpt._io.staging import StagingPool
+from ddpckpt.storage._location import locate
 from launch import _BIN, WORKER, _env, _finish, _start, torchrun_restarting_nodes
 from snippets import ROOT, RUNNABLE
 
@@ -145,10 +146,12 @@ def test_with_one_partner_three_nodes_keep_two_nodes_files_and_survive_one_lost(
     # every copy listed its files in one table per rank (format 7), as jobs of more than
     # TABLE_RANKS ranks do: the repair sent the tables first, then the files they list
     # (a node's copy: the two ranks' whose files it keeps)
-    durable = read_manifest(str(tmp_path / "run" / "step-00000012"))
+    durable = read_manifest(locate(str(tmp_path / "run" / "step-00000012")))
     assert sorted(durable.files.tables) == [f"files-0000{g}.json" for g in range(3)]
     for node in nodes:
-        assert len(read_manifest(str(node / "fast" / "step-00000012")).files.tables) == 2, node
+        assert len(read_manifest(locate(str(node / "fast" / "step-00000012"))).files.tables) == 2, (
+            node
+        )
 
 
 @pytest.mark.long
@@ -416,7 +419,7 @@ def gate_writes(monkeypatch, where: str = "") -> tuple[threading.Event, threadin
     write_file = writing.write_file
 
     def gated(*args, **kwargs):
-        if where in str(args[0]):
+        if where in args[0].path:
             waiting.set()
             assert gate.wait(30), "the gate was never opened"
         return write_file(*args, **kwargs)

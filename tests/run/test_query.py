@@ -14,6 +14,7 @@ from ddpckpt._coord.comm import Comm
 from ddpckpt._run import query
 from ddpckpt._run.runlock import RunLock
 from ddpckpt.errors import CheckpointNotFoundError
+from ddpckpt.storage._location import locate
 
 
 def tree(root) -> dict[str, tuple[int, int]]:
@@ -52,22 +53,22 @@ def nothing_collective(monkeypatch):
 
 def test_the_queries_answer_from_the_manifests(run, nothing_collective) -> None:
     directory = str(run)
-    assert query.steps(directory) == [2, 4, 6]
-    assert query.latest_step(directory) == 6
-    assert query.best_step(directory, "loss") == 4
-    assert query.best_step(directory, "loss", "max") == 6
-    assert query.best_step(directory, "accuracy") is None
-    assert query.info(directory, 4).epoch == 2
-    assert query.resume_step(directory) == 6  # the incomplete step 8 is never a candidate
-    assert query.resume_step(directory, best="loss") == 4
-    assert query.resume_step(directory, step=2) == 2
-    assert query.choose(directory, query.committed(directory), best="loss") == [4, 2, 6]
+    assert query.steps(locate(directory)) == [2, 4, 6]
+    assert query.latest_step(locate(directory)) == 6
+    assert query.best_step(locate(directory), "loss") == 4
+    assert query.best_step(locate(directory), "loss", "max") == 6
+    assert query.best_step(locate(directory), "accuracy") is None
+    assert query.info(locate(directory), 4).epoch == 2
+    assert query.resume_step(locate(directory)) == 6  # the incomplete step 8 is never a candidate
+    assert query.resume_step(locate(directory), best="loss") == 4
+    assert query.resume_step(locate(directory), step=2) == 2
+    assert query.choose(directory, query.committed(locate(directory)), best="loss") == [4, 2, 6]
     with pytest.raises(CheckpointNotFoundError, match="step 8"):
-        query.resume_step(directory, step=8)
+        query.resume_step(locate(directory), step=8)
     with pytest.raises(CheckpointNotFoundError, match="no checkpoint has a finite metric"):
-        query.resume_step(directory, best="accuracy")
+        query.resume_step(locate(directory), best="accuracy")
     with pytest.raises(ValueError, match="not both"):
-        query.resume_step(directory, step=2, best="loss")
+        query.resume_step(locate(directory), step=2, best="loss")
 
 
 @pytest.mark.parametrize("read_only", [False, True])
@@ -89,7 +90,9 @@ def test_a_missing_directory_is_an_empty_run_and_is_not_created(
     absent = tmp_path / "absent"
     ckpt = Checkpointer(absent, model=make_mlp())
     assert ckpt.steps() == [] and ckpt.latest_step() is None and ckpt.best("loss") is None
-    assert ckpt.resume_step() is None and query.resume_step(str(absent), best="loss") is None
+    assert (
+        ckpt.resume_step() is None and query.resume_step(locate(str(absent)), best="loss") is None
+    )
     with pytest.raises(CheckpointNotFoundError):
         ckpt.info(1)
     ckpt.close()
@@ -105,13 +108,13 @@ def test_resume_loads_what_resume_step_names(run) -> None:
 
 def test_why_kept_reads_the_retention_the_saving_job_recorded(tmp_path) -> None:
     run = tmp_path / "run"
-    assert query.why_kept(str(run)) == {} and query.entries(str(run)) == []
+    assert query.why_kept(locate(str(run))) == {} and query.entries(locate(str(run))) == []
     with Checkpointer(run, model=make_mlp(), keep_last=1, keep_best=1, monitor="loss") as ckpt:
         for step, loss in ((1, 0.3), (2, 0.1), (3, 0.7)):
             ckpt.save(step, metrics={"loss": loss})
-    assert query.why_kept(str(run)) == {2: "best #1 by loss"}
-    assert query.latest_name(str(run)) == "step-00000003"
-    assert [(e.step, e.status) for e in query.entries(str(run))] == [
+    assert query.why_kept(locate(str(run))) == {2: "best #1 by loss"}
+    assert query.latest_name(locate(str(run))) == "step-00000003"
+    assert [(e.step, e.status) for e in query.entries(locate(str(run)))] == [
         (2, "committed"),
         (3, "committed"),
     ]
@@ -119,9 +122,12 @@ def test_why_kept_reads_the_retention_the_saving_job_recorded(tmp_path) -> None:
 
 def test_a_step_or_metric_of_the_wrong_type_says_so(run) -> None:
     directory = str(run)
-    for ask in (lambda: query.info(directory, "4"), lambda: query.resume_step(directory, "4")):
+    for ask in (
+        lambda: query.info(locate(directory), "4"),
+        lambda: query.resume_step(locate(directory), "4"),
+    ):
         with pytest.raises(TypeError, match="step must be an int, got '4'"):
             ask()
     with pytest.raises(TypeError, match="metric is named by a string"):
-        query.best_step(directory, 4)
-    assert query.info(directory, np.int64(4)).epoch == 2
+        query.best_step(locate(directory), 4)
+    assert query.info(locate(directory), np.int64(4)).epoch == 2

@@ -17,6 +17,7 @@ from ddpckpt._run.resume import nothing_loads, resume_run, walk
 from ddpckpt._run.rundir import point_latest, set_aside
 from ddpckpt._run.tier import Loaded, Resuming
 from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, PartiallyRestoredError
+from ddpckpt.storage._location import locate
 from hostile import edit_manifest
 from io_helpers import assert_state_equal, flip_byte
 
@@ -151,16 +152,16 @@ def test_set_aside_and_point_latest(tmp_path) -> None:
     with Checkpointer(run, model=make_mlp()) as ckpt:
         ckpt.save(1)
         ckpt.save(2)
-    set_aside(str(run), {2: "why 2", 5: "why 5"})  # 5 does not exist: skipped
+    set_aside(locate(str(run)), {2: "why 2", 5: "why 5"})  # 5 does not exist: skipped
     assert sorted(p.name.split(".corrupt-")[0] for p in run.glob("step-*")) == [
         "step-00000001",
         "step-00000002",
     ]
     assert not (run / "step-00000002").exists()
-    point_latest(str(run), 1)
-    assert read_latest(str(run)) == "step-00000001"
+    point_latest(locate(str(run)), 1)
+    assert read_latest(locate(str(run))) == "step-00000001"
     mtime = (run / "latest").stat().st_mtime_ns
-    point_latest(str(run), 1)  # already so: not rewritten
+    point_latest(locate(str(run)), 1)  # already so: not rewritten
     assert (run / "latest").stat().st_mtime_ns == mtime
 
 

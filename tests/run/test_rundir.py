@@ -16,6 +16,7 @@ import torch
 import ddpckpt
 from conftest import make_mlp
 from ddpckpt._cli.main import main
+from ddpckpt.storage._location import locate
 
 
 def killed_between_the_renames(tmp_path) -> tuple[str, torch.nn.Module]:
@@ -102,12 +103,12 @@ def test_latest_a_directory_is_left_with_one_warning_and_a_file_is_replaced(
 
     (tmp_path / "latest").mkdir()
     with caplog.at_level(logging.WARNING, logger="ddpckpt"):
-        assert write_latest(str(tmp_path), "step-00000001") is False
-        assert write_latest(str(tmp_path), "step-00000002") is False
+        assert write_latest(locate(str(tmp_path)), "step-00000001") is False
+        assert write_latest(locate(str(tmp_path)), "step-00000002") is False
     (warning,) = [m for m in caplog.messages if "left as it is" in m]
     assert f"{tmp_path / 'latest'} is a directory" in warning and "step-00000001" in warning
     assert (tmp_path / "latest").is_dir() and not list(tmp_path.glob(".latest.tmp-*"))
     (tmp_path / "latest").rmdir()
     (tmp_path / "latest").symlink_to(tmp_path / "elsewhere")  # a stale link: replaced
-    assert write_latest(str(tmp_path), "step-00000003") is True
-    assert read_latest(str(tmp_path)) == "step-00000003"
+    assert write_latest(locate(str(tmp_path)), "step-00000003") is True
+    assert read_latest(locate(str(tmp_path))) == "step-00000003"

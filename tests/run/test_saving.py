@@ -23,12 +23,13 @@ from ddpckpt._run.options import Arguments, resolve
 from ddpckpt._run.saving import RunSaves
 from ddpckpt._state.capture import TrainingState, capture
 from ddpckpt.errors import CheckpointStepError, CheckpointWriteError
+from ddpckpt.storage._location import locate
 
 
 def test_saves_commit_retain_and_refuse_going_back(tmp_path) -> None:
     run = tmp_path / "run"
     model = make_mlp()
-    saves = RunSaves(str(run), resolve(Arguments(keep_last=1)), AsyncSaver())
+    saves = RunSaves(locate(str(run)), resolve(Arguments(keep_last=1)), AsyncSaver())
     assert saves.newest() == "nothing (this run has no committed checkpoint)"
 
     def save(step: int) -> str | None:
@@ -59,7 +60,9 @@ def test_saves_that_come_faster_than_they_are_written_say_so_once(
     fast tier saved every 4 steps waited 1.4-3.1 s per save); it used to say nothing. Now
     the first such wait is a WARNING with the figures and the cadence that would not wait."""
     model = make_mlp()
-    saves = RunSaves(str(tmp_path / "run"), resolve(Arguments(async_save=True)), AsyncSaver())
+    saves = RunSaves(
+        locate(str(tmp_path / "run")), resolve(Arguments(async_save=True)), AsyncSaver()
+    )
     persist = saves._persist
     monkeypatch.setattr(saves, "_persist", lambda plan: time.sleep(0.8) or persist(plan))
 
@@ -87,7 +90,7 @@ def test_saves_that_come_faster_than_they_are_written_say_so_once(
 
 
 def test_a_failed_save_falls_back_to_the_newest_committed(tmp_path, caplog) -> None:
-    saves = RunSaves(str(tmp_path / "run"), resolve(), AsyncSaver())
+    saves = RunSaves(locate(str(tmp_path / "run")), resolve(), AsyncSaver())
     (tmp_path / "run" / "step-00000004").mkdir(parents=True)
     saves.latest, saves.committed = 5, 4  # step 5 was in flight
     saves.failed(5, CheckpointWriteError(errno.ENOSPC, "disk full"))
@@ -99,7 +102,7 @@ def test_a_failed_save_falls_back_to_the_newest_committed(tmp_path, caplog) -> N
 def test_a_failure_never_names_a_checkpoint_that_is_gone(tmp_path, caplog) -> None:
     """The run directory deleted from outside took step 4 with it: the message says the run
     has none, not that step 4 is still the newest good one."""
-    saves = RunSaves(str(tmp_path / "run"), resolve(), AsyncSaver())
+    saves = RunSaves(locate(str(tmp_path / "run")), resolve(), AsyncSaver())
     saves.latest, saves.committed = 5, 4
     saves.failed(5, CheckpointWriteError(errno.ENOENT, "no such directory"))
     assert saves.latest is None and saves.committed is None

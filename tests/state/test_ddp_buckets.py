@@ -21,6 +21,7 @@ from ddpckpt._format.manifest import read_manifest
 from ddpckpt._format.sections import DDPBuckets, ModelSection
 from ddpckpt._state.ddp_buckets import record_buckets, restore_buckets
 from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage._location import locate
 
 # Parameters in the order DDP indexes them; their gradients become ready in reverse.
 NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
@@ -167,7 +168,7 @@ def test_checkpoints_record_the_layout_and_read_without_it(process_group, ckpt_d
     ddp = DDP(model())
     steps(ddp, 3)
     ddpckpt.save(ckpt_dir, model=ddp)
-    doc = read_manifest(ckpt_dir).state["model"]
+    doc = read_manifest(locate(ckpt_dir)).state["model"]
     assert doc["ddp_buckets"] == {"state": "rebuilt", "buckets": READY}
     del doc["ddp_buckets"]
     assert ModelSection.from_json(doc, "ckpt").ddp_buckets == DDPBuckets("unrecorded")

@@ -16,6 +16,7 @@ from ddpckpt._io.reader import FileSource
 from ddpckpt._state.capture import TrainingState, capture
 from ddpckpt._state.model import canonical_state_dict, restore_model
 from ddpckpt._training.wrappers import unwrap_model
+from ddpckpt.storage._location import locate
 
 PLAIN_KEYS = ["0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
               "1.num_batches_tracked", "3.weight", "3.bias"]  # fmt: skip
@@ -112,9 +113,9 @@ def _restore_through_the_ring(tmp_path, monkeypatch, model: nn.Module) -> dict:
     monkeypatch.setattr(pinned_ring, "_rings", [])
     saved = make_mlp()
     path = ddpckpt.save(tmp_path / "ck", model=saved)
-    manifest = read_manifest(str(path))
+    manifest = read_manifest(locate(str(path)))
     section = StateSections.from_json(manifest.state, str(path)).models["model"]
-    source = _Recording(FileSource(str(path), manifest))
+    source = _Recording(FileSource(locate(str(path)), manifest))
     restore_model(model, section, source, str(path), strict=True)
     for key, value in saved.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key

@@ -15,6 +15,7 @@ from ddpckpt import TrainingState
 from ddpckpt._format.manifest import read_manifest
 from ddpckpt._state.capture import capture
 from ddpckpt.errors import StateMismatchError
+from ddpckpt.storage._location import locate
 from dist_worker import gan_steps
 from launch import forked_ranks
 from toy_data import Numbers
@@ -227,7 +228,7 @@ def test_a_ddp_gan_on_two_ranks_resumes_exactly(tmp_path) -> None:
     results = [launch.result(rank) for rank in (0, 1)]
     assert all(r["same"] for r in results)
     assert results[0]["losses"] != results[1]["losses"]  # each rank drew its own batches
-    manifest = read_manifest(str(tmp_path / "ckpt"))
+    manifest = read_manifest(locate(str(tmp_path / "ckpt")))
     assert manifest.format_version == 4
     assert all(list(rank["models_buffers"]) == ["D"] for rank in manifest.ranks)
 

@@ -21,6 +21,7 @@ from ddpckpt.storage import (
     storage_for,
 )
 from ddpckpt.storage._layout import MANIFEST, is_temp_name, new_token, temp_name
+from ddpckpt.storage._location import locate
 from ddpckpt.storage._memory import SCHEME
 
 
@@ -375,7 +376,7 @@ def test_an_overwrite_killed_before_its_commit_is_a_leftover_ls_lists_and_resume
         with pytest.raises(ddpckpt.CheckpointWriteError):
             ddpckpt.save(step, model=torch.nn.Linear(3, 2), step=1, overwrite=True)
     [part] = [name for name in storage.list(step) if name.startswith(".next-")]
-    [leftover] = find_leftovers(run)
+    [leftover] = find_leftovers(locate(run))
     assert (leftover.name, leftover.kind) == (f"step-00000001/{part}", "temporary")
     assert leftover.nbytes == storage.tree_bytes(f"{step}/{part}") > 0
     capsys.readouterr()
@@ -387,7 +388,7 @@ def test_an_overwrite_killed_before_its_commit_is_a_leftover_ls_lists_and_resume
     else:
         assert main(["clean", run]) == 0
     assert not [name for name in storage.list(step) if name.startswith(".next-")]
-    assert find_leftovers(run) == []
+    assert find_leftovers(locate(run)) == []
     loaded = torch.nn.Linear(3, 2)
     ddpckpt.load(step, model=loaded)  # the committed checkpoint is whole
     assert torch.equal(loaded.weight, model.weight)

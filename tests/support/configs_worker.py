@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import ddpckpt
 from ddpckpt._format.manifest import read_manifest
+from ddpckpt.storage._location import locate
 from dist_worker import Warnings
 from exiting import exit_now
 
@@ -159,7 +160,7 @@ def resized(root: str, rank: int) -> dict[str, Any]:
     run = build("plain")
     path = os.path.join(root, "plain")
     ddpckpt.load(path, model=run.ddp, optimizer=run.opt, extra={"accumulation": run.accumulation})
-    saved = read_manifest(path).state["model"]["ddp_buckets"]
+    saved = read_manifest(locate(path)).state["model"]["ddp_buckets"]
     restored = record_buckets(run.ddp).to_json()
     run.micro_steps(SAVE_AT, MICRO, rank)  # DDP rebuilds its buckets: the same layout again
     kept = record_buckets(run.ddp).to_json()

@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from ddpckpt.storage._location import locate
+
 
 def stored_tensors(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
@@ -54,6 +56,6 @@ def shard_piece(checkpoint: str | Path, name: str, index: int) -> tuple[str, int
     from ddpckpt._format.manifest import read_manifest
     from ddpckpt._io.reader import all_pieces
 
-    pieces = all_pieces(str(checkpoint), read_manifest(str(checkpoint)))[name]
+    pieces = all_pieces(locate(str(checkpoint)), read_manifest(locate(str(checkpoint))))[name]
     piece = sorted(pieces, key=lambda p: p.offsets)[index]
     return piece.entry.file, piece.entry.begin

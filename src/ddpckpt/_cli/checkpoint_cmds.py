@@ -8,6 +8,7 @@ import json
 from ddpckpt._cli._format import size, table, when
 from ddpckpt._cli.command import CannotRun, Command
 from ddpckpt.errors import CheckpointError, CheckpointExistsError
+from ddpckpt.storage._location import locate
 
 
 def _inspect_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,15 +69,16 @@ def _verify(args: argparse.Namespace) -> int:
 
     status = 0
     for path in args.checkpoints:
+        location = locate(path)
         try:
-            open_manifest(path)
+            open_manifest(location)
         except CheckpointNotFoundError as exc:  # not a checkpoint at all: nothing to verify
             status = 2
             print(f"ERROR {path}\n      {exc}")
             continue
         except CheckpointError:
             pass  # incomplete or corrupt: find_problems says how
-        problems = find_problems(path)
+        problems = find_problems(location)
         if problems:
             status = max(status, 1)
             print(f"BAD   {path}")

@@ -28,8 +28,9 @@ from ddpckpt._format.sections import ModelSection, StateSections
 from ddpckpt._format.tensorwrite import write_file
 from ddpckpt._io.reader import FileSource, chosen_model, load_state_dict
 from ddpckpt.errors import UnsupportedValueError
-from ddpckpt.storage import Storage, Writer, storage_for
+from ddpckpt.storage import Storage, Writer
 from ddpckpt.storage._layout import new_token, temp_name
+from ddpckpt.storage._location import Location, locate
 
 FILE_SUFFIXES = (".safetensors", ".pt", ".pth")
 DEFAULT_SHARD_SIZE = "5GB"
@@ -80,18 +81,19 @@ def export(
         limit = parse_size(DEFAULT_SHARD_SIZE if max_shard_size is None else max_shard_size)
     except ValueError as exc:
         raise ValueError(f"max_shard_size (--max-shard-size): {exc}") from None
-    manifest = open_manifest(path)
+    location = locate(path)
+    manifest = open_manifest(location)
     model = chosen_model(path, StateSections.from_json(manifest.state, path), model)
-    store = storage_for(out)
+    store = locate(out).storage
     if store.exists(out) and not overwrite:
         raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
     tmp = temp_name(out.rstrip("/"), new_token())
     try:
         if directory:
-            _write_directory(_Weights(path, manifest, model), tmp, limit)
+            _write_directory(_Weights(location, manifest, model), Location(store, tmp), limit)
         elif out.endswith(".safetensors"):
-            weights = _Weights(path, manifest, model)
-            weights.write(tmp, list(weights.keys))
+            weights = _Weights(location, manifest, model)
+            weights.write(Location(store, tmp), list(weights.keys))
         else:
             with store.create(tmp) as writer:
                 # torch.save takes any object with write(); its stubs say IO[bytes]
@@ -130,7 +132,8 @@ class _Weights:
     """One model's weights in a checkpoint, by canonical key (tied aliases included), read
     one tensor at a time."""
 
-    def __init__(self, path: str, manifest: Manifest, name: str) -> None:
+    def __init__(self, location: Location, manifest: Manifest, name: str) -> None:
+        path = location.path
         stored = StateSections.from_json(manifest.state, path)
         section: ModelSection = stored.models[name]
         if section.extra_keys:
@@ -140,14 +143,14 @@ class _Weights:
                 ".pt instead"
             )
         self.prefix = stored.layout.model_prefix(name)
-        self.source = FileSource(path, manifest)
+        self.source = FileSource(location, manifest)
         self.keys = {key: key for key in section.keys} | dict(section.aliases)  # key -> stored
 
     def nbytes(self, key: str) -> int:
         dtype, shape = self.source.meta(self.prefix + self.keys[key])
         return torch.Size(shape).numel() * dtype.itemsize
 
-    def write(self, file: str, keys: list[str]) -> None:
+    def write(self, file: Location, keys: list[str]) -> None:
         """Write the tensors ``keys`` to the safetensors file ``file``, one at a time."""
 
         def placeholder(key: str) -> torch.Tensor:  # what write_file lays out before any data
@@ -181,19 +184,19 @@ def shard_keys(sizes: dict[str, int], limit: int) -> list[list[str]]:
     return [*files, current] if current or not files else files
 
 
-def _write_directory(weights: _Weights, directory: str, limit: int) -> None:
-    """The Hugging Face directory of ``weights`` at ``directory`` (made here)."""
-    store = storage_for(directory)
+def _write_directory(weights: _Weights, where: Location, limit: int) -> None:
+    """The Hugging Face directory of ``weights`` at ``where`` (made here)."""
+    store, directory = where.storage, where.path
     store.make_dirs(directory)
     sizes = {key: weights.nbytes(key) for key in weights.keys}
     files = shard_keys(sizes, limit)
     if len(files) == 1:
-        weights.write(os.path.join(directory, WEIGHTS_NAME), files[0])
+        weights.write(where.join(WEIGHTS_NAME), files[0])
     else:
         weight_map = {}
         for i, keys in enumerate(files):
             name = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-            weights.write(os.path.join(directory, name), keys)
+            weights.write(where.join(name), keys)
             weight_map.update(dict.fromkeys(keys, name))
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         text = json.dumps(index, indent=2, sort_keys=True) + "\n"

@@ -29,8 +29,8 @@ from ddpckpt._format.codec import TensorRef, decode_refs
 from ddpckpt._format.sections import OptimizerSection, StateSections
 from ddpckpt._io.reader import FileSource, chosen_model
 from ddpckpt.errors import UnsupportedValueError
-from ddpckpt.storage import storage_for
 from ddpckpt.storage._layout import new_token, temp_name
+from ddpckpt.storage._location import locate
 
 DATA_FILE = "__0_0.distcp"
 MODEL_KEY, OPTIMIZER_KEY = "model", "optim"
@@ -64,14 +64,15 @@ def export_dcp(
     path, out = os.fspath(path), os.fspath(out).rstrip("/")
     if "://" in out:
         raise ValueError(f"{out}: DCP directories are written to a local path")
-    manifest = open_manifest(path)
+    location = locate(path)
+    manifest = open_manifest(location)
     stored = StateSections.from_json(manifest.state, path)
     name = chosen_model(path, stored, model)
     optimizer = _optimizer(path, stored)
-    store = storage_for(out)
+    store = locate(out).storage
     if store.exists(out) and not overwrite:
         raise FileExistsError(f"{out} exists; pass overwrite=True to replace it")
-    source = FileSource(path, manifest)
+    source = FileSource(location, manifest)
     tmp = temp_name(out, new_token())
     os.makedirs(tmp)
     try:

@@ -11,14 +11,14 @@ from typing import Any
 from ddpckpt._cli._format import leftovers_table, size, table, when
 from ddpckpt._cli.command import CannotRun, Command
 from ddpckpt.errors import CheckpointLockedError
+from ddpckpt.storage._location import Location, locate
 
 
-def _not_a_run_directory(directory: str) -> str | None:
-    """Why ``directory`` cannot be listed as a run directory, or ``None`` if it can."""
+def _not_a_run_directory(where: Location) -> str | None:
+    """Why ``where`` cannot be listed as a run directory, or ``None`` if it can."""
     from ddpckpt._format.manifest import MANIFEST_NAME
-    from ddpckpt.storage import storage_for
 
-    storage = storage_for(directory)
+    storage, directory = where.storage, where.path
     if not storage.exists(directory):
         return f"{directory}: no such directory"
     if not storage.is_dir(directory):
@@ -46,23 +46,23 @@ def _ls_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output (numbers)")
 
 
-def _ls_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _ls_rows(where: Location, quick: bool) -> list[dict[str, Any]]:
     from ddpckpt._io.reader import find_problems
     from ddpckpt._run import query
     from ddpckpt._run.rundir import size_problems
 
-    latest = query.latest_name(args.directory)
-    why_kept = query.why_kept(args.directory)
+    latest = query.latest_name(where)
+    why_kept = query.why_kept(where)
     rows = []
-    for entry in query.entries(args.directory):
+    for entry in query.entries(where):
         manifest = entry.manifest
         if manifest is None:
             status, problems = entry.status, [entry.problem]
-        elif args.quick:
-            problems = size_problems(entry.path, manifest)
+        elif quick:
+            problems = size_problems(entry.location, manifest)
             status = "incomplete" if problems else "not verified"
         else:
-            problems = find_problems(entry.path)
+            problems = find_problems(entry.location)
             status = "corrupt" if problems else "verified"
         notes = []
         if os.path.basename(entry.path) == latest:
@@ -84,18 +84,16 @@ def _ls_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _fast_tier(directory: str) -> tuple[bool, str | None]:
+def _fast_tier(where: Location) -> tuple[bool, str | None]:
     """Whether the run in ``directory`` has a fast tier (its identity file), and, if
     ``directory`` is a fast tier, the run directory it belongs to (as its marker says,
     read through the same parser as the Checkpointer's)."""
     from ddpckpt._format.runfiles import RUN_DIR_IDENTITY, read_fast_tier_marker
     from ddpckpt.errors import CorruptCheckpointError
-    from ddpckpt.storage import storage_for
 
-    store = storage_for(directory)
-    has_tier = store.exists(os.path.join(directory, RUN_DIR_IDENTITY))
+    has_tier = where.storage.exists(where.join(RUN_DIR_IDENTITY).path)
     try:
-        marker = read_fast_tier_marker(directory, store)
+        marker = read_fast_tier_marker(where)
     except CorruptCheckpointError as exc:
         return has_tier, f"(unreadable: {exc})"
     except OSError as exc:
@@ -106,8 +104,9 @@ def _fast_tier(directory: str) -> tuple[bool, str | None]:
     return has_tier, run if run.isprintable() else ascii(run)
 
 
-def _fast_tier_notes(directory: str, has_tier: bool, tier_of: str | None) -> list[str]:
+def _fast_tier_notes(where: Location, has_tier: bool, tier_of: str | None) -> list[str]:
     """What to tell about the fast tier of the run listed, or that it is one."""
+    directory = where.path
     notes = []
     if tier_of is not None:
         notes.append(
@@ -116,17 +115,17 @@ def _fast_tier_notes(directory: str, has_tier: bool, tier_of: str | None) -> lis
             f"`ddpckpt ls {tier_of}` lists the durable checkpoints"
         )
     if has_tier:
-        where = _auto_directory(directory)
+        auto = _auto_directory(where)
         notes.append(
             "this run also has a fast tier, in each node's memory, whose steps may be newer "
             "than those listed: `ddpckpt ls <fast_tier directory>` on a node lists them"
-            + (f" (with fast_tier='auto', {where}, this user's)" if where else "")
+            + (f" (with fast_tier='auto', {auto}, this user's)" if auto else "")
             + "; resume() restores the newest of either"
         )
     return notes
 
 
-def _auto_directory(directory: str) -> str | None:
+def _auto_directory(directory: Location) -> str | None:
     """Where ``fast_tier="auto"`` keeps the fast tier of the run ``directory`` for this
     user (from the run's identity), or ``None`` if that cannot be read."""
     from ddpckpt._format.runfiles import read_run_identity
@@ -143,21 +142,21 @@ def _auto_directory(directory: str) -> str | None:
 def _ls(args: argparse.Namespace) -> int:
     from ddpckpt._run.rundir import find_leftovers, restore_unless_locked
     from ddpckpt._run.savesdir import holds_saves, is_run_layout
-    from ddpckpt.storage import storage_for
 
-    wrong = _not_a_run_directory(args.directory)
+    where = locate(args.directory)
+    wrong = _not_a_run_directory(where)
     if wrong:
         raise CannotRun(wrong)
-    names = storage_for(args.directory).list(args.directory)
-    if not is_run_layout(names) and holds_saves(args.directory, names):
+    names = where.storage.list(where.path)
+    if not is_run_layout(names) and holds_saves(where, names):
         from ddpckpt._cli.saves_ls import ls_saves
 
-        return ls_saves(args.directory, quick=args.quick, as_json=args.json)
-    restore_unless_locked(args.directory, names)
-    rows = _ls_rows(args)
-    leftovers = find_leftovers(args.directory)
-    has_tier, tier_of = _fast_tier(args.directory)
-    if not rows and not leftovers and _looks_unrelated(args.directory):
+        return ls_saves(where, quick=args.quick, as_json=args.json)
+    restore_unless_locked(where, names)
+    rows = _ls_rows(where, args.quick)
+    leftovers = find_leftovers(where)
+    has_tier, tier_of = _fast_tier(where)
+    if not rows and not leftovers and _looks_unrelated(names):
         raise CannotRun(
             f"{args.directory}: not a run directory: it has no step-N checkpoints, no `latest` "
             "and no run.json (a Checkpointer's directory has them), and no checkpoint saved "
@@ -205,19 +204,18 @@ def _ls(args: argparse.Namespace) -> int:
             )
     else:
         print(f"no checkpoints in {args.directory}")
-    for note in _fast_tier_notes(args.directory, has_tier, tier_of):
+    for note in _fast_tier_notes(where, has_tier, tier_of):
         print(note)
     if leftovers:
         print(leftovers_table(args.directory, leftovers))
     return 1 if bad else 0
 
 
-def _looks_unrelated(directory: str) -> bool:
+def _looks_unrelated(names: list[str]) -> bool:
+    """Whether a directory listed as ``names`` holds files, none of them a run's."""
     from ddpckpt._format.runfiles import RUN_MARKS
-    from ddpckpt.storage import storage_for
 
-    names = set(storage_for(directory).list(directory))
-    return bool(names) and not names & RUN_MARKS
+    return bool(names) and not set(names) & RUN_MARKS
 
 
 def _clean_arguments(p: argparse.ArgumentParser) -> None:
@@ -231,16 +229,15 @@ def _clean_arguments(p: argparse.ArgumentParser) -> None:
 def _clean(args: argparse.Namespace) -> int:
     from ddpckpt._run.rundir import clean_leftovers, find_leftovers
 
-    wrong = _not_a_run_directory(args.directory)
+    where = locate(args.directory)
+    wrong = _not_a_run_directory(where)
     if wrong:
         raise CannotRun(wrong)
     if args.dry_run:
-        doomed = [
-            x for x in find_leftovers(args.directory) if x.kind == "temporary" or args.corrupt
-        ]
+        doomed = [x for x in find_leftovers(where) if x.kind == "temporary" or args.corrupt]
     else:
         try:
-            doomed = clean_leftovers(args.directory, corrupt=args.corrupt)
+            doomed = clean_leftovers(where, corrupt=args.corrupt)
         except CheckpointLockedError as exc:
             raise CannotRun(
                 f"{exc}. Its temporaries may be saves in progress: run `ddpckpt clean` after "
@@ -249,7 +246,7 @@ def _clean(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for leftover in doomed:
         print(f"{verb} {leftover.name} ({size(leftover.nbytes)})")
-    kept = [x for x in find_leftovers(args.directory) if x.kind == "corrupt" and not args.corrupt]
+    kept = [x for x in find_leftovers(where) if x.kind == "corrupt" and not args.corrupt]
     if not doomed:
         print(f"nothing to clean in {args.directory}")
     else:

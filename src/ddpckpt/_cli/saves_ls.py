@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ddpckpt._cli._format import leftovers_table, size, table, when
+from ddpckpt.storage._location import Location
 
 _PICK_NOTE = "load_latest"
 
@@ -40,19 +41,20 @@ class _Row:
         }
 
 
-def ls_saves(directory: str, *, quick: bool, as_json: bool) -> int:
+def ls_saves(where: Location, *, quick: bool, as_json: bool) -> int:
     """Print the checkpoints in ``directory`` oldest first (by saved step, as
     ``load_latest`` ranks them), each verified unless ``quick``, and which one
     ``ddpckpt.load_latest(directory)`` would load; 1 if any is damaged, else 0."""
     from ddpckpt._run.rundir import find_leftovers
     from ddpckpt._run.savesdir import list_saves
 
-    listing = list_saves(directory)
+    directory = where.path
+    listing = list_saves(where)
     rows = [_row(entry, quick) for entry in listing.checkpoints]
     by_name = {row.name: row for row in rows}
     usable = ("not verified",) if quick else ("verified",)
     picked = next((n for n in listing.newest_first if by_name[n].status in usable), None)
-    leftovers = find_leftovers(directory)
+    leftovers = find_leftovers(where)
     bad = any(row.status in ("corrupt", "incomplete") for row in rows)
     if as_json:
         doc = {
@@ -94,7 +96,7 @@ def _row(entry: Any, quick: bool) -> _Row:
     problems = [entry.problem] if entry.problem else []
     status = entry.status
     if status == "committed":
-        problems = [] if quick else find_problems(entry.path)
+        problems = [] if quick else find_problems(entry.location)
         status = "not verified" if quick else ("corrupt" if problems else "verified")
     return _Row(
         entry.name,

@@ -28,14 +28,16 @@ from ddpckpt._run.rundir import size_problems
 from ddpckpt.errors import (
     CorruptCheckpointError,
 )
+from ddpckpt.storage._location import Location, locate
 
 
-def open_manifest(path: str) -> Manifest:
-    """The manifest of the checkpoint at ``path``, with every rank's state read (a path
+def open_manifest(location: Location) -> Manifest:
+    """The manifest of the checkpoint at ``location``, with every rank's state read (a path
     that is no checkpoint at all gets a :class:`CheckpointNotFoundError` naming what it
     is, from :func:`read_manifest`)."""
-    manifest = read_manifest(path)
-    problems = fill_rank_parts(manifest, path)  # every rank's state, for showing it
+    path = location.path
+    manifest = read_manifest(location)
+    problems = fill_rank_parts(manifest, location)  # every rank's state, for showing it
     if problems:
         raise CorruptCheckpointError(f"{path}: " + "; ".join(problems))
     return manifest
@@ -44,8 +46,9 @@ def open_manifest(path: str) -> Manifest:
 def summary(path: str | os.PathLike[str], *, tensors: bool = True) -> dict[str, Any]:
     """A JSON-able description of a checkpoint: metadata, sections and (with ``tensors``)
     every tensor, a sharded one with its shards (read from the index files: format 6)."""
-    path = os.fspath(path)
-    manifest = open_manifest(path)
+    location = locate(path)
+    path = location.path
+    manifest = open_manifest(location)
     sections = _section_types(StateSections.from_json(manifest.state, path))
     return {
         "path": path,
@@ -77,7 +80,7 @@ def summary(path: str | os.PathLike[str], *, tensors: bool = True) -> dict[str, 
             ]
             + [
                 _sharded_summary(name, manifest.shards[name], pieces)
-                for name, pieces in all_pieces(path, manifest).items()
+                for name, pieces in all_pieces(location, manifest).items()
             ],
             key=lambda t: not t["name"].startswith("model/"),  # the model first, as saved
         )
@@ -245,8 +248,9 @@ def diff(
     ``scheduler``, ``scaler``, ``extra`` or ``extra/NAME``) and ``rng`` (every rank's
     generators). An unknown name raises :class:`ValueError` listing the known ones.
     """
-    a, b = os.fspath(a), os.fspath(b)
-    ma, mb = open_manifest(a), open_manifest(b)
+    la, lb = locate(a), locate(b)
+    a, b = la.path, lb.path
+    ma, mb = open_manifest(la), open_manifest(lb)
     ignore = set(ignore)
     known = _sections(ma) | _sections(mb)
     unknown = ignore - known - {k.split("/")[0] for k in known}
@@ -256,9 +260,9 @@ def diff(
             f"{', '.join(sorted(known))}"
         )
     if verify:
-        _check_intact([(a, find_problems(a)), (b, find_problems(b))], _CHECKSUMS_FAIL)
+        _check_intact([(a, find_problems(la)), (b, find_problems(lb))], _CHECKSUMS_FAIL)
     else:  # no data read, but a missing or truncated file is one size away
-        _check_intact([(a, size_problems(a, ma)), (b, size_problems(b, mb))], _SIZES_WRONG)
+        _check_intact([(a, size_problems(la, ma)), (b, size_problems(lb, mb))], _SIZES_WRONG)
     report = DiffReport(a, b, verified=verify)
 
     def kept(where: str) -> bool:
@@ -275,8 +279,8 @@ def diff(
     state = list(_tree_diff("state", ma.state, mb.state))
     state += list(_tree_diff("ranks", ma.ranks, mb.ranks))
     report.state = [item for item in state if kept(item[0])]
-    sa, sb = FileSource(a, ma), FileSource(b, mb)
-    stored_a, stored_b = _stored(a, ma), _stored(b, mb)
+    sa, sb = FileSource(la, ma), FileSource(lb, mb)
+    stored_a, stored_b = _stored(la, ma), _stored(lb, mb)
     for name in sorted(set(stored_a) | set(stored_b)):
         ta, tb = stored_a.get(name), stored_b.get(name)
         if ta is not None and ta == tb:
@@ -306,10 +310,10 @@ class _Stored:
     digests: tuple[Any, ...]  # the tensor's digest, or each shard's place and digest
 
 
-def _stored(path: str, manifest: Manifest) -> dict[str, _Stored]:
+def _stored(location: Location, manifest: Manifest) -> dict[str, _Stored]:
     """Every tensor of ``manifest``, whole or sharded (read one at a time when compared)."""
     found = {n: _Stored(t.shape, t.dtype, (t.digest,)) for n, t in manifest.tensors.items()}
-    for name, pieces in all_pieces(path, manifest).items():
+    for name, pieces in all_pieces(location, manifest).items():
         record = manifest.shards[name]
         digests = tuple((p.offsets, p.shape, p.entry.digest) for p in pieces)
         found[name] = _Stored(record.shape, record.dtype, digests)

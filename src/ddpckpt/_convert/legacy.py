@@ -67,6 +67,7 @@ from ddpckpt._log import get_logger
 from ddpckpt._state.capture import Snapshot
 from ddpckpt._state.rng import numpy_key_as_tensor
 from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedValueError
+from ddpckpt.storage._location import locate
 
 _log = get_logger(__name__)
 
@@ -381,7 +382,9 @@ def _write(
         _log.warning("%s: left out of the import: %s", source, item)
     fields = header_fields(header["step"], header["epoch"], None)
     comm = Comm.local("ddpckpt.import", destination)
-    plan = plan_write(comm, snapshot, fields, overwrite=overwrite, storage="shared")
+    plan = plan_write(
+        comm, locate(destination), snapshot, fields, overwrite=overwrite, storage="shared"
+    )
     add_ranks(plan, parts)
     return write_and_commit(plan), dropped
 

@@ -68,6 +68,7 @@ from ddpckpt._coord.topology import node_id
 from ddpckpt._coord.wire import CloseCount, Mark
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointError, CollectiveMismatchError, CollectiveTimeoutError
+from ddpckpt.storage._location import Location, locate
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -141,6 +142,16 @@ class Comm(Exchanges):
             comm.close(exc)
             raise
         return comm
+
+    def locate(self, mine: Location | str) -> Location:
+        """The path the ranks agreed on (:meth:`open`), resolved: ``mine`` if it is that
+        path and resolved already, else resolved here (once). Called inside the call, so
+        that a rank that cannot resolve it (a URL scheme or a library its node lacks) fails
+        the call on every rank at once."""
+        path = mine.path if isinstance(mine, Location) else mine
+        if self.path is not None and self.path != path:
+            return locate(self.path)  # this rank passed another path: rank 0's (warned)
+        return mine if isinstance(mine, Location) else locate(path)
 
     @classmethod
     def local(cls, call: str, path: str | None = None) -> Comm:

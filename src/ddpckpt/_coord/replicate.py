@@ -17,7 +17,6 @@ receive only take part in the bookkeeping.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
@@ -36,7 +35,7 @@ from ddpckpt._format.rankparts import file_rank, kept_ranks
 from ddpckpt._format.tensorfile import byte_view
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CorruptCheckpointError
-from ddpckpt.storage import storage_for
+from ddpckpt.storage._location import Location
 
 _log = get_logger(__name__)
 _CHUNK = 16 << 20
@@ -44,12 +43,12 @@ _CHUNK = 16 << 20
 
 def repair_copies(
     comm: Comm,
-    path: str,
+    location: Location,
     have: list[bool],
     sharing: str | None = None,
     copies: list[bool] | None = None,
 ) -> None:
-    """Give every storage domain lacking the checkpoint at ``path`` a verified copy.
+    """Give every storage domain lacking the checkpoint at ``location`` a verified copy.
 
     ``have[r]`` says whether rank ``r`` can read a good copy (all with the same id) that
     keeps the files it needs; ``copies[r]`` (by default ``have``) whether its domain holds
@@ -67,8 +66,8 @@ def repair_copies(
     keeps.
     """
     copies = have if copies is None else copies
-    store = storage_for(path)
-    domains = storage_domains(comm, store.parent(path), sharing)
+    store, path = location.storage, location.path
+    domains = storage_domains(comm, location.parent, sharing)
     holding = [d for d in domains if all(copies[r] for r in d)]
     if not holding or any(any(copies[r] for r in d) and d not in holding for d in domains):
         raise CorruptCheckpointError(
@@ -79,18 +78,18 @@ def repair_copies(
     leads = any(d[0] == comm.rank for d in holding)
     groups = comm.run_reduce(
         "sources",
-        lambda: _kept_here(path) if leads else None,
+        lambda: _kept_here(location) if leads else None,
         lambda kept: _sources(path, domains, have, kept),
     )
     receiving = next(
         (d for d in domains if d[0] == comm.rank and not all(have[r] for r in d)), None
     )
-    tmp = store.commit.staging(store, path, comm.token)
+    tmp = Location(store, store.commit.staging(store, path, comm.token))
     received: list[tuple[Manifest, bytes]] = []
 
     def transfer() -> None:
         if receiving is not None:
-            store.commit.begin(store, path, tmp, overwrite=True)
+            store.commit.begin(store, path, tmp.path, overwrite=True)
         with ExitStack() as links:
             pairs: dict[int, Pair] = {}
 
@@ -102,15 +101,15 @@ def repair_copies(
             for source, receivers in groups:  # one after another, in one order on every rank
                 ours = next(d for d in domains if d[0] == source)
                 if comm.rank in ours or comm.rank in receivers:
-                    got = _fan_out(comm, path, tmp, ours, receivers, link)
+                    got = _fan_out(comm, location, tmp, ours, receivers, link)
                     received.extend([got] if got is not None else [])
 
     def publish() -> None:
         if receiving is None:
             return
         manifest, text = received[0]
-        store.write_new(os.path.join(tmp, MANIFEST_NAME), text)
-        store.commit.publish(store, tmp, path, overwrite=True)
+        store.write_new(tmp.join(MANIFEST_NAME).path, text)
+        store.commit.publish(store, tmp.path, path, overwrite=True)
         held = all(copies[r] for r in receiving)
         _log.warning(
             "%s: this node %s; received the %d files (%d bytes) of another node's copy",
@@ -128,7 +127,7 @@ def repair_copies(
         comm.run("repair publish", publish)  # no copy is replaced while another is sent
     except BaseException:
         if receiving is not None:
-            store.commit.abort(store, tmp, path)
+            store.commit.abort(store, tmp.path, path)
         raise
 
 
@@ -140,10 +139,11 @@ def _ranks(ranks: Any) -> str:
     )
 
 
-def _kept_here(path: str) -> dict[str, Any]:
-    """The ranks whose own files this rank's copy of ``path`` keeps (as RankSet spans),
+def _kept_here(location: Location) -> dict[str, Any]:
+    """The ranks whose own files this rank's copy of ``location`` keeps (as RankSet spans),
     and the number of ranks that saved it."""
-    manifest = Manifest.from_json(_read_text(path), path)
+    manifest = Manifest.from_json(_read_text(location), location.path)
+    manifest.files.bind(location)  # kept_ranks may read its file tables
     return {"kept": RankSet.of(kept_ranks(manifest)).to_json(), "world": manifest.world_size}
 
 
@@ -182,8 +182,8 @@ def _sources(
 
 def _fan_out(
     comm: Comm,
-    path: str,
-    tmp: str,
+    location: Location,
+    tmp: Location,
     source: list[int],
     receivers: list[int],
     link: Callable[[int], Pair],
@@ -194,7 +194,7 @@ def _fan_out(
     manifest it received, and its text."""
     line = tuple(receivers)
     place = line.index(comm.rank) + 1 if comm.rank in receivers else -1  # -1: no receiver
-    text = _read_text(path) if comm.rank in source else b""  # its own copy's
+    text = _read_text(location) if comm.rank in source else b""  # its own copy's
     for part in FanOut(source[0], line).part_at(0 if comm.rank == source[0] else place):
         if part.role == "receive":
             text = link(part.peer).recv_bytes()
@@ -202,8 +202,9 @@ def _fan_out(
             link(part.peer).send_bytes(text)
     if not text:
         return None
-    manifest = Manifest.from_json(text, path)
+    manifest = Manifest.from_json(text, location.path)
     files = manifest.files
+    files.bind(location)  # a source reads the tables of its own copy
     # The files the manifest lists itself first, among them its file tables (format 7),
     # which list the others: a receiver reads them from what it has just received.
     listed = {name: f.size for name, f in files.inline.items()}
@@ -217,22 +218,25 @@ def _fan_out(
             fan = FanOut(owners[name], line)
             for part in fan.part_at(0 if comm.rank == owners[name] else place):
                 if part.role == "receive":
-                    _receive(os.path.join(tmp, name), manifest, name, part.peer, link(part.peer))
+                    _receive(tmp.join(name), manifest, name, part.peer, link(part.peer))
                 else:  # the holder sends its own copy; a receiver passes on what it got
-                    held = path if comm.rank == owners[name] else tmp
-                    _send(os.path.join(held, name), batch[name], link(part.peer))
+                    held = location if comm.rank == owners[name] else tmp
+                    _send(held.join(name), batch[name], link(part.peer))
     return (manifest, text) if comm.rank in receivers else None
 
 
-def _read_text(path: str) -> bytes:
-    text = read_small(os.path.join(path, MANIFEST_NAME), MAX_MANIFEST_BYTES, MANIFEST_NAME)
-    Manifest.from_json(text, path)  # checked before it is sent (every rank checks it again)
+def _read_text(location: Location) -> bytes:
+    text = read_small(location.join(MANIFEST_NAME), MAX_MANIFEST_BYTES, MANIFEST_NAME)
+    Manifest.from_json(
+        text, location.path
+    )  # checked before it is sent (every rank checks it again)
     return text
 
 
-def _send(path: str, size: int, link: Pair) -> None:
+def _send(location: Location, size: int, link: Pair) -> None:
     """Send the file in chunks of exactly the sizes :func:`_receive` expects."""
-    reader = open_checked(path, "data file")
+    path = location.path
+    reader = open_checked(location, "data file")
     try:
         if reader.size != size:
             raise CorruptCheckpointError(f"{path}: size differs from the manifest's {size} bytes")
@@ -252,13 +256,14 @@ def _send(path: str, size: int, link: Pair) -> None:
         reader.close()
 
 
-def _receive(path: str, manifest: Manifest, name: str, sender: int, link: Pair) -> None:
-    """Write the file ``name`` at ``path`` (inside the checkpoint: the manifest's names
+def _receive(location: Location, manifest: Manifest, name: str, sender: int, link: Pair) -> None:
+    """Write the file ``name`` at ``location`` (inside the checkpoint: the manifest's names
     passed :func:`~ddpckpt._format.boundary.check_file_name` when it was parsed)."""
     entry = manifest.files[name]
     hasher = xxhash.xxh3_64()
     chunk = torch.empty(_CHUNK, dtype=torch.uint8)
-    with storage_for(path).create(path) as out:
+    path = location.path
+    with location.storage.create(path) as out:
         remaining = entry.size
         while remaining:
             n = min(remaining, _CHUNK)

@@ -29,7 +29,7 @@ from typing import Any, Literal, Protocol
 
 from ddpckpt._coord.store import namespace
 from ddpckpt.errors import CheckpointError
-from ddpckpt.storage import storage_for
+from ddpckpt.storage._location import Location
 from ddpckpt.storage._posix import PosixStorage
 
 StorageMode = Literal["auto", "shared", "local"]
@@ -160,14 +160,17 @@ def _directory_identity(store: Any, directory: str) -> int | None:
     return os.stat(directory).st_dev
 
 
-def storage_domains(comm: Collective, directory: str, mode: str | None = None) -> list[list[int]]:
-    """Partition the ranks into groups that share storage at ``directory``. Collective.
+def storage_domains(
+    comm: Collective, location: Location, mode: str | None = None
+) -> list[list[int]]:
+    """Partition the ranks into groups that share storage at the directory ``location``.
+    Collective.
 
     Creates ``directory`` where missing. Returns the groups ordered by lowest rank, each
     sorted. Found once per job, directory and mode (see the module's docstring).
     """
     mode = resolve_storage_mode(mode)
-    store = storage_for(directory)
+    store, directory = location.storage, location.path
     everyone = [list(range(comm.world_size))]
     if comm.world_size == 1 or mode == "shared":
         comm.run("mkdir", lambda: store.make_dirs(directory))

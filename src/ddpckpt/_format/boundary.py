@@ -31,8 +31,8 @@ from typing import Any
 import xxhash
 
 from ddpckpt.errors import CorruptCheckpointError
-from ddpckpt.storage import Storage, storage_for
 from ddpckpt.storage._errors import NotRegularFileError
+from ddpckpt.storage._location import Location
 
 MAX_MANIFEST_BYTES = 256 << 20
 MAX_HEADER_BYTES = 100_000_000  # a safetensors header (the safetensors library's own cap)
@@ -68,21 +68,20 @@ def check_file_name(name: object, where: str) -> str:
     return name
 
 
-def read_small(location: str, limit: int, what: str, storage: Storage | None = None) -> bytes:
-    """The bytes of the small file at ``location`` (``what`` names it in errors), through
-    ``storage`` (by default the one serving ``location``).
+def read_small(location: Location, limit: int, what: str) -> bytes:
+    """The bytes of the small file at ``location`` (``what`` names it in errors).
 
     Raises :class:`FileNotFoundError` if it is missing, :class:`CorruptCheckpointError` if
     it is no regular file or larger than ``limit`` bytes (checked before reading).
     """
     try:
-        return read_bounded(location, limit, what, storage)
+        return read_bounded(location, limit, what)
     except NotRegularFileError as exc:
         raise CorruptCheckpointError(f"{location}: the {what} is {exc.kind}; refused") from None
 
 
 def read_listed(
-    location: str, size: int, digest: str, what: str, limit: int | None = None
+    location: Location, size: int, digest: str, what: str, limit: int | None = None
 ) -> bytes:
     """The bytes of a file a manifest lists with ``size`` and xxh3-64 ``digest``, read as
     :func:`read_small` does (at most ``limit`` bytes, by default its listed size) and
@@ -93,11 +92,11 @@ def read_listed(
     return data
 
 
-def read_bounded(location: str, limit: int, what: str, storage: Storage | None = None) -> bytes:
+def read_bounded(location: Location, limit: int, what: str) -> bytes:
     """As :func:`read_small`, but a location that is no regular file raises the storage's
     :class:`~ddpckpt.storage._errors.NotRegularFileError` (an :class:`OSError`): for files
     whose readers report I/O errors as such (the run's lock)."""
-    reader = (storage or storage_for(location)).open(location)
+    reader = location.storage.open(location.path)
     try:
         if reader.size > limit:
             raise CorruptCheckpointError(
@@ -109,11 +108,11 @@ def read_bounded(location: str, limit: int, what: str, storage: Storage | None =
         reader.close()
 
 
-def open_checked(location: str, what: str) -> Any:
+def open_checked(location: Location, what: str) -> Any:
     """A storage reader of the data file at ``location``; :class:`CorruptCheckpointError`
     if it is no regular file, :class:`FileNotFoundError` if it is missing."""
     try:
-        return storage_for(location).open(location)
+        return location.storage.open(location.path)
     except NotRegularFileError as exc:
         raise CorruptCheckpointError(f"{location}: the {what} is {exc.kind}; refused") from None
 

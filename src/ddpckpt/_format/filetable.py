@@ -28,7 +28,6 @@ the tables in the manifest, and their names resolve under the same prefix.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Collection, Iterator, MutableMapping
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from ddpckpt._format.boundary import (
 )
 from ddpckpt._format.tensorfile import FileEntry
 from ddpckpt.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError
+from ddpckpt.storage._location import Location
 
 # Ranks per table. A job of at most this many ranks lists its files in the manifest, as
 # format 6 does, so that it stays readable by the releases before format 7. 128 balances
@@ -114,8 +114,8 @@ class FileTable(MutableMapping[str, FileEntry]):
 
     ``inline`` are the entries the manifest holds itself; ``tables`` (format 7) maps the
     name of each table (one of ``inline``) to its :class:`TableRef`, ``ranks`` is the
-    ranks per table, and ``location`` the checkpoint directory its tables are read from
-    (:meth:`bind` changes it), ``token`` the checkpoint's id. Looking a name up reads at
+    ranks per table, and ``location`` the checkpoint directory (as messages name it) whose
+    tables :meth:`bind` says where to read, ``token`` the checkpoint's id. Looking a name up reads at
     most the one table of its group, once; iterating reads every table.
     """
 
@@ -133,6 +133,7 @@ class FileTable(MutableMapping[str, FileEntry]):
         self.tables: dict[str, TableRef] = dict(tables or {})
         self.ranks = TABLE_RANKS if ranks is None else ranks  # the module's, when called
         self.location, self.token, self.world_size = location, token, world_size
+        self._at: Location | None = None  # where the tables are read: bound by the reader
         self._read: dict[str, dict[str, FileEntry]] = {}
         self._failed: dict[str, CheckpointError] = {}
         self._groups: dict[tuple[str, int], str] = {}
@@ -143,9 +144,9 @@ class FileTable(MutableMapping[str, FileEntry]):
             self._groups[(found["prefix"], int(found["group"]))] = listed
         self._prefixes: set[str] | None = None
 
-    def bind(self, location: str) -> None:
+    def bind(self, location: Location) -> None:
         """Read the tables not read yet from the checkpoint directory ``location``."""
-        self.location = location
+        self.location, self._at = location.path, location
 
     # -- the mapping ---------------------------------------------------------------
     def __getitem__(self, name: str) -> FileEntry:
@@ -213,12 +214,14 @@ class FileTable(MutableMapping[str, FileEntry]):
 
     def relocated(self, prefix: str) -> FileTable:
         """These files as listed under ``prefix/`` (the tables' names resolve under it too)."""
-        return FileTable(
+        moved = FileTable(
             {f"{prefix}/{n}": FileEntry(f"{prefix}/{n}", e.size, e.digest, e.writer)
              for n, e in self.inline.items()},
             {f"{prefix}/{n}": ref for n, ref in self.tables.items()},
             ranks=self.ranks, location=self.location, token=self.token, world_size=self.world_size,
         )  # fmt: skip
+        moved._at = self._at
+        return moved
 
     # -- writing ---------------------------------------------------------------------
     def tabulate(self, keep: Collection[str], token: str, writer: int) -> dict[str, bytes]:
@@ -292,14 +295,17 @@ class FileTable(MutableMapping[str, FileEntry]):
         id and group, and each entry (a file of its group, listed once, not in the
         manifest itself), their count and bytes as the manifest records them."""
         ref, entry = self.tables[listed], self.inline.get(listed)
-        location = os.path.join(self.location, listed)
+        if self._at is None:
+            raise RuntimeError(f"{self.location}: file tables read before the manifest was bound")
+        at = self._at.join(listed)
+        location = at.path
         if entry is None:
             raise CorruptCheckpointError(
                 f"{self.location}: malformed manifest: the file table {listed[:200]!r} has no "
                 "entry in its files"
             )
         try:
-            raw = read_listed(location, entry.size, entry.digest, "file table", MAX_MANIFEST_BYTES)
+            raw = read_listed(at, entry.size, entry.digest, "file table", MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise IncompleteCheckpointError(
                 f"{self.location}: {listed}, listed in the manifest, is missing"

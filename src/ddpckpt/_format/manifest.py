@@ -59,9 +59,9 @@ from ddpckpt.errors import (
     IncompleteCheckpointError,
     UnsupportedValueError,
 )
-from ddpckpt.storage import storage_for
 from ddpckpt.storage._commit import register_relocation
 from ddpckpt.storage._layout import MANIFEST
+from ddpckpt.storage._location import Location
 
 FORMAT_NAME = "ddpckpt"
 # The newest version this library reads. A checkpoint is written with the oldest version that
@@ -119,13 +119,13 @@ class Manifest:
         """The bytes of all its files (of format 7 without reading a table)."""
         return self.files.nbytes
 
-    def shard_index(self, path: str) -> ShardIndex:
+    def shard_index(self, location: Location) -> ShardIndex:
         """Where the pieces of this checkpoint's sharded tensors are (format 6), for the
-        checkpoint at ``path``; local."""
+        checkpoint at ``location``; local."""
         count = self.copy.get("count", 1)
         domain = self.copy.get("ranks") if count > 1 else None
         return ShardIndex(
-            path, self.id, self.shards, self.meshes, self.files, domain, self.shard_writers
+            location, self.id, self.shards, self.meshes, self.files, domain, self.shard_writers
         )
 
     def to_json(self, where: str) -> str:
@@ -267,31 +267,34 @@ def manifest_path(path: str) -> str:
     return os.path.join(path, MANIFEST_NAME)
 
 
-def read_manifest(path: str) -> Manifest:
-    """Read and validate the manifest of the checkpoint directory ``path``.
+def read_manifest(location: Location) -> Manifest:
+    """Read and validate the manifest of the checkpoint directory ``location``, bound to it
+    (its file tables are read from there).
 
-    Raises :class:`~ddpckpt.errors.CheckpointNotFoundError` if ``path`` does not exist or
-    is no checkpoint (a run directory, one of its files, an unrelated directory: the
+    Raises :class:`~ddpckpt.errors.CheckpointNotFoundError` if ``location`` does not exist
+    or is no checkpoint (a run directory, one of its files, an unrelated directory: the
     message says which), :class:`~ddpckpt.errors.IncompleteCheckpointError` if it is a
     checkpoint directory without a manifest (an interrupted save),
     :class:`~ddpckpt.errors.CorruptCheckpointError` if the manifest cannot be parsed or is
     no regular file.
     """
-    storage = storage_for(path)
+    storage, path = location.storage, location.path
     if not storage.is_dir(path):
         if storage.exists(path):
-            raise CheckpointNotFoundError(describe_path(path) or _describe_file(path))
+            raise CheckpointNotFoundError(describe_path(location) or _describe_file(path))
         raise CheckpointNotFoundError(f"{path}: no checkpoint at this path")
     try:
-        text = read_small(manifest_path(path), MAX_MANIFEST_BYTES, "manifest")
+        text = read_small(location.join(MANIFEST_NAME), MAX_MANIFEST_BYTES, "manifest")
     except FileNotFoundError:
-        what = describe_path(path)
+        what = describe_path(location)
         if what is not None:
             raise CheckpointNotFoundError(what) from None
         raise IncompleteCheckpointError(
             f"{path}: has no {MANIFEST_NAME}; the save that created it did not finish"
         ) from None
-    return Manifest.from_json(text, path)
+    manifest = Manifest.from_json(text, path)
+    manifest.files.bind(location)
+    return manifest
 
 
 def _describe_file(path: str) -> str:

@@ -16,7 +16,6 @@ Checkpoints of format 2 and older hold every rank's state in the manifest's ``ra
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from typing import Any
 
@@ -26,6 +25,7 @@ from ddpckpt._format.boundary import load_json, read_listed
 from ddpckpt._format.manifest import Manifest
 from ddpckpt._format.tensorfile import TensorEntry, read_header
 from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage._location import Location
 
 RANK_STATE_KEY = "ddpckpt.rank_state"
 _NAMED = ("extra", "models_buffers")  # per-rank sections keyed by object name
@@ -71,25 +71,27 @@ def rank_has(manifest: Manifest, key: str) -> bool:
     return any(section in r and (not name or name in r[section]) for r in manifest.ranks)
 
 
-def rank_part(manifest: Manifest, path: str, rank: int) -> dict[str, Any]:
-    """``rank``'s per-rank state in the checkpoint at ``path`` (``rank`` < its world size).
+def rank_part(manifest: Manifest, location: Location, rank: int) -> dict[str, Any]:
+    """``rank``'s per-rank state in the checkpoint at ``location`` (``rank`` < its world
+    size).
 
     With per-rank files, reads ``rank``'s file once (verified against the manifest's
     checksum) and adds its tensors to ``manifest.tensors``. Raises
     :class:`CorruptCheckpointError` naming the file if it is missing or damaged.
     """
+    path = location.path
     if manifest.rank_keys is None:
         if rank >= len(manifest.ranks):
             raise CorruptCheckpointError(f"{path}: the manifest holds no state for rank {rank}")
         return _checked(manifest.ranks[rank], f"{path}: rank {rank}'s state")
     if rank not in manifest.rank_parts:
-        state, entries = _read_rank_file(manifest, path, rank)
+        state, entries = _read_rank_file(manifest, location, rank)
         manifest.tensors.update((e.key, e) for e in entries)
         manifest.rank_parts[rank] = state
     return manifest.rank_parts[rank]
 
 
-def fill_rank_parts(manifest: Manifest, path: str) -> list[str]:
+def fill_rank_parts(manifest: Manifest, location: Location) -> list[str]:
     """Read every rank's part into ``manifest.ranks`` and ``manifest.tensors`` (tools that
     show or compare whole checkpoints); returns the problems found instead of raising."""
     if manifest.rank_keys is None:
@@ -98,7 +100,7 @@ def fill_rank_parts(manifest: Manifest, path: str) -> list[str]:
     kept = set(kept_ranks(manifest))
     for rank in range(manifest.world_size):
         try:
-            parts.append(rank_part(manifest, path, rank) if rank in kept else {})
+            parts.append(rank_part(manifest, location, rank) if rank in kept else {})
         except CorruptCheckpointError as exc:
             problems.append(str(exc))
             parts.append({})
@@ -127,16 +129,19 @@ def _checked(state: Any, where: str) -> dict[str, Any]:
     return state
 
 
-def _read_rank_file(manifest: Manifest, path: str, rank: int) -> tuple[dict, list[TensorEntry]]:
+def _read_rank_file(
+    manifest: Manifest, location: Location, rank: int
+) -> tuple[dict, list[TensorEntry]]:
     name = _listed_name(manifest, rank_file_name(rank))
     if name is None:
         raise CorruptCheckpointError(
-            f"{path}: the manifest lists no file {rank_file_name(rank)} for rank {rank}"
+            f"{location}: the manifest lists no file {rank_file_name(rank)} for rank {rank}"
         )
-    where = os.path.join(path, name)
+    at = location.join(name)
+    where = at.path
     listed = manifest.files[name]
     try:
-        data = read_listed(where, listed.size, listed.digest, f"rank {rank}'s file")
+        data = read_listed(at, listed.size, listed.digest, f"rank {rank}'s file")
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{where}: rank {rank}'s file is missing") from None
     header = read_header(lambda at, n: data[at : at + n], len(data), where, name)

@@ -40,8 +40,8 @@ from ddpckpt._format.boundary import (
 )
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CorruptCheckpointError
-from ddpckpt.storage import Storage, storage_for
 from ddpckpt.storage._layout import MANIFEST, is_temp_name
+from ddpckpt.storage._location import Location
 
 _log = get_logger(__name__)
 
@@ -122,13 +122,13 @@ def parse_latest(data: bytes, where: str) -> str:
     return name
 
 
-def read_latest(directory: str) -> str | None:
+def read_latest(directory: Location) -> str | None:
     """What the run's ``latest`` names, or ``None`` if it is missing; a damaged one is
     reported as a warning and counts as missing (nothing loads through it: the run's
     checkpoints are listed, and the next save rewrites it)."""
-    location = os.path.join(directory, LATEST)
+    location = directory.join(LATEST)
     try:
-        return parse_latest(read_small(location, MAX_RUN_FILE_BYTES, "latest file"), location)
+        return parse_latest(read_small(location, MAX_RUN_FILE_BYTES, "latest file"), location.path)
     except FileNotFoundError:
         return None
     except CorruptCheckpointError as exc:
@@ -164,16 +164,15 @@ def parse_lock(data: bytes, where: str) -> LockHolder:
     )
 
 
-def read_lock(location: str, storage: Storage | None = None) -> LockHolder | None:
-    """The holder of the lock file at ``location`` (read through ``storage``, by default the
-    one serving it), ``None`` if there is none; raises :class:`CorruptCheckpointError` if
+def read_lock(location: Location) -> LockHolder | None:
+    """The holder of the lock file at ``location``, ``None`` if there is none; raises :class:`CorruptCheckpointError` if
     it is torn or damaged, an :class:`OSError` if it cannot be read (also when it is no
     regular file: a directory or FIFO there is a storage failure, not a torn lock)."""
     try:
-        data = read_bounded(location, MAX_RUN_FILE_BYTES, "lock file", storage)
+        data = read_bounded(location, MAX_RUN_FILE_BYTES, "lock file")
     except FileNotFoundError:
         return None
-    return parse_lock(data, location)
+    return parse_lock(data, location.path)
 
 
 def parse_run_file(data: bytes, where: str) -> dict[str, Any]:
@@ -202,12 +201,12 @@ def _check_retention(doc: Any, where: str) -> None:
             _check_retention(policy, where)
 
 
-def read_retention(directory: str) -> dict[str, Any]:
+def read_retention(directory: Location) -> dict[str, Any]:
     """The retention description of the run in ``directory`` (``{}`` when none is recorded;
     a damaged ``run.json`` is reported as a warning and counts as none)."""
-    location = os.path.join(directory, RUN_FILE)
+    location = directory.join(RUN_FILE)
     try:
-        return parse_run_file(read_small(location, MAX_RUN_FILE_BYTES, RUN_FILE), location)
+        return parse_run_file(read_small(location, MAX_RUN_FILE_BYTES, RUN_FILE), location.path)
     except FileNotFoundError:
         return {}
     except CorruptCheckpointError as exc:
@@ -251,21 +250,21 @@ def _check_identity(text: str, where: str, what: str) -> str:
     return text
 
 
-def read_run_identity(directory: str, storage: Storage | None = None) -> str | None:
+def read_run_identity(directory: Location) -> str | None:
     """The identity of the run in ``directory`` (its ``fast-tier-owner``), ``None`` if it
     has none; :class:`CorruptCheckpointError` if that file is no regular file (a FIFO is
     never opened for long), is larger than :data:`MAX_IDENTITY_BYTES` (checked before
     reading) or is not an identity; an :class:`OSError` if it cannot be read."""
-    location = os.path.join(directory, RUN_DIR_IDENTITY)
-    data = _read_if_there(location, "run's identity file", storage)
-    return None if data is None else parse_run_identity(data, location)
+    location = directory.join(RUN_DIR_IDENTITY)
+    data = _read_if_there(location, "run's identity file")
+    return None if data is None else parse_run_identity(data, location.path)
 
 
-def _read_if_there(location: str, what: str, storage: Storage | None) -> bytes | None:
+def _read_if_there(location: Location, what: str) -> bytes | None:
     """The bytes of the small file ``location`` (at most :data:`MAX_IDENTITY_BYTES`, a
     regular file), ``None`` if there is none."""
     try:
-        return read_small(location, MAX_IDENTITY_BYTES, what, storage)
+        return read_small(location, MAX_IDENTITY_BYTES, what)
     except FileNotFoundError:
         return None
 
@@ -324,20 +323,20 @@ def parse_fast_tier_marker(data: bytes, where: str) -> FastTierMarker:
     return FastTierMarker(_check_identity(run, where, "the marker's run"), version)
 
 
-def read_fast_tier_marker(directory: str, storage: Storage | None = None) -> FastTierMarker | None:
+def read_fast_tier_marker(directory: Location) -> FastTierMarker | None:
     """The marker of the fast tier ``directory``, ``None`` if it has none; as
     :func:`read_run_identity` otherwise (:class:`CorruptCheckpointError` for any damage)."""
-    location = os.path.join(directory, FAST_TIER_MARKER)
-    data = _read_if_there(location, "fast tier's marker", storage)
-    return None if data is None else parse_fast_tier_marker(data, location)
+    location = directory.join(FAST_TIER_MARKER)
+    data = _read_if_there(location, "fast tier's marker")
+    return None if data is None else parse_fast_tier_marker(data, location.path)
 
 
-def describe_path(path: str) -> str | None:
-    """What ``path`` is, when it is not a checkpoint directory, as a message saying what was
+def describe_path(place: Location) -> str | None:
+    """What ``place`` is, when it is not a checkpoint directory, as a message saying what was
     expected; ``None`` when it is a checkpoint (complete or not) or does not exist."""
-    store = storage_for(path)
+    store, path = place.storage, place.path
     if not store.is_dir(path):
-        return _describe_run_file(path) if store.exists(path) else None
+        return _describe_run_file(place) if store.exists(path) else None
     names = store.list(path)
     if MANIFEST in names or any(_DATA_FILE_LIKE.fullmatch(n) for n in names):
         return None
@@ -347,7 +346,7 @@ def describe_path(path: str) -> str | None:
     stepped = [(n, step) for n in names if (step := parse_step(n)) is not None]
     steps = [n for n, _ in sorted(stepped, key=lambda pair: pair[1])]
     if steps or RUN_MARKS & set(names):
-        latest = read_latest(path) or (steps[-1] if steps else None)
+        latest = read_latest(place) or (steps[-1] if steps else None)
         example = (
             f", or name one of its checkpoints, e.g. {os.path.join(path, latest)}"
             if latest
@@ -373,12 +372,13 @@ def describe_path(path: str) -> str | None:
     )
 
 
-def _describe_run_file(path: str) -> str | None:
+def _describe_run_file(place: Location) -> str | None:
     """The message for a file of a run directory (``latest``, ``run.json``, ``.lock``)."""
+    path = place.path
     run, base = os.path.split(path.rstrip("/"))
     if base not in (LATEST, RUN_FILE, LOCK_NAME):
         return None
-    newest = read_latest(run or ".") if base == LATEST else None
+    newest = read_latest(Location(place.storage, run or ".")) if base == LATEST else None
     if newest:
         return (
             f"{path}: the run's pointer to its newest checkpoint, not a checkpoint: name that "

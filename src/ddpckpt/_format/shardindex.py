@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +47,7 @@ from ddpckpt._format.shardgrid import (
 from ddpckpt._format.shards import Piece, ShardedEntry, parse_piece
 from ddpckpt._format.tensorfile import dtype_from_name
 from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
+from ddpckpt.storage._location import Location
 
 INDEX_FORMAT = "ddpckpt-shards"
 
@@ -91,7 +91,7 @@ class ShardIndex:
 
     def __init__(
         self,
-        path: str,
+        location: Location,
         token: str,
         records: dict[str, ShardedEntry],
         meshes: dict[str, MeshRanks],
@@ -99,7 +99,8 @@ class ShardIndex:
         domain: list[int] | None,
         writers: int | None = None,
     ) -> None:
-        self.path, self.token, self.records, self.meshes = path, token, records, meshes
+        self.location, self.path = location, location.path
+        self.token, self.records, self.meshes = token, records, meshes
         self.files, self.domain, self.writers = files, domain, writers
         self._indexes: dict[int, dict[str, Piece]] = {}
         self._members: dict[Pattern, list[str]] | None = None
@@ -199,10 +200,11 @@ class ShardIndex:
                 f"rank {rank}, which wrote shards"
             )
         listed = self.files[name]
-        location = os.path.join(self.path, name)
+        at = self.location.join(name)
+        location = at.path
         try:
             raw = read_listed(
-                location, listed.size, listed.digest, "shard index", limit=MAX_MANIFEST_BYTES
+                at, listed.size, listed.digest, "shard index", limit=MAX_MANIFEST_BYTES
             )
         except FileNotFoundError:
             raise IncompleteCheckpointError(

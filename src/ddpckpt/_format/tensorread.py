@@ -25,6 +25,7 @@ from ddpckpt._format.pinned_ring import (
 )
 from ddpckpt._format.tensorfile import CHUNK, TensorEntry, byte_view, dtype_from_name, read_header
 from ddpckpt.errors import CorruptCheckpointError, IncompleteCheckpointError
+from ddpckpt.storage._location import Location
 
 _READ_THREADS = 4  # parallel reads of one piece when loading onto a GPU
 _read_pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -49,10 +50,10 @@ class TensorFile:
     link, FIFO or device) as corrupt before it is read at all.
     """
 
-    def __init__(self, path: str, size: int) -> None:
-        self.path = path
+    def __init__(self, location: Location, size: int) -> None:
+        self.path = path = location.path
         try:
-            reader = open_checked(path, "data file")
+            reader = open_checked(location, "data file")
         except FileNotFoundError:
             raise IncompleteCheckpointError(
                 f"{path}: missing, a data file the checkpoint lists"

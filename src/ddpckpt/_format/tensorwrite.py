@@ -11,7 +11,6 @@ running while the previous one is hashed and written.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Callable, Collection, Generator, Sequence
@@ -33,13 +32,13 @@ from ddpckpt._format.tensorfile import (
     layout,
     tensor_nbytes,
 )
-from ddpckpt.storage import storage_for
+from ddpckpt.storage._location import Location
 
 _HASH_AHEAD_BYTES = 1 << 20  # chunks from this size are hashed on a helper thread
 
 
 def write_file(
-    path: str,
+    location: Location,
     items: Sequence[tuple[str, torch.Tensor]],
     *,
     writer: int,
@@ -48,7 +47,7 @@ def write_file(
     chunked: Collection[str] = (),
     produce: Callable[[str], torch.Tensor] | None = None,
 ) -> tuple[FileEntry, list[TensorEntry]]:
-    """Write ``items`` to a new safetensors file at ``path`` and fsync it.
+    """Write ``items`` to a new safetensors file at ``location`` and fsync it.
 
     The file must not exist (``O_EXCL``): a file is only ever written by one process.
     Returns the file's entry and each tensor's entry with absolute offsets and digests;
@@ -61,10 +60,10 @@ def write_file(
     for key, tensor in items:  # before creating the file: a refused save leaves nothing
         if produce is None or tensor.device.type != "meta":
             check_storable(key, tensor)
-    with storage_for(path).create(path) as out:
+    with location.storage.create(location.path) as out:
         with ring_for([t for _, t in items]) as ring:
             result = _emit(
-                os.path.basename(path), items, writer, metadata, out.write, progress, ring,
+                location.name, items, writer, metadata, out.write, progress, ring,
                 chunked, produce,
             )  # fmt: skip
         out.sync()

@@ -31,7 +31,7 @@ from ddpckpt._io.writing import header_fields, write_and_commit
 from ddpckpt._observe import Access
 from ddpckpt._state.snapshot import Snapshot
 from ddpckpt.errors import CheckpointNotFoundError, StateMismatchError
-from ddpckpt.storage import storage_for
+from ddpckpt.storage._location import locate
 
 MapLocation = Union[  # noqa: UP007 (a runtime alias)
     None,
@@ -84,9 +84,10 @@ def save_dict(
     devices = {n: str(t.device) for n, t in snapshot.tensors.items() if t.device.type != "cpu"}
     snapshot.state = StateSections(saved_dict=DictSection(tree, devices)).to_json()
     snapshot.balanced.update(snapshot.tensors)
-    comm = Comm.local("ddpckpt.save_dict", _observe.place(path, "save_dict", Access.WRITE))
+    location = locate(_observe.place(path, "save_dict", Access.WRITE))
+    comm = Comm.local("ddpckpt.save_dict", location.path)
     header = header_fields(step, epoch, metrics)
-    plan = plan_write(comm, snapshot, header, overwrite=overwrite, storage="shared")
+    plan = plan_write(comm, location, snapshot, header, overwrite=overwrite, storage="shared")
     return write_and_commit(plan)
 
 
@@ -115,14 +116,15 @@ def load_dict(path: str | os.PathLike[str], map_location: MapLocation = "cpu") -
         RuntimeError: A device this machine lacks.
     """
     path = _observe.place(path, "load_dict", Access.READ)
-    manifest = read_manifest(path)
+    location = locate(path)
+    manifest = read_manifest(location)
     section = StateSections.from_json(manifest.state, path).saved_dict
     if section is None:
         raise StateMismatchError(
             f"{path}: holds a training state saved by ddpckpt.save, not a dict saved by "
             "save_dict; load it with ddpckpt.load(path, ...) or ddpckpt.load_state_dict(path)"
         )
-    source = FileSource(path, manifest)
+    source = FileSource(location, manifest)
     devices = section.devices
     arrays = _array_names(section.tree)
 
@@ -197,7 +199,7 @@ def remove_checkpoint(path: str | os.PathLike[str]) -> None:
             then (never a directory that is not a checkpoint).
     """
     path = _observe.place(path, "remove_checkpoint", Access.WRITE)
-    store = storage_for(path)
+    store = locate(path).storage
     if not store.exists(os.path.join(path, MANIFEST_NAME)):
         raise CheckpointNotFoundError(f"{path}: no committed checkpoint here; nothing removed")
     store.commit.discard(store, path)

@@ -41,6 +41,7 @@ from ddpckpt.errors import (
     RankFailureError,
     error_class,
 )
+from ddpckpt.storage._location import Location
 from ddpckpt.storage._registry import configure
 
 _log = get_logger(__name__)
@@ -121,27 +122,46 @@ def load(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         extra=extra, rng=rng,
     )  # fmt: skip
+    return load_from(path, state, strict=strict, timeout=timeout)
+
+
+def load_from(
+    place: Location | str,
+    state: TrainingState,
+    *,
+    strict: bool = True,
+    timeout: float | None = None,
+) -> CheckpointInfo:
+    """:func:`load` of the checkpoint at ``place`` into ``state``; collective, as
+    :func:`load`. What ``load`` runs with the path it was given (resolved here, inside the
+    call), and ``load_latest`` and a ``Checkpointer``'s resume with the locations they
+    resolved once."""
     wait_for_live_copies()  # a save in flight (any Checkpointer's) may still copy them
     DEFAULT_SAVER.join()
-    with Comm.open("ddpckpt.load", path=path, timeout=timeout) as comm:
+    with Comm.open("ddpckpt.load", path=str(place), timeout=timeout) as comm:
         comm.run("previous save", DEFAULT_SAVER.raise_unseen)  # every rank raises if one does
-        path = comm.path or path
-        manifest = locate(comm, path)
-        with Progress(f"loading {os.path.basename(path)}", manifest.nbytes) as bar:
-            source = FileSource(path, manifest, progress=bar)
-            own = _unless_changed(path, manifest, lambda: own_tensors(manifest, comm.rank, path))
+        location = comm.locate(place)  # a rank that cannot fails the call everywhere
+        path = location.path
+        manifest = find_manifest(comm, location)
+        with Progress(f"loading {location.name}", manifest.nbytes) as bar:
+            source = FileSource(location, manifest, progress=bar)
+            own = _unless_changed(
+                location, manifest, lambda: own_tensors(manifest, comm.rank, location)
+            )
             source.own = comm.run("rank part", own)
 
             def check() -> None:
                 check_state(manifest, source, state, strict, path)
                 read_metrics(manifest, path)  # what the info returns: damage found before writing
 
-            comm.run("check", _unless_changed(path, manifest, check))
+            comm.run("check", _unless_changed(location, manifest, check))
             began = Began()
             restore = _unless_changed(
-                path,
+                location,
                 manifest,
-                lambda: restore_objects(manifest, source, state, strict, path, comm.rank, began),
+                lambda: restore_objects(
+                    manifest, source, state, strict, location, comm.rank, began
+                ),
             )
             info = _restore_on_every_rank(comm, path, state, restore, began)
     _observe.tell(Loaded(path, state, info))
@@ -275,9 +295,11 @@ def _partly_restored(path: str, error: BaseException) -> PartiallyRestoredError:
     return partial
 
 
-def _unless_changed(path: str, manifest: Manifest, step: Callable[[], T]) -> Callable[[], T]:
+def _unless_changed(
+    location: Location, manifest: Manifest, step: Callable[[], T]
+) -> Callable[[], T]:
     """``step``, whose missing or damaged file is reported as :class:`CheckpointNotFoundError`
-    if the checkpoint at ``path`` is gone or another one by then: the job saving into that
+    if the checkpoint at ``location`` is gone or another one by then: the job saving into that
     directory deleted it (its retention) or saved that step again while this process read
     it, which is no corruption."""
 
@@ -286,7 +308,7 @@ def _unless_changed(path: str, manifest: Manifest, step: Callable[[], T]) -> Cal
             return step()
         except CorruptCheckpointError as exc:
             try:
-                now = read_manifest(path).id
+                now = read_manifest(location).id
             except (CheckpointNotFoundError, IncompleteCheckpointError):
                 now = None  # deleted (an object store's retention removes the manifest first)
             except CorruptCheckpointError:
@@ -295,15 +317,15 @@ def _unless_changed(path: str, manifest: Manifest, step: Callable[[], T]) -> Cal
                 raise
             what = "deleted" if now is None else "replaced (that step saved again)"
             raise CheckpointNotFoundError(
-                f"{path}: the checkpoint was {what} while it was being loaded, by the job "
+                f"{location}: the checkpoint was {what} while it was being loaded, by the job "
                 "saving there; load the newest checkpoint again"
             ) from exc
 
     return run
 
 
-def locate(comm: Comm, path: str) -> Manifest:
-    """Read the manifest at ``path`` on every rank; collective.
+def find_manifest(comm: Comm, location: Location) -> Manifest:
+    """Read the manifest at ``location`` on every rank; collective.
 
     The decision is the same on every rank: if no rank has a committed checkpoint there,
     :class:`CheckpointNotFoundError` (or the error of an incomplete or corrupt one); if
@@ -314,14 +336,14 @@ def locate(comm: Comm, path: str) -> Manifest:
 
     def read() -> dict[str, Any]:
         try:
-            found["manifest"] = read_manifest(path)
+            found["manifest"] = read_manifest(location)
         except CheckpointNotFoundError as exc:  # the message may say what the path is instead
             return {"missing": str(exc)}
         except CorruptCheckpointError as exc:
             return {"error": type(exc).__name__, "message": str(exc)}
         return {"id": found["manifest"].id}
 
-    verdict = comm.run_reduce("locate", read, lambda statuses: _verdict(statuses, path))
+    verdict = comm.run_reduce("locate", read, lambda statuses: _verdict(statuses, location.path))
     if "error" in verdict:
         raise error_class(verdict["error"])(verdict["message"])
     if not verdict["lacking"]:
@@ -329,8 +351,8 @@ def locate(comm: Comm, path: str) -> Manifest:
     from ddpckpt._coord.replicate import repair_copies
 
     lacking = set(verdict["lacking"])
-    repair_copies(comm, path, [r not in lacking for r in range(comm.world_size)])
-    return comm.run("reread", lambda: read_manifest(path))
+    repair_copies(comm, location, [r not in lacking for r in range(comm.world_size)])
+    return comm.run("reread", lambda: read_manifest(location))
 
 
 def _verdict(statuses: list[dict[str, Any]], path: str) -> dict[str, Any]:
@@ -353,7 +375,7 @@ def _verdict(statuses: list[dict[str, Any]], path: str) -> dict[str, Any]:
     return {"lacking": [r for r, i in enumerate(ids) if i is None]}
 
 
-def own_tensors(manifest: Manifest, rank: int, path: str) -> dict[str, str]:
+def own_tensors(manifest: Manifest, rank: int, location: Location) -> dict[str, str]:
     """Where ``rank``'s own values are of the shared tensors that differed between ranks at
     save time (parameters DDP ignores, a model without DDP ...): shared name -> stored name.
 
@@ -361,14 +383,14 @@ def own_tensors(manifest: Manifest, rank: int, path: str) -> dict[str, str]:
     did not exist at save time gets none: it loads rank 0's, with a warning.
     """
     if rank < manifest.world_size:
-        own = rank_part(manifest, path, rank).get("own", {})
+        own = rank_part(manifest, location, rank).get("own", {})
         return {name: f"rank{rank}/{stored}" for name, stored in own.items()}
-    rank_part(manifest, path, 0)  # what this rank starts from (RNG, per-rank extras)
+    rank_part(manifest, location, 0)  # what this rank starts from (RNG, per-rank extras)
     if rank_has(manifest, "own"):
         _log.warning(
             "%s: saved with %d ranks, some state per rank (it differed between ranks); rank %d "
             "has none stored and starts from rank 0's",
-            path,
+            location,
             manifest.world_size,
             rank,
         )

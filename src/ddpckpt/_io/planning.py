@@ -23,11 +23,12 @@ from ddpckpt._io.shardwrite import ShardWrites, plan_shards
 from ddpckpt._io.write_plan import WritePlan, rank_metadata
 from ddpckpt._io.writing import storage_errors
 from ddpckpt._state.capture import Snapshot
-from ddpckpt.storage import storage_for
+from ddpckpt.storage._location import Location
 
 
 def plan_write(
     comm: Comm,
+    location: Location,
     snapshot: Snapshot,
     header: Mapping[str, Any],
     *,
@@ -36,20 +37,20 @@ def plan_write(
     domains: list[list[int]] | None = None,
     partners: int | None = None,
 ) -> WritePlan:
-    """Decide this rank's part of writing ``snapshot`` to ``comm.path``; collective.
+    """Decide this rank's part of writing ``snapshot`` to ``location`` (the path the ranks
+    agreed on, :meth:`Comm.locate <ddpckpt._coord.comm.Comm.locate>`); collective.
 
     What may wait until the tensors are copied (comparing the unverified ones, this rank's
     file, the copies for other storage domains) is left to
     :func:`~ddpckpt._io.settling.settle_plan`, which
     :func:`~ddpckpt._io.writing.write_and_commit` runs first.
     """
-    if comm.path is None:
-        raise ValueError("plan_write needs a Comm opened with a path")
-    path = comm.path
+    location = comm.locate(location)
+    path = location.path
     check_replicated(comm, snapshot)
     if domains is None:
         with storage_errors(path):  # creating the parent directory may fail
-            domains = storage_domains(comm, storage_for(path).parent(path), storage)
+            domains = storage_domains(comm, location.parent, storage)
     pending = sorted(snapshot.unverified)
     movable = snapshot.balanced | snapshot.unverified  # until the pending ones are compared
 
@@ -64,7 +65,7 @@ def plan_write(
     rank_bytes = sum(tensor_nbytes(t) for _, t in rank_items) + len(json.dumps(snapshot.rank_state))
     plan = WritePlan(
         comm=comm,
-        path=path,
+        location=location,
         header=header,
         overwrite=overwrite,
         domains=domains,

@@ -28,6 +28,7 @@ from ddpckpt._format.tensorread import TensorFile
 from ddpckpt._io.progress import Progress
 from ddpckpt._observe import Access
 from ddpckpt.errors import CheckpointError, CorruptCheckpointError, StateMismatchError
+from ddpckpt.storage._location import Location, locate
 
 
 @dataclass(frozen=True)
@@ -92,21 +93,25 @@ class FileSource:
     """Tensors of a checkpoint on this rank's storage: memory-mapped, verified on read."""
 
     def __init__(
-        self, path: str, manifest: Manifest, prefix: str = "", progress: Progress | None = None
+        self,
+        location: Location,
+        manifest: Manifest,
+        prefix: str = "",
+        progress: Progress | None = None,
     ) -> None:
-        self.path = path
+        self.location, self.path = location, location.path
         self.manifest = manifest
         self.prefix = prefix
         self.progress = progress
         self._files: dict[str, TensorFile] = {}
         self._entries_by_file: dict[str, list[TensorEntry]] | None = None
-        self.index = manifest.shard_index(path)
+        self.index = manifest.shard_index(location)
         self._indexed = any(record.indexed for record in manifest.shards.values())
         self._nbytes: int | None = None  # of all the checkpoint's files, once asked
         self.own: dict[str, str] = {}  # shared name -> this rank's own copy (see own_tensors)
 
     def for_rank(self, rank: int) -> FileSource:
-        source = FileSource(self.path, self.manifest, f"rank{rank}/", self.progress)
+        source = FileSource(self.location, self.manifest, f"rank{rank}/", self.progress)
         source._files, source.index, source._nbytes = self._files, self.index, self._nbytes
         return source
 
@@ -172,7 +177,7 @@ class FileSource:
         the manifest before any tensor is read from it."""
         if entry.file not in self._files:
             size = self.manifest.files[entry.file].size
-            mapped = TensorFile(os.path.join(self.path, entry.file), size)
+            mapped = TensorFile(self.location.join(entry.file), size)
             mapped.check_header(self._in_file(entry.file))
             self._files[entry.file] = mapped
         return self._files[entry.file]
@@ -291,11 +296,12 @@ def load_state_dict(path: str | os.PathLike[str], model: str | None = None) -> d
         CorruptCheckpointError: A tensor does not match its checksum.
     """
     path = _observe.place(path, "load_state_dict", Access.READ)
-    manifest = read_manifest(path)
+    location = locate(path)
+    manifest = read_manifest(location)
     stored = StateSections.from_json(manifest.state, path)
     model = chosen_model(path, stored, model)
     section, prefix = stored.models[model], stored.layout.model_prefix(model)
-    source = FileSource(path, manifest)
+    source = FileSource(location, manifest)
     weights: dict[str, Any] = {key: _private(source, prefix + key) for key in section.keys}
     for alias, key in section.aliases.items():
         weights[alias] = weights[key]
@@ -310,24 +316,25 @@ def _private(source: FileSource, name: str) -> torch.Tensor:
     return tensor if source.sharded(name) is not None else tensor.clone()
 
 
-def find_problems(path: str | os.PathLike[str]) -> list[str]:
-    """Every integrity problem of the checkpoint at ``path`` (empty if it verifies); local."""
-    path = os.fspath(path)
+def find_problems(location: Location) -> list[str]:
+    """Every integrity problem of the checkpoint at ``location`` (empty if it verifies);
+    local."""
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(location)
     except CheckpointError as exc:
         return [str(exc)]
-    return _file_problems(path, manifest)
+    return _file_problems(location, manifest)
 
 
-def _file_problems(path: str, manifest: Manifest) -> list[str]:
-    problems = fill_rank_parts(manifest, path)  # the rank files' tensors join the index
+def _file_problems(location: Location, manifest: Manifest) -> list[str]:
+    path = location.path
+    problems = fill_rank_parts(manifest, location)  # the rank files' tensors join the index
     try:
         StateSections.from_json(manifest.state, path)  # what load parses, checked here too
     except CorruptCheckpointError as exc:
         problems.append(str(exc))
     files = manifest.files.readable(problems)  # a damaged file table is one problem
-    pieces, unlisted = _indexed_pieces(path, manifest, files, problems)
+    pieces, unlisted = _indexed_pieces(location, manifest, files, problems)
     unlisted |= manifest.files.unreadable_ranks()  # their shards' indexes are unknown
     by_file = _entries_by_file(manifest, pieces)
     chunks = {p.entry.key: manifest.shards[n].chunk for n, ps in pieces.items() for p in ps}
@@ -336,7 +343,7 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
         if is_index_file(name) or name in manifest.files.tables or file.writer in unlisted:
             continue  # read and verified as read; or its shards are unknown
         try:
-            mapped = TensorFile(os.path.join(path, name), file.size)
+            mapped = TensorFile(location.join(name), file.size)
             mapped.check_header(by_file.get(name, []))
             if mapped.digest() != file.digest:
                 problems.append(f"{os.path.join(path, name)}: file checksum mismatch (corrupt)")
@@ -349,12 +356,12 @@ def _file_problems(path: str, manifest: Manifest) -> list[str]:
 
 
 def _indexed_pieces(
-    path: str, manifest: Manifest, files: dict[str, FileEntry], problems: list[str]
+    location: Location, manifest: Manifest, files: dict[str, FileEntry], problems: list[str]
 ) -> tuple[dict[str, list[Piece]], set[int]]:
     """Every shard of the checkpoint and the ranks whose shard index could not be read
     (their data files cannot be checked against it): each index read once, each problem
     (a damaged index, a shard no index lists) added to ``problems``."""
-    index = manifest.shard_index(path)
+    index = manifest.shard_index(location)
     found = _listed_pieces(manifest)
     unlisted = set()
     for name, file in files.items():
@@ -375,10 +382,11 @@ def _indexed_pieces(
     return found, unlisted
 
 
-def all_pieces(path: str, manifest: Manifest) -> dict[str, list[Piece]]:
-    """Every piece of every sharded tensor of the checkpoint at ``path``, of format 6 read
-    from every writer's index (what the tools that list or compare shards need); local."""
-    return _all_pieces(manifest, manifest.shard_index(path))
+def all_pieces(location: Location, manifest: Manifest) -> dict[str, list[Piece]]:
+    """Every piece of every sharded tensor of the checkpoint at ``location``, of format 6
+    read from every writer's index (what the tools that list or compare shards need);
+    local."""
+    return _all_pieces(manifest, manifest.shard_index(location))
 
 
 def _all_pieces(manifest: Manifest, index: ShardIndex) -> dict[str, list[Piece]]:
@@ -434,8 +442,9 @@ def verify(path: str | os.PathLike[str]) -> CheckpointInfo:
         CorruptCheckpointError: Bytes do not match their checksums (lists every bad file).
     """
     path = _observe.place(path, "verify", Access.READ)
-    manifest = read_manifest(path)
-    problems = _file_problems(path, manifest)
+    location = locate(path)
+    manifest = read_manifest(location)
+    problems = _file_problems(location, manifest)
     if problems:
         raise CorruptCheckpointError(
             f"{path}: {len(problems)} problem(s):\n  " + "\n  ".join(problems)

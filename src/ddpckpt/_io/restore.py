@@ -24,6 +24,7 @@ from ddpckpt._state.objects import restore_stateful
 from ddpckpt._state.optimizer import param_names, restore_optimizer
 from ddpckpt._state.rng import derive_rng, restore_rng
 from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage._location import Location
 
 _log = get_logger(__name__)
 
@@ -40,20 +41,22 @@ def restore_objects(
     source: FileSource,
     state: TrainingState,
     strict: bool,
-    path: str,
+    location: Location,
     rank: int,
     began: Began,
 ) -> CheckpointInfo:
-    """Write the checkpoint's state into the objects of ``state``; local. ``began`` says
-    from when a failure leaves them partly restored: tensors are read straight into the
-    live ones, and verified as they are read, so from the first object on."""
+    """Write the checkpoint's state (of the checkpoint at ``location``) into the objects of
+    ``state``; local. ``began`` says from when a failure leaves them partly restored:
+    tensors are read straight into the live ones, and verified as they are read, so from
+    the first object on."""
+    path = location.path
     stored = StateSections.from_json(manifest.state, path)
     layout = stored.layout
     began.writing = True
     for name, model in state.models.items():
         section = stored.models[name]
         restore_model(model, section, source, path, strict, layout.model_prefix(name))
-        _restore_rank_buffers(manifest, layout, name, model, source, path, rank)
+        _restore_rank_buffers(manifest, layout, name, model, source, location, rank)
         restore_buckets(
             model, section.ddp_buckets, path, f"model {name!r}" if layout.named else "the model"
         )
@@ -72,13 +75,13 @@ def restore_objects(
         if entry.kind == "stateful":
             restore_stateful(obj, entry.state, source, path)
         elif entry.kind == "per_rank":
-            owner = _per_rank_owner(manifest, name, rank, path)
-            own = rank_part(manifest, path, owner)["extra"][name]
+            owner = _per_rank_owner(manifest, name, rank, location)
+            own = rank_part(manifest, location, owner)["extra"][name]
             restore_stateful(obj, own, source.for_rank(owner), path)
         else:
             state.set_value(name, values[name])
     if state.rng:
-        _restore_rng(manifest, source, path, rank)
+        _restore_rng(manifest, source, location, rank)
     _log.info("loaded checkpoint %s (step %s)", path, manifest.step)
     return CheckpointInfo.from_manifest(path, manifest, values)
 
@@ -89,15 +92,16 @@ def _restore_rank_buffers(
     name: str,
     model: nn.Module,
     source: FileSource,
-    path: str,
+    location: Location,
     rank: int,
 ) -> None:
     """This rank's own buffers of model ``name``, saved under ``broadcast_buffers=False``."""
+    path = location.path
     key = layout.buffers_key + (f"/{name}" if layout.named else "")
     if not rank_has(manifest, key):
         return
     if rank < manifest.world_size:
-        encoded = layout.rank_buffers(rank_part(manifest, path, rank), name)
+        encoded = layout.rank_buffers(rank_part(manifest, location, rank), name)
         if encoded is not None:
             restore_rank_buffers(model, encoded, source.for_rank(rank), path)
             return
@@ -110,10 +114,11 @@ def _restore_rank_buffers(
     )
 
 
-def _per_rank_owner(manifest: Manifest, name: str, rank: int, path: str) -> int:
+def _per_rank_owner(manifest: Manifest, name: str, rank: int, location: Location) -> int:
     """Whose saved per-rank state ``rank`` loads: its own, or rank 0's if it has none."""
+    path = location.path
     if rank < manifest.world_size:
-        if name not in rank_part(manifest, path, rank).get("extra", {}):
+        if name not in rank_part(manifest, location, rank).get("extra", {}):
             raise CorruptCheckpointError(
                 f"{path}: no per-rank state of extra[{name!r}] for rank {rank}"
             )
@@ -128,24 +133,25 @@ def _per_rank_owner(manifest: Manifest, name: str, rank: int, path: str) -> int:
     return 0
 
 
-def _restore_rng(manifest: Manifest, source: FileSource, path: str, rank: int) -> None:
+def _restore_rng(manifest: Manifest, source: FileSource, location: Location, rank: int) -> None:
+    path = location.path
     if not rank_has(manifest, "rng"):
         _log.warning(
             "%s: the checkpoint holds no RNG state; random generators left as they are", path
         )
         return
     if rank < manifest.world_size:
-        mine = rank_part(manifest, path, rank)
+        mine = rank_part(manifest, location, rank)
         if "rng" not in mine:
             raise CorruptCheckpointError(f"{path}: no RNG state stored for rank {rank}")
         rank_source = source.for_rank(rank)
         state = decode(mine["rng"], lambda n: rank_source.get(n).clone(), where=path)
         restore_rng(state, f"{path} (rank {rank})")
         return
-    first = 0 if "rng" in rank_part(manifest, path, 0) else _first_with_rng(manifest, path)
+    first = 0 if "rng" in rank_part(manifest, location, 0) else _first_with_rng(manifest, location)
     rank0 = source.for_rank(first)
     base = decode(
-        rank_part(manifest, path, first)["rng"], lambda n: rank0.get(n).clone(), where=path
+        rank_part(manifest, location, first)["rng"], lambda n: rank0.get(n).clone(), where=path
     )
     _log.warning(
         "%s: saved with %d ranks, so rank %d has no stored RNG state; seeding its generators "
@@ -158,6 +164,6 @@ def _restore_rng(manifest: Manifest, source: FileSource, path: str, rank: int) -
     restore_rng(derive_rng(base, rank), f"{path} (derived for rank {rank})")
 
 
-def _first_with_rng(manifest: Manifest, path: str) -> int:
+def _first_with_rng(manifest: Manifest, location: Location) -> int:
     """The first rank that stored RNG state (rank 0 did not: only in old checkpoints)."""
-    return next(r for r in range(manifest.world_size) if "rng" in rank_part(manifest, path, r))
+    return next(r for r in range(manifest.world_size) if "rng" in rank_part(manifest, location, r))

@@ -124,8 +124,9 @@ def save(
         return capture(state)
 
     try:
+        location = comm.locate(os.fspath(path))  # in the call: a failure reaches every rank
         snapshot = comm.run("capture", settle_then_capture)
-        plan = plan_write(comm, snapshot, header, overwrite=overwrite, storage=sharing)
+        plan = plan_write(comm, location, snapshot, header, overwrite=overwrite, storage=sharing)
         if async_save:  # the background job closes the call
             saved: str | PendingSave = PendingSave(
                 plan.path, saver.start(plan, snapshot, overlap=overlap)

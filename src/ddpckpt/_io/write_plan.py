@@ -16,6 +16,7 @@ from ddpckpt._coord.plan import Partners
 from ddpckpt._format.rankparts import RANK_STATE_KEY
 from ddpckpt._format.tensorfile import FileEntry, tensor_nbytes
 from ddpckpt._io.shardwrite import ShardWrites
+from ddpckpt.storage._location import Location
 
 FILE_METADATA = {"format": "pt", "writer": "ddpckpt"}  # the header of every file written
 
@@ -30,7 +31,7 @@ class WritePlan:
     """
 
     comm: Comm
-    path: str
+    location: Location  # of the checkpoint (comm.path, resolved)
     header: Mapping[str, Any]
     overwrite: bool
     domains: list[list[int]]
@@ -54,6 +55,11 @@ class WritePlan:
     shards: ShardWrites = field(default_factory=ShardWrites)  # sharded state (shardwrite)
     owned_state: dict[str, Any] = field(default_factory=dict)  # Snapshot.owned_state
     keepers: int | None = None  # how many other domains keep a domain's rank files (None: all)
+
+    @property
+    def path(self) -> str:
+        """The checkpoint's path, as messages name it."""
+        return self.location.path
 
     @property
     def partners(self) -> Partners:

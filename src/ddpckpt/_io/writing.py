@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import errno
-import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,7 +54,7 @@ from ddpckpt.errors import (
     InsufficientSpaceError,
     UnsupportedValueError,
 )
-from ddpckpt.storage import storage_for
+from ddpckpt.storage._location import Location
 
 _log = get_logger(__name__)
 
@@ -87,9 +86,9 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
     removed and nothing is committed. A retry of the same plan passes the next ``attempt``
     (its messages must not meet the failed attempt's).
     """
-    comm, path = plan.comm, plan.path
-    store = storage_for(path)
-    tmp = store.commit.staging(store, path, f"{comm.token}-{attempt}", overwrite=plan.overwrite)
+    comm, path, store = plan.comm, plan.path, plan.location.storage
+    staging = store.commit.staging(store, path, f"{comm.token}-{attempt}", overwrite=plan.overwrite)
+    tmp = Location(store, staging)
     settle_plan(plan, attempt)
     try:
         done = comm.run_reduce(
@@ -111,9 +110,9 @@ def write_and_commit(plan: WritePlan, attempt: int = 0) -> str:
         comm.run(f"commit.{attempt}", lambda: _commit(plan, tmp, written))
     except BaseException:
         if plan.leader:
-            store.commit.abort(store, tmp, path)
+            store.commit.abort(store, staging, path)
         raise
-    events.committed(path, plan.header["step"])
+    events.committed(plan.location, plan.header["step"])
     return path
 
 
@@ -156,19 +155,19 @@ class _CopyResults:
 def _committed_by(plan: WritePlan) -> bool:
     """Whether ``plan.path`` holds the checkpoint this very save committed."""
     try:
-        return read_manifest(plan.path).id == plan.comm.token
+        return read_manifest(plan.location).id == plan.comm.token
     except CheckpointError:
         return False
 
 
-def _prepare(plan: WritePlan, tmp: str) -> bool:
+def _prepare(plan: WritePlan, tmp: Location) -> bool:
     """Check the target and make the temporary directory; True if already committed."""
     if not plan.leader:
         return False
     path = plan.path
     if _committed_by(plan):
         return True
-    store = storage_for(path)
+    store = plan.location.storage
     with storage_errors(path):
         if store.commit.exists(store, path) and not plan.overwrite:
             raise CheckpointExistsError(
@@ -188,11 +187,11 @@ def _prepare(plan: WritePlan, tmp: str) -> bool:
                 "free space there (e.g. keep fewer "
                 "checkpoints) or save elsewhere. Nothing was written",
             )
-        store.commit.begin(store, path, tmp, overwrite=plan.overwrite)
+        store.commit.begin(store, path, tmp.path, overwrite=plan.overwrite)
     return False
 
 
-def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
+def _write(plan: WritePlan, tmp: Location) -> dict[str, Any]:
     names = file_names(plan.comm.rank)
     files: list[dict[str, Any]] = []
     tensors: dict[str, dict[str, Any]] = {}
@@ -211,13 +210,13 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
     state = [(keyed(n), t) for n, t in plan.items if not n.startswith("model/")]
     with (
         storage_errors(plan.path),
-        Progress(f"saving {os.path.basename(plan.path)}", plan.nbytes) as bar,
+        Progress(f"saving {plan.location.name}", plan.nbytes) as bar,
     ):
         for kind, items in (("model", model), ("state", state)):
             if not items:
                 continue
             entry, entries = write_file(
-                os.path.join(tmp, names[kind]),
+                tmp.join(names[kind]),
                 items,
                 writer=plan.comm.rank,
                 metadata=FILE_METADATA,
@@ -232,21 +231,21 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
                     pieces[name] = piece_json(plan.shards.pieces[name], e)
                 else:
                     tensors[prefix + e.key] = tensor_to_json(e)
-        store = storage_for(tmp)
-        rank_path = os.path.join(tmp, names["rank"])
+        store = tmp.storage
+        rank_path = tmp.join(names["rank"])
         if plan.rank_blob is None:  # streamed, as the other files
             rank_file, _ = write_file(
                 rank_path, plan.rank_items, writer=plan.comm.rank, metadata=plan.rank_metadata()
             )
         else:  # made for the copies to other domains already
-            store.write_new(rank_path, plan.rank_blob)
+            store.write_new(rank_path.path, plan.rank_blob)
             rank_file = plan.rank_file  # type: ignore[assignment]
         for other, blob in plan.foreign.items():
-            store.write_new(os.path.join(tmp, file_names(other)["rank"]), blob)
+            store.write_new(tmp.join(file_names(other)["rank"]).path, blob)
         if pieces:  # format 6: this rank's shards are listed in its own index file
             blob = index_document(plan.comm.token, plan.comm.rank, pieces)
             name = index_name(plan.comm.rank)
-            store.write_new(os.path.join(tmp, name), blob)
+            store.write_new(tmp.join(name).path, blob)
             index = FileEntry(name, len(blob), xxhash.xxh3_64(blob).hexdigest(), plan.comm.rank)
             files.append({"name": name, **file_to_json(index)})
     return {
@@ -259,7 +258,7 @@ def _write(plan: WritePlan, tmp: str) -> dict[str, Any]:
     }
 
 
-def _commit(plan: WritePlan, tmp: str, written: _CopyResults | None) -> None:
+def _commit(plan: WritePlan, tmp: Location, written: _CopyResults | None) -> None:
     if not plan.leader:
         return
     assert written is not None, "every copy's leader receives its ranks' results"
@@ -305,15 +304,15 @@ def _commit(plan: WritePlan, tmp: str, written: _CopyResults | None) -> None:
     manifest.tensors = dict(
         sorted(manifest.tensors.items(), key=lambda kv: order.get(kv[0], len(order)))
     )
-    store = storage_for(plan.path)
+    store = plan.location.storage
     with storage_errors(plan.path):
         if written.world_size > filetable.TABLE_RANKS:  # format 7: a manifest flat in N
             whole = {entry.file for entry in manifest.tensors.values()}
             for name, blob in manifest.files.tabulate(whole, comm.token, comm.rank).items():
-                store.write_new(os.path.join(tmp, name), blob)
-        store.write_new(os.path.join(tmp, MANIFEST_NAME), manifest.to_json(plan.path).encode())
+                store.write_new(tmp.join(name).path, blob)
+        store.write_new(tmp.join(MANIFEST_NAME).path, manifest.to_json(plan.path).encode())
     try:
-        store.commit.publish(store, tmp, plan.path, overwrite=plan.overwrite)
+        store.commit.publish(store, tmp.path, plan.path, overwrite=plan.overwrite)
     except OSError as exc:
         if _committed_by(plan):  # renamed into place; what failed came after
             raise CheckpointWriteError(

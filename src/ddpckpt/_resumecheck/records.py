@@ -32,6 +32,7 @@ from ddpckpt._format.boundary import (
     read_small,
 )
 from ddpckpt.errors import CorruptCheckpointError
+from ddpckpt.storage._location import locate
 
 MAX_RECORDS_BYTES = 1 << 30  # one rank's records (a few kB a step)
 MAX_LINE_BYTES = 64 << 20  # one event
@@ -192,7 +193,7 @@ def read_rank_file(path: str) -> RankFile:
     writing it, which the next process's ``start`` follows, or the file's end), and skipped.
     Raises :class:`CorruptCheckpointError`, or :class:`FileNotFoundError` if it is missing.
     """
-    raw = read_small(path, MAX_RECORDS_BYTES, "check-resume record file")
+    raw = read_small(locate(path), MAX_RECORDS_BYTES, "check-resume record file")
     lines = raw.split(b"\n")
     last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
     processes: list[Events] = []
@@ -253,7 +254,7 @@ def read_marker(path: str) -> dict[str, Any] | None:
     """The ``killed`` marker of a run (which rank the recorder killed, at which step), or
     ``None`` if there is none."""
     try:
-        raw = read_small(path, MAX_MARKER_BYTES, "check-resume kill marker")
+        raw = read_small(locate(path), MAX_MARKER_BYTES, "check-resume kill marker")
     except FileNotFoundError:
         return None
     fields = Fields(load_json(raw, path, "kill marker", limit=MAX_MARKER_BYTES), path, "marker")

@@ -22,7 +22,7 @@ from ddpckpt import _observe
 from ddpckpt._coord.comm import Comm
 from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt._format.runfiles import CORRUPT_MARK
-from ddpckpt._io.load import damage_of, load, none_loaded, partly_note
+from ddpckpt._io.load import damage_of, load_from, none_loaded, partly_note
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._observe import Access
@@ -35,9 +35,9 @@ from ddpckpt.errors import (
     IncompleteCheckpointError,
     PartiallyRestoredError,
 )
-from ddpckpt.storage import storage_for
 from ddpckpt.storage._errors import BucketNotFoundError
 from ddpckpt.storage._layout import is_temp_name, previous_of
+from ddpckpt.storage._location import Location, locate
 from ddpckpt.storage._registry import configure
 
 _log = get_logger(__name__)
@@ -75,22 +75,23 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
         FileNotFoundError: An object store's bucket does not exist.
     """
     directory = _observe.place(directory, "latest", Access.LOOKUP)  # check-resume: its own run
-    found = newest_first(os.fspath(directory))
-    return os.path.join(os.fspath(directory), found[0][-1]) if found else None
+    found = newest_first(locate(directory))
+    return os.path.join(directory, found[0][-1]) if found else None
 
 
 Candidate = tuple[bool, int, float, str]  # has a step, step, created, name: newest sorts last
 
 
 def newest_first(
-    directory: str, caller: str = "latest()", *, every_file: bool = True
+    location: Location, caller: str = "latest()", *, every_file: bool = True
 ) -> list[Candidate]:
     """The committed checkpoints directly inside ``directory`` (checked as :func:`latest`
     describes), newest first. Without ``every_file``, of a checkpoint of file tables
     (format 7) only the files its manifest lists itself are checked (the others when they
     are loaded): what every rank of a job can afford, whatever its number of ranks."""
+    directory = location.path
     try:
-        names = storage_for(directory).list(directory)
+        names = location.storage.list(directory)
     except BucketNotFoundError:
         raise  # None would start a run afresh that can never save there
     except NotADirectoryError:  # None here would start afresh, then fail at the first save
@@ -106,14 +107,14 @@ def newest_first(
             f"directory: pass the directory that holds it ({os.path.dirname(directory) or '.'}) "
             "or load this checkpoint directly"
         )
-    names = restore_unless_locked(directory, names)
+    names = restore_unless_locked(location, names)
     found: list[Candidate] = []
     for name in names:
         if is_temp_name(name) or SET_ASIDE_MARK in name:
             continue
         if (replaced := previous_of(name)) is not None and replaced in names:
             continue  # a replaced copy: the checkpoint is the one under its own name
-        manifest = _committed(os.path.join(directory, name), caller, every_file)
+        manifest = _committed(location.join(name), caller, every_file)
         if manifest is not None:
             found.append(candidate(name, manifest))
     return sorted(found, reverse=True)
@@ -163,26 +164,30 @@ def load_latest(
     """
     directory = _observe.place(directory, "load_latest", Access.LOOKUP)  # check-resume: its own
     configure(directory, storage_options)
+    state = TrainingState.coerce(
+        state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        extra=extra, rng=rng,
+    )  # fmt: skip
     with Comm.open("ddpckpt.load_latest", path=directory, timeout=timeout) as comm:
-        directory = comm.path or directory
+        location = comm.locate(directory)  # a rank that cannot fails the call everywhere
         merged = comm.run_reduce(  # each rank reads manifests, not the O(N) file tables
             "list",
-            lambda: newest_first(directory, "load_latest()", every_file=False),
+            lambda: newest_first(location, "load_latest()", every_file=False),
             _merged_candidates,
         )
-    paths = [os.path.join(directory, name) for *_, name in merged]
+    places = [location.join(name) for *_, name in merged]
 
-    def load_one(path: str) -> CheckpointInfo:
-        return load(
-            path, state, model=model, optimizer=optimizer, scheduler=scheduler,
-            scaler=scaler, extra=extra, strict=strict, rng=rng, timeout=timeout,
-        )  # fmt: skip
+    def load_one(place: Location) -> CheckpointInfo:
+        return load_from(place, state, strict=strict, timeout=timeout)
 
-    return load_first(directory, paths, "load_latest()", load_one)
+    return load_first(location.path, places, "load_latest()", load_one)
 
 
 def load_first(
-    directory: str, paths: list[str], caller: str, load_one: Callable[[str], CheckpointInfo]
+    directory: str,
+    paths: list[Location],
+    caller: str,
+    load_one: Callable[[Location], CheckpointInfo],
 ) -> CheckpointInfo | None:
     """Collective (every rank with the same ``paths``): ``load_one`` of the first of
     ``paths`` that loads. A damaged one (a checksum fails, a file is missing or malformed,
@@ -213,7 +218,7 @@ def load_first(
                 extra=same_on_every_rank(exc),
             )
             failures.append(f"{path}: {damage}")
-            skipped.append(path)
+            skipped.append(path.path)
             continue
         if skipped:
             _log.warning(
@@ -236,14 +241,15 @@ def _merged_candidates(views: list[list[Candidate]]) -> list[Candidate]:
     return sorted({tuple(c) for view in views for c in view}, reverse=True)  # type: ignore[misc]
 
 
-def _committed(path: str, caller: str, every_file: bool = True) -> Manifest | None:
-    """The manifest of the checkpoint at ``path`` if it is one and its files are all there
-    (without ``every_file``: those its manifest lists itself, its file tables among them)."""
-    store = storage_for(path)
+def _committed(location: Location, caller: str, every_file: bool = True) -> Manifest | None:
+    """The manifest of the checkpoint at ``location`` if it is one and its files are all
+    there (without ``every_file``: those its manifest lists itself, its file tables among
+    them)."""
+    store, path = location.storage, location.path
     if not store.is_dir(path):
         return None
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(location)
     except (IncompleteCheckpointError, CheckpointNotFoundError):
         return None  # no manifest: an unfinished save, no checkpoint at all, or just deleted
     except CheckpointError as exc:

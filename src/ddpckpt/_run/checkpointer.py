@@ -39,7 +39,7 @@ from torch import nn
 from ddpckpt import _observe, events
 from ddpckpt._deprecation import renamed_argument
 from ddpckpt._io.async_saver import AsyncSaver
-from ddpckpt._io.load import load
+from ddpckpt._io.load import load_from
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._io.writing import header_fields
 from ddpckpt._log import get_logger
@@ -65,6 +65,7 @@ from ddpckpt._state.capture import Snapshot, capture
 from ddpckpt._state.training_state import ROLES, TrainingState
 from ddpckpt.errors import CheckpointError
 from ddpckpt.policies import Retention, SavePolicy
+from ddpckpt.storage._location import Location, locate
 from ddpckpt.storage._registry import configure
 
 _log = get_logger(__name__)
@@ -196,18 +197,19 @@ class Checkpointer(RunQueries):
             if read_only
             else _observe.place(directory, "Checkpointer", Access.WRITE_RUN)
         )
+        self.location = locate(self.directory)
         first = {role: next(iter(getattr(self.state, role).values()), None) for role in ROLES}
         self.model, self.optimizer = first["models"], first["optimizers"]
         self.scheduler, self.scaler = first["schedulers"], first["scalers"]
         self.extra, self.rng = self.state.extra, self.state.rng
         fast = self.options.fast_tier
         self._saver = AsyncSaver(lends=fast is not None)  # the durable tier's buffer, writer
-        self._durable = DurableSaves(self.directory, self.options, self._saver, read_only)
+        self._durable = DurableSaves(self.location, self.options, self._saver, read_only)
         self._saves = self._durable.saves
         place = lambda path: _observe.place(path, "Checkpointer(fast_tier=...)", Access.WRITE_RUN)  # noqa: E731
         self._fast = None if fast is None else FastSaves(
             None if fast.directory is None else place(fast.directory),
-            fast, self.options, overlap=bool(self.state.optimizers), run=self.directory,
+            fast, self.options, overlap=bool(self.state.optimizers), run=self.location,
             place=place,
         )  # fmt: skip
         self._closed = False
@@ -269,11 +271,11 @@ class Checkpointer(RunQueries):
         info = resume_run(self._tiers, resuming, self.directory, self.read_only)
         return self._resumed(info)
 
-    def _load(self, step: int | str) -> CheckpointInfo:
-        """Restore checkpoint ``step`` (or the one at a path: the fast tier's) into the
+    def _load(self, step: int | Location) -> CheckpointInfo:
+        """Restore checkpoint ``step`` (or the one at a location: the fast tier's) into the
         objects; collective."""
-        path = step if isinstance(step, str) else checkpoint_path(self.directory, step)
-        return load(path, state=self.state, timeout=self.options.storage.timeout)
+        at = step if isinstance(step, Location) else checkpoint_path(self.location, step)
+        return load_from(at, self.state, timeout=self.options.storage.timeout)
 
     def should_save(self, step: int) -> bool:
         """Whether the policy asks for a save at ``step``; the same answer on every rank.

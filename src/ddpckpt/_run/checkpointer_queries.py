@@ -7,17 +7,19 @@ from __future__ import annotations
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._run import query as _query
 from ddpckpt._run.options import CheckpointerOptions
+from ddpckpt.storage._location import Location
 
 
 class RunQueries:
     """The queries of :class:`~ddpckpt.Checkpointer` (its base class)."""
 
     directory: str
+    location: Location  # the directory, resolved once
     options: CheckpointerOptions
 
     def steps(self) -> list[int]:
         """The steps of the committed checkpoints, oldest first; local and read-only."""
-        return _query.steps(self.directory)
+        return _query.steps(self.location)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None``; local and read-only.
@@ -25,7 +27,7 @@ class RunQueries:
         The one way to ask inside a run with a Checkpointer; :func:`ddpckpt.latest` answers
         with a path for code without one.
         """
-        return _query.latest_step(self.directory)
+        return _query.latest_step(self.location)
 
     def best(self, metric: str, mode: str | None = None) -> int | None:
         """The committed step with the best finite ``metric``; local and read-only.
@@ -42,7 +44,7 @@ class RunQueries:
             TypeError: ``metric`` is not a string.
             ValueError: ``mode`` is neither ``"min"`` nor ``"max"``.
         """
-        return _query.best_step(self.directory, metric, mode or self.options.keeping.mode)
+        return _query.best_step(self.location, metric, mode or self.options.keeping.mode)
 
     def info(self, step: int) -> CheckpointInfo:
         """The metadata of checkpoint ``step`` without loading it; local and read-only.
@@ -51,7 +53,7 @@ class RunQueries:
             CheckpointNotFoundError: The run has no committed checkpoint ``step``.
             CorruptCheckpointError: Its manifest is damaged.
         """
-        return _query.info(self.directory, step)
+        return _query.info(self.location, step)
 
     def resume_step(
         self, step: int | None = None, *, best: str | None = None, mode: str | None = None
@@ -74,4 +76,4 @@ class RunQueries:
             ValueError: Both ``step`` and ``best`` are given.
             TypeError: ``step`` is not an int.
         """
-        return _query.resume_step(self.directory, step, best, mode or self.options.keeping.mode)
+        return _query.resume_step(self.location, step, best, mode or self.options.keeping.mode)

@@ -41,6 +41,7 @@ from ddpckpt.errors import (
     CorruptCheckpointError,
     PartiallyRestoredError,
 )
+from ddpckpt.storage._location import Location
 
 _log = get_logger(__name__)
 _Listing = dict[str, tuple[str, dict[str, Any], str]]  # step: status, metrics, problem
@@ -50,7 +51,7 @@ class DurableSaves:
     """The durable tier of one Checkpointer on this rank (see the module docstring)."""
 
     def __init__(
-        self, directory: str, options: CheckpointerOptions, saver: AsyncSaver, read_only: bool
+        self, directory: Location, options: CheckpointerOptions, saver: AsyncSaver, read_only: bool
     ) -> None:
         self.saves = RunSaves(directory, options, saver)
         self.options = options
@@ -89,7 +90,7 @@ class DurableSaves:
         with self.saves.comm("Checkpointer.resume") as comm:
             if not self.read_only and resuming.listing == 0:
                 self.saves.prepare(comm)
-            self._committed, broken = list_candidates(comm, self.directory, self.saves.lists)
+            self._committed, broken = list_candidates(comm, self.saves.location, self.saves.lists)
         resuming.broken = broken
         return [c for c in resuming.choose(self._committed) if c not in resuming.failed]
 
@@ -118,7 +119,7 @@ class DurableSaves:
 
 
 def list_candidates(
-    comm: Comm, directory: str, lists: bool = True
+    comm: Comm, directory: Location, lists: bool = True
 ) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
     """Collective: the committed checkpoints (metrics by step) and the broken ones (what is
     wrong with each, by step), as the ranks that pass ``lists`` find them (at least one of
@@ -188,7 +189,7 @@ def load_first(
     return None
 
 
-def _listing(directory: str) -> _Listing:
+def _listing(directory: Location) -> _Listing:
     """Every checkpoint of ``directory``: its status and metrics, by step (JSON-able)."""
     return {str(e.step): (e.status, e.metrics, e.problem) for e in scan(directory)}
 

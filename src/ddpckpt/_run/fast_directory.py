@@ -35,6 +35,7 @@ from ddpckpt.errors import (
     StateMismatchError,
     UnsupportedValueError,
 )
+from ddpckpt.storage._location import Location, locate
 
 _log = get_logger(__name__)
 # Raised whatever the tier: a caller's mistake, or ranks out of step (a fast save that
@@ -71,6 +72,7 @@ class FastDirectory:
     named: bool
     directory: str
     run: str
+    run_location: Location
     saver: AsyncSaver
     saves: RunSaves
     _options: CheckpointerOptions
@@ -82,7 +84,7 @@ class FastDirectory:
     _refused: bool
 
     def _saves_in(self, directory: str) -> RunSaves:
-        return RunSaves(directory, self._options, self.saver, TierNames.fast(directory))
+        return RunSaves(locate(directory), self._options, self.saver, TierNames.fast(directory))
 
     def _resolve(self, owner: str) -> None:
         """Collective (every rank alike, after :meth:`_agree_owner`): with ``"auto"``, name
@@ -112,7 +114,7 @@ class FastDirectory:
 
         def here() -> str | None:
             self._found = None  # known once the directory is found usable
-            problem, self._found = check_here(self.directory, self.run, owner)
+            problem, self._found = check_here(self.saves.location, self.run, owner)
             return problem
 
         problems = comm.run_reduce("trust", here, by_problem)
@@ -130,8 +132,8 @@ class FastDirectory:
 
         def mark() -> None:
             if leader and self._found is None:
-                with run_storage_errors(self.directory, "marking the fast tier as this run's"):
-                    write_marker(self.directory, owner)
+                with run_storage_errors(self.saves.location, "marking the fast tier as this run's"):
+                    write_marker(self.saves.location, owner)
 
         comm.run("mark", mark)
         if self._found is None:  # a new directory: its node's leader marked it
@@ -144,8 +146,10 @@ class FastDirectory:
         def leader() -> str | None:
             if comm.rank != 0:
                 return None
-            with run_storage_errors(self.run, "reading the run's identity for the fast tier"):
-                return run_identity(self.run)
+            with run_storage_errors(
+                self.run_location, "reading the run's identity for the fast tier"
+            ):
+                return run_identity(self.run_location)
 
         return str(comm.run_reduce("owner", leader, lambda found: found[0]))
 
@@ -187,7 +191,7 @@ class FastDirectory:
             str(e.step): e.manifest.id
             + ("" if file_rank(rank, e.manifest.world_size) in kept_ranks(e.manifest)
                else LACKING)
-            for e in scan(self.directory)
+            for e in scan(self.saves.location)
             if e.manifest is not None
         }  # fmt: skip
         found = self._found
@@ -238,14 +242,15 @@ class FastDirectory:
             def tidy() -> int | None:
                 if not leader:
                     return None
-                with run_storage_errors(self.directory, "removing newer fast-tier steps"):
-                    found = read_fast_tier_marker(self.directory)
+                where = self.saves.location
+                with run_storage_errors(where, "removing newer fast-tier steps"):
+                    found = read_fast_tier_marker(where)
                     ours = found is not None and found.run == owner
-                    newest, newer = keep_up_to(self.directory, step if ours else None)
+                    newest, newer = keep_up_to(where, step if ours else None)
                     if newer and not resumed:
                         say_dropped(self.directory, newer, step, found, ours)
                     if not ours or found is None or found.format != FAST_TIER_FORMAT:
-                        write_marker(self.directory, owner)
+                        write_marker(where, owner)
                     return newest
 
             newest = comm.run_reduce(

@@ -8,6 +8,7 @@ from ddpckpt._format.runfiles import FastTierMarker
 from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger
 from ddpckpt._run.rundir import remove_checkpoint, scan
+from ddpckpt.storage._location import Location
 
 _log = get_logger(__name__)
 # step: checkpoint id: the ranks whose node holds it, as RankSet spans (constant size for
@@ -44,7 +45,7 @@ def holdings(copies: dict[str, list[list[int]]]) -> tuple[RankSet, RankSet]:
     return have, RankSet.of(r for s in by_id[ident] for a, b in s.spans for r in range(a, b))
 
 
-def keep_up_to(directory: str, step: int | None) -> tuple[int | None, list[int]]:
+def keep_up_to(directory: Location, step: int | None) -> tuple[int | None, list[int]]:
     """Delete the steps of ``directory`` newer than ``step`` (all for ``None``) and those
     not committed; the newest left, and the committed steps deleted."""
     newest, newer = None, []
@@ -57,7 +58,7 @@ def keep_up_to(directory: str, step: int | None) -> tuple[int | None, list[int]]
         else:
             newest = entry.step
             continue
-        remove_checkpoint(entry.path)
+        remove_checkpoint(entry.location)
         _log.info("removed %s from the fast tier (%s)", entry.path, why)
     return newest, newer
 

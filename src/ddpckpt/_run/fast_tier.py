@@ -79,6 +79,7 @@ from ddpckpt.errors import (
     PartiallyRestoredError,
 )
 from ddpckpt.policies import EverySteps, KeepLast
+from ddpckpt.storage._location import Location
 
 _log = get_logger(__name__)
 _SHARING = "auto"  # each node's memory is its own: probed, whatever $DDPCKPT_STORAGE says
@@ -113,7 +114,7 @@ class FastSaves(FastDirectory):
         config: FastTier,
         durable: CheckpointerOptions,
         overlap: bool,
-        run: str,
+        run: Location,
         place: Callable[[str], str] = lambda path: path,
     ) -> None:
         # None (fast_tier="auto"): named by the run's identity at the first set-up
@@ -121,7 +122,7 @@ class FastSaves(FastDirectory):
         self.auto = directory is None
         self.named = not self.auto  # whether self.directory is the tier's (not the pattern)
         self.directory = directory or auto_directory("<this run's identity>")
-        self.run = run  # the durable run directory whose steps this tier holds
+        self.run, self.run_location = run.path, run  # the run whose steps this tier holds
         self.every = config.every_steps
         self.saver = AsyncSaver()  # its own host buffer and background writer
         self._options = fast_options(config, durable, overlap)
@@ -276,18 +277,22 @@ class FastSaves(FastDirectory):
         self.keep_up_to(None if loaded is None else loaded[0])
 
     def _try(
-        self, step: int, load: Callable[[str], CheckpointInfo], failures: list[str], more: bool
+        self,
+        step: int,
+        load: Callable[[Location], CheckpointInfo],
+        failures: list[str],
+        more: bool,
     ) -> Loaded | None:
         """Restore fast-tier ``step``, first copying it to the nodes that lack it; ``None``
         (reported) if that fails."""
-        path = self.saves.path(step)
+        at = self.saves.at(step)
         have, copies = holdings(self._held[str(step)])  # of the copy most nodes hold
         try:
-            with self.saves.comm("Checkpointer.resume (fast tier copies)", path) as comm:
+            with self.saves.comm("Checkpointer.resume (fast tier copies)", at.path) as comm:
                 if len(have) < comm.world_size:
                     world = comm.world_size
-                    repair_copies(comm, path, have.mask(world), _SHARING, copies.mask(world))
-            return step, load(path)
+                    repair_copies(comm, at, have.mask(world), _SHARING, copies.mask(world))
+            return step, load(at)
         except (*_CANNOT_SERVE, PartiallyRestoredError) as exc:
             cause = failure_of(exc)
             if not isinstance(cause, _CANNOT_SERVE):
@@ -300,5 +305,5 @@ class FastSaves(FastDirectory):
                 partly_note(exc),
                 extra=same_on_every_rank(exc),
             )
-            failures.append(f"{path}: {cause}")
+            failures.append(f"{at}: {cause}")
             return None

@@ -19,7 +19,6 @@ marker among its reasons, is reported as a :class:`~ddpckpt.errors.CheckpointWri
 
 from __future__ import annotations
 
-import os
 import platform
 import uuid
 
@@ -38,8 +37,8 @@ from ddpckpt._format.runfiles import (
 from ddpckpt._run.options import nests
 from ddpckpt._run.saving import run_storage_errors
 from ddpckpt.errors import CorruptCheckpointError
-from ddpckpt.storage import storage_for
 from ddpckpt.storage._layout import is_temp_name
+from ddpckpt.storage._location import Location
 
 AVOID = (
     "give fast_tier= a directory of this user's own that does not exist yet (it is created "
@@ -47,19 +46,22 @@ AVOID = (
 )
 
 
-def check_here(directory: str, run: str, owner: str) -> tuple[str | None, FastTierMarker | None]:
-    """On every rank, before anything is read from ``directory`` or written there: why
+def check_here(
+    location: Location, run: str, owner: str
+) -> tuple[str | None, FastTierMarker | None]:
+    """On every rank, before anything is read from ``location`` or written there: why
     this node's directory may not be the fast tier of the run ``owner`` (whose run
     directory is ``run``), or ``None``; and then its marker, if it has one (the
     directory then exists, private)."""
+    directory = location.path
     where = f"{directory} on {platform.node()}"
-    with run_storage_errors(directory, "setting up the fast tier"):
+    with run_storage_errors(location, "setting up the fast tier"):
         if "://" not in run and nests(directory, run):
             return (
                 f"{where} is the run directory {run}, or one of them holds the other "
                 f"once symbolic links are resolved: {AVOID}"
             ), None
-        store = storage_for(directory)
+        store = location.storage
         make_private = getattr(store, "make_private_dir", None)
         if make_private is None:  # FastTier.check refuses URLs: a storage of the user's
             return f"{where} is not on a local file system: {AVOID}", None
@@ -74,7 +76,7 @@ def check_here(directory: str, run: str, owner: str) -> tuple[str | None, FastTi
                 f"{AVOID}"
             ), None
         try:
-            found = read_fast_tier_marker(directory)
+            found = read_fast_tier_marker(location)
         except CorruptCheckpointError as exc:
             return (
                 f"{where}: its marker is damaged ({exc}): remove the directory if no job "
@@ -100,14 +102,14 @@ def check_here(directory: str, run: str, owner: str) -> tuple[str | None, FastTi
     return None, found
 
 
-def run_identity(run: str) -> str:
+def run_identity(location: Location) -> str:
     """On rank 0: the identity of the durable run directory ``run``, a random token kept
     in it (made by the first resume with a fast tier), so that a run directory deleted and
     made anew is another run. A damaged one (no regular file, too large, not UTF-8 text)
     raises :class:`CorruptCheckpointError` saying what to do; it is never replaced."""
-    store, path = storage_for(run), os.path.join(run, RUN_DIR_IDENTITY)
+    store, run, path = location.storage, location.path, location.join(RUN_DIR_IDENTITY).path
     try:
-        found = read_run_identity(run, store)
+        found = read_run_identity(location)
     except CorruptCheckpointError as exc:
         raise CorruptCheckpointError(
             f"{exc}. The fast tier is not used while the run's identity is unreadable: "
@@ -122,10 +124,11 @@ def run_identity(run: str) -> str:
     return token
 
 
-def write_marker(directory: str, owner: str) -> None:
+def write_marker(directory: Location, owner: str) -> None:
     """Mark the fast tier ``directory`` as the run ``owner``'s (replaced atomically)."""
-    location = os.path.join(directory, FAST_TIER_MARKER)
-    storage_for(directory).replace(location, FastTierMarker(owner).as_bytes())
+    directory.storage.replace(
+        directory.join(FAST_TIER_MARKER).path, FastTierMarker(owner).as_bytes()
+    )
 
 
 def by_problem(problems: list[str | None]) -> dict[str, list[int]]:

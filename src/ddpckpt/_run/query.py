@@ -23,22 +23,23 @@ from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._run.rundir import Entry, scan
 from ddpckpt.errors import CheckpointNotFoundError
 from ddpckpt.policies import Record, _best_first, _retention_from
+from ddpckpt.storage._location import Location
 
 Metrics = dict[str, Any]
 
 
-def entries(directory: str) -> list[Entry]:
+def entries(directory: Location) -> list[Entry]:
     """Every ``step-N`` checkpoint, oldest first, with its status (``committed``,
     ``incomplete`` or ``corrupt``) and, when committed, its manifest."""
     return scan(directory)
 
 
-def latest_name(directory: str) -> str | None:
+def latest_name(directory: Location) -> str | None:
     """What the run's ``latest`` file names (``step-N``), or ``None``."""
     return read_latest(directory)
 
 
-def why_kept(directory: str) -> dict[int, str]:
+def why_kept(directory: Location) -> dict[int, str]:
     """The committed steps the run's retention keeps for a reason worth showing (``"best #1
     by loss"``), from the policy the saving job recorded in ``run.json``."""
     policy = _retention_from(read_retention(directory))
@@ -47,22 +48,22 @@ def why_kept(directory: str) -> dict[int, str]:
     return policy.why_kept([Record(step, m) for step, m in committed(directory).items()])
 
 
-def committed(directory: str) -> dict[int, Metrics]:
+def committed(directory: Location) -> dict[int, Metrics]:
     """The committed checkpoints of the run in ``directory``: their metrics, by step."""
     return {e.step: e.metrics for e in scan(directory) if e.status == "committed"}
 
 
-def steps(directory: str) -> list[int]:
+def steps(directory: Location) -> list[int]:
     """The steps of the committed checkpoints, oldest first."""
     return sorted(committed(directory))
 
 
-def latest_step(directory: str) -> int | None:
+def latest_step(directory: Location) -> int | None:
     """The newest committed step, or ``None``."""
     return max(committed(directory), default=None)
 
 
-def best_step(directory: str, metric: str, mode: str = "min") -> int | None:
+def best_step(directory: Location, metric: str, mode: str = "min") -> int | None:
     """The committed step with the best finite ``metric`` (``mode`` ``"min"`` or ``"max"``;
     ties go to the newer), or ``None``."""
     if not isinstance(metric, str):
@@ -71,11 +72,11 @@ def best_step(directory: str, metric: str, mode: str = "min") -> int | None:
     return ranked[0] if ranked else None
 
 
-def info(directory: str, step: int) -> CheckpointInfo:
+def info(directory: Location, step: int) -> CheckpointInfo:
     """The metadata of checkpoint ``step`` (epoch, metrics, world size, when saved) without
     loading it. Raises :class:`CheckpointNotFoundError` or :class:`CorruptCheckpointError`."""
-    path = os.path.join(directory, step_dirname(_as_step(step)))
-    return CheckpointInfo.from_manifest(path, read_manifest(path), {})
+    location = directory.join(step_dirname(_as_step(step)))
+    return CheckpointInfo.from_manifest(location.path, read_manifest(location), {})
 
 
 def choose(
@@ -113,12 +114,12 @@ def choose(
 
 
 def resume_step(
-    directory: str, step: int | None = None, best: str | None = None, mode: str = "min"
+    directory: Location, step: int | None = None, best: str | None = None, mode: str = "min"
 ) -> int | None:
     """The checkpoint ``resume(step=, best=, mode=)`` would load first, or ``None`` when the
     directory holds no committed checkpoint. ``resume()`` verifies the data as it loads and
     falls back to the next candidate (see :func:`choose`) if this one is damaged."""
-    candidates = choose(directory, committed(directory), step, best, mode)
+    candidates = choose(directory.path, committed(directory), step, best, mode)
     return candidates[0] if candidates else None
 
 

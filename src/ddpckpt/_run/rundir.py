@@ -41,9 +41,9 @@ from ddpckpt._log import get_logger
 from ddpckpt._run.runlock import RunLock
 from ddpckpt.errors import CheckpointError, CheckpointLockedError, IncompleteCheckpointError
 from ddpckpt.policies import Record, Retention
-from ddpckpt.storage import storage_for
 from ddpckpt.storage._commit import restore_interrupted
 from ddpckpt.storage._layout import is_temp_name, new_token, previous_name, previous_of
+from ddpckpt.storage._location import Location
 
 _log = get_logger(__name__)
 
@@ -53,10 +53,14 @@ class Entry:
     """A checkpoint directory of a run: ``status`` is ``committed``, ``incomplete`` or ``corrupt``."""
 
     step: int
-    path: str
+    location: Location
     status: str
     manifest: Manifest | None = None
     problem: str = ""
+
+    @property
+    def path(self) -> str:
+        return self.location.path
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -67,32 +71,30 @@ class Entry:
         return read_metrics(self.manifest, self.path)
 
 
-def scan(directory: str) -> list[Entry]:
+def scan(directory: Location) -> list[Entry]:
     """Every ``step-N`` directory, oldest first, with its manifest read (not its data).
 
     A ``step-N`` that an interrupted overwrite left as ``.step-N.previous`` (see
     :class:`~ddpckpt.storage.RenameCommit`) is listed with that path until it is put back.
     """
-    store = storage_for(directory)
-    if not store.is_dir(directory):
+    store = directory.storage
+    if not store.is_dir(directory.path):
         return []
-    names = store.list(directory)
+    names = store.list(directory.path)
     for name in names:
         if parse_step(name) is None and previous_of(name) is None and is_stray_step(name):
-            warn_stray(directory, name)
+            warn_stray(directory.path, name)
     found = [(parse_step(name), name) for name in names]
     found += [
         (parse_step(target), name)
         for name in names
         if (target := previous_of(name)) is not None and target not in names
     ]
-    entries = [
-        _entry(step, os.path.join(directory, name)) for step, name in found if step is not None
-    ]
+    entries = [_entry(step, directory.join(name)) for step, name in found if step is not None]
     return sorted(entries, key=lambda e: e.step)
 
 
-def _entry(step: int, path: str) -> Entry:
+def _entry(step: int, path: Location) -> Entry:
     """The checkpoint at ``path``: committed if its manifest reads and its metrics decode
     (what ``resume(best=...)``, retention and ``ddpckpt ls`` rank by), else why not."""
     try:
@@ -105,26 +107,26 @@ def _entry(step: int, path: str) -> Entry:
         return Entry(step, path, "corrupt", problem=str(exc))
 
 
-def checkpoint_path(directory: str, step: int) -> str:
+def checkpoint_path(directory: Location, step: int) -> Location:
     """Where checkpoint ``step`` of the run is: ``step-N``, or ``.step-N.previous`` while an
     interrupted overwrite left it there (see :func:`scan`)."""
-    path = os.path.join(directory, step_dirname(step))
-    store = storage_for(directory)
-    if not store.exists(path) and store.exists(previous_name(path)):
-        return previous_name(path)
+    path = directory.join(step_dirname(step))
+    store = directory.storage
+    if not store.exists(path.path) and store.exists(previous_name(path.path)):
+        return Location(store, previous_name(path.path))
     return path
 
 
-def restore_overwrites(directory: str) -> None:
+def restore_overwrites(directory: Location) -> None:
     """Put back the checkpoints that interrupted overwrites left as ``.step-N.previous``,
     and delete those already replaced (see :class:`~ddpckpt.storage.RenameCommit`). Call
     it holding the run's lock, when no save of this job is in flight."""
-    store = storage_for(directory)
-    if store.is_dir(directory):
-        restore_interrupted(store, directory, store.list(directory))
+    store, path = directory.storage, directory.path
+    if store.is_dir(path):
+        restore_interrupted(store, path, store.list(path))
 
 
-def restore_unless_locked(directory: str, names: list[str]) -> list[str]:
+def restore_unless_locked(directory: Location, names: list[str]) -> list[str]:
     """:func:`restore_overwrites` for processes that take no lock (``ddpckpt.latest()``,
     ``ddpckpt ls``), given the directory's listing ``names``; the listing afterwards.
 
@@ -133,12 +135,12 @@ def restore_unless_locked(directory: str, names: list[str]) -> list[str]:
     the copy is then listed where it is (see :func:`scan`)."""
     if not any(previous_of(name) for name in names):
         return names
-    store = storage_for(directory)
+    store = directory.storage
     if RunLock(directory).held_live():
         return names
     try:
-        restore_interrupted(store, directory, names)
-        return store.list(directory)
+        restore_interrupted(store, directory.path, names)
+        return store.list(directory.path)
     except OSError as exc:
         _log.warning(
             "%s: could not put back a checkpoint an interrupted overwrite left (%s); it is "
@@ -149,10 +151,10 @@ def restore_unless_locked(directory: str, names: list[str]) -> list[str]:
         return names
 
 
-def size_problems(path: str, manifest: Manifest) -> list[str]:
+def size_problems(location: Location, manifest: Manifest) -> list[str]:
     """Files of a checkpoint that are missing or not the size its manifest records: the
     cheap check (no data read) that catches a truncated copy, never a bit flip."""
-    store = storage_for(path)
+    store, path = location.storage, location.path
     problems: list[str] = []
     for name, file in sorted(manifest.files.readable(problems).items()):
         try:
@@ -169,7 +171,7 @@ def size_problems(path: str, manifest: Manifest) -> list[str]:
     return problems
 
 
-def write_latest(directory: str, name: str) -> bool:
+def write_latest(directory: Location, name: str) -> bool:
     """Point ``latest`` at ``name``, atomically and durably; whether it was written.
 
     ``latest`` is this library's file, replaced whole: a stale link or another file under
@@ -179,8 +181,7 @@ def write_latest(directory: str, name: str) -> bool:
     it (``resume()``, ``ddpckpt.latest()`` and ``ddpckpt ls`` list the run's checkpoints,
     and report a ``latest`` they cannot read, ignoring it).
     """
-    store = storage_for(directory)
-    location = os.path.join(directory, LATEST)
+    store, location = directory.storage, directory.join(LATEST).path
     try:
         store.replace(location, f"{name}\n".encode())
     except OSError:
@@ -203,66 +204,66 @@ def write_latest(directory: str, name: str) -> bool:
 _LATEST_LEFT: set[str] = set()  # the ``latest`` directories already reported by this process
 
 
-def set_aside(directory: str, reasons: dict[int, str]) -> None:
+def set_aside(directory: Location, reasons: dict[int, str]) -> None:
     """Rename the checkpoints of the steps in ``reasons`` (what is wrong with each) to
     ``step-N.corrupt-<token>``; local, one rank per storage domain. One already gone
     (another domain's rank, same storage) is skipped."""
-    store = storage_for(directory)
+    store = directory.storage
     for step, reason in sorted(reasons.items()):
-        source = os.path.join(directory, step_dirname(step))
+        source = directory.join(step_dirname(step)).path
         if store.exists(source):
             target = f"{source}{CORRUPT_MARK}{new_token()}"
             store.commit.set_aside(store, source, target)
             _log.warning("moved %s aside to %s; it is never loaded (%s)", source, target, reason)
 
 
-def point_latest(directory: str, step: int) -> None:
+def point_latest(directory: Location, step: int) -> None:
     """Make ``latest`` name checkpoint ``step`` unless it already does; local."""
     if read_latest(directory) != step_dirname(step):
         write_latest(directory, step_dirname(step))
 
 
-def write_run_file(directory: str, policy: dict[str, Any]) -> None:
+def write_run_file(directory: Location, policy: dict[str, Any]) -> None:
     """Record ``{"retention": <the policy's describe()>}`` in ``run.json``."""
-    storage_for(directory).replace(os.path.join(directory, RUN_FILE), run_file_text(policy))
+    directory.storage.replace(directory.join(RUN_FILE).path, run_file_text(policy))
 
 
-def remove_checkpoint(path: str) -> None:
+def remove_checkpoint(location: Location) -> None:
     """Delete a checkpoint so that a crash midway can never leave a damaged ``step-N``.
 
     On a file system it is first renamed to a temporary name (atomic), which a later
     cleanup removes if this process dies before finishing; on an object store its manifest
     is deleted first.
     """
-    store = storage_for(path)
-    store.commit.discard(store, path)
+    store = location.storage
+    store.commit.discard(store, location.path)
 
 
-def apply_retention(directory: str, retention: Retention) -> list[str]:
+def apply_retention(directory: Location, retention: Retention) -> list[str]:
     """Delete the committed checkpoints ``retention`` does not keep (never the newest);
     returns their paths. Call it only while holding the run's lock."""
     committed = [e for e in scan(directory) if e.status == "committed"]
     records = [Record(e.step, e.metrics) for e in committed]
     keep = retention.keep(records) | {max((r.step for r in records), default=-1)}
-    deleted = [e.path for e in committed if e.step not in keep]
-    for path in deleted:
-        remove_checkpoint(path)
-    return deleted
+    deleted = [e.location for e in committed if e.step not in keep]
+    for location in deleted:
+        remove_checkpoint(location)
+    return [location.path for location in deleted]
 
 
-def clean_temporaries(directory: str) -> list[str]:
+def clean_temporaries(directory: Location) -> list[str]:
     """Remove what interrupted saves and deletions left behind; returns the names removed.
 
     Call it only while holding the run's lock, when no save of this job is in flight.
     """
-    store = storage_for(directory)
+    store = directory.storage
     removed: list[str] = []
-    if not store.is_dir(directory):
+    if not store.is_dir(directory.path):
         return removed
     restore_overwrites(directory)
-    for name in store.list(directory):
+    for name in store.list(directory.path):
         if is_temp_name(name):
-            store.delete_tree(os.path.join(directory, name))
+            store.delete_tree(directory.join(name).path)
             removed.append(name)
     for name, path in _unfinished_overwrites(directory):
         store.delete_tree(path)
@@ -270,14 +271,14 @@ def clean_temporaries(directory: str) -> list[str]:
     return removed
 
 
-def _unfinished_overwrites(directory: str) -> list[tuple[str, str]]:
+def _unfinished_overwrites(directory: Location) -> list[tuple[str, str]]:
     """``(step-N/part, path)`` for what interrupted overwrites left inside committed
     checkpoints (``step-N/.next-<token>/`` on object stores)."""
-    store = storage_for(directory)
+    store = directory.storage
     found = []
-    for name in sorted(store.list(directory)):
+    for name in sorted(store.list(directory.path)):
         if parse_step(name) is not None:
-            for path in store.commit.unfinished(store, os.path.join(directory, name)):
+            for path in store.commit.unfinished(store, directory.join(name).path):
                 found.append((f"{name}/{os.path.basename(path)}", path))
     return found
 
@@ -297,16 +298,11 @@ class Leftover:
     nbytes: int
 
 
-def tree_bytes(path: str) -> int:
-    """Bytes of the files under ``path`` (a file or a directory); files vanishing meanwhile
-    (a save finishing or being cleaned) count as empty."""
-    return storage_for(path).tree_bytes(path)
-
-
-def find_leftovers(directory: str) -> list[Leftover]:
+def find_leftovers(directory: Location) -> list[Leftover]:
     """The temporaries and moved-aside corrupt checkpoints of a run directory, by name."""
     found = []
-    names = storage_for(directory).list(directory)
+    store = directory.storage
+    names = store.list(directory.path)
     for name in sorted(names):
         if is_temp_name(name) or previous_of(name) in names:  # a replaced copy, not deleted
             kind = "temporary"
@@ -314,14 +310,14 @@ def find_leftovers(directory: str) -> list[Leftover]:
             kind = "corrupt"
         else:
             continue
-        path = os.path.join(directory, name)
-        found.append(Leftover(name, path, kind, tree_bytes(path)))
+        path = directory.join(name).path
+        found.append(Leftover(name, path, kind, store.tree_bytes(path)))
     for name, path in _unfinished_overwrites(directory):
-        found.append(Leftover(name, path, "temporary", tree_bytes(path)))
+        found.append(Leftover(name, path, "temporary", store.tree_bytes(path)))
     return found
 
 
-def clean_leftovers(directory: str, *, corrupt: bool = False) -> list[Leftover]:
+def clean_leftovers(directory: Location, *, corrupt: bool = False) -> list[Leftover]:
     """Delete a run directory's temporaries (and, with ``corrupt``, the checkpoints moved
     aside as corrupt); returns what was removed. Local; one process.
 
@@ -329,8 +325,8 @@ def clean_leftovers(directory: str, *, corrupt: bool = False) -> list[Leftover]:
     :class:`~ddpckpt.errors.CheckpointLockedError` while a live job holds it (a temporary
     may then be a save in progress). Committed checkpoints are never touched.
     """
-    store = storage_for(directory)
-    if not store.is_dir(directory):
+    store = directory.storage
+    if not store.is_dir(directory.path):
         raise FileNotFoundError(f"{directory}: no such directory")
     _refuse_own_jobs_lock(directory)
     lock = RunLock(directory)
@@ -349,7 +345,7 @@ def clean_leftovers(directory: str, *, corrupt: bool = False) -> list[Leftover]:
         lock.release()
 
 
-def _refuse_own_jobs_lock(directory: str) -> None:
+def _refuse_own_jobs_lock(directory: Location) -> None:
     """Raise :class:`CheckpointLockedError` if the lock names this process's own job.
 
     :class:`RunLock` takes such a lock over (it is an elastic restart's); a cleaner started
@@ -357,7 +353,7 @@ def _refuse_own_jobs_lock(directory: str) -> None:
     """
     ours = [os.environ.get(name, "") for name in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID")]
     try:
-        holder = read_lock(os.path.join(directory, LOCK_NAME))
+        holder = read_lock(directory.join(LOCK_NAME))
     except CheckpointError:
         return  # torn or damaged: RunLock decides (a torn lock is taken over once old)
     if holder is None or not holder.job or holder.job == "none" or holder.job not in ours:

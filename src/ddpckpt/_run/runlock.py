@@ -33,7 +33,8 @@ from typing import Any
 from ddpckpt._format.runfiles import LOCK_NAME, read_lock
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointLockedError, CorruptCheckpointError
-from ddpckpt.storage import Storage, storage_for
+from ddpckpt.storage import Storage
+from ddpckpt.storage._location import Location
 
 _log = get_logger(__name__)
 _CREATING = 30.0  # seconds an empty lock file may be in the middle of being written
@@ -73,9 +74,9 @@ def _alive(pid: int) -> bool:
 class RunLock:
     """The lock of one run directory, as held by this process."""
 
-    def __init__(self, directory: str, stale_after: float = 600.0) -> None:
-        self._storage = storage_for(directory)
-        self.path = os.path.join(directory, LOCK_NAME)
+    def __init__(self, directory: Location, stale_after: float = 600.0) -> None:
+        self._storage = directory.storage
+        self.path = directory.join(LOCK_NAME).path
         self.directory = os.path.dirname(self.path)
         self.stale_after = stale_after
         self.held = False
@@ -87,7 +88,7 @@ class RunLock:
 
     def _read(self, storage: Storage | None = None) -> dict[str, Any] | None:
         try:
-            holder = read_lock(self.path, storage or self._storage)
+            holder = read_lock(Location(storage or self._storage, self.path))
         except CorruptCheckpointError:
             return {}  # a torn lock file: whoever wrote it died while writing (or damaged)
         return None if holder is None else holder.as_dict()

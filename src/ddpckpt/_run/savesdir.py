@@ -14,7 +14,6 @@ names mean nothing: each checkpoint's saved ``step`` orders them, as
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,8 +24,8 @@ from ddpckpt._io.reader import read_metrics
 from ddpckpt._run.catalog import Candidate, candidate, newest_first
 from ddpckpt._run.rundir import size_problems
 from ddpckpt.errors import CheckpointError, IncompleteCheckpointError
-from ddpckpt.storage import storage_for
 from ddpckpt.storage._layout import is_temp_name, previous_of
+from ddpckpt.storage._location import Location
 
 _CALLER = "load_latest()"  # newest_first's warnings say what load_latest would skip
 
@@ -38,11 +37,15 @@ class SavedCheckpoint:
     size, its metrics decode), ``incomplete`` or ``corrupt`` (``problem`` says why)."""
 
     name: str
-    path: str
+    location: Location
     status: str
     manifest: Manifest | None = None
     problem: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def path(self) -> str:
+        return self.location.path
 
     @property
     def step(self) -> int | None:
@@ -74,34 +77,34 @@ def is_run_layout(names: Sequence[str]) -> bool:
     )
 
 
-def holds_saves(directory: str, names: Sequence[str]) -> bool:
+def holds_saves(directory: Location, names: Sequence[str]) -> bool:
     """Whether ``directory`` (listed as ``names``) holds a checkpoint directly inside it
     (a directory with a manifest, damaged or not)."""
-    store = storage_for(directory)
     return any(
-        not is_temp_name(name) and store.exists(os.path.join(directory, name, MANIFEST_NAME))
+        not is_temp_name(name)
+        and directory.storage.exists(directory.join(name, MANIFEST_NAME).path)
         for name in names
     )
 
 
-def list_saves(directory: str) -> SavesListing:
+def list_saves(location: Location) -> SavesListing:
     """The checkpoints directly inside ``directory``, with their status, and the order in
     which :func:`ddpckpt.load_latest` would try them (its own :func:`newest_first`, whose
     warnings name the damaged ones it skips)."""
-    order = newest_first(directory, _CALLER)  # first: it may put back an interrupted overwrite
+    order = newest_first(location, _CALLER)  # first: it may put back an interrupted overwrite
     committed = {c[-1] for c in order}
-    store = storage_for(directory)
-    names = store.list(directory)
+    store = location.storage
+    names = store.list(location.path)
     found: list[tuple[Candidate, SavedCheckpoint]] = []
     others = []
     for name in names:
         if is_temp_name(name) or previous_of(name) in names:
             continue  # leftovers, listed as such (find_leftovers)
-        path = os.path.join(directory, name)
-        if name not in committed and not store.exists(os.path.join(path, MANIFEST_NAME)):
+        at = location.join(name)
+        if name not in committed and not store.exists(at.join(MANIFEST_NAME).path):
             others.append(name)
             continue
-        entry = _saved(name, path, name in committed)
+        entry = _saved(name, at, name in committed)
         key = candidate(name, entry.manifest) if entry.manifest else (False, 0, 0.0, name)
         found.append((key, entry))
     found.sort(key=lambda pair: pair[0])
@@ -110,20 +113,21 @@ def list_saves(directory: str) -> SavesListing:
     )
 
 
-def _saved(name: str, path: str, committed: bool) -> SavedCheckpoint:
-    """The checkpoint at ``path``, read as ``newest_first`` judged it (``committed``)."""
+def _saved(name: str, location: Location, committed: bool) -> SavedCheckpoint:
+    """The checkpoint at ``location``, read as ``newest_first`` judged it (``committed``)."""
+    path = location.path
     try:
-        manifest = read_manifest(path)
+        manifest = read_manifest(location)
     except IncompleteCheckpointError as exc:
-        return SavedCheckpoint(name, path, "incomplete", problem=str(exc))
+        return SavedCheckpoint(name, location, "incomplete", problem=str(exc))
     except CheckpointError as exc:
-        return SavedCheckpoint(name, path, "corrupt", problem=str(exc))
+        return SavedCheckpoint(name, location, "corrupt", problem=str(exc))
     try:
         metrics = read_metrics(manifest, path)
     except CheckpointError as exc:  # load_latest finds it when it loads it, and falls back
-        return SavedCheckpoint(name, path, "corrupt", manifest, str(exc))
+        return SavedCheckpoint(name, location, "corrupt", manifest, str(exc))
     if not committed:
         why = f"{path}: load_latest() skips it (its files could not all be listed or read)"
-        problems = size_problems(path, manifest) or [why]
-        return SavedCheckpoint(name, path, "incomplete", manifest, problems[0], metrics)
-    return SavedCheckpoint(name, path, "committed", manifest, metrics=metrics)
+        problems = size_problems(location, manifest) or [why]
+        return SavedCheckpoint(name, location, "incomplete", manifest, problems[0], metrics)
+    return SavedCheckpoint(name, location, "committed", manifest, metrics=metrics)

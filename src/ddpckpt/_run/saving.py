@@ -54,7 +54,7 @@ from ddpckpt.errors import (
     CheckpointStepError,
     CheckpointWriteError,
 )
-from ddpckpt.storage import storage_for
+from ddpckpt.storage._location import Location
 
 T = TypeVar("T")
 _log = get_logger(__name__)
@@ -66,18 +66,19 @@ class RunSaves:
 
     def __init__(
         self,
-        directory: str,
+        location: Location,
         options: CheckpointerOptions,
         saver: AsyncSaver,
         names: TierNames | None = None,
     ) -> None:
-        self.directory = directory
+        self.location, self.directory = location, location.path
+        directory = self.directory
         self.options = options
         self.saver = saver  # the tier's own host buffer and background writer
         self.names = names or TierNames.durable(directory)  # how its messages name the tier
         self.failures = SaveFailures(options.failures, self.names)
         self._waits_told = False  # a save that waited for the previous write was reported
-        self.lock = RunLock(directory, options.storage.lock_stale_after)
+        self.lock = RunLock(location, options.storage.lock_stale_after)
         self.domains: list[list[int]] | None = None  # known once set up
         self.latest: int | None = None  # newest step saved (maybe still in flight)
         self.committed: int | None = None  # newest step known to be committed
@@ -95,22 +96,26 @@ class RunSaves:
     def comm(self, call: str, path: str | None = None) -> Comm:
         return Comm.open(call, path=path or self.directory, timeout=self.options.storage.timeout)
 
+    def at(self, step: int) -> Location:
+        """Where checkpoint ``step`` of the run is saved."""
+        return self.location.join(step_dirname(step))
+
     def path(self, step: int) -> str:
-        return os.path.join(self.directory, step_dirname(step))
+        return self.at(step).path
 
     def prepare(self, comm: Comm) -> None:
         """Collective: find the storage domains, take the lock, clear leftovers, learn the
         newest step."""
         sharing = self.options.storage.sharing  # creating the directory may fail
         domains = self._storage(
-            lambda: storage_domains(comm, self.directory, sharing), "setting up the run"
+            lambda: storage_domains(comm, self.location, sharing), "setting up the run"
         )
         self._leader = any(d[0] == comm.rank for d in domains)
 
         def setup() -> list[int]:
             if self._leader:
                 self.lock.acquire()
-                for name in clean_temporaries(self.directory):
+                for name in clean_temporaries(self.location):
                     _log.info(
                         "%s: removed %s, left by an interrupted save or deletion",
                         self.directory,
@@ -118,7 +123,7 @@ class RunSaves:
                     )
             if not self._leader:  # its domain's first rank lists it for all of them
                 return []
-            return [e.step for e in scan(self.directory) if e.status == "committed"]
+            return [e.step for e in scan(self.location) if e.status == "committed"]
 
         newest = comm.run_reduce(
             "setup",
@@ -166,7 +171,7 @@ class RunSaves:
             snapshot = comm.run("capture", capture)
             storage = self.options.storage
             plan = plan_write(
-                comm, snapshot, header, overwrite=again, storage=storage.sharing,
+                comm, self.at(step), snapshot, header, overwrite=again, storage=storage.sharing,
                 domains=self.domains, partners=storage.partners,
             )  # fmt: skip
             if again:
@@ -245,9 +250,9 @@ class RunSaves:
 
         def tidy() -> None:
             if self._leader:
-                set_aside(self.directory, moved)
+                set_aside(self.location, moved)
                 if newest is not None:
-                    point_latest(self.directory, newest)
+                    point_latest(self.location, newest)
 
         with self.comm("Checkpointer.resumed") as comm:
             comm.run("tidy", lambda: self._storage(tidy, "moving broken checkpoints aside"))
@@ -297,7 +302,7 @@ class RunSaves:
         run directory removed?)."""
         if self.committed is None:
             return
-        store, path = storage_for(self.directory), self.path(self.committed)
+        store, path = self.location.storage, self.path(self.committed)
         try:
             if not store.commit.exists(store, path):
                 self.committed = None
@@ -369,24 +374,24 @@ class RunSaves:
                 f"{exc}. This job's checkpoint {path}, committed just before, was left there; "
                 "'latest' was not moved and nothing was deleted"
             ) from None
-        if not storage_for(path).exists(os.path.join(path, MANIFEST_NAME)):
+        if not self.location.storage.exists(os.path.join(path, MANIFEST_NAME)):
             return (
                 f"{path} was committed, then deleted from outside at once (the run directory "
                 "removed?); 'latest' was not moved. This save did not survive"
             )
-        write_latest(self.directory, os.path.basename(path))
+        write_latest(self.location, os.path.basename(path))
         retention = self.options.keeping.retention
         if not self._run_file_written:  # written by a job that saves, never by one that resumes
-            write_run_file(self.directory, {"retention": retention.describe()})
+            write_run_file(self.location, {"retention": retention.describe()})
             self._run_file_written = True
-        for deleted in apply_retention(self.directory, retention):
+        for deleted in apply_retention(self.location, retention):
             _log.info("deleted %s (retention)", deleted)
         self.lock.refresh()
         return None
 
     def _storage(self, step: Callable[[], T], doing: str) -> T:
         """Run ``step`` reporting file-system failures as :class:`CheckpointWriteError`."""
-        with run_storage_errors(self.directory, doing):
+        with run_storage_errors(self.location, doing):
             return step()
 
 
@@ -394,7 +399,7 @@ _CANNOT_WRITE = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
 @contextmanager
-def run_storage_errors(directory: str, doing: str) -> Iterator[None]:
+def run_storage_errors(directory: Location, doing: str) -> Iterator[None]:
     """Report a storage failure while ``doing`` something to the run directory (not while
     writing a checkpoint) as :class:`CheckpointWriteError` saying so; where this job may
     not write there, what to do instead."""
@@ -410,10 +415,10 @@ def run_storage_errors(directory: str, doing: str) -> Iterator[None]:
         raise CheckpointWriteError(exc.errno, message) from exc
 
 
-def _cannot_write(directory: str) -> str:
+def _cannot_write(directory: Location) -> str:
     """What to do about a run directory this job may not write to."""
     try:
-        storage_for(directory).list(directory)
+        directory.storage.list(directory.path)
     except OSError:
         return (
             "This job can neither write nor read there: check the directory's owner and "

@@ -24,6 +24,7 @@ from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._run.saving import RunSaves
 from ddpckpt._state.capture import Snapshot
 from ddpckpt.errors import PartiallyRestoredError
+from ddpckpt.storage._location import Location
 
 Loaded = tuple[int, CheckpointInfo]  # the step restored, and its checkpoint's info
 
@@ -33,7 +34,7 @@ class Resuming:
     """One :meth:`~ddpckpt.Checkpointer.resume`, as every tier sees it (the same on every
     rank)."""
 
-    load: Callable[[int | str], CheckpointInfo]  # restores a step of the run, or a path
+    load: Callable[[int | Location], CheckpointInfo]  # restores a step of the run, or a place
     choose: Callable[[dict[int, Any]], list[int]]  # orders the run's committed steps to try
     newest: bool  # the newest checkpoint is wanted (no step=, no best=): any tier may serve
     listing: int = 0  # how many times the tiers were listed before, in this resume
@@ -43,7 +44,7 @@ class Resuming:
     broken: dict[int, str] = field(default_factory=dict)  # incomplete steps: why, by step
     partial: list[PartiallyRestoredError] = field(default_factory=list)  # half-restored
 
-    def load_noting(self, step: int | str) -> CheckpointInfo:
+    def load_noting(self, step: int | Location) -> CheckpointInfo:
         """:attr:`load`, noting a load that left the objects partly restored."""
         try:
             return self.load(step)

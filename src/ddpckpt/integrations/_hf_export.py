@@ -7,6 +7,7 @@ tensors set."""
 from __future__ import annotations
 
 from ddpckpt.integrations._require import require
+from ddpckpt.storage._location import locate
 
 require("transformers", "Hugging Face transformers", "transformers")
 
@@ -98,7 +99,7 @@ def _check_size(skeleton: torch.nn.Module, checkpoint: str, saved: SavedModelCon
     compared with the checkpoint's tensors, but are allocated all the same."""
     tensors = [*skeleton.parameters(), *skeleton.buffers()]
     needed = sum(t.numel() * t.element_size() for t in tensors)
-    stored = read_manifest(checkpoint).nbytes
+    stored = read_manifest(locate(checkpoint)).nbytes
     if needed > 2 * stored + (64 << 20):
         raise ddpckpt.CorruptCheckpointError(
             f"{checkpoint}: malformed saved model config: {saved.architecture} built from it "
@@ -114,14 +115,15 @@ def _described(shape: tuple[int, ...] | None) -> str:
 def _stored_shapes(checkpoint: str) -> dict[str, tuple[int, ...]]:
     """The shape of each tensor of the checkpoint's model ``model`` (tied aliases too), from
     the manifest: no tensor is read."""
-    manifest = read_manifest(checkpoint)
+    location = locate(checkpoint)
+    manifest = read_manifest(location)
     stored = StateSections.from_json(manifest.state, checkpoint)
     section = stored.models.get("model")
     if section is None:
         raise ddpckpt.errors.StateMismatchError(
             f"{checkpoint}: not a checkpoint of DdpckptTrainer (it holds no model 'model')"
         )
-    prefix, source = stored.layout.model_prefix("model"), FileSource(checkpoint, manifest)
+    prefix, source = stored.layout.model_prefix("model"), FileSource(location, manifest)
     names = {key: key for key in section.keys} | dict(section.aliases)
     return {key: tuple(source.meta(prefix + name)[1]) for key, name in names.items()}
 

@@ -34,7 +34,7 @@ import ddpckpt
 from ddpckpt._coord.comm import Comm
 from ddpckpt._log import get_logger
 from ddpckpt.errors import CheckpointNotFoundError, CorruptCheckpointError, InexactResumeError
-from ddpckpt.storage import storage_for
+from ddpckpt.storage._location import locate
 
 SIDECARS = ".ddpckpt-ranks"
 _KEY = "ranks_own_state"
@@ -149,7 +149,7 @@ def prune_own(checkpoint: str, *, older_than: str | None) -> None:
     checkpoint itself is intact)."""
     directory, name = _split(checkpoint)
     sidecars = _join(directory, SIDECARS)
-    store = storage_for(sidecars)
+    store = locate(sidecars).storage
     try:
         entries = store.list(sidecars)
     except FileNotFoundError:

@@ -22,6 +22,7 @@ trackers the accelerator was given.
 from __future__ import annotations
 
 from ddpckpt.integrations._require import require
+from ddpckpt.storage._location import locate
 
 require("accelerate", "Hugging Face Accelerate", "accelerate")
 
@@ -186,7 +187,7 @@ def _imported_without_loaders(path: str, timeout: float | None) -> bool:
 
     def decide() -> bytes:
         try:
-            stored = StateSections.from_json(read_manifest(path).state, path)
+            stored = StateSections.from_json(read_manifest(locate(path)).state, path)
         except (CheckpointError, OSError):
             return b"0"
         imported = bool(stored.models) and all(m.type == "imported" for m in stored.models.values())

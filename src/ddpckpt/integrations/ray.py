@@ -29,6 +29,7 @@ refused by name.
 from __future__ import annotations
 
 from ddpckpt.integrations._require import require
+from ddpckpt.storage._location import locate
 
 require("ray", "Ray Train", "ray")
 
@@ -147,14 +148,15 @@ def resume(state: ddpckpt.TrainingState) -> ddpckpt.CheckpointInfo | None:
     step = next((s for s, name, _ in found if name == restored), None)
     if leader and step is not None:
         _report_newer(location, step, found)
+    run_at = locate(run)
     older = [  # what load_first falls back to if the restored one is damaged, newest first
-        os.path.join(run, name)
+        run_at.join(name)
         for s, name, status in reversed(found)
         if step is not None and s < step and status == "committed"
     ]
-    info = load_first(
-        run, [location, *older], "ddpckpt.integrations.ray.resume()",
-        lambda path: ddpckpt.load(path, state),
+    info = load_first(  # each one tried goes through the public load, as the user's call
+        run, [locate(location), *older], "ddpckpt.integrations.ray.resume()",
+        lambda place: ddpckpt.load(place.path, state),
     )  # fmt: skip
     if info is not None and info.step is not None:
         _newest[experiment] = info.step
@@ -188,14 +190,14 @@ def _clean(run: str) -> None:
     """On world rank 0, with no worker saving (the group was just started): remove what
     saves killed midway left in the run's storage, and put back a checkpoint an
     interrupted overwrite had moved aside."""
-    for name in clean_temporaries(run):
+    for name in clean_temporaries(locate(run)):
         _log.info("%s: removed %s, left by an interrupted save", run, name)
 
 
 def _listing(run: str) -> list[tuple[int, str, str]]:
     """On world rank 0: ``(step, name, status)`` of each of the run's checkpoints, oldest
     first (sent to every worker: a few bytes per checkpoint)."""
-    return [(e.step, os.path.basename(e.path), e.status) for e in scan(run)]
+    return [(e.step, os.path.basename(e.path), e.status) for e in scan(locate(run))]
 
 
 def _report_newer(restored: str, step: int, found: list[tuple[int, str, str]]) -> None:

@@ -24,6 +24,7 @@ index, never loaded). Each committed checkpoint is logged with ``Trainer.log``
 from __future__ import annotations
 
 from ddpckpt.integrations._require import require
+from ddpckpt.storage._location import locate
 
 require("transformers", "Hugging Face transformers", "transformers")
 
@@ -57,7 +58,6 @@ from ddpckpt.integrations._hf_checkpoints import (  # noqa: E402
 from ddpckpt.integrations._hf_export import export_pretrained  # noqa: E402
 from ddpckpt.integrations._hf_records import trainer_state_from_json  # noqa: E402
 from ddpckpt.integrations._ranks import capture_streams, restore_streams  # noqa: E402
-from ddpckpt.storage import storage_for  # noqa: E402
 
 __all__ = ["DdpckptTrainer", "export_pretrained"]
 export_pretrained.__module__ = __name__  # public here (its code: _hf_export.py)
@@ -224,7 +224,7 @@ class DdpckptTrainer(Trainer):
             "DdpckptTrainer._save_checkpoint", path=run_dir, timeout=options.get("timeout")
         ) as comm:
             # as the save found them (storage_domains keeps them per directory): one round
-            domains = storage_domains(comm, storage_for(output_dir).parent(output_dir), sharing)
+            domains = storage_domains(comm, locate(output_dir).parent, sharing)
             leads = any(domain[0] == comm.rank for domain in domains)
             text = _state_json(self.state)
 

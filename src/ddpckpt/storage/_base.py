@@ -6,7 +6,9 @@ A storage is addressed by *locations*: strings that name an object (a file) or a
 (a directory) in that storage's own spelling, e.g. ``/data/run/step-00000100/manifest.json``
 on a file system or ``memory://t/run/step-00000100/manifest.json`` in memory. Locations are
 joined with ``/`` (``os.path.join`` on POSIX); :func:`ddpckpt.storage.storage_for` maps a path or
-URL to the storage that serves it.
+URL to the storage that serves it. Inside ddpckpt a public call resolves each path once into a
+:class:`~ddpckpt.storage._location.Location` (the storage and the path) that the layers below
+take.
 
 Nothing here knows about ranks. The callers decide who calls what: every rank creates,
 writes and syncs the data objects it was assigned and reads the ones it loads; one rank

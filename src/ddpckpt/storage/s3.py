@@ -379,7 +379,8 @@ def default_storage(url: str) -> S3Storage:
 
 def reset_default() -> None:
     """Forget the default storage, so the next ``s3://`` URL reads the environment anew;
-    local (this process only). Storages mounted or configured stay."""
+    local (this process only). Storages mounted or configured stay, and so does the storage
+    of a ``Checkpointer`` made before (it resolves its directory once, when it is made)."""
     global _default
     with _default_lock:
         _default = None
