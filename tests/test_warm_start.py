@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from warm.warm_ended import ended
+
 pytestmark = pytest.mark.processes
 
-if not os.environ.get("DDPCKPT_TEST_WARM"):
+if os.environ.get("DDPCKPT_TEST_COLD"):
     pytest.skip("the suite runs cold (DDPCKPT_TEST_COLD)", allow_module_level=True)
 
 SHOW = textwrap.dedent(
@@ -141,7 +143,7 @@ def test_signals_reach_the_program_and_its_end_is_the_stand_ins(tmp_path: Path) 
     proc.kill()  # the stand-in: its program goes too
     proc.wait(30)
     deadline = time.monotonic() + 30
-    while _alive(program):
+    while not ended(program):
         assert time.monotonic() < deadline, "the program outlived its killed stand-in"
         time.sleep(0.02)
     assert _starts(log) == ["warm"] * 3
@@ -182,18 +184,10 @@ def test_a_signal_before_the_program_starts_and_one_to_the_group_reach_it(tmp_pa
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(30) == -signal.SIGTERM
     sleeper = int((tmp_path / "sleeper").read_text())
-    while _alive(sleeper):
+    while not ended(sleeper):
         assert time.monotonic() < deadline, "a process the program started missed the signal"
         time.sleep(0.02)
     assert _starts(log)[-1:] == ["warm"]  # the first warm run may end before it hands over
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_module_runs_warm_and_what_the_server_cannot_reproduce_starts_cold(

@@ -1,6 +1,6 @@
 """Warm starts for the processes the tests start (a pytest plugin).
 
-Each test worker starts one warm server (warm_server.py: torch imported once) and puts
+Each test worker whose tests include the process or long tier starts one warm server (warm_server.py: torch imported once) and puts
 warm/ on ``PYTHONPATH`` with ``DDPCKPT_TEST_WARM`` naming the server's socket, so that the
 Python processes its tests start, with the worker's environment or one built from it (the
 launchers', the CLI's, the documentation snippets'), are forked from the server instead of
@@ -25,19 +25,30 @@ from pathlib import Path
 
 import pytest
 
+from tiers import MARKERS
+
 WARM = Path(__file__).with_name("warm")
 SERVER = Path(__file__).with_name("warm_server.py")
+TIERS = tuple(MARKERS)  # the markers of the tests that may start processes
 _server: subprocess.Popen[bytes] | None = None
 _home: str | None = None
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the server once the tests this process runs are known, only if one of them
+    may start a process (the process and long tiers): the unit tier starts none."""
     global _server, _home
+    config = session.config
     if os.environ.get("DDPCKPT_TEST_COLD") or _server is not None:
         return
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # pytest-xdist's controller runs no test
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not any(item.get_closest_marker(tier) for item in session.items for tier in TIERS):
+        return
     _home = tempfile.mkdtemp(prefix="warm-")
     os.chmod(_home, 0o700)
     env = {k: v for k, v in os.environ.items()

@@ -241,13 +241,11 @@ def _wait_for_server(where: str, os) -> None:
             pid = int(f.read())
     except (OSError, ValueError):
         return
+    from warm_ended import ended
+
     deadline = time.monotonic() + 30
     while not os.path.exists(where) and time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":  # ended, not yet reaped
-                    return
-        except OSError:
+        if ended(pid):
             return
         time.sleep(0.05)
 
