@@ -197,19 +197,19 @@ class Checkpointer(RunQueries):
             if read_only
             else _observe.place(directory, "Checkpointer", Access.WRITE_RUN)
         )
-        self.location = locate(self.directory)
+        self._location = locate(self.directory)
         first = {role: next(iter(getattr(self.state, role).values()), None) for role in ROLES}
         self.model, self.optimizer = first["models"], first["optimizers"]
         self.scheduler, self.scaler = first["schedulers"], first["scalers"]
         self.extra, self.rng = self.state.extra, self.state.rng
         fast = self.options.fast_tier
         self._saver = AsyncSaver(lends=fast is not None)  # the durable tier's buffer, writer
-        self._durable = DurableSaves(self.location, self.options, self._saver, read_only)
+        self._durable = DurableSaves(self._location, self.options, self._saver, read_only)
         self._saves = self._durable.saves
         place = lambda path: _observe.place(path, "Checkpointer(fast_tier=...)", Access.WRITE_RUN)  # noqa: E731
         self._fast = None if fast is None else FastSaves(
             None if fast.directory is None else place(fast.directory),
-            fast, self.options, overlap=bool(self.state.optimizers), run=self.location,
+            fast, self.options, overlap=bool(self.state.optimizers), run=self._location,
             place=place,
         )  # fmt: skip
         self._closed = False
@@ -274,7 +274,7 @@ class Checkpointer(RunQueries):
     def _load(self, step: int | Location) -> CheckpointInfo:
         """Restore checkpoint ``step`` (or the one at a location: the fast tier's) into the
         objects; collective."""
-        at = step if isinstance(step, Location) else checkpoint_path(self.location, step)
+        at = step if isinstance(step, Location) else checkpoint_path(self._location, step)
         return load_from(at, self.state, timeout=self.options.storage.timeout)
 
     def should_save(self, step: int) -> bool:

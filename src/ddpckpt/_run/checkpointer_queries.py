@@ -14,12 +14,12 @@ class RunQueries:
     """The queries of :class:`~ddpckpt.Checkpointer` (its base class)."""
 
     directory: str
-    location: Location  # the directory, resolved once
+    _location: Location  # the directory, resolved once
     options: CheckpointerOptions
 
     def steps(self) -> list[int]:
         """The steps of the committed checkpoints, oldest first; local and read-only."""
-        return _query.steps(self.location)
+        return _query.steps(self._location)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None``; local and read-only.
@@ -27,7 +27,7 @@ class RunQueries:
         The one way to ask inside a run with a Checkpointer; :func:`ddpckpt.latest` answers
         with a path for code without one.
         """
-        return _query.latest_step(self.location)
+        return _query.latest_step(self._location)
 
     def best(self, metric: str, mode: str | None = None) -> int | None:
         """The committed step with the best finite ``metric``; local and read-only.
@@ -44,7 +44,7 @@ class RunQueries:
             TypeError: ``metric`` is not a string.
             ValueError: ``mode`` is neither ``"min"`` nor ``"max"``.
         """
-        return _query.best_step(self.location, metric, mode or self.options.keeping.mode)
+        return _query.best_step(self._location, metric, mode or self.options.keeping.mode)
 
     def info(self, step: int) -> CheckpointInfo:
         """The metadata of checkpoint ``step`` without loading it; local and read-only.
@@ -53,7 +53,7 @@ class RunQueries:
             CheckpointNotFoundError: The run has no committed checkpoint ``step``.
             CorruptCheckpointError: Its manifest is damaged.
         """
-        return _query.info(self.location, step)
+        return _query.info(self._location, step)
 
     def resume_step(
         self, step: int | None = None, *, best: str | None = None, mode: str | None = None
@@ -76,4 +76,4 @@ class RunQueries:
             ValueError: Both ``step`` and ``best`` are given.
             TypeError: ``step`` is not an int.
         """
-        return _query.resume_step(self.location, step, best, mode or self.options.keeping.mode)
+        return _query.resume_step(self._location, step, best, mode or self.options.keeping.mode)
