@@ -87,3 +87,27 @@ def test_a_job_grown_by_a_node_loads_rank_0_s_state_on_the_new_ranks() -> None:
     for index in range(3):
         kept[NODES[index][0]] = {"kept": [[0, 6]], "world": 6}
     assert _sources("ckpt", NODES, _have({3}), kept) == [[0, [6]]]
+
+
+def test_a_node_reports_the_ranks_its_copy_keeps_from_its_file_tables(tmp_path) -> None:
+    """A node's copy written with partners, of a job large enough for file tables (format
+    7): what it keeps is read from its own tables, found where its manifest was read."""
+    from ddpckpt._coord.replicate import _kept_here
+    from ddpckpt._format import filetable
+    from ddpckpt._format.manifest import MANIFEST_NAME, Manifest
+    from ddpckpt._format.rankparts import rank_file_name
+    from ddpckpt._format.tensorfile import FileEntry
+    from ddpckpt.storage._location import locate
+
+    world, kept = 3 * filetable.TABLE_RANKS, range(filetable.TABLE_RANKS, 2 * filetable.TABLE_RANKS)
+    path = tmp_path / "step-00000001"
+    path.mkdir()
+    manifest = Manifest(id="0123456789ab", step=1, world_size=world, rank_keys=["rng"])
+    manifest.copy = {"index": 1, "count": 3, "partners": 1}
+    for rank in kept:  # this node's ranks' own files, and no other node's
+        name = rank_file_name(rank)
+        manifest.files[name] = FileEntry(name, 100 + rank, f"{rank:016x}", rank)
+    for name, blob in manifest.files.tabulate(set(), manifest.id, 0).items():
+        (path / name).write_bytes(blob)
+    (path / MANIFEST_NAME).write_bytes(manifest.to_json(str(path)).encode())
+    assert RankSet.from_json(_kept_here(locate(str(path)))["kept"]) == RankSet.of(kept)
