@@ -1,10 +1,11 @@
 """Warm starts for the processes the tests start (a pytest plugin).
 
-Each test worker whose tests include the process or long tier starts one warm server (warm_server.py: torch imported once) and puts
-warm/ on ``PYTHONPATH`` with ``DDPCKPT_TEST_WARM`` naming the server's socket, so that the
-Python processes its tests start, with the worker's environment or one built from it (the
-launchers', the CLI's, the documentation snippets'), are forked from the server instead of
-importing torch again: about 2.5 s of CPU each, most of what a process test costs. What a
+Each test worker whose tests include the process or long tier starts one warm server
+(warm_server.py: torch imported once) and puts warm/ on ``PYTHONPATH`` with
+``DDPCKPT_TEST_WARM`` naming the server's socket, so that the Python processes its tests
+start, with the worker's environment or one built from it (the launchers', the CLI's, the
+documentation snippets'), are forked from the server instead of importing torch again:
+about 2.5 s of CPU each, most of what a process test costs. What a
 warm process shares with the server instead of having its own: warm_server.py. Which
 processes start cold anyway, and why: warm/sitecustomize.py.
 
@@ -29,7 +30,6 @@ from tiers import MARKERS
 
 WARM = Path(__file__).with_name("warm")
 SERVER = Path(__file__).with_name("warm_server.py")
-TIERS = tuple(MARKERS)  # the markers of the tests that may start processes
 _server: subprocess.Popen[bytes] | None = None
 _home: str | None = None
 
@@ -47,7 +47,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return  # pytest-xdist's controller runs no test
-    if not any(item.get_closest_marker(tier) for item in session.items for tier in TIERS):
+    if not any(item.get_closest_marker(tier) for item in session.items for tier in MARKERS):
         return
     _home = tempfile.mkdtemp(prefix="warm-")
     os.chmod(_home, 0o700)

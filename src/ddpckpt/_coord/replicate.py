@@ -30,7 +30,7 @@ from ddpckpt._coord.plan import FanOut, assign
 from ddpckpt._coord.rankset import RankSet
 from ddpckpt._coord.topology import storage_domains
 from ddpckpt._format.boundary import MAX_MANIFEST_BYTES, open_checked, read_small
-from ddpckpt._format.manifest import MANIFEST_NAME, Manifest
+from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, manifest_at
 from ddpckpt._format.rankparts import file_rank, kept_ranks
 from ddpckpt._format.tensorfile import byte_view
 from ddpckpt._log import get_logger
@@ -142,8 +142,7 @@ def _ranks(ranks: Any) -> str:
 def _kept_here(location: Location) -> dict[str, Any]:
     """The ranks whose own files this rank's copy of ``location`` keeps (as RankSet spans),
     and the number of ranks that saved it."""
-    manifest = Manifest.from_json(_read_text(location), location.path)
-    manifest.files.bind(location)  # kept_ranks may read its file tables
+    manifest = _own_copy(location)[1]  # kept_ranks may read its file tables
     return {"kept": RankSet.of(kept_ranks(manifest)).to_json(), "world": manifest.world_size}
 
 
@@ -194,7 +193,7 @@ def _fan_out(
     manifest it received, and its text."""
     line = tuple(receivers)
     place = line.index(comm.rank) + 1 if comm.rank in receivers else -1  # -1: no receiver
-    text = _read_text(location) if comm.rank in source else b""  # its own copy's
+    text = _own_copy(location)[0] if comm.rank in source else b""  # its own copy's
     for part in FanOut(source[0], line).part_at(0 if comm.rank == source[0] else place):
         if part.role == "receive":
             text = link(part.peer).recv_bytes()
@@ -202,9 +201,8 @@ def _fan_out(
             link(part.peer).send_bytes(text)
     if not text:
         return None
-    manifest = Manifest.from_json(text, location.path)
+    manifest = manifest_at(text, location)  # a source reads the tables of its own copy
     files = manifest.files
-    files.bind(location)  # a source reads the tables of its own copy
     # The files the manifest lists itself first, among them its file tables (format 7),
     # which list the others: a receiver reads them from what it has just received.
     listed = {name: f.size for name, f in files.inline.items()}
@@ -225,12 +223,11 @@ def _fan_out(
     return (manifest, text) if comm.rank in receivers else None
 
 
-def _read_text(location: Location) -> bytes:
+def _own_copy(location: Location) -> tuple[bytes, Manifest]:
+    """The manifest of this rank's copy at ``location``: its text (checked before it is
+    sent; every rank checks it again) and the manifest, bound to the copy."""
     text = read_small(location.join(MANIFEST_NAME), MAX_MANIFEST_BYTES, MANIFEST_NAME)
-    Manifest.from_json(
-        text, location.path
-    )  # checked before it is sent (every rank checks it again)
-    return text
+    return text, manifest_at(text, location)
 
 
 def _send(location: Location, size: int, link: Pair) -> None:

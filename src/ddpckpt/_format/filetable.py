@@ -115,8 +115,8 @@ class FileTable(MutableMapping[str, FileEntry]):
     ``inline`` are the entries the manifest holds itself; ``tables`` (format 7) maps the
     name of each table (one of ``inline``) to its :class:`TableRef`, ``ranks`` is the
     ranks per table, and ``location`` the checkpoint directory (as messages name it) whose
-    tables :meth:`bind` says where to read, ``token`` the checkpoint's id. Looking a name up reads at
-    most the one table of its group, once; iterating reads every table.
+    tables are read from where :meth:`bind` says, ``token`` the checkpoint's id. Looking a
+    name up reads at most the one table of its group, once; iterating reads every table.
     """
 
     def __init__(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -263,10 +262,6 @@ def _parse(doc: Any, where: str) -> Manifest:
     )
 
 
-def manifest_path(path: str) -> str:
-    return os.path.join(path, MANIFEST_NAME)
-
-
 def read_manifest(location: Location) -> Manifest:
     """Read and validate the manifest of the checkpoint directory ``location``, bound to it
     (its file tables are read from there).
@@ -292,7 +287,13 @@ def read_manifest(location: Location) -> Manifest:
         raise IncompleteCheckpointError(
             f"{path}: has no {MANIFEST_NAME}; the save that created it did not finish"
         ) from None
-    manifest = Manifest.from_json(text, path)
+    return manifest_at(text, location)
+
+
+def manifest_at(text: str | bytes, location: Location) -> Manifest:
+    """Parse and check ``text``, the manifest of the checkpoint at ``location``, bound to it
+    (its file tables are read from there)."""
+    manifest = Manifest.from_json(text, location.path)
     manifest.files.bind(location)
     return manifest
 

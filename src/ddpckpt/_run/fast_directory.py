@@ -71,7 +71,6 @@ class FastDirectory:
     auto: bool
     named: bool
     directory: str
-    run: str
     run_location: Location
     saver: AsyncSaver
     saves: RunSaves
@@ -82,6 +81,11 @@ class FastDirectory:
     _owner: str
     _found: FastTierMarker | None
     _refused: bool
+
+    @property
+    def run(self) -> str:
+        """The durable run directory, as messages name it."""
+        return self.run_location.path
 
     def _saves_in(self, directory: str) -> RunSaves:
         return RunSaves(locate(directory), self._options, self.saver, TierNames.fast(directory))

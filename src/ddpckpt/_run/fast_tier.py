@@ -122,7 +122,7 @@ class FastSaves(FastDirectory):
         self.auto = directory is None
         self.named = not self.auto  # whether self.directory is the tier's (not the pattern)
         self.directory = directory or auto_directory("<this run's identity>")
-        self.run, self.run_location = run.path, run  # the run whose steps this tier holds
+        self.run_location = run  # the durable run directory whose steps this tier holds
         self.every = config.every_steps
         self.saver = AsyncSaver()  # its own host buffer and background writer
         self._options = fast_options(config, durable, overlap)

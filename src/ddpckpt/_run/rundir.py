@@ -94,17 +94,17 @@ def scan(directory: Location) -> list[Entry]:
     return sorted(entries, key=lambda e: e.step)
 
 
-def _entry(step: int, path: Location) -> Entry:
-    """The checkpoint at ``path``: committed if its manifest reads and its metrics decode
+def _entry(step: int, location: Location) -> Entry:
+    """The checkpoint at ``location``: committed if its manifest reads and its metrics decode
     (what ``resume(best=...)``, retention and ``ddpckpt ls`` rank by), else why not."""
     try:
-        entry = Entry(step, path, "committed", read_manifest(path))
+        entry = Entry(step, location, "committed", read_manifest(location))
         entry.metrics  # noqa: B018 - decoded here, so that a damaged one is listed as corrupt
         return entry
     except IncompleteCheckpointError as exc:
-        return Entry(step, path, "incomplete", problem=str(exc))
+        return Entry(step, location, "incomplete", problem=str(exc))
     except CheckpointError as exc:
-        return Entry(step, path, "corrupt", problem=str(exc))
+        return Entry(step, location, "corrupt", problem=str(exc))
 
 
 def checkpoint_path(directory: Location, step: int) -> Location:

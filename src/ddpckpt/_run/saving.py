@@ -71,8 +71,8 @@ class RunSaves:
         saver: AsyncSaver,
         names: TierNames | None = None,
     ) -> None:
-        self.location, self.directory = location, location.path
-        directory = self.directory
+        self.location = location
+        directory = location.path
         self.options = options
         self.saver = saver  # the tier's own host buffer and background writer
         self.names = names or TierNames.durable(directory)  # how its messages name the tier
@@ -85,6 +85,11 @@ class RunSaves:
         self._leader = False
         self._run_file_written = False
         self.refused: CheckpointLockedError | None = None  # the lock is lost: no more saves
+
+    @property
+    def directory(self) -> str:
+        """The run directory, as messages name it."""
+        return self.location.path
 
     @property
     def lists(self) -> bool:

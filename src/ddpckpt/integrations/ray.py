@@ -29,7 +29,7 @@ refused by name.
 from __future__ import annotations
 
 from ddpckpt.integrations._require import require
-from ddpckpt.storage._location import locate
+from ddpckpt.storage._location import Location, locate
 
 require("ray", "Ray Train", "ray")
 
@@ -139,16 +139,16 @@ def resume(state: ddpckpt.TrainingState) -> ddpckpt.CheckpointInfo | None:
     run = _location(filesystem, experiment)
     leader = ray.train.get_context().get_world_rank() == 0
     with Comm.open("ddpckpt.integrations.ray.resume", path=run) as comm:
-        comm.run("leftovers", lambda: _clean(run) if leader else None)
+        run_at = comm.locate(run)  # a worker that cannot fails the call everywhere
+        comm.run("leftovers", lambda: _clean(run_at) if leader else None)
         if checkpoint is None:  # the same on every worker
             return None
-        found = comm.run_reduce("list", lambda: _listing(run) if leader else [], lambda v: v[0])
+        found = comm.run_reduce("list", lambda: _listing(run_at) if leader else [], lambda v: v[0])
     location = _location(checkpoint.filesystem, checkpoint.path)
     restored = os.path.basename(location.rstrip("/"))
     step = next((s for s, name, _ in found if name == restored), None)
     if leader and step is not None:
         _report_newer(location, step, found)
-    run_at = locate(run)
     older = [  # what load_first falls back to if the restored one is damaged, newest first
         run_at.join(name)
         for s, name, status in reversed(found)
@@ -186,18 +186,18 @@ def _location(filesystem: Any, path: str) -> str:
     )
 
 
-def _clean(run: str) -> None:
+def _clean(run: Location) -> None:
     """On world rank 0, with no worker saving (the group was just started): remove what
     saves killed midway left in the run's storage, and put back a checkpoint an
     interrupted overwrite had moved aside."""
-    for name in clean_temporaries(locate(run)):
+    for name in clean_temporaries(run):
         _log.info("%s: removed %s, left by an interrupted save", run, name)
 
 
-def _listing(run: str) -> list[tuple[int, str, str]]:
+def _listing(run: Location) -> list[tuple[int, str, str]]:
     """On world rank 0: ``(step, name, status)`` of each of the run's checkpoints, oldest
     first (sent to every worker: a few bytes per checkpoint)."""
-    return [(e.step, os.path.basename(e.path), e.status) for e in scan(locate(run))]
+    return [(e.step, os.path.basename(e.path), e.status) for e in scan(run)]
 
 
 def _report_newer(restored: str, step: int, found: list[tuple[int, str, str]]) -> None:
