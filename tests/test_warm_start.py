@@ -45,6 +45,11 @@ SHOW = textwrap.dedent(
           sys.stdout.name, repr(sys.stdin.newlines), sys.dont_write_bytecode)
     def annotated(a: int) -> None: ...
     print("annotations", annotated.__annotations__)  # no __future__ of the server's
+    import site, sysconfig, tempfile
+    print("user base", site.getuserbase(), sysconfig.get_config_var("userbase"))  # its HOME
+    import torch._dynamo
+    print("inductor cache", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))  # set by the import
+    print("tmp", tempfile.gettempdir())
     sys.stdout.flush()
     if sys.argv[1] == "raise":
         raise ValueError("planted")
@@ -73,7 +78,8 @@ def test_a_warm_program_is_given_and_ends_as_a_cold_one(tmp_path: Path, ending: 
     script = tmp_path / "scripts" / "show.py"
     script.parent.mkdir()
     script.write_text(SHOW)
-    env = {**os.environ, "SOME_SETTING": "x"}
+    env = {**os.environ, "SOME_SETTING": "x", "HOME": str(tmp_path)}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # set in this test worker if it imported dynamo
 
     def limits() -> None:  # as a launcher's preexec_fn sets them
         os.umask(0o027)
@@ -96,8 +102,10 @@ def test_a_warm_program_is_given_and_ends_as_a_cold_one(tmp_path: Path, ending: 
     assert f"path0 {script.parent}" in warm[1] and "stdin on stdin" in warm[1]
     assert warm[3] == "to the descriptor it was given"
     assert "fsize (1073741824, -1)" in warm[1] and "umask 0o27" in warm[1]
+    assert f"user base {tmp_path}/.local {tmp_path}/.local" in warm[1]
+    assert "inductor cache /" in warm[1]
     if ending == "raise":
-        assert warm[2].splitlines()[1] == f'  File "{script}", line 22, in <module>', warm[2]
+        assert warm[2].splitlines()[1] == f'  File "{script}", line 27, in <module>', warm[2]
 
 
 def test_signals_reach_the_program_and_its_end_is_the_stand_ins(tmp_path: Path) -> None:
@@ -204,6 +212,7 @@ def test_a_module_runs_warm_and_what_the_server_cannot_reproduce_starts_cold(
         ([sys.executable, "-c", "print('script')"], env),
         ([sys.executable, "-O", str(script)], env),
         ([sys.executable, str(script)], {**env, "OMP_NUM_THREADS": "2"}),
+        ([sys.executable, str(script)], {**env, "TMPDIR": str(tmp_path)}),  # read by dynamo
         ([sys.executable, str(script)], {**env, "DDPCKPT_CHECK_RESUME": str(tmp_path)}),
     ]
     for argv, run_env in cold:
@@ -214,6 +223,7 @@ def test_a_module_runs_warm_and_what_the_server_cannot_reproduce_starts_cold(
         ["cold", "option -c"],
         ["cold", "option -O"],
         ["cold", "refused: other load-time environment: OMP_NUM_THREADS"],
+        ["cold", "refused: other load-time environment: TMPDIR"],
         ["cold", "under check-resume"],
     ]
 

@@ -167,9 +167,11 @@ def _environment(cwd: Path) -> dict[str, str]:
            "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "HOME": str(cwd)}  # fmt: skip
     if "PYTHONPATH" in os.environ:  # a development checkout imported through PYTHONPATH
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    # The shell's locale, and the suite's warm starts (warm_start.py: a program whose locale,
-    # and so its interpreter's UTF-8 mode, differs from the test worker's starts cold).
-    for name in ("LANG", "LC_ALL", "LC_CTYPE", "DDPCKPT_TEST_WARM", "DDPCKPT_TEST_WARM_LOG"):
+    # The shell's locale, user and temporary directory, the CI flag (torch reads it when it
+    # loads), and the suite's warm starts (warm_server.py: a program whose values of these
+    # differ from the test worker's starts cold).
+    for name in ("LANG", "LC_ALL", "LC_CTYPE", "USER", "LOGNAME", "TMPDIR", "CI",
+                 "DDPCKPT_TEST_WARM", "DDPCKPT_TEST_WARM_LOG"):  # fmt: skip
         if name in os.environ:
             env[name] = os.environ[name]
     return env

@@ -12,8 +12,10 @@ afresh (``random`` reseeds itself at a fork). It then runs the program as ``__ma
 ends through the interpreter's own exit (threads joined, atexit handlers, finalization).
 
 What it shares with the server rather than having its own: modules imported at start-up
-(so environment variables read while torch loads must match; the server refuses
-otherwise), and the string-hash seed, so a set of strings iterates in one order in every
+(so environment variables read while they load must match; the server refuses otherwise),
+as if the program had imported them first thing (one that changes TMPDIR before it first
+uses torch._dynamo still has the temporary and inductor cache directories of the TMPDIR it
+started with), and the string-hash seed, so a set of strings iterates in one order in every
 warm process of a worker. The server serves only its own user, group and interpreter.
 """
 
@@ -35,20 +37,62 @@ PRELOAD = (
     "torch.distributed",
     "torch.nn.parallel",
     "torch.utils.data",
+    # DDP's constructor and the optimizers import it (about 1.2 s of CPU a process)
+    "torch._dynamo",
     "numpy",
     "xxhash",
 )
-# Environment variables read while the preloaded modules load (OpenMP, the allocator,
-# torch's logging and C++ settings): a program whose values differ starts cold. CUDA's
-# (CUDA_VISIBLE_DEVICES, PYTORCH_CUDA_ALLOC_CONF ...) are read when CUDA is first used,
-# which the server never does.
+# Environment variables read while the preloaded modules load: by C code (OpenMP, the
+# allocator, torch's logging and C++ settings), listed here, and by Python code
+# (torch._dynamo's and inductor's settings, TMPDIR ...), noted while the server preloads
+# (_READ). A program whose values differ starts cold. CUDA's (CUDA_VISIBLE_DEVICES,
+# PYTORCH_CUDA_ALLOC_CONF ...) are read when CUDA is first used, which the server never does.
 _LOAD_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "LD_PRELOAD", "LD_LIBRARY_PATH", "MALLOC_",
               "TORCH_LOGS", "TORCH_CPP_", "TORCH_SHOW_CPP", "PYTORCH_JIT", "NPY_", "NUMPY_",
-              "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONHOME", "LANG", "LC_", "TZ")  # fmt: skip
+              "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONHOME", "LANG", "LC_", "TZ", "TQDM_")  # fmt: skip
+
+
+_READ: set[str] = set()
+_STARTED_WITH: dict[str, str] = {}  # the server's environment before it preloaded
+_SET_BY_PRELOAD: dict[str, str] = {}  # what preloading set (TORCHINDUCTOR_CACHE_DIR)
+# Read while preloading, but only by sysconfig for its user base, which _become finds again
+_REDERIVED = frozenset({"HOME"})
 
 
 def _load_time(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(_LOAD_TIME)}
+    return {
+        k: v
+        for k, v in env.items()
+        if k.startswith(_LOAD_TIME) or (k in _READ and k not in _REDERIVED)
+    }
+
+
+@contextlib.contextmanager
+def _noting_reads():
+    """Note in _READ every environment variable Python code looks up meanwhile
+    (``os.environ[k]``, ``.get``, ``in``, ``os.getenv``); not those a copy or a walk of the
+    whole environment reads (``.copy()``, ``.items()``: tqdm's scan for ``TQDM_``, hence its
+    prefix in _LOAD_TIME)."""
+    from collections.abc import ItemsView, ValuesView
+
+    cls = type(os.environ)
+    getitem, contains = cls.__getitem__, cls.__contains__
+    walks = {ItemsView.__iter__.__code__, ValuesView.__iter__.__code__, cls.copy.__code__}
+
+    def noted_getitem(self, key):
+        if sys._getframe(1).f_code not in walks:
+            _READ.add(key)
+        return getitem(self, key)
+
+    def noted_contains(self, key):
+        _READ.add(key)
+        return contains(self, key)
+
+    cls.__getitem__, cls.__contains__ = noted_getitem, noted_contains  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.__getitem__, cls.__contains__ = getitem, contains  # type: ignore[method-assign]
 
 
 def _refusal(request: dict, peer: tuple[int, int, int]) -> str | None:
@@ -62,7 +106,9 @@ def _refusal(request: dict, peer: tuple[int, int, int]) -> str | None:
         return "another interpreter"
     if request["flags"] != {name: getattr(sys.flags, name) for name in request["flags"]}:
         return "other interpreter flags"
-    theirs, ours = _load_time(request["env"]), _load_time(dict(os.environ))
+    # a variable preloading set matches where the program leaves it unset or has that value
+    theirs = _load_time({**_SET_BY_PRELOAD, **request["env"]})
+    ours = _load_time({**_STARTED_WITH, **_SET_BY_PRELOAD})
     if theirs != ours:
         differ = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
         return f"other load-time environment: {', '.join(differ)}"
@@ -110,8 +156,11 @@ def serve(path: str) -> None:
     """Preload, listen on ``path``, and fork a program for each request until SIGTERM, the
     end of the parent, or a closed listener. Only forked children return from here: into
     :func:`_become`, which ends by raising SystemExit through the interpreter's exit."""
-    for name in PRELOAD:
-        importlib.import_module(name)
+    _STARTED_WITH.update(os.environ)
+    with _noting_reads():
+        for name in PRELOAD:
+            importlib.import_module(name)
+    _SET_BY_PRELOAD.update((k, v) for k, v in os.environ.items() if _STARTED_WITH.get(k) != v)
     # Out of the collector's reach: a child's collections (its exit's among them) then
     # neither walk nor copy the server's objects.
     gc.collect()
@@ -283,6 +332,8 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    for name, value in _SET_BY_PRELOAD.items():  # as the program's own import would have
+        os.environ.setdefault(name, value)
     _streams(request, io)
     if request["faulthandler"]:
         faulthandler.enable()
@@ -299,10 +350,23 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     import numpy
 
     numpy.random.seed()  # from the system's entropy, as at a fresh import
+    _user_base_again()
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
     _run(main, request["script"], request["module"])
+
+
+def _user_base_again() -> None:
+    """Forget the user base (``~/.local``) that ``site`` and ``sysconfig`` derived from the
+    server's HOME: both find it again, from the program's, when next asked."""
+    import site
+    import sysconfig
+
+    site.USER_BASE = site.USER_SITE = None  # type: ignore[assignment]
+    sysconfig._CONFIG_VARS = None  # type: ignore[attr-defined]
+    if hasattr(sysconfig, "_CONFIG_VARS_INITIALIZED"):  # Python 3.12 and later
+        sysconfig._CONFIG_VARS_INITIALIZED = False  # type: ignore[attr-defined]
 
 
 def _streams(request: dict, io) -> None:
