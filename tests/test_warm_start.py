@@ -213,7 +213,6 @@ def test_a_module_runs_warm_and_what_the_server_cannot_reproduce_starts_cold(
         ([sys.executable, "-O", str(script)], env),
         ([sys.executable, str(script)], {**env, "OMP_NUM_THREADS": "2"}),
         ([sys.executable, str(script)], {**env, "TMPDIR": str(tmp_path)}),  # read by dynamo
-        ([sys.executable, str(script)], {**env, "DDPCKPT_CHECK_RESUME": str(tmp_path)}),
     ]
     for argv, run_env in cold:
         done = _run(argv, run_env, tmp_path, warm=True, log=log)
@@ -224,8 +223,45 @@ def test_a_module_runs_warm_and_what_the_server_cannot_reproduce_starts_cold(
         ["cold", "option -O"],
         ["cold", "refused: other load-time environment: OMP_NUM_THREADS"],
         ["cold", "refused: other load-time environment: TMPDIR"],
-        ["cold", "under check-resume"],
     ]
+
+
+AS_LAUNCHED = textwrap.dedent(
+    """
+    import os, signal, sys
+    print("pid", os.getpid())
+    child = os.fork()
+    if child == 0:
+        os.write(1, f"child {os.getpid()} {os.getppid()}\\n".encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    print("child pid", child, flush=True)
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    print("still running", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_under_check_resume_a_warm_program_sees_the_pid_its_launcher_knows(
+    tmp_path: Path, sig: str
+) -> None:
+    """check-resume matches the pids its ranks record with those their launcher reports:
+    the program's own process sees its stand-in's pid, a signal to it reaches the program
+    at once, and a process it forks sees its own."""
+    script = tmp_path / "s.py"
+    script.write_text(AS_LAUNCHED)
+    log = tmp_path / "starts"
+    env = {**os.environ, "DDPCKPT_CHECK_RESUME": str(tmp_path / "records")}
+    process = subprocess.Popen([sys.executable, str(script), sig], env={**env,
+        "DDPCKPT_TEST_WARM_LOG": str(log)}, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    out, _ = process.communicate(timeout=60)
+    assert _starts(log) == ["warm"]
+    assert process.returncode == -getattr(signal, sig), out
+    lines = out.splitlines()
+    assert lines[0] == f"pid {process.pid}" and "still running" not in out
+    child = int(lines[-1].split()[-1])
+    assert f"child {child} {process.pid}" in out and child != process.pid
 
 
 @pytest.mark.skipif(

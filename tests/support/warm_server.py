@@ -252,9 +252,10 @@ def _start(conn: socket.socket, own: list, selector: selectors.BaseSelector) -> 
     before: set[signal.Signals] | None = None
     try:
         request, fds = _receive(conn)
-        peer = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-        refusal = _refusal(request, tuple(int.from_bytes(peer[i : i + 4], "little")
-                                          for i in (0, 4, 8)))  # fmt: skip
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        peer = tuple(int.from_bytes(creds[i : i + 4], "little") for i in (0, 4, 8))
+        refusal = _refusal(request, peer)  # type: ignore[arg-type]
+        request["stand_in"] = peer[0]  # the kernel's word for it, not the request's
         if refusal is not None:
             conn.sendall(f"no {refusal}\n".encode())
             raise OSError(refusal)
@@ -347,6 +348,8 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     sys.orig_argv[:] = request["orig_argv"]
     sys.argv[:] = request["argv"]
     sys.path[:] = [_first(request), *request["path"]]
+    if request["as_launched"]:
+        _pid_as_launched(request["stand_in"])
     import numpy
 
     numpy.random.seed()  # from the system's entropy, as at a fresh import
@@ -355,6 +358,29 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     main.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = main
     _run(main, request["script"], request["module"])
+
+
+def _pid_as_launched(stand_in: int) -> None:
+    """Make the program's own process see the pid its launcher knows, the stand-in's, as a
+    cold one would (ddpckpt check-resume matches the pids a rank records with those its
+    launcher reports): ``os.getpid()`` returns it, and ``os.kill`` of it signals the
+    program itself at once. Processes the program forks see their own pids, and it as
+    their parent's."""
+    real = os.getpid()
+    getpid, getppid, kill = os.getpid, os.getppid, os.kill
+
+    def launched_getpid() -> int:
+        pid = getpid()
+        return stand_in if pid == real else pid
+
+    def launched_getppid() -> int:
+        pid = getppid()
+        return stand_in if pid == real else pid
+
+    def launched_kill(pid: int, sig: int) -> None:
+        kill(real if pid == stand_in and getpid() == real else pid, sig)
+
+    os.getpid, os.getppid, os.kill = launched_getpid, launched_getppid, launched_kill  # type: ignore[assignment]
 
 
 def _user_base_again() -> None:

@@ -13,9 +13,9 @@ signal that killed it). Killed itself (SIGKILL), it takes the program with it.
 
 Anything the server cannot reproduce starts cold, as Python itself: another interpreter or
 user, ``-c``, options other than ``-u``/``-B``/``-W``/``-X faulthandler``, a script inside
-site-packages (Ray's workers), a run under ``ddpckpt check-resume`` (which tells processes
-apart by their pids), or environment variables read when torch loads that differ from the
-server's. ``DDPCKPT_TEST_WARM_LOG=FILE`` appends one line per start: warm, or cold and why.
+site-packages (Ray's workers), or environment variables read when torch loads that differ
+from the server's. Under ``ddpckpt check-resume`` (which tells processes apart by their
+pids) the program sees this process's pid as its own. ``DDPCKPT_TEST_WARM_LOG=FILE`` appends one line per start: warm, or cold and why.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def _command(os, sys) -> dict | str:
     """What the command line runs (``module`` or ``script``) and whether ``-u`` was given;
     or why this interpreter must start as itself."""
     # check-resume tells a run's processes apart by their pids (its launcher's, the ones
-    # torchrun reports): the processes it records start cold, a torchrun agent warm.
+    # torchrun reports): the processes it records see their stand-in's as their own.
     checked = bool(os.environ.get("DDPCKPT_CHECK_RESUME"))
     if set(sys._xoptions) - {"faulthandler"}:
         return "-X options"
@@ -53,9 +53,8 @@ def _command(os, sys) -> dict | str:
     while i < len(argv):
         arg = argv[i]
         if arg == "-m" and i + 1 < len(argv):
-            if checked and argv[i + 1] != "torch.distributed.run":
-                return "under check-resume"
-            return {"module": argv[i + 1], "script": None, "unbuffered": unbuffered}
+            return {"module": argv[i + 1], "script": None, "unbuffered": unbuffered,
+                    "as_launched": checked}  # fmt: skip
         if arg in ("-W", "-X"):
             i += 2
             continue
@@ -69,9 +68,8 @@ def _command(os, sys) -> dict | str:
                 return "no such script"
             if f"{os.sep}site-packages{os.sep}" in path:
                 return "a script of an installed package"
-            if checked and path != os.path.join(os.path.dirname(sys.executable), "torchrun"):
-                return "under check-resume"
-            return {"module": None, "script": arg, "unbuffered": unbuffered}
+            return {"module": None, "script": arg, "unbuffered": unbuffered,
+                    "as_launched": checked}  # fmt: skip
         i += 1
     return "no script"
 
