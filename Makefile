@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: demo bench docs test test-fast test-scale lint fuzz clean
+.PHONY: demo bench docs test test-fast test-scale lint style fuzz clean
 FUZZ_SECONDS ?= 1800
 
 $(STAMP): pyproject.toml
@@ -30,15 +30,24 @@ bench: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
 
-lint: $(STAMP)
+lint: style
+	$(BIN)/mypy
+
+# The linters that take seconds (the type check takes a minute of one core).
+style: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks docs
 	$(BIN)/ruff format --check src tests examples benchmarks docs
-	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# Every tier: unit, processes and long (tests/support/tiers.py).
-test: lint
-	$(PYTEST)
+# Every tier: unit, processes and long (tests/support/tiers.py). The type check runs beside
+# the tests, on the CPU time they leave idle while they wait on their processes; either
+# failing fails the target (pytest's status first).
+test: style
+	@$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & typecheck=$$!; \
+	$(PYTEST); tests=$$?; \
+	wait $$typecheck; typed=$$?; \
+	echo "$(BIN)/mypy"; cat $(VENV)/mypy.log; \
+	if [ $$tests -ne 0 ]; then exit $$tests; fi; exit $$typed
 
 # The long-running fuzz target (outside CI, which runs tests/test_fuzz.py): coverage-guided,
 # each target for FUZZ_SECONDS; a violation leaves its input as crash-* in fuzz-output/.

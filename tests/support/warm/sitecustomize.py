@@ -39,6 +39,10 @@ _FLAGS = ("debug", "inspect", "interactive", "optimize", "no_user_site", "no_sit
           "utf8_mode", "safe_path")  # fmt: skip
 
 
+# Ray's workers, which its raylet starts (they register the program's pid with it)
+_RAY_WORKER = "/ray/_private/workers/default_worker.py"
+
+
 def _command(os, sys) -> dict | str:
     """What the command line runs (``module`` or ``script``) and whether ``-u`` was given;
     or why this interpreter must start as itself."""
@@ -66,7 +70,7 @@ def _command(os, sys) -> dict | str:
             path = os.path.realpath(arg)
             if not os.path.isfile(path):
                 return "no such script"
-            if f"{os.sep}site-packages{os.sep}" in path:
+            if f"{os.sep}site-packages{os.sep}" in path and not path.endswith(_RAY_WORKER):
                 return "a script of an installed package"
             return {"module": None, "script": arg, "unbuffered": unbuffered,
                     "as_launched": checked}  # fmt: skip
