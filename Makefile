@@ -14,11 +14,16 @@ PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 .PHONY: demo bench docs test test-fast test-scale lint style fuzz clean
 FUZZ_SECONDS ?= 1800
 
+# Installed without compiling every module to bytecode (a minute of one core, most of it for
+# modules nothing imports); Python writes it for the modules the commands below import, the
+# first time they import them, so this Makefile's commands never run with it disabled.
+unexport PYTHONDONTWRITEBYTECODE
+
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-compile --upgrade pip
+	$(BIN)/python -m pip install --quiet --no-compile torch==2.13.0
+	$(BIN)/python -m pip install --quiet --no-compile -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)

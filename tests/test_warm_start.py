@@ -4,6 +4,8 @@ given, how it ends, the signals it gets; and what the server cannot reproduce st
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import resource
 import shutil
@@ -45,6 +47,7 @@ SHOW = textwrap.dedent(
           sys.stdout.name, repr(sys.stdin.newlines), sys.dont_write_bytecode)
     def annotated(a: int) -> None: ...
     print("annotations", annotated.__annotations__)  # no __future__ of the server's
+    print("main", sorted(k for k in vars() if k.startswith("__")))
     import site, sysconfig, tempfile
     print("user base", site.getuserbase(), sysconfig.get_config_var("userbase"))  # its HOME
     import torch._dynamo
@@ -105,7 +108,7 @@ def test_a_warm_program_is_given_and_ends_as_a_cold_one(tmp_path: Path, ending: 
     assert f"user base {tmp_path}/.local {tmp_path}/.local" in warm[1]
     assert "inductor cache /" in warm[1]
     if ending == "raise":
-        assert warm[2].splitlines()[1] == f'  File "{script}", line 27, in <module>', warm[2]
+        assert warm[2].splitlines()[1] == f'  File "{script}", line 28, in <module>', warm[2]
 
 
 def test_signals_reach_the_program_and_its_end_is_the_stand_ins(tmp_path: Path) -> None:
@@ -209,7 +212,6 @@ def test_a_module_runs_warm_and_what_the_server_cannot_reproduce_starts_cold(
     done = _run([sys.executable, "-m", "mod", "x"], env, tmp_path, warm=True, log=log)
     assert done.stdout == f"module ['{tmp_path / 'mod.py'}', 'x']\n"
     cold = [
-        ([sys.executable, "-c", "print('script')"], env),
         ([sys.executable, "-O", str(script)], env),
         ([sys.executable, str(script)], {**env, "OMP_NUM_THREADS": "2"}),
         ([sys.executable, str(script)], {**env, "TMPDIR": str(tmp_path)}),  # read by dynamo
@@ -219,11 +221,57 @@ def test_a_module_runs_warm_and_what_the_server_cannot_reproduce_starts_cold(
         assert done.stdout == "script\n", done.stderr
     assert [line.split("\t")[:2] for line in log.read_text().splitlines()] == [
         ["warm", ""],
-        ["cold", "option -c"],
         ["cold", "option -O"],
         ["cold", "refused: other load-time environment: OMP_NUM_THREADS"],
         ["cold", "refused: other load-time environment: TMPDIR"],
     ]
+
+
+def _drop_a_capability() -> None:  # as a launcher's preexec_fn drops one of root's
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    if libc.prctl(24, 1, 0, 0, 0) != 0:  # PR_CAPBSET_DROP CAP_DAC_OVERRIDE
+        os._exit(77)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping root's capabilities needs root")
+def test_a_program_with_other_capabilities_starts_cold(tmp_path: Path) -> None:
+    """The server's fork has the test worker's capabilities, so a program started with fewer
+    (a test playing an unprivileged job) must not run in it."""
+    log = tmp_path / "starts"
+    done = _run([sys.executable, "-c", "print('ran')"], os.environ, tmp_path, warm=True,
+                log=log, preexec_fn=_drop_a_capability)  # fmt: skip
+    if done.returncode == 77:
+        pytest.skip("dropping a capability is not permitted here")
+    assert done.stdout == "ran\n", done.stderr
+    assert [line.split("\t")[:2] for line in log.read_text().splitlines()] == [
+        ["cold", "refused: other capabilities"]
+    ]
+
+
+CODE = """
+import os, sys
+print("argv", sys.argv, "path0", repr(sys.path[0]), "cwd", os.getcwd())
+print("main", sorted(k for k in vars() if k.startswith("__")), __spec__, __loader__)
+sys.stdout.flush()
+raise ValueError(sys.argv[1])
+"""
+
+
+def test_a_program_given_with_c_runs_warm_as_it_runs_cold(tmp_path: Path) -> None:
+    runs = {}
+    for warm in (False, True):
+        log = tmp_path / f"starts-{warm}"
+        done = _run([sys.executable, "-c", CODE, "planted"], os.environ, tmp_path, warm=warm,
+                    log=log)  # fmt: skip
+        runs[warm] = (done.returncode, done.stdout, done.stderr)
+        assert _starts(log) == (["warm"] if warm else [])
+    assert runs[True] == runs[False]
+    code, out, err = runs[True]
+    assert code == 1 and f"argv ['-c', 'planted'] path0 '' cwd {tmp_path}" in out
+    assert err.splitlines()[1:] == [
+        '  File "<string>", line 6, in <module>',
+        "ValueError: planted",
+    ], err
 
 
 AS_LAUNCHED = textwrap.dedent(

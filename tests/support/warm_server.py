@@ -102,6 +102,8 @@ def _refusal(request: dict, peer: tuple[int, int, int]) -> str | None:
         os.getgroups()
     ):
         return "another user or group"
+    if _privileges(peer[0]) != _privileges(os.getpid()):
+        return "other capabilities"  # a launcher's preexec_fn dropped root's, say
     if (request["executable"], request["prefix"]) != (sys.executable, sys.prefix):
         return "another interpreter"
     if request["flags"] != {name: getattr(sys.flags, name) for name in request["flags"]}:
@@ -128,14 +130,20 @@ def _refusal(request: dict, peer: tuple[int, int, int]) -> str | None:
     return None
 
 
+def _privileges(pid: int) -> list[str]:
+    """What a process may do besides its user's rights: its capability sets, and whether it
+    may gain privileges or runs under seccomp (the kernel's word, in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        return [line for line in f if line.startswith(("Cap", "NoNewPrivs", "Seccomp"))]
+
+
 def _first(request: dict) -> str:
-    """``sys.path[0]`` of the program: its script's directory, or (``-m``) the working one."""
+    """``sys.path[0]`` of the program: its script's directory, (``-m``) the working one, or
+    (``-c``) the empty string, which stands for it."""
     script = request["script"]
-    return (
-        os.path.dirname(os.path.realpath(os.path.join(request["cwd"], script)))
-        if script
-        else request["cwd"]
-    )
+    if script:
+        return os.path.dirname(os.path.realpath(os.path.join(request["cwd"], script)))
+    return "" if request.get("code") is not None else request["cwd"]
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -355,9 +363,9 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     numpy.random.seed()  # from the system's entropy, as at a fresh import
     _user_base_again()
     main = types.ModuleType("__main__")
-    main.__dict__["__builtins__"] = __builtins__
+    main.__dict__.update(__builtins__=__builtins__, __annotations__={})  # as Python's own
     sys.modules["__main__"] = main
-    _run(main, request["script"], request["module"])
+    _run(main, request["script"], request["module"], request.get("code"))
 
 
 def _pid_as_launched(stand_in: int) -> None:
@@ -418,16 +426,21 @@ def _streams(request: dict, io) -> None:
         setattr(sys, f"__{name}__", stream)
 
 
-def _run(main: types.ModuleType, script: str | None, module: str | None) -> None:
+def _run(
+    main: types.ModuleType, script: str | None, module: str | None, source: str | None
+) -> None:
     """Run the program in ``main`` (``sys.modules["__main__"]``) and end as ``python`` does:
     SystemExit and KeyboardInterrupt propagate to the interpreter, any other exception is
     printed without this module's frames and exits 1."""
     import runpy
-    from importlib.machinery import SourceFileLoader
+    from importlib.machinery import BuiltinImporter, SourceFileLoader
 
     try:
         if module is not None:
             runpy._run_module_as_main(module)  # type: ignore[attr-defined]
+        elif source is not None:  # -c: no __file__, the code's file named "<string>"
+            main.__dict__.update(__package__=None, __spec__=None, __loader__=BuiltinImporter)
+            exec(compile(source, "<string>", "exec", dont_inherit=True), main.__dict__)
         else:
             assert script is not None
             main.__dict__.update(__file__=script, __cached__=None, __package__=None,

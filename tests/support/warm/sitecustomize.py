@@ -1,5 +1,5 @@
 """A warm start for the Python processes the test suite starts: ``python SCRIPT``,
-``python -m MODULE`` and the venv's console scripts (``torchrun``, ``ddpckpt``) run in a
+``python -m MODULE``, ``python -c CODE`` and the venv's console scripts (``torchrun``, ``ddpckpt``) run in a
 process forked from the test worker's warm server (tests/support/warm_server.py), which has
 imported torch already; this process stays as its stand-in and ends as it ends.
 
@@ -12,7 +12,7 @@ passes on every signal it can catch, and exits with the program's status (or die
 signal that killed it). Killed itself (SIGKILL), it takes the program with it.
 
 Anything the server cannot reproduce starts cold, as Python itself: another interpreter or
-user, ``-c``, options other than ``-u``/``-B``/``-W``/``-X faulthandler``, a script inside
+user, options other than ``-u``/``-B``/``-W``/``-X faulthandler``, a script inside
 site-packages (Ray's workers), or environment variables read when torch loads that differ
 from the server's. Under ``ddpckpt check-resume`` (which tells processes apart by their
 pids) the program sees this process's pid as its own. ``DDPCKPT_TEST_WARM_LOG=FILE`` appends one line per start: warm, or cold and why.
@@ -44,7 +44,7 @@ _RAY_WORKER = "/ray/_private/workers/default_worker.py"
 
 
 def _command(os, sys) -> dict | str:
-    """What the command line runs (``module`` or ``script``) and whether ``-u`` was given;
+    """What the command line runs (``module``, ``script`` or ``code``), whether ``-u`` was given;
     or why this interpreter must start as itself."""
     # check-resume tells a run's processes apart by their pids (its launcher's, the ones
     # torchrun reports): the processes it records see their stand-in's as their own.
@@ -59,6 +59,9 @@ def _command(os, sys) -> dict | str:
         if arg == "-m" and i + 1 < len(argv):
             return {"module": argv[i + 1], "script": None, "unbuffered": unbuffered,
                     "as_launched": checked}  # fmt: skip
+        if arg == "-c" and i + 1 < len(argv):
+            return {"module": None, "script": None, "code": argv[i + 1],
+                    "unbuffered": unbuffered, "as_launched": checked}  # fmt: skip
         if arg in ("-W", "-X"):
             i += 2
             continue
