@@ -47,7 +47,8 @@ SHOW = textwrap.dedent(
           sys.stdout.name, repr(sys.stdin.newlines), sys.dont_write_bytecode)
     def annotated(a: int) -> None: ...
     print("annotations", annotated.__annotations__)  # no __future__ of the server's
-    print("main", sorted(k for k in vars() if k.startswith("__")))
+    print("main", list(k for k in vars() if k.startswith("__")))
+    print("parent", os.getppid())  # the process that started it
     import site, sysconfig, tempfile
     print("user base", site.getuserbase(), sysconfig.get_config_var("userbase"))  # its HOME
     import torch._dynamo
@@ -108,7 +109,7 @@ def test_a_warm_program_is_given_and_ends_as_a_cold_one(tmp_path: Path, ending: 
     assert f"user base {tmp_path}/.local {tmp_path}/.local" in warm[1]
     assert "inductor cache /" in warm[1]
     if ending == "raise":
-        assert warm[2].splitlines()[1] == f'  File "{script}", line 28, in <module>', warm[2]
+        assert warm[2].splitlines()[1] == f'  File "{script}", line 29, in <module>', warm[2]
 
 
 def test_signals_reach_the_program_and_its_end_is_the_stand_ins(tmp_path: Path) -> None:
@@ -219,11 +220,17 @@ def test_a_module_runs_warm_and_what_the_server_cannot_reproduce_starts_cold(
     for argv, run_env in cold:
         done = _run(argv, run_env, tmp_path, warm=True, log=log)
         assert done.stdout == "script\n", done.stderr
+    shadow = tmp_path / "shadow"  # -c imports from its working directory first
+    shadow.mkdir()
+    (shadow / "numpy.py").write_text("print('script')\n")
+    done = _run([sys.executable, "-c", "import numpy"], env, shadow, warm=True, log=log)
+    assert done.stdout == "script\n", done.stderr
     assert [line.split("\t")[:2] for line in log.read_text().splitlines()] == [
         ["warm", ""],
         ["cold", "option -O"],
         ["cold", "refused: other load-time environment: OMP_NUM_THREADS"],
         ["cold", "refused: other load-time environment: TMPDIR"],
+        ["cold", "refused: another numpy on its path"],
     ]
 
 
@@ -277,7 +284,11 @@ def test_a_program_given_with_c_runs_warm_as_it_runs_cold(tmp_path: Path) -> Non
 AS_LAUNCHED = textwrap.dedent(
     """
     import os, signal, sys
-    print("pid", os.getpid())
+    import multiprocessing.util
+    print("pid", os.getpid(), "parent", os.getppid())
+    class Thing: ...
+    thing = Thing()
+    multiprocessing.util.Finalize(thing, print, args=("finalized",))()  # compares pids
     child = os.fork()
     if child == 0:
         os.write(1, f"child {os.getpid()} {os.getppid()}\\n".encode())
@@ -307,7 +318,8 @@ def test_under_check_resume_a_warm_program_sees_the_pid_its_launcher_knows(
     assert _starts(log) == ["warm"]
     assert process.returncode == -getattr(signal, sig), out
     lines = out.splitlines()
-    assert lines[0] == f"pid {process.pid}" and "still running" not in out
+    assert lines[0] == f"pid {process.pid} parent {os.getpid()}" and "still running" not in out
+    assert lines[1] == "finalized"
     child = int(lines[-1].split()[-1])
     assert f"child {child} {process.pid}" in out and child != process.pid
 

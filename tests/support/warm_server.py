@@ -49,7 +49,8 @@ PRELOAD = (
 # PYTORCH_CUDA_ALLOC_CONF ...) are read when CUDA is first used, which the server never does.
 _LOAD_TIME = ("OMP_", "MKL_", "KMP_", "GOMP_", "LD_PRELOAD", "LD_LIBRARY_PATH", "MALLOC_",
               "TORCH_LOGS", "TORCH_CPP_", "TORCH_SHOW_CPP", "PYTORCH_JIT", "NPY_", "NUMPY_",
-              "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONHOME", "LANG", "LC_", "TZ", "TQDM_")  # fmt: skip
+              "PYTHONHASHSEED", "PYTHONMALLOC", "PYTHONHOME", "LANG", "LC_", "TZ", "TQDM_",
+              "TORCH_DISTRIBUTED_DEBUG")  # fmt: skip
 
 
 _READ: set[str] = set()
@@ -106,7 +107,7 @@ def _refusal(request: dict, peer: tuple[int, int, int]) -> str | None:
         return "other capabilities"  # a launcher's preexec_fn dropped root's, say
     if (request["executable"], request["prefix"]) != (sys.executable, sys.prefix):
         return "another interpreter"
-    if request["flags"] != {name: getattr(sys.flags, name) for name in request["flags"]}:
+    if request["flags"] != {name: getattr(sys.flags, name, None) for name in request["flags"]}:
         return "other interpreter flags"
     # a variable preloading set matches where the program leaves it unset or has that value
     theirs = _load_time({**_SET_BY_PRELOAD, **request["env"]})
@@ -116,7 +117,7 @@ def _refusal(request: dict, peer: tuple[int, int, int]) -> str | None:
         return f"other load-time environment: {', '.join(differ)}"
     from importlib.machinery import PathFinder
 
-    path = [_first(request), *request["path"]]
+    path = [_first(request) or request["cwd"], *request["path"]]  # "": the program's cwd
     for name in {name.split(".")[0] for name in PRELOAD}:
         spec = PathFinder.find_spec(name, path)
         if spec is None or spec.origin != sys.modules[name].__spec__.origin:
@@ -169,6 +170,7 @@ def serve(path: str) -> None:
         for name in PRELOAD:
             importlib.import_module(name)
     _SET_BY_PRELOAD.update((k, v) for k, v in os.environ.items() if _STARTED_WITH.get(k) != v)
+    _CAPTURED.extend(_captured((os.getpid, os.getppid, os.kill)))
     # Out of the collector's reach: a child's collections (its exit's among them) then
     # neither walk nor copy the server's objects.
     gc.collect()
@@ -356,39 +358,80 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     sys.orig_argv[:] = request["orig_argv"]
     sys.argv[:] = request["argv"]
     sys.path[:] = [_first(request), *request["path"]]
-    if request["as_launched"]:
-        _pid_as_launched(request["stand_in"])
+    _pids_as_cold(request["stand_in"], as_launched=request["as_launched"])
     import numpy
 
     numpy.random.seed()  # from the system's entropy, as at a fresh import
     _user_base_again()
     main = types.ModuleType("__main__")
-    main.__dict__.update(__builtins__=__builtins__, __annotations__={})  # as Python's own
+    main.__dict__.update(__annotations__={}, __builtins__=__builtins__)  # as Python's own
     sys.modules["__main__"] = main
     _run(main, request["script"], request["module"], request.get("code"))
 
 
-def _pid_as_launched(stand_in: int) -> None:
-    """Make the program's own process see the pid its launcher knows, the stand-in's, as a
-    cold one would (ddpckpt check-resume matches the pids a rank records with those its
-    launcher reports): ``os.getpid()`` returns it, and ``os.kill`` of it signals the
-    program itself at once. Processes the program forks see their own pids, and it as
-    their parent's."""
+def _captured(functions: tuple) -> list:
+    """Where modules the server imported keep ``functions`` of their own (a default
+    argument: multiprocessing's ``Finalize``; a module's ``from os import getpid``), so that
+    a program's replacements (:func:`_pids_as_cold`) reach them too."""
+    modules = {id(m.__dict__) for m in list(sys.modules.values()) if hasattr(m, "__dict__")}
+    wanted = {id(f) for f in functions}
+    found: list = []
+    for function in functions:
+        for holder in gc.get_referrers(function):
+            if isinstance(holder, dict) and id(holder) in modules:
+                if holder is not os.__dict__ and holder.get("__name__") != "posix":
+                    found.extend((holder, k) for k, v in list(holder.items()) if id(v) in wanted)
+            elif isinstance(holder, tuple):
+                found.extend(
+                    (f, None) for f in gc.get_referrers(holder)
+                    if isinstance(f, types.FunctionType) and f.__defaults__ is holder
+                )  # fmt: skip
+    return found
+
+
+_CAPTURED: list = []
+
+
+def _pids_as_cold(stand_in: int, *, as_launched: bool) -> None:
+    """The pids the program sees, as a cold one's as far as a fork allows: its own
+    ``os.getppid()`` is its stand-in's parent, the process that started it (read when asked,
+    so it changes when that one ends, as DataLoader's watchdog expects).
+
+    ``as_launched`` (under ddpckpt check-resume, which matches the pids a rank records with
+    those its launcher reports): its ``os.getpid()`` is the stand-in's, the pid its launcher
+    knows; the processes it forks see that as their parent's; ``os.kill`` of it signals the
+    program itself at once. Limits: a process the program starts anew (exec) sees its real
+    pid as its parent's, and reading ``/proc/<os.getpid()>`` reads the stand-in's."""
     real = os.getpid()
     getpid, getppid, kill = os.getpid, os.getppid, os.kill
 
-    def launched_getpid() -> int:
+    def warm_getppid() -> int:
+        if getpid() != real:  # a process it forked
+            pid = getppid()
+            return stand_in if as_launched and pid == real else pid
+        try:
+            with open(f"/proc/{stand_in}/stat", "rb") as f:
+                return int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # the stand-in is gone: so is its parent
+            return 1
+
+    def warm_getpid() -> int:
         pid = getpid()
         return stand_in if pid == real else pid
 
-    def launched_getppid() -> int:
-        pid = getppid()
-        return stand_in if pid == real else pid
+    def warm_kill(pid: int, sig: int) -> None:
+        kill(real if pid == stand_in else pid, sig)
 
-    def launched_kill(pid: int, sig: int) -> None:
-        kill(real if pid == stand_in and getpid() == real else pid, sig)
-
-    os.getpid, os.getppid, os.kill = launched_getpid, launched_getppid, launched_kill  # type: ignore[assignment]
+    instead = {id(getppid): warm_getppid}
+    if as_launched:
+        instead.update({id(getpid): warm_getpid, id(kill): warm_kill})
+    for name in ("getpid", "getppid", "kill"):
+        setattr(os, name, instead.get(id(getattr(os, name)), getattr(os, name)))
+    for holder, key in _CAPTURED:
+        if isinstance(holder, dict):
+            holder[key] = instead.get(id(holder[key]), holder[key])
+        else:
+            holder.__defaults__ = tuple(instead.get(id(d), d) for d in holder.__defaults__)
 
 
 def _user_base_again() -> None:
@@ -443,6 +486,7 @@ def _run(
             exec(compile(source, "<string>", "exec", dont_inherit=True), main.__dict__)
         else:
             assert script is not None
+            script = os.path.abspath(script)  # as Python makes it (3.9 and later)
             main.__dict__.update(__file__=script, __cached__=None, __package__=None,
                                  __spec__=None, __loader__=SourceFileLoader("__main__", script))  # fmt: skip
             with open(script, "rb") as f:
