@@ -32,6 +32,8 @@ import socket
 import sys
 import types
 
+from warm.warm_ended import stat_fields
+
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -410,9 +412,8 @@ def _pids_as_cold(stand_in: int, *, as_launched: bool) -> None:
             pid = getppid()
             return stand_in if as_launched and pid == real else pid
         try:
-            with open(f"/proc/{stand_in}/stat", "rb") as f:
-                return int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):  # the stand-in is gone: so is its parent
+            return int(stat_fields(stand_in)[1])
+        except OSError:  # the stand-in is gone: so is its parent
             return 1
 
     def warm_getpid() -> int:
