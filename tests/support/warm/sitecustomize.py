@@ -1,7 +1,8 @@
 """A warm start for the Python processes the test suite starts: ``python SCRIPT``,
-``python -m MODULE``, ``python -c CODE`` and the venv's console scripts (``torchrun``, ``ddpckpt``) run in a
-process forked from the test worker's warm server (tests/support/warm_server.py), which has
-imported torch already; this process stays as its stand-in and ends as it ends.
+``python -m MODULE``, ``python -c CODE`` and the venv's console scripts (``torchrun``,
+``ddpckpt``) run in a process forked from the test worker's warm server
+(tests/support/warm_server.py), which has imported torch already; this process stays as its
+stand-in and ends as it ends.
 
 Python imports this module at start-up when its directory is on ``PYTHONPATH``
 (tests/support/warm_start.py puts it there for the test run) and ``DDPCKPT_TEST_WARM``
@@ -13,9 +14,11 @@ signal that killed it). Killed itself (SIGKILL), it takes the program with it.
 
 Anything the server cannot reproduce starts cold, as Python itself: another interpreter or
 user, options other than ``-u``/``-B``/``-W``/``-X faulthandler``, a script inside
-site-packages (Ray's workers), or environment variables read when torch loads that differ
-from the server's. Under ``ddpckpt check-resume`` (which tells processes apart by their
-pids) the program sees this process's pid as its own. ``DDPCKPT_TEST_WARM_LOG=FILE`` appends one line per start: warm, or cold and why.
+site-packages other than Ray's workers (its workers' set-up script, its daemons), or
+environment variables read when torch loads that differ from the server's. Under ``ddpckpt
+check-resume`` (which tells processes apart by their pids) the program sees this process's
+pid as its own. ``DDPCKPT_TEST_WARM_LOG=FILE`` appends one line per start: warm, or cold and
+why.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ _RAY_WORKER = "/ray/_private/workers/default_worker.py"
 
 
 def _command(os, sys) -> dict | str:
-    """What the command line runs (``module``, ``script`` or ``code``), whether ``-u`` was given;
-    or why this interpreter must start as itself."""
+    """What the command line runs (``module``, ``script`` or ``code``), whether ``-u`` was
+    given; or why this interpreter must start as itself."""
     # check-resume tells a run's processes apart by their pids (its launcher's, the ones
     # torchrun reports): the processes it records see their stand-in's as their own.
     checked = bool(os.environ.get("DDPCKPT_CHECK_RESUME"))
