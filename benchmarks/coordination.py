@@ -158,7 +158,7 @@ def run_ranks(
     server = server or Server()
     share = list(range(n)) if share is None else list(share)
     stats = [StoreStats(heartbeat=StoreStats()) for _ in range(n)]
-    with ThreadPoolExecutor(64) as pool:  # some connects stall for 5 s here: overlap them
+    with ThreadPoolExecutor(64) as pool:  # a connect can wait seconds: overlap them
         clients = list(pool.map(lambda _: server.client(), range(4 * len(share))))
     stores = {
         r: CountingStore(clients[4 * i], stats[r], clients[4 * i + 1 : 4 * i + 4])

@@ -24,6 +24,14 @@ sys.path.insert(0, str(Path(__file__).with_name("support")))
 # take the module name "conftest" that the tests import the helpers below from.
 pytest_plugins = ["check_recorder", "shared_storages", "tiers", "warm_start"]
 
+# c10d's TCPStore looks up the name of each peer's address as it connects (for its log lines,
+# even when they are not printed), and the IPv4-mapped loopback it sees is in no hosts file:
+# glibc asks the DNS server. Where that server drops a query, glibc waits its default 5 s
+# before asking again, and every rank of the launch waits with it (up to a third of some
+# files' time). One second, set here for the test processes and everything they start; a
+# value the shell set is kept.
+os.environ.setdefault("RES_OPTIONS", "timeout:1")
+
 
 class TiedLM(nn.Module):
     """An embedding tied to the output layer, plus a norm with buffers."""

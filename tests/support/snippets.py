@@ -168,9 +168,10 @@ def _environment(cwd: Path) -> dict[str, str]:
     if "PYTHONPATH" in os.environ:  # a development checkout imported through PYTHONPATH
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     # The shell's locale, user and temporary directory, the CI flag (torch reads it when it
-    # loads), and the suite's warm starts (warm_server.py: a program whose values of these
-    # differ from the test worker's starts cold).
-    for name in ("LANG", "LC_ALL", "LC_CTYPE", "USER", "LOGNAME", "TMPDIR", "CI",
+    # loads), the resolver's options (tests/conftest.py), and the suite's warm starts
+    # (warm_server.py: a program whose values of these differ from the test worker's starts
+    # cold).
+    for name in ("LANG", "LC_ALL", "LC_CTYPE", "USER", "LOGNAME", "TMPDIR", "CI", "RES_OPTIONS",
                  "DDPCKPT_TEST_WARM", "DDPCKPT_TEST_WARM_LOG"):  # fmt: skip
         if name in os.environ:
             env[name] = os.environ[name]
