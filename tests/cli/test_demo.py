@@ -12,9 +12,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from ddpckpt._cli.demo import SCRIPT
-
-pytestmark = [pytest.mark.processes, pytest.mark.long]
+from ddpckpt._cli.demo import SCRIPT, demo_command
 
 
 def _png_size(path: Path) -> tuple[int, int]:
@@ -25,6 +23,8 @@ def _png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
+@pytest.mark.processes
+@pytest.mark.long
 def test_demo_shows_a_crash_an_automatic_resume_and_a_bit_identical_result(tmp_path) -> None:
     """At 3 ranks, where a resume is exact only with DDP's gradient buckets restored."""
     out = tmp_path / "demo"
@@ -80,3 +80,11 @@ def test_the_training_script_is_an_example_file_not_a_module_of_the_package() ->
     assert SCRIPT.is_file() and SCRIPT.parent.name == "examples"
     assert not (SCRIPT.parent / "__init__.py").exists()
     assert "ckpt.log_step(" in SCRIPT.read_text()
+
+
+def test_the_launch_binds_a_port_the_system_picks_never_one_found_free_before() -> None:
+    # A port found free, closed, then passed to torchrun could be taken by another process
+    # before the rendezvous binds it; port 0 is bound at once by the launch's own store.
+    command = demo_command(nproc=2, steps=20, every=5)
+    assert "--rdzv-endpoint=127.0.0.1:0" in command and "--max-restarts=1" in command
+    assert command == demo_command(nproc=2, steps=20, every=5)  # nothing drawn per call

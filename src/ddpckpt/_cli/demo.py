@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import io
 import os
-import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -56,20 +55,15 @@ def check_options(*, nproc: int, steps: int, every: int, kill_at: int) -> None:
         )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def demo_command(*, nproc: int, steps: int, every: int) -> list[str]:
-    """The launch command: torchrun restarts the job once, on a loopback c10d rendezvous
-    (static rendezvous cannot restart). The script's ``--dir runs/demo`` is mapped into the
-    check's directory, as every path of a checked script: nothing is written next to it."""
-    port = _free_port()
+    """The launch command: torchrun restarts the job once, on a c10d rendezvous whose store
+    listens on a loopback port the system picks as it binds (static rendezvous cannot
+    restart; a port found free beforehand could be taken first). The script's ``--dir
+    runs/demo`` is mapped into the check's directory, as every path of a checked script:
+    nothing is written next to it."""
     return [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=demo-{port}",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--rdzv-id=demo",
         "--local-addr=127.0.0.1", "--max-restarts=1", "--monitor-interval=0.2",
         str(SCRIPT), "--dir", "runs/demo", f"--steps={steps}", f"--every={every}",
     ]  # fmt: skip

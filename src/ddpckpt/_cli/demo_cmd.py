@@ -52,7 +52,7 @@ def _demo(args: argparse.Namespace) -> int:
         progress=_progress,
     )  # fmt: skip
     title = (
-        f"ddpckpt demo: {args.nproc} ranks, {args.steps} optimizer steps, a checkpoint every "
+        f"ddpckpt demo: {args.nproc} rank{'s' if args.nproc != 1 else ''}, {args.steps} optimizer steps, a checkpoint every "
         f"{every}\ntraining script: {SCRIPT}"
     )
     print(format_report(report, title=title))
