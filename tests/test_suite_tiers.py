@@ -1,4 +1,4 @@
-"""The suite's own machinery: tiers enforced (tiers.py), agentless ranks stopped as torchrun stops
+"""The suite's own machinery: tiers enforced and dealt (tiers.py), agentless ranks stopped as torchrun stops
 its workers (forked.py), a port lost to another process taken again (launch.py)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import pytest
 
 from forked import run_ranks
 from launch import _env, on_a_free_port
+from tiers import dealing_order
 
 pytest_plugins = ["pytester"]
 SUPPORT = Path(__file__).parent / "support"
@@ -213,3 +214,18 @@ def test_a_method_patched_on_a_shared_storage_is_its_class_again_in_the_next_tes
     result.assert_outcomes(passed=2)
     bare = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-q", "-p", "no:shared_storages")
     bare.assert_outcomes(passed=1, failed=1)  # without it, the copy stays
+
+
+def test_long_tests_are_dealt_in_the_first_two_thirds_and_unit_tests_throughout() -> None:
+    tiers = ["unit"] * 600 + ["processes"] * 60 + ["long"] * 30  # in collection order
+    order = dealing_order(list(range(len(tiers))), tiers)
+    assert sorted(order) == list(range(len(tiers)))
+    dealt = [tiers[i] for i in order]
+    for tier in ("unit", "processes", "long"):  # each tier's own order is kept
+        assert [i for i in order if tiers[i] == tier] == [
+            i for i, t in enumerate(tiers) if t == tier
+        ]
+    last_long = max(i for i, t in enumerate(dealt) if t == "long")
+    assert last_long < 0.75 * len(dealt)
+    thirds = [dealt[k * 230 : (k + 1) * 230] for k in range(3)]
+    assert all(150 < third.count("unit") < 250 for third in thirds)  # not all at the end

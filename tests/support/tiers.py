@@ -22,7 +22,7 @@ import multiprocessing.util
 import os
 import subprocess
 from collections.abc import Callable, Iterator
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import pytest
 
@@ -52,9 +52,34 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         _group_by_module_fixture(item)
         if _uses_a_server(item):
             item.add_marker(pytest.mark.processes)
-    # Longest first: a worker free at the end then finds short tests, not a long one that
-    # keeps the run going while the other worker idles (sort is stable: order kept within).
-    items.sort(key=lambda item: 0 if item.get_closest_marker("long") else 1)
+    items[:] = dealing_order(items, [_tier(item) for item in items])
+
+
+T = TypeVar("T")
+# Rough seconds of a test of each tier, for the dealing order only.
+_COST = {"long": 8.0, "processes": 2.0, "unit": 0.1}
+
+
+def _tier(item: pytest.Item) -> str:
+    return next((name for name in ("long", "processes") if item.get_closest_marker(name)), "unit")
+
+
+def dealing_order(items: list[T], tiers: list[str]) -> list[T]:
+    """The order pytest-xdist deals the tests in (after the groups of several tests, which it
+    deals first): each tier's tests in their own order, spread over the run by their rough
+    cost. The long tier takes the first two thirds, so that a worker free at the end finds
+    short tests, not a long one that keeps the run going while the other worker idles; the
+    unit tier's tests, many of which wait on a timeout with the CPU idle, run beside the
+    process tests, which use more than one core, instead of after them."""
+    spread = {"long": 0.65, "processes": 1.0, "unit": 1.0}
+    totals = {tier: sum(_COST[t] for t in tiers if t == tier) for tier in spread}
+    done = dict.fromkeys(spread, 0.0)
+    keys = []
+    for tier in tiers:
+        keys.append(spread[tier] * (done[tier] + _COST[tier] / 2) / totals[tier])
+        done[tier] += _COST[tier]
+    order = sorted(range(len(items)), key=keys.__getitem__)  # stable: ties keep their order
+    return [items[i] for i in order]
 
 
 def _check_grouped(item: pytest.Item) -> None:
