@@ -38,7 +38,7 @@ docs: $(STAMP)
 lint: style
 	$(BIN)/mypy
 
-# The linters that take seconds (the type check takes a minute of one core).
+# The linters that take seconds (the type check takes half a minute of one core).
 style: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks docs
 	$(BIN)/ruff format --check src tests examples benchmarks docs

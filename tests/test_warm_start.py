@@ -51,8 +51,9 @@ SHOW = textwrap.dedent(
     print("parent", os.getppid())  # the process that started it
     import site, sysconfig, tempfile
     print("user base", site.getuserbase(), sysconfig.get_config_var("userbase"))  # its HOME
-    import torch._dynamo
-    print("inductor cache", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))  # set by the import
+    if sys.argv[1] in ("0", "raise"):  # what the server imported first (seconds, cold)
+        import torch._dynamo
+        print("inductor cache", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))  # set by the import
     print("tmp", tempfile.gettempdir())
     sys.stdout.flush()
     if sys.argv[1] == "raise":
@@ -107,9 +108,10 @@ def test_a_warm_program_is_given_and_ends_as_a_cold_one(tmp_path: Path, ending: 
     assert warm[3] == "to the descriptor it was given"
     assert "fsize (1073741824, -1)" in warm[1] and "umask 0o27" in warm[1]
     assert f"user base {tmp_path}/.local {tmp_path}/.local" in warm[1]
-    assert "inductor cache /" in warm[1]
+    if ending in ("0", "raise"):
+        assert "inductor cache /" in warm[1]
     if ending == "raise":
-        assert warm[2].splitlines()[1] == f'  File "{script}", line 29, in <module>', warm[2]
+        assert warm[2].splitlines()[1] == f'  File "{script}", line 30, in <module>', warm[2]
 
 
 def test_signals_reach_the_program_and_its_end_is_the_stand_ins(tmp_path: Path) -> None:

@@ -251,7 +251,8 @@ def model_class(saved: SavedModelConfig, where: str) -> type[PreTrainedModel]:
                 isinstance(cls, type)
                 and cls.__name__ == saved.architecture
                 and issubclass(cls, PreTrainedModel)
-                and getattr(cls.config_class, "model_type", None) == saved.model_type
+                and getattr(getattr(cls, "config_class", None), "model_type", None)
+                == saved.model_type
             ):
                 return cls
     raise CorruptCheckpointError(
