@@ -39,8 +39,10 @@ def link_torch(venv: Path, linked: Path) -> None:
     """torch and what it requires, importable in ``venv`` from this interpreter's copies: a
     ``.pth`` file names ``linked``, a directory of links to their files, which pip counts as
     installed, as if ``pip install torch==VERSION`` had unpacked them again (half of this
-    test's time). pip never removes what lies outside the environment, as ``linked`` does,
-    so nothing reaches our copies. setuptools, which the venv has, is left to pip."""
+    test's time). pip changes nothing there: it installs into the venv and never removes what
+    lies outside it, as ``linked`` does (the venv's Python writes bytecode next to the
+    sources, as ours does). setuptools (torch requires a newer one than a venv may have) is
+    left to pip."""
     linked.mkdir()
     todo, seen = ["torch"], set()
     while todo:

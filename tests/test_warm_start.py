@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import json
 import os
 import resource
 import shutil
@@ -21,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-import warm_server
 from warm.warm_ended import ended
 
 pytestmark = pytest.mark.processes
@@ -283,74 +281,6 @@ def test_a_program_given_with_c_runs_warm_as_it_runs_cold(tmp_path: Path) -> Non
         '  File "<string>", line 6, in <module>',
         "ValueError: planted",
     ], err
-
-
-LIBRARY = textwrap.dedent(
-    """
-    import logging, sys
-    print("imported before", "ddpckpt" in sys.modules, "ddpckpt._resumecheck" in sys.modules)
-    import ddpckpt
-    from ddpckpt import _observe
-    print("handlers", logging.getLogger("ddpckpt").handlers)
-    print("observer", type(_observe.observer()).__name__)
-    """
-)
-
-
-@pytest.mark.parametrize("tool", [False, True], ids=["plain", "under check-resume"])
-def test_a_program_imports_the_preloaded_library_or_afresh_under_its_tool(
-    tmp_path: Path, tool: bool
-) -> None:
-    """ddpckpt is preloaded; under check-resume (whose recorder starts at ddpckpt's import)
-    the program imports it afresh, with one handler on its logger, as a cold one."""
-    script = tmp_path / "library.py"
-    script.write_text(LIBRARY)
-    env = {k: v for k, v in os.environ.items() if k != "DDPCKPT_CHECK_RESUME"}
-    if tool:
-        env["DDPCKPT_CHECK_RESUME"] = json.dumps({"dir": str(tmp_path / "records")})
-    runs = {}
-    for warm in (False, True):
-        log = tmp_path / f"starts-{warm}"
-        done = _run([sys.executable, str(script)], env, tmp_path, warm=warm, log=log)
-        assert done.returncode == 0, done.stderr
-        assert _starts(log) == (["warm"] if warm else [])
-        runs[warm] = done.stdout.splitlines()
-    cold, warm = runs[False], runs[True]
-    assert cold[0] == "imported before False False"
-    assert warm[0] == (cold[0] if tool else "imported before True False")  # as if imported first
-    assert warm[1:] == cold[1:]
-    assert cold[1].startswith("handlers [<_StderrUntilConfigured") and cold[1].count("<") == 1
-    assert cold[2] == ("observer Recorder" if tool else "observer NoneType")
-
-
-FORGOTTEN = textwrap.dedent(
-    """
-    import logging, sys
-    sys.path[:0] = [sys.argv[1], sys.argv[2]]
-    import pkg.mod, warm_server
-    warm_server._forget("pkg")
-    print(sorted(n for n in sys.modules if n.startswith("pkg")), logging.getLogger("x").handlers)
-    """
-)
-
-
-def test_a_forgotten_package_leaves_no_module_handler_or_exit_function(tmp_path: Path) -> None:
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "__init__.py").write_text("")
-    (tmp_path / "pkg" / "mod.py").write_text(
-        "import atexit, logging\n"
-        "HANDLER = logging.StreamHandler()\n"
-        "logging.getLogger('x').addHandler(HANDLER)\n"
-        "def at_exit():\n    print('ran at exit')\n"
-        "atexit.register(at_exit)\n"
-    )
-    support = Path(warm_server.__file__).parent
-    done = subprocess.run(
-        [sys.executable, "-c", FORGOTTEN, str(tmp_path), str(support)],
-        capture_output=True, text=True, timeout=60, check=False,
-        env={k: v for k, v in os.environ.items() if k != "DDPCKPT_TEST_WARM"},
-    )  # fmt: skip
-    assert (done.returncode, done.stdout, done.stderr) == (0, "[] []\n", "")
 
 
 AS_LAUNCHED = textwrap.dedent(

@@ -47,12 +47,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         _group_by_module_fixture(item)
         if _uses_a_server(item):
             item.add_marker(pytest.mark.processes)
-    items[:] = dealing_order(items, [_tier(item) for item in items])
+    if hasattr(config, "workerinput"):  # pytest-xdist's worker: the order it deals in
+        items[:] = dealing_order(items, [_tier(item) for item in items])
 
 
 T = TypeVar("T")
@@ -66,7 +67,8 @@ def _tier(item: pytest.Item) -> str:
 
 def dealing_order(items: list[T], tiers: list[str]) -> list[T]:
     """The order pytest-xdist deals the tests in (after the groups of several tests, which it
-    deals first): each tier's tests in their own order, spread over the run by their rough
+    deals first; without it, tests run in their modules' order, each module's fixtures built
+    once): each tier's tests in their own order, spread over the run by their rough
     cost. The long tier takes the first two thirds, so that a worker free at the end finds
     short tests, not a long one that keeps the run going while the other worker idles; the
     unit tier's tests, many of which wait on a timeout with the CPU idle, run beside the

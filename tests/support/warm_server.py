@@ -43,9 +43,6 @@ PRELOAD = (
     "torch._dynamo",
     "numpy",
     "xxhash",
-    # the library under test (a tenth of a second a process); a program under one of its
-    # tools (check-resume's recorder looks for it at ddpckpt's import) imports it afresh
-    "ddpckpt",
 )
 # Environment variables read while the preloaded modules load: by C code (OpenMP, the
 # allocator, torch's logging and C++ settings), listed here, and by Python code
@@ -63,16 +60,13 @@ _STARTED_WITH: dict[str, str] = {}  # the server's environment before it preload
 _SET_BY_PRELOAD: dict[str, str] = {}  # what preloading set (TORCHINDUCTOR_CACHE_DIR)
 # Read while preloading, but only by sysconfig for its user base, which _become finds again
 _REDERIVED = frozenset({"HOME"})
-# ddpckpt's tools' variables (ddpckpt._observe.TOOLS), which its import reads: a program with
-# one set imports ddpckpt afresh (_forget), as a cold one would, after reading it
-_TOOLS: tuple[str, ...] = ()
 
 
 def _load_time(env: dict[str, str]) -> dict[str, str]:
     return {
         k: v
         for k, v in env.items()
-        if k.startswith(_LOAD_TIME) or (k in _READ and k not in _REDERIVED and k not in _TOOLS)
+        if k.startswith(_LOAD_TIME) or (k in _READ and k not in _REDERIVED)
     }
 
 
@@ -178,8 +172,6 @@ def serve(path: str) -> None:
         for name in PRELOAD:
             importlib.import_module(name)
     _SET_BY_PRELOAD.update((k, v) for k, v in os.environ.items() if _STARTED_WITH.get(k) != v)
-    global _TOOLS
-    _TOOLS = tuple(sys.modules["ddpckpt._observe"].TOOLS)
     _CAPTURED.extend(_captured((os.getpid, os.getppid, os.kill)))
     # Out of the collector's reach: a child's collections (its exit's among them) then
     # neither walk nor copy the server's objects.
@@ -355,8 +347,6 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     os.environ.update(request["env"])
     for name, value in _SET_BY_PRELOAD.items():  # as the program's own import would have
         os.environ.setdefault(name, value)
-    if any(os.environ.get(name) for name in _TOOLS):
-        _forget("ddpckpt")
     _streams(request, io)
     if request["faulthandler"]:
         faulthandler.enable()
@@ -379,27 +369,6 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     main.__dict__.update(__annotations__={}, __builtins__=__builtins__)  # as Python's own
     sys.modules["__main__"] = main
     _run(main, request["script"], request["module"], request.get("code"))
-
-
-def _forget(package: str) -> None:
-    """Drop ``package``'s modules, as if the server had never imported it, so that the
-    program's own import runs its import-time code; and undo what that code hooked in
-    outside them (its handlers on loggers, its functions registered with atexit)."""
-    import atexit
-    import logging
-
-    modules = [m for n, m in sys.modules.items() if n == package or n.startswith(package + ".")]
-    theirs = [v for m in modules for v in vars(m).values()]
-    names = {m.__name__ for m in modules}
-    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
-        for handler in list(getattr(logger, "handlers", ())):
-            if any(handler is v for v in theirs):
-                logger.removeHandler(handler)
-    for value in theirs:
-        if callable(value) and getattr(value, "__module__", None) in names:
-            atexit.unregister(value)
-    for module in modules:
-        del sys.modules[module.__name__]
 
 
 def _captured(functions: tuple) -> list:
