@@ -51,9 +51,10 @@ def _demo(args: argparse.Namespace) -> int:
         args.out, nproc=args.nproc, steps=args.steps, every=every, kill_at=kill_at,
         progress=_progress,
     )  # fmt: skip
+    ranks = f"{args.nproc} rank{'s' if args.nproc != 1 else ''}"
     title = (
-        f"ddpckpt demo: {args.nproc} rank{'s' if args.nproc != 1 else ''}, {args.steps} optimizer steps, a checkpoint every "
-        f"{every}\ntraining script: {SCRIPT}"
+        f"ddpckpt demo: {ranks}, {args.steps} optimizer steps, a checkpoint every {every}\n"
+        f"training script: {SCRIPT}"
     )
     print(format_report(report, title=title))
     print(
