@@ -121,3 +121,20 @@ def test_seeded_dataset_randomness_depends_only_on_the_sample() -> None:
     torch.manual_seed(0)
     data[indices[0]]
     assert torch.equal(torch.rand(3), expected)  # the caller's generators are left alone
+
+
+def test_a_sample_seeds_no_accelerators_generator(monkeypatch) -> None:
+    """A sample used to seed CUDA's (and every accelerator's) generators through
+    torch.manual_seed without putting them back: a GPU run's dropout stream was reseeded
+    by each sample it loaded (before CUDA's start, its seeding queued, with a formatted
+    stack each time: up to 1 ms a sample). Only the CPU generator is seeded, and restored."""
+    seeded = []
+    for backend in (torch.cuda, torch.xpu, torch.mtia):
+        monkeypatch.setattr(backend, "manual_seed_all", seeded.append)
+        monkeypatch.setattr(backend, "manual_seed", seeded.append)
+    data = SeededDataset(Augmented(10), seed=5)
+    first = data[3]
+    torch.manual_seed(7)  # the caller's own seeding reaches them
+    assert seeded == [7, 7, 7]
+    assert torch.equal(data[3], first)
+    assert seeded == [7, 7, 7]

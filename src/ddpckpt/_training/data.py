@@ -304,21 +304,25 @@ def _sample_seed(seed: int, epoch: int, index: int) -> int:
 
 @contextmanager
 def _seeded(seed: int) -> Iterator[None]:
-    """Seed Python, numpy and torch (CPU) for one sample; put the caller's states back."""
+    """Seed Python, numpy and torch's CPU generator for one sample; put the caller's states
+    back. Only the CPU generator: ``torch.manual_seed`` also seeds every accelerator's
+    generators, which a sample must not touch (and, before CUDA is initialized, queues that
+    seeding with the formatted stack: up to a millisecond a sample)."""
     numpy = sys.modules.get("numpy")
     python_state = random.getstate()
     numpy_state = numpy.random.get_state() if numpy is not None else None
-    with torch.random.fork_rng(devices=[]):
-        random.seed(seed)
-        torch.manual_seed(seed)
+    torch_state = torch.get_rng_state()
+    random.seed(seed)
+    torch.default_generator.manual_seed(seed)
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        torch.set_rng_state(torch_state)
         if numpy is not None:
-            numpy.random.seed(seed % 2**32)
-        try:
-            yield
-        finally:
-            random.setstate(python_state)
-            if numpy is not None:
-                numpy.random.set_state(numpy_state)
+            numpy.random.set_state(numpy_state)
 
 
 class SeededDataset(Dataset):
