@@ -55,10 +55,29 @@ SHOW = textwrap.dedent(
         import torch._dynamo
         print("inductor cache", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))  # set by the import
     print("tmp", tempfile.gettempdir())
+    import atexit, threading, time, teardown  # its own module, next to it
+    class Noted:  # says when the interpreter's teardown frees it
+        def __del__(self):
+            print("freed: a global of __main__", flush=True)
+    kept = Noted()
+    atexit.register(print, "atexit", flush=True)
+    threading.Thread(target=lambda: time.sleep(0.2) or print("thread joined")).start()
     sys.stdout.flush()
     if sys.argv[1] == "raise":
         raise ValueError("planted")
     sys.exit(sys.argv[1])
+    """
+)
+
+
+# a module the program imports: its global is freed in the teardown, after __main__'s
+TEARDOWN = textwrap.dedent(
+    """
+    import sys
+    class Noted:
+        def __del__(self):
+            print("freed: a global of an imported module", file=sys.stderr, flush=True)
+    kept = Noted()
     """
 )
 
@@ -83,6 +102,7 @@ def test_a_warm_program_is_given_and_ends_as_a_cold_one(tmp_path: Path, ending: 
     script = tmp_path / "scripts" / "show.py"
     script.parent.mkdir()
     script.write_text(SHOW)
+    (script.parent / "teardown.py").write_text(TEARDOWN)
     env = {**os.environ, "SOME_SETTING": "x", "HOME": str(tmp_path)}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # set in this test worker if it imported dynamo
 
@@ -111,7 +131,12 @@ def test_a_warm_program_is_given_and_ends_as_a_cold_one(tmp_path: Path, ending: 
     if ending in ("0", "raise"):
         assert "inductor cache /" in warm[1]
     if ending == "raise":
-        assert warm[2].splitlines()[1] == f'  File "{script}", line 30, in <module>', warm[2]
+        assert warm[2].splitlines()[1] == f'  File "{script}", line 37, in <module>', warm[2]
+    # how it ends, in the order Python's exit has it
+    assert warm[1].split("tmp ")[1].splitlines()[1:] == [
+        "thread joined", "atexit", "freed: a global of __main__"
+    ]  # fmt: skip
+    assert warm[2].endswith("freed: a global of an imported module\n"), warm[2]
 
 
 def test_signals_reach_the_program_and_its_end_is_the_stand_ins(tmp_path: Path) -> None:

@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -83,6 +82,10 @@ def main() -> None:
     else:
         ddp = DDP(model, broadcast_buffers=False)
     if SHARDED == "zero":
+        # imported only here: its functional optimizers compile TorchScript at import (half
+        # a second of CPU in every rank of every run the other checks start)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
                                             lr=1e-2)  # fmt: skip
     else:

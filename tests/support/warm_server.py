@@ -9,7 +9,8 @@ when the stand-in is SIGKILLed), the stand-in's file descriptors at their number
 environment, working directory, umask, resource limits, signal dispositions and mask,
 warning options, standard streams and module search path; NumPy's global generator seeded
 afresh (``random`` reseeds itself at a fork). It then runs the program as ``__main__`` and
-ends through the interpreter's own exit (threads joined, atexit handlers, finalization).
+ends as the interpreter ends it (threads joined, atexit handlers, the program's own modules
+torn down), but for the teardown of what the server preloaded (see :func:`_end`).
 
 What it shares with the server rather than having its own: modules imported at start-up
 (so environment variables read while they load must match; the server refuses otherwise),
@@ -31,6 +32,8 @@ import signal
 import socket
 import sys
 import types
+import weakref
+from typing import NoReturn
 
 from warm.warm_ended import stat_fields
 
@@ -368,7 +371,91 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     main = types.ModuleType("__main__")
     main.__dict__.update(__annotations__={}, __builtins__=__builtins__)  # as Python's own
     sys.modules["__main__"] = main
-    _run(main, request["script"], request["module"], request.get("code"))
+    ours = frozenset(sys.modules)  # the server's and this start's: none is the program's
+    try:
+        _run(main, request["script"], request["module"], request.get("code"))
+    except SystemExit as exc:
+        code = exc.code
+    # the exception is gone, and with its traceback the program's frames, as in Python's exit
+    del main
+    _end(code, ours)
+
+
+def _end(code: object, ours: frozenset[str]) -> NoReturn:
+    """End the program as the interpreter ends it, for everything the program made: the
+    status or message of its ``SystemExit``, its other threads that are not daemons joined,
+    the atexit handlers run, the standard streams flushed (120 if stdout fails), then the
+    modules it imported and ``__main__`` torn down as the interpreter tears modules down
+    (taken out of ``sys.modules``, collected, the survivors' globals cleared, latest import
+    first), so its objects' ``__del__`` and finalizers run. The process then leaves with
+    ``os._exit``: what the server preloaded is not torn down (that teardown, freeing
+    torch's objects, which copies the pages the fork shared, cost 0.4 s of CPU a program),
+    and C++'s static destructors do not run (where gloo's threads can abort a finished
+    process: tests/support/exiting.py)."""
+    import atexit
+    import threading
+
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code
+    else:  # as Python prints it: the object itself on stderr, status 1
+        status = 1
+        if sys.stderr is not None:
+            with contextlib.suppress(Exception):
+                sys.stderr.write(f"{code}\n")
+        else:
+            os.write(2, f"{code}\n".encode(errors="backslashreplace"))
+    threading._shutdown()  # type: ignore[attr-defined]
+    atexit._run_exitfuncs()
+    flushed = _flush()
+    alive = []  # weak references: a module only sys.modules holds goes as it leaves it
+    for name in [name for name in sys.modules if name not in ours or name == "__main__"]:
+        if isinstance(sys.modules[name], types.ModuleType):
+            alive.append(weakref.ref(sys.modules[name]))
+        sys.modules[name] = None  # type: ignore[assignment]
+    gc.collect()
+    for ref in reversed(alive):
+        module = ref()
+        if module is not None:
+            _clear(module)
+        del module
+    gc.collect()
+    flushed = _flush() and flushed
+    os._exit((status if flushed else 120) & 0xFF)
+
+
+def _clear(module: types.ModuleType) -> None:
+    """A module's globals set to ``None`` as the interpreter's teardown sets them: the names
+    with one leading underscore first, then the others but ``__builtins__``."""
+    namespace = module.__dict__
+    for first in (True, False):
+        for name in list(namespace):
+            private = name.startswith("_") and not name.startswith("__")
+            if private if first else name != "__builtins__":
+                with contextlib.suppress(Exception):
+                    namespace[name] = None
+
+
+def _flush() -> bool:
+    """stdout and stderr flushed as at the interpreter's exit: whether both were (a failing
+    stdout is reported as an exception ignored)."""
+    flushed = True
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name, None)
+        if stream is None or getattr(stream, "closed", False):
+            continue
+        try:
+            stream.flush()
+        except Exception as exc:
+            flushed = False
+            if name == "stdout":
+                hook = types.SimpleNamespace(exc_type=type(exc), exc_value=exc,
+                                             exc_traceback=exc.__traceback__, err_msg=None,
+                                             object=stream)  # fmt: skip
+                with contextlib.suppress(Exception):
+                    sys.unraisablehook(hook)  # type: ignore[arg-type]
+    return flushed
 
 
 def _captured(functions: tuple) -> list:
@@ -474,8 +561,8 @@ def _run(
     main: types.ModuleType, script: str | None, module: str | None, source: str | None
 ) -> None:
     """Run the program in ``main`` (``sys.modules["__main__"]``) and end as ``python`` does:
-    SystemExit and KeyboardInterrupt propagate to the interpreter, any other exception is
-    printed without this module's frames and exits 1."""
+    SystemExit propagates (to :func:`_end`) and KeyboardInterrupt to the interpreter, any
+    other exception is printed without this module's frames and exits 1."""
     import runpy
     from importlib.machinery import BuiltinImporter, SourceFileLoader
 
