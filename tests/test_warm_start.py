@@ -54,8 +54,11 @@ SHOW = textwrap.dedent(
     if sys.argv[1] in ("0", "raise"):  # what the server imported first (seconds, cold)
         import torch._dynamo
         print("inductor cache", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))  # set by the import
+    import importlib.util  # the library under test: not loaded until it is imported
+    print("ddpckpt", "ddpckpt" in sys.modules, importlib.util.find_spec("ddpckpt").parent)
     print("tmp", tempfile.gettempdir())
     import atexit, threading, time, teardown  # its own module, next to it
+    import ddpckpt
     class Noted:  # says when the interpreter's teardown frees it
         def __del__(self):
             print("freed: a global of __main__", flush=True)
@@ -128,10 +131,11 @@ def test_a_warm_program_is_given_and_ends_as_a_cold_one(tmp_path: Path, ending: 
     assert warm[3] == "to the descriptor it was given"
     assert "fsize (1073741824, -1)" in warm[1] and "umask 0o27" in warm[1]
     assert f"user base {tmp_path}/.local {tmp_path}/.local" in warm[1]
+    assert "ddpckpt False ddpckpt" in warm[1]
     if ending in ("0", "raise"):
         assert "inductor cache /" in warm[1]
     if ending == "raise":
-        assert warm[2].splitlines()[1] == f'  File "{script}", line 37, in <module>', warm[2]
+        assert warm[2].splitlines()[1] == f'  File "{script}", line 40, in <module>', warm[2]
     # how it ends, in the order Python's exit has it
     assert warm[1].split("tmp ")[1].splitlines()[1:] == [
         "thread joined", "atexit", "freed: a global of __main__"

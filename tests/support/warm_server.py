@@ -46,6 +46,10 @@ PRELOAD = (
     "torch._dynamo",
     "numpy",
     "xxhash",
+    # The library under test (0.14 s of CPU a program): out of sys.modules in each program
+    # until it imports it (_defer); a program under one of its tools (check-resume's
+    # recorder starts at ddpckpt's import) imports it afresh (_forget).
+    "ddpckpt",
 )
 # Environment variables read while the preloaded modules load: by C code (OpenMP, the
 # allocator, torch's logging and C++ settings), listed here, and by Python code
@@ -63,13 +67,35 @@ _STARTED_WITH: dict[str, str] = {}  # the server's environment before it preload
 _SET_BY_PRELOAD: dict[str, str] = {}  # what preloading set (TORCHINDUCTOR_CACHE_DIR)
 # Read while preloading, but only by sysconfig for its user base, which _become finds again
 _REDERIVED = frozenset({"HOME"})
+# ddpckpt's tools' variables (ddpckpt._observe.TOOLS), which its import reads: a program with
+# one set imports ddpckpt afresh (_forget), as a cold one would, after reading it
+_TOOLS: tuple[str, ...] = ()
+_EXITS: list[tuple] = []  # what ddpckpt registered with atexit as it loaded, in order
+
+
+@contextlib.contextmanager
+def _noting_exits(into: list):
+    """Note in ``into`` each ``atexit.register(function, *args, **kwargs)`` meanwhile."""
+    import atexit
+
+    register = atexit.register
+
+    def noted(function, *args, **kwargs):
+        into.append((function, args, kwargs))
+        return register(function, *args, **kwargs)
+
+    atexit.register = noted
+    try:
+        yield
+    finally:
+        atexit.register = register
 
 
 def _load_time(env: dict[str, str]) -> dict[str, str]:
     return {
         k: v
         for k, v in env.items()
-        if k.startswith(_LOAD_TIME) or (k in _READ and k not in _REDERIVED)
+        if k.startswith(_LOAD_TIME) or (k in _READ and k not in _REDERIVED and k not in _TOOLS)
     }
 
 
@@ -173,8 +199,11 @@ def serve(path: str) -> None:
     _STARTED_WITH.update(os.environ)
     with _noting_reads():
         for name in PRELOAD:
-            importlib.import_module(name)
+            with _noting_exits(_EXITS if name == "ddpckpt" else []):
+                importlib.import_module(name)
     _SET_BY_PRELOAD.update((k, v) for k, v in os.environ.items() if _STARTED_WITH.get(k) != v)
+    global _TOOLS
+    _TOOLS = tuple(sys.modules["ddpckpt._observe"].TOOLS)
     _CAPTURED.extend(_captured((os.getpid, os.getppid, os.kill)))
     # Out of the collector's reach: a child's collections (its exit's among them) then
     # neither walk nor copy the server's objects.
@@ -350,6 +379,10 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     os.environ.update(request["env"])
     for name, value in _SET_BY_PRELOAD.items():  # as the program's own import would have
         os.environ.setdefault(name, value)
+    if any(os.environ.get(name) for name in _TOOLS):
+        _forget("ddpckpt")
+    else:
+        _defer("ddpckpt")
     _streams(request, io)
     if request["faulthandler"]:
         faulthandler.enable()
@@ -456,6 +489,71 @@ def _flush() -> bool:
                 with contextlib.suppress(Exception):
                     sys.unraisablehook(hook)  # type: ignore[arg-type]
     return flushed
+
+
+def _package(package: str) -> dict[str, types.ModuleType]:
+    return {n: m for n, m in sys.modules.items() if n == package or n.startswith(package + ".")}
+
+
+def _forget(package: str) -> None:
+    """Drop ``package``'s modules, as if the server had never imported it, so that the
+    program's own import runs its import-time code; and undo what that code hooked in
+    outside them (its handlers on loggers, its functions registered with atexit)."""
+    import atexit
+    import logging
+
+    modules = _package(package)
+    theirs = [v for m in modules.values() for v in vars(m).values()]
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in list(getattr(logger, "handlers", ())):
+            if any(handler is v for v in theirs):
+                logger.removeHandler(handler)
+    for function, _, _ in _EXITS:
+        atexit.unregister(function)
+    for name in modules:
+        del sys.modules[name]
+
+
+def _defer(package: str) -> None:
+    """Take ``package``'s modules out of ``sys.modules`` until the program first imports it
+    (or one of its modules): they come back then, as its own import would bring them, and
+    what the package registered with atexit as it loaded is registered again at that
+    moment, so that it runs where a cold import puts it among the program's own."""
+    import atexit
+    import importlib.abc
+    import importlib.machinery
+
+    modules = _package(package)
+    for function, _, _ in _EXITS:
+        atexit.unregister(function)
+    for name in modules:
+        del sys.modules[name]
+    specs = {name: module.__spec__ for name, module in modules.items()}
+
+    class Existing(importlib.abc.Loader):
+        def create_module(self, spec):  # the module as the server loaded it, and the rest
+            if deferred in sys.meta_path:
+                sys.meta_path.remove(deferred)
+                sys.modules.update((n, m) for n, m in modules.items() if n != spec.name)
+                for function, args, kwargs in _EXITS:
+                    atexit.register(function, *args, **kwargs)
+            return modules[spec.name]
+
+        def exec_module(self, module):  # loaded already; its own spec back
+            module.__spec__ = specs[module.__name__]
+
+    class Deferred(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name not in modules:
+                return None
+            own = specs[name]  # as the path finder would find it (a package, a file)
+            spec = importlib.machinery.ModuleSpec(name, Existing(), origin=own.origin)
+            spec.submodule_search_locations = own.submodule_search_locations
+            spec.has_location = own.has_location
+            return spec
+
+    deferred = Deferred()
+    sys.meta_path.insert(0, deferred)
 
 
 def _captured(functions: tuple) -> list:
