@@ -33,7 +33,10 @@ def test_a_worker_killed_mid_epoch_resumes_bit_for_bit_from_s3_after_ray_restart
     from a checkpoint Ray Train recorded, written by ddpckpt into the run's storage, and
     CheckpointConfig(num_to_keep=2) applies. (The Ray page's script, run by test_docs,
     keeps its run on a local path.)"""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+    # Ray Train's watcher of cloud nodes' preemption notices is an actor of its own in each
+    # run (5 s of CPU here), and has nothing to watch on one machine
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1",
+           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}  # fmt: skip
     done = subprocess.run(
         [sys.executable, str(WORKER.with_name("ray_worker.py")), "--out", str(tmp_path),
          "--storage", str(s3_root)],
