@@ -63,6 +63,8 @@ SHOW = textwrap.dedent(
         def __del__(self):
             print("freed: a global of __main__", flush=True)
     kept = Noted()
+    import weakref  # its finalizer runs at exit (those of what the server loaded do not)
+    weakref.finalize(Noted, print, "finalizer at exit", flush=True)
     atexit.register(print, "atexit", flush=True)
     threading.Thread(target=lambda: time.sleep(0.2) or print("thread joined")).start()
     sys.stdout.flush()
@@ -135,10 +137,10 @@ def test_a_warm_program_is_given_and_ends_as_a_cold_one(tmp_path: Path, ending: 
     if ending in ("0", "raise"):
         assert "inductor cache /" in warm[1]
     if ending == "raise":
-        assert warm[2].splitlines()[1] == f'  File "{script}", line 40, in <module>', warm[2]
+        assert warm[2].splitlines()[1] == f'  File "{script}", line 42, in <module>', warm[2]
     # how it ends, in the order Python's exit has it
     assert warm[1].split("tmp ")[1].splitlines()[1:] == [
-        "thread joined", "atexit", "freed: a global of __main__"
+        "thread joined", "atexit", "finalizer at exit", "freed: a global of __main__"
     ]  # fmt: skip
     assert warm[2].endswith("freed: a global of an imported module\n"), warm[2]
 
