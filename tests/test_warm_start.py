@@ -51,14 +51,17 @@ SHOW = textwrap.dedent(
     print("parent", os.getppid())  # the process that started it
     import site, sysconfig, tempfile
     print("user base", site.getuserbase(), sysconfig.get_config_var("userbase"))  # its HOME
+    import atexit, importlib.util
+    # the library under test: not loaded until it is imported
+    print("ddpckpt", "ddpckpt" in sys.modules, importlib.util.find_spec("ddpckpt").parent)
     if sys.argv[1] in ("0", "raise"):  # what the server imported first (seconds, cold)
         import torch._dynamo
         print("inductor cache", os.environ.get("TORCHINDUCTOR_CACHE_DIR"))  # set by the import
-    import importlib.util  # the library under test: not loaded until it is imported
-    print("ddpckpt", "ddpckpt" in sys.modules, importlib.util.find_spec("ddpckpt").parent)
+        before = atexit._ncallbacks()
+        import ddpckpt  # registers with atexit as it loads
+        print("registered at import", atexit._ncallbacks() - before)
     print("tmp", tempfile.gettempdir())
-    import atexit, threading, time, teardown  # its own module, next to it
-    import ddpckpt
+    import threading, time, teardown  # its own module, next to it
     class Noted:  # says when the interpreter's teardown frees it
         def __del__(self):
             print("freed: a global of __main__", flush=True)
@@ -75,14 +78,16 @@ SHOW = textwrap.dedent(
 )
 
 
-# a module the program imports: its global is freed in the teardown, after __main__'s
+# a module the program imports, kept alive past its removal from sys.modules (by a logger,
+# which lives as long as the interpreter): its global is freed when the teardown clears it
 TEARDOWN = textwrap.dedent(
     """
-    import sys
+    import logging, sys
     class Noted:
-        def __del__(self):
-            print("freed: a global of an imported module", file=sys.stderr, flush=True)
+        def __del__(self, stderr=sys.stderr):  # its module's globals are None by then
+            print("freed: a global of an imported module", file=stderr, flush=True)
     kept = Noted()
+    logging.getLogger("teardown").module = sys.modules[__name__]
     """
 )
 
@@ -135,9 +140,9 @@ def test_a_warm_program_is_given_and_ends_as_a_cold_one(tmp_path: Path, ending: 
     assert f"user base {tmp_path}/.local {tmp_path}/.local" in warm[1]
     assert "ddpckpt False ddpckpt" in warm[1]
     if ending in ("0", "raise"):
-        assert "inductor cache /" in warm[1]
+        assert "inductor cache /" in warm[1] and "registered at import 1" in warm[1]
     if ending == "raise":
-        assert warm[2].splitlines()[1] == f'  File "{script}", line 42, in <module>', warm[2]
+        assert warm[2].splitlines()[1] == f'  File "{script}", line 45, in <module>', warm[2]
     # how it ends, in the order Python's exit has it
     assert warm[1].split("tmp ")[1].splitlines()[1:] == [
         "thread joined", "atexit", "finalizer at exit", "freed: a global of __main__"

@@ -195,7 +195,8 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 def serve(path: str) -> None:
     """Preload, listen on ``path``, and fork a program for each request until SIGTERM, the
     end of the parent, or a closed listener. Only forked children return from here: into
-    :func:`_become`, which ends by raising SystemExit through the interpreter's exit."""
+    :func:`_become`, which ends the program (:func:`_end`, or a KeyboardInterrupt through
+    the interpreter's exit)."""
     _STARTED_WITH.update(os.environ)
     with _noting_reads():
         for name in PRELOAD:
@@ -340,7 +341,7 @@ def _start(conn: socket.socket, own: list, selector: selectors.BaseSelector) -> 
 
 def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     """In the forked child: turn into the program's process, run it, and end as Python ends
-    (raises SystemExit or KeyboardInterrupt; never returns normally)."""
+    (leaves through :func:`_end`, or raises KeyboardInterrupt; never returns)."""
     import ctypes
     import faulthandler
     import fcntl
@@ -419,18 +420,20 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
 
 
 def _end(code: object, ours: frozenset[str]) -> NoReturn:
-    """End the program as the interpreter ends it, for everything the program made: the
-    status or message of its ``SystemExit``, its other threads that are not daemons joined,
-    the atexit handlers run, the standard streams flushed (120 if stdout fails), then the
-    modules it imported and ``__main__`` torn down as the interpreter tears modules down
-    (taken out of ``sys.modules``, collected, the survivors' globals cleared, latest import
-    first), so its objects' ``__del__`` and finalizers run. The process then leaves with
-    ``os._exit``: what the server preloaded is not torn down (that teardown, freeing
-    torch's objects, which copies the pages the fork shared, cost 0.4 s of CPU a program;
-    nor are its finalizers run at exit, see :func:`serve`),
-    and C++'s static destructors do not run (where gloo's threads can abort a finished
-    process: tests/support/exiting.py)."""
+    """End the program as the interpreter ends it (Py_FinalizeEx), for everything the
+    program made: the status or message of its ``SystemExit``; its other threads that are
+    not daemons joined; the atexit handlers run; the standard streams flushed (120 if that
+    fails); its Python signal handlers back to the default; then, unless a daemon thread is
+    still running (the interpreter would have stopped it; here it could meet cleared
+    globals), the modules it imported and ``__main__`` torn down as the interpreter tears
+    modules down (taken out of ``sys.modules``, collected, the survivors' globals cleared,
+    latest import first), so that its objects' ``__del__`` and finalizers run; C's stdio
+    flushed. The process then leaves with ``os._exit``: what the server preloaded is not
+    torn down (freeing torch's objects copies the pages the fork shared: 0.4 s of CPU a
+    program), nor are its finalizers run (see :func:`serve`), nor C++'s static destructors
+    (where gloo's threads can abort a finished process: tests/support/exiting.py)."""
     import atexit
+    import signal
     import threading
 
     if code is None:
@@ -444,23 +447,52 @@ def _end(code: object, ours: frozenset[str]) -> NoReturn:
                 sys.stderr.write(f"{code}\n")
         else:
             os.write(2, f"{code}\n".encode(errors="backslashreplace"))
-    threading._shutdown()  # type: ignore[attr-defined]
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except BaseException as exc:  # a KeyboardInterrupt while it joins
+        _unraisable(threading, exc)
     atexit._run_exitfuncs()
     flushed = _flush()
-    alive = []  # weak references: a module only sys.modules holds goes as it leaves it
-    for name in [name for name in sys.modules if name not in ours or name == "__main__"]:
-        if isinstance(sys.modules[name], types.ModuleType):
-            alive.append(weakref.ref(sys.modules[name]))
-        sys.modules[name] = None  # type: ignore[assignment]
-    gc.collect()
-    for ref in reversed(alive):
-        module = ref()
-        if module is not None:
-            _clear(module)
-        del module
-    gc.collect()
+    for sig in signal.valid_signals():
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+    if len(sys._current_frames()) == 1:
+        if gc.isenabled():
+            gc.collect()
+        alive = []  # weak references: a module only sys.modules holds goes as it leaves it
+        for name in [name for name in sys.modules if name not in ours or name == "__main__"]:
+            if isinstance(sys.modules.get(name), types.ModuleType):
+                alive.append(weakref.ref(sys.modules[name]))
+            sys.modules[name] = None  # type: ignore[assignment]
+        gc.collect()
+        for ref in reversed(alive):
+            module = ref()
+            if module is not None:
+                _clear(module)
+            del module
+        gc.collect()
     flushed = _flush() and flushed
+    for stream in (sys.__stdout__, sys.__stderr__):  # the program may have replaced them
+        with contextlib.suppress(Exception):
+            stream.flush()  # type: ignore[union-attr]
+    import ctypes
+
+    ctypes.CDLL(None).fflush(None)  # what C and C++ code wrote, as exit() would
     os._exit((status if flushed else 120) & 0xFF)
+
+
+def _unraisable(what: object, exc: BaseException) -> None:
+    """``Exception ignored in: WHAT`` and the traceback on stderr, as the interpreter says
+    it of an exception nothing can raise to."""
+    import traceback
+
+    if sys.stderr is None:
+        return
+    with contextlib.suppress(Exception):
+        sys.stderr.write(f"Exception ignored in: {what!r}\n")
+        sys.stderr.write("".join(traceback.format_exception(exc)))
+        sys.stderr.flush()
 
 
 def _clear(module: types.ModuleType) -> None:
@@ -488,11 +520,7 @@ def _flush() -> bool:
         except Exception as exc:
             flushed = False
             if name == "stdout":
-                hook = types.SimpleNamespace(exc_type=type(exc), exc_value=exc,
-                                             exc_traceback=exc.__traceback__, err_msg=None,
-                                             object=stream)  # fmt: skip
-                with contextlib.suppress(Exception):
-                    sys.unraisablehook(hook)  # type: ignore[arg-type]
+                _unraisable(stream, exc)
     return flushed
 
 
@@ -503,7 +531,7 @@ def _package(package: str) -> dict[str, types.ModuleType]:
 def _forget(package: str) -> None:
     """Drop ``package``'s modules, as if the server had never imported it, so that the
     program's own import runs its import-time code; and undo what that code hooked in
-    outside them (its handlers on loggers, its functions registered with atexit)."""
+    outside them (its handlers and filters on loggers, what it registered with atexit)."""
     import atexit
     import logging
 
@@ -513,6 +541,9 @@ def _forget(package: str) -> None:
         for handler in list(getattr(logger, "handlers", ())):
             if any(handler is v for v in theirs):
                 logger.removeHandler(handler)
+        for found in list(getattr(logger, "filters", ())):
+            if type(found).__module__ in modules:
+                logger.removeFilter(found)
     for function, _, _ in _EXITS:
         atexit.unregister(function)
     for name in modules:
@@ -521,9 +552,10 @@ def _forget(package: str) -> None:
 
 def _defer(package: str) -> None:
     """Take ``package``'s modules out of ``sys.modules`` until the program first imports it
-    (or one of its modules): they come back then, as its own import would bring them, and
-    what the package registered with atexit as it loaded is registered again at that
-    moment, so that it runs where a cold import puts it among the program's own."""
+    (or one of its modules): they come back then, as its own import would bring them; what
+    the package registered with atexit as it loaded is registered again at that moment, so
+    that it runs where a cold import puts it among the program's own, and it looks for its
+    tools again (a program that set a tool's variable itself gets the tool)."""
     import atexit
     import importlib.abc
     import importlib.machinery
@@ -542,6 +574,9 @@ def _defer(package: str) -> None:
                 sys.modules.update((n, m) for n, m in modules.items() if n != spec.name)
                 for function, args, kwargs in _EXITS:
                     atexit.register(function, *args, **kwargs)
+                observe = modules[f"{package}._observe"]  # what its __init__ does last
+                observe._looked = False
+                observe.observer()
             return modules[spec.name]
 
         def exec_module(self, module):  # loaded already; its own spec back
