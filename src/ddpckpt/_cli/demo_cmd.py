@@ -44,7 +44,7 @@ def _demo(args: argparse.Namespace) -> int:
         raise CannotRun(str(exc)) from None
     print(
         f"running the demo in {args.out}: ddpckpt check-resume on {SCRIPT.name} (two DDP "
-        "trainings under torchrun; a few minutes on two CPU cores) ...",
+        "trainings under torchrun; about a minute on two CPU cores) ...",
         flush=True,
     )
     report = run_demo(
