@@ -37,6 +37,7 @@ from typing import NoReturn
 
 from warm.warm_ended import stat_fields
 
+_LIBRARY = "ddpckpt"
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -49,7 +50,7 @@ PRELOAD = (
     # The library under test (0.14 s of CPU a program): out of sys.modules in each program
     # until it imports it (_defer); a program under one of its tools (check-resume's
     # recorder starts at ddpckpt's import) imports it afresh (_forget).
-    "ddpckpt",
+    _LIBRARY,
 )
 # Environment variables read while the preloaded modules load: by C code (OpenMP, the
 # allocator, torch's logging and C++ settings), listed here, and by Python code
@@ -200,11 +201,11 @@ def serve(path: str) -> None:
     _STARTED_WITH.update(os.environ)
     with _noting_reads():
         for name in PRELOAD:
-            with _noting_exits(_EXITS if name == "ddpckpt" else []):
+            with _noting_exits(_EXITS if name == _LIBRARY else []):
                 importlib.import_module(name)
     _SET_BY_PRELOAD.update((k, v) for k, v in os.environ.items() if _STARTED_WITH.get(k) != v)
     global _TOOLS
-    _TOOLS = tuple(sys.modules["ddpckpt._observe"].TOOLS)
+    _TOOLS = tuple(sys.modules[f"{_LIBRARY}._observe"].TOOLS)
     # What the preloaded modules left to run at exit (torch's operator libraries, each
     # unregistered: 0.07 s of CPU a program) is the server's, not torn down (_end)
     for finalizer in list(weakref.finalize._registry):  # type: ignore[attr-defined]
@@ -385,9 +386,9 @@ def _become(request: dict, received: list[int], conn: socket.socket) -> None:
     for name, value in _SET_BY_PRELOAD.items():  # as the program's own import would have
         os.environ.setdefault(name, value)
     if any(os.environ.get(name) for name in _TOOLS):
-        _forget("ddpckpt")
+        _forget()
     else:
-        _defer("ddpckpt")
+        _defer()
     _streams(request, io)
     if request["faulthandler"]:
         faulthandler.enable()
@@ -524,18 +525,28 @@ def _flush() -> bool:
     return flushed
 
 
-def _package(package: str) -> dict[str, types.ModuleType]:
-    return {n: m for n, m in sys.modules.items() if n == package or n.startswith(package + ".")}
-
-
-def _forget(package: str) -> None:
-    """Drop ``package``'s modules, as if the server had never imported it, so that the
-    program's own import runs its import-time code; and undo what that code hooked in
-    outside them (its handlers and filters on loggers, what it registered with atexit)."""
+def _take_out() -> dict[str, types.ModuleType]:
+    """The library's modules, taken out of ``sys.modules``, and what it registered with
+    atexit as it loaded unregistered."""
     import atexit
+
+    modules = {
+        n: m for n, m in sys.modules.items() if n == _LIBRARY or n.startswith(f"{_LIBRARY}.")
+    }
+    for function, _, _ in _EXITS:
+        atexit.unregister(function)
+    for name in modules:
+        del sys.modules[name]
+    return modules
+
+
+def _forget() -> None:
+    """Take the library out, as if the server had never imported it, so that the program's
+    own import runs its import-time code; and undo what that code hooked in outside its
+    modules (its handlers and filters on loggers; what it registered with atexit)."""
     import logging
 
-    modules = _package(package)
+    modules = _take_out()
     theirs = [v for m in modules.values() for v in vars(m).values()]
     for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
         for handler in list(getattr(logger, "handlers", ())):
@@ -544,27 +555,19 @@ def _forget(package: str) -> None:
         for found in list(getattr(logger, "filters", ())):
             if type(found).__module__ in modules:
                 logger.removeFilter(found)
-    for function, _, _ in _EXITS:
-        atexit.unregister(function)
-    for name in modules:
-        del sys.modules[name]
 
 
-def _defer(package: str) -> None:
-    """Take ``package``'s modules out of ``sys.modules`` until the program first imports it
-    (or one of its modules): they come back then, as its own import would bring them; what
-    the package registered with atexit as it loaded is registered again at that moment, so
-    that it runs where a cold import puts it among the program's own, and it looks for its
-    tools again (a program that set a tool's variable itself gets the tool)."""
+def _defer() -> None:
+    """Take the library out until the program first imports it (or one of its modules):
+    its modules come back then, as its own import would bring them; what it registered with
+    atexit as it loaded is registered again at that moment, so that it runs where a cold
+    import puts it among the program's own, and it looks for its tools again (a program
+    that set a tool's variable itself gets the tool)."""
     import atexit
     import importlib.abc
     import importlib.machinery
 
-    modules = _package(package)
-    for function, _, _ in _EXITS:
-        atexit.unregister(function)
-    for name in modules:
-        del sys.modules[name]
+    modules = _take_out()
     specs = {name: module.__spec__ for name, module in modules.items()}
 
     class Existing(importlib.abc.Loader):
@@ -574,7 +577,7 @@ def _defer(package: str) -> None:
                 sys.modules.update((n, m) for n, m in modules.items() if n != spec.name)
                 for function, args, kwargs in _EXITS:
                     atexit.register(function, *args, **kwargs)
-                observe = modules[f"{package}._observe"]  # what its __init__ does last
+                observe = modules[f"{_LIBRARY}._observe"]  # what its __init__ does last
                 observe._looked = False
                 observe.observer()
             return modules[spec.name]
