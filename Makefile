@@ -8,7 +8,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Tests run in parallel worker processes (pytest-xdist), dealt one by one to whichever worker
 # is free; tests sharing a module-scoped fixture stay on one worker (tests/support/tiers.py).
-TEST_WORKERS ?= 2
+# Three on two cores: many tests wait on their processes, a timeout or Ray with a core idle
+# (the tests took 520 s on 2 workers, 456 s on 3, 472 s on 4: docs/architecture.md).
+TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: demo bench docs test test-fast test-scale lint style fuzz clean

@@ -70,7 +70,7 @@ def dealing_order(items: list[T], tiers: list[str]) -> list[T]:
     deals first; without it, tests run in their modules' order, each module's fixtures built
     once): each tier's tests in their own order, spread over the run by their rough
     cost. The long tier takes the first two thirds, so that a worker free at the end finds
-    short tests, not a long one that keeps the run going while the other worker idles; the
+    short tests, not a long one that keeps the run going while the other workers idle; the
     unit tier's tests, many of which wait on a timeout with the CPU idle, run beside the
     process tests, which use more than one core, instead of after them."""
     spread = {"long": 0.65, "processes": 1.0, "unit": 1.0}
@@ -85,7 +85,7 @@ def dealing_order(items: list[T], tiers: list[str]) -> list[T]:
 
 
 def _check_grouped(item: pytest.Item) -> None:
-    """Fail a grouped test that pytest-xdist did not group: dealt to both workers, a group's
+    """Fail a grouped test that pytest-xdist did not group: dealt to several workers, a group's
     tests build its module-scoped fixture (a launch of a minute) once per worker, and again
     after every other module's test in between; the Ray tests would start two clusters at
     once."""
