@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 # Tests run in parallel worker processes (pytest-xdist), dealt one by one to whichever worker
 # is free; tests sharing a module-scoped fixture stay on one worker (tests/support/tiers.py).
 # Three on two cores: many tests wait on their processes, a timeout or Ray with a core idle
-# (the tests took 520 s on 2 workers, 456 s on 3, 472 s on 4: docs/architecture.md).
+# (the tests took 520 s on 2 workers, 456 s on 3, 472 s on 4: docs/architecture.md). With
+# more cores: make test TEST_WORKERS=N.
 TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
