@@ -272,6 +272,20 @@ def test_a_module_runs_warm_and_what_the_server_cannot_reproduce_starts_cold(
     ]
 
 
+def test_multiprocessings_resource_tracker_starts_cold(tmp_path: Path) -> None:
+    """It lives as long as the process that started it: warm, the tracker of a test worker
+    (started by its tests) was killed with the server before the worker ended, and its
+    stand-in said so at the end of every run."""
+    log = tmp_path / "starts"
+    code = "from multiprocessing import resource_tracker as r; r.ensure_running(); print('ran')"
+    done = _run([sys.executable, "-c", code], os.environ, tmp_path, warm=True, log=log)
+    assert done.stdout == "ran\n", done.stderr
+    assert [line.split("\t")[:2] for line in log.read_text().splitlines()] == [
+        ["warm", ""],
+        ["cold", "multiprocessing's resource tracker"],
+    ]
+
+
 def _drop_a_capability() -> None:  # as a launcher's preexec_fn drops one of root's
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     if libc.prctl(24, 1, 0, 0, 0) != 0:  # PR_CAPBSET_DROP CAP_DAC_OVERRIDE

@@ -413,7 +413,10 @@ def test_sigusr1_to_one_worker_makes_both_ranks_save_the_same_step(tmp_path) -> 
     first, second = preempted(tmp_path)
     assert first["step"] == second["step"] and 4 <= first["step"] < STEPS, output[-3000:]
     assert first["exit_code"] == second["exit_code"] == 128 + signal.SIGUSR1
-    assert not (tmp_path / "signalled-rank0").exists()
+    # Rank 0 heard no SIGUSR1. It may hear torchrun's SIGTERM: rank 1 can exit first, and
+    # torchrun then stops the ranks still running (rank 0 after its save, in its exit).
+    heard = tmp_path / "signalled-rank0"
+    assert set(heard.read_text().split() if heard.exists() else []) <= {"SIGTERM"}
     assert "SIGUSR1 received (rank 1 first)" in output
 
 

@@ -7,7 +7,8 @@
 
 Preemption (test_preemption.py): ``--preempt`` passes ``preemption=True``; ``--pause-at S``
 stops after step S until OUT/go exists (the test sends its signals meanwhile; an
-application handler installed before the Checkpointer writes OUT/signalled-rank<r>);
+application handler installed before the Checkpointer appends each signal's name to
+OUT/signalled-rank<r>);
 ``--hold-from S`` holds each save of step S or later before writing while OUT/hold exists.
 ``two``: two preemption-enabled Checkpointers, one closed early, then SIGUSR1 on rank 1 only;
 writes OUT/two-rank<r>.json.
@@ -82,7 +83,8 @@ def application_handler(out: str, rank: int) -> None:
     """What an application may have installed already: the Checkpointer chains to it."""
 
     def note(signum: int, frame: object) -> None:
-        Path(out, f"signalled-rank{rank}").write_text(signal.Signals(signum).name)
+        with Path(out, f"signalled-rank{rank}").open("a") as f:  # one line a signal
+            f.write(f"{signal.Signals(signum).name}\n")
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, note)

@@ -14,8 +14,9 @@ signal that killed it). Killed itself (SIGKILL), it takes the program with it.
 
 Anything the server cannot reproduce starts cold, as Python itself: another interpreter or
 user, options other than ``-u``/``-B``/``-W``/``-X faulthandler``, a script inside
-site-packages other than Ray's workers (its workers' set-up script, its daemons), or
-environment variables read when torch loads that differ from the server's. Under ``ddpckpt
+site-packages other than Ray's workers (its workers' set-up script, its daemons),
+multiprocessing's resource tracker (which outlives the server when a test worker starts it),
+or environment variables read when torch loads that differ from the server's. Under ``ddpckpt
 check-resume`` (which tells processes apart by their pids) the program sees this process's
 pid as its own. ``DDPCKPT_TEST_WARM_LOG=FILE`` appends one line per start: warm, or cold and
 why.
@@ -44,6 +45,10 @@ _FLAGS = ("debug", "inspect", "interactive", "optimize", "no_user_site", "no_sit
 
 # Ray's workers, which its raylet starts (they register the program's pid with it)
 _RAY_WORKER = "/ray/_private/workers/default_worker.py"
+# The helper multiprocessing starts for the process that first needs it (a test worker, say),
+# which ends when that process does: warm, it would end with the server before then, and
+# it imports next to nothing
+_TRACKER = "from multiprocessing.resource_tracker import main"
 
 
 def _command(os, sys) -> dict | str:
@@ -63,6 +68,8 @@ def _command(os, sys) -> dict | str:
             return {"module": argv[i + 1], "script": None, "unbuffered": unbuffered,
                     "as_launched": checked}  # fmt: skip
         if arg == "-c" and i + 1 < len(argv):
+            if argv[i + 1].startswith(_TRACKER):
+                return "multiprocessing's resource tracker"
             return {"module": None, "script": None, "code": argv[i + 1],
                     "unbuffered": unbuffered, "as_launched": checked}  # fmt: skip
         if arg in ("-W", "-X"):
@@ -211,7 +218,10 @@ def _handover(where: str, command: dict, os, sys) -> str:
             forward(sig, None)
         reply = replies.readline().decode().strip()
         if not reply.startswith("exit "):
-            os.write(2, b"warm start: the server ended before the program did\n")
+            program = " ".join(sys.orig_argv)[:300]
+            os.write(
+                2, f"warm start: the server ended before the program did: {program}\n".encode()
+            )
             os._exit(1)
         status = int(reply[5:])
         if os.WIFSIGNALED(status):
