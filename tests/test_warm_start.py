@@ -104,7 +104,13 @@ def _run(
 
 
 def _starts(log: Path) -> list[str]:
-    return [line.split("\t")[0] for line in log.read_text().splitlines()] if log.exists() else []
+    return [start for start, _ in _starts_and_why(log)]
+
+
+def _starts_and_why(log: Path) -> list[list[str]]:
+    """Each start the log noted: ``["warm", ""]``, or ``["cold", why]``."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [line.split("\t")[:2] for line in lines]
 
 
 @pytest.mark.parametrize("ending", ["0", "3", "a message", "raise"])
@@ -263,7 +269,7 @@ def test_a_module_runs_warm_and_what_the_server_cannot_reproduce_starts_cold(
     (shadow / "numpy.py").write_text("print('script')\n")
     done = _run([sys.executable, "-c", "import numpy"], env, shadow, warm=True, log=log)
     assert done.stdout == "script\n", done.stderr
-    assert [line.split("\t")[:2] for line in log.read_text().splitlines()] == [
+    assert _starts_and_why(log) == [
         ["warm", ""],
         ["cold", "option -O"],
         ["cold", "refused: other load-time environment: OMP_NUM_THREADS"],
@@ -280,7 +286,7 @@ def test_multiprocessings_resource_tracker_starts_cold(tmp_path: Path) -> None:
     code = "from multiprocessing import resource_tracker as r; r.ensure_running(); print('ran')"
     done = _run([sys.executable, "-c", code], os.environ, tmp_path, warm=True, log=log)
     assert done.stdout == "ran\n", done.stderr
-    assert [line.split("\t")[:2] for line in log.read_text().splitlines()] == [
+    assert _starts_and_why(log) == [
         ["warm", ""],
         ["cold", "multiprocessing's resource tracker"],
     ]
@@ -302,9 +308,7 @@ def test_a_program_with_other_capabilities_starts_cold(tmp_path: Path) -> None:
     if done.returncode == 77:
         pytest.skip("dropping a capability is not permitted here")
     assert done.stdout == "ran\n", done.stderr
-    assert [line.split("\t")[:2] for line in log.read_text().splitlines()] == [
-        ["cold", "refused: other capabilities"]
-    ]
+    assert _starts_and_why(log) == [["cold", "refused: other capabilities"]]
 
 
 CODE = """

@@ -434,7 +434,6 @@ def _end(code: object, ours: frozenset[str]) -> NoReturn:
     program), nor are its finalizers run (see :func:`serve`), nor C++'s static destructors
     (where gloo's threads can abort a finished process: tests/support/exiting.py)."""
     import atexit
-    import signal
     import threading
 
     if code is None:
