@@ -6,7 +6,6 @@ import contextlib
 import functools
 import os
 import random
-import socket
 import sys
 import uuid
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).with_name("support")))
 # Fixtures of one subpackage's tests live there too, as plugins: a second conftest.py would
 # take the module name "conftest" that the tests import the helpers below from.
-pytest_plugins = ["check_recorder", "shared_storages", "tiers", "warm_start"]
+pytest_plugins = ["check_recorder", "scratch", "shared_storages", "tiers", "warm_start"]
 
 # c10d's TCPStore looks up the name of each peer's address as it connects (for its log lines,
 # even when they are not printed), and the IPv4-mapped loopback it sees is in no hosts file:
@@ -61,12 +60,6 @@ def train_steps(
         optimizer.step()
         if scheduler is not None:
             scheduler.step()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -54,14 +54,13 @@ def test_a_background_call_waiting_does_not_block_the_training_threads_decision(
         waiting = threading.Event()
         outcome = []
 
-        def background() -> None:  # rank 0 waits in the gather while rank 1 still works
+        def write() -> None:  # rank 0 then waits in the gather while rank 1 still works
             waiting.set()
-            outcome.append(comm.run("write", lambda: time.sleep(0.5 if group.rank else 0)))
+            time.sleep(0.5 if group.rank else 0)
 
-        thread = threading.Thread(target=background)
+        thread = threading.Thread(target=lambda: outcome.append(comm.run("write", write)))
         thread.start()
-        waiting.wait()
-        time.sleep(0.1)
+        waiting.wait()  # the call is open on this rank
         decision = Comm.from_leader("Checkpointer.should_save", lambda: b"1", group=group)
         thread.join()
         comm.close()

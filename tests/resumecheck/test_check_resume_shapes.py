@@ -19,8 +19,11 @@ def test_a_spawn_script_with_tcp_init_is_checked_on_its_real_world_size(tmp_path
     """torch.multiprocessing.spawn with init_method="tcp://..." sets no WORLD_SIZE: the world
     size comes from the process group. Two models and two optimizers, a plain latest() +
     load() + save() loop, --rank 1 honoured."""
-    command = [sys.executable, str(SUPPORT / "spawn_train.py"), "--dir", "gan", "--port",
-               str(free_port())]  # fmt: skip
+
+    def command() -> list[str]:  # a new port for each attempt
+        return [sys.executable, str(SUPPORT / "spawn_train.py"), "--dir", "gan", "--port",
+                str(free_port())]  # fmt: skip
+
     code, output, report = check(tmp_path, command, "--rank", "1")
     assert code == 0, output[-5000:]
     assert (report["world"], report["victim"], report["mode"]) == (2, 1, "plain")

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import ddpckpt
-from conftest import free_port, make_mlp, train_steps
+from conftest import make_mlp, train_steps
 from ddpckpt.storage import storage_for
 from io_helpers import assert_state_equal, flip_byte
+from launch import free_port
 
 
 def test_the_newest_committed_checkpoint_of_a_save_loop(ckpt_root, caplog) -> None:

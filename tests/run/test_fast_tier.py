@@ -221,7 +221,6 @@ def test_the_guides_script_relaunched_after_a_crash_resumes_from_memory(tmp_path
         while not all(p.exists() for p in stopped) and job.poll() is None:
             assert time.monotonic() < deadline, "the first launch did not reach step 25"
             time.sleep(0.2)
-        time.sleep(0.2)  # both pids written
         os.killpg(job.pid, signal.SIGKILL)  # torchrun, then its workers (sessions of their own)
         for path in stopped:
             if path.exists():

@@ -39,7 +39,9 @@ def main() -> None:
         if step == stop:
             self.wait()  # the fast tier holds step S on this rank
             dist.barrier()
-            (out / f"stopped-rank{rank}").write_text(str(os.getpid()))
+            written = out / f".stopped-rank{rank}"
+            written.write_text(str(os.getpid()))
+            os.replace(written, out / f"stopped-rank{rank}")  # the test reads a whole pid
             time.sleep(600)
         return path
 

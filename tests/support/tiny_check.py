@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +20,20 @@ KILL, RESUMED, FIRST = "10", 8, 9
 
 
 def check(
-    tmp: Path, command: Sequence[str], *options: str, env: Mapping[str, str] | None = None
+    tmp: Path,
+    command: Sequence[str] | Callable[[], Sequence[str]],
+    *options: str,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[int, str, dict[str, Any]]:
     """``ddpckpt check-resume --out tmp/check OPTIONS -- COMMAND`` in ``tmp``: its exit
-    status, output and report.json ({} if none was written)."""
+    status, output and report.json ({} if none was written). A command that names its own
+    port is given as a function, called again for each attempt (a new port each time)."""
     out = tmp / "check"
-    argv = [sys.executable, "-m", "ddpckpt", "check-resume", "--out", str(out), "--timeout=150",
-            *options, "--", *command]  # fmt: skip
     variables = _env({"PYTHONWARNINGS": "ignore::FutureWarning", **(env or {})})
     for _ in range(3):
+        argv = [sys.executable, "-m", "ddpckpt", "check-resume", "--out", str(out),
+                "--timeout=150", *options, "--",
+                *(command() if callable(command) else command)]  # fmt: skip
         shutil.rmtree(out, ignore_errors=True)
         ((code, output),) = _finish([_start(argv, variables, tmp)], 600)
         if not _lost_port(out):
