@@ -15,7 +15,7 @@ from torch import nn
 import ddpckpt
 from ddpckpt import _observe
 from ddpckpt._resumecheck import record
-from ddpckpt._resumecheck.check import remove_created
+from ddpckpt._resumecheck.leftovers import remove_created
 from ddpckpt.storage import storage_for
 
 

@@ -111,6 +111,7 @@ def test_a_damaged_records_file_is_one_error_naming_it(tmp_path: Path, case: str
     with pytest.raises(CorruptCheckpointError) as caught:
         read_records(str(reference / "runs" / "reference"))
     assert str(path) in str(caught.value) and said in str(caught.value)
+    assert str(caught.value).endswith("(a --reference directory: run the check again without it)")
 
 
 @pytest.mark.timeout(60)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ddpckpt._resumecheck.runner import run
+from ddpckpt._resumecheck.runner import KillPoint, run
 from tiny_check import SUPPORT, TORCHRUN, check
 
 pytestmark = [pytest.mark.processes, pytest.mark.long]
@@ -49,3 +49,17 @@ def test_a_death_by_a_signal_after_the_script_ended_is_noted_and_the_check_goes_
     (note,) = result.notes
     assert "every rank's script ran to its end, then the launcher exited with 1" in note
     assert "(rank 0 by SIGABRT)" in note and "pytorch/pytorch#190489" in note
+
+
+def test_a_killed_run_on_another_number_of_ranks_is_named_not_blamed_on_the_kill_point(
+    tmp_path: Path,
+) -> None:
+    """A 1-rank run checked against a 2-rank uninterrupted run used to end with 'rank 1
+    never reached the kill point ...; choose a --kill-at inside the run'."""
+    command = [sys.executable, SCRIPT, str(tmp_path / "user")]  # one process: world 1
+    with pytest.raises(RuntimeError) as caught:
+        run("kill-3", command, str(tmp_path / "check"), kill=KillPoint(3), rank=1, world=2,
+            timeout=150)  # fmt: skip
+    said = str(caught.value)
+    assert said.startswith("kill-3: the script ran on 1 rank, the uninterrupted run on 2: ")
+    assert "never reached" not in said

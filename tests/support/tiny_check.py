@@ -47,9 +47,11 @@ def check_tiny(
     sharded: str = "",
 ) -> tuple[int, str, dict[str, Any]]:  # fmt: skip
     """:func:`check` on tiny_train.py at ``nproc`` ranks with ``PLANTED_BUG=bug`` and
-    ``SHARDED=sharded``, its ``--dir`` in ``tmp/user``."""
+    ``SHARDED=sharded``, its ``--dir`` in ``tmp/user`` (given as ``user``, relative to ``tmp``,
+    where the check runs: one command in every test, so that a check of it may reuse another
+    test's uninterrupted run)."""
     command = [TORCHRUN, f"--nproc-per-node={nproc}", *ONE_NODE, "--max-restarts=1", "--monitor-interval=0.2",
-               "--local-addr=127.0.0.1", str(SUPPORT / "tiny_train.py"), "--dir", str(tmp / "user")]  # fmt: skip
+               "--local-addr=127.0.0.1", str(SUPPORT / "tiny_train.py"), "--dir", "user"]  # fmt: skip
     more = ["--reference", str(reference)] if reference else []
     return check(tmp, command, *options, *more, env={"PLANTED_BUG": bug, "SHARDED": sharded})
 

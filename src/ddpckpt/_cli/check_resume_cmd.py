@@ -20,7 +20,8 @@ inputs, and the loss if the script calls ckpt.log_step(loss). The script needs n
 a ddpckpt.Checkpointer loop calling should_save(step) every step, or a loop of
 ddpckpt.save / ddpckpt.latest + ddpckpt.load, under torchrun, torch.multiprocessing.spawn or
 python. Every path it gives ddpckpt is mapped into OUT/runs/*/checkpoints: the user's own
-checkpoints are never read for resuming nor written. Exit status 0 only when the resume is
+checkpoints are never read for resuming nor written (what the script writes itself, not
+through ddpckpt, is written for real, and named in the report). Exit status 0 only when the resume is
 exact at every step compared on every rank; 1 when it is not, or when two uninterrupted runs
 differ so that it cannot be judged; 2 when the check cannot be done: the script failed
 (any exit with an error code; only a process killed by a signal in the interpreter's
@@ -92,8 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--reference",
         default=None,
         metavar="DIR",
-        help="reuse the uninterrupted run of an earlier check (its --out) instead of running "
-        "it again; every step before the kill is still compared with it",
+        help="reuse the uninterrupted run of an earlier check of the same command (its --out) "
+        "instead of running it again; every step before the kill is still compared with it",
     )
     p.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds each launch may take (default 1800)"

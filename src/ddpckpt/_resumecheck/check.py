@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ddpckpt._resumecheck.compare import PointResult, compare_point
+from ddpckpt._resumecheck.leftovers import leftover_notes
 from ddpckpt._resumecheck.records import Records, read_records
+from ddpckpt._resumecheck.reference import open_reference, seal
 from ddpckpt._resumecheck.runner import KillPoint, run
 
 SEVERITY = {"exact": 0, "cannot-judge": 1, "different": 2}
@@ -143,6 +145,12 @@ def default_kill_points(events: list[dict[str, Any]]) -> tuple[list[KillPoint], 
 
 
 def _user_point(point: KillPoint, events: list[dict[str, Any]]) -> KillPoint:
+    steps = [e["step"] for e in events if e["event"] == "step"]
+    if steps and not steps[0] <= point.step <= steps[-1]:
+        raise ValueError(
+            f"--kill-at {point.label()}: the uninterrupted run took steps {steps[0]} to "
+            f"{steps[-1]}: choose a step among them"
+        )
     if not point.after_save:
         return point
     counts = [s["n"] for s in _saves(events) if s["step"] == point.step]
@@ -177,27 +185,6 @@ def _routes(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(found.values())
 
 
-def remove_created(out: str) -> dict[str, list[str]]:
-    """Remove the directories the checked runs created for the script (see
-    :mod:`.isolate`) where they are still empty; deepest first. Returns those left, each with
-    what the script wrote there itself (not through ddpckpt, so not redirected)."""
-    created: set[str] = set()
-    runs = os.path.join(out, "runs")
-    for name in sorted(os.listdir(runs)) if os.path.isdir(runs) else []:
-        for processes in read_records(os.path.join(runs, name)).values():
-            for events in processes:
-                created.update(p for e in events if e["event"] == "created" for p in e["paths"])
-    left: dict[str, list[str]] = {}
-    for path in sorted(created, key=lambda p: p.count(os.sep), reverse=True):
-        try:
-            os.rmdir(path)
-        except FileNotFoundError:
-            continue
-        except OSError:  # not empty: the script wrote its own files there
-            left[path] = sorted(os.listdir(path))
-    return {p: [n for n in names if os.path.join(p, n) not in left] for p, names in left.items()}
-
-
 def check_resume(
     command: Sequence[str],
     out: str,
@@ -210,21 +197,34 @@ def check_resume(
     progress: Any = None,
 ) -> CheckReport:
     """Run the check (see :mod:`ddpckpt._resumecheck`); ``progress(line)`` hears each stage.
-    The directories the runs created for the script are removed at the end, where empty."""
+    The directories the runs created for the script are removed at the end, where empty, and
+    the files the script itself wrote beside its checkpoints are noted
+    (:mod:`.leftovers`)."""
     report = CheckReport(command=list(command), out=os.path.abspath(out))
+    _prepare_out(out)
+    started = time.time()
     try:
         _check(report, kill_at, rank, resume_args, reference, timeout, progress)
     finally:
-        for path, names in remove_created(report.out).items():
-            shown = ", ".join(names[:5]) + (
-                f", ... ({len(names)} in all)" if len(names) > 5 else ""
-            )
-            report.notes.append(
-                f"{path} did not exist; the check made it for the script (its checkpoints' "
-                f"directory is mapped) and left it, because the script wrote its own files "
-                f"there, which only ddpckpt's calls are redirected from: {shown}"
-            )
+        report.notes += leftover_notes(report.out, report.routes, started)
     return report
+
+
+def _prepare_out(out: str) -> None:
+    """Make ``out/runs``, or raise :class:`ValueError` saying why it cannot be (before any
+    run starts)."""
+    if os.path.lexists(out) and not os.path.isdir(out):
+        raise ValueError(
+            f"--out {out}: is a file, not a directory: give a directory for the check's runs "
+            "and report (made if missing), or move the file away"
+        )
+    try:
+        os.makedirs(os.path.join(out, "runs"), exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"--out {out}: cannot make the check's directory there ({exc.strerror}): give a "
+            "directory this user can write to"
+        ) from None
 
 
 def _check(
@@ -239,12 +239,8 @@ def _check(
     say = progress or (lambda line: None)
     command, out = report.command, report.out
     if reference is not None:
-        reference_dir = os.path.join(os.path.abspath(reference), "runs", "reference")
-        if not os.path.isdir(os.path.join(reference_dir, "records")):
-            raise ValueError(
-                f"--reference {reference}: holds no uninterrupted run of an earlier "
-                "check-resume (give the --out directory of that check)"
-            )
+        reference_dir, notes = open_reference(reference, command)
+        report.notes += notes
         report.reference_reused = reference_dir
         say(f"uninterrupted run: reusing {reference_dir}")
     else:
@@ -252,6 +248,7 @@ def _check(
         started = time.perf_counter()
         reference_run = run("reference", command, out, timeout=timeout)
         reference_dir = reference_run.dir
+        seal(reference_dir, command)
         report.notes += reference_run.notes
         report.reference_seconds = time.perf_counter() - started
     ref_records = read_records(reference_dir)
@@ -283,7 +280,7 @@ def _check(
         killed = run(
             f"kill-{point.label().replace(':', '-')}", command, out,
             kill=dataclasses.replace(point, step=point.step - offset), rank=report.victim,
-            resume_args=resume_args, timeout=timeout,
+            resume_args=resume_args, timeout=timeout, world=report.world,
         )  # fmt: skip
         report.killed_runs.append(killed.dir)
         report.notes += killed.notes

@@ -193,7 +193,10 @@ def read_rank_file(path: str) -> RankFile:
     writing it, which the next process's ``start`` follows, or the file's end), and skipped.
     Raises :class:`CorruptCheckpointError`, or :class:`FileNotFoundError` if it is missing.
     """
-    raw = read_small(locate(path), MAX_RECORDS_BYTES, "check-resume record file")
+    try:
+        raw = read_small(locate(path), MAX_RECORDS_BYTES, "check-resume record file")
+    except CorruptCheckpointError as exc:
+        raise _damaged(str(exc)) from None
     lines = raw.split(b"\n")
     last = max((n for n, line in enumerate(lines, 1) if line.strip()), default=0)
     processes: list[Events] = []
@@ -211,7 +214,10 @@ def read_rank_file(path: str) -> RankFile:
             if number == last:
                 break
             continue
-        event = check_event(doc, where)
+        try:
+            event = check_event(doc, where)
+        except CorruptCheckpointError as exc:
+            raise _damaged(str(exc)) from None
         if event["event"] == "start":
             processes.append([])
         elif torn is not None:

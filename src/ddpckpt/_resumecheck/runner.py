@@ -126,9 +126,11 @@ def run(
     rank: int = 0,
     resume_args: Sequence[str] = (),
     timeout: float = 1800.0,
+    world: int | None = None,
 ) -> Run:
     """Run ``command`` as check run ``name`` (killing ``rank`` at ``kill``); raises
-    :class:`RuntimeError` (naming the log) when the script fails other than by the kill."""
+    :class:`RuntimeError` (naming the log) when the script fails other than by the kill, or
+    runs on another number of ranks than ``world`` (the uninterrupted run's)."""
     run_dir = os.path.join(os.path.abspath(out), "runs", name)
     shutil.rmtree(run_dir, ignore_errors=True)
     os.makedirs(run_dir)
@@ -185,6 +187,15 @@ def run(
             "(torch 2.13's gloo threads abort finished processes there at random, "
             "pytorch/pytorch#190489; see the FAQ). The run's records are complete, so the "
             f"check goes on; log: {launch['log']}"
+        )
+    ran = {e["world"] for processes in records.values() for events in processes
+           for e in events if e["event"] == "start"}  # fmt: skip
+    if world is not None and ran and ran != {world}:
+        sizes = " and ".join(f"{n} rank{'s' if n > 1 else ''}" for n in sorted(ran))
+        raise RuntimeError(
+            f"{name}: the script ran on {sizes}, the uninterrupted run on {world}: the runs of "
+            "one check must be of one command on one number of ranks; log: "
+            f"{launch['log']}"
         )
     if kill is not None and result.killed is None:
         raise RuntimeError(
