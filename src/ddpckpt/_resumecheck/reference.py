@@ -57,6 +57,7 @@ def open_reference(reference: str, command: Sequence[str]) -> tuple[str, list[st
             "check-resume (give the --out directory of that check)"
         )
     sealed = os.path.join(run_dir, SEAL)
+    ran: list[str] | None
     if os.path.lexists(sealed):
         try:
             ran, digests = _read_seal(sealed)
