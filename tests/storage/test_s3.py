@@ -727,7 +727,59 @@ def test_a_dot_segment_key_under_the_run_is_skipped_with_a_warning_not_re_split(
         assert torch.equal(weight, saved)
     assert f"'{key}/step-00000006/./'" in caplog.text  # the prefix holding it, as listed
     assert "step-00000006 aside" not in caplog.text  # nothing there can be moved: none said
-    assert f"{key}/step-00000002/../x" in caplog.text
+    assert f"every object whose key starts with '{key}/step-00000002/../'" in caplog.text
     assert "skipped" in caplog.text
     listed = storage._client.list_objects_v2(Bucket=bucket, Prefix=f"{key}/")["Contents"]
     assert f"{key}/step-00000006/./manifest.json" in {item["Key"] for item in listed}
+
+
+@pytest.mark.processes
+def test_ls_lists_no_checkpoint_for_a_prefix_of_skipped_keys_and_warns_once(
+    s3_root, capsys, caplog
+) -> None:
+    """``step-00000006/./manifest.json`` alone (put there by another tool) is no checkpoint:
+    ``ddpckpt ls`` lists none there and exits 0, after one WARNING (however many listings
+    meet it) saying which keys are skipped. Once a key ddpckpt could have written lies
+    there too, it is listed again, as an incomplete checkpoint."""
+    run = s3_root / "run"
+    saved_run(run, steps=(1, 2))
+    storage = storage_for(run)
+    bucket, key = storage._split(run)
+    storage._client.put_object(Bucket=bucket, Key=f"{key}/step-00000006/./manifest.json",
+                               Body=b"{}")  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        for _ in range(2):
+            assert main(["ls", run]) == 0
+            rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]]
+            assert rows == ["1", "2"]
+        warnings = [r.getMessage() for r in caplog.records]
+        assert warnings == [
+            f"{run}/step-00000006: skipped every object whose key starts with "
+            f"'{key}/step-00000006/./' in bucket '{bucket}' (listed there as a prefix): that "
+            "prefix has an empty, '.' or '..' segment, which ddpckpt never writes and which "
+            "would read as another key; ddpckpt never reads them. Delete them with your "
+            "storage's own tools if nobody needs them"
+        ]
+        storage.write_new(f"{run}/step-00000006/model-00000.safetensors", b"an upload cut off")
+        assert main(["ls", run]) == 1
+    out = capsys.readouterr().out
+    assert "step-00000006: has no manifest.json" in out  # never hidden once ddpckpt's
+    assert len(caplog.records) == 1
+
+
+@pytest.mark.processes
+def test_a_skipped_key_is_reported_once_whichever_listing_meets_it(s3_root, caplog) -> None:
+    """The delimited listing of ``step-00000006`` shows the prefix ``step-00000006/./``; the
+    walks of the run and of ``step-00000006`` show the key under it: one WARNING in all."""
+    storage = storage_for(s3_root)
+    bucket, key = storage._split(s3_root)
+    storage._client.put_object(Bucket=bucket, Key=f"{key}/step-00000006/./manifest.json",
+                               Body=b"{}")  # fmt: skip
+    storage.replace(f"{s3_root}/step-00000002/manifest.json", b"{}")
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert storage.list(f"{s3_root}/step-00000006") == []
+        assert storage.walk(s3_root) == ["step-00000002/manifest.json"]
+        assert storage.walk(f"{s3_root}/step-00000006") == []
+        assert not storage.is_dir(f"{s3_root}/step-00000006")
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert f"every object whose key starts with '{key}/step-00000006/./'" in warning

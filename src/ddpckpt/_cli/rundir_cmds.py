@@ -56,6 +56,10 @@ def _ls_rows(where: Location, quick: bool) -> list[dict[str, Any]]:
     rows = []
     for entry in query.entries(where):
         manifest = entry.manifest
+        if manifest is None and not where.storage.exists(entry.path):
+            # Not a checkpoint: gone since the listing, or a prefix holding only objects
+            # skipped for their names (each warned about by the storage, and left alone).
+            continue
         if manifest is None:
             status, problems = entry.status, [entry.problem]
         elif quick:

@@ -205,7 +205,7 @@ class FsspecStorage(Storage):
     def list(self, location: str) -> list[str]:
         if not self.is_dir(location):
             raise FileNotFoundError(errno.ENOENT, "no such directory", location)
-        listed = self._call(location, lambda path: self.fs.ls(path, detail=False))
+        listed = self._call(location, lambda path: self.fs.ls(path, detail=True))
         return sorted(set(self._names(location, listed, one_level=True)))
 
     def walk(self, location: str) -> builtins.list[str]:
@@ -216,17 +216,23 @@ class FsspecStorage(Storage):
     def _names(
         self, location: str, listed: Iterable[Any], *, one_level: bool
     ) -> builtins.list[str]:
-        """The names under ``location`` of the paths the file system ``listed``, each exactly
-        as listed: one with an empty, ``.`` or ``..`` segment (an object store's key
-        ``run//x`` or ``step-6/./manifest.json``), or outside ``location``, is skipped with a
-        WARNING (:mod:`~ddpckpt.storage._names`), never re-split into another name."""
+        """The names under ``location`` of the paths the file system ``listed`` (paths, or
+        ``ls``'s entries with their type), each exactly as listed: one with an empty, ``.``
+        or ``..`` segment (an object store's key ``run//x`` or ``step-6/./manifest.json``),
+        or outside ``location``, is skipped with a WARNING (:mod:`~ddpckpt.storage._names`),
+        never re-split into another name; a directory is reported as the prefix of the
+        paths under it."""
         root = self.path(location).rstrip("/") + "/"
         names = []
-        for path in map(str, listed):
-            name = path[len(root) :] if path.startswith(root) else ""
+        for entry in listed:
+            path = str(entry["name"] if isinstance(entry, dict) else entry)
+            inside = path.startswith(root)
+            name = path[len(root) :] if inside else ""
             if one_level and name.endswith("/"):  # a directory's own trailing slash
                 name = name[:-1]
-            if plain_name(name, path, location) is not None:
+            directory = isinstance(entry, dict) and entry.get("type") == "directory"
+            key = f"{root}{name}/" if directory and inside else path
+            if plain_name(name, key, location, prefix=directory) is not None:
                 names.append(name)
         return names
 

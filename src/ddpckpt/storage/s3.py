@@ -176,9 +176,10 @@ class S3Storage(Storage):
 
     def _listing(self, location: str, *, delimiter: bool) -> Iterator[str | None]:
         """Each name under the prefix ``location/`` (one level with ``delimiter``), page by
-        page as listed; ``None`` for a key whose name has an empty, ``.`` or ``..`` segment,
-        skipped with a WARNING (:mod:`~ddpckpt.storage._names`): every name given is a key
-        (or prefix) exactly as listed, never re-split into another."""
+        page as listed; ``None`` for a key (or, with ``delimiter``, a prefix standing for
+        the keys under it) whose name has an empty, ``.`` or ``..`` segment, skipped with a
+        WARNING (:mod:`~ddpckpt.storage._names`): every name given is a key (or prefix)
+        exactly as listed, never re-split into another."""
         bucket, key = split(location)
         prefix = f"{key}/" if key else ""
         paginator = self._client.get_paginator("list_objects_v2")
@@ -190,17 +191,17 @@ class S3Storage(Storage):
             for page in pages:
                 listed = (
                     [
-                        (item["Prefix"], item["Prefix"][len(prefix) : -1])  # less its "/"
+                        (item["Prefix"], item["Prefix"][len(prefix) : -1], True)  # less its "/"
                         for item in page.get("CommonPrefixes", [])
                     ]
                     + [
-                        (item["Key"], item["Key"][len(prefix) :])
+                        (item["Key"], item["Key"][len(prefix) :], False)
                         for item in page.get("Contents", [])
                         if item["Key"] != prefix  # a console's "folder" marker: the prefix itself
                     ]
                 )
-                for full, name in listed:
-                    yield plain_name(name, full, location)
+                for full, name, is_prefix in listed:
+                    yield plain_name(name, full, location, bucket=bucket, prefix=is_prefix)
         except CLIENT_ERRORS as exc:
             raise os_error(exc, location) from exc
 
