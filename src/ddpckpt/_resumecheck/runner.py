@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -117,6 +118,36 @@ def _tail(path: str, lines: int = 25) -> str:
     return "".join(_log_end(path).splitlines(keepends=True)[-lines:])
 
 
+# A line of the script's own error output; not the launcher's (its log lines, its own
+# traceback of ChildFailedError and its summary of the failed processes).
+_ERROR = re.compile(
+    r"^(\[rank\d+\]:\s*)?([\w.]*(Error|Exception|Interrupt)(:|$)|.*can't open file|.*\[Errno \d+\])"
+)
+_LAUNCHER = re.compile(
+    r"^[IWEF]\d{4} |torch[/.]distributed[/.](elastic|run|launcher)|ChildFailedError"
+)
+
+
+def _failure(path: str, shown: int = 3) -> str:
+    """What a failed launch's log shows the user: the first lines of the script's own errors
+    (torchrun prints them first, then 20 lines of its own traceback and summary, which
+    were all the message showed: a mistyped script's "can't open file" was not among them),
+    then the log's end."""
+    with open(path, "rb") as f:
+        start = f.read(_LOG_END).decode(errors="replace")
+    errors = list(
+        dict.fromkeys(
+            line.strip()
+            for line in start.splitlines()
+            if _ERROR.search(line) and not _LAUNCHER.search(line)
+        )
+    )[:shown]
+    said = "".join(f"  {line}\n" for line in errors)
+    return (f"the script's first errors in the log:\n{said}the log's end:\n" if said else "") + (
+        _tail(path)
+    )
+
+
 def run(
     name: str,
     command: Sequence[str],
@@ -177,7 +208,7 @@ def run(
             why = f": {ending.why}" if ending.why else ""
             raise RuntimeError(
                 f"{name}: the script failed (exit {launch['exit']}){why}; log: {launch['log']}\n"
-                f"{_tail(launch['log'])}"
+                f"{_failure(launch['log'])}"
             )
         died = ", ".join(f"rank {rank} by {sig}" for rank, sig in ending.teardown.items())
         result.notes.append(
