@@ -257,7 +257,7 @@ def test_one_node_resumes_from_memory_then_with_fewer_ranks_says_so(tmp_path) ->
     tier (the durable tier holds step 4), bit-identical to the uninterrupted run. The run
     ends at step 10, a fast-tier step. Started again on 1 rank, it resumes from the fast
     tier's step 10 (newer than the durable step 8) with a warning that the checkpoint was
-    saved by 2 ranks."""
+    saved by 2 ranks, and one that rank 1's own state is not restored."""
     node = tmp_path / "node0"
     node.mkdir()
     out = tmp_path / "out"
@@ -279,6 +279,8 @@ def test_one_node_resumes_from_memory_then_with_fewer_ranks_says_so(tmp_path) ->
     (seen,) = resumes(fewer)[10].values()
     assert seen["path"] == "fast/step-00000010", seen
     assert any("saved by 2 ranks and this job has 1" in m for m in seen["messages"]), seen
+    said = [m for m in seen["messages"] if "saved with 2 ranks, resumed with 1" in m]
+    assert len(said) == 1 and "what rank 1 stored of its own is not restored" in said[0], seen
 
 
 def test_a_fast_tier_left_by_another_run_is_never_resumed_from(tmp_path, caplog) -> None:

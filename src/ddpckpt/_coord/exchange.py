@@ -35,6 +35,7 @@ from ddpckpt._coord.wire import Mark
 from ddpckpt.errors import CheckpointError
 
 T = TypeVar("T")
+E = TypeVar("E", bound=Exception)
 LEADER = 0
 
 
@@ -173,7 +174,7 @@ class Exchanges:
         self._publish(tag, blob)
         return decode_error(blob)
 
-    def everywhere(self, error: CheckpointError) -> CheckpointError:
+    def everywhere(self, error: E) -> E:
         """Mark ``error`` as one every rank raises at this point of the call (it follows from
         an answer every rank got, e.g. a reduced result), so that leaving the call with it
         is leaving after a failure on every rank (see ``Comm.close``); returns it, to raise."""

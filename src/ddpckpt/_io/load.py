@@ -388,10 +388,11 @@ def own_tensors(manifest: Manifest, rank: int, location: Location) -> dict[str, 
     rank_part(manifest, location, 0)  # what this rank starts from (RNG, per-rank extras)
     if rank_has(manifest, "own"):
         _log.warning(
-            "%s: saved with %d ranks, some state per rank (it differed between ranks); rank %d "
+            "%s: saved with %d rank%s, some state per rank (it differed between ranks); rank %d "
             "has none stored and starts from rank 0's",
             location,
             manifest.world_size,
+            "" if manifest.world_size == 1 else "s",
             rank,
         )
     return {}

@@ -106,10 +106,11 @@ def _restore_rank_buffers(
             restore_rank_buffers(model, encoded, source.for_rank(rank), path)
             return
     _log.warning(
-        "%s: saved with %d ranks and per-rank buffers (broadcast_buffers=False); rank %d "
+        "%s: saved with %d rank%s and per-rank buffers (broadcast_buffers=False); rank %d "
         "has none stored and starts from rank 0's buffers",
         path,
         manifest.world_size,
+        "" if manifest.world_size == 1 else "s",
         rank,
     )
 
@@ -124,9 +125,10 @@ def _per_rank_owner(manifest: Manifest, name: str, rank: int, location: Location
             )
         return rank
     _log.warning(
-        "%s: saved with %d ranks, so rank %d has no extra[%r] state of its own; it starts from rank 0's",
+        "%s: saved with %d rank%s, so rank %d has no extra[%r] state of its own; it starts from rank 0's",
         path,
         manifest.world_size,
+        "" if manifest.world_size == 1 else "s",
         rank,
         name,
     )
@@ -154,10 +156,11 @@ def _restore_rng(manifest: Manifest, source: FileSource, location: Location, ran
         rank_part(manifest, location, first)["rng"], lambda n: rank0.get(n).clone(), where=path
     )
     _log.warning(
-        "%s: saved with %d ranks, so rank %d has no stored RNG state; seeding its generators "
+        "%s: saved with %d rank%s, so rank %d has no stored RNG state; seeding its generators "
         "deterministically from rank %d's state and its rank number",
         path,
         manifest.world_size,
+        "" if manifest.world_size == 1 else "s",
         rank,
         first,
     )

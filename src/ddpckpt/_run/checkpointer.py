@@ -255,7 +255,8 @@ class Checkpointer(RunQueries):
                 until a load into them succeeds.
             CheckpointLockedError: Another live job holds the run directory's lock.
             StateMismatchError: The objects do not match the checkpoint (as :func:`ddpckpt.load`).
-            ValueError: Both ``step`` and ``best`` were given.
+            ValueError: Both ``step`` and ``best`` were given, or the run directory is a
+                file (or under one).
         """
         self._check_open()
         if step is not None and best is not None:
@@ -329,6 +330,7 @@ class Checkpointer(RunQueries):
             CheckpointStepError: ``step`` is older than the newest checkpoint.
             CheckpointWriteError: Storage failed and ``on_error="raise"``.
             UnsupportedValueError: A value cannot be stored without pickle (always raised).
+            ValueError: The run directory is a file, or under one (always raised).
         """
         if self._preemption is not None and self._preemption.agreed is not None:
             return self._preemption.run_save(lambda: self._save(step, epoch, metrics, True))

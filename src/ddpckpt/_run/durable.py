@@ -4,16 +4,18 @@ Its saves are :class:`~ddpckpt._run.saving.RunSaves`'; its part of a resume
 (:mod:`ddpckpt._run.resume`):
 
 1. :meth:`DurableSaves.offer` (collective): a writer first sets the run directory up
-   (:meth:`RunSaves.prepare`: storage domains, the lock, leftovers); the first rank of each
-   storage domain lists it (every rank, for a read-only Checkpointer, which does not know
-   the domains) and the others receive the merged listing
-   (:func:`list_candidates`); ``Resuming.choose`` orders the
-   committed steps to try.
+   (:meth:`RunSaves.prepare`: storage domains, the lock, leftovers), a reader checks that
+   it is no file (:mod:`ddpckpt._run.runpath`); the first rank of each storage domain
+   lists it (every rank, for a read-only Checkpointer, which does not know the domains)
+   and the others receive the merged listing (:func:`list_candidates`);
+   ``Resuming.choose`` orders the committed steps to try.
 2. :meth:`DurableSaves.restore` (collective): the first candidate that loads and verifies
    (:func:`load_first`).
 3. :meth:`DurableSaves.resumed` (one rank per storage domain, not read-only): broken
    checkpoints newer than the one loaded become ``step-N.corrupt-*``, never loaded again,
-   and ``latest`` names the newest committed checkpoint left.
+   and ``latest`` names the newest committed checkpoint left; rank 0 says what a resume
+   on fewer ranks than saved the checkpoint cannot restore
+   (:mod:`ddpckpt._run.world_change`).
 
 Collective methods are called by the Checkpointer on every rank at the same points.
 """
@@ -33,8 +35,10 @@ from ddpckpt._io.reader import CheckpointInfo
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._run.options import CheckpointerOptions
 from ddpckpt._run.rundir import scan
+from ddpckpt._run.runpath import refuse_no_directory
 from ddpckpt._run.saving import RunSaves
 from ddpckpt._run.tier import Loaded, Resuming, Tier
+from ddpckpt._run.world_change import note_fewer_ranks
 from ddpckpt._state.capture import Snapshot
 from ddpckpt.errors import (
     CheckpointNotFoundError,
@@ -83,13 +87,16 @@ class DurableSaves:
         return self.saves.save(step, header, capture, synchronous, borrow)
 
     def offer(self, resuming: Resuming) -> list[int]:
-        """Collective: list the run directory (a writer sets it up first, at the first
-        listing of a resume); the committed steps ``resuming.choose`` picks, in its order,
-        less those that failed to load earlier in this resume. Incomplete ones go to
-        ``resuming.broken``."""
+        """Collective: list the run directory (at the first listing of a resume, a writer
+        sets it up first, and a reader checks it is no file); the committed steps
+        ``resuming.choose`` picks, in its order, less those that failed to load earlier in
+        this resume. Incomplete ones go to ``resuming.broken``."""
         with self.saves.comm("Checkpointer.resume") as comm:
-            if not self.read_only and resuming.listing == 0:
-                self.saves.prepare(comm)
+            if resuming.listing == 0:
+                if self.read_only:
+                    refuse_no_directory(comm, self.saves.location, create=False)
+                else:
+                    self.saves.prepare(comm)
             self._committed, broken = list_candidates(comm, self.saves.location, self.saves.lists)
         resuming.broken = broken
         return [c for c in resuming.choose(self._committed) if c not in resuming.failed]
@@ -104,9 +111,12 @@ class DurableSaves:
     def resumed(self, loaded: Loaded | None, server: Tier | None, resuming: Resuming) -> None:
         """Collective: after a writer restored ``loaded`` (from this tier or another), move
         aside the broken checkpoints newer than it and those that failed to load; point
-        ``latest`` at the newest committed one left (:meth:`RunSaves.resumed`)."""
+        ``latest`` at the newest committed one left (:meth:`RunSaves.resumed`); on rank 0,
+        say what a resume on fewer ranks than saved it cannot restore
+        (:mod:`ddpckpt._run.world_change`: a reader, for evaluation, trains nothing on)."""
         if loaded is not None and not self.read_only:
             self.saves.resumed(loaded[0], self._committed, resuming.broken, resuming.failed)
+            note_fewer_ranks(loaded[1])
 
     def settle(self) -> None:
         self.saves.settle()

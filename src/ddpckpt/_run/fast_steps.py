@@ -139,10 +139,11 @@ def say_world_changed(info: CheckpointInfo, world: int) -> None:
     than this job's ``world``."""
     if info.world_size != world:
         _log.warning(
-            "%s was saved by %d ranks and this job has %d: it is restored as a durable "
+            "%s was saved by %d rank%s and this job has %d: it is restored as a durable "
             "checkpoint would be (replicated state exactly; each rank's own state as the "
-            "messages above say)",
+            "other warnings of this resume say)",
             info.path,
             info.world_size,
+            "" if info.world_size == 1 else "s",
             world,
         )

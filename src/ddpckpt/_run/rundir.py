@@ -239,6 +239,11 @@ def remove_checkpoint(location: Location) -> None:
     store.commit.discard(store, location.path)
 
 
+def committed_records(directory: Location) -> list[Record]:
+    """What a :class:`~ddpckpt.policies.Retention` knows of each committed checkpoint."""
+    return [Record(e.step, e.metrics) for e in scan(directory) if e.status == "committed"]
+
+
 def apply_retention(directory: Location, retention: Retention) -> list[str]:
     """Delete the committed checkpoints ``retention`` does not keep (never the newest);
     returns their paths. Call it only while holding the run's lock."""

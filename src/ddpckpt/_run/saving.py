@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -33,10 +33,12 @@ from ddpckpt._io.planning import plan_write, staging_share
 from ddpckpt._io.write_plan import WritePlan
 from ddpckpt._io.writing import write_and_commit
 from ddpckpt._log import get_logger, same_on_every_rank
+from ddpckpt._run.best_notice import BestNotices
 from ddpckpt._run.options import CheckpointerOptions
 from ddpckpt._run.rundir import (
     apply_retention,
     clean_temporaries,
+    committed_records,
     point_latest,
     scan,
     set_aside,
@@ -45,6 +47,7 @@ from ddpckpt._run.rundir import (
     write_run_file,
 )
 from ddpckpt._run.runlock import RunLock
+from ddpckpt._run.runpath import refuse_no_directory
 from ddpckpt._run.save_failures import SaveFailures
 from ddpckpt._run.tiernames import TierNames
 from ddpckpt._state.capture import Snapshot
@@ -84,6 +87,7 @@ class RunSaves:
         self.committed: int | None = None  # newest step known to be committed
         self._leader = False
         self._run_file_written = False
+        self.best_notices = BestNotices(directory)
         self.refused: CheckpointLockedError | None = None  # the lock is lost: no more saves
 
     @property
@@ -109,8 +113,10 @@ class RunSaves:
         return self.at(step).path
 
     def prepare(self, comm: Comm) -> None:
-        """Collective: find the storage domains, take the lock, clear leftovers, learn the
-        newest step."""
+        """Collective: create the run directory (:class:`ValueError` if a file is in its
+        way), find the storage domains, take the lock, clear leftovers, learn the newest
+        step."""
+        refuse_no_directory(comm, self.location, create=True)
         sharing = self.options.storage.sharing  # creating the directory may fail
         domains = self._storage(
             lambda: storage_domains(comm, self.location, sharing), "setting up the run"
@@ -343,7 +349,9 @@ class RunSaves:
         try:
             gone = comm.run_reduce(
                 "retain",
-                lambda: self._storage(lambda: self._after_commit(plan.path), "updating the run"),
+                lambda: self._storage(
+                    lambda: self._after_commit(plan.path, plan.header), "updating the run"
+                ),
                 lambda found: next((g for g in found if g), None),
             )
         except CheckpointLockedError as exc:
@@ -365,10 +373,11 @@ class RunSaves:
         """On leaders: whether the lock had to be taken again (see :meth:`RunLock.check`)."""
         return self._storage(self.lock.check, "checking the run's lock") if self._leader else False
 
-    def _after_commit(self, path: str) -> str | None:
-        """On leaders, once ``path`` is committed: under the lock still held, point
-        ``latest`` at it and apply retention. Returns why the save did not survive, if the
-        checkpoint is gone already (its directory deleted from outside)."""
+    def _after_commit(self, path: str, header: Mapping[str, Any]) -> str | None:
+        """On leaders, once ``path`` (saved with ``header``) is committed: under the lock
+        still held, point ``latest`` at it, apply retention and say if ``keep_best`` cannot
+        rank it (:mod:`ddpckpt._run.best_notice`). Returns why the save did not survive, if
+        the checkpoint is gone already (its directory deleted from outside)."""
         if not self._leader:
             return None
         try:
@@ -392,6 +401,7 @@ class RunSaves:
         for deleted in apply_retention(self.location, retention):
             _log.info("deleted %s (retention)", deleted)
         self.lock.refresh()
+        self.best_notices.after_save(retention, header, lambda: committed_records(self.location))
         return None
 
     def _storage(self, step: Callable[[], T], doing: str) -> T:
