@@ -15,7 +15,8 @@
 Every method except :meth:`wait`, :meth:`close` and the queries (:meth:`steps`,
 :meth:`latest_step`, :meth:`best`, :meth:`info`, :meth:`resume_step`) is collective: call it
 on every rank. The queries only read (no lock, no collective; see
-:mod:`ddpckpt._run.checkpointer_queries`); :mod:`ddpckpt._run.gate` decides which tiers a
+:mod:`ddpckpt._run.checkpointer_queries`), as do the properties of this process's saves
+(:mod:`ddpckpt._run.checkpointer_status`); :mod:`ddpckpt._run.gate` decides which tiers a
 save writes.
 See :mod:`ddpckpt._run.rundir` for the directory layout, :mod:`ddpckpt._run.resume` for the
 steps of :meth:`resume` and :mod:`ddpckpt._run.saving` for those of a save.
@@ -53,6 +54,7 @@ from ddpckpt._observe import (
 )
 from ddpckpt._run import query
 from ddpckpt._run.checkpointer_queries import RunQueries
+from ddpckpt._run.checkpointer_status import RunStatus
 from ddpckpt._run.durable import DurableSaves
 from ddpckpt._run.fast_tier import FastSaves
 from ddpckpt._run.gate import SaveGate
@@ -63,7 +65,6 @@ from ddpckpt._run.rundir import checkpoint_path
 from ddpckpt._run.tier import Resuming
 from ddpckpt._state.capture import Snapshot, capture
 from ddpckpt._state.training_state import ROLES, TrainingState
-from ddpckpt.errors import CheckpointError
 from ddpckpt.policies import Retention, SavePolicy
 from ddpckpt.storage._location import Location, locate
 from ddpckpt.storage._registry import configure
@@ -71,7 +72,7 @@ from ddpckpt.storage._registry import configure
 _log = get_logger(__name__)
 
 
-class Checkpointer(RunQueries):
+class Checkpointer(RunQueries, RunStatus):
     """Saves a run's checkpoints under ``directory`` and resumes from the newest good one.
 
     Every rank constructs it with the same arguments, then calls the collective methods
@@ -360,38 +361,6 @@ class Checkpointer(RunQueries):
             lender = lender or tier.saves.saver  # its copies, if it staged any
             paths.append(path)
         return paths[0]  # the durable tier's, unless should_save asked for the fast tier alone
-
-    @property
-    def fast_tier_directory(self) -> str | None:
-        """This node's fast-tier directory (``None`` without a fast tier); local. With
-        ``fast_tier="auto"`` it is known once :meth:`resume` or the first :meth:`save` has
-        named it for the run (``None`` before). The job that is done may delete it once every
-        rank of the node has closed the Checkpointer (the fast-tier page shows how)."""
-        fast = self._fast
-        return fast.directory if fast is not None and fast.named else None
-
-    @property
-    def preempted(self) -> bool:
-        """Whether a preemption checkpoint was saved (or failed): stop training now."""
-        return self._preemption is not None and self._preemption.preempted
-
-    @property
-    def exit_code(self) -> int:
-        """The process's exit code to use: ``128 + signal`` once :attr:`preempted` (143 for
-        SIGTERM, as a shell reports a process that signal ended), else 0."""
-        return self._preemption.exit_code if self._preemption is not None else 0
-
-    @property
-    def last_error(self) -> CheckpointError | None:
-        """The error of the most recent failed save (a :class:`CheckpointWriteError`, or a
-        :class:`CheckpointLockedError` once this job lost the run's lock); ``None`` once a
-        save succeeds."""
-        return self._saves.failures.last_error
-
-    @property
-    def failed_saves(self) -> int:
-        """How many saves failed since the last one that succeeded."""
-        return self._saves.failures.failed_saves
 
     def log_step(self, loss: Any) -> None:
         """Report this step's loss to ``ddpckpt check-resume``, which compares it between
