@@ -28,6 +28,7 @@ from ddpckpt._io.load_checks import check_state
 from ddpckpt._io.progress import Progress
 from ddpckpt._io.reader import CheckpointInfo, FileSource, read_metrics
 from ddpckpt._io.restore import Began, restore_objects
+from ddpckpt._io.world_change import note_fewer_ranks
 from ddpckpt._log import get_logger
 from ddpckpt._observe import Access, Loaded
 from ddpckpt._state.capture import TrainingState
@@ -122,7 +123,9 @@ def load(
         state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         extra=extra, rng=rng,
     )  # fmt: skip
-    return load_from(path, state, strict=strict, timeout=timeout)
+    info = load_from(path, state, strict=strict, timeout=timeout)
+    note_fewer_ranks(info)
+    return info
 
 
 def load_from(

@@ -24,6 +24,7 @@ from ddpckpt._format.manifest import MANIFEST_NAME, Manifest, read_manifest
 from ddpckpt._format.runfiles import CORRUPT_MARK
 from ddpckpt._io.load import damage_of, load_from, none_loaded, partly_note
 from ddpckpt._io.reader import CheckpointInfo
+from ddpckpt._io.world_change import note_fewer_ranks
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._observe import Access
 from ddpckpt._run.rundir import restore_unless_locked
@@ -180,7 +181,10 @@ def load_latest(
     def load_one(place: Location) -> CheckpointInfo:
         return load_from(place, state, strict=strict, timeout=timeout)
 
-    return load_first(location.path, places, "load_latest()", load_one)
+    info = load_first(location.path, places, "load_latest()", load_one)
+    if info is not None:
+        note_fewer_ranks(info)
+    return info
 
 
 def load_first(

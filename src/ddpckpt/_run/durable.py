@@ -15,7 +15,7 @@ Its saves are :class:`~ddpckpt._run.saving.RunSaves`'; its part of a resume
    checkpoints newer than the one loaded become ``step-N.corrupt-*``, never loaded again,
    and ``latest`` names the newest committed checkpoint left; rank 0 says what a resume
    on fewer ranks than saved the checkpoint cannot restore
-   (:mod:`ddpckpt._run.world_change`).
+   (:mod:`ddpckpt._io.world_change`).
 
 Collective methods are called by the Checkpointer on every rank at the same points.
 """
@@ -32,13 +32,13 @@ from ddpckpt._format.runfiles import step_dirname
 from ddpckpt._io.async_saver import AsyncSaver
 from ddpckpt._io.load import damage_of, partly_note
 from ddpckpt._io.reader import CheckpointInfo
+from ddpckpt._io.world_change import note_fewer_ranks
 from ddpckpt._log import get_logger, same_on_every_rank
 from ddpckpt._run.options import CheckpointerOptions
 from ddpckpt._run.rundir import scan
 from ddpckpt._run.runpath import refuse_no_directory
 from ddpckpt._run.saving import RunSaves
 from ddpckpt._run.tier import Loaded, Resuming, Tier
-from ddpckpt._run.world_change import note_fewer_ranks
 from ddpckpt._state.capture import Snapshot
 from ddpckpt.errors import (
     CheckpointNotFoundError,
@@ -113,7 +113,7 @@ class DurableSaves:
         aside the broken checkpoints newer than it and those that failed to load; point
         ``latest`` at the newest committed one left (:meth:`RunSaves.resumed`); on rank 0,
         say what a resume on fewer ranks than saved it cannot restore
-        (:mod:`ddpckpt._run.world_change`: a reader, for evaluation, trains nothing on)."""
+        (:mod:`ddpckpt._io.world_change`: a reader, for evaluation, trains nothing on)."""
         if loaded is not None and not self.read_only:
             self.saves.resumed(loaded[0], self._committed, resuming.broken, resuming.failed)
             note_fewer_ranks(loaded[1])

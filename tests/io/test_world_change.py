@@ -1,10 +1,12 @@
 """A resume on fewer ranks than saved the checkpoint is inexact, and says so once: the state
-the ranks that are gone kept of their own is dropped, and the global batch changes."""
+the ranks that are gone kept of their own is dropped, and the global batch changes
+(ddpckpt._io.world_change)."""
 
 from __future__ import annotations
 
 import logging
 
+import ddpckpt
 from conftest import make_mlp
 from ddpckpt import Checkpointer
 from hostile import edit_manifest
@@ -55,7 +57,7 @@ def test_the_same_world_size_says_nothing(tmp_path, caplog) -> None:
 
 
 def test_every_kind_of_state_of_the_ranks_gone_is_named() -> None:
-    from ddpckpt._run.world_change import shrink_notice
+    from ddpckpt._io.world_change import shrink_notice
 
     keys = ["extra", "extra/loader", "model_buffers", "own", "rng"]
     message = shrink_notice("run/step-00000009", 8, 2, keys)
@@ -74,3 +76,25 @@ def test_every_kind_of_state_of_the_ranks_gone_is_named() -> None:
     ), bare
     assert shrink_notice("run/step-00000009", 2, 2, ["rng"]) is None
     assert shrink_notice("run/step-00000009", 1, 4, ["rng"]) is None  # each new rank says it
+
+
+def test_a_plain_load_or_load_latest_on_fewer_ranks_says_so_too(tmp_path, caplog) -> None:
+    """A loop of ddpckpt.load_latest (or load) resumed on fewer ranks said nothing."""
+    run = tmp_path / "exp1"
+    saved_by(run, 2, model=make_mlp())
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"):
+        assert ddpckpt.load_latest(run, model=make_mlp()).world_size == 2
+        assert ddpckpt.load(run / "step-00000003", model=make_mlp()).world_size == 2
+    said = shrink_warnings(caplog)
+    assert len(said) == 2 and all(
+        m.startswith(f"{run}/step-00000003: saved with 2 ranks, resumed with 1: ") for m in said
+    )
+
+
+def test_a_read_only_checkpointer_says_nothing_of_it(tmp_path, caplog) -> None:
+    run = tmp_path / "exp1"
+    saved_by(run, 2, model=make_mlp())
+    reader = Checkpointer(run, model=make_mlp(), read_only=True)
+    with caplog.at_level(logging.WARNING, logger="ddpckpt"), reader:
+        assert reader.resume().world_size == 2
+    assert shrink_warnings(caplog) == []

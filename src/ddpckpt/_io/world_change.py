@@ -4,7 +4,9 @@ The opposite change is said where it happens, by each rank the checkpoint has no
 (:mod:`ddpckpt._io.restore`: it starts from rank 0's). Here nothing fails on any rank: the
 ranks that are gone simply are not there to load their own state, so rank 0 says it for
 the job, naming what those ranks had stored (the manifest's summary of the rank files,
-:func:`~ddpckpt._format.rankparts.rank_has`).
+:func:`~ddpckpt._format.rankparts.rank_has`). Said by :func:`ddpckpt.load`,
+:func:`ddpckpt.load_latest` and a Checkpointer's resume (not a read-only one's: an
+evaluation job trains nothing on).
 """
 
 from __future__ import annotations
