@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from ddpckpt._resumecheck.records import read_run
 from ddpckpt._resumecheck.reference import SEAL, open_reference, seal
 from ddpckpt.errors import CorruptCheckpointError
 
@@ -25,13 +26,15 @@ def _reference(top: Path, *, sealed: bool = True) -> Path:
         lines = [json.dumps({**START, "pid": 7 + rank}), json.dumps(STEP)]
         (run / "records" / f"rank{rank}.jsonl").write_text("\n".join(lines) + "\n")
     if sealed:
-        seal(str(run), COMMAND)
+        seal(str(run), COMMAND, read_run(str(run))[1])
     return run
 
 
 def test_the_same_command_reuses_the_run_it_sealed(tmp_path: Path) -> None:
     run = _reference(tmp_path / "rc2")
-    assert open_reference(str(tmp_path / "rc2"), COMMAND) == (str(run), [])
+    path, records, notes = open_reference(str(tmp_path / "rc2"), COMMAND)
+    assert (path, notes) == (str(run), [])
+    assert records == read_run(str(run))[0]
 
 
 def test_another_command_is_refused_naming_both(tmp_path: Path) -> None:
@@ -94,12 +97,12 @@ def test_an_earlier_releases_reference_is_checked_against_its_report_or_noted(
 ) -> None:
     top = tmp_path / "rc2"
     run = _reference(top, sealed=False)
-    path, notes = open_reference(str(top), COMMAND)
+    path, _, notes = open_reference(str(top), COMMAND)
     assert path == str(run)
     assert any("the command it ran is not recorded (no report.json)" in n for n in notes)
     assert any("made by an earlier release" in n for n in notes)
     (top / "report.json").write_text(json.dumps({"command": COMMAND, "verdict": "exact"}))
-    assert not any("not recorded" in n for n in open_reference(str(top), COMMAND)[1])
+    assert not any("not recorded" in n for n in open_reference(str(top), COMMAND)[2])
     with pytest.raises(ValueError, match="--epochs 2`, not of this one"):
         open_reference(str(top), [*COMMAND[:-1], "3"])
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ddpckpt._resumecheck.compare import PointResult, compare_point
 from ddpckpt._resumecheck.leftovers import leftover_notes
-from ddpckpt._resumecheck.records import Records, read_records
+from ddpckpt._resumecheck.records import Records
 from ddpckpt._resumecheck.reference import open_reference, seal
 from ddpckpt._resumecheck.runner import KillPoint, run
 
@@ -239,7 +239,7 @@ def _check(
     say = progress or (lambda line: None)
     command, out = report.command, report.out
     if reference is not None:
-        reference_dir, notes = open_reference(reference, command)
+        reference_dir, ref_records, notes = open_reference(reference, command)
         report.notes += notes
         report.reference_reused = reference_dir
         say(f"uninterrupted run: reusing {reference_dir}")
@@ -247,11 +247,10 @@ def _check(
         say(f"uninterrupted run: {shlex.join(command)} ...")
         started = time.perf_counter()
         reference_run = run("reference", command, out, timeout=timeout)
-        reference_dir = reference_run.dir
-        seal(reference_dir, command)
+        ref_records = reference_run.records
+        seal(reference_run.dir, command, reference_run.digests)
         report.notes += reference_run.notes
         report.reference_seconds = time.perf_counter() - started
-    ref_records = read_records(reference_dir)
     raw = _reference_events(ref_records)
     offset = step_offset(raw)
     events = renumber(ref_records, offset)[0][0]
@@ -284,7 +283,7 @@ def _check(
         )  # fmt: skip
         report.killed_runs.append(killed.dir)
         report.notes += killed.notes
-        killed_records = renumber(read_records(killed.dir), offset)
+        killed_records = renumber(killed.records, offset)
         result = compare_point(
             ref_records, killed_records, kill=point.describe(), victim=report.victim
         )

@@ -22,6 +22,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import xxhash
+
 from ddpckpt._format.boundary import (
     MAX_INT,
     MAX_RANKS,
@@ -180,10 +182,12 @@ def _damaged(problem: str) -> CorruptCheckpointError:
 @dataclass(frozen=True)
 class RankFile:
     """One rank's records: each process that rank had (one per start), in order, with its
-    events, every one checked by :func:`check_event`."""
+    events, every one checked by :func:`check_event`; and the xxh3-64 digest of the bytes
+    read (a reference's seal compares it, :mod:`.reference`)."""
 
     path: str
     processes: list[Events]
+    digest: str
 
 
 def read_rank_file(path: str) -> RankFile:
@@ -226,7 +230,7 @@ def read_rank_file(path: str) -> RankFile:
             raise _damaged(f"{where}: the file's first check-resume record is no 'start'")
         torn = None
         processes[-1].append(event)
-    return RankFile(path, processes)
+    return RankFile(path, processes, xxhash.xxh3_64(raw).hexdigest())
 
 
 def is_rank_file(name: str) -> bool:
@@ -239,10 +243,16 @@ def read_records(run_dir: str) -> Records:
     wrote them; ``{}`` if it recorded nothing. Files not named ``rank<R>.jsonl`` are not
     records and not read. Raises :class:`CorruptCheckpointError` (see
     :func:`read_rank_file`)."""
+    return read_run(run_dir)[0]
+
+
+def read_run(run_dir: str) -> tuple[Records, dict[str, str]]:
+    """:func:`read_records`, and the digest of each file read, by its name."""
     found: Records = {}
+    digests: dict[str, str] = {}
     folder = os.path.join(run_dir, RECORDS)
     if not os.path.isdir(folder):
-        return found
+        return found, digests
     for name in sorted(os.listdir(folder)):
         match = _NAME.fullmatch(name)
         if match is None:
@@ -252,8 +262,9 @@ def read_records(run_dir: str) -> Records:
             raise CorruptCheckpointError(
                 f"{os.path.join(folder, name)}: rank {rank} is out of range [0, {MAX_RANKS})"
             )
-        found[rank] = read_rank_file(os.path.join(folder, name)).processes
-    return found
+        rank_file = read_rank_file(os.path.join(folder, name))
+        found[rank], digests[name] = rank_file.processes, rank_file.digest
+    return found, digests
 
 
 def read_marker(path: str) -> dict[str, Any] | None:

@@ -21,12 +21,10 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from collections.abc import Sequence
-
-import xxhash
+from collections.abc import Mapping, Sequence
 
 from ddpckpt._format.boundary import Fields, describe, load_json, read_small
-from ddpckpt._resumecheck.records import MAX_RECORDS_BYTES, RECORDS, is_rank_file
+from ddpckpt._resumecheck.records import RECORDS, Records, is_rank_file, read_run
 from ddpckpt.errors import CorruptCheckpointError
 from ddpckpt.storage._location import locate
 
@@ -37,18 +35,19 @@ _MAX_ARGUMENTS = 4096
 _RERUN = "run the check again without --reference"
 
 
-def seal(run_dir: str, command: Sequence[str]) -> None:
-    """Write ``reference.json`` into the uninterrupted run's directory ``run_dir``."""
-    digests = {name: _digest(os.path.join(run_dir, RECORDS, name)) for name in _rank_files(run_dir)}
-    doc = {"format": 1, "command": list(command), "records": digests}
+def seal(run_dir: str, command: Sequence[str], digests: Mapping[str, str]) -> None:
+    """Write ``reference.json`` into the uninterrupted run's directory ``run_dir``, with the
+    digests of its records as the check read them (:func:`~.records.read_run`)."""
+    doc = {"format": 1, "command": list(command), "records": dict(digests)}
     with open(os.path.join(run_dir, SEAL), "w") as f:
         json.dump(doc, f, indent=1)
 
 
-def open_reference(reference: str, command: Sequence[str]) -> tuple[str, list[str]]:
-    """The uninterrupted run of the earlier check whose ``--out`` is ``reference``, and notes
-    for the report. Raises :class:`ValueError` if it holds none or ran another command, and
-    :class:`~ddpckpt.errors.CorruptCheckpointError` if its records changed since."""
+def open_reference(reference: str, command: Sequence[str]) -> tuple[str, Records, list[str]]:
+    """The uninterrupted run of the earlier check whose ``--out`` is ``reference``: its
+    directory, its records and notes for the report. Raises :class:`ValueError` if it holds
+    none or ran another command, and :class:`~ddpckpt.errors.CorruptCheckpointError` if its
+    records are damaged or changed since."""
     top = os.path.abspath(reference)
     run_dir = os.path.join(top, "runs", "reference")
     if not os.path.isdir(os.path.join(run_dir, RECORDS)):
@@ -58,12 +57,12 @@ def open_reference(reference: str, command: Sequence[str]) -> tuple[str, list[st
         )
     sealed = os.path.join(run_dir, SEAL)
     ran: list[str] | None
+    digests: dict[str, str] | None = None
     if os.path.lexists(sealed):
         try:
             ran, digests = _read_seal(sealed)
         except CorruptCheckpointError as exc:
             raise CorruptCheckpointError(f"{exc}; {_RERUN}") from None
-        _same_records(run_dir, digests)
         notes = []
     else:
         try:
@@ -86,16 +85,10 @@ def open_reference(reference: str, command: Sequence[str]) -> tuple[str, list[st
             "command is no reference for this one (its steps, saves and ranks differ): run the "
             "check without --reference, or give the --out of a check of this command"
         )
-    return run_dir, notes
-
-
-def _rank_files(run_dir: str) -> list[str]:
-    return sorted(n for n in os.listdir(os.path.join(run_dir, RECORDS)) if is_rank_file(n))
-
-
-def _digest(path: str) -> str:
-    raw = read_small(locate(path), MAX_RECORDS_BYTES, "check-resume record file")
-    return xxhash.xxh3_64(raw).hexdigest()
+    records, found = read_run(run_dir)
+    if digests is not None:
+        _same_records(run_dir, digests, found)
+    return run_dir, records, notes
 
 
 def _read_seal(path: str) -> tuple[list[str], dict[str, str]]:
@@ -124,19 +117,18 @@ def _arguments(fields: Fields, path: str) -> list[str]:
     return command
 
 
-def _same_records(run_dir: str, digests: dict[str, str]) -> None:
-    found = _rank_files(run_dir)
-    if sorted(digests) != found:
+def _same_records(run_dir: str, sealed: dict[str, str], found: dict[str, str]) -> None:
+    """Raise unless the records ``found`` (digests by file name) are those ``sealed``."""
+    if sorted(sealed) != sorted(found):
         raise CorruptCheckpointError(
-            f"{os.path.join(run_dir, RECORDS)}: holds the records {found}, but its check "
-            f"wrote {sorted(digests)}; {_RERUN}"
+            f"{os.path.join(run_dir, RECORDS)}: holds the records {sorted(found)}, but its "
+            f"check wrote {sorted(sealed)}; {_RERUN}"
         )
-    for name in found:
-        path = os.path.join(run_dir, RECORDS, name)
-        if _digest(path) != digests[name]:
+    for name, digest in found.items():
+        if digest != sealed[name]:
             raise CorruptCheckpointError(
-                f"{path}: changed since the check that ran it wrote it (its digest differs); "
-                f"{_RERUN}"
+                f"{os.path.join(run_dir, RECORDS, name)}: changed since the check that ran it "
+                f"wrote it (its digest differs); {_RERUN}"
             )
 
 

@@ -27,7 +27,13 @@ from typing import Any
 
 from ddpckpt._resumecheck.ending import judge, reached_end_everywhere
 from ddpckpt._resumecheck.record import ENV
-from ddpckpt._resumecheck.records import Records, by_process, read_marker, read_records
+from ddpckpt._resumecheck.records import (
+    Records,
+    by_process,
+    read_marker,
+    read_records,
+    read_run,
+)
 
 _LOG_END = 1 << 20  # of a launch's log, read for its launcher's report of failed processes
 
@@ -70,6 +76,8 @@ class Run:
     launches: list[dict[str, Any]] = field(default_factory=list)
     killed: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
+    records: Records = field(default_factory=dict)  # as read once the launches ended
+    digests: dict[str, str] = field(default_factory=dict)  # of each rank's file, by name
 
 
 def _launch(
@@ -193,7 +201,8 @@ def run(
         launch = _launch(again, env, os.path.join(run_dir, "launch-2.log"), timeout)
         result.launches.append(launch)
     result.seconds = time.perf_counter() - started
-    records = read_records(run_dir)
+    records, result.digests = read_run(run_dir)
+    result.records = records
     refused = _refusal(records)
     if refused is not None:
         raise RuntimeError(f"{name}: {refused}; log: {launch['log']}")
